@@ -1,0 +1,234 @@
+"""The StageActor: one pipeline stage, living in its own Ray actor process.
+
+It builds only its own layers, runs forward and backward per microbatch when the
+engine asks, keeps each microbatch's activations exactly until its backward, and
+steps its optimizer from global gradient statistics that every stage receives, so
+all stages agree on clipping and fp16 overflow without a driver round trip.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from raypipe.errors import StageError
+from raypipe.layers import LayerSpec, build_layer
+from raypipe.optim import LossScaler, build_optimizer, learning_rate
+
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class StageSettings:
+    """What a running trainer may change between steps without rebuilding actors."""
+
+    microbatches: int
+    optimizer: dict
+    lr_schedule: dict = field(default_factory=lambda: {"name": "constant"})
+    grad_clip: float | None = None
+    precision: str = "fp32"
+    activation_checkpointing: bool = False
+
+
+class StageActor:
+    """Holds layers [start, end) of the model and runs their forward and backward.
+
+    Args:
+        stage: this stage's index; num_stages: the pipeline depth.
+        specs: the specs of layers [start, start + len(specs)).
+        start: global index of the first layer, used for seeds and state_dict keys.
+        seed: the run seed.
+        threads: torch intra-op threads for this process.
+        loss_fn: `loss_fn(output, target) -> scalar`, given to the last stage only.
+        name: the actor's name, used in error messages.
+    """
+
+    def __init__(
+        self,
+        stage: int,
+        num_stages: int,
+        specs: Sequence[LayerSpec],
+        start: int,
+        seed: int,
+        threads: int,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+        name: str,
+    ) -> None:
+        torch.set_num_threads(threads)
+        self.stage, self.num_stages, self.start, self.name = stage, num_stages, start, name
+        self.is_last = stage == num_stages - 1
+        self.loss_fn = loss_fn
+        self.device = torch.device("cpu")
+        self.module = nn.Sequential(
+            *[build_layer(spec, seed, start + j) for j, spec in enumerate(specs)]
+        ).to(self.device)
+        torch.manual_seed(seed * 7919 + stage)  # dropout and other in-forward randomness
+        self.settings: StageSettings | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scaler = LossScaler()
+        self.current_call = -1
+        self.stash: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    # ----- set-up -------------------------------------------------------------
+
+    def info(self) -> dict[str, Any]:
+        """Where this actor runs and what it holds (also proves the actor started)."""
+        import ray
+
+        return {
+            "name": self.name,
+            "stage": self.stage,
+            "layers": (self.start, self.start + len(self.module)),
+            "parameters": sum(p.numel() for p in self.module.parameters()),
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "pid": os.getpid(),
+            "device": str(self.device),
+            "threads": torch.get_num_threads(),
+        }
+
+    def configure(self, settings: StageSettings, reset_optimizer: bool = False) -> None:
+        """Applies new settings; keeps optimizer state unless the optimizer kind changes."""
+        old = self.settings
+        self.settings = settings
+        same_kind = old is not None and old.optimizer["name"] == settings.optimizer["name"]
+        if self.optimizer is None or reset_optimizer or not same_kind:
+            self.optimizer = build_optimizer(self.module.parameters(), settings.optimizer)
+            self.scaler = LossScaler()
+        else:
+            for group in self.optimizer.param_groups:
+                group.update({k: v for k, v in settings.optimizer.items() if k != "name"})
+
+    # ----- one step -------------------------------------------------------------
+
+    def forward(self, call_id: int, microbatch: int, x: torch.Tensor, target: Any = None) -> Any:
+        """Runs the stage on one microbatch and keeps what its backward needs.
+
+        Returns:
+            The output activation (detached) on inner stages; the microbatch's
+            unscaled loss as a float on the last stage.
+        """
+        self._begin(call_id)
+        try:
+            x = x.to(self.device)
+            if self.stage > 0 and x.is_floating_point():
+                x.requires_grad_(True)
+            with self._autocast():
+                if self.settings.activation_checkpointing and torch.is_grad_enabled():
+                    out = checkpoint(self.module, x, use_reentrant=False)
+                else:
+                    out = self.module(x)
+                if not self.is_last:
+                    self.stash[microbatch] = (x, out)
+                    return out.detach()
+                loss = self.loss_fn(out, target.to(self.device) if torch.is_tensor(target) else target)
+            scale = self.scaler.scale if self.settings.precision == "fp16" else 1.0
+            self.stash[microbatch] = (x, loss.float() * (scale / self.settings.microbatches))
+            return float(loss.detach())
+        except Exception as error:
+            raise self._error("F", microbatch, error) from error
+
+    def backward(self, call_id: int, microbatch: int, grad: torch.Tensor | None = None) -> Any:
+        """Back-propagates one microbatch, frees its activations, returns the input gradient."""
+        try:
+            x, out = self.stash.pop(microbatch)
+            if out.requires_grad:
+                torch.autograd.backward(out, None if self.is_last else grad.to(out.device))
+            return x.grad if x.requires_grad else None
+        except Exception as error:
+            raise self._error("B", microbatch, error) from error
+
+    def grad_stats(self, *finished: Any) -> tuple[float, bool]:
+        """Unscales fp16 gradients and returns (sum of squared gradients, all finite).
+
+        `finished` are the first stage's backward results: Ray runs this only once all
+        of them succeeded, so a failed step never reaches the optimizer.
+        """
+        grads = self._grads()
+        if self.settings.precision == "fp16":
+            for g in grads:
+                g.div_(self.scaler.scale)
+        sq = float(sum(g.detach().float().pow(2).sum() for g in grads)) if grads else 0.0
+        return sq, math.isfinite(sq)
+
+    def optimizer_step(self, step: int, *stats: tuple[float, bool]) -> dict[str, Any]:
+        """One optimizer step from every stage's gradient statistics (same on all stages)."""
+        total_norm = math.sqrt(sum(s[0] for s in stats)) if all(s[1] for s in stats) else math.inf
+        finite = math.isfinite(total_norm)
+        settings = self.settings
+        lr = learning_rate(step, settings.optimizer["lr"], settings.lr_schedule)
+        skipped = False
+        if settings.precision == "fp16":
+            self.scaler.update(found_inf=not finite)
+            skipped = not finite
+        if not skipped:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            if settings.grad_clip is not None:
+                coef = settings.grad_clip / (total_norm + 1e-6)
+                if coef < 1.0:
+                    for g in self._grads():
+                        g.mul_(coef)
+            self.optimizer.step()
+        self.stash.clear()
+        return {"lr": lr, "grad_norm": total_norm, "skipped": skipped, "loss_scale": self.scaler.scale}
+
+    # ----- weights --------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This stage's weights under global keys (`"<layer index>.<name>"`)."""
+        return {self._global_key(k): v.detach().clone() for k, v in self.module.state_dict().items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Loads this stage's weights from global keys; every key of the stage must be present."""
+        local = {self._local_key(k): v for k, v in state.items()}
+        result = self.module.load_state_dict(local, strict=False)
+        if result.missing_keys or result.unexpected_keys:
+            missing = [self._global_key(k) for k in result.missing_keys]
+            unexpected = [self._global_key(k) for k in result.unexpected_keys]
+            raise StageError(
+                f"{self.name}: load_state_dict: missing keys {missing}, unexpected keys {unexpected}"
+            )
+
+    def gradients(self) -> dict[str, torch.Tensor]:
+        """The last step's gradients (as the optimizer used them) under global keys."""
+        return {
+            self._global_key(k): p.grad.detach().clone()
+            for k, p in self.module.named_parameters()
+            if p.grad is not None
+        }
+
+    # ----- helpers ---------------------------------------------------------------
+
+    def _begin(self, call_id: int) -> None:
+        if call_id != self.current_call:
+            self.current_call = call_id
+            self.stash.clear()
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def _autocast(self):
+        dtype = AUTOCAST_DTYPES.get(self.settings.precision)
+        return torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None)
+
+    def _grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.module.parameters() if p.grad is not None]
+
+    def _global_key(self, local: str) -> str:
+        index, _, rest = local.partition(".")
+        return f"{self.start + int(index)}.{rest}"
+
+    def _local_key(self, key: str) -> str:
+        index, _, rest = key.partition(".")
+        return f"{int(index) - self.start}.{rest}"
+
+    def _error(self, kind: str, microbatch: int, error: Exception) -> StageError:
+        if isinstance(error, StageError):
+            return error
+        return StageError(
+            f"{self.name} failed at {self.stage}{kind}{microbatch}: {type(error).__name__}: {error}"
+        )

@@ -1,0 +1,292 @@
+"""`TrainConfig`: the typed, validated description of how a model is trained.
+
+Every field is checked when the config is built, and a bad value raises
+`ConfigError` naming the field, the value and the fix. YAML files may group
+fields in sections (`parallel: {pp: 2}`); the field names stay the same.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import inspect
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import yaml
+
+from raypipe.errors import ConfigError
+
+SCHEDULE_NAMES = ("gpipe", "1f1b")
+PARTITION_NAMES = ("uniform", "parameters")
+PRECISIONS = ("fp32", "bf16", "fp16")
+OPTIMIZER_NAMES = ("sgd", "adam", "adamw")
+LR_SCHEDULE_NAMES = ("constant", "cosine")
+LR_SCHEDULE_KEYS = ("name", "warmup_steps", "total_steps", "min_lr")
+
+# Sections of a job file that belong to the job, not to TrainConfig (see raypipe.job).
+JOB_SECTIONS = ("model", "data", "job")
+
+
+def nearest(name: str, choices: Iterable[str]) -> str:
+    """A 'did you mean' hint for a misspelt name, or an empty string."""
+    match = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.5)
+    return f" Did you mean {match[0]!r}?" if match else ""
+
+
+def _fail(name: str, value: Any, fix: str) -> ConfigError:
+    return ConfigError(f"TrainConfig.{name}={value!r} is invalid: {fix}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if not _is_int(value) or value < minimum:
+        raise _fail(name, value, f"give a whole number >= {minimum}.")
+
+
+def _check_positive(name: str, value: Any, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if not _is_number(value) or value <= 0:
+        raise _fail(name, value, "give a number > 0" + (" or null." if allow_none else "."))
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        hint = nearest(value, choices) if isinstance(value, str) else ""
+        raise _fail(name, value, f"choose one of {', '.join(choices)}.{hint}")
+
+
+def _optimizer_class(name: str):
+    import torch
+
+    return {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[name]
+
+
+def _check_optimizer(value: Any) -> None:
+    if not isinstance(value, Mapping) or "name" not in value:
+        raise _fail(
+            "optimizer", value, "give a mapping with a name, e.g. {'name': 'adamw', 'lr': 1e-3}."
+        )
+    _check_choice("optimizer.name", value["name"], OPTIMIZER_NAMES)
+    if "lr" not in value:
+        raise _fail("optimizer", value, "give a learning rate, e.g. 'lr': 1e-3.")
+    _check_positive("optimizer.lr", value["lr"])
+    accepted = [
+        p for p in inspect.signature(_optimizer_class(value["name"])).parameters if p != "params"
+    ]
+    for key in value:
+        if key != "name" and key not in accepted:
+            raise _fail(
+                f"optimizer.{key}",
+                value[key],
+                f"torch.optim {value['name']} takes {', '.join(accepted)}.{nearest(key, accepted)}",
+            )
+
+
+def _check_lr_schedule(value: Any) -> None:
+    if not isinstance(value, Mapping) or "name" not in value:
+        raise _fail("lr_schedule", value, "give a mapping with a name, e.g. {'name': 'constant'}.")
+    _check_choice("lr_schedule.name", value["name"], LR_SCHEDULE_NAMES)
+    for key in value:
+        if key not in LR_SCHEDULE_KEYS:
+            raise _fail(
+                f"lr_schedule.{key}",
+                value[key],
+                f"lr_schedule takes {', '.join(LR_SCHEDULE_KEYS)}.{nearest(key, LR_SCHEDULE_KEYS)}",
+            )
+    _check_int("lr_schedule.warmup_steps", value.get("warmup_steps", 0), 0)
+    if value["name"] == "cosine":
+        if "total_steps" not in value:
+            raise _fail("lr_schedule", value, "cosine needs total_steps (the step it reaches min_lr).")
+        _check_int("lr_schedule.total_steps", value["total_steps"], 1)
+    min_lr = value.get("min_lr", 0.0)
+    if not _is_number(min_lr) or min_lr < 0:
+        raise _fail("lr_schedule.min_lr", min_lr, "give a number >= 0.")
+
+
+def _check_shard_plan(value: Any, pp: int) -> None:
+    if value is None:
+        return
+    ok = isinstance(value, (list, tuple)) and all(
+        isinstance(r, (list, tuple)) and len(r) == 2 and all(_is_int(i) for i in r) for r in value
+    )
+    if not ok:
+        raise _fail("shard_plan", value, "give one [start, end) pair of layer indices per stage, e.g. [[0, 3], [3, 5]].")
+    if len(value) != pp:
+        raise _fail("shard_plan", value, f"it has {len(value)} ranges but pp={pp}: give one range per stage.")
+
+
+@dataclass
+class TrainConfig:
+    """How a model is split and trained.
+
+    Attributes:
+        pp: number of pipeline stages (one Ray actor each).
+        microbatches: microbatches each batch is split into; the batch size must divide by it.
+        schedule: pipeline schedule, "1f1b" (bounded activation memory) or "gpipe".
+        shard_plan: explicit contiguous [start, end) layer ranges, one per stage; overrides `partition`.
+        partition: how to split layers when no shard_plan is given: "uniform" (layer count)
+            or "parameters" (parameter count).
+        optimizer: {"name": "sgd" | "adam" | "adamw", "lr": ..., other torch.optim keywords}.
+        lr_schedule: {"name": "constant" | "cosine", "warmup_steps", "total_steps", "min_lr"}.
+        grad_clip: clip gradients to this global L2 norm (across all stages); None disables.
+        precision: "fp32", "bf16" (autocast) or "fp16" (autocast with dynamic loss scaling).
+        activation_checkpointing: recompute each stage's forward during backward instead of
+            keeping its intermediate activations.
+        seed: seeds layer initialisation (per layer, so the same for any split) and data order.
+        cpus_per_actor: logical CPUs each stage actor reserves; None fits the actors into the
+            cluster's CPUs (at most 1 each).
+        threads_per_actor: torch intra-op threads per actor; None derives it from cpus_per_actor.
+        actor_start_timeout: seconds to wait for every actor to be placed and built.
+        step_timeout: seconds a step may go without any action finishing before it is abandoned.
+        name: run name, used in actor names and logs; None picks a unique one.
+    """
+
+    pp: int = 1
+    microbatches: int = 1
+    schedule: str = "1f1b"
+    shard_plan: list[list[int]] | None = None
+    partition: str = "uniform"
+    optimizer: dict = field(default_factory=lambda: {"name": "adamw", "lr": 1e-3})
+    lr_schedule: dict = field(default_factory=lambda: {"name": "constant"})
+    grad_clip: float | None = None
+    precision: str = "fp32"
+    activation_checkpointing: bool = False
+    seed: int = 0
+    cpus_per_actor: float | None = None
+    threads_per_actor: int | None = None
+    actor_start_timeout: float = 60.0
+    step_timeout: float = 300.0
+    name: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_int("pp", self.pp, 1)
+        _check_int("microbatches", self.microbatches, 1)
+        _check_choice("schedule", self.schedule, SCHEDULE_NAMES)
+        _check_shard_plan(self.shard_plan, self.pp)
+        if self.shard_plan is not None:
+            self.shard_plan = [list(r) for r in self.shard_plan]
+        _check_choice("partition", self.partition, PARTITION_NAMES)
+        _check_optimizer(self.optimizer)
+        self.optimizer = dict(self.optimizer)
+        _check_lr_schedule(self.lr_schedule)
+        self.lr_schedule = dict(self.lr_schedule)
+        _check_positive("grad_clip", self.grad_clip, allow_none=True)
+        _check_choice("precision", self.precision, PRECISIONS)
+        if not isinstance(self.activation_checkpointing, bool):
+            raise _fail("activation_checkpointing", self.activation_checkpointing, "give true or false.")
+        _check_int("seed", self.seed, 0)
+        _check_positive("cpus_per_actor", self.cpus_per_actor, allow_none=True)
+        if self.threads_per_actor is not None:
+            _check_int("threads_per_actor", self.threads_per_actor, 1)
+        _check_positive("actor_start_timeout", self.actor_start_timeout)
+        _check_positive("step_timeout", self.step_timeout)
+        if self.name is not None and (not isinstance(self.name, str) or not self.name):
+            raise _fail("name", self.name, "give a non-empty string or null.")
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "TrainConfig":
+        """Builds a config from a mapping whose fields may be grouped in sections.
+
+        A key that is a field name sets that field; any other key whose value is a
+        mapping is a section, whose keys are field names. The job sections `model`,
+        `data` and `job` are skipped (they configure `raypipe.job`, not training).
+
+        Raises:
+            ConfigError: for an unknown key (with the nearest valid name), a field set
+                twice, or a bad value.
+        """
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"a training config must be a mapping of fields, got {type(data).__name__}")
+        names = cls.field_names()
+        flat: dict[str, Any] = {}
+        for key, value in data.items():
+            if key in JOB_SECTIONS:
+                continue
+            if key in names:
+                entries = {key: value}
+            elif isinstance(value, Mapping):
+                entries = dict(value)
+                for sub in entries:
+                    if sub not in names:
+                        raise ConfigError(
+                            f"unknown field {key}.{sub}: TrainConfig has no field {sub!r}.{nearest(str(sub), names)}"
+                        )
+            else:
+                raise ConfigError(f"unknown field {key!r}: TrainConfig has no such field.{nearest(str(key), names)}")
+            for name, v in entries.items():
+                if name in flat:
+                    raise ConfigError(f"field {name!r} is set twice; keep one.")
+                flat[name] = v
+        return cls(**flat)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, overrides: Iterable[str] = ()) -> "TrainConfig":
+        """Loads a config from a YAML file, then applies `key=value` overrides."""
+        return cls.from_dict(apply_overrides(load_yaml(path), overrides))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes: Any) -> "TrainConfig":
+        """A copy with some fields changed, validated like a new config."""
+        unknown = [k for k in changes if k not in self.field_names()]
+        if unknown:
+            raise ConfigError(f"unknown field {unknown[0]!r}.{nearest(unknown[0], self.field_names())}")
+        return dataclasses.replace(self, **changes)
+
+    def __str__(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False).rstrip()
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """Reads a YAML mapping; a missing file or non-mapping content is a ConfigError."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist.")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping, got {type(data).__name__}.")
+    return data
+
+
+def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
+    """Applies command-line overrides like `microbatches=8` or `model.n_layer=2`.
+
+    The value is parsed as YAML (so `8` is an int, `[[0,2],[2,4]]` a list). A dotted
+    key sets a key inside a section or mapping field; a plain key that names a field
+    living inside a section of the file is set there.
+    """
+    data = dict(data)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like key=value, e.g. microbatches=8.")
+        key, raw = item.split("=", 1)
+        value = yaml.safe_load(raw)
+        parts = key.strip().split(".")
+        target = data
+        if len(parts) == 1 and parts[0] not in data:
+            for name, section in data.items():
+                if isinstance(section, dict) and parts[0] in section:
+                    parts = [name, parts[0]]
+                    break
+        for part in parts[:-1]:
+            nxt = target.get(part)
+            nxt = dict(nxt) if isinstance(nxt, dict) else {}
+            target[part] = nxt
+            target = nxt
+        target[parts[-1]] = value
+    return data

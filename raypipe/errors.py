@@ -1,0 +1,31 @@
+"""Exceptions raypipe raises. Each says what was wrong, where, and what to do."""
+
+from __future__ import annotations
+
+
+class RaypipeError(Exception):
+    """Base class of every error raypipe raises on purpose."""
+
+
+class ConfigError(RaypipeError, ValueError):
+    """A configuration field has a bad value; the message names the field and the fix."""
+
+
+class ScheduleError(RaypipeError):
+    """A pipeline schedule is malformed or would deadlock; the message shows the grid."""
+
+
+class BatchError(RaypipeError, ValueError):
+    """A batch handed to `Trainer.step` cannot be split as the config asks."""
+
+
+class PlacementError(RaypipeError):
+    """A stage actor could not be placed on the cluster within the allowed time."""
+
+
+class StageError(RaypipeError):
+    """An action failed inside a stage actor; the message names the stage and action."""
+
+
+class StepTimeoutError(RaypipeError):
+    """A step made no progress in time; the message lists the pending actions."""

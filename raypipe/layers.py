@@ -1,0 +1,92 @@
+"""Layer specs: how the driver describes layers without building them.
+
+The driver holds `LayerSpec`s (a class or factory plus arguments); each stage actor
+builds only its own slice. Layer i is always built right after seeding torch with
+`layer_seed(seed, i)`, so the whole model starts from the same weights however it
+is split, and `build_layers` rebuilds exactly those weights in one process.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+
+class LayerSpec:
+    """A layer to build later: `LayerSpec(nn.Linear, 16, 64)` builds `nn.Linear(16, 64)`.
+
+    Args:
+        factory: an `nn.Module` class or any callable returning an `nn.Module`.
+        *args, **kwargs: passed to `factory` when the layer is built.
+    """
+
+    def __init__(self, factory: Callable[..., nn.Module], *args: Any, **kwargs: Any) -> None:
+        if not callable(factory):
+            raise TypeError(f"LayerSpec needs a class or callable, got {factory!r}")
+        self.factory = factory
+        self.args = args
+        self.kwargs = kwargs
+
+    def build(self) -> nn.Module:
+        module = self.factory(*self.args, **self.kwargs)
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"{self!r} built a {type(module).__name__}, not an nn.Module")
+        return module
+
+    def __repr__(self) -> str:
+        name = getattr(self.factory, "__qualname__", repr(self.factory))
+        parts = [repr(a) for a in self.args] + [f"{k}={v!r}" for k, v in self.kwargs.items()]
+        return f"LayerSpec({name}{', ' if parts else ''}{', '.join(parts)})"
+
+
+def as_spec(layer: Any, index: int) -> LayerSpec:
+    """Accepts a LayerSpec or a zero-argument callable returning a module."""
+    if isinstance(layer, LayerSpec):
+        return layer
+    if isinstance(layer, nn.Module):
+        raise TypeError(
+            f"layer {index} is a built {type(layer).__name__}; raypipe builds layers on the "
+            f"actors, so pass LayerSpec({type(layer).__name__}, ...) or a zero-argument callable."
+        )
+    if callable(layer):
+        return LayerSpec(layer)
+    raise TypeError(f"layer {index} is {layer!r}: give a LayerSpec or a callable returning nn.Module")
+
+
+def layer_seed(seed: int, index: int) -> int:
+    """The torch seed layer `index` is built under; independent of how the model is split."""
+    return (seed * 1_000_003 + index) % (2**63)
+
+
+def build_layers(
+    specs: Sequence[Any], seed: int = 0, start: int = 0, end: int | None = None
+) -> list[nn.Module]:
+    """Builds layers [start, end) exactly as the stage actors do, with the same weights.
+
+    `nn.Sequential(*build_layers(specs, seed))` is the one-process twin of a trainer
+    made from the same specs and seed.
+    """
+    end = len(specs) if end is None else end
+    return [build_layer(as_spec(specs[i], i), seed, i) for i in range(start, end)]
+
+
+def build_layer(spec: LayerSpec, seed: int, index: int) -> nn.Module:
+    """Builds global layer `index` under its own seed, leaving the caller's RNG untouched."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(layer_seed(seed, index))
+        return spec.build()
+
+
+def parameter_counts(specs: Sequence[LayerSpec]) -> list[int]:
+    """Parameters per layer, counted on the meta device so no memory is allocated."""
+    counts = []
+    for index, spec in enumerate(specs):
+        try:
+            with torch.device("meta"):
+                module = spec.build()
+        except Exception:  # a layer whose constructor needs real data: build it for real
+            module = build_layer(spec, 0, index)
+        counts.append(sum(p.numel() for p in module.parameters()))
+    return counts

@@ -1,0 +1,111 @@
+"""Shard plans: which contiguous range of layers each pipeline stage holds."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from raypipe.errors import ConfigError
+
+Plan = list[tuple[int, int]]
+
+
+def uniform_plan(num_layers: int, num_stages: int) -> Plan:
+    """Layer counts that differ by at most one; the later stages take the extra layers.
+
+    Later stages hold fewer microbatches in flight under 1F1B, so they are the
+    cheaper place for the extra activations.
+    """
+    base, extra = divmod(num_layers, num_stages)
+    sizes = [base + (1 if s >= num_stages - extra else 0) for s in range(num_stages)]
+    return _ranges(sizes)
+
+
+def balanced_plan(weights: Sequence[float], num_stages: int) -> Plan:
+    """Contiguous non-empty ranges minimising the heaviest stage's total weight.
+
+    Exact dynamic programming (O(n^2 p)); ties go to the plan whose earlier stages
+    are lighter.
+    """
+    n = len(weights)
+    prefix = [0.0]
+    for w in weights:
+        prefix.append(prefix[-1] + float(w))
+    inf = float("inf")
+    # best[s][i]: min over splits of layers [0, i) into s stages of the heaviest stage
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, num_stages + 1):
+        for i in range(s, n - (num_stages - s) + 1):
+            for j in range(s - 1, i):
+                cost = max(best[s - 1][j], prefix[i] - prefix[j])
+                if cost <= best[s][i]:
+                    best[s][i], cut[s][i] = cost, j
+    bounds = [n]
+    for s in range(num_stages, 0, -1):
+        bounds.append(cut[s][bounds[-1]])
+    bounds.reverse()
+    return [(bounds[s], bounds[s + 1]) for s in range(num_stages)]
+
+
+def check_plan(plan: Sequence[Sequence[int]], num_layers: int, num_stages: int) -> Plan:
+    """Checks an explicit plan covers layers 0..n-1 once, in order, every stage non-empty.
+
+    Raises:
+        ConfigError: naming the broken range and how to fix it.
+    """
+    def fail(problem: str) -> ConfigError:
+        return ConfigError(
+            f"TrainConfig.shard_plan={[list(r) for r in plan]!r} is invalid: {problem}. "
+            f"Give {num_stages} contiguous [start, end) ranges covering layers 0..{num_layers - 1}, "
+            f"e.g. {[list(r) for r in uniform_plan(num_layers, num_stages)] if num_layers >= num_stages else '[[0, n)]'}."
+        )
+
+    if len(plan) != num_stages:
+        raise fail(f"it has {len(plan)} ranges for pp={num_stages}")
+    if num_layers < num_stages:
+        raise fail(f"the model has {num_layers} layers, fewer than pp={num_stages} stages")
+    expected_start = 0
+    for s, (start, end) in enumerate(plan):
+        if end <= start:
+            raise fail(f"stage {s} range [{start}, {end}) is empty")
+        if start < expected_start:
+            raise fail(f"stage {s} starts at {start}, overlapping the previous stage (which ends at {expected_start})")
+        if start > expected_start:
+            raise fail(f"layers {expected_start}..{start - 1} belong to no stage (gap before stage {s})")
+        if end > num_layers:
+            raise fail(f"stage {s} ends at {end}, past the last layer ({num_layers - 1})")
+        expected_start = end
+    if expected_start != num_layers:
+        raise fail(f"layers {expected_start}..{num_layers - 1} belong to no stage")
+    return [(int(a), int(b)) for a, b in plan]
+
+
+def make_plan(
+    num_layers: int,
+    num_stages: int,
+    partition: str = "uniform",
+    shard_plan: Sequence[Sequence[int]] | None = None,
+    parameter_counts: Sequence[int] | None = None,
+) -> Plan:
+    """The plan a config asks for: the explicit one, or one computed by `partition`."""
+    if shard_plan is not None:
+        return check_plan(shard_plan, num_layers, num_stages)
+    if num_layers < num_stages:
+        raise ConfigError(
+            f"TrainConfig.pp={num_stages} is invalid: the model has only {num_layers} layers; "
+            f"use pp <= {num_layers}."
+        )
+    if partition == "parameters":
+        if parameter_counts is None:
+            raise ValueError("partition='parameters' needs parameter_counts")
+        return balanced_plan(parameter_counts, num_stages)
+    return uniform_plan(num_layers, num_stages)
+
+
+def _ranges(sizes: Sequence[int]) -> Plan:
+    plan, start = [], 0
+    for size in sizes:
+        plan.append((start, start + size))
+        start += size
+    return plan

@@ -1,0 +1,51 @@
+"""Connecting to Ray and making the user's code reachable from the actors."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import sysconfig
+from pathlib import Path
+from typing import Any, Iterable
+
+import ray
+
+from raypipe import env
+
+# Packages that every actor process imports from its own environment.
+_INSTALLED_ROOTS = ("raypipe", "torch", "numpy", "ray")
+
+
+def connect() -> bool:
+    """Joins RAY_ADDRESS's cluster, or starts an embedded local Ray when it is unset.
+
+    Does nothing when Ray is already initialised (a notebook, a test, or the user's
+    own `ray.init`). Returns whether this call started or joined Ray.
+    """
+    if ray.is_initialized():
+        return False
+    ray.init(address=env.ray_address(), logging_level=logging.WARNING)
+    return True
+
+
+def ship_user_code(objects: Iterable[Any]) -> None:
+    """Makes classes and functions from the user's own (not installed) modules reach actors.
+
+    Ray pickles a class by reference when its module is importable on the driver; an
+    actor process cannot import a module that lives next to the user's script, so such
+    modules are registered to be pickled by value. `__main__` is pickled by value already.
+    """
+    for obj in objects:
+        module_name = getattr(obj, "__module__", None)
+        if not module_name or module_name == "__main__" or module_name.split(".")[0] in _INSTALLED_ROOTS:
+            continue
+        module = sys.modules.get(module_name)
+        path = getattr(module, "__file__", None)
+        if module is not None and path and not _is_installed(Path(path)):
+            ray.cloudpickle.register_pickle_by_value(module)
+
+
+def _is_installed(path: Path) -> bool:
+    roots = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    resolved = path.resolve()
+    return any(resolved.is_relative_to(Path(r).resolve()) for r in roots)

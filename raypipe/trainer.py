@@ -1,0 +1,336 @@
+"""The Trainer: the driver-side object a script or a notebook holds.
+
+It splits the layer specs into stages, starts one StageActor per stage, and runs
+one optimizer step per `step(x, y)` call through the engine. It never builds the
+whole model; `state_dict()` gathers the stages' weights under the keys
+`nn.Sequential(*layers).state_dict()` would use.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Callable, Sequence
+
+import ray
+import torch
+
+from raypipe import runtime
+from raypipe.actors.stage import StageActor, StageSettings
+from raypipe.config import TrainConfig, nearest
+from raypipe.engine import run_step, submission_order
+from raypipe.errors import BatchError, ConfigError, PlacementError, StageError
+from raypipe.layers import LayerSpec, as_spec, parameter_counts
+from raypipe.partition import Plan, make_plan
+from raypipe.schedules import build_schedule
+
+# Fields a running trainer can change between steps; the others shape the actors.
+RECONFIGURABLE = (
+    "microbatches",
+    "schedule",
+    "optimizer",
+    "lr_schedule",
+    "grad_clip",
+    "precision",
+    "activation_checkpointing",
+    "step_timeout",
+)
+
+
+class Trainer:
+    """Trains a model given as a list of layer specs, split into pipeline stages on Ray actors.
+
+    Args:
+        layers: `LayerSpec`s or zero-argument callables returning `nn.Module`s, in order.
+        loss_fn: `loss_fn(output, target) -> scalar tensor`, a mean over the microbatch.
+        config: how to split and train; `TrainConfig()` when omitted.
+
+    Raises:
+        ConfigError: the config does not fit the model (e.g. a bad shard plan).
+        PlacementError: an actor could not be placed within `config.actor_start_timeout`.
+        StageError: a stage failed to build its layers.
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[LayerSpec | Callable[[], torch.nn.Module]],
+        loss_fn: Callable[[torch.Tensor, Any], torch.Tensor],
+        config: TrainConfig | None = None,
+    ) -> None:
+        self.config = config if config is not None else TrainConfig()
+        if not isinstance(self.config, TrainConfig):
+            raise TypeError(f"config must be a TrainConfig, got {type(self.config).__name__}")
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable, got {loss_fn!r}")
+        self.specs = [as_spec(layer, i) for i, layer in enumerate(layers)]
+        if not self.specs:
+            raise ConfigError("the model has no layers: pass at least one LayerSpec.")
+        cfg = self.config
+        counts = (
+            parameter_counts(self.specs)
+            if cfg.partition == "parameters" and cfg.shard_plan is None
+            else None
+        )
+        self.plan: Plan = make_plan(len(self.specs), cfg.pp, cfg.partition, cfg.shard_plan, counts)
+        self.run_name = cfg.name or f"run-{uuid.uuid4().hex[:8]}"
+        self.step_count = 0
+        self._calls = 0
+        self._actors: list[Any] = []
+        self._set_schedule()
+
+        runtime.connect()
+        runtime.ship_user_code(
+            [loss_fn] + [s.factory for s in self.specs]
+            + [type(a) for s in self.specs for a in (*s.args, *s.kwargs.values())]
+        )
+        self.names = [f"stage{s}-dp0-tp0" for s in range(cfg.pp)]
+        self._start_actors(loss_fn)
+
+    # ----- public API -------------------------------------------------------------
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.plan)
+
+    def step(self, x: torch.Tensor, y: Any) -> dict[str, Any]:
+        """Runs one optimizer step on the batch `(x, y)`, split into microbatches.
+
+        Returns:
+            A dict with `loss` (mean of the microbatch losses), `lr`, `grad_norm`
+            (global, before clipping), `step_time` (s), `samples`, `samples_per_s`,
+            and `tokens` / `tokens_per_s` when `x` holds token ids.
+
+        Raises:
+            BatchError: the batch cannot be split into `config.microbatches` equal parts.
+            StageError: an action failed on a stage (its message names stage and action).
+            StepTimeoutError: no action finished for `config.step_timeout` seconds.
+        """
+        inputs, targets = self._split(x, y)
+        self._calls += 1
+        result = run_step(
+            self._actors,
+            self.names,
+            self._schedule,
+            inputs,
+            targets,
+            call_id=self._calls,
+            step=self.step_count,
+            timeout=self.config.step_timeout,
+            order=self._order,
+        )
+        self.step_count += 1
+        report = result.stage_reports[0]
+        samples = int(x.shape[0])
+        metrics = {
+            "step": self.step_count,
+            "loss": sum(result.losses) / len(result.losses),
+            "lr": report["lr"],
+            "grad_norm": report["grad_norm"],
+            "step_time": result.seconds,
+            "samples": samples,
+            "samples_per_s": samples / result.seconds,
+        }
+        if not x.is_floating_point():
+            metrics["tokens"] = int(x.numel())
+            metrics["tokens_per_s"] = x.numel() / result.seconds
+        if self.config.precision == "fp16":
+            metrics["loss_scale"] = report["loss_scale"]
+            metrics["skipped"] = report["skipped"]
+        return metrics
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The full model's weights, keyed as `nn.Sequential(*layers).state_dict()`."""
+        merged: dict[str, torch.Tensor] = {}
+        for part in ray.get([a.state_dict.remote() for a in self._actors]):
+            merged.update(part)
+        return merged
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Loads full-model weights (keys as `state_dict()` gives them) into every stage.
+
+        Raises:
+            KeyError: a key names no layer of this model, or a stage's key is missing.
+        """
+        parts: list[dict[str, torch.Tensor]] = [{} for _ in self.plan]
+        stray = []
+        for key, value in state.items():
+            index = key.split(".", 1)[0]
+            stage = self._stage_of(int(index)) if index.isdigit() else None
+            if stage is None:
+                stray.append(key)
+            else:
+                parts[stage][key] = value
+        if stray:
+            raise KeyError(
+                f"load_state_dict: keys {stray[:5]} name no layer of this {len(self.specs)}-layer "
+                f"model; keys look like '<layer index>.<parameter>', as state_dict() gives them."
+            )
+        try:
+            ray.get([a.load_state_dict.remote(p) for a, p in zip(self._actors, parts)])
+        except StageError as error:
+            raise KeyError(str(error)) from None
+
+    def gradients(self) -> dict[str, torch.Tensor]:
+        """The last step's gradients, keyed like `state_dict()` (as the optimizer used them)."""
+        merged: dict[str, torch.Tensor] = {}
+        for part in ray.get([a.gradients.remote() for a in self._actors]):
+            merged.update(part)
+        return merged
+
+    def reconfigure(self, **changes: Any) -> None:
+        """Changes training settings between steps, keeping the actors and weights.
+
+        Fields: microbatches, schedule, optimizer, lr_schedule, grad_clip, precision,
+        activation_checkpointing, step_timeout. Optimizer state is kept when the
+        optimizer's name stays the same (its hyperparameters are updated in place)
+        and reset when it changes.
+
+        Raises:
+            ConfigError: for a field that needs a new Trainer (pp, shard_plan, ...) or a bad value.
+        """
+        fixed = [k for k in changes if k not in RECONFIGURABLE]
+        if fixed:
+            names = TrainConfig.field_names()
+            if fixed[0] in names:
+                raise ConfigError(
+                    f"TrainConfig.{fixed[0]} cannot change on a running trainer (it decides the "
+                    f"actors); shut this one down and build a new Trainer. Changeable: {', '.join(RECONFIGURABLE)}."
+                )
+            raise ConfigError(f"unknown field {fixed[0]!r}.{nearest(fixed[0], names)}")
+        self.config = self.config.replace(**changes)
+        self._set_schedule()
+        self._configure_actors()
+
+    def reset_optimizer(self) -> None:
+        """Drops every stage's optimizer state (momentum, Adam moments, loss scale)."""
+        self._configure_actors(reset_optimizer=True)
+
+    def stage_info(self) -> list[dict[str, Any]]:
+        """Per stage: actor name, layer range, parameter count, node id, pid, device, threads."""
+        return ray.get([a.info.remote() for a in self._actors])
+
+    def shutdown(self) -> None:
+        """Stops every actor this trainer started. Safe to call twice."""
+        for actor in self._actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # already dead, or Ray already shut down
+                pass
+        self._actors = []
+
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (
+            f"Trainer(run={self.run_name!r}, pp={c.pp}, schedule={c.schedule!r}, "
+            f"microbatches={c.microbatches}, plan={self.plan}, steps={self.step_count}, "
+            f"{'running' if self._actors else 'shut down'})"
+        )
+
+    # ----- internals ----------------------------------------------------------------
+
+    def _set_schedule(self) -> None:
+        self._schedule = build_schedule(self.config.schedule, self.config.pp, self.config.microbatches)
+        self._order = submission_order(self._schedule)
+
+    def _settings(self) -> StageSettings:
+        c = self.config
+        return StageSettings(
+            microbatches=c.microbatches,
+            optimizer=dict(c.optimizer),
+            lr_schedule=dict(c.lr_schedule),
+            grad_clip=c.grad_clip,
+            precision=c.precision,
+            activation_checkpointing=c.activation_checkpointing,
+        )
+
+    def _configure_actors(self, reset_optimizer: bool = False) -> None:
+        settings = self._settings()
+        ray.get([a.configure.remote(settings, reset_optimizer) for a in self._actors])
+
+    def _cpus_per_actor(self) -> float:
+        if self.config.cpus_per_actor is not None:
+            return float(self.config.cpus_per_actor)
+        total = ray.cluster_resources().get("CPU", 1.0)
+        return min(1.0, int(100 * total / self.config.pp) / 100) or 0.01
+
+    def _start_actors(self, loss_fn: Callable) -> None:
+        cfg = self.config
+        cpus = self._cpus_per_actor()
+        threads = cfg.threads_per_actor or max(1, int(cpus))
+        remote_cls = ray.remote(StageActor)
+        for s, (start, end) in enumerate(self.plan):
+            self._actors.append(
+                remote_cls.options(
+                    name=self.names[s],
+                    namespace=f"raypipe-{self.run_name}",
+                    num_cpus=cpus,
+                    max_restarts=0,
+                    max_task_retries=0,
+                ).remote(
+                    s, cfg.pp, self.specs[start:end], start, cfg.seed, threads,
+                    loss_fn if s == cfg.pp - 1 else None, self.names[s],
+                )
+            )
+        try:
+            self._wait_for_actors(cpus)
+            self._configure_actors()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _wait_for_actors(self, cpus: float) -> None:
+        refs = [a.info.remote() for a in self._actors]
+        deadline = time.monotonic() + self.config.actor_start_timeout
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=max(0.0, deadline - time.monotonic()))
+            for ref in ready:
+                stage = refs.index(ref)
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayActorError as error:
+                    raise StageError(
+                        f"{self.names[stage]} (layers {self.plan[stage]}) could not start: {error}"
+                    ) from None
+            if pending and time.monotonic() >= deadline:
+                waiting = [self.names[refs.index(r)] for r in pending]
+                raise PlacementError(
+                    f"actors {waiting} were not placed within {self.config.actor_start_timeout:.0f} s "
+                    f"(TrainConfig.actor_start_timeout). Each asked for {{'CPU': {cpus}}}; the cluster has "
+                    f"{ray.cluster_resources()} in all and {ray.available_resources()} free. Free resources, "
+                    f"lower cpus_per_actor, or add nodes."
+                )
+
+    def _split(self, x: torch.Tensor, y: Any) -> tuple[list[torch.Tensor], list[Any]]:
+        m = self.config.microbatches
+        if not torch.is_tensor(x):
+            raise BatchError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() == 0:
+            raise BatchError("x must have a batch dimension (dim 0)")
+        batch = x.shape[0]
+        if torch.is_tensor(y) and (y.dim() == 0 or y.shape[0] != batch):
+            raise BatchError(
+                f"x has {batch} samples but y has shape {tuple(y.shape)}: give one target per sample (y.shape[0] == {batch})."
+            )
+        if batch % m:
+            options = [d for d in range(1, batch + 1) if batch % d == 0]
+            raise BatchError(
+                f"a batch of {batch} samples cannot be split into microbatches={m} equal parts: "
+                f"use a batch size divisible by {m} (e.g. {max(m, batch - batch % m)}), or microbatches in {options}."
+            )
+        # clone: a view would carry the whole batch's storage through the object store
+        inputs = [c.clone() for c in x.split(batch // m)]
+        targets = [c.clone() for c in y.split(batch // m)] if torch.is_tensor(y) else [y] * m
+        return inputs, targets
+
+    def _stage_of(self, layer: int) -> int | None:
+        for s, (start, end) in enumerate(self.plan):
+            if start <= layer < end:
+                return s
+        return None
