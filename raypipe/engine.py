@@ -87,16 +87,44 @@ def run_step(
     for s, ref in enumerate(reports):
         pending_actions[ref] = f"{s}:optimizer_step"
     _wait_for_progress(pending_actions, names, timeout, step)
+    values = _get(losses + reports, f"step {step}")
+    return StepResult(values[: len(losses)], values[len(losses) :], time.perf_counter() - started)
+
+
+def run_forward(
+    actors: Sequence[Any],
+    names: Sequence[str],
+    inputs: Sequence[torch.Tensor],
+    targets: Sequence[Any] | None,
+    timeout: float,
+) -> list[Any]:
+    """Forward-only pass of every microbatch through all stages (evaluation, inference).
+
+    Returns:
+        Per microbatch: the last stage's loss (when targets are given) or its output.
+    """
+    results, pending = [], {}
+    for m, x in enumerate(inputs):
+        ref = x
+        for s, actor in enumerate(actors):
+            target = targets[m] if targets is not None and s == len(actors) - 1 else None
+            ref = actor.forward_only.remote(ref, target)
+            pending[ref] = Action(s, FORWARD, m)
+        results.append(ref)
+    _wait_for_progress(pending, names, timeout, step=-1)
+    return _get(results, "inference")
+
+
+def _get(refs: Sequence[ray.ObjectRef], what: str) -> list[Any]:
+    """ray.get that turns actor-side failures into StageError with the stage's own message."""
     try:
-        loss_values = ray.get(losses)
-        report_values = ray.get(reports)
+        return ray.get(list(refs))
     except StageError as error:  # raised by an actor; Ray re-raises it as this type
         raise StageError(_cause_message(error)) from None
     except ray.exceptions.RayActorError as error:
-        raise StageError(f"a stage actor died during step {step}: {error}") from None
+        raise StageError(f"a stage actor died during {what}: {error}") from None
     except ray.exceptions.RayTaskError as error:
-        raise StageError(f"step {step} failed: {_cause_message(error)}") from None
-    return StepResult(loss_values, report_values, time.perf_counter() - started)
+        raise StageError(f"{what} failed: {_cause_message(error)}") from None
 
 
 def _wait_for_progress(
@@ -119,7 +147,7 @@ def _wait_for_progress(
             for ref in refs:
                 ray.cancel(ref, force=False)
             raise StepTimeoutError(
-                f"step {step} made no progress for {timeout:.0f} s (TrainConfig.step_timeout); "
+                f"{'inference' if step < 0 else f'step {step}'} made no progress for {timeout:.0f} s (TrainConfig.step_timeout); "
                 f"{len(stuck)} actions pending: {detail}"
             )
 

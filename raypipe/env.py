@@ -14,3 +14,4 @@ def cache_dir() -> Path:
 def ray_address() -> str | None:
     """RAY_ADDRESS: the cluster to join; unset means start an embedded local Ray."""
     return os.environ.get("RAY_ADDRESS") or None
+

@@ -39,7 +39,7 @@ def balanced_plan(weights: Sequence[float], num_stages: int) -> Plan:
         for i in range(s, n - (num_stages - s) + 1):
             for j in range(s - 1, i):
                 cost = max(best[s - 1][j], prefix[i] - prefix[j])
-                if cost <= best[s][i]:
+                if cost < best[s][i]:
                     best[s][i], cut[s][i] = cost, j
     bounds = [n]
     for s in range(num_stages, 0, -1):

@@ -24,6 +24,8 @@ def connect() -> bool:
     """
     if ray.is_initialized():
         return False
+    # RAY_AUTH_MODE is left to the user: Ray caches it at import, and for a new local
+    # cluster it already turns token authentication on.
     ray.init(address=env.ray_address(), logging_level=logging.WARNING)
     return True
 

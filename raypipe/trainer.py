@@ -8,6 +8,7 @@ whole model; `state_dict()` gathers the stages' weights under the keys
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from typing import Any, Callable, Sequence
@@ -18,7 +19,7 @@ import torch
 from raypipe import runtime
 from raypipe.actors.stage import StageActor, StageSettings
 from raypipe.config import TrainConfig, nearest
-from raypipe.engine import run_step, submission_order
+from raypipe.engine import run_forward, run_step, submission_order
 from raypipe.errors import BatchError, ConfigError, PlacementError, StageError
 from raypipe.layers import LayerSpec, as_spec, parameter_counts
 from raypipe.partition import Plan, make_plan
@@ -137,6 +138,17 @@ class Trainer:
             metrics["loss_scale"] = report["loss_scale"]
             metrics["skipped"] = report["skipped"]
         return metrics
+
+    def evaluate(self, x: torch.Tensor, y: Any) -> float:
+        """The mean loss on `(x, y)` without training (eval mode, no gradients, weights unchanged)."""
+        inputs, targets = self._split(x, y)
+        losses = run_forward(self._actors, self.names, inputs, targets, self.config.step_timeout)
+        return sum(losses) / len(losses)
+
+    def predict(self, x: torch.Tensor) -> torch.Tensor:
+        """The model's output for `x` (eval mode, no gradients), run through the pipeline."""
+        inputs, _ = self._split(x, None)
+        return torch.cat(run_forward(self._actors, self.names, inputs, None, self.config.step_timeout))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full model's weights, keyed as `nn.Sequential(*layers).state_dict()`."""
@@ -318,7 +330,9 @@ class Trainer:
             raise BatchError(
                 f"x has {batch} samples but y has shape {tuple(y.shape)}: give one target per sample (y.shape[0] == {batch})."
             )
-        if batch % m:
+        if y is None:
+            m = math.gcd(batch, m)  # inference: any split works
+        elif batch % m:
             options = [d for d in range(1, batch + 1) if batch % d == 0]
             raise BatchError(
                 f"a batch of {batch} samples cannot be split into microbatches={m} equal parts: "
@@ -326,7 +340,7 @@ class Trainer:
             )
         # clone: a view would carry the whole batch's storage through the object store
         inputs = [c.clone() for c in x.split(batch // m)]
-        targets = [c.clone() for c in y.split(batch // m)] if torch.is_tensor(y) else [y] * m
+        targets = [c.clone() for c in y.split(batch // m)] if torch.is_tensor(y) else [y] * len(inputs)
         return inputs, targets
 
     def _stage_of(self, layer: int) -> int | None:

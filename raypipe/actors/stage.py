@@ -178,6 +178,24 @@ class StageActor:
         self.stash.clear()
         return {"lr": lr, "grad_norm": total_norm, "skipped": skipped, "loss_scale": self.scaler.scale}
 
+    @torch.no_grad()
+    def forward_only(self, x: torch.Tensor, target: Any = None) -> Any:
+        """Inference through this stage (eval mode, no activations kept).
+
+        Returns the output, or on the last stage the loss as a float when a target is given.
+        """
+        self.module.eval()
+        try:
+            with self._autocast():
+                out = self.module(x.to(self.device))
+                if self.is_last and target is not None:
+                    return float(self.loss_fn(out, target.to(self.device) if torch.is_tensor(target) else target))
+            return out.float() if self.is_last else out
+        except Exception as error:
+            raise self._error("F", -1, error) from error
+        finally:
+            self.module.train()
+
     # ----- weights --------------------------------------------------------------
 
     def state_dict(self) -> dict[str, torch.Tensor]:

@@ -1,0 +1,83 @@
+"""`raypipe` on the command line: train, show a schedule, show a shard plan."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from raypipe.errors import ConfigError, RaypipeError
+
+
+def _train(args: argparse.Namespace) -> int:
+    from raypipe.job import JobConfig, run
+
+    config = JobConfig.from_yaml(args.config, args.set)
+    run(config, log=lambda line: print(line, flush=True))
+    return 0
+
+
+def _schedule(args: argparse.Namespace) -> int:
+    from raypipe.schedules import SCHEDULES, build_schedule, format_schedule, peak_in_flight
+
+    if args.name not in SCHEDULES:
+        raise ConfigError(f"schedule {args.name!r} is unknown: choose one of {', '.join(SCHEDULES)}.")
+    schedule = build_schedule(args.name, args.pp, args.microbatches)
+    print(format_schedule(schedule))
+    print("peak microbatches in flight per stage:", [peak_in_flight(a) for a in schedule])
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from raypipe.job import JobConfig
+    from raypipe.layers import parameter_counts
+    from raypipe.models import gpt
+    from raypipe.partition import make_plan
+
+    config = JobConfig.from_yaml(args.config, args.set)
+    specs = gpt.layers(config.model)
+    counts = parameter_counts(specs)
+    train = config.train
+    plan = make_plan(len(specs), train.pp, train.partition, train.shard_plan, counts)
+    how = "shard_plan" if train.shard_plan is not None else f"partition={train.partition}"
+    print(f"{len(specs)} layers, {sum(counts):,} parameters, pp={train.pp} ({how})")
+    for stage, (start, end) in enumerate(plan):
+        print(f"stage {stage}: layers [{start}, {end})  {sum(counts[start:end]):>12,} parameters")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="raypipe", description="Pipeline-parallel PyTorch training on Ray.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def with_config(p: argparse.ArgumentParser) -> None:
+        p.add_argument("config", help="job YAML, e.g. examples/configs/gpt_pp2.yaml")
+        p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a field, e.g. --set microbatches=8 --set model.n_layer=2")
+
+    train = sub.add_parser("train", help="train the reference GPT as a job file says")
+    with_config(train)
+    train.set_defaults(func=_train)
+
+    plan = sub.add_parser("plan", help="show how a job's model is split into stages, without training")
+    with_config(plan)
+    plan.set_defaults(func=_plan)
+
+    sched = sub.add_parser("schedule", help="print a pipeline schedule's stage x time grid")
+    sched.add_argument("name", nargs="?", default="1f1b", help="gpipe or 1f1b")
+    sched.add_argument("--pp", type=int, default=4, help="pipeline stages")
+    sched.add_argument("--microbatches", "-m", type=int, default=8)
+    sched.set_defaults(func=_schedule)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ConfigError, RaypipeError) as error:
+        print(f"raypipe: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

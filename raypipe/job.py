@@ -1,0 +1,214 @@
+"""The main job: train the reference GPT on a local corpus, from one YAML file.
+
+A job file holds the TrainConfig fields (optionally in sections) plus three job
+sections: `model` (GPTConfig fields), `data` (where tokens come from) and `job`
+(steps, batch size, logging). `raypipe train FILE` and `examples/train.py` run it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
+
+from raypipe.config import TrainConfig, apply_overrides, load_yaml, nearest
+from raypipe.data import TokenDataset, stdlib_corpus
+from raypipe.errors import ConfigError
+from raypipe.models import gpt
+
+DATA_SOURCES = ("stdlib", "bin", "text")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where the tokens come from.
+
+    Attributes:
+        source: "stdlib" (the Python standard library's source, built locally),
+            "bin" (a uint16 token file at `path`) or "text" (text files in `paths`).
+        max_bytes: how much stdlib source to use.
+        path: the token file for source "bin".
+        paths: text files for source "text".
+        val_fraction: the tail of the tokens held out for validation loss.
+    """
+
+    source: str = "stdlib"
+    max_bytes: int = 4_000_000
+    path: str | None = None
+    paths: tuple[str, ...] = ()
+    val_fraction: float = 0.05
+
+    def __post_init__(self) -> None:
+        if self.source not in DATA_SOURCES:
+            raise ConfigError(
+                f"data.source={self.source!r} is invalid: choose one of {', '.join(DATA_SOURCES)}."
+                f"{nearest(str(self.source), DATA_SOURCES)}"
+            )
+        if self.source == "bin" and not self.path:
+            raise ConfigError("data.path is missing: source 'bin' needs the path of a uint16 token file.")
+        if self.source == "text" and not self.paths:
+            raise ConfigError("data.paths is missing: source 'text' needs a list of text files.")
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise ConfigError(f"data.val_fraction={self.val_fraction!r} is invalid: give a number in [0, 1).")
+        object.__setattr__(self, "paths", tuple(self.paths))
+
+    def dataset(self, block_size: int) -> TokenDataset:
+        if self.source == "stdlib":
+            return TokenDataset.from_bin(stdlib_corpus(self.max_bytes), block_size)
+        if self.source == "bin":
+            return TokenDataset.from_bin(self.path, block_size)
+        return TokenDataset.from_text_files(self.paths, block_size)
+
+
+@dataclass(frozen=True)
+class JobSettings:
+    """How long to train and how to report.
+
+    Attributes:
+        steps: optimizer steps to run.
+        batch_size: samples per step (split into microbatches).
+        log_every: print a line every this many steps.
+        eval_every: compute validation loss every this many steps (0: only at the end).
+        eval_batches: batches averaged for a validation loss.
+        sample_tokens: tokens to sample from the trained model at the end (0: none).
+    """
+
+    steps: int = 200
+    batch_size: int = 16
+    log_every: int = 10
+    eval_every: int = 0
+    eval_batches: int = 4
+    sample_tokens: int = 200
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            minimum = 1 if f.name in ("steps", "batch_size", "log_every", "eval_batches") else 0
+            if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+                raise ConfigError(f"job.{f.name}={value!r} is invalid: give a whole number >= {minimum}.")
+
+
+@dataclass
+class JobConfig:
+    """A whole job: model, data, job settings and the training config."""
+
+    model: gpt.GPTConfig = field(default_factory=gpt.GPTConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    job: JobSettings = field(default_factory=JobSettings)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, overrides: Iterable[str] = ()) -> "JobConfig":
+        """Loads a job file, applying `key=value` overrides (e.g. `model.n_layer=2`, `pp=1`)."""
+        raw = apply_overrides(load_yaml(path), overrides)
+        return cls(
+            model=_section(gpt.GPTConfig, "model", raw.get("model")),
+            data=_section(DataConfig, "data", raw.get("data")),
+            job=_section(JobSettings, "job", raw.get("job")),
+            train=TrainConfig.from_dict(raw),
+        )
+
+
+def _section(cls: type, name: str, values: Mapping[str, Any] | None) -> Any:
+    values = dict(values or {})
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in values:
+        if key not in names:
+            raise ConfigError(f"unknown field {name}.{key}: {name} takes {', '.join(names)}.{nearest(str(key), names)}")
+    return cls(**values)
+
+
+def run(config: JobConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Trains the GPT as the job config says and reports progress through `log`.
+
+    Returns:
+        A summary: the per-step losses, the first and last validation loss, mean tokens/s.
+    """
+    from raypipe.trainer import Trainer
+
+    model, job, train = config.model, config.job, config.train
+    dataset = config.data.dataset(model.block_size)
+    train_set, val_set = dataset.split(config.data.val_fraction) if config.data.val_fraction else (dataset, None)
+    log(
+        f"raypipe: GPT {model.parameters / 1e6:.2f}M parameters ({model.n_layer} blocks, n_embd {model.n_embd}); "
+        f"{len(train_set):,} training tokens; pp={train.pp}, schedule={train.schedule}, "
+        f"microbatches={train.microbatches}, batch {job.batch_size} x {model.block_size} tokens"
+    )
+    losses: list[float] = []
+    rates: list[float] = []
+    with Trainer(gpt.layers(model), gpt.loss_fn, train) as trainer:
+        log(f"stages: {', '.join(f'{n} layers [{a}, {b})' for n, (a, b) in zip(trainer.names, trainer.plan))}")
+        first_val = _validation_loss(trainer, val_set, job, model) if val_set else None
+        if first_val is not None:
+            log(f"step    0 | val loss {first_val:.4f}")
+        started = time.perf_counter()
+        for step in range(job.steps):
+            x, y = train_set.batch(step, job.batch_size, seed=train.seed)
+            metrics = trainer.step(x, y)
+            losses.append(metrics["loss"])
+            if step > 0:  # the first step pays for warm-up; leave it out of the rate
+                rates.append(metrics["tokens_per_s"])
+            if (step + 1) % job.log_every == 0 or step == 0 or step + 1 == job.steps:
+                log(
+                    f"step {step + 1:4d} | loss {metrics['loss']:.4f} | lr {metrics['lr']:.2e} | "
+                    f"grad norm {metrics['grad_norm']:.3f} | {metrics['tokens_per_s']:,.0f} tok/s | "
+                    f"{1000 * metrics['step_time']:.0f} ms"
+                )
+            if val_set and job.eval_every and (step + 1) % job.eval_every == 0 and step + 1 < job.steps:
+                log(f"step {step + 1:4d} | val loss {_validation_loss(trainer, val_set, job, model):.4f}")
+        elapsed = time.perf_counter() - started
+        last_val = _validation_loss(trainer, val_set, job, model) if val_set else None
+        if last_val is not None:
+            log(f"step {job.steps:4d} | val loss {last_val:.4f}")
+        sample = _sample(trainer, config) if job.sample_tokens else None
+    head = sum(losses[:10]) / len(losses[:10])
+    tail = sum(losses[-10:]) / len(losses[-10:])
+    log(
+        f"done: {job.steps} steps in {elapsed:.1f} s; mean loss of the first 10 steps {head:.4f}, "
+        f"of the last 10 {tail:.4f}; {sum(rates) / max(1, len(rates)):,.0f} tok/s"
+    )
+    if sample is not None:
+        log("sample:\n" + sample)
+    return {"losses": losses, "val_first": first_val, "val_last": last_val, "tokens_per_s": rates}
+
+
+def _validation_loss(trainer: Any, val_set: TokenDataset, job: JobSettings, model: gpt.GPTConfig) -> float:
+    """Mean loss over fixed validation batches, computed through the pipeline."""
+    losses = [trainer.evaluate(*val_set.batch(k, job.batch_size, seed=12345)) for k in range(job.eval_batches)]
+    return sum(losses) / len(losses)
+
+
+def _sample(trainer: Any, config: JobConfig) -> str:
+    """Text sampled from the trained model, one pipeline pass per new token."""
+    from raypipe.data import ByteTokenizer
+
+    tokenizer = ByteTokenizer()
+    generator = torch.Generator().manual_seed(config.train.seed)
+    idx = torch.tensor([tokenizer.encode("def ")], dtype=torch.long)
+    for _ in range(config.job.sample_tokens):
+        logits = trainer.predict(idx[:, -config.model.block_size :])[:, -1, :] / 0.8
+        idx = torch.cat([idx, torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)], dim=1)
+    return tokenizer.decode(idx[0].tolist())
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`examples/train.py --config FILE [--set key=value ...]`."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Train the reference GPT with raypipe.")
+    parser.add_argument("--config", required=True, help="job YAML, e.g. examples/configs/gpt_pp2.yaml")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a field, e.g. --set microbatches=8 --set model.n_layer=2")
+    args = parser.parse_args(argv)
+    try:
+        config = JobConfig.from_yaml(args.config, args.set)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    run(config, log=lambda line: print(line, flush=True))
+    return 0

@@ -1,0 +1,81 @@
+"""Layers and references shared by tests. This module is not installed, so the
+trainer must ship it to the actors by value: using it tests that too."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+from raypipe import LayerSpec, build_layers
+
+MLP7 = [
+    LayerSpec(nn.Linear, 6, 16),
+    LayerSpec(nn.Tanh),
+    LayerSpec(nn.Linear, 16, 16),
+    LayerSpec(nn.GELU),
+    LayerSpec(nn.Linear, 16, 12),
+    LayerSpec(nn.Tanh),
+    LayerSpec(nn.Linear, 12, 3),
+]
+
+
+def batch(k: int, size: int = 16, features: int = 6, outputs: int = 3):
+    g = torch.Generator().manual_seed(1000 + k)
+    return torch.randn(size, features, generator=g), torch.randn(size, outputs, generator=g)
+
+
+def reference_run(specs, seed, optimizer, steps, microbatches=1, reverse=False, grad_clip=None,
+                  loss_fn=nn.functional.mse_loss, data=batch):
+    """Trains nn.Sequential of the same layers in one process.
+
+    The batch gradient is accumulated over `microbatches` equal chunks (in reverse
+    order when `reverse`, as GPipe's backwards run), each loss scaled by 1/m.
+    Returns (losses, first-step gradients, final state_dict).
+    """
+    model = nn.Sequential(*build_layers(specs, seed))
+    opt = optimizer(model.parameters())
+    losses, first_grads = [], None
+    for k in range(steps):
+        x, y = data(k)
+        opt.zero_grad()
+        chunks = list(zip(x.chunk(microbatches), y.chunk(microbatches)))
+        total = 0.0
+        for xc, yc in (reversed(chunks) if reverse else chunks):
+            loss = loss_fn(model(xc), yc)
+            (loss / microbatches).backward()
+            total += loss.item()
+        losses.append(total / microbatches)
+        if grad_clip is not None:
+            nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        if k == 0:
+            first_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        opt.step()
+    return losses, first_grads, model.state_dict()
+
+
+def assert_close_dicts(actual, expected, rtol=1e-5, atol=4e-5):
+    assert set(actual) == set(expected), (sorted(actual), sorted(expected))
+    for key in expected:
+        torch.testing.assert_close(actual[key], expected[key], rtol=rtol, atol=atol, msg=lambda m: f"{key}: {m}")
+
+
+class Exploding(nn.Module):
+    """A layer whose constructor fails, as a user's buggy layer would."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        raise ValueError("this layer cannot be built")
+
+
+class Sleep(nn.Module):
+    """Identity that sleeps in forward: a stuck or very slow stage."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.seconds)
+        return x

@@ -1,0 +1,128 @@
+"""TrainConfig: validation on construction, YAML with sections, overrides, fuzzing."""
+
+import math
+
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from raypipe import ConfigError, TrainConfig
+from raypipe.config import apply_overrides
+from raypipe.job import JobConfig
+
+
+def test_defaults_are_valid_and_printable():
+    cfg = TrainConfig()
+    assert cfg.pp == 1 and cfg.schedule == "1f1b"
+    assert yaml.safe_load(str(cfg))["optimizer"] == {"name": "adamw", "lr": 1e-3}
+
+
+@pytest.mark.parametrize(
+    "field, value, words",
+    [
+        ("pp", 0, "TrainConfig.pp=0"),
+        ("pp", 2.5, "whole number"),
+        ("microbatches", -1, "TrainConfig.microbatches=-1"),
+        ("schedule", "1f1bb", "Did you mean '1f1b'"),
+        ("partition", "params", "Did you mean 'parameters'"),
+        ("precision", "fp8", "fp32, bf16, fp16"),
+        ("grad_clip", -1.0, "grad_clip"),
+        ("optimizer", {"name": "sgdd", "lr": 0.1}, "Did you mean 'sgd'"),
+        ("optimizer", {"name": "sgd"}, "learning rate"),
+        ("optimizer", {"name": "sgd", "lr": 0.1, "momentun": 0.9}, "Did you mean 'momentum'"),
+        ("lr_schedule", {"name": "cosine"}, "total_steps"),
+        ("lr_schedule", {"name": "constant", "warmup": 3}, "Did you mean 'warmup_steps'"),
+        ("activation_checkpointing", "yes", "true or false"),
+        ("seed", -3, "seed"),
+        ("step_timeout", 0, "step_timeout"),
+    ],
+)
+def test_bad_values_name_field_value_and_fix(field, value, words):
+    with pytest.raises(ConfigError) as info:
+        TrainConfig(**{field: value})
+    assert words in str(info.value)
+
+
+def test_shard_plan_length_must_match_pp():
+    with pytest.raises(ConfigError, match="2 ranges but pp=3"):
+        TrainConfig(pp=3, shard_plan=[[0, 2], [2, 4]])
+
+
+def test_yaml_sections_and_suggestions(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "parallel: {pp: 2, microbatches: 4, schedule: gpipe}\n"
+        "optim:\n  optimizer: {name: sgd, lr: 0.1, momentum: 0.9}\n  grad_clip: 1.0\n"
+        "seed: 3\nmodel: {n_layer: 2}\n"
+    )
+    cfg = TrainConfig.from_yaml(path)
+    assert (cfg.pp, cfg.microbatches, cfg.schedule, cfg.seed, cfg.grad_clip) == (2, 4, "gpipe", 3, 1.0)
+    assert cfg.optimizer == {"name": "sgd", "lr": 0.1, "momentum": 0.9}
+    path.write_text("parallel: {pp: 2, microbatch: 4}\n")
+    with pytest.raises(ConfigError, match="parallel.microbatch.*Did you mean 'microbatches'"):
+        TrainConfig.from_yaml(path)
+    path.write_text("shedule: gpipe\n")
+    with pytest.raises(ConfigError, match="Did you mean 'schedule'"):
+        TrainConfig.from_yaml(path)
+    path.write_text("pp: 2\nparallel: {pp: 3}\n")
+    with pytest.raises(ConfigError, match="set twice"):
+        TrainConfig.from_yaml(path)
+    with pytest.raises(ConfigError, match="does not exist"):
+        TrainConfig.from_yaml(tmp_path / "missing.yaml")
+
+
+def test_overrides_reach_fields_inside_sections(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("parallel: {pp: 2, microbatches: 4}\nmodel: {n_layer: 2}\n")
+    cfg = TrainConfig.from_yaml(path, ["microbatches=8", "shard_plan=[[0,1],[1,3]]"])
+    assert cfg.microbatches == 8 and cfg.shard_plan == [[0, 1], [1, 3]]
+    raw = apply_overrides({"model": {"n_layer": 2}}, ["model.n_layer=6", "optimizer.lr=0.5"])
+    assert raw == {"model": {"n_layer": 6}, "optimizer": {"lr": 0.5}}
+    with pytest.raises(ConfigError, match="key=value"):
+        apply_overrides({}, ["microbatches"])
+
+
+def test_replace_revalidates():
+    cfg = TrainConfig(pp=2)
+    assert cfg.replace(microbatches=4).microbatches == 4
+    with pytest.raises(ConfigError, match="microbatches"):
+        cfg.replace(microbatches=0)
+    with pytest.raises(ConfigError, match="Did you mean 'schedule'"):
+        cfg.replace(schedul="gpipe")
+
+
+def test_job_files_in_examples_load():
+    for name in ("gpt_pp2", "tiny"):
+        job = JobConfig.from_yaml(f"examples/configs/{name}.yaml")
+        assert job.train.pp == 2 and job.model.n_embd % job.model.n_head == 0
+
+
+def test_job_sections_reject_unknown_keys(tmp_path):
+    path = tmp_path / "j.yaml"
+    path.write_text("model: {n_layers: 2}\n")
+    with pytest.raises(ConfigError, match="model.n_layers.*Did you mean 'n_layer'"):
+        JobConfig.from_yaml(path)
+    path.write_text("model: {n_embd: 30, n_head: 4}\n")
+    with pytest.raises(ConfigError, match="n_head=4"):
+        JobConfig.from_yaml(path)
+
+
+values = st.one_of(
+    st.none(), st.booleans(), st.integers(-5, 40), st.floats(allow_nan=True), st.text(max_size=8),
+    st.lists(st.lists(st.integers(-2, 10), max_size=3), max_size=4),
+    st.dictionaries(st.sampled_from(["name", "lr", "momentum", "warmup_steps", "total_steps", "x"]),
+                    st.one_of(st.text(max_size=6), st.floats(allow_nan=True), st.integers(-3, 9)), max_size=4),
+)
+keys = st.sampled_from(list(TrainConfig.field_names()) + ["parallel", "optim", "shedule", "model"])
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.dictionaries(keys, values, max_size=6))
+def test_fuzzed_configs_are_valid_or_config_errors(data):
+    try:
+        cfg = TrainConfig.from_dict(data)
+    except ConfigError:
+        return
+    assert cfg.pp >= 1 and cfg.microbatches >= 1
+    assert cfg.grad_clip is None or (cfg.grad_clip > 0 and not math.isnan(cfg.grad_clip))

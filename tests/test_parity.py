@@ -1,0 +1,115 @@
+"""Numerical parity with plain PyTorch for every pp, microbatch count and schedule.
+
+One trainer per pipeline depth is reused across schedules and microbatch counts
+(`reconfigure`, `reset_optimizer`, `load_state_dict`), which also tests those.
+"""
+
+import pytest
+import torch
+from torch import nn
+
+from helpers import MLP7, assert_close_dicts, batch, reference_run
+from raypipe import LayerSpec, TrainConfig, Trainer, build_layers
+
+SEED = 7
+SGD = {"name": "sgd", "lr": 0.05, "momentum": 0.9}
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+@pytest.fixture(scope="module", params=[1, 2, 3, 4], ids=lambda p: f"pp{p}")
+def trainer(request, ray_session):
+    t = Trainer(MLP7, nn.functional.mse_loss, TrainConfig(pp=request.param, optimizer=SGD, seed=SEED))
+    yield t
+    t.shutdown()
+
+
+@pytest.fixture(scope="module")
+def initial():
+    return nn.Sequential(*build_layers(MLP7, SEED)).state_dict()
+
+
+@pytest.fixture(scope="module")
+def sgd_reference():
+    return reference_run(MLP7, SEED, sgd, steps=3)
+
+
+def test_initial_weights_do_not_depend_on_the_split(trainer, initial):
+    assert trainer.num_stages == trainer.config.pp
+    state = trainer.state_dict()
+    assert list(state) == list(initial)  # same keys, same order as nn.Sequential
+    for key in initial:
+        assert torch.equal(state[key], initial[key]), key
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("microbatches", [1, 2, 4, 8])
+def test_sgd_momentum_parity(trainer, initial, sgd_reference, schedule, microbatches):
+    ref_losses, ref_grads, ref_final = sgd_reference
+    trainer.reconfigure(schedule=schedule, microbatches=microbatches, optimizer=SGD)
+    trainer.reset_optimizer()
+    trainer.load_state_dict(initial)
+    losses = []
+    for k in range(3):
+        losses.append(trainer.step(*batch(k))["loss"])
+        if k == 0:
+            assert_close_dicts(trainer.gradients(), ref_grads)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=4e-5)
+    assert_close_dicts(trainer.state_dict(), ref_final)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_adamw_parity_against_accumulated_microbatches(trainer, initial, schedule):
+    if trainer.num_stages not in (2, 3):
+        pytest.skip("one deep and one odd split are enough for the Adam check")
+    adamw = {"name": "adamw", "lr": 1e-2, "weight_decay": 0.1}
+    trainer.reconfigure(schedule=schedule, microbatches=4, optimizer=adamw)
+    trainer.reset_optimizer()
+    trainer.load_state_dict(initial)
+    losses = [trainer.step(*batch(k))["loss"] for k in range(3)]
+    ref_losses, _, ref_final = reference_run(
+        MLP7, SEED, lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1), steps=3,
+        microbatches=4, reverse=schedule == "gpipe",
+    )
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=4e-5)
+    assert_close_dicts(trainer.state_dict(), ref_final)
+
+
+def test_global_gradient_clipping_matches_torch(trainer, initial):
+    if trainer.num_stages != 3:
+        pytest.skip("checked on the three-stage split")
+    trainer.reconfigure(schedule="1f1b", microbatches=4, optimizer=SGD, grad_clip=0.05)
+    trainer.reset_optimizer()
+    trainer.load_state_dict(initial)
+    metrics = [trainer.step(*batch(k)) for k in range(3)]
+    trainer.reconfigure(grad_clip=None)
+    ref_losses, ref_grads, ref_final = reference_run(MLP7, SEED, sgd, steps=3, grad_clip=0.05)
+    assert metrics[0]["grad_norm"] > 0.05  # clipping really happened
+    torch.testing.assert_close(torch.tensor([m["loss"] for m in metrics]), torch.tensor(ref_losses))
+    assert_close_dicts(trainer.state_dict(), ref_final)
+
+
+def test_activation_checkpointing_changes_nothing_numerically(trainer, initial, sgd_reference):
+    if trainer.num_stages != 2:
+        pytest.skip("checked on the two-stage split")
+    trainer.reconfigure(schedule="1f1b", microbatches=4, optimizer=SGD, activation_checkpointing=True)
+    trainer.reset_optimizer()
+    trainer.load_state_dict(initial)
+    losses = [trainer.step(*batch(k))["loss"] for k in range(3)]
+    trainer.reconfigure(activation_checkpointing=False)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(sgd_reference[0]), rtol=1e-5, atol=4e-5)
+    assert_close_dicts(trainer.state_dict(), sgd_reference[2])
+
+
+def test_evaluate_and_predict_match_the_one_process_model(trainer, initial):
+    trainer.load_state_dict(initial)
+    model = nn.Sequential(*build_layers(MLP7, SEED))
+    x, y = batch(5)
+    with torch.no_grad():
+        expected = model(x)
+    torch.testing.assert_close(trainer.predict(x), expected)
+    trainer.reconfigure(microbatches=4)
+    assert trainer.evaluate(x, y) == pytest.approx(nn.functional.mse_loss(expected, y).item(), rel=1e-5)
+    assert all(torch.equal(v, initial[k]) for k, v in trainer.state_dict().items())  # no training

@@ -1,0 +1,48 @@
+"""Training features beyond the parity grid: precision, layer forms, partitions."""
+
+import pytest
+import torch
+from torch import nn
+
+from raypipe import LayerSpec, TrainConfig, Trainer
+
+SGD = {"name": "sgd", "lr": 0.05, "momentum": 0.9}
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_reduced_precision_tracks_fp32(ray_session, precision):
+    from raypipe.data import TokenDataset
+    from raypipe.models import gpt
+
+    cfg = gpt.GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16)
+    data = TokenDataset(torch.randint(0, 256, (4096,), generator=torch.Generator().manual_seed(0)).numpy(), 16)
+    results = {}
+    for p in ("fp32", precision):
+        config = TrainConfig(pp=2, microbatches=2, precision=p, optimizer={"name": "adamw", "lr": 3e-3}, seed=1)
+        with Trainer(gpt.layers(cfg), gpt.loss_fn, config) as t:
+            results[p] = [t.step(*data.batch(k, 8))for k in range(6)]
+    fp32 = [m["loss"] for m in results["fp32"]]
+    low = [m["loss"] for m in results[precision]]
+    torch.testing.assert_close(torch.tensor(low), torch.tensor(fp32), rtol=3e-2, atol=0)
+    if precision == "fp16":
+        assert results["fp16"][-1]["loss_scale"] == 2.0**16 and not results["fp16"][-1]["skipped"]
+
+
+def test_layers_as_zero_argument_callables_and_explicit_plans(ray_session):
+    layers = [lambda: nn.Linear(4, 8), nn.ReLU, lambda: nn.Linear(8, 2)]
+    config = TrainConfig(pp=2, shard_plan=[[0, 1], [1, 3]], optimizer=SGD, microbatches=2)
+    with Trainer(layers, nn.functional.mse_loss, config) as t:
+        info = t.stage_info()
+        assert [i["layers"] for i in info] == [(0, 1), (1, 3)]
+        assert [i["parameters"] for i in info] == [40, 18]
+        assert len({i["pid"] for i in info}) == 2  # one process per stage
+        x, y = torch.randn(4, 4), torch.randn(4, 2)
+        losses = [t.step(x, y)["loss"] for _ in range(5)]
+        assert losses[-1] < losses[0]
+
+
+def test_parameter_partition_places_big_layers_alone(ray_session):
+    layers = [LayerSpec(nn.Linear, 64, 64), LayerSpec(nn.Linear, 64, 2), LayerSpec(nn.Linear, 2, 2),
+              LayerSpec(nn.Linear, 2, 2)]
+    with Trainer(layers, nn.functional.mse_loss, TrainConfig(pp=2, partition="parameters")) as t:
+        assert t.plan == [(0, 1), (1, 4)]
