@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import inspect
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -44,7 +45,8 @@ def _is_int(value: Any) -> bool:
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A finite int or float (NaN and infinity pass every `<` test the wrong way)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
@@ -56,7 +58,7 @@ def _check_positive(name: str, value: Any, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
     if not _is_number(value) or value <= 0:
-        raise _fail(name, value, "give a number > 0" + (" or null." if allow_none else "."))
+        raise _fail(name, value, "give a finite number > 0" + (" or null." if allow_none else "."))
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:

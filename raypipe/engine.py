@@ -87,7 +87,7 @@ def run_step(
     for s, ref in enumerate(reports):
         pending_actions[ref] = f"{s}:optimizer_step"
     _wait_for_progress(pending_actions, names, timeout, step)
-    values = _get(losses + reports, f"step {step}")
+    values = gather(losses + reports, f"step {step}")
     return StepResult(values[: len(losses)], values[len(losses) :], time.perf_counter() - started)
 
 
@@ -112,11 +112,11 @@ def run_forward(
             pending[ref] = Action(s, FORWARD, m)
         results.append(ref)
     _wait_for_progress(pending, names, timeout, step=-1)
-    return _get(results, "inference")
+    return gather(results, "inference")
 
 
-def _get(refs: Sequence[ray.ObjectRef], what: str) -> list[Any]:
-    """ray.get that turns actor-side failures into StageError with the stage's own message."""
+def gather(refs: Sequence[ray.ObjectRef], what: str) -> list[Any]:
+    """ray.get that turns actor-side failures into a StageError carrying the stage's own message."""
     try:
         return ray.get(list(refs))
     except StageError as error:  # raised by an actor; Ray re-raises it as this type
@@ -156,5 +156,11 @@ def _cause_message(error: BaseException) -> str:
     cause = getattr(error, "cause", None)
     if isinstance(cause, BaseException):
         return str(cause) if isinstance(cause, StageError) else f"{type(cause).__name__}: {cause}"
-    text = str(error)
-    return text.strip().splitlines()[-1] if text.strip() else type(error).__name__
+    return last_line(error)
+
+
+def last_line(error: BaseException) -> str:
+    """The last line of an error's text: Ray puts the remote traceback first, the cause last."""
+    text = str(error).strip()
+    line = text.splitlines()[-1] if text else type(error).__name__
+    return line.removeprefix("raypipe.errors.StageError: ")

@@ -19,7 +19,7 @@ import torch
 from raypipe import runtime
 from raypipe.actors.stage import StageActor, StageSettings
 from raypipe.config import TrainConfig, nearest
-from raypipe.engine import run_forward, run_step, submission_order
+from raypipe.engine import gather, last_line, run_forward, run_step, submission_order
 from raypipe.errors import BatchError, ConfigError, PlacementError, StageError
 from raypipe.layers import LayerSpec, as_spec, parameter_counts
 from raypipe.partition import Plan, make_plan
@@ -153,7 +153,7 @@ class Trainer:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full model's weights, keyed as `nn.Sequential(*layers).state_dict()`."""
         merged: dict[str, torch.Tensor] = {}
-        for part in ray.get([a.state_dict.remote() for a in self._actors]):
+        for part in gather([a.state_dict.remote() for a in self._actors], "state_dict"):
             merged.update(part)
         return merged
 
@@ -178,14 +178,14 @@ class Trainer:
                 f"model; keys look like '<layer index>.<parameter>', as state_dict() gives them."
             )
         try:
-            ray.get([a.load_state_dict.remote(p) for a, p in zip(self._actors, parts)])
+            gather([a.load_state_dict.remote(p) for a, p in zip(self._actors, parts)], "load_state_dict")
         except StageError as error:
             raise KeyError(str(error)) from None
 
     def gradients(self) -> dict[str, torch.Tensor]:
         """The last step's gradients, keyed like `state_dict()` (as the optimizer used them)."""
         merged: dict[str, torch.Tensor] = {}
-        for part in ray.get([a.gradients.remote() for a in self._actors]):
+        for part in gather([a.gradients.remote() for a in self._actors], "gradients"):
             merged.update(part)
         return merged
 
@@ -219,7 +219,7 @@ class Trainer:
 
     def stage_info(self) -> list[dict[str, Any]]:
         """Per stage: actor name, layer range, parameter count, node id, pid, device, threads."""
-        return ray.get([a.info.remote() for a in self._actors])
+        return gather([a.info.remote() for a in self._actors], "stage_info")
 
     def shutdown(self) -> None:
         """Stops every actor this trainer started. Safe to call twice."""
@@ -263,7 +263,7 @@ class Trainer:
 
     def _configure_actors(self, reset_optimizer: bool = False) -> None:
         settings = self._settings()
-        ray.get([a.configure.remote(settings, reset_optimizer) for a in self._actors])
+        gather([a.configure.remote(settings, reset_optimizer) for a in self._actors], "configure")
 
     def _cpus_per_actor(self) -> float:
         if self.config.cpus_per_actor is not None:
@@ -308,7 +308,7 @@ class Trainer:
                     ray.get(ref)
                 except ray.exceptions.RayActorError as error:
                     raise StageError(
-                        f"{self.names[stage]} (layers {self.plan[stage]}) could not start: {error}"
+                        f"{self.names[stage]} (layers {self.plan[stage]}) could not start: {last_line(error)}"
                     ) from None
             if pending and time.monotonic() >= deadline:
                 waiting = [self.names[refs.index(r)] for r in pending]

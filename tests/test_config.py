@@ -36,6 +36,8 @@ def test_defaults_are_valid_and_printable():
         ("activation_checkpointing", "yes", "true or false"),
         ("seed", -3, "seed"),
         ("step_timeout", 0, "step_timeout"),
+        ("grad_clip", float("nan"), "finite number > 0"),
+        ("optimizer", {"name": "sgd", "lr": float("inf")}, "optimizer.lr=inf"),
     ],
 )
 def test_bad_values_name_field_value_and_fix(field, value, words):

@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch import nn
 
+from helpers import assert_close_dicts, reference_run
 from raypipe import LayerSpec, TrainConfig, Trainer
 
 SGD = {"name": "sgd", "lr": 0.05, "momentum": 0.9}
@@ -46,3 +47,20 @@ def test_parameter_partition_places_big_layers_alone(ray_session):
               LayerSpec(nn.Linear, 2, 2)]
     with Trainer(layers, nn.functional.mse_loss, TrainConfig(pp=2, partition="parameters")) as t:
         assert t.plan == [(0, 1), (1, 4)]
+
+
+def test_a_stage_without_parameters_trains_in_step(ray_session):
+    layers = [LayerSpec(nn.Linear, 3, 5), LayerSpec(nn.Tanh), LayerSpec(nn.Linear, 5, 2)]
+    config = TrainConfig(pp=3, microbatches=2, optimizer=SGD, seed=4)
+
+    def data(k):
+        g = torch.Generator().manual_seed(k)
+        return torch.randn(6, 3, generator=g), torch.randn(6, 2, generator=g)
+
+    with Trainer(layers, nn.functional.mse_loss, config) as t:
+        assert [i["parameters"] for i in t.stage_info()] == [20, 0, 12]
+        losses = [t.step(*data(k))["loss"] for k in range(3)]
+        ref_losses, _, ref_final = reference_run(
+            layers, 4, lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), steps=3, data=data)
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
+        assert_close_dicts(t.state_dict(), ref_final)

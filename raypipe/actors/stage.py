@@ -65,9 +65,8 @@ class StageActor:
         self.is_last = stage == num_stages - 1
         self.loss_fn = loss_fn
         self.device = torch.device("cpu")
-        self.module = nn.Sequential(
-            *[build_layer(spec, seed, start + j) for j, spec in enumerate(specs)]
-        ).to(self.device)
+        self.module = nn.Sequential(*[self._build(spec, seed, start + j) for j, spec in enumerate(specs)])
+        self.module.to(self.device)
         torch.manual_seed(seed * 7919 + stage)  # dropout and other in-forward randomness
         self.settings: StageSettings | None = None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -97,9 +96,13 @@ class StageActor:
         old = self.settings
         self.settings = settings
         same_kind = old is not None and old.optimizer["name"] == settings.optimizer["name"]
-        if self.optimizer is None or reset_optimizer or not same_kind:
-            self.optimizer = build_optimizer(self.module.parameters(), settings.optimizer)
+        if reset_optimizer or not same_kind:
             self.scaler = LossScaler()
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        if not params:  # a stage of parameter-free layers has nothing to optimise
+            self.optimizer = None
+        elif self.optimizer is None or reset_optimizer or not same_kind:
+            self.optimizer = build_optimizer(params, settings.optimizer)
         else:
             for group in self.optimizer.param_groups:
                 group.update({k: v for k, v in settings.optimizer.items() if k != "name"})
@@ -166,7 +169,7 @@ class StageActor:
         if settings.precision == "fp16":
             self.scaler.update(found_inf=not finite)
             skipped = not finite
-        if not skipped:
+        if not skipped and self.optimizer is not None:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             if settings.grad_clip is not None:
@@ -227,11 +230,17 @@ class StageActor:
         if call_id != self.current_call:
             self.current_call = call_id
             self.stash.clear()
-            self.optimizer.zero_grad(set_to_none=True)
+            self.module.zero_grad(set_to_none=True)
 
     def _autocast(self):
         dtype = AUTOCAST_DTYPES.get(self.settings.precision)
         return torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None)
+
+    def _build(self, spec: LayerSpec, seed: int, index: int) -> nn.Module:
+        try:
+            return build_layer(spec, seed, index)
+        except Exception as error:
+            raise StageError(f"layer {index} {spec!r} failed to build: {type(error).__name__}: {error}") from error
 
     def _grads(self) -> list[torch.Tensor]:
         return [p.grad for p in self.module.parameters() if p.grad is not None]

@@ -46,8 +46,9 @@ class GPTConfig:
     @property
     def parameters(self) -> int:
         c, v, t, n = self.n_embd, self.vocab_size, self.block_size, self.n_layer
-        per_block = 12 * c * c + (13 * c if self.bias else 0) + 4 * c
-        return v * c + t * c + n * per_block + 2 * c + c * v
+        norm = c + (c if self.bias else 0)  # LayerNorm weight (+ bias)
+        per_block = 12 * c * c + (9 * c if self.bias else 0) + 2 * norm  # attn, mlp, two norms
+        return v * c + t * c + n * per_block + norm + c * v  # embeddings, blocks, ln_f, head
 
 
 def _init(module: nn.Module, n_layer: int) -> None:

@@ -1,0 +1,61 @@
+"""The command line and the main job, run as a user runs them (subprocesses, own embedded Ray)."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RAYPIPE = [sys.executable, "-m", "raypipe.cli"]
+
+
+def run(args, env, timeout=240):
+    return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def losses(output):
+    return [float(v) for v in re.findall(r"\| loss (\d+\.\d+)", output)]
+
+
+def test_raypipe_train_runs_the_job_and_the_loss_falls(clean_env):
+    result = run(RAYPIPE + ["train", "examples/configs/tiny.yaml", "--set", "job.steps=40"], clean_env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert "stages: stage0-dp0-tp0 layers [0, 2), stage1-dp0-tp0 layers [2, 4)" in out
+    assert "tok/s" in out and "sample:" in out
+    values = losses(out)
+    assert len(values) >= 5 and values[-1] < values[0] - 1.0
+
+
+def test_examples_train_py_with_overrides(clean_env):
+    result = run([sys.executable, "examples/train.py", "--config", "examples/configs/tiny.yaml",
+                  "--set", "pp=1", "--set", "schedule=gpipe", "--set", "job.steps=10",
+                  "--set", "job.sample_tokens=0"], clean_env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "pp=1, schedule=gpipe" in result.stdout
+    assert "stages: stage0-dp0-tp0 layers [0, 4)" in result.stdout
+
+
+def test_bad_config_is_a_clear_error_with_exit_code_2(clean_env):
+    result = run(RAYPIPE + ["train", "examples/configs/tiny.yaml", "--set", "microbatch=4"], clean_env)
+    assert result.returncode == 2
+    assert "unknown field 'microbatch'" in result.stderr and "Did you mean 'microbatches'" in result.stderr
+    result = run([sys.executable, "examples/train.py", "--config", "nope.yaml"], clean_env)
+    assert result.returncode == 2 and "does not exist" in result.stderr
+
+
+def test_plan_and_schedule_commands(clean_env):
+    result = run(RAYPIPE + ["plan", "examples/configs/gpt_pp2.yaml"], clean_env)
+    assert result.returncode == 0, result.stderr
+    assert "6 layers" in result.stdout and "stage 1: layers [3, 6)" in result.stdout
+    result = run(RAYPIPE + ["schedule", "1f1b", "--pp", "3", "-m", "4"], clean_env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[0].startswith("stage 0: 0F0 0F1 0F2")
+    assert "peak microbatches in flight per stage: [3, 2, 1]" in result.stdout
+
+
+def test_the_parity_example_passes(clean_env):
+    result = run([sys.executable, "examples/parity_check.py"], clean_env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("max |weight difference|") == 2
+    assert "parity holds" in result.stdout

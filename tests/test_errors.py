@@ -1,0 +1,121 @@
+"""Bad configs, bad batches, failing layers, unplaceable actors and stuck steps raise
+clear errors quickly, and a trainer keeps working after a failed step."""
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from helpers import MLP7, Exploding, Sleep, assert_close_dicts, batch, reference_run
+from raypipe import (
+    BatchError,
+    ConfigError,
+    LayerSpec,
+    PlacementError,
+    StageError,
+    StepTimeoutError,
+    TrainConfig,
+    Trainer,
+)
+
+SGD = {"name": "sgd", "lr": 0.05, "momentum": 0.9}
+QUARTER = 0.25  # CPUs per actor, so this module's trainers fit beside each other on 2 CPUs
+
+
+@pytest.fixture(scope="module")
+def trainer(ray_session):
+    t = Trainer(MLP7, nn.functional.mse_loss, TrainConfig(pp=2, microbatches=4, optimizer=SGD, seed=3, cpus_per_actor=QUARTER))
+    yield t
+    t.shutdown()
+
+
+def test_batch_not_divisible_by_microbatches(trainer):
+    x, y = batch(0, size=10)
+    with pytest.raises(BatchError, match=r"10 samples cannot be split into microbatches=4.*e\.g\. 8"):
+        trainer.step(x, y)
+
+
+def test_targets_of_the_wrong_length(trainer):
+    x, y = batch(0)
+    with pytest.raises(BatchError, match=r"x has 16 samples but y has shape \(12, 3\)"):
+        trainer.step(x, y[:12])
+    with pytest.raises(BatchError, match="torch.Tensor"):
+        trainer.step(x.numpy(), y)
+
+
+def test_a_failed_step_names_stage_and_action_and_leaves_the_weights_alone(trainer):
+    before = trainer.state_dict()
+    x, y = batch(0)
+    started = time.monotonic()
+    with pytest.raises(StageError, match=r"stage0-dp0-tp0 failed at 0F0: RuntimeError: .*shapes"):
+        trainer.step(torch.randn(16, 5), y)  # 5 features where the first layer takes 6
+    with pytest.raises(StageError, match=r"stage1-dp0-tp0 failed at 1F0: .*size"):
+        trainer.step(x, torch.randn(16, 4))  # targets do not match the output shape
+    assert time.monotonic() - started < 20
+    after = trainer.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    # the next good step is exactly a first step: no stale gradients or activations
+    trainer.reset_optimizer()
+    trainer.step(x, y)
+    _, _, expected = reference_run(MLP7, 3, lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), steps=1)
+    assert_close_dicts(trainer.state_dict(), expected)
+
+
+def test_fields_that_shape_the_actors_cannot_be_reconfigured(trainer):
+    with pytest.raises(ConfigError, match="pp cannot change on a running trainer"):
+        trainer.reconfigure(pp=3)
+    with pytest.raises(ConfigError, match="Did you mean 'microbatches'"):
+        trainer.reconfigure(microbatch=2)
+
+
+def test_loading_foreign_weights_names_the_keys(trainer):
+    with pytest.raises(KeyError, match="name no layer"):
+        trainer.load_state_dict({"9.weight": torch.zeros(1)})
+    state = trainer.state_dict()
+    del state["4.bias"]
+    with pytest.raises(KeyError, match=r"missing keys \['4.bias'\]"):
+        trainer.load_state_dict(state)
+
+
+def test_bad_configs_fail_before_any_actor_starts(ray_session):
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match="shard_plan"):
+        Trainer(MLP7, nn.functional.mse_loss, TrainConfig(pp=2, shard_plan=[[0, 3], [4, 7]]))
+    with pytest.raises(ConfigError, match="only 7 layers"):
+        Trainer(MLP7, nn.functional.mse_loss, TrainConfig(pp=8))
+    with pytest.raises(TypeError, match="built Linear"):
+        Trainer([nn.Linear(2, 2)], nn.functional.mse_loss)
+    assert time.monotonic() - started < 5
+
+
+def test_a_layer_that_cannot_be_built_names_its_stage(ray_session):
+    layers = [LayerSpec(nn.Linear, 4, 4), LayerSpec(Exploding)]
+    with pytest.raises(StageError, match=r"stage1-dp0-tp0 \(layers \(1, 2\)\) could not start: layer 1 "
+                       r"LayerSpec\(Exploding\) failed to build: ValueError: this layer cannot be built$"):
+        Trainer(layers, nn.functional.mse_loss, TrainConfig(pp=2, cpus_per_actor=QUARTER))
+
+
+def test_unplaceable_actors_fail_within_the_start_timeout(ray_session):
+    started = time.monotonic()
+    with pytest.raises(PlacementError) as info:
+        Trainer(MLP7, nn.functional.mse_loss, TrainConfig(pp=2, cpus_per_actor=16, actor_start_timeout=2))
+    assert time.monotonic() - started < 15
+    message = str(info.value)
+    assert "stage0-dp0-tp0" in message and "'CPU': 16.0" in message and "actor_start_timeout" in message
+    deadline = time.monotonic() + 10
+    while ray_session.available_resources().get("CPU") != 1.5 and time.monotonic() < deadline:
+        time.sleep(0.1)  # the pending actors were killed; only the module's trainer holds CPUs
+    assert ray_session.available_resources().get("CPU") == 1.5
+
+
+def test_a_stuck_step_times_out_naming_what_is_pending(ray_session):
+    layers = [LayerSpec(nn.Linear, 4, 4), LayerSpec(Sleep, 30.0)]
+    with Trainer(layers, nn.functional.mse_loss, TrainConfig(pp=2, microbatches=2, step_timeout=1.0, cpus_per_actor=QUARTER)) as t:
+        started = time.monotonic()
+        with pytest.raises(StepTimeoutError) as info:
+            t.step(torch.randn(4, 4), torch.randn(4, 4))
+        assert time.monotonic() - started < 10
+    message = str(info.value)
+    assert "no progress for 1 s" in message
+    assert "stage1-dp0-tp0: 1F0, 1B0" in message
