@@ -36,8 +36,19 @@ def nearest(name: str, choices: Iterable[str]) -> str:
     return f" Did you mean {match[0]!r}?" if match else ""
 
 
+def invalid(label: str, value: Any, fix: str) -> ConfigError:
+    """The error for a bad value: `label=value is invalid: fix`."""
+    return ConfigError(f"{label}={value!r} is invalid: {fix}")
+
+
+def check_whole_number(label: str, value: Any, minimum: int) -> None:
+    """Raises ConfigError unless `value` is an int (not a bool) >= minimum."""
+    if not _is_int(value) or value < minimum:
+        raise invalid(label, value, f"give a whole number >= {minimum}.")
+
+
 def _fail(name: str, value: Any, fix: str) -> ConfigError:
-    return ConfigError(f"TrainConfig.{name}={value!r} is invalid: {fix}")
+    return invalid(f"TrainConfig.{name}", value, fix)
 
 
 def _is_int(value: Any) -> bool:
@@ -50,8 +61,7 @@ def _is_number(value: Any) -> bool:
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
-    if not _is_int(value) or value < minimum:
-        raise _fail(name, value, f"give a whole number >= {minimum}.")
+    check_whole_number(f"TrainConfig.{name}", value, minimum)
 
 
 def _check_positive(name: str, value: Any, allow_none: bool = False) -> None:

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
-from raypipe.config import TrainConfig, apply_overrides, load_yaml, nearest
+from raypipe.config import TrainConfig, apply_overrides, check_whole_number, load_yaml, nearest
 from raypipe.data import TokenDataset, stdlib_corpus
 from raypipe.errors import ConfigError
 from raypipe.models import gpt
@@ -87,10 +87,8 @@ class JobSettings:
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
             minimum = 1 if f.name in ("steps", "batch_size", "log_every", "eval_batches") else 0
-            if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-                raise ConfigError(f"job.{f.name}={value!r} is invalid: give a whole number >= {minimum}.")
+            check_whole_number(f"job.{f.name}", getattr(self, f.name), minimum)
 
 
 @dataclass

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import time
 import uuid
+import weakref
 from typing import Any, Callable, Sequence
 
 import ray
@@ -24,6 +25,9 @@ from raypipe.errors import BatchError, ConfigError, PlacementError, StageError
 from raypipe.layers import LayerSpec, as_spec, parameter_counts
 from raypipe.partition import Plan, make_plan
 from raypipe.schedules import build_schedule
+
+# Trainers of this process whose actors are running, named in placement errors.
+_RUNNING: "weakref.WeakSet[Trainer]" = weakref.WeakSet()
 
 # Fields a running trainer can change between steps; the others shape the actors.
 RECONFIGURABLE = (
@@ -86,6 +90,10 @@ class Trainer:
         )
         self.names = [f"stage{s}-dp0-tp0" for s in range(cfg.pp)]
         self._start_actors(loss_fn)
+        # a trainer dropped without shutdown() (a re-run notebook cell) frees its actors
+        self._finalizer = weakref.finalize(self, _kill, list(self._actors))
+        self._finalizer.atexit = False  # at exit Ray ends the actors with the driver
+        _RUNNING.add(self)
 
     # ----- public API -------------------------------------------------------------
 
@@ -223,12 +231,11 @@ class Trainer:
 
     def shutdown(self) -> None:
         """Stops every actor this trainer started. Safe to call twice."""
-        for actor in self._actors:
-            try:
-                ray.kill(actor, no_restart=True)
-            except Exception:  # already dead, or Ray already shut down
-                pass
+        _kill(self._actors)
         self._actors = []
+        _RUNNING.discard(self)
+        if hasattr(self, "_finalizer"):
+            self._finalizer.detach()
 
     def __enter__(self) -> "Trainer":
         return self
@@ -312,11 +319,17 @@ class Trainer:
                     ) from None
             if pending and time.monotonic() >= deadline:
                 waiting = [self.names[refs.index(r)] for r in pending]
+                others = [repr(t) for t in list(_RUNNING) if t is not self and t._actors]
+                hint = (
+                    f" Other trainers of this process still hold actors: {'; '.join(others)}; "
+                    f"call .shutdown() on those you are done with."
+                    if others else ""
+                )
                 raise PlacementError(
                     f"actors {waiting} were not placed within {self.config.actor_start_timeout:.0f} s "
                     f"(TrainConfig.actor_start_timeout). Each asked for {{'CPU': {cpus}}}; the cluster has "
                     f"{ray.cluster_resources()} in all and {ray.available_resources()} free. Free resources, "
-                    f"lower cpus_per_actor, or add nodes."
+                    f"lower cpus_per_actor, or add nodes.{hint}"
                 )
 
     def _split(self, x: torch.Tensor, y: Any) -> tuple[list[torch.Tensor], list[Any]]:
@@ -348,3 +361,11 @@ class Trainer:
             if start <= layer < end:
                 return s
         return None
+
+
+def _kill(actors: Sequence[Any]) -> None:
+    for actor in actors:
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception:  # already dead, or Ray already shut down
+            pass

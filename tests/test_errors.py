@@ -96,13 +96,14 @@ def test_a_layer_that_cannot_be_built_names_its_stage(ray_session):
         Trainer(layers, nn.functional.mse_loss, TrainConfig(pp=2, cpus_per_actor=QUARTER))
 
 
-def test_unplaceable_actors_fail_within_the_start_timeout(ray_session):
+def test_unplaceable_actors_fail_within_the_start_timeout(ray_session, trainer):
     started = time.monotonic()
     with pytest.raises(PlacementError) as info:
         Trainer(MLP7, nn.functional.mse_loss, TrainConfig(pp=2, cpus_per_actor=16, actor_start_timeout=2))
     assert time.monotonic() - started < 15
     message = str(info.value)
     assert "stage0-dp0-tp0" in message and "'CPU': 16.0" in message and "actor_start_timeout" in message
+    assert f"Other trainers of this process still hold actors: {trainer!r}" in message
     deadline = time.monotonic() + 10
     while ray_session.available_resources().get("CPU") != 1.5 and time.monotonic() < deadline:
         time.sleep(0.1)  # the pending actors were killed; only the module's trainer holds CPUs
@@ -119,3 +120,16 @@ def test_a_stuck_step_times_out_naming_what_is_pending(ray_session):
     message = str(info.value)
     assert "no progress for 1 s" in message
     assert "stage1-dp0-tp0: 1F0, 1B0" in message
+
+
+def test_a_dropped_trainer_frees_its_actors(ray_session):
+    import gc
+
+    t = Trainer(MLP7, nn.functional.mse_loss, TrainConfig(pp=2, cpus_per_actor=QUARTER))
+    free = ray_session.available_resources().get("CPU")
+    del t
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while ray_session.available_resources().get("CPU") != free + 2 * QUARTER and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ray_session.available_resources().get("CPU") == free + 2 * QUARTER

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from raypipe.config import check_whole_number
 from raypipe.errors import ConfigError
 from raypipe.layers import LayerSpec
 
@@ -32,9 +33,7 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"model.{name}={value!r} is invalid: give a whole number >= 1.")
+            check_whole_number(f"model.{name}", getattr(self, name), 1)
         if self.n_embd % self.n_head:
             raise ConfigError(
                 f"model.n_embd={self.n_embd} is invalid: it must divide by model.n_head={self.n_head} "

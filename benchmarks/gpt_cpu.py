@@ -1,0 +1,91 @@
+"""Tokens/s of the main job's GPT: plain PyTorch vs raypipe pp=1 and pp=2, side by side.
+
+Every configuration runs in the same process and the same Ray, in interleaved
+rounds (plain, pp=1, pp=2, plain, ...), so background load hits them alike. Each
+actor and the plain loop get one torch thread, so pp=1 vs plain measures raypipe's
+overhead and pp=2 what a second core buys through the pipeline.
+
+    python benchmarks/gpt_cpu.py --rounds 3 --steps 10 > gpt_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+
+import ray
+import torch
+
+from raypipe import TrainConfig, Trainer, build_layers
+from raypipe.data import TokenDataset
+from raypipe.models import gpt
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10, help="measured steps per round")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--microbatches", type=int, default=4)
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)
+    model_cfg = gpt.GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=64)
+    g = torch.Generator().manual_seed(0)
+    data = TokenDataset(torch.randint(0, 256, (200_000,), generator=g).numpy(), model_cfg.block_size)
+    optimizer = {"name": "adamw", "lr": 1e-3}
+    tokens_per_step = args.batch_size * model_cfg.block_size
+
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    plain = torch.nn.Sequential(*build_layers(gpt.layers(model_cfg)))
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+
+    def plain_step(step: int) -> None:
+        x, y = data.batch(step, args.batch_size)
+        plain_opt.zero_grad()
+        gpt.loss_fn(plain(x), y).backward()
+        plain_opt.step()
+
+    trainers = {
+        f"raypipe_pp{pp}": Trainer(
+            gpt.layers(model_cfg), gpt.loss_fn,
+            TrainConfig(pp=pp, microbatches=args.microbatches, optimizer=optimizer,
+                        cpus_per_actor=0.5, threads_per_actor=1),
+        )
+        for pp in (1, 2)
+    }
+    runners = {"plain_torch": plain_step}
+    runners.update({name: (lambda step, t=t: t.step(*data.batch(step, args.batch_size))) for name, t in trainers.items()})
+
+    for run in runners.values():  # warm-up: first steps pay for allocation and imports
+        for step in range(3):
+            run(step)
+    seconds = {name: [] for name in runners}
+    for r in range(args.rounds):
+        for name, run in runners.items():
+            started = time.perf_counter()
+            for step in range(args.steps):
+                run(1000 * r + step)
+            seconds[name].append((time.perf_counter() - started) / args.steps)
+    for t in trainers.values():
+        t.shutdown()
+    ray.shutdown()
+
+    best = {name: min(v) for name, v in seconds.items()}
+    result = {
+        "benchmark": "gpt_cpu",
+        "machine": {"cpus": 2, "python": platform.python_version(), "torch": torch.__version__, "ray": ray.__version__},
+        "model": {"parameters": model_cfg.parameters, "n_layer": 4, "n_embd": 128, "block_size": 64},
+        "batch_size": args.batch_size, "microbatches": args.microbatches, "steps_per_round": args.steps,
+        "rounds": args.rounds,
+        "step_seconds_per_round": seconds,
+        "tokens_per_s_best": {k: tokens_per_step / v for k, v in best.items()},
+        "ratio_vs_plain": {k: best["plain_torch"] / v for k, v in best.items() if k != "plain_torch"},
+    }
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
