@@ -1,0 +1,47 @@
+"""Engine overhead per actor call: step time of a model whose compute is negligible.
+
+A 4x4 linear layer per stage makes every action nearly free, so the step time is
+the engine's own cost: submitting calls, Ray dispatching them, moving tiny tensors.
+
+    python benchmarks/dispatch_overhead.py > dispatch_overhead.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import ray
+import torch
+from torch import nn
+
+from raypipe import LayerSpec, TrainConfig, Trainer
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    rows = []
+    for pp, m in [(1, 1), (1, 4), (1, 16), (2, 16), (4, 16)]:
+        config = TrainConfig(pp=pp, microbatches=m, cpus_per_actor=0.5, optimizer={"name": "sgd", "lr": 0.01})
+        with Trainer([LayerSpec(nn.Linear, 4, 4)] * pp, nn.functional.mse_loss, config) as trainer:
+            x, y = torch.randn(16, 4), torch.randn(16, 4)
+            for _ in range(5):
+                trainer.step(x, y)
+            started = time.perf_counter()
+            for _ in range(args.steps):
+                trainer.step(x, y)
+            step = (time.perf_counter() - started) / args.steps
+        calls = 2 * pp * m + 2 * pp  # forwards and backwards, then grad_stats and optimizer_step per stage
+        rows.append({"pp": pp, "microbatches": m, "calls_per_step": calls, "step_ms": 1e3 * step,
+                     "us_per_call": 1e6 * step / calls})
+    ray.shutdown()
+    print(json.dumps({"benchmark": "dispatch_overhead", "cpus": 2, "ray": ray.__version__, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
