@@ -3,10 +3,13 @@
 Import everything from here; the submodules may change.
 """
 
+from raypipe.checkpoint import CheckpointError
 from raypipe.config import TrainConfig
 from raypipe.errors import (
+    ActorDiedError,
     BatchError,
     ConfigError,
+    NonFiniteError,
     PlacementError,
     RaypipeError,
     ScheduleError,
@@ -21,8 +24,11 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Action",
+    "ActorDiedError",
     "BatchError",
+    "CheckpointError",
     "ConfigError",
+    "NonFiniteError",
     "LayerSpec",
     "PlacementError",
     "RaypipeError",

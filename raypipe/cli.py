@@ -12,7 +12,7 @@ def _train(args: argparse.Namespace) -> int:
     from raypipe.job import JobConfig, run
 
     config = JobConfig.from_yaml(args.config, args.set)
-    run(config, log=lambda line: print(line, flush=True))
+    run(config, log=lambda line: print(line, flush=True), resume=args.resume, resume_step=args.resume_step)
     return 0
 
 
@@ -45,6 +45,14 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_resume_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--resume` / `--resume-step N`, shared by `raypipe train` and examples/train.py."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--resume", action="store_true",
+                       help="continue from the newest valid checkpoint in checkpoint_dir")
+    group.add_argument("--resume-step", type=int, metavar="N", help="continue from the checkpoint of step N")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="raypipe", description="Pipeline-parallel PyTorch training on Ray.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -56,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="train the reference GPT as a job file says")
     with_config(train)
+    add_resume_arguments(train)
     train.set_defaults(func=_train)
 
     plan = sub.add_parser("plan", help="show how a job's model is split into stages, without training")

@@ -25,6 +25,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZER_NAMES = ("sgd", "adam", "adamw")
 LR_SCHEDULE_NAMES = ("constant", "cosine")
 LR_SCHEDULE_KEYS = ("name", "warmup_steps", "total_steps", "min_lr")
+NONFINITE_POLICIES = ("error", "skip")
 
 # Sections of a job file that belong to the job, not to TrainConfig (see raypipe.job).
 JOB_SECTIONS = ("model", "data", "job")
@@ -161,6 +162,15 @@ class TrainConfig:
         actor_start_timeout: seconds to wait for every actor to be placed and built.
         step_timeout: seconds a step may go without any action finishing before it is abandoned.
         name: run name, used in actor names and logs; None picks a unique one.
+        checkpoint_dir: where checkpoints go (`<dir>/step-N/`); shared by all nodes in a
+            multi-node run. None disables automatic checkpoints.
+        checkpoint_every: save every this many steps (0: only on `Trainer.save`).
+        keep_checkpoints: how many of the newest checkpoints to keep (0: all).
+        max_restarts: how many times `Trainer.fit` rebuilds the actors after one dies,
+            restoring the last checkpoint, before it gives up.
+        nonfinite: what a NaN or infinite loss or gradient does: "error" stops with an
+            error naming the step, "skip" skips that update and goes on. Weights are
+            never updated from non-finite gradients.
     """
 
     pp: int = 1
@@ -179,6 +189,11 @@ class TrainConfig:
     actor_start_timeout: float = 60.0
     step_timeout: float = 300.0
     name: str | None = None
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 3
+    max_restarts: int = 0
+    nonfinite: str = "error"
 
     def __post_init__(self) -> None:
         _check_int("pp", self.pp, 1)
@@ -204,6 +219,14 @@ class TrainConfig:
         _check_positive("step_timeout", self.step_timeout)
         if self.name is not None and (not isinstance(self.name, str) or not self.name):
             raise _fail("name", self.name, "give a non-empty string or null.")
+        if self.checkpoint_dir is not None and (not isinstance(self.checkpoint_dir, str) or not self.checkpoint_dir):
+            raise _fail("checkpoint_dir", self.checkpoint_dir, "give a directory path or null.")
+        _check_int("checkpoint_every", self.checkpoint_every, 0)
+        if self.checkpoint_every and self.checkpoint_dir is None:
+            raise _fail("checkpoint_every", self.checkpoint_every, "set checkpoint_dir too, or use 0.")
+        _check_int("keep_checkpoints", self.keep_checkpoints, 0)
+        _check_int("max_restarts", self.max_restarts, 0)
+        _check_choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:

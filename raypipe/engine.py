@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import ray
 import torch
 
-from raypipe.errors import StageError, StepTimeoutError
+from raypipe.errors import ActorDiedError, StageError, StepTimeoutError
 from raypipe.schedules import BACKWARD, FORWARD, Action, Schedule, simulate
 
 
@@ -87,7 +87,7 @@ def run_step(
     for s, ref in enumerate(reports):
         pending_actions[ref] = f"{s}:optimizer_step"
     _wait_for_progress(pending_actions, names, timeout, step)
-    values = gather(losses + reports, f"step {step}")
+    values = gather(losses + reports, f"step {step}", actors, names)
     return StepResult(values[: len(losses)], values[len(losses) :], time.perf_counter() - started)
 
 
@@ -112,17 +112,27 @@ def run_forward(
             pending[ref] = Action(s, FORWARD, m)
         results.append(ref)
     _wait_for_progress(pending, names, timeout, step=-1)
-    return gather(results, "inference")
+    return gather(results, "inference", actors, names)
 
 
-def gather(refs: Sequence[ray.ObjectRef], what: str) -> list[Any]:
-    """ray.get that turns actor-side failures into a StageError carrying the stage's own message."""
+def gather(
+    refs: Sequence[ray.ObjectRef], what: str, actors: Sequence[Any] = (), names: Sequence[str] = ()
+) -> list[Any]:
+    """ray.get that turns actor-side failures into a StageError carrying the stage's own message.
+
+    A dead actor becomes an ActorDiedError naming it (from `actors` and `names`) and
+    Ray's account of why it died.
+    """
     try:
         return ray.get(list(refs))
     except StageError as error:  # raised by an actor; Ray re-raises it as this type
         raise StageError(_cause_message(error)) from None
     except ray.exceptions.RayActorError as error:
-        raise StageError(f"a stage actor died during {what}: {error}") from None
+        by_id = {a._actor_id.hex(): n for a, n in zip(actors, names)}
+        name = by_id.get(getattr(error, "actor_id", None) or "", "a stage actor")
+        lines = [line.strip() for line in str(error).splitlines()]
+        cause = " ".join(line for line in lines[1:] if line and ":" not in line[:12]) or lines[0]
+        raise ActorDiedError(f"{name} died during {what}: {cause}", actor=name, cause=cause) from None
     except ray.exceptions.RayTaskError as error:
         raise StageError(f"{what} failed: {_cause_message(error)}") from None
 

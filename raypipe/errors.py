@@ -29,3 +29,20 @@ class StageError(RaypipeError):
 
 class StepTimeoutError(RaypipeError):
     """A step made no progress in time; the message lists the pending actions."""
+
+
+class ActorDiedError(StageError):
+    """A stage actor's process died (killed, out of memory, node lost).
+
+    Attributes:
+        actor: the actor's name, e.g. "stage1-dp0-tp0".
+        cause: Ray's account of the death.
+    """
+
+    def __init__(self, message: str, actor: str = "?", cause: str = "") -> None:
+        super().__init__(message)
+        self.actor, self.cause = actor, cause
+
+
+class NonFiniteError(RaypipeError):
+    """A loss or gradient was NaN or infinite (with TrainConfig.nonfinite="error")."""

@@ -18,7 +18,7 @@ import torch
 
 from raypipe.config import TrainConfig, apply_overrides, check_whole_number, load_yaml, nearest
 from raypipe.data import TokenDataset, stdlib_corpus
-from raypipe.errors import ConfigError
+from raypipe.errors import ConfigError, RaypipeError
 from raypipe.models import gpt
 
 DATA_SOURCES = ("stdlib", "bin", "text")
@@ -121,8 +121,17 @@ def _section(cls: type, name: str, values: Mapping[str, Any] | None) -> Any:
     return cls(**values)
 
 
-def run(config: JobConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
+def run(
+    config: JobConfig,
+    log: Callable[[str], None] = print,
+    resume: bool = False,
+    resume_step: int | None = None,
+) -> dict[str, Any]:
     """Trains the GPT as the job config says and reports progress through `log`.
+
+    Args:
+        resume: continue from the newest valid checkpoint in `checkpoint_dir`.
+        resume_step: continue from the checkpoint of this step.
 
     Returns:
         A summary: the per-step losses, the first and last validation loss, mean tokens/s.
@@ -130,6 +139,8 @@ def run(config: JobConfig, log: Callable[[str], None] = print) -> dict[str, Any]
     from raypipe.trainer import Trainer
 
     model, job, train = config.model, config.job, config.train
+    if (resume or resume_step is not None) and train.checkpoint_dir is None:
+        raise ConfigError("resuming needs checkpoint_dir in the config (or --set checkpoint_dir=PATH).")
     dataset = config.data.dataset(model.block_size)
     train_set, val_set = dataset.split(config.data.val_fraction) if config.data.val_fraction else (dataset, None)
     log(
@@ -139,43 +150,51 @@ def run(config: JobConfig, log: Callable[[str], None] = print) -> dict[str, Any]
     )
     losses: list[float] = []
     rates: list[float] = []
+
+    def on_step(metrics: dict[str, Any]) -> None:
+        step = metrics["step"]
+        losses.append(metrics["loss"])
+        if len(losses) > 1:  # the first step pays for warm-up; leave it out of the rate
+            rates.append(metrics["tokens_per_s"])
+        if step % job.log_every == 0 or len(losses) == 1 or step == job.steps:
+            log(
+                f"step {step:4d} | loss {metrics['loss']:.4f} | lr {metrics['lr']:.2e} | "
+                f"grad norm {metrics['grad_norm']:.3f} | {metrics['tokens_per_s']:,.0f} tok/s | "
+                f"{1000 * metrics['step_time']:.0f} ms"
+            )
+        if "checkpoint" in metrics:
+            log(f"step {step:4d} | saved {metrics['checkpoint']}")
+        if val_set and job.eval_every and step % job.eval_every == 0 and step < job.steps:
+            log(f"step {step:4d} | val loss {_validation_loss(trainer, val_set, job):.4f}")
+
     with Trainer(gpt.layers(model), gpt.loss_fn, train) as trainer:
         log(f"stages: {', '.join(f'{n} layers [{a}, {b})' for n, (a, b) in zip(trainer.names, trainer.plan))}")
-        first_val = _validation_loss(trainer, val_set, job, model) if val_set else None
+        if resume or resume_step is not None:
+            where = trainer.load(train.checkpoint_dir, step=resume_step, log=log)
+            log(f"resumed from {where} at step {trainer.step_count}")
+        first_val = _validation_loss(trainer, val_set, job) if val_set else None
         if first_val is not None:
-            log(f"step    0 | val loss {first_val:.4f}")
+            log(f"step {trainer.step_count:4d} | val loss {first_val:.4f}")
         started = time.perf_counter()
-        for step in range(job.steps):
-            x, y = train_set.batch(step, job.batch_size, seed=train.seed)
-            metrics = trainer.step(x, y)
-            losses.append(metrics["loss"])
-            if step > 0:  # the first step pays for warm-up; leave it out of the rate
-                rates.append(metrics["tokens_per_s"])
-            if (step + 1) % job.log_every == 0 or step == 0 or step + 1 == job.steps:
-                log(
-                    f"step {step + 1:4d} | loss {metrics['loss']:.4f} | lr {metrics['lr']:.2e} | "
-                    f"grad norm {metrics['grad_norm']:.3f} | {metrics['tokens_per_s']:,.0f} tok/s | "
-                    f"{1000 * metrics['step_time']:.0f} ms"
-                )
-            if val_set and job.eval_every and (step + 1) % job.eval_every == 0 and step + 1 < job.steps:
-                log(f"step {step + 1:4d} | val loss {_validation_loss(trainer, val_set, job, model):.4f}")
+        trainer.fit(lambda step: train_set.batch(step, job.batch_size, seed=train.seed), job.steps, on_step, log)
         elapsed = time.perf_counter() - started
-        last_val = _validation_loss(trainer, val_set, job, model) if val_set else None
+        last_val = _validation_loss(trainer, val_set, job) if val_set else None
         if last_val is not None:
             log(f"step {job.steps:4d} | val loss {last_val:.4f}")
         sample = _sample(trainer, config) if job.sample_tokens else None
-    head = sum(losses[:10]) / len(losses[:10])
-    tail = sum(losses[-10:]) / len(losses[-10:])
-    log(
-        f"done: {job.steps} steps in {elapsed:.1f} s; mean loss of the first 10 steps {head:.4f}, "
-        f"of the last 10 {tail:.4f}; {sum(rates) / max(1, len(rates)):,.0f} tok/s"
-    )
+    if losses:
+        head = sum(losses[:10]) / len(losses[:10])
+        tail = sum(losses[-10:]) / len(losses[-10:])
+        log(
+            f"done: {len(losses)} steps in {elapsed:.1f} s; mean loss of the first 10 steps {head:.4f}, "
+            f"of the last 10 {tail:.4f}; {sum(rates) / max(1, len(rates)):,.0f} tok/s"
+        )
     if sample is not None:
         log("sample:\n" + sample)
     return {"losses": losses, "val_first": first_val, "val_last": last_val, "tokens_per_s": rates}
 
 
-def _validation_loss(trainer: Any, val_set: TokenDataset, job: JobSettings, model: gpt.GPTConfig) -> float:
+def _validation_loss(trainer: Any, val_set: TokenDataset, job: JobSettings) -> float:
     """Mean loss over fixed validation batches, computed through the pipeline."""
     losses = [trainer.evaluate(*val_set.batch(k, job.batch_size, seed=12345)) for k in range(job.eval_batches)]
     return sum(losses) / len(losses)
@@ -202,11 +221,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="job YAML, e.g. examples/configs/gpt_pp2.yaml")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a field, e.g. --set microbatches=8 --set model.n_layer=2")
+    from raypipe.cli import add_resume_arguments
+
+    add_resume_arguments(parser)
     args = parser.parse_args(argv)
     try:
         config = JobConfig.from_yaml(args.config, args.set)
-    except ConfigError as error:
+        run(config, log=lambda line: print(line, flush=True), resume=args.resume, resume_step=args.resume_step)
+    except RaypipeError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    run(config, log=lambda line: print(line, flush=True))
     return 0
+

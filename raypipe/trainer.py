@@ -9,7 +9,9 @@ whole model; `state_dict()` gathers the stages' weights under the keys
 from __future__ import annotations
 
 import math
+import shutil
 import time
+from pathlib import Path
 import uuid
 import weakref
 from typing import Any, Callable, Sequence
@@ -21,7 +23,17 @@ from raypipe import runtime
 from raypipe.actors.stage import StageActor, StageSettings
 from raypipe.config import TrainConfig, nearest
 from raypipe.engine import gather, last_line, run_forward, run_step, submission_order
-from raypipe.errors import BatchError, ConfigError, PlacementError, StageError
+from raypipe import checkpoint as ckpt
+from raypipe.errors import (
+    ActorDiedError,
+    BatchError,
+    ConfigError,
+    NonFiniteError,
+    PlacementError,
+    RaypipeError,
+    StageError,
+    StepTimeoutError,
+)
 from raypipe.layers import LayerSpec, as_spec, parameter_counts
 from raypipe.partition import Plan, make_plan
 from raypipe.schedules import build_schedule
@@ -39,6 +51,11 @@ RECONFIGURABLE = (
     "precision",
     "activation_checkpointing",
     "step_timeout",
+    "checkpoint_dir",
+    "checkpoint_every",
+    "keep_checkpoints",
+    "max_restarts",
+    "nonfinite",
 )
 
 
@@ -79,6 +96,7 @@ class Trainer:
         self.plan: Plan = make_plan(len(self.specs), cfg.pp, cfg.partition, cfg.shard_plan, counts)
         self.run_name = cfg.name or f"run-{uuid.uuid4().hex[:8]}"
         self.step_count = 0
+        self.restarts = 0
         self._calls = 0
         self._actors: list[Any] = []
         self._set_schedule()
@@ -89,11 +107,8 @@ class Trainer:
             + [type(a) for s in self.specs for a in (*s.args, *s.kwargs.values())]
         )
         self.names = [f"stage{s}-dp0-tp0" for s in range(cfg.pp)]
+        self._loss_fn = loss_fn
         self._start_actors(loss_fn)
-        # a trainer dropped without shutdown() (a re-run notebook cell) frees its actors
-        self._finalizer = weakref.finalize(self, _kill, list(self._actors))
-        self._finalizer.atexit = False  # at exit Ray ends the actors with the driver
-        _RUNNING.add(self)
 
     # ----- public API -------------------------------------------------------------
 
@@ -114,21 +129,33 @@ class Trainer:
             StageError: an action failed on a stage (its message names stage and action).
             StepTimeoutError: no action finished for `config.step_timeout` seconds.
         """
+        if not self._actors:
+            raise RaypipeError(f"{self!r} has no actors; build a new Trainer or call load() after a failure.")
         inputs, targets = self._split(x, y)
         self._calls += 1
-        result = run_step(
-            self._actors,
-            self.names,
-            self._schedule,
-            inputs,
-            targets,
-            call_id=self._calls,
-            step=self.step_count,
-            timeout=self.config.step_timeout,
-            order=self._order,
-        )
-        self.step_count += 1
+        try:
+            result = run_step(
+                self._actors,
+                self.names,
+                self._schedule,
+                inputs,
+                targets,
+                call_id=self._calls,
+                step=self.step_count,
+                timeout=self.config.step_timeout,
+                order=self._order,
+            )
+        except StepTimeoutError:
+            self.shutdown()  # a stuck actor must not linger; the error names what it waited on
+            raise
         report = result.stage_reports[0]
+        if report["skipped"] and self.config.precision != "fp16" and self.config.nonfinite == "error":
+            raise NonFiniteError(
+                f"step {self.step_count + 1}: non-finite loss or gradients (microbatch losses "
+                f"{[round(v, 4) for v in result.losses]}); the update was not applied, weights are those "
+                f"after step {self.step_count}. Set TrainConfig.nonfinite='skip' to skip such steps."
+            )
+        self.step_count += 1
         samples = int(x.shape[0])
         metrics = {
             "step": self.step_count,
@@ -142,10 +169,118 @@ class Trainer:
         if not x.is_floating_point():
             metrics["tokens"] = int(x.numel())
             metrics["tokens_per_s"] = x.numel() / result.seconds
+        metrics["skipped"] = report["skipped"]
         if self.config.precision == "fp16":
             metrics["loss_scale"] = report["loss_scale"]
-            metrics["skipped"] = report["skipped"]
+        every = self.config.checkpoint_every
+        if every and self.step_count % every == 0:
+            metrics["checkpoint"] = str(self.save())
         return metrics
+
+    def fit(
+        self,
+        batches: Callable[[int], tuple[torch.Tensor, Any]],
+        steps: int,
+        on_step: Callable[[dict[str, Any]], None] | None = None,
+        log: Callable[[str], None] = print,
+    ) -> list[dict[str, Any]]:
+        """Trains until `step_count == steps`, surviving actor deaths.
+
+        Args:
+            batches: `batches(step) -> (x, y)`, the batch of a 0-based step. It must be a
+                function of the step alone, so steps replayed after a recovery see the
+                same data.
+            steps: the step count to reach.
+            on_step: called with each step's metrics.
+            log: where recovery messages go.
+
+        Returns:
+            The metrics of every step run by this call (replayed steps appear again).
+
+        Raises:
+            ActorDiedError: an actor died more than `config.max_restarts` times; the
+                message says which, why, and where the last checkpoint is.
+        """
+        history = []
+        while self.step_count < steps:
+            x, y = batches(self.step_count)
+            try:
+                metrics = self.step(x, y)
+            except ActorDiedError as error:
+                if self.restarts >= self.config.max_restarts:
+                    where = self._last_checkpoint()
+                    raise ActorDiedError(
+                        f"{error} -- after {self.restarts} restarts (TrainConfig.max_restarts="
+                        f"{self.config.max_restarts}); last checkpoint: {where or 'none'}",
+                        actor=error.actor, cause=error.cause,
+                    ) from None
+                self._recover(error, log)
+                continue
+            history.append(metrics)
+            if on_step is not None:
+                on_step(metrics)
+        return history
+
+    def save(self, path: str | None = None) -> Path:
+        """Saves weights, optimizer state, step and RNG state, all actors in lock-step.
+
+        Args:
+            path: the checkpoint root; `config.checkpoint_dir` when omitted.
+
+        Returns:
+            The checkpoint directory, `<root>/step-<N>`.
+        """
+        root = path or self.config.checkpoint_dir
+        if root is None:
+            raise ConfigError("Trainer.save needs a path, or TrainConfig.checkpoint_dir set.")
+        partial = ckpt.begin(root, self.step_count)
+        try:
+            parts = gather([a.save_checkpoint.remote(str(partial)) for a in self._actors], "save", self._actors, self.names)
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
+        files = {name: entry for part in parts for name, entry in part["files"].items()}
+        meta = {
+            "step": self.step_count,
+            "data_position": self.step_count,  # batches are a function of the step
+            "num_layers": len(self.specs),
+            "pp": self.num_stages,
+            "plan": [list(r) for r in self.plan],
+            "loss_scaler": parts[0]["loss_scaler"],
+            "run": self.run_name,
+            "config": self.config.to_dict(),
+        }
+        return ckpt.commit(partial, files, meta, self.config.keep_checkpoints)
+
+    def load(self, path: str, step: int | None = None, log: Callable[[str], None] = print) -> Path:
+        """Restores a checkpoint saved by any topology; training continues from its step.
+
+        Args:
+            path: a checkpoint directory (`.../step-N`), or a root holding several, in
+                which case the newest valid one is used (invalid ones are reported).
+            step: with a root, the step to restore instead of the newest.
+
+        Returns:
+            The checkpoint directory restored.
+
+        Raises:
+            CheckpointError: nothing valid to restore (missing, truncated, altered files).
+        """
+        if step is not None:
+            where, meta = ckpt.find_valid(path, step=step, warn=log)
+        else:
+            where, meta = ckpt.resolve(path, warn=log)
+        if meta["num_layers"] != len(self.specs):
+            raise ckpt.CheckpointError(
+                f"{where} holds a {meta['num_layers']}-layer model; this trainer has {len(self.specs)} layers."
+            )
+        same_split = meta["plan"] == [list(r) for r in self.plan]
+        gather(
+            [a.load_checkpoint.remote(str(where), meta["loss_scaler"], same_split) for a in self._actors],
+            "load", self._actors, self.names,
+        )
+        self.step_count = meta["step"]
+        return where
 
     def evaluate(self, x: torch.Tensor, y: Any) -> float:
         """The mean loss on `(x, y)` without training (eval mode, no gradients, weights unchanged)."""
@@ -302,6 +437,35 @@ class Trainer:
         except BaseException:
             self.shutdown()
             raise
+        # a trainer dropped without shutdown() (a re-run notebook cell) frees its actors
+        self._finalizer = weakref.finalize(self, _kill, list(self._actors))
+        self._finalizer.atexit = False  # at exit Ray ends the actors with the driver
+        _RUNNING.add(self)
+
+    def _recover(self, error: ActorDiedError, log: Callable[[str], None]) -> None:
+        """Replaces every actor and restores the last valid checkpoint (or the initial weights)."""
+        self.restarts += 1
+        started = time.monotonic()
+        log(f"raypipe: {error}; restart {self.restarts} of {self.config.max_restarts}")
+        self.shutdown()
+        self._start_actors(self._loss_fn)
+        where = self._last_checkpoint()
+        if where is not None:
+            self.load(str(where), log=log)
+        else:
+            self.step_count = 0  # new actors start from the initial weights
+        log(
+            f"raypipe: resumed at step {self.step_count} from {where or 'the initial weights'} "
+            f"in {time.monotonic() - started:.1f} s"
+        )
+
+    def _last_checkpoint(self) -> Path | None:
+        if self.config.checkpoint_dir is None:
+            return None
+        try:
+            return ckpt.find_valid(self.config.checkpoint_dir, warn=lambda _: None)[0]
+        except ckpt.CheckpointError:
+            return None
 
     def _wait_for_actors(self, cpus: float) -> None:
         refs = [a.info.remote() for a in self._actors]

@@ -79,3 +79,20 @@ class Sleep(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         time.sleep(self.seconds)
         return x
+
+
+class KillOnce(nn.Module):
+    """Identity that SIGKILLs its own process the first time `flag` exists (then removes it)."""
+
+    def __init__(self, flag: str) -> None:
+        super().__init__()
+        self.flag = flag
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import os
+        import signal
+
+        if os.path.exists(self.flag):
+            os.remove(self.flag)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return x

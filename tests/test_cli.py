@@ -59,3 +59,23 @@ def test_the_parity_example_passes(clean_env):
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("max |weight difference|") == 2
     assert "parity holds" in result.stdout
+
+
+def test_train_saves_checkpoints_and_resumes(clean_env, tmp_path):
+    ck = tmp_path / "ck"
+    common = ["--set", f"checkpoint_dir={ck}", "--set", "checkpoint_every=5", "--set", "job.sample_tokens=0",
+              "--set", "data.val_fraction=0"]
+    first = run(RAYPIPE + ["train", "examples/configs/tiny.yaml", "--set", "job.steps=10"] + common, clean_env)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert f"saved {ck}/step-00000010" in first.stdout
+    second = run(RAYPIPE + ["train", "examples/configs/tiny.yaml", "--set", "job.steps=15", "--resume-step", "5",
+                            "--set", "pp=1"] + common, clean_env)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert f"resumed from {ck}/step-00000005 at step 5" in second.stdout
+    # the resumed run (on another topology) repeats the first run's step 10 loss
+    first_10 = re.search(r"step   10 \| loss (\d+\.\d+)", first.stdout).group(1)
+    assert f"step   10 | loss {first_10}" in second.stdout
+    assert "step   15 |" in second.stdout
+    missing = run(RAYPIPE + ["train", "examples/configs/tiny.yaml", "--resume", "--set", f"checkpoint_dir={tmp_path / 'none'}"],
+                  clean_env)
+    assert missing.returncode == 2 and "no valid checkpoint" in missing.stderr

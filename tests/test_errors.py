@@ -117,9 +117,25 @@ def test_a_stuck_step_times_out_naming_what_is_pending(ray_session):
         with pytest.raises(StepTimeoutError) as info:
             t.step(torch.randn(4, 4), torch.randn(4, 4))
         assert time.monotonic() - started < 10
+        assert t._actors == []  # the trainer stopped its actors
+        with pytest.raises(Exception, match="no actors"):
+            t.step(torch.randn(4, 4), torch.randn(4, 4))
     message = str(info.value)
     assert "no progress for 1 s" in message
     assert "stage1-dp0-tp0: 1F0, 1B0" in message
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        alive = []
+        for name in t.names:  # a named actor can be looked up until it is dead
+            try:
+                ray_session.get_actor(name, namespace=f"raypipe-{t.run_name}")
+                alive.append(name)
+            except ValueError:
+                pass
+        if not alive:
+            break
+        time.sleep(0.2)
+    assert not alive, alive
 
 
 def test_a_dropped_trainer_frees_its_actors(ray_session):

@@ -8,9 +8,11 @@ all stages agree on clipping and fp16 overflow without a driver round trip.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
@@ -72,6 +74,7 @@ class StageActor:
         self.optimizer: torch.optim.Optimizer | None = None
         self.scaler = LossScaler()
         self.current_call = -1
+        self.losses_finite = True
         self.stash: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     # ----- set-up -------------------------------------------------------------
@@ -132,7 +135,9 @@ class StageActor:
                 loss = self.loss_fn(out, target.to(self.device) if torch.is_tensor(target) else target)
             scale = self.scaler.scale if self.settings.precision == "fp16" else 1.0
             self.stash[microbatch] = (x, loss.float() * (scale / self.settings.microbatches))
-            return float(loss.detach())
+            value = float(loss.detach())
+            self.losses_finite = self.losses_finite and math.isfinite(value)
+            return value
         except Exception as error:
             raise self._error("F", microbatch, error) from error
 
@@ -157,18 +162,21 @@ class StageActor:
             for g in grads:
                 g.div_(self.scaler.scale)
         sq = float(sum(g.detach().float().pow(2).sum() for g in grads)) if grads else 0.0
-        return sq, math.isfinite(sq)
+        return sq, math.isfinite(sq) and self.losses_finite
 
     def optimizer_step(self, step: int, *stats: tuple[float, bool]) -> dict[str, Any]:
-        """One optimizer step from every stage's gradient statistics (same on all stages)."""
-        total_norm = math.sqrt(sum(s[0] for s in stats)) if all(s[1] for s in stats) else math.inf
-        finite = math.isfinite(total_norm)
+        """One optimizer step from every stage's gradient statistics (same on all stages).
+
+        Non-finite statistics (a NaN or infinite gradient or loss anywhere) skip the
+        update on every stage alike; under fp16 they also halve the loss scale.
+        """
+        finite = all(s[1] for s in stats)
+        total_norm = math.sqrt(sum(s[0] for s in stats)) if finite else math.nan
         settings = self.settings
         lr = learning_rate(step, settings.optimizer["lr"], settings.lr_schedule)
-        skipped = False
         if settings.precision == "fp16":
             self.scaler.update(found_inf=not finite)
-            skipped = not finite
+        skipped = not finite
         if not skipped and self.optimizer is not None:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
@@ -224,11 +232,70 @@ class StageActor:
             if p.grad is not None
         }
 
+    # ----- checkpoints ------------------------------------------------------------
+
+    def save_checkpoint(self, directory: str) -> dict[str, Any]:
+        """Writes this stage's layers, their optimizer state and its RNG state.
+
+        Returns:
+            {"files": relative path -> {"sha256", "bytes"}, "loss_scaler": {...}}.
+        """
+        from raypipe import checkpoint as ckpt
+
+        root = Path(directory)
+        if not root.is_dir():
+            import ray
+
+            raise StageError(
+                f"{self.name} on node {ray.get_runtime_context().get_node_id()[:12]} cannot see the "
+                f"checkpoint directory {directory}: multi-node runs need a directory every node shares."
+            )
+        files = {}
+        for j, layer in enumerate(self.module):
+            index = self.start + j
+            files[ckpt.layer_file("model", index)] = ckpt.save_tensors(
+                root / ckpt.layer_file("model", index), layer.state_dict()
+            )
+            state = {}
+            if self.optimizer is not None:
+                for name, p in layer.named_parameters():
+                    if p in self.optimizer.state:
+                        state[name] = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in self.optimizer.state[p].items()}
+            files[ckpt.layer_file("optim", index)] = ckpt.save_tensors(root / ckpt.layer_file("optim", index), state)
+        rng = f"rng/stage-{self.stage}.pt"
+        files[rng] = ckpt.save_tensors(root / rng, {"torch": torch.get_rng_state()})
+        return {"files": files, "loss_scaler": dataclasses.asdict(self.scaler)}
+
+    def load_checkpoint(self, directory: str, loss_scaler: dict, restore_rng: bool) -> None:
+        """Loads this stage's layers and optimizer state from a verified checkpoint."""
+        from raypipe import checkpoint as ckpt
+
+        root = Path(directory)
+        try:
+            for j, layer in enumerate(self.module):
+                index = self.start + j
+                layer.load_state_dict(ckpt.load_tensors(root / ckpt.layer_file("model", index)))
+                state = ckpt.load_tensors(root / ckpt.layer_file("optim", index))
+                if self.optimizer is not None:
+                    for name, p in layer.named_parameters():
+                        if name in state:
+                            self.optimizer.state[p] = state[name]
+                        else:
+                            self.optimizer.state.pop(p, None)
+            if restore_rng:
+                torch.set_rng_state(ckpt.load_tensors(root / f"rng/stage-{self.stage}.pt")["torch"])
+        except StageError:
+            raise
+        except Exception as error:
+            raise StageError(f"{self.name} could not load {directory}: {type(error).__name__}: {error}") from error
+        self.scaler = LossScaler(**loss_scaler)
+
     # ----- helpers ---------------------------------------------------------------
 
     def _begin(self, call_id: int) -> None:
         if call_id != self.current_call:
             self.current_call = call_id
+            self.losses_finite = True
             self.stash.clear()
             self.module.zero_grad(set_to_none=True)
 

@@ -1,0 +1,196 @@
+"""Lock-step, topology-independent checkpoints.
+
+Layout of one checkpoint, `<root>/step-00000120/`:
+
+    model/layer-00003.pt   layer 3's state_dict (its own keys, e.g. "weight")
+    optim/layer-00003.pt   optimizer state of layer 3's parameters, by parameter name
+    rng/stage-1.pt         stage 1's torch RNG state (restored when pp matches)
+    trainer.json           step, data position, config, plan, loss scaler
+    MANIFEST.json          sha256 and size of every file above; written last
+
+Every file is keyed by global layer index, never by stage, so a checkpoint saved at
+one pp loads at any other. Each actor writes its own layers (a multi-node run needs
+a directory every node sees), each file atomically (temporary file, fsync, rename);
+the checkpoint is written as `step-N.partial` and renamed to `step-N` after the
+manifest, so a directory named `step-N` is always complete. Loading verifies every
+checksum first and reads tensors with `torch.load(weights_only=True)`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from raypipe.errors import RaypipeError
+
+FORMAT = 1
+MANIFEST = "MANIFEST.json"
+META = "trainer.json"
+_NAME = re.compile(r"^step-(\d{8})$")
+
+
+class CheckpointError(RaypipeError):
+    """A checkpoint is missing, incomplete, corrupt, or cannot be written."""
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def layer_file(kind: str, index: int) -> str:
+    return f"{kind}/layer-{index:05d}.pt"
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_atomic(path: Path, data: bytes) -> dict[str, Any]:
+    """Writes bytes via a temporary file, fsync and rename. Returns its sha256 and size."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+
+
+def save_tensors(path: Path, obj: Any) -> dict[str, Any]:
+    """torch.save to bytes, then an atomic write."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return write_atomic(path, buffer.getvalue())
+
+
+def load_tensors(path: Path) -> Any:
+    """torch.load that refuses anything but tensors and plain containers."""
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def partial_dir(root: Path, step: int) -> Path:
+    return Path(root) / f"{checkpoint_name(step)}.partial"
+
+
+def begin(root: str | Path, step: int) -> Path:
+    """Creates an empty `step-N.partial` directory for the actors to write into."""
+    path = partial_dir(Path(root), step)
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+    return path
+
+
+def commit(partial: Path, files: dict[str, dict[str, Any]], meta: dict[str, Any], keep: int) -> Path:
+    """Writes trainer.json and the manifest, renames the directory into place, prunes old ones.
+
+    Args:
+        partial: the directory `begin` returned, with the actors' files in it.
+        files: relative path -> {"sha256", "bytes"} for every file the actors wrote.
+        meta: what trainer.json holds.
+        keep: how many complete checkpoints to keep (newest first); 0 keeps all.
+    """
+    files = dict(files)
+    files[META] = write_atomic(partial / META, json.dumps(meta, indent=2, sort_keys=True).encode())
+    manifest = {"format": FORMAT, "step": meta["step"], "files": files}
+    write_atomic(partial / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True).encode())
+    final = partial.with_name(checkpoint_name(meta["step"]))
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(partial, final)
+    _fsync_dir(final.parent)
+    if keep:
+        for old in list_checkpoints(final.parent)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def list_checkpoints(root: str | Path) -> list[Path]:
+    """Complete checkpoint directories under root, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and _NAME.match(p.name)]
+    return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))
+
+
+def verify(path: str | Path) -> dict[str, Any]:
+    """Checks the manifest and every file's size and sha256; returns trainer.json's content.
+
+    Raises:
+        CheckpointError: naming the first missing, truncated or altered file.
+    """
+    path = Path(path)
+    manifest_path = path / MANIFEST
+    if not manifest_path.is_file():
+        raise CheckpointError(f"{path}: no {MANIFEST} (the checkpoint was not completed)")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        files = manifest["files"]
+    except (ValueError, KeyError, TypeError) as error:
+        raise CheckpointError(f"{manifest_path}: unreadable manifest ({error})") from None
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: format {manifest.get('format')!r}, this raypipe reads format {FORMAT}")
+    for name, entry in sorted(files.items()):
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"{file}: missing")
+        if file.stat().st_size != entry["bytes"]:
+            raise CheckpointError(f"{file}: {file.stat().st_size} bytes, the manifest says {entry['bytes']} (truncated?)")
+        if sha256_file(file) != entry["sha256"]:
+            raise CheckpointError(f"{file}: sha256 does not match the manifest (corrupt)")
+    return json.loads((path / META).read_text())
+
+
+def find_valid(
+    root: str | Path, step: int | None = None, warn: Callable[[str], None] = print
+) -> tuple[Path, dict[str, Any]]:
+    """The newest checkpoint under root that verifies (or the one of `step`).
+
+    Invalid checkpoints met on the way are reported through `warn` and skipped.
+
+    Raises:
+        CheckpointError: no valid checkpoint (or the asked-for step is invalid or absent).
+    """
+    candidates = list_checkpoints(root)
+    if step is not None:
+        candidates = [p for p in candidates if p.name == checkpoint_name(step)]
+        if not candidates:
+            raise CheckpointError(f"no checkpoint for step {step} under {root}")
+    for path in reversed(candidates):
+        try:
+            return path, verify(path)
+        except CheckpointError as error:
+            if step is not None:
+                raise
+            warn(f"raypipe: skipping invalid checkpoint: {error}")
+    raise CheckpointError(f"no valid checkpoint under {root}")
+
+
+def resolve(path: str | Path, warn: Callable[[str], None] = print) -> tuple[Path, dict[str, Any]]:
+    """A checkpoint directory as given, or the newest valid one when given their root."""
+    path = Path(path)
+    if (path / MANIFEST).exists() or _NAME.match(path.name):
+        return path, verify(path)
+    return find_valid(path, warn=warn)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,196 @@
+"""Checkpoints, resume on any topology, exact continuation, corruption, actor failures, NaN."""
+
+import json
+import shutil
+import threading
+import time
+
+import pytest
+import ray
+import torch
+from torch import nn
+
+from helpers import MLP7, KillOnce, batch
+from raypipe import ActorDiedError, NonFiniteError, StageError, TrainConfig, Trainer
+from raypipe.checkpoint import CheckpointError, find_valid, list_checkpoints, load_tensors, verify
+
+ADAMW = {"name": "adamw", "lr": 1e-2, "weight_decay": 0.1}
+STEPS = 6
+
+
+def config(root=None, **changes):
+    base = dict(pp=2, microbatches=2, optimizer=ADAMW, seed=5, checkpoint_dir=str(root) if root else None,
+                checkpoint_every=2 if root else 0, keep_checkpoints=0)
+    base.update(changes)
+    return TrainConfig(**base)
+
+
+def losses_by_step(history):
+    """The loss of each step, the last run of it winning (replayed steps run twice)."""
+    return [loss for _, loss in sorted({m["step"]: m["loss"] for m in history}.items())]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(ray_session, tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    with Trainer(MLP7, nn.functional.mse_loss, config(root)) as t:
+        history = t.fit(batch, STEPS, log=lambda _: None)
+    return [m["loss"] for m in history], root
+
+
+def test_checkpoints_are_complete_verified_and_keyed_by_layer(uninterrupted):
+    _, root = uninterrupted
+    names = [p.name for p in root.iterdir()]
+    assert sorted(names) == ["step-00000002", "step-00000004", "step-00000006"]  # no .partial left
+    path = root / "step-00000004"
+    meta = verify(path)
+    assert meta["step"] == 4 and meta["data_position"] == 4 and meta["pp"] == 2
+    manifest = json.loads((path / "MANIFEST.json").read_text())
+    expected = {f"{kind}/layer-{i:05d}.pt" for kind in ("model", "optim") for i in range(7)}
+    assert expected | {"rng/stage-0.pt", "rng/stage-1.pt", "trainer.json"} == set(manifest["files"])
+    assert set(load_tensors(path / "model/layer-00002.pt")) == {"weight", "bias"}
+    assert set(load_tensors(path / "optim/layer-00002.pt")["weight"]) == {"step", "exp_avg", "exp_avg_sq"}
+
+
+def test_keep_prunes_to_the_newest(ray_session, tmp_path):
+    with Trainer(MLP7, nn.functional.mse_loss, config(tmp_path, checkpoint_every=1, keep_checkpoints=2)) as t:
+        t.fit(batch, 4, log=lambda _: None)
+        assert [p.name for p in list_checkpoints(tmp_path)] == ["step-00000003", "step-00000004"]
+        assert t.save(str(tmp_path / "manual")).name == "step-00000004"
+
+
+@pytest.mark.parametrize("pp", [2, 1, 3])
+def test_resume_continues_exactly_on_any_topology(uninterrupted, pp):
+    losses, root = uninterrupted
+    with Trainer(MLP7, nn.functional.mse_loss, config(pp=pp)) as t:
+        where = t.load(str(root), step=2)
+        assert where.name == "step-00000002" and t.step_count == 2
+        resumed = [m["loss"] for m in t.fit(batch, STEPS)]
+    torch.testing.assert_close(torch.tensor(resumed), torch.tensor(losses[2:]), rtol=1e-6, atol=1e-6)
+
+
+def test_corrupt_checkpoints_fall_back_to_the_previous_valid_one(uninterrupted, tmp_path):
+    _, original = uninterrupted
+    root = tmp_path / "copy"
+    shutil.copytree(original, root)
+    layer = root / "step-00000006" / "model" / "layer-00004.pt"
+    data = bytearray(layer.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    layer.write_bytes(bytes(data))
+    (root / "step-00000004" / "optim" / "layer-00000.pt").write_bytes(b"trunc")
+    warnings = []
+    path, meta = find_valid(root, warn=warnings.append)
+    assert path.name == "step-00000002" and meta["step"] == 2
+    assert "layer-00004.pt: sha256 does not match" in warnings[0]
+    assert "layer-00000.pt" in warnings[1] and "truncated" in warnings[1]
+    (root / "step-00000002" / "MANIFEST.json").unlink()
+    with pytest.raises(CheckpointError, match="no valid checkpoint"):
+        find_valid(root, warn=warnings.append)
+    assert "no MANIFEST.json" in warnings[-1]
+    with pytest.raises(CheckpointError, match="sha256 does not match"):
+        find_valid(root, step=6)
+
+
+def test_trainer_load_reports_and_skips_a_corrupt_newest(uninterrupted, tmp_path):
+    losses, original = uninterrupted
+    root = tmp_path / "copy"
+    shutil.copytree(original, root)
+    (root / "step-00000006" / "MANIFEST.json").unlink()
+    messages = []
+    with Trainer(MLP7, nn.functional.mse_loss, config()) as t:
+        assert t.load(str(root), log=messages.append).name == "step-00000004"
+        resumed = [m["loss"] for m in t.fit(batch, STEPS)]
+    assert any("skipping invalid checkpoint" in m and "step-00000006" in m for m in messages)
+    torch.testing.assert_close(torch.tensor(resumed), torch.tensor(losses[4:]), rtol=1e-6, atol=1e-6)
+
+
+KILLABLE = MLP7[:4] + [None] + MLP7[4:]  # the KillOnce layer goes into stage 1
+
+
+def killable_layers(flag):
+    from raypipe import LayerSpec
+
+    return [LayerSpec(KillOnce, str(flag)) if spec is None else spec for spec in KILLABLE]
+
+
+@pytest.fixture(scope="module")
+def killable_baseline(ray_session, tmp_path_factory):
+    flag = tmp_path_factory.mktemp("flag") / "never"
+    with Trainer(killable_layers(flag), nn.functional.mse_loss, config()) as t:
+        return [m["loss"] for m in t.fit(batch, STEPS)]
+
+
+@pytest.mark.parametrize("how", ["ray.kill", "SIGKILL"])
+def test_training_survives_a_stage_dying_mid_step(killable_baseline, tmp_path, how):
+    flag = tmp_path / "kill-now"
+    messages = []
+    with Trainer(killable_layers(flag), nn.functional.mse_loss, config(tmp_path / "ck", max_restarts=2)) as t:
+        victim = t._actors[1]
+
+        def on_step(metrics):
+            if metrics["step"] == 3 and t.restarts == 0:
+                if how == "SIGKILL":
+                    flag.touch()  # stage 1 kills its own process in step 4's first forward
+                else:
+                    threading.Timer(0.01, ray.kill, args=(victim,)).start()
+                    time.sleep(0.005)
+
+        started = time.monotonic()
+        history = t.fit(batch, STEPS, on_step=on_step, log=messages.append)
+        assert t.restarts == 1
+    assert time.monotonic() - started < 60
+    assert any("stage1-dp0-tp0 died during step" in m for m in messages), messages
+    assert any("resumed at step 2 from" in m for m in messages), messages
+    torch.testing.assert_close(torch.tensor(losses_by_step(history)), torch.tensor(killable_baseline),
+                               rtol=1e-6, atol=1e-6)
+    for path in list_checkpoints(tmp_path / "ck"):
+        verify(path)
+    assert not list((tmp_path / "ck").glob("*.partial"))
+
+
+def test_too_many_deaths_stop_with_who_why_and_where(ray_session, tmp_path):
+    flag = tmp_path / "kill-now"
+    with Trainer(killable_layers(flag), nn.functional.mse_loss, config(tmp_path / "ck")) as t:
+        def on_step(metrics):
+            if metrics["step"] == 2:
+                flag.touch()
+
+        started = time.monotonic()
+        with pytest.raises(ActorDiedError) as info:
+            t.fit(batch, STEPS, on_step=on_step, log=lambda _: None)
+    assert time.monotonic() - started < 30  # noticed within seconds, not at a timeout
+    message = str(info.value)
+    assert info.value.actor == "stage1-dp0-tp0"
+    assert "stage1-dp0-tp0 died during step 2" in message
+    assert "SIGKILL" in message or "killed" in message or "exit" in message.lower(), message
+    assert "max_restarts=0" in message and "step-00000002" in message
+
+
+@pytest.mark.parametrize("policy", ["error", "skip"])
+def test_nonfinite_loss_policies(ray_session, policy):
+    def poisoned(k):
+        x, y = batch(k)
+        if k == 2:
+            x[3, 1] = float("nan")
+        return x, y
+
+    with Trainer(MLP7, nn.functional.mse_loss, config(nonfinite=policy)) as t:
+        t.fit(poisoned, 2)
+        before = t.state_dict()
+        if policy == "error":
+            with pytest.raises(NonFiniteError, match="step 3: non-finite loss"):
+                t.step(*poisoned(2))
+            assert t.step_count == 2
+        else:
+            metrics = t.step(*poisoned(2))
+            assert metrics["skipped"] and t.step_count == 3
+        after = t.state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before)  # the weights were kept
+        metrics = t.step(*batch(3))
+        assert not metrics["skipped"] and torch.isfinite(torch.tensor(metrics["loss"]))
+
+
+def test_an_actor_that_cannot_see_the_directory_says_so(ray_session, tmp_path):
+    with Trainer(MLP7, nn.functional.mse_loss, config()) as t:
+        with pytest.raises(Exception, match="cannot see the checkpoint directory .*shares"):
+            ray.get(t._actors[0].save_checkpoint.remote(str(tmp_path / "not-there")))
