@@ -144,6 +144,8 @@ class TrainConfig:
 
     Attributes:
         pp: number of pipeline stages (one Ray actor each).
+        dp: data-parallel replicas of the whole pipeline; the batch is split across them
+            and gradients are averaged, so the result is the full batch's gradient.
         microbatches: microbatches each batch is split into; the batch size must divide by it.
         schedule: pipeline schedule, "1f1b" (bounded activation memory) or "gpipe".
         shard_plan: explicit contiguous [start, end) layer ranges, one per stage; overrides `partition`.
@@ -174,6 +176,7 @@ class TrainConfig:
     """
 
     pp: int = 1
+    dp: int = 1
     microbatches: int = 1
     schedule: str = "1f1b"
     shard_plan: list[list[int]] | None = None
@@ -197,6 +200,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _check_int("pp", self.pp, 1)
+        _check_int("dp", self.dp, 1)
         _check_int("microbatches", self.microbatches, 1)
         _check_choice("schedule", self.schedule, SCHEDULE_NAMES)
         _check_shard_plan(self.shard_plan, self.pp)

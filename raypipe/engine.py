@@ -36,21 +36,21 @@ def submission_order(schedule: Schedule) -> list[Action]:
 
 
 def run_step(
-    actors: Sequence[Any],
-    names: Sequence[str],
+    replicas: Sequence[Sequence[Any]],
+    names: Sequence[Sequence[str]],
     schedule: Schedule,
-    inputs: Sequence[torch.Tensor],
-    targets: Sequence[Any],
+    inputs: Sequence[Sequence[torch.Tensor]],
+    targets: Sequence[Sequence[Any]],
     call_id: int,
     step: int,
     timeout: float,
     order: Sequence[Action] | None = None,
 ) -> StepResult:
-    """Submits one step of `schedule` and waits for it.
+    """Submits one step of `schedule` on every data-parallel replica and waits for it.
 
     Args:
-        actors: one StageActor handle per stage; names: their names for messages.
-        inputs, targets: one entry per microbatch.
+        replicas: per replica, one StageActor handle per stage; names: their names.
+        inputs, targets: per replica, one entry per microbatch.
         call_id: a number new to every call; actors drop leftovers of a failed call
             and zero gradients when it changes.
         step: the optimizer step number (drives the learning-rate schedule).
@@ -58,36 +58,48 @@ def run_step(
         order: `submission_order(schedule)`, when the caller has it cached.
 
     Raises:
-        StageError: an action failed on an actor (or the actor died).
+        StageError: an action failed on an actor (ActorDiedError: the actor died).
         StepTimeoutError: nothing finished for `timeout` seconds.
     """
     started = time.perf_counter()
-    last = len(actors) - 1
-    outputs: dict[Action, ray.ObjectRef] = {}
-    for action in order or submission_order(schedule):
-        s, m = action.stage, action.microbatch
-        actor = actors[s]
-        if action.kind == FORWARD:
-            x = inputs[m] if s == 0 else outputs[Action(s - 1, FORWARD, m)]
-            if s == last:
-                outputs[action] = actor.forward.remote(call_id, m, x, targets[m])
+    order = order or submission_order(schedule)
+    last = len(schedule) - 1
+    pending: dict[ray.ObjectRef, tuple[str, str]] = {}
+    losses, finished = [], []
+    for d, actors in enumerate(replicas):
+        outputs: dict[Action, ray.ObjectRef] = {}
+        for action in order:
+            s, m = action.stage, action.microbatch
+            actor = actors[s]
+            if action.kind == FORWARD:
+                x = inputs[d][m] if s == 0 else outputs[Action(s - 1, FORWARD, m)]
+                if s == last:
+                    ref = actor.forward.remote(call_id, m, x, targets[d][m])
+                else:
+                    ref = actor.forward.remote(call_id, m, x)
             else:
-                outputs[action] = actor.forward.remote(call_id, m, x)
-        else:
-            grad = None if s == last else outputs[Action(s + 1, BACKWARD, m)]
-            outputs[action] = actor.backward.remote(call_id, m, grad)
-    finished = [outputs[Action(0, BACKWARD, m)] for m in range(len(inputs))]
-    stats = [actor.grad_stats.remote(*finished) for actor in actors]
-    reports = [actor.optimizer_step.remote(step, *stats) for actor in actors]
-    losses = [outputs[Action(last, FORWARD, m)] for m in range(len(inputs))]
-
-    pending_actions = {ref: action for action, ref in outputs.items()}
-    for s, ref in enumerate(stats):
-        pending_actions[ref] = f"{s}:grad_stats"
-    for s, ref in enumerate(reports):
-        pending_actions[ref] = f"{s}:optimizer_step"
-    _wait_for_progress(pending_actions, names, timeout, step)
-    values = gather(losses + reports, f"step {step}", actors, names)
+                grad = None if s == last else outputs[Action(s + 1, BACKWARD, m)]
+                ref = actor.backward.remote(call_id, m, grad)
+            outputs[action] = ref
+            pending[ref] = (names[d][s], str(action))
+        finished += [outputs[Action(0, BACKWARD, m)] for m in range(len(inputs[d]))]
+        losses += [outputs[Action(last, FORWARD, m)] for m in range(len(inputs[d]))]
+    flat = [(actor, names[d][s]) for d, actors in enumerate(replicas) for s, actor in enumerate(actors)]
+    if len(replicas) > 1:  # queued right behind each stage's own last backward
+        for actor, name in flat:
+            pending[actor.reduce_gradients.remote()] = (name, "reduce_gradients")
+    stats = []
+    for actor, name in flat:
+        stats.append(actor.grad_stats.remote(*finished))
+        pending[stats[-1]] = (name, "grad_stats")
+    reports = []
+    for actor, name in flat:
+        reports.append(actor.optimizer_step.remote(step, *stats))
+        pending[reports[-1]] = (name, "optimizer_step")
+    what = f"step {step + 1}"  # 1-based, as the step's metrics report it
+    _wait_for_progress(pending, timeout, what)
+    actors = [a for a, _ in flat]
+    values = gather(losses + reports, what, actors, [n for _, n in flat])
     return StepResult(values[: len(losses)], values[len(losses) :], time.perf_counter() - started)
 
 
@@ -109,9 +121,9 @@ def run_forward(
         for s, actor in enumerate(actors):
             target = targets[m] if targets is not None and s == len(actors) - 1 else None
             ref = actor.forward_only.remote(ref, target)
-            pending[ref] = Action(s, FORWARD, m)
+            pending[ref] = (names[s], str(Action(s, FORWARD, m)))
         results.append(ref)
-    _wait_for_progress(pending, names, timeout, step=-1)
+    _wait_for_progress(pending, timeout, "inference")
     return gather(results, "inference", actors, names)
 
 
@@ -137,28 +149,28 @@ def gather(
         raise StageError(f"{what} failed: {_cause_message(error)}") from None
 
 
-def _wait_for_progress(
-    pending: dict[ray.ObjectRef, Any], names: Sequence[str], timeout: float, step: int
-) -> None:
-    """Waits until every reference is ready, failing if none finishes for `timeout` s."""
+def _wait_for_progress(pending: dict[ray.ObjectRef, tuple[str, str]], timeout: float, what: str) -> None:
+    """Waits until every reference is ready, failing if none finishes for `timeout` s.
+
+    `pending` maps each reference to (actor name, action label) for the error message.
+    """
     refs = list(pending)
     while refs:
         ready, refs = ray.wait(refs, num_returns=len(refs), timeout=timeout, fetch_local=False)
         if not ready and refs:
-            stuck = [pending[r] for r in refs]
-            by_stage: dict[int, list[str]] = {}
-            for item in stuck:
-                stage = item.stage if isinstance(item, Action) else int(str(item).split(":")[0])
-                by_stage.setdefault(stage, []).append(str(item))
+            by_actor: dict[str, list[str]] = {}
+            for ref in refs:
+                name, label = pending[ref]
+                by_actor.setdefault(name, []).append(label)
             detail = "; ".join(
-                f"{names[s]}: {', '.join(items[:8])}{' ...' if len(items) > 8 else ''}"
-                for s, items in sorted(by_stage.items())
+                f"{name}: {', '.join(labels[:8])}{' ...' if len(labels) > 8 else ''}"
+                for name, labels in by_actor.items()
             )
             for ref in refs:
                 ray.cancel(ref, force=False)
             raise StepTimeoutError(
-                f"{'inference' if step < 0 else f'step {step}'} made no progress for {timeout:.0f} s (TrainConfig.step_timeout); "
-                f"{len(stuck)} actions pending: {detail}"
+                f"{what} made no progress for {timeout:.0f} s (TrainConfig.step_timeout); "
+                f"{len(refs)} actions pending: {detail}"
             )
 
 

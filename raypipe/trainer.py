@@ -106,7 +106,8 @@ class Trainer:
             [loss_fn] + [s.factory for s in self.specs]
             + [type(a) for s in self.specs for a in (*s.args, *s.kwargs.values())]
         )
-        self.names = [f"stage{s}-dp0-tp0" for s in range(cfg.pp)]
+        # actors are laid out replica-major: rank = d * pp + s, names[rank] = "stage{s}-dp{d}-tp0"
+        self.names = [f"stage{s}-dp{d}-tp0" for d in range(cfg.dp) for s in range(cfg.pp)]
         self._loss_fn = loss_fn
         self._start_actors(loss_fn)
 
@@ -115,6 +116,17 @@ class Trainer:
     @property
     def num_stages(self) -> int:
         return len(self.plan)
+
+    @property
+    def _replicas(self) -> list[list[Any]]:
+        """Actors per data-parallel replica, each replica's stages in order."""
+        pp = self.num_stages
+        return [self._actors[d * pp : (d + 1) * pp] for d in range(len(self._actors) // pp)]
+
+    @property
+    def _stages(self) -> list[Any]:
+        """Replica 0's stage actors: the ones weights, gradients and checkpoints are read from."""
+        return self._actors[: self.num_stages]
 
     def step(self, x: torch.Tensor, y: Any) -> dict[str, Any]:
         """Runs one optimizer step on the batch `(x, y)`, split into microbatches.
@@ -131,15 +143,17 @@ class Trainer:
         """
         if not self._actors:
             raise RaypipeError(f"{self!r} has no actors; build a new Trainer or call load() after a failure.")
-        inputs, targets = self._split(x, y)
+        dp, m = self.config.dp, self.config.microbatches
+        inputs, targets = self._split(x, y, dp * m)
         self._calls += 1
+        pp = self.num_stages
         try:
             result = run_step(
-                self._actors,
-                self.names,
+                self._replicas,
+                [self.names[d * pp : (d + 1) * pp] for d in range(dp)],
                 self._schedule,
-                inputs,
-                targets,
+                [inputs[d * m : (d + 1) * m] for d in range(dp)],
+                [targets[d * m : (d + 1) * m] for d in range(dp)],
                 call_id=self._calls,
                 step=self.step_count,
                 timeout=self.config.step_timeout,
@@ -235,7 +249,7 @@ class Trainer:
             raise ConfigError("Trainer.save needs a path, or TrainConfig.checkpoint_dir set.")
         partial = ckpt.begin(root, self.step_count)
         try:
-            parts = gather([a.save_checkpoint.remote(str(partial)) for a in self._actors], "save", self._actors, self.names)
+            parts = gather([a.save_checkpoint.remote(str(partial)) for a in self._stages], "save", self._stages, self.names)
         except BaseException:
             shutil.rmtree(partial, ignore_errors=True)
             raise
@@ -284,19 +298,19 @@ class Trainer:
 
     def evaluate(self, x: torch.Tensor, y: Any) -> float:
         """The mean loss on `(x, y)` without training (eval mode, no gradients, weights unchanged)."""
-        inputs, targets = self._split(x, y)
-        losses = run_forward(self._actors, self.names, inputs, targets, self.config.step_timeout)
+        inputs, targets = self._split(x, y, self.config.microbatches)
+        losses = run_forward(self._stages, self.names, inputs, targets, self.config.step_timeout)
         return sum(losses) / len(losses)
 
     def predict(self, x: torch.Tensor) -> torch.Tensor:
         """The model's output for `x` (eval mode, no gradients), run through the pipeline."""
-        inputs, _ = self._split(x, None)
-        return torch.cat(run_forward(self._actors, self.names, inputs, None, self.config.step_timeout))
+        inputs, _ = self._split(x, None, self.config.microbatches)
+        return torch.cat(run_forward(self._stages, self.names, inputs, None, self.config.step_timeout))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full model's weights, keyed as `nn.Sequential(*layers).state_dict()`."""
         merged: dict[str, torch.Tensor] = {}
-        for part in gather([a.state_dict.remote() for a in self._actors], "state_dict"):
+        for part in gather([a.state_dict.remote() for a in self._stages], "state_dict"):
             merged.update(part)
         return merged
 
@@ -321,14 +335,15 @@ class Trainer:
                 f"model; keys look like '<layer index>.<parameter>', as state_dict() gives them."
             )
         try:
-            gather([a.load_state_dict.remote(p) for a, p in zip(self._actors, parts)], "load_state_dict")
+            gather([a.load_state_dict.remote(parts[i % self.num_stages]) for i, a in enumerate(self._actors)],
+                   "load_state_dict")
         except StageError as error:
             raise KeyError(str(error)) from None
 
     def gradients(self) -> dict[str, torch.Tensor]:
         """The last step's gradients, keyed like `state_dict()` (as the optimizer used them)."""
         merged: dict[str, torch.Tensor] = {}
-        for part in gather([a.gradients.remote() for a in self._actors], "gradients"):
+        for part in gather([a.gradients.remote() for a in self._stages], "gradients"):
             merged.update(part)
         return merged
 
@@ -361,7 +376,7 @@ class Trainer:
         self._configure_actors(reset_optimizer=True)
 
     def stage_info(self) -> list[dict[str, Any]]:
-        """Per stage: actor name, layer range, parameter count, node id, pid, device, threads."""
+        """Per actor (replica by replica): name, layer range, parameters, node id, pid, device, threads."""
         return gather([a.info.remote() for a in self._actors], "stage_info")
 
     def shutdown(self) -> None:
@@ -381,7 +396,7 @@ class Trainer:
     def __repr__(self) -> str:
         c = self.config
         return (
-            f"Trainer(run={self.run_name!r}, pp={c.pp}, schedule={c.schedule!r}, "
+            f"Trainer(run={self.run_name!r}, pp={c.pp}, dp={c.dp}, schedule={c.schedule!r}, "
             f"microbatches={c.microbatches}, plan={self.plan}, steps={self.step_count}, "
             f"{'running' if self._actors else 'shut down'})"
         )
@@ -411,28 +426,32 @@ class Trainer:
         if self.config.cpus_per_actor is not None:
             return float(self.config.cpus_per_actor)
         total = ray.cluster_resources().get("CPU", 1.0)
-        return min(1.0, int(100 * total / self.config.pp) / 100) or 0.01
+        return min(1.0, int(100 * total / (self.config.pp * self.config.dp)) / 100) or 0.01
 
     def _start_actors(self, loss_fn: Callable) -> None:
         cfg = self.config
         cpus = self._cpus_per_actor()
         threads = cfg.threads_per_actor or max(1, int(cpus))
         remote_cls = ray.remote(StageActor)
-        for s, (start, end) in enumerate(self.plan):
-            self._actors.append(
-                remote_cls.options(
-                    name=self.names[s],
-                    namespace=f"raypipe-{self.run_name}",
-                    num_cpus=cpus,
-                    max_restarts=0,
-                    max_task_retries=0,
-                ).remote(
-                    s, cfg.pp, self.specs[start:end], start, cfg.seed, threads,
-                    loss_fn if s == cfg.pp - 1 else None, self.names[s],
+        for d in range(cfg.dp):
+            for s, (start, end) in enumerate(self.plan):
+                name = self.names[d * cfg.pp + s]
+                self._actors.append(
+                    remote_cls.options(
+                        name=name,
+                        namespace=f"raypipe-{self.run_name}",
+                        num_cpus=cpus,
+                        max_restarts=0,
+                        max_task_retries=0,
+                    ).remote(
+                        s, cfg.pp, self.specs[start:end], start, cfg.seed, threads,
+                        loss_fn if s == cfg.pp - 1 else None, name, d, cfg.dp,
+                    )
                 )
-            )
         try:
             self._wait_for_actors(cpus)
+            if cfg.dp > 1:
+                self._join_world()
             self._configure_actors()
         except BaseException:
             self.shutdown()
@@ -441,6 +460,20 @@ class Trainer:
         self._finalizer = weakref.finalize(self, _kill, list(self._actors))
         self._finalizer.atexit = False  # at exit Ray ends the actors with the driver
         _RUNNING.add(self)
+
+    def _join_world(self) -> None:
+        """Rendezvous through Ray: rank 0 publishes an address, every actor joins the world."""
+        pp, dp = self.config.pp, self.config.dp
+        address, port = gather([self._actors[0].rendezvous_address.remote()], "rendezvous")[0]
+        dp_groups = [[d * pp + s for d in range(dp)] for s in range(pp)]
+        gather(
+            [
+                a.join.remote(address, port, len(self._actors), rank, dp_groups, dp_groups[rank % pp],
+                              self.config.step_timeout)
+                for rank, a in enumerate(self._actors)
+            ],
+            "rendezvous", self._actors, self.names,
+        )
 
     def _recover(self, error: ActorDiedError, log: Callable[[str], None]) -> None:
         """Replaces every actor and restores the last valid checkpoint (or the initial weights)."""
@@ -474,12 +507,13 @@ class Trainer:
         while pending:
             ready, pending = ray.wait(pending, num_returns=len(pending), timeout=max(0.0, deadline - time.monotonic()))
             for ref in ready:
-                stage = refs.index(ref)
+                rank = refs.index(ref)
                 try:
                     ray.get(ref)
                 except ray.exceptions.RayActorError as error:
                     raise StageError(
-                        f"{self.names[stage]} (layers {self.plan[stage]}) could not start: {last_line(error)}"
+                        f"{self.names[rank]} (layers {self.plan[rank % self.num_stages]}) could not start: "
+                        f"{last_line(error)}"
                     ) from None
             if pending and time.monotonic() >= deadline:
                 waiting = [self.names[refs.index(r)] for r in pending]
@@ -496,8 +530,8 @@ class Trainer:
                     f"lower cpus_per_actor, or add nodes.{hint}"
                 )
 
-    def _split(self, x: torch.Tensor, y: Any) -> tuple[list[torch.Tensor], list[Any]]:
-        m = self.config.microbatches
+    def _split(self, x: torch.Tensor, y: Any, parts: int) -> tuple[list[torch.Tensor], list[Any]]:
+        """Splits a batch into `parts` equal chunks (dp replicas x microbatches for a step)."""
         if not torch.is_tensor(x):
             raise BatchError(f"x must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() == 0:
@@ -508,16 +542,19 @@ class Trainer:
                 f"x has {batch} samples but y has shape {tuple(y.shape)}: give one target per sample (y.shape[0] == {batch})."
             )
         if y is None:
-            m = math.gcd(batch, m)  # inference: any split works
-        elif batch % m:
+            parts = math.gcd(batch, parts)  # inference: any split works
+        elif batch % parts:
+            dp, m = self.config.dp, self.config.microbatches
+            into = f"dp={dp} x microbatches={m} = {parts}" if parts == dp * m and dp > 1 else f"microbatches={parts}"
             options = [d for d in range(1, batch + 1) if batch % d == 0]
             raise BatchError(
-                f"a batch of {batch} samples cannot be split into microbatches={m} equal parts: "
-                f"use a batch size divisible by {m} (e.g. {max(m, batch - batch % m)}), or microbatches in {options}."
+                f"a batch of {batch} samples cannot be split into {into} equal parts: "
+                f"use a batch size divisible by {parts} (e.g. {max(parts, batch - batch % parts)})"
+                + (f", or microbatches in {options}." if dp == 1 else ".")
             )
         # clone: a view would carry the whole batch's storage through the object store
-        inputs = [c.clone() for c in x.split(batch // m)]
-        targets = [c.clone() for c in y.split(batch // m)] if torch.is_tensor(y) else [y] * len(inputs)
+        inputs = [c.clone() for c in x.split(batch // parts)]
+        targets = [c.clone() for c in y.split(batch // parts)] if torch.is_tensor(y) else [y] * len(inputs)
         return inputs, targets
 
     def _stage_of(self, layer: int) -> int | None:

@@ -49,6 +49,7 @@ class StageActor:
         threads: torch intra-op threads for this process.
         loss_fn: `loss_fn(output, target) -> scalar`, given to the last stage only.
         name: the actor's name, used in error messages.
+        dp_rank, dp_size: this actor's place among the data-parallel replicas of its stage.
     """
 
     def __init__(
@@ -61,9 +62,13 @@ class StageActor:
         threads: int,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
         name: str,
+        dp_rank: int = 0,
+        dp_size: int = 1,
     ) -> None:
         torch.set_num_threads(threads)
         self.stage, self.num_stages, self.start, self.name = stage, num_stages, start, name
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.dp_group = None
         self.is_last = stage == num_stages - 1
         self.loss_fn = loss_fn
         self.device = torch.device("cpu")
@@ -93,6 +98,20 @@ class StageActor:
             "device": str(self.device),
             "threads": torch.get_num_threads(),
         }
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """Rank 0's address and a free port, which every actor then joins."""
+        from raypipe.collective import rendezvous_address
+
+        return rendezvous_address()
+
+    def join(self, address: str, port: int, world_size: int, rank: int,
+             groups: list[list[int]], dp_group: list[int], timeout: float) -> None:
+        """Joins the trainer's torch.distributed world and keeps this stage's dp group."""
+        from raypipe.collective import join_world
+
+        mine = join_world(address, port, world_size, rank, groups, timeout)
+        self.dp_group = mine[tuple(dp_group)]
 
     def configure(self, settings: StageSettings, reset_optimizer: bool = False) -> None:
         """Applies new settings; keeps optimizer state unless the optimizer kind changes."""
@@ -151,6 +170,22 @@ class StageActor:
         except Exception as error:
             raise self._error("B", microbatch, error) from error
 
+    def reduce_gradients(self) -> None:
+        """Averages this stage's gradients over its data-parallel replicas, in buckets.
+
+        The engine queues it right after the stage's own last backward, so a stage
+        reduces while earlier stages are still running backward. Every replica
+        reaches it even when a step failed (it takes no references), so the
+        collective never waits for a peer that skipped it.
+        """
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        from raypipe.collective import all_reduce_mean
+
+        all_reduce_mean([p.grad for p in params], self.dp_group, self.dp_size)
+
     def grad_stats(self, *finished: Any) -> tuple[float, bool]:
         """Unscales fp16 gradients and returns (sum of squared gradients, all finite).
 
@@ -165,13 +200,16 @@ class StageActor:
         return sq, math.isfinite(sq) and self.losses_finite
 
     def optimizer_step(self, step: int, *stats: tuple[float, bool]) -> dict[str, Any]:
-        """One optimizer step from every stage's gradient statistics (same on all stages).
+        """One optimizer step from every actor's gradient statistics (same on all actors).
+
+        `stats` come replica by replica, each replica's stages in order.
 
         Non-finite statistics (a NaN or infinite gradient or loss anywhere) skip the
         update on every stage alike; under fp16 they also halve the loss scale.
         """
-        finite = all(s[1] for s in stats)
-        total_norm = math.sqrt(sum(s[0] for s in stats)) if finite else math.nan
+        finite = all(s[1] for s in stats)  # every actor of every replica
+        # replicas hold the same (reduced) gradients: the norm comes from the first one's stages
+        total_norm = math.sqrt(sum(s[0] for s in stats[: self.num_stages])) if finite else math.nan
         settings = self.settings
         lr = learning_rate(step, settings.optimizer["lr"], settings.lr_schedule)
         if settings.precision == "fp16":

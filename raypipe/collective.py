@@ -1,0 +1,88 @@
+"""Rendezvous and process groups among stage actors.
+
+One torch.distributed world per trainer: rank 0 picks an address and a free port,
+the driver hands them to every actor through Ray, and each actor then joins the
+world and builds the subgroups it belongs to with `new_group` (a collective call
+every rank makes for every group, in the same order). `ray.util.collective`
+would put an actor in one group only; subgroups of one world let an actor be in a
+dp group and, later, a tp group. gloo carries cpu (and mps) tensors.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+# torch DDP's default bucket size: large enough to amortise a collective's latency,
+# small enough that the first buckets go out while later gradients are still copied.
+BUCKET_BYTES = 25 * 1024 * 1024
+
+
+def rendezvous_address() -> tuple[str, int]:
+    """This host's address and a port free on it, for rank 0 to publish."""
+    import ray
+
+    host = ray.util.get_node_ip_address()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return host, s.getsockname()[1]
+
+
+def join_world(
+    address: str, port: int, world_size: int, rank: int, groups: Sequence[Sequence[int]], timeout: float
+) -> dict[tuple[int, ...], dist.ProcessGroup]:
+    """Joins the trainer's world and creates every subgroup; returns those this rank is in.
+
+    Args:
+        groups: every subgroup of the world (each a list of ranks), in one agreed order.
+        timeout: seconds a collective may wait for its peers before failing.
+    """
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://{address}:{port}",
+        world_size=world_size,
+        rank=rank,
+        timeout=datetime.timedelta(seconds=timeout),
+    )
+    mine = {}
+    for ranks in groups:
+        group = dist.new_group(list(ranks), backend="gloo")
+        if rank in ranks:
+            mine[tuple(ranks)] = group
+    return mine
+
+
+def leave_world() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce_mean(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, size: int) -> None:
+    """Averages tensors in place across `group`, flattened into buckets of ~BUCKET_BYTES."""
+    bucket: list[torch.Tensor] = []
+    nbytes = 0
+    for t in tensors:
+        if bucket and t.dtype != bucket[0].dtype:  # a bucket is flattened into one dtype
+            _reduce_bucket(bucket, group, size)
+            bucket, nbytes = [], 0
+        bucket.append(t)
+        nbytes += t.numel() * t.element_size()
+        if nbytes >= BUCKET_BYTES:
+            _reduce_bucket(bucket, group, size)
+            bucket, nbytes = [], 0
+    if bucket:
+        _reduce_bucket(bucket, group, size)
+
+
+def _reduce_bucket(bucket: list[torch.Tensor], group: dist.ProcessGroup, size: int) -> None:
+    flat = torch.cat([t.reshape(-1) for t in bucket])
+    dist.all_reduce(flat, group=group)
+    flat.div_(size)
+    offset = 0
+    for t in bucket:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
