@@ -5,7 +5,7 @@ import ray
 import torch
 from torch import nn
 
-from helpers import MLP7, assert_close_dicts, batch, reference_run
+from helpers import MLP7, assert_close_dicts, batch, check_sgd_parity, reference_run
 from raypipe import BatchError, TrainConfig, Trainer
 
 SEED = 7
@@ -44,17 +44,7 @@ def test_actors_are_named_by_their_place(trainer):
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("microbatches", [1, 4])
 def test_sgd_parity_and_identical_replicas(trainer, initial, schedule, microbatches):
-    trainer.reconfigure(schedule=schedule, microbatches=microbatches, optimizer=SGD)
-    trainer.reset_optimizer()
-    trainer.load_state_dict(initial)
-    ref_losses, ref_grads, ref_final = reference_run(MLP7, SEED, sgd, steps=3)
-    losses = []
-    for k in range(3):
-        losses.append(trainer.step(*batch(k))["loss"])
-        if k == 0:
-            assert_close_dicts(trainer.gradients(), ref_grads)
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=4e-5)
-    assert_close_dicts(trainer.state_dict(), ref_final)
+    check_sgd_parity(trainer, initial, reference_run(MLP7, SEED, sgd, steps=3), schedule, microbatches, SGD)
     first = replica_state(trainer, 0)
     for d in range(1, trainer.config.dp):
         other = replica_state(trainer, d)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import MLP7, assert_close_dicts, batch, reference_run
+from helpers import MLP7, assert_close_dicts, batch, check_sgd_parity, reference_run
 from raypipe import LayerSpec, TrainConfig, Trainer, build_layers
 
 SEED = 7
@@ -47,17 +47,7 @@ def test_initial_weights_do_not_depend_on_the_split(trainer, initial):
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("microbatches", [1, 2, 4, 8])
 def test_sgd_momentum_parity(trainer, initial, sgd_reference, schedule, microbatches):
-    ref_losses, ref_grads, ref_final = sgd_reference
-    trainer.reconfigure(schedule=schedule, microbatches=microbatches, optimizer=SGD)
-    trainer.reset_optimizer()
-    trainer.load_state_dict(initial)
-    losses = []
-    for k in range(3):
-        losses.append(trainer.step(*batch(k))["loss"])
-        if k == 0:
-            assert_close_dicts(trainer.gradients(), ref_grads)
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=4e-5)
-    assert_close_dicts(trainer.state_dict(), ref_final)
+    check_sgd_parity(trainer, initial, sgd_reference, schedule, microbatches, SGD)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
