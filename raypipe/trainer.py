@@ -249,7 +249,8 @@ class Trainer:
             raise ConfigError("Trainer.save needs a path, or TrainConfig.checkpoint_dir set.")
         partial = ckpt.begin(root, self.step_count)
         try:
-            parts = gather([a.save_checkpoint.remote(str(partial)) for a in self._stages], "save", self._stages, self.names)
+            # every actor takes part: under ZeRO-1 each replica holds a share of the optimizer state
+            parts = gather([a.save_checkpoint.remote(str(partial)) for a in self._actors], "save", self._actors, self.names)
         except BaseException:
             shutil.rmtree(partial, ignore_errors=True)
             raise
@@ -416,6 +417,7 @@ class Trainer:
             grad_clip=c.grad_clip,
             precision=c.precision,
             activation_checkpointing=c.activation_checkpointing,
+            zero=c.zero,
         )
 
     def _configure_actors(self, reset_optimizer: bool = False) -> None:

@@ -204,3 +204,12 @@ def test_an_actor_that_cannot_see_the_directory_says_so(ray_session, tmp_path):
     with Trainer(MLP7, nn.functional.mse_loss, config()) as t:
         with pytest.raises(Exception, match="cannot see the checkpoint directory .*shares"):
             ray.get(t._actors[0].save_checkpoint.remote(str(tmp_path / "not-there")))
+
+
+def test_a_checkpoint_saved_under_zero1_resumes_without_it(ray_session, tmp_path):
+    with Trainer(MLP7, nn.functional.mse_loss, config(tmp_path, dp=2, zero=1, microbatches=1)) as t:
+        sharded = [m["loss"] for m in t.fit(batch, 4)]
+    with Trainer(MLP7, nn.functional.mse_loss, config()) as t:
+        t.load(str(tmp_path), step=2)
+        resumed = [m["loss"] for m in t.fit(batch, 4)]
+    torch.testing.assert_close(torch.tensor(resumed), torch.tensor(sharded[2:]), rtol=1e-6, atol=1e-6)

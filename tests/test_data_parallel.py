@@ -16,10 +16,11 @@ def sgd(params):
     return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 
 
-@pytest.fixture(scope="module", params=[(1, 2), (2, 2)], ids=lambda p: f"pp{p[0]}-dp{p[1]}")
+@pytest.fixture(scope="module", params=[(1, 2, 0), (2, 2, 0), (1, 2, 1), (2, 2, 1)],
+                ids=lambda p: f"pp{p[0]}-dp{p[1]}-zero{p[2]}")
 def trainer(request, ray_session):
-    pp, dp = request.param
-    t = Trainer(MLP7, nn.functional.mse_loss, TrainConfig(pp=pp, dp=dp, optimizer=SGD, seed=SEED))
+    pp, dp, zero = request.param
+    t = Trainer(MLP7, nn.functional.mse_loss, TrainConfig(pp=pp, dp=dp, zero=zero, optimizer=SGD, seed=SEED))
     yield t
     t.shutdown()
 
@@ -71,3 +72,22 @@ def test_batch_must_split_over_replicas_and_microbatches(trainer):
     x, y = batch(0, size=12)
     with pytest.raises(BatchError, match=r"dp=2 x microbatches=4 = 8 equal parts.*e\.g\. 8"):
         trainer.step(x, y)
+
+
+def test_optimizer_state_bytes_per_actor(trainer, initial):
+    trainer.reconfigure(optimizer={"name": "adamw", "lr": 1e-3})
+    trainer.reset_optimizer()
+    trainer.load_state_dict(initial)
+    trainer.step(*batch(0))
+    info = trainer.stage_info()
+    pp, dp = trainer.config.pp, trainer.config.dp
+    for s in range(pp):
+        actors = [info[d * pp + s] for d in range(dp)]
+        params = actors[0]["parameter_bytes"]
+        held = [a["optimizer_state_bytes"] for a in actors]
+        if trainer.config.zero:
+            # the replicas split Adam's two moments (2 x parameter bytes) between them
+            assert abs(sum(held) - 2 * params) <= 64, (held, params)
+            assert max(held) < 0.8 * 2 * params, held
+        else:
+            assert all(abs(h - 2 * params) <= 64 for h in held), (held, params)

@@ -36,6 +36,7 @@ class StageSettings:
     grad_clip: float | None = None
     precision: str = "fp32"
     activation_checkpointing: bool = False
+    zero: int = 0
 
 
 class StageActor:
@@ -68,7 +69,7 @@ class StageActor:
         torch.set_num_threads(threads)
         self.stage, self.num_stages, self.start, self.name = stage, num_stages, start, name
         self.dp_rank, self.dp_size = dp_rank, dp_size
-        self.dp_group = None
+        self.dp_group, self.dp_ranks = None, [0]
         self.is_last = stage == num_stages - 1
         self.loss_fn = loss_fn
         self.device = torch.device("cpu")
@@ -97,6 +98,12 @@ class StageActor:
             "pid": os.getpid(),
             "device": str(self.device),
             "threads": torch.get_num_threads(),
+            "parameter_bytes": sum(p.numel() * p.element_size() for p in self.module.parameters()),
+            "optimizer_state_bytes": sum(
+                v.numel() * v.element_size()
+                for state in (self.optimizer.state.values() if self.optimizer else [])
+                for v in state.values() if torch.is_tensor(v)
+            ),
         }
 
     def rendezvous_address(self) -> tuple[str, int]:
@@ -111,7 +118,7 @@ class StageActor:
         from raypipe.collective import join_world
 
         mine = join_world(address, port, world_size, rank, groups, timeout)
-        self.dp_group = mine[tuple(dp_group)]
+        self.dp_group, self.dp_ranks = mine[tuple(dp_group)], list(dp_group)
 
     def configure(self, settings: StageSettings, reset_optimizer: bool = False) -> None:
         """Applies new settings; keeps optimizer state unless the optimizer kind changes."""
@@ -120,8 +127,8 @@ class StageActor:
         same_kind = old is not None and old.optimizer["name"] == settings.optimizer["name"]
         if reset_optimizer or not same_kind:
             self.scaler = LossScaler()
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        if not params:  # a stage of parameter-free layers has nothing to optimise
+        params = self._owned_params()
+        if not params:  # parameter-free layers, or (ZeRO) a share that came out empty
             self.optimizer = None
         elif self.optimizer is None or reset_optimizer or not same_kind:
             self.optimizer = build_optimizer(params, settings.optimizer)
@@ -224,6 +231,8 @@ class StageActor:
                     for g in self._grads():
                         g.mul_(coef)
             self.optimizer.step()
+        if not skipped and self._zero_active():
+            self._broadcast_owned()
         self.stash.clear()
         return {"lr": lr, "grad_norm": total_norm, "skipped": skipped, "loss_scale": self.scaler.scale}
 
@@ -270,6 +279,38 @@ class StageActor:
             if p.grad is not None
         }
 
+    # ----- ZeRO stage 1 -----------------------------------------------------------
+
+    def _zero_active(self) -> bool:
+        return bool(self.settings and self.settings.zero) and self.dp_size > 1
+
+    def _owners(self) -> list[int]:
+        """The dp rank that owns each trainable parameter: a size-balanced, deterministic split."""
+        load = [0] * self.dp_size
+        owners = []
+        for p in self.module.parameters():
+            if p.requires_grad:
+                rank = load.index(min(load))
+                owners.append(rank)
+                load[rank] += p.numel()
+        return owners
+
+    def _owned_params(self) -> list[nn.Parameter]:
+        """The parameters this actor's optimizer steps: all of them, or its ZeRO-1 share."""
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        if not self._zero_active():
+            return params
+        return [p for p, owner in zip(params, self._owners()) if owner == self.dp_rank]
+
+    def _broadcast_owned(self) -> None:
+        """Every owner sends its freshly stepped parameters to the other replicas."""
+        import torch.distributed as dist
+
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        with torch.no_grad():
+            for p, owner in zip(params, self._owners()):
+                dist.broadcast(p.data, src=self.dp_ranks[owner], group=self.dp_group)
+
     # ----- checkpoints ------------------------------------------------------------
 
     def save_checkpoint(self, directory: str) -> dict[str, Any]:
@@ -280,6 +321,18 @@ class StageActor:
         """
         from raypipe import checkpoint as ckpt
 
+        states = self._optimizer_state_by_layer()
+        if self._zero_active():  # each replica holds a share: dp rank 0 writes the union
+            import torch.distributed as dist
+
+            shares = [None] * self.dp_size if self.dp_rank == 0 else None
+            dist.gather_object(states, shares, dst=self.dp_ranks[0], group=self.dp_group)
+            if self.dp_rank == 0:
+                for share in shares:
+                    for index, state in share.items():
+                        states[index].update(state)
+        if self.dp_rank != 0:  # replicas hold the same weights; replica 0 writes them
+            return {"files": {}, "loss_scaler": dataclasses.asdict(self.scaler)}
         root = Path(directory)
         if not root.is_dir():
             import ray
@@ -294,15 +347,23 @@ class StageActor:
             files[ckpt.layer_file("model", index)] = ckpt.save_tensors(
                 root / ckpt.layer_file("model", index), layer.state_dict()
             )
-            state = {}
-            if self.optimizer is not None:
-                for name, p in layer.named_parameters():
-                    if p in self.optimizer.state:
-                        state[name] = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in self.optimizer.state[p].items()}
-            files[ckpt.layer_file("optim", index)] = ckpt.save_tensors(root / ckpt.layer_file("optim", index), state)
+            files[ckpt.layer_file("optim", index)] = ckpt.save_tensors(
+                root / ckpt.layer_file("optim", index), states[index]
+            )
         rng = f"rng/stage-{self.stage}.pt"
         files[rng] = ckpt.save_tensors(root / rng, {"torch": torch.get_rng_state()})
         return {"files": files, "loss_scaler": dataclasses.asdict(self.scaler)}
+
+    def _optimizer_state_by_layer(self) -> dict[int, dict[str, dict]]:
+        """Global layer index -> parameter name -> optimizer state, for the parameters this actor steps."""
+        states: dict[int, dict[str, dict]] = {}
+        for j, layer in enumerate(self.module):
+            states[self.start + j] = {
+                name: {k: (v.clone() if torch.is_tensor(v) else v) for k, v in self.optimizer.state[p].items()}
+                for name, p in layer.named_parameters()
+                if self.optimizer is not None and p in self.optimizer.state
+            }
+        return states
 
     def load_checkpoint(self, directory: str, loss_scaler: dict, restore_rng: bool) -> None:
         """Loads this stage's layers and optimizer state from a verified checkpoint."""
@@ -315,8 +376,9 @@ class StageActor:
                 layer.load_state_dict(ckpt.load_tensors(root / ckpt.layer_file("model", index)))
                 state = ckpt.load_tensors(root / ckpt.layer_file("optim", index))
                 if self.optimizer is not None:
+                    stepped = {p for group in self.optimizer.param_groups for p in group["params"]}
                     for name, p in layer.named_parameters():
-                        if name in state:
+                        if p in stepped and name in state:
                             self.optimizer.state[p] = state[name]
                         else:
                             self.optimizer.state.pop(p, None)
