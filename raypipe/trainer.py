@@ -11,19 +11,19 @@ from __future__ import annotations
 import math
 import shutil
 import time
-from pathlib import Path
 import uuid
 import weakref
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import ray
 import torch
 
+from raypipe import checkpoint as ckpt
 from raypipe import runtime
 from raypipe.actors.stage import StageActor, StageSettings
 from raypipe.config import TrainConfig, nearest
 from raypipe.engine import gather, last_line, run_forward, run_step, submission_order
-from raypipe import checkpoint as ckpt
 from raypipe.errors import (
     ActorDiedError,
     BatchError,
@@ -137,7 +137,7 @@ class Trainer:
             and `tokens` / `tokens_per_s` when `x` holds token ids.
 
         Raises:
-            BatchError: the batch cannot be split into `config.microbatches` equal parts.
+            BatchError: the batch cannot be split into dp x microbatches equal parts.
             StageError: an action failed on a stage (its message names stage and action).
             StepTimeoutError: no action finished for `config.step_timeout` seconds.
         """
@@ -351,8 +351,9 @@ class Trainer:
     def reconfigure(self, **changes: Any) -> None:
         """Changes training settings between steps, keeping the actors and weights.
 
-        Fields: microbatches, schedule, optimizer, lr_schedule, grad_clip, precision,
-        activation_checkpointing, step_timeout. Optimizer state is kept when the
+        Fields: those in `RECONFIGURABLE` (microbatches, schedule, optimizer,
+        lr_schedule, grad_clip, precision, activation_checkpointing, and the timeout,
+        checkpoint, restart and non-finite policies). Optimizer state is kept when the
         optimizer's name stays the same (its hyperparameters are updated in place)
         and reset when it changes.
 

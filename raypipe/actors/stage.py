@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from raypipe.actors import zero
 from raypipe.errors import StageError
 from raypipe.layers import LayerSpec, build_layer
 from raypipe.optim import LossScaler, build_optimizer, learning_rate
@@ -185,7 +186,7 @@ class StageActor:
         reaches it even when a step failed (it takes no references), so the
         collective never waits for a peer that skipped it.
         """
-        params = [p for p in self.module.parameters() if p.requires_grad]
+        params = self._trainable()
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -284,32 +285,19 @@ class StageActor:
     def _zero_active(self) -> bool:
         return bool(self.settings and self.settings.zero) and self.dp_size > 1
 
-    def _owners(self) -> list[int]:
-        """The dp rank that owns each trainable parameter: a size-balanced, deterministic split."""
-        load = [0] * self.dp_size
-        owners = []
-        for p in self.module.parameters():
-            if p.requires_grad:
-                rank = load.index(min(load))
-                owners.append(rank)
-                load[rank] += p.numel()
-        return owners
+    def _trainable(self) -> list[nn.Parameter]:
+        return [p for p in self.module.parameters() if p.requires_grad]
 
     def _owned_params(self) -> list[nn.Parameter]:
         """The parameters this actor's optimizer steps: all of them, or its ZeRO-1 share."""
-        params = [p for p in self.module.parameters() if p.requires_grad]
+        params = self._trainable()
         if not self._zero_active():
             return params
-        return [p for p, owner in zip(params, self._owners()) if owner == self.dp_rank]
+        return [p for p, owner in zip(params, zero.owners(params, self.dp_size)) if owner == self.dp_rank]
 
     def _broadcast_owned(self) -> None:
-        """Every owner sends its freshly stepped parameters to the other replicas."""
-        import torch.distributed as dist
-
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        with torch.no_grad():
-            for p, owner in zip(params, self._owners()):
-                dist.broadcast(p.data, src=self.dp_ranks[owner], group=self.dp_group)
+        params = self._trainable()
+        zero.broadcast_from_owners(params, zero.owners(params, self.dp_size), self.dp_ranks, self.dp_group)
 
     # ----- checkpoints ------------------------------------------------------------
 
