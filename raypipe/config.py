@@ -175,6 +175,7 @@ class TrainConfig:
         nonfinite: what a NaN or infinite loss or gradient does: "error" stops with an
             error naming the step, "skip" skips that update and goes on. Weights are
             never updated from non-finite gradients.
+        log_dir: write TensorBoard scalars here (per step and per stage); None: off.
     """
 
     pp: int = 1
@@ -200,6 +201,7 @@ class TrainConfig:
     keep_checkpoints: int = 3
     max_restarts: int = 0
     nonfinite: str = "error"
+    log_dir: str | None = None
 
     def __post_init__(self) -> None:
         _check_int("pp", self.pp, 1)
@@ -236,6 +238,8 @@ class TrainConfig:
         _check_int("keep_checkpoints", self.keep_checkpoints, 0)
         _check_int("max_restarts", self.max_restarts, 0)
         _check_choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
+        if self.log_dir is not None and (not isinstance(self.log_dir, str) or not self.log_dir):
+            raise _fail("log_dir", self.log_dir, "give a directory path or null.")
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:

@@ -35,6 +35,7 @@ from raypipe.errors import (
     StepTimeoutError,
 )
 from raypipe.layers import LayerSpec, as_spec, parameter_counts
+from raypipe.metrics import TensorBoardLogger, stage_metrics
 from raypipe.partition import Plan, make_plan
 from raypipe.schedules import build_schedule
 
@@ -56,6 +57,7 @@ RECONFIGURABLE = (
     "keep_checkpoints",
     "max_restarts",
     "nonfinite",
+    "log_dir",
 )
 
 
@@ -99,6 +101,7 @@ class Trainer:
         self.restarts = 0
         self._calls = 0
         self._actors: list[Any] = []
+        self._tensorboard: TensorBoardLogger | None = None
         self._set_schedule()
 
         runtime.connect()
@@ -134,7 +137,10 @@ class Trainer:
         Returns:
             A dict with `loss` (mean of the microbatch losses), `lr`, `grad_norm`
             (global, before clipping), `step_time` (s), `samples`, `samples_per_s`,
-            and `tokens` / `tokens_per_s` when `x` holds token ids.
+            `tokens` / `tokens_per_s` when `x` holds token ids, and `stages`: per
+            stage `forward_s`, `backward_s`, `bubble` (idle fraction of the pipeline's
+            compute window) and `peak_memory_bytes`. Written to TensorBoard when
+            `config.log_dir` is set.
 
         Raises:
             BatchError: the batch cannot be split into dp x microbatches equal parts.
@@ -184,8 +190,13 @@ class Trainer:
             metrics["tokens"] = int(x.numel())
             metrics["tokens_per_s"] = x.numel() / result.seconds
         metrics["skipped"] = report["skipped"]
+        metrics["stages"] = stage_metrics(result.stage_reports[:pp])
         if self.config.precision == "fp16":
             metrics["loss_scale"] = report["loss_scale"]
+        if self.config.log_dir is not None:
+            if self._tensorboard is None:
+                self._tensorboard = TensorBoardLogger(self.config.log_dir)
+            self._tensorboard.log(metrics)
         every = self.config.checkpoint_every
         if every and self.step_count % every == 0:
             metrics["checkpoint"] = str(self.save())
@@ -385,6 +396,9 @@ class Trainer:
         """Stops every actor this trainer started. Safe to call twice."""
         _kill(self._actors)
         self._actors = []
+        if getattr(self, "_tensorboard", None) is not None:
+            self._tensorboard.close()
+            self._tensorboard = None
         _RUNNING.discard(self)
         if hasattr(self, "_finalizer"):
             self._finalizer.detach()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -82,6 +83,7 @@ class StageActor:
         self.scaler = LossScaler()
         self.current_call = -1
         self.losses_finite = True
+        self.timing: dict[str, float] = {}
         self.stash: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     # ----- set-up -------------------------------------------------------------
@@ -147,6 +149,7 @@ class StageActor:
             unscaled loss as a float on the last stage.
         """
         self._begin(call_id)
+        started = time.time()
         try:
             x = x.to(self.device)
             if self.stage > 0 and x.is_floating_point():
@@ -158,22 +161,26 @@ class StageActor:
                     out = self.module(x)
                 if not self.is_last:
                     self.stash[microbatch] = (x, out)
+                    self._timed("forward_s", started)
                     return out.detach()
                 loss = self.loss_fn(out, target.to(self.device) if torch.is_tensor(target) else target)
             scale = self.scaler.scale if self.settings.precision == "fp16" else 1.0
             self.stash[microbatch] = (x, loss.float() * (scale / self.settings.microbatches))
             value = float(loss.detach())
             self.losses_finite = self.losses_finite and math.isfinite(value)
+            self._timed("forward_s", started)
             return value
         except Exception as error:
             raise self._error("F", microbatch, error) from error
 
     def backward(self, call_id: int, microbatch: int, grad: torch.Tensor | None = None) -> Any:
         """Back-propagates one microbatch, frees its activations, returns the input gradient."""
+        started = time.time()
         try:
             x, out = self.stash.pop(microbatch)
             if out.requires_grad:
                 torch.autograd.backward(out, None if self.is_last else grad.to(out.device))
+            self._timed("backward_s", started)
             return x.grad if x.requires_grad else None
         except Exception as error:
             raise self._error("B", microbatch, error) from error
@@ -235,7 +242,8 @@ class StageActor:
         if not skipped and self._zero_active():
             self._broadcast_owned()
         self.stash.clear()
-        return {"lr": lr, "grad_norm": total_norm, "skipped": skipped, "loss_scale": self.scaler.scale}
+        return {"lr": lr, "grad_norm": total_norm, "skipped": skipped, "loss_scale": self.scaler.scale,
+                "timing": dict(self.timing), "peak_memory_bytes": _peak_memory_bytes(self.device)}
 
     @torch.no_grad()
     def forward_only(self, x: torch.Tensor, target: Any = None) -> Any:
@@ -384,8 +392,16 @@ class StageActor:
         if call_id != self.current_call:
             self.current_call = call_id
             self.losses_finite = True
+            self.timing = {"forward_s": 0.0, "backward_s": 0.0, "first_start": math.inf, "last_end": 0.0}
             self.stash.clear()
             self.module.zero_grad(set_to_none=True)
+
+    def _timed(self, kind: str, started: float) -> None:
+        """Adds one action's duration to this step's timing (wall-clock seconds since the epoch)."""
+        ended = time.time()
+        self.timing[kind] += ended - started
+        self.timing["first_start"] = min(self.timing["first_start"], started)
+        self.timing["last_end"] = ended
 
     def _autocast(self):
         dtype = AUTOCAST_DTYPES.get(self.settings.precision)
@@ -414,3 +430,12 @@ class StageActor:
         return StageError(
             f"{self.name} failed at {self.stage}{kind}{microbatch}: {type(error).__name__}: {error}"
         )
+
+
+def _peak_memory_bytes(device: torch.device) -> int:
+    """The process's peak memory: the accelerator's allocator peak, or resident set size on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
