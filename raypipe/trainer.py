@@ -112,7 +112,7 @@ class Trainer:
         # actors are laid out replica-major: rank = d * pp + s, names[rank] = "stage{s}-dp{d}-tp0"
         self.names = [f"stage{s}-dp{d}-tp0" for d in range(cfg.dp) for s in range(cfg.pp)]
         self._loss_fn = loss_fn
-        self._start_actors(loss_fn)
+        self._start_actors()
 
     # ----- public API -------------------------------------------------------------
 
@@ -445,7 +445,7 @@ class Trainer:
         total = ray.cluster_resources().get("CPU", 1.0)
         return min(1.0, int(100 * total / (self.config.pp * self.config.dp)) / 100) or 0.01
 
-    def _start_actors(self, loss_fn: Callable) -> None:
+    def _start_actors(self) -> None:
         cfg = self.config
         cpus = self._cpus_per_actor()
         threads = cfg.threads_per_actor or max(1, int(cpus))
@@ -462,7 +462,7 @@ class Trainer:
                         max_task_retries=0,
                     ).remote(
                         s, cfg.pp, self.specs[start:end], start, cfg.seed, threads,
-                        loss_fn if s == cfg.pp - 1 else None, name, d, cfg.dp,
+                        self._loss_fn if s == cfg.pp - 1 else None, name, d, cfg.dp,
                     )
                 )
         try:
@@ -498,7 +498,7 @@ class Trainer:
         started = time.monotonic()
         log(f"raypipe: {error}; restart {self.restarts} of {self.config.max_restarts}")
         self.shutdown()
-        self._start_actors(self._loss_fn)
+        self._start_actors()
         where = self._last_checkpoint()
         if where is not None:
             self.load(str(where), log=log)
