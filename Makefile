@@ -11,6 +11,12 @@ CONFIG ?= examples/configs/gpt_pp2.yaml
 install: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
+	@# Graphviz's dot renders diagrams and timelines as PNG/PDF; installed where we can
+	@# (root with apt-get), otherwise those renderings (and their tests) are skipped.
+	@command -v dot >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  { apt-get install -y -qq graphviz >/dev/null 2>&1 || \
+	    { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq graphviz >/dev/null 2>&1; }; }; } || \
+	  echo "note: Graphviz's dot is not installed (apt-get install graphviz / brew install graphviz); PNG/PDF renderings are skipped"
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --disable-pip-version-check -c constraints.txt "torch==2.13.0"
 	$(BIN)/pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[test]"

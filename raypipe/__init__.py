@@ -1,8 +1,10 @@
-"""raypipe: train PyTorch models split across Ray actors (pipeline parallel).
+"""raypipe: train PyTorch models split across Ray actors (pipeline, data and tensor parallel).
 
-Import everything from here; the submodules may change.
+Import everything from here (tensor-parallel layers from `raypipe.nn`); other
+submodules may change.
 """
 
+from raypipe import nn
 from raypipe.checkpoint import CheckpointError
 from raypipe.config import TrainConfig
 from raypipe.errors import (
@@ -18,6 +20,7 @@ from raypipe.errors import (
 )
 from raypipe.layers import LayerSpec, build_layers
 from raypipe.schedules import Action, build_schedule, format_schedule
+from raypipe.timeline import Timeline
 from raypipe.trainer import Trainer
 
 __version__ = "0.1.0"
@@ -35,9 +38,11 @@ __all__ = [
     "ScheduleError",
     "StageError",
     "StepTimeoutError",
+    "Timeline",
     "TrainConfig",
     "Trainer",
     "build_layers",
     "build_schedule",
     "format_schedule",
+    "nn",
 ]

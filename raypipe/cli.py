@@ -1,4 +1,4 @@
-"""`raypipe` on the command line: train, show a schedule, show a shard plan."""
+"""`raypipe` on the command line: train, show a shard plan, draw the architecture, show a schedule."""
 
 from __future__ import annotations
 
@@ -24,6 +24,31 @@ def _schedule(args: argparse.Namespace) -> int:
     schedule = build_schedule(args.name, args.pp, args.microbatches)
     print(format_schedule(schedule))
     print("peak microbatches in flight per stage:", [peak_in_flight(a) for a in schedule])
+    if args.output:
+        from raypipe.timeline import Timeline
+
+        title = f"{args.name}, p={args.pp}, m={args.microbatches} (planned; backward = {args.backward:g} x forward)"
+        path = Timeline.planned(schedule, 1.0, args.backward, title).save(args.output)
+        print(f"wrote {path}")
+    return 0
+
+
+def _diagram(args: argparse.Namespace) -> int:
+    import torch
+
+    from raypipe.diagram import Architecture
+    from raypipe.job import JobConfig
+    from raypipe.models import gpt
+
+    config = JobConfig.from_yaml(args.config, args.set)
+    train, model = config.train, config.model
+    rows = max(1, config.job.batch_size // (train.dp * train.microbatches))
+    sample = torch.zeros(rows, model.block_size, dtype=torch.long, device="meta")  # one microbatch
+    arch = Architecture.from_config(gpt.layers(model), train, sample,
+                                    title=f"{args.config}: GPT {model.parameters / 1e6:.2f}M parameters, "
+                                          f"pp={train.pp} x dp={train.dp} x tp={train.tp}, {train.schedule}, "
+                                          f"{train.microbatches} microbatches of {rows}")
+    print(f"wrote {arch.save(args.output)}")
     return 0
 
 
@@ -71,10 +96,17 @@ def build_parser() -> argparse.ArgumentParser:
     with_config(plan)
     plan.set_defaults(func=_plan)
 
+    diagram = sub.add_parser("diagram", help="draw a job's stages, actors and boundary tensors (no cluster needed)")
+    with_config(diagram)
+    diagram.add_argument("-o", "--output", required=True, help="arch.png, .svg, .pdf (Graphviz), .dot or .mmd (Mermaid)")
+    diagram.set_defaults(func=_diagram)
+
     sched = sub.add_parser("schedule", help="print a pipeline schedule's stage x time grid")
     sched.add_argument("name", nargs="?", default="1f1b", help="gpipe or 1f1b")
     sched.add_argument("--pp", type=int, default=4, help="pipeline stages")
     sched.add_argument("--microbatches", "-m", type=int, default=8)
+    sched.add_argument("-o", "--output", help="also draw its timeline: .svg, .png, .pdf or .json (Chrome trace)")
+    sched.add_argument("--backward", type=float, default=2.0, help="backward time relative to forward, for -o")
     sched.set_defaults(func=_schedule)
     return parser
 
@@ -83,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, RaypipeError) as error:
+    except (ConfigError, RaypipeError, ValueError) as error:
         print(f"raypipe: error: {error}", file=sys.stderr)
         return 2
 

@@ -5,7 +5,9 @@ the driver hands them to every actor through Ray, and each actor then joins the
 world and builds the subgroups it belongs to with `new_group` (a collective call
 every rank makes for every group, in the same order). `ray.util.collective`
 would put an actor in one group only; subgroups of one world let an actor be in a
-dp group and, later, a tp group. gloo carries cpu (and mps) tensors.
+dp group and a tp group at once. The world itself is gloo (it carries control
+traffic such as gathering checkpoint shards); each subgroup takes the backend of
+its members' tensors: gloo for cpu and mps, nccl (rccl on ROCm) for cuda.
 """
 
 from __future__ import annotations
@@ -32,14 +34,21 @@ def rendezvous_address() -> tuple[str, int]:
         return host, s.getsockname()[1]
 
 
+def group_backend(devices: Sequence[str]) -> str:
+    """nccl when every member holds cuda tensors (NVIDIA or ROCm), gloo otherwise."""
+    return "nccl" if devices and all(d.startswith("cuda") for d in devices) else "gloo"
+
+
 def join_world(
-    address: str, port: int, world_size: int, rank: int, groups: Sequence[Sequence[int]], timeout: float
+    address: str, port: int, world_size: int, rank: int, groups: Sequence[Sequence[int]], timeout: float,
+    backends: Sequence[str] | None = None,
 ) -> dict[tuple[int, ...], dist.ProcessGroup]:
     """Joins the trainer's world and creates every subgroup; returns those this rank is in.
 
     Args:
         groups: every subgroup of the world (each a list of ranks), in one agreed order.
         timeout: seconds a collective may wait for its peers before failing.
+        backends: each group's backend (`group_backend` of its members' devices); gloo if omitted.
     """
     dist.init_process_group(
         "gloo",
@@ -49,8 +58,8 @@ def join_world(
         timeout=datetime.timedelta(seconds=timeout),
     )
     mine = {}
-    for ranks in groups:
-        group = dist.new_group(list(ranks), backend="gloo")
+    for ranks, backend in zip(groups, backends or ["gloo"] * len(groups)):
+        group = dist.new_group(list(ranks), backend=backend)
         if rank in ranks:
             mine[tuple(ranks)] = group
     return mine

@@ -146,6 +146,9 @@ class TrainConfig:
         pp: number of pipeline stages (one Ray actor each).
         dp: data-parallel replicas of the whole pipeline; the batch is split across them
             and gradients are averaged, so the result is the full batch's gradient.
+        tp: tensor-parallel ranks per stage: layers that declare a `tp_plan` (the
+            reference GPT does) are split across tp actors joined by collectives; layers
+            without one are replicated on every tp rank.
         zero: 1 shards optimizer state across the dp replicas (ZeRO stage 1): each replica
             steps its share of the parameters and sends the result to the others; 0 off.
         microbatches: microbatches each batch is split into; the batch size must divide by it.
@@ -180,6 +183,7 @@ class TrainConfig:
 
     pp: int = 1
     dp: int = 1
+    tp: int = 1
     zero: int = 0
     microbatches: int = 1
     schedule: str = "1f1b"
@@ -206,6 +210,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _check_int("pp", self.pp, 1)
         _check_int("dp", self.dp, 1)
+        _check_int("tp", self.tp, 1)
         if self.zero not in (0, 1) or isinstance(self.zero, bool):
             raise _fail("zero", self.zero, "give 0 (off) or 1 (shard optimizer state across dp replicas).")
         _check_int("microbatches", self.microbatches, 1)

@@ -6,10 +6,16 @@ travel between actors as Ray object references, never through the driver. Ray ru
 one actor's calls in the order this driver submits them, so submitting in the order
 of the schedule's simulated run makes each actor execute exactly its own action list,
 and every reference an action needs already exists when it is submitted.
+
+Under tensor parallelism every action goes to all tp ranks of its stage with the
+same inputs; the ranks finish with the same activation, so only rank 0's output
+(and input gradient) travels on: the next stage receives one copy, not tp copies.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -36,8 +42,8 @@ def submission_order(schedule: Schedule) -> list[Action]:
 
 
 def run_step(
-    replicas: Sequence[Sequence[Any]],
-    names: Sequence[Sequence[str]],
+    replicas: Sequence[Sequence[Sequence[Any]]],
+    names: Sequence[Sequence[Sequence[str]]],
     schedule: Schedule,
     inputs: Sequence[Sequence[torch.Tensor]],
     targets: Sequence[Sequence[Any]],
@@ -49,7 +55,7 @@ def run_step(
     """Submits one step of `schedule` on every data-parallel replica and waits for it.
 
     Args:
-        replicas: per replica, one StageActor handle per stage; names: their names.
+        replicas: per replica, per stage, the StageActor of each tp rank; names: their names.
         inputs, targets: per replica, one entry per microbatch.
         call_id: a number new to every call; actors drop leftovers of a failed call
             and zero gradients when it changes.
@@ -64,53 +70,72 @@ def run_step(
     started = time.perf_counter()
     order = order or submission_order(schedule)
     last = len(schedule) - 1
-    pending: dict[ray.ObjectRef, tuple[str, str]] = {}
+    pending: dict[ray.ObjectRef, tuple[str, str]] = {}  # insertion order = submission order
+    submitted: dict[ray.ObjectRef, float] = {}  # when each call was issued (for RAYPIPE_TRACE)
     losses, finished = [], []
-    for d, actors in enumerate(replicas):
-        outputs: dict[Action, ray.ObjectRef] = {}
+    for d, stages in enumerate(replicas):
+        outputs: dict[Action, ray.ObjectRef] = {}  # tp rank 0's result of each action
         for action in order:
             s, m = action.stage, action.microbatch
-            actor = actors[s]
             if action.kind == FORWARD:
                 x = inputs[d][m] if s == 0 else outputs[Action(s - 1, FORWARD, m)]
-                if s == last:
-                    ref = actor.forward.remote(call_id, m, x, targets[d][m])
-                else:
-                    ref = actor.forward.remote(call_id, m, x)
+                args = (call_id, m, x, targets[d][m]) if s == last else (call_id, m, x)
+                refs = [actor.forward.remote(*args) for actor in stages[s]]
             else:
                 grad = None if s == last else outputs[Action(s + 1, BACKWARD, m)]
-                ref = actor.backward.remote(call_id, m, grad)
-            outputs[action] = ref
-            pending[ref] = (names[d][s], str(action))
-        finished += [outputs[Action(0, BACKWARD, m)] for m in range(len(inputs[d]))]
+                refs = [actor.backward.remote(call_id, m, grad) for actor in stages[s]]
+                if s == 0:
+                    finished += refs
+            outputs[action] = refs[0]
+            for t, ref in enumerate(refs):
+                pending[ref] = (names[d][s][t], str(action))
+                submitted[ref] = time.time()
         losses += [outputs[Action(last, FORWARD, m)] for m in range(len(inputs[d]))]
-    flat = [(actor, names[d][s]) for d, actors in enumerate(replicas) for s, actor in enumerate(actors)]
+    flat = [
+        (actor, names[d][s][t])
+        for d, stages in enumerate(replicas)
+        for s, ranks in enumerate(stages)
+        for t, actor in enumerate(ranks)
+    ]
     if len(replicas) > 1:  # queued right behind each stage's own last backward
         for actor, name in flat:
-            pending[actor.reduce_gradients.remote()] = (name, "reduce_gradients")
+            ref = actor.reduce_gradients.remote()
+            pending[ref], submitted[ref] = (name, "reduce_gradients"), time.time()
     stats = []
     for actor, name in flat:
         stats.append(actor.grad_stats.remote(*finished))
-        pending[stats[-1]] = (name, "grad_stats")
+        pending[stats[-1]], submitted[stats[-1]] = (name, "grad_stats"), time.time()
     reports = []
     for actor, name in flat:
         reports.append(actor.optimizer_step.remote(step, *stats))
-        pending[reports[-1]] = (name, "optimizer_step")
+        pending[reports[-1]], submitted[reports[-1]] = (name, "optimizer_step"), time.time()
     what = f"step {step + 1}"  # 1-based, as the step's metrics report it
+    trace = os.environ.get("RAYPIPE_TRACE")
+    if trace:
+        write_trace(trace, step + 1, [(submitted[ref], *pending[ref]) for ref in pending])
     _wait_for_progress(pending, timeout, what)
     actors = [a for a, _ in flat]
     values = gather(losses + reports, what, actors, [n for _, n in flat])
     return StepResult(values[: len(losses)], values[len(losses) :], time.perf_counter() - started)
 
 
+def write_trace(path: str, step: int, issued: Sequence[tuple[float, str, str]]) -> None:
+    """Appends one JSON line per issued call: {"ts", "step", "actor", "action"}, in issue order."""
+    with open(path, "a") as f:
+        for ts, actor, action in issued:
+            f.write(json.dumps({"ts": ts, "step": step, "actor": actor, "action": action}) + "\n")
+
+
 def run_forward(
-    actors: Sequence[Any],
-    names: Sequence[str],
+    stages: Sequence[Sequence[Any]],
+    names: Sequence[Sequence[str]],
     inputs: Sequence[torch.Tensor],
     targets: Sequence[Any] | None,
     timeout: float,
 ) -> list[Any]:
     """Forward-only pass of every microbatch through all stages (evaluation, inference).
+
+    `stages` holds each stage's tp ranks; every rank runs, rank 0's output goes on.
 
     Returns:
         Per microbatch: the last stage's loss (when targets are given) or its output.
@@ -118,13 +143,16 @@ def run_forward(
     results, pending = [], {}
     for m, x in enumerate(inputs):
         ref = x
-        for s, actor in enumerate(actors):
-            target = targets[m] if targets is not None and s == len(actors) - 1 else None
-            ref = actor.forward_only.remote(ref, target)
-            pending[ref] = (names[s], str(Action(s, FORWARD, m)))
+        for s, ranks in enumerate(stages):
+            target = targets[m] if targets is not None and s == len(stages) - 1 else None
+            refs = [actor.forward_only.remote(ref, target) for actor in ranks]
+            for t, r in enumerate(refs):
+                pending[r] = (names[s][t], str(Action(s, FORWARD, m)))
+            ref = refs[0]
         results.append(ref)
     _wait_for_progress(pending, timeout, "inference")
-    return gather(results, "inference", actors, names)
+    flat = [a for ranks in stages for a in ranks]
+    return gather(results, "inference", flat, [n for ranks in names for n in ranks])
 
 
 def gather(

@@ -20,6 +20,7 @@ from raypipe.config import TrainConfig, apply_overrides, check_whole_number, loa
 from raypipe.data import TokenDataset, stdlib_corpus
 from raypipe.errors import ConfigError, RaypipeError
 from raypipe.models import gpt
+from raypipe.progress import Progress
 
 DATA_SOURCES = ("stdlib", "bin", "text")
 
@@ -76,6 +77,8 @@ class JobSettings:
         eval_every: compute validation loss every this many steps (0: only at the end).
         eval_batches: batches averaged for a validation loss.
         sample_tokens: tokens to sample from the trained model at the end (0: none).
+        progress: a live progress bar on a terminal or in a notebook; plain log lines
+            either way, and only those where no one watches a terminal (`ray job submit`).
     """
 
     steps: int = 200
@@ -84,9 +87,14 @@ class JobSettings:
     eval_every: int = 0
     eval_batches: int = 4
     sample_tokens: int = 200
+    progress: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.progress, bool):
+            raise ConfigError(f"job.progress={self.progress!r} is invalid: give true or false.")
         for f in dataclasses.fields(self):
+            if f.name == "progress":
+                continue
             minimum = 1 if f.name in ("steps", "batch_size", "log_every", "eval_batches") else 0
             check_whole_number(f"job.{f.name}", getattr(self, f.name), minimum)
 
@@ -145,7 +153,7 @@ def run(
     train_set, val_set = dataset.split(config.data.val_fraction) if config.data.val_fraction else (dataset, None)
     log(
         f"raypipe: GPT {model.parameters / 1e6:.2f}M parameters ({model.n_layer} blocks, n_embd {model.n_embd}); "
-        f"{len(train_set):,} training tokens; pp={train.pp}, schedule={train.schedule}, "
+        f"{len(train_set):,} training tokens; pp={train.pp}, dp={train.dp}, tp={train.tp}, schedule={train.schedule}, "
         f"microbatches={train.microbatches}, batch {job.batch_size} x {model.block_size} tokens"
     )
     losses: list[float] = []
@@ -168,7 +176,10 @@ def run(
             log(f"step {step:4d} | val loss {_validation_loss(trainer, val_set, job):.4f}")
 
     with Trainer(gpt.layers(model), gpt.loss_fn, train) as trainer:
-        log(f"stages: {', '.join(f'{n} layers [{a}, {b})' for n, (a, b) in zip(trainer.names, trainer.plan))}")
+        first_ranks = trainer.names[:: train.tp][: trainer.num_stages]  # replica 0, tp rank 0 of each stage
+        log(f"stages: {', '.join(f'{n} layers [{a}, {b})' for n, (a, b) in zip(first_ranks, trainer.plan))}")
+        if len(trainer.names) > trainer.num_stages:
+            log(f"actors: {len(trainer.names)} = pp {train.pp} x dp {train.dp} x tp {train.tp}: {', '.join(trainer.names)}")
         if resume or resume_step is not None:
             where = trainer.load(train.checkpoint_dir, step=resume_step, log=log)
             log(f"resumed from {where} at step {trainer.step_count}")
@@ -176,7 +187,14 @@ def run(
         if first_val is not None:
             log(f"step {trainer.step_count:4d} | val loss {first_val:.4f}")
         started = time.perf_counter()
-        trainer.fit(lambda step: train_set.batch(step, job.batch_size, seed=train.seed), job.steps, on_step, log)
+        bar = Progress(job.steps, trainer.step_count, job.progress)
+        plain_log, log = log, bar.writer(log)
+        try:
+            trainer.fit(lambda step: train_set.batch(step, job.batch_size, seed=train.seed), job.steps, on_step,
+                        log, progress=bar)
+        finally:
+            bar.close()
+            log = plain_log
         elapsed = time.perf_counter() - started
         last_val = _validation_loss(trainer, val_set, job) if val_set else None
         if last_val is not None:

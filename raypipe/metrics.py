@@ -55,3 +55,43 @@ class TensorBoardLogger:
     def close(self) -> None:
         self.writer.flush()
         self.writer.close()
+
+
+class RayMetrics:
+    """Exports each step through `ray.util.metrics`, for the Ray dashboard and Prometheus.
+
+    Series (Prometheus adds Ray's `ray_` prefix): `raypipe_steps` (counter),
+    `raypipe_step_seconds` (histogram), `raypipe_tokens_per_second` (or
+    `raypipe_samples_per_second`), `raypipe_loss` (gauges), tagged with the run; and
+    `raypipe_stage_busy_fraction` per stage, tagged with run, stage and the actor's rank.
+    """
+
+    BOUNDARIES = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
+
+    def __init__(self, run: str) -> None:
+        from ray.util.metrics import Counter, Gauge, Histogram
+
+        self.run = run
+        tags = {"run": run}
+        self.steps = Counter("raypipe_steps", "optimizer steps taken", tag_keys=("run",))
+        self.step_seconds = Histogram("raypipe_step_seconds", "wall time of a training step, seconds",
+                                      boundaries=self.BOUNDARIES, tag_keys=("run",))
+        self.tokens = Gauge("raypipe_tokens_per_second", "training throughput, tokens/s", tag_keys=("run",))
+        self.samples = Gauge("raypipe_samples_per_second", "training throughput, samples/s", tag_keys=("run",))
+        self.loss = Gauge("raypipe_loss", "the last step's mean loss", tag_keys=("run",))
+        self.busy = Gauge("raypipe_stage_busy_fraction",
+                          "share of the step's compute window a stage spent in forward and backward",
+                          tag_keys=("run", "stage", "rank"))
+        for metric in (self.steps, self.step_seconds, self.tokens, self.samples, self.loss):
+            metric.set_default_tags(tags)
+
+    def log(self, metrics: dict[str, Any], ranks: list[int]) -> None:
+        """Records one step; `ranks` are the actor ranks whose timings `metrics["stages"]` holds."""
+        self.steps.inc()
+        self.step_seconds.observe(metrics["step_time"])
+        if "tokens_per_s" in metrics:
+            self.tokens.set(metrics["tokens_per_s"])
+        self.samples.set(metrics["samples_per_s"])
+        self.loss.set(metrics["loss"])
+        for s, (stage, rank) in enumerate(zip(metrics.get("stages", []), ranks)):
+            self.busy.set(1.0 - stage["bubble"], tags={"run": self.run, "stage": str(s), "rank": str(rank)})

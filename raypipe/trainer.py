@@ -12,6 +12,7 @@ import math
 import shutil
 import time
 import uuid
+import warnings
 import weakref
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -22,6 +23,7 @@ import torch
 from raypipe import checkpoint as ckpt
 from raypipe import runtime
 from raypipe.actors.stage import StageActor, StageSettings
+from raypipe.collective import group_backend
 from raypipe.config import TrainConfig, nearest
 from raypipe.engine import gather, last_line, run_forward, run_step, submission_order
 from raypipe.errors import (
@@ -35,9 +37,13 @@ from raypipe.errors import (
     StepTimeoutError,
 )
 from raypipe.layers import LayerSpec, as_spec, parameter_counts
-from raypipe.metrics import TensorBoardLogger, stage_metrics
+from raypipe.metrics import RayMetrics, TensorBoardLogger, stage_metrics
+from raypipe.nn import ShardSpec, merge
+from raypipe.nn.plan import check_tensor_parallel
 from raypipe.partition import Plan, make_plan
+from raypipe.progress import Progress
 from raypipe.schedules import build_schedule
+from raypipe.timeline import Timeline
 
 # Trainers of this process whose actors are running, named in placement errors.
 _RUNNING: "weakref.WeakSet[Trainer]" = weakref.WeakSet()
@@ -96,12 +102,15 @@ class Trainer:
             else None
         )
         self.plan: Plan = make_plan(len(self.specs), cfg.pp, cfg.partition, cfg.shard_plan, counts)
+        check_tensor_parallel(self.specs, cfg.tp)
         self.run_name = cfg.name or f"run-{uuid.uuid4().hex[:8]}"
         self.step_count = 0
         self.restarts = 0
         self._calls = 0
         self._actors: list[Any] = []
         self._tensorboard: TensorBoardLogger | None = None
+        self._last_events: list[list[tuple]] = []
+        self._ray_metrics: RayMetrics | None = None
         self._set_schedule()
 
         runtime.connect()
@@ -109,9 +118,12 @@ class Trainer:
             [loss_fn] + [s.factory for s in self.specs]
             + [type(a) for s in self.specs for a in (*s.args, *s.kwargs.values())]
         )
-        # actors are laid out replica-major: rank = d * pp + s, names[rank] = "stage{s}-dp{d}-tp0"
-        self.names = [f"stage{s}-dp{d}-tp0" for d in range(cfg.dp) for s in range(cfg.pp)]
+        # actors are laid out replica-major: rank = (d * pp + s) * tp + t, named "stage{s}-dp{d}-tp{t}"
+        self.names = [
+            f"stage{s}-dp{d}-tp{t}" for d in range(cfg.dp) for s in range(cfg.pp) for t in range(cfg.tp)
+        ]
         self._loss_fn = loss_fn
+        self._replace_same_name()
         self._start_actors()
 
     # ----- public API -------------------------------------------------------------
@@ -120,16 +132,23 @@ class Trainer:
     def num_stages(self) -> int:
         return len(self.plan)
 
-    @property
-    def _replicas(self) -> list[list[Any]]:
-        """Actors per data-parallel replica, each replica's stages in order."""
-        pp = self.num_stages
-        return [self._actors[d * pp : (d + 1) * pp] for d in range(len(self._actors) // pp)]
+    def _grid(self, flat: Sequence[Any]) -> list[list[list[Any]]]:
+        """Actors (or names) by rank -> [replica][stage][tp rank]."""
+        pp, tp = self.num_stages, self.config.tp
+        return [
+            [list(flat[(d * pp + s) * tp : (d * pp + s + 1) * tp]) for s in range(pp)]
+            for d in range(len(flat) // (pp * tp))
+        ]
 
     @property
-    def _stages(self) -> list[Any]:
-        """Replica 0's stage actors: the ones weights, gradients and checkpoints are read from."""
-        return self._actors[: self.num_stages]
+    def _replicas(self) -> list[list[list[Any]]]:
+        """Actors per data-parallel replica, per stage, per tp rank."""
+        return self._grid(self._actors)
+
+    @property
+    def _stages(self) -> list[list[Any]]:
+        """Replica 0's actors per stage (all tp ranks): weights and gradients are read from them."""
+        return self._grid(self._actors)[0]
 
     def step(self, x: torch.Tensor, y: Any) -> dict[str, Any]:
         """Runs one optimizer step on the batch `(x, y)`, split into microbatches.
@@ -156,7 +175,7 @@ class Trainer:
         try:
             result = run_step(
                 self._replicas,
-                [self.names[d * pp : (d + 1) * pp] for d in range(dp)],
+                self._grid(self.names),
                 self._schedule,
                 [inputs[d * m : (d + 1) * m] for d in range(dp)],
                 [targets[d * m : (d + 1) * m] for d in range(dp)],
@@ -190,9 +209,14 @@ class Trainer:
             metrics["tokens"] = int(x.numel())
             metrics["tokens_per_s"] = x.numel() / result.seconds
         metrics["skipped"] = report["skipped"]
-        metrics["stages"] = stage_metrics(result.stage_reports[:pp])
+        first_ranks = result.stage_reports[: pp * self.config.tp : self.config.tp]  # replica 0, tp rank 0
+        metrics["stages"] = stage_metrics(first_ranks)
+        self._last_events = [r.get("events", []) for r in first_ranks]
         if self.config.precision == "fp16":
             metrics["loss_scale"] = report["loss_scale"]
+        if self._ray_metrics is None:
+            self._ray_metrics = RayMetrics(self.run_name)
+        self._ray_metrics.log(metrics, [s * self.config.tp for s in range(pp)])
         if self.config.log_dir is not None:
             if self._tensorboard is None:
                 self._tensorboard = TensorBoardLogger(self.config.log_dir)
@@ -208,6 +232,7 @@ class Trainer:
         steps: int,
         on_step: Callable[[dict[str, Any]], None] | None = None,
         log: Callable[[str], None] = print,
+        progress: bool | Progress = False,
     ) -> list[dict[str, Any]]:
         """Trains until `step_count == steps`, surviving actor deaths.
 
@@ -218,6 +243,8 @@ class Trainer:
             steps: the step count to reach.
             on_step: called with each step's metrics.
             log: where recovery messages go.
+            progress: show a tqdm bar (terminal or notebook) with loss and tokens/s; or a
+                `raypipe.progress.Progress` the caller made (and closes).
 
         Returns:
             The metrics of every step run by this call (replayed steps appear again).
@@ -227,23 +254,31 @@ class Trainer:
                 message says which, why, and where the last checkpoint is.
         """
         history = []
-        while self.step_count < steps:
-            x, y = batches(self.step_count)
-            try:
-                metrics = self.step(x, y)
-            except ActorDiedError as error:
-                if self.restarts >= self.config.max_restarts:
-                    where = self._last_checkpoint()
-                    raise ActorDiedError(
-                        f"{error} -- after {self.restarts} restarts (TrainConfig.max_restarts="
-                        f"{self.config.max_restarts}); last checkpoint: {where or 'none'}",
-                        actor=error.actor, cause=error.cause,
-                    ) from None
-                self._recover(error, log)
-                continue
-            history.append(metrics)
-            if on_step is not None:
-                on_step(metrics)
+        bar = progress if isinstance(progress, Progress) else Progress(steps, self.step_count, bool(progress))
+        log = bar.writer(log)
+        try:
+            while self.step_count < steps:
+                x, y = batches(self.step_count)
+                try:
+                    metrics = self.step(x, y)
+                except ActorDiedError as error:
+                    if self.restarts >= self.config.max_restarts:
+                        where = self._last_checkpoint()
+                        raise ActorDiedError(
+                            f"{error} -- after {self.restarts} restarts (TrainConfig.max_restarts="
+                            f"{self.config.max_restarts}); last checkpoint: {where or 'none'}",
+                            actor=error.actor, cause=error.cause,
+                        ) from None
+                    self._recover(error, log)
+                    bar.moved_to(self.step_count)
+                    continue
+                history.append(metrics)
+                bar.update(metrics)
+                if on_step is not None:
+                    on_step(metrics)
+        finally:
+            if bar is not progress:
+                bar.close()
         return history
 
     def save(self, path: str | None = None) -> Path:
@@ -311,20 +346,45 @@ class Trainer:
     def evaluate(self, x: torch.Tensor, y: Any) -> float:
         """The mean loss on `(x, y)` without training (eval mode, no gradients, weights unchanged)."""
         inputs, targets = self._split(x, y, self.config.microbatches)
-        losses = run_forward(self._stages, self.names, inputs, targets, self.config.step_timeout)
+        losses = run_forward(self._stages, self._grid(self.names)[0], inputs, targets, self.config.step_timeout)
         return sum(losses) / len(losses)
 
     def predict(self, x: torch.Tensor) -> torch.Tensor:
         """The model's output for `x` (eval mode, no gradients), run through the pipeline."""
         inputs, _ = self._split(x, None, self.config.microbatches)
-        return torch.cat(run_forward(self._stages, self.names, inputs, None, self.config.step_timeout))
+        return torch.cat(run_forward(self._stages, self._grid(self.names)[0], inputs, None, self.config.step_timeout))
+
+    def timeline(self, planned: bool = False) -> Timeline:
+        """The last step's schedule as each stage ran it (from the actors' own timestamps).
+
+        With `planned=True`, the current schedule as planned instead, each forward and
+        backward lasting what they took on average in the last step (1 and 2 ticks before
+        any step). Save it with `.save("t.svg" | "t.png" | "t.json")`; a notebook shows it inline.
+        """
+        c = self.config
+        names = self.names[:: c.tp][: self.num_stages]
+        if not planned:
+            if not self._last_events:
+                raise RaypipeError("no step has run yet: call step() first, or timeline(planned=True).")
+            return Timeline.measured(self._last_events, f"{c.schedule}, pp={c.pp}, m={c.microbatches}: "
+                                     f"step {self.step_count} as measured", names)
+        fwd, bwd, unit = [1.0] * self.num_stages, [2.0] * self.num_stages, "ticks"
+        if self._last_events:
+            unit = "ms"
+            for s, events in enumerate(self._last_events):
+                for kind, durations in (("F", fwd), ("B", bwd)):
+                    spans = [1000 * (e[3] - e[2]) for e in events if e[0] == kind]
+                    durations[s] = sum(spans) / len(spans) if spans else 0.0
+        planned_line = Timeline.planned(self._schedule, fwd, bwd, f"{c.schedule}, pp={c.pp}, m={c.microbatches}: planned", unit)
+        planned_line.stage_names = names
+        return planned_line
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The full model's weights, keyed as `nn.Sequential(*layers).state_dict()`."""
-        merged: dict[str, torch.Tensor] = {}
-        for part in gather([a.state_dict.remote() for a in self._stages], "state_dict"):
-            merged.update(part)
-        return merged
+        """The full model's weights, keyed as `nn.Sequential(*layers).state_dict()`.
+
+        Tensor-parallel shards are merged, so the result is the same for any pp, dp and tp.
+        """
+        return self._merged("state_dict")
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Loads full-model weights (keys as `state_dict()` gives them) into every stage.
@@ -346,17 +406,33 @@ class Trainer:
                 f"load_state_dict: keys {stray[:5]} name no layer of this {len(self.specs)}-layer "
                 f"model; keys look like '<layer index>.<parameter>', as state_dict() gives them."
             )
+        tp = self.config.tp
         try:
-            gather([a.load_state_dict.remote(parts[i % self.num_stages]) for i, a in enumerate(self._actors)],
+            gather([a.load_state_dict.remote(parts[(i // tp) % self.num_stages]) for i, a in enumerate(self._actors)],
                    "load_state_dict")
         except StageError as error:
             raise KeyError(str(error)) from None
 
     def gradients(self) -> dict[str, torch.Tensor]:
         """The last step's gradients, keyed like `state_dict()` (as the optimizer used them)."""
+        return self._merged("gradients")
+
+    def _merged(self, method: str) -> dict[str, torch.Tensor]:
+        """Calls `method` on replica 0's actors and merges tensor-parallel shards by key."""
+        ranks = self._stages
+        calls = [getattr(a, method).remote() for stage in ranks for a in stage]
+        specs_refs = [stage[0].tensor_shards.remote() for stage in ranks] if self.config.tp > 1 else []
+        values = gather(calls + specs_refs, method)
+        parts, specs = values[: len(calls)], {}
+        for part in values[len(calls) :]:
+            specs.update(part)
+        tp = self.config.tp
         merged: dict[str, torch.Tensor] = {}
-        for part in gather([a.gradients.remote() for a in self._stages], "gradients"):
-            merged.update(part)
+        for s in range(len(ranks)):
+            shards = parts[s * tp : (s + 1) * tp]
+            for key, value in shards[0].items():
+                spec = specs.get(key)
+                merged[key] = merge([p[key] for p in shards], ShardSpec(*spec)) if spec else value
         return merged
 
     def reconfigure(self, **changes: Any) -> None:
@@ -412,7 +488,7 @@ class Trainer:
     def __repr__(self) -> str:
         c = self.config
         return (
-            f"Trainer(run={self.run_name!r}, pp={c.pp}, dp={c.dp}, schedule={c.schedule!r}, "
+            f"Trainer(run={self.run_name!r}, pp={c.pp}, dp={c.dp}, tp={c.tp}, schedule={c.schedule!r}, "
             f"microbatches={c.microbatches}, plan={self.plan}, steps={self.step_count}, "
             f"{'running' if self._actors else 'shut down'})"
         )
@@ -443,31 +519,31 @@ class Trainer:
         if self.config.cpus_per_actor is not None:
             return float(self.config.cpus_per_actor)
         total = ray.cluster_resources().get("CPU", 1.0)
-        return min(1.0, int(100 * total / (self.config.pp * self.config.dp)) / 100) or 0.01
+        return min(1.0, int(100 * total / len(self.names)) / 100) or 0.01
 
     def _start_actors(self) -> None:
         cfg = self.config
         cpus = self._cpus_per_actor()
         threads = cfg.threads_per_actor or max(1, int(cpus))
         remote_cls = ray.remote(StageActor)
-        for d in range(cfg.dp):
-            for s, (start, end) in enumerate(self.plan):
-                name = self.names[d * cfg.pp + s]
-                self._actors.append(
-                    remote_cls.options(
-                        name=name,
-                        namespace=f"raypipe-{self.run_name}",
-                        num_cpus=cpus,
-                        max_restarts=0,
-                        max_task_retries=0,
-                    ).remote(
-                        s, cfg.pp, self.specs[start:end], start, cfg.seed, threads,
-                        self._loss_fn if s == cfg.pp - 1 else None, name, d, cfg.dp,
-                    )
+        for rank, name in enumerate(self.names):
+            d, s, t = self._place(rank)
+            start, end = self.plan[s]
+            self._actors.append(
+                remote_cls.options(
+                    name=name,
+                    namespace=f"raypipe-{self.run_name}",
+                    num_cpus=cpus,
+                    max_restarts=0,
+                    max_task_retries=0,
+                ).remote(
+                    s, cfg.pp, self.specs[start:end], start, cfg.seed, threads,
+                    self._loss_fn if s == cfg.pp - 1 else None, name, d, cfg.dp, t, cfg.tp,
                 )
+            )
         try:
             self._wait_for_actors(cpus)
-            if cfg.dp > 1:
+            if cfg.dp > 1 or cfg.tp > 1:
                 self._join_world()
             self._configure_actors()
         except BaseException:
@@ -478,19 +554,47 @@ class Trainer:
         self._finalizer.atexit = False  # at exit Ray ends the actors with the driver
         _RUNNING.add(self)
 
+    def _replace_same_name(self) -> None:
+        """Shuts down a running trainer of this process with the same run name.
+
+        Its actors hold the names this one needs; in a notebook this is the trainer
+        of the cell being run again.
+        """
+        for other in list(_RUNNING):
+            if other is not self and other.run_name == self.run_name and other._actors:
+                warnings.warn(f"raypipe: shutting down the running trainer named {self.run_name!r} of this "
+                              f"process to reuse its name ({other!r})", stacklevel=3)
+                other.shutdown()
+
+    def _place(self, rank: int) -> tuple[int, int, int]:
+        """(dp replica, stage, tp rank) of an actor rank."""
+        pp, tp = self.config.pp, self.config.tp
+        return rank // (pp * tp), (rank // tp) % pp, rank % tp
+
     def _join_world(self) -> None:
-        """Rendezvous through Ray: rank 0 publishes an address, every actor joins the world."""
-        pp, dp = self.config.pp, self.config.dp
+        """Rendezvous through Ray: rank 0 publishes an address, every actor joins the world.
+
+        Each actor is in one dp group (its stage and tp rank across replicas) and one tp
+        group (its stage's ranks within its replica); the groups overlap in membership.
+        """
+        pp, dp, tp = self.config.pp, self.config.dp, self.config.tp
         address, port = gather([self._actors[0].rendezvous_address.remote()], "rendezvous")[0]
-        dp_groups = [[d * pp + s for d in range(dp)] for s in range(pp)]
-        gather(
-            [
-                a.join.remote(address, port, len(self._actors), rank, dp_groups, dp_groups[rank % pp],
-                              self.config.step_timeout)
-                for rank, a in enumerate(self._actors)
-            ],
-            "rendezvous", self._actors, self.names,
-        )
+
+        def rank(d: int, s: int, t: int) -> int:
+            return (d * pp + s) * tp + t
+
+        dp_groups = [[rank(d, s, t) for d in range(dp)] for s in range(pp) for t in range(tp)]
+        tp_groups = [[rank(d, s, t) for t in range(tp)] for d in range(dp) for s in range(pp)]
+        groups = [g for g in dp_groups + tp_groups if len(g) > 1]
+        backends = [group_backend([self._devices[r] for r in g]) for g in groups]
+        joins = []
+        for r, actor in enumerate(self._actors):
+            d, s, t = self._place(r)
+            joins.append(actor.join.remote(
+                address, port, len(self._actors), r, groups, dp_groups[s * tp + t], tp_groups[d * pp + s],
+                self.config.step_timeout, backends,
+            ))
+        gather(joins, "rendezvous", self._actors, self.names)
 
     def _recover(self, error: ActorDiedError, log: Callable[[str], None]) -> None:
         """Replaces every actor and restores the last valid checkpoint (or the initial weights)."""
@@ -529,9 +633,11 @@ class Trainer:
                     ray.get(ref)
                 except ray.exceptions.RayActorError as error:
                     raise StageError(
-                        f"{self.names[rank]} (layers {self.plan[rank % self.num_stages]}) could not start: "
+                        f"{self.names[rank]} (layers {self.plan[self._place(rank)[1]]}) could not start: "
                         f"{last_line(error)}"
                     ) from None
+            if not pending:
+                self._devices = [info["device"] for info in ray.get(refs)]
             if pending and time.monotonic() >= deadline:
                 waiting = [self.names[refs.index(r)] for r in pending]
                 others = [repr(t) for t in list(_RUNNING) if t is not self and t._actors]

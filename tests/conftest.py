@@ -8,13 +8,32 @@ import torch
 torch.set_num_threads(1)  # the driver shares 2 cores with the stage actors
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+METRICS_PORT = _free_port()
+
+
 @pytest.fixture(scope="session")
 def ray_session():
+    """The local Ray every in-process test shares; its node serves Prometheus text on METRICS_PORT."""
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    os.environ["RAY_metrics_report_interval_ms"] = "1000"  # metrics reach the endpoint within ~1 s
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False,
+             _metrics_export_port=METRICS_PORT)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def metrics_port(ray_session):
+    return METRICS_PORT
 
 
 @pytest.fixture(scope="session")

@@ -55,18 +55,21 @@ def reference_run(specs, seed, optimizer, steps, microbatches=1, reverse=False, 
     return losses, first_grads, model.state_dict()
 
 
-def check_sgd_parity(trainer, initial, reference, schedule, microbatches, optimizer):
-    """Restarts `trainer` from `initial` and checks 3 steps against `reference_run`'s output:
-    every step's loss, the first step's gradients and the final weights."""
+def check_sgd_parity(trainer, initial, reference, schedule, microbatches, optimizer, data=batch):
+    """Restarts `trainer` from `initial` and checks 3 steps of `data(k)` against `reference_run`'s
+    output: every step's loss, the first step's gradients and global gradient norm, the final weights."""
     ref_losses, ref_grads, ref_final = reference
     trainer.reconfigure(schedule=schedule, microbatches=microbatches, optimizer=optimizer)
     trainer.reset_optimizer()
     trainer.load_state_dict(initial)
     losses = []
     for k in range(3):
-        losses.append(trainer.step(*batch(k))["loss"])
+        metrics = trainer.step(*data(k))
+        losses.append(metrics["loss"])
         if k == 0:
             assert_close_dicts(trainer.gradients(), ref_grads)
+            norm = float(torch.sqrt(sum(g.pow(2).sum() for g in ref_grads.values())))
+            assert abs(metrics["grad_norm"] - norm) <= 1e-5 * norm, (metrics["grad_norm"], norm)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=4e-5)
     assert_close_dicts(trainer.state_dict(), ref_final)
 

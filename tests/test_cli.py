@@ -27,13 +27,15 @@ def test_raypipe_train_runs_the_job_and_the_loss_falls(clean_env):
     assert len(values) >= 5 and values[-1] < values[0] - 1.0
 
 
-def test_examples_train_py_with_overrides(clean_env):
+def test_examples_train_py_with_overrides_on_pp1_dp2_tp2(clean_env):
     result = run([sys.executable, "examples/train.py", "--config", "examples/configs/tiny.yaml",
-                  "--set", "pp=1", "--set", "schedule=gpipe", "--set", "job.steps=10",
-                  "--set", "job.sample_tokens=0"], clean_env)
+                  "--set", "pp=1", "--set", "dp=2", "--set", "tp=2", "--set", "schedule=gpipe",
+                  "--set", "job.steps=10", "--set", "job.sample_tokens=0"], clean_env)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "pp=1, schedule=gpipe" in result.stdout
+    assert "pp=1, dp=2, tp=2, schedule=gpipe" in result.stdout
     assert "stages: stage0-dp0-tp0 layers [0, 4)" in result.stdout
+    assert "actors: 4 = pp 1 x dp 2 x tp 2: stage0-dp0-tp0, stage0-dp0-tp1, stage0-dp1-tp0, stage0-dp1-tp1" in result.stdout
+    assert "step   10 | loss" in result.stdout
 
 
 def test_bad_config_is_a_clear_error_with_exit_code_2(clean_env):

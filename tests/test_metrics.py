@@ -36,3 +36,36 @@ def test_bubble_and_busy_time_come_from_the_actors(ray_session):
         stages = t.step(torch.randn(8, 6), torch.randn(8, 6))["stages"]
     assert stages[1]["forward_s"] == pytest.approx(0.2, abs=0.05)
     assert stages[1]["bubble"] < 0.3 < 0.7 < stages[0]["bubble"] <= 1.0
+
+
+def test_ray_metrics_reach_the_nodes_prometheus_endpoint(ray_session, metrics_port):
+    """Step counter, step-time histogram, throughput and per-stage busy fraction, tagged by run,
+    stage and rank, in the Prometheus text the Ray node serves."""
+    import re
+    import time
+    import urllib.request
+
+    config = TrainConfig(pp=2, microbatches=2, name="prom-test", optimizer={"name": "sgd", "lr": 0.05},
+                         cpus_per_actor=0.5)
+    with Trainer(MLP7, nn.functional.mse_loss, config) as t:
+        history = t.fit(batch, 3)
+
+        def series(text, name):
+            pattern = rf'^ray_{name}\{{([^}}]*run="prom-test"[^}}]*)\}} (\S+)$'
+            return {tags: float(v) for tags, v in re.findall(pattern, text, re.MULTILINE)}
+
+        deadline, text = time.monotonic() + 60, ""
+        while time.monotonic() < deadline:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+            if list(series(text, "raypipe_steps_total").values()) == [3.0] and series(text, "raypipe_stage_busy_fraction"):
+                break
+            time.sleep(1)
+    assert list(series(text, "raypipe_steps_total").values()) == [3.0], text[-2000:]
+    assert list(series(text, "raypipe_step_seconds_count").values()) == [3.0]
+    # Ray reports a histogram's sum from its buckets, close to but not exactly the sum of the values
+    assert list(series(text, "raypipe_step_seconds_sum").values())[0] == pytest.approx(
+        sum(m["step_time"] for m in history), rel=0.25)
+    assert list(series(text, "raypipe_loss").values()) == [pytest.approx(history[-1]["loss"], rel=1e-5)]
+    busy = series(text, "raypipe_stage_busy_fraction")
+    assert len(busy) == 2 and all(0.0 < v <= 1.0 for v in busy.values())
+    assert any('stage="1"' in tags and 'rank="1"' in tags for tags in busy)

@@ -23,6 +23,8 @@ from torch.utils.checkpoint import checkpoint
 from raypipe.actors import zero
 from raypipe.errors import StageError
 from raypipe.layers import LayerSpec, build_layer
+from raypipe.nn import TensorParallelGroup, merge, parallelize, shard, shard_specs
+from raypipe.nn.group import building
 from raypipe.optim import LossScaler, build_optimizer, learning_rate
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -53,6 +55,8 @@ class StageActor:
         loss_fn: `loss_fn(output, target) -> scalar`, given to the last stage only.
         name: the actor's name, used in error messages.
         dp_rank, dp_size: this actor's place among the data-parallel replicas of its stage.
+        tp_rank, tp_size: its place in the stage's tensor-parallel group; layers with a
+            `tp_plan` keep this rank's shard, the others are replicated.
     """
 
     def __init__(
@@ -67,16 +71,23 @@ class StageActor:
         name: str,
         dp_rank: int = 0,
         dp_size: int = 1,
+        tp_rank: int = 0,
+        tp_size: int = 1,
     ) -> None:
         torch.set_num_threads(threads)
         self.stage, self.num_stages, self.start, self.name = stage, num_stages, start, name
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.dp_group, self.dp_ranks = None, [0]
+        self.tp = TensorParallelGroup(tp_rank, tp_size)
         self.is_last = stage == num_stages - 1
         self.loss_fn = loss_fn
         self.device = torch.device("cpu")
         self.module = nn.Sequential(*[self._build(spec, seed, start + j) for j, spec in enumerate(specs)])
         self.module.to(self.device)
+        # local state-dict key -> how its tensor splits across tp ranks (absent: replicated)
+        self.shard_specs = shard_specs(self.module)
+        sharded = {k for k in self.shard_specs}
+        self.sharded_params = {id(p) for k, p in self.module.named_parameters() if k in sharded}
         torch.manual_seed(seed * 7919 + stage)  # dropout and other in-forward randomness
         self.settings: StageSettings | None = None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -84,7 +95,13 @@ class StageActor:
         self.current_call = -1
         self.losses_finite = True
         self.timing: dict[str, float] = {}
+        self.events: list[tuple[str, int, float, float]] = []
         self.stash: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __repr__(self) -> str:  # Ray's dashboard and logs show this as the actor's repr
+        if not hasattr(self, "module"):
+            return "StageActor(starting)"
+        return f"StageActor({self.name}, layers [{self.start}, {self.start + len(self.module)}))"
 
     # ----- set-up -------------------------------------------------------------
 
@@ -95,6 +112,8 @@ class StageActor:
         return {
             "name": self.name,
             "stage": self.stage,
+            "dp_rank": self.dp_rank,
+            "tp_rank": self.tp.rank,
             "layers": (self.start, self.start + len(self.module)),
             "parameters": sum(p.numel() for p in self.module.parameters()),
             "node_id": ray.get_runtime_context().get_node_id(),
@@ -116,12 +135,14 @@ class StageActor:
         return rendezvous_address()
 
     def join(self, address: str, port: int, world_size: int, rank: int,
-             groups: list[list[int]], dp_group: list[int], timeout: float) -> None:
-        """Joins the trainer's torch.distributed world and keeps this stage's dp group."""
+             groups: list[list[int]], dp_group: list[int], tp_group: list[int], timeout: float,
+             backends: list[str] | None = None) -> None:
+        """Joins the trainer's torch.distributed world and keeps its dp and tp groups."""
         from raypipe.collective import join_world
 
-        mine = join_world(address, port, world_size, rank, groups, timeout)
-        self.dp_group, self.dp_ranks = mine[tuple(dp_group)], list(dp_group)
+        mine = join_world(address, port, world_size, rank, groups, timeout, backends)
+        self.dp_group, self.dp_ranks = mine.get(tuple(dp_group)), list(dp_group)
+        self.tp.group, self.tp_ranks = mine.get(tuple(tp_group)), list(tp_group)
 
     def configure(self, settings: StageSettings, reset_optimizer: bool = False) -> None:
         """Applies new settings; keeps optimizer state unless the optimizer kind changes."""
@@ -161,14 +182,15 @@ class StageActor:
                     out = self.module(x)
                 if not self.is_last:
                     self.stash[microbatch] = (x, out)
-                    self._timed("forward_s", started)
-                    return out.detach()
+                    self._timed("forward_s", started, microbatch)
+                    # tp ranks end with the same activation: the next stage gets one copy
+                    return out.detach() if self.tp.rank == 0 else None
                 loss = self.loss_fn(out, target.to(self.device) if torch.is_tensor(target) else target)
             scale = self.scaler.scale if self.settings.precision == "fp16" else 1.0
             self.stash[microbatch] = (x, loss.float() * (scale / self.settings.microbatches))
             value = float(loss.detach())
             self.losses_finite = self.losses_finite and math.isfinite(value)
-            self._timed("forward_s", started)
+            self._timed("forward_s", started, microbatch)
             return value
         except Exception as error:
             raise self._error("F", microbatch, error) from error
@@ -180,8 +202,8 @@ class StageActor:
             x, out = self.stash.pop(microbatch)
             if out.requires_grad:
                 torch.autograd.backward(out, None if self.is_last else grad.to(out.device))
-            self._timed("backward_s", started)
-            return x.grad if x.requires_grad else None
+            self._timed("backward_s", started, microbatch)
+            return x.grad if x.requires_grad and self.tp.rank == 0 else None
         except Exception as error:
             raise self._error("B", microbatch, error) from error
 
@@ -211,20 +233,24 @@ class StageActor:
         if self.settings.precision == "fp16":
             for g in grads:
                 g.div_(self.scaler.scale)
-        sq = float(sum(g.detach().float().pow(2).sum() for g in grads)) if grads else 0.0
+        # a split parameter's shards each count; a replicated one counts once, on tp rank 0
+        counted = [p.grad for p in self.module.parameters()
+                   if p.grad is not None and (self.tp.rank == 0 or id(p) in self.sharded_params)]
+        sq = float(sum(g.detach().float().pow(2).sum() for g in counted)) if counted else 0.0
         return sq, math.isfinite(sq) and self.losses_finite
 
     def optimizer_step(self, step: int, *stats: tuple[float, bool]) -> dict[str, Any]:
         """One optimizer step from every actor's gradient statistics (same on all actors).
 
-        `stats` come replica by replica, each replica's stages in order.
+        `stats` come replica by replica, each replica's stages in order, each stage's
+        tp ranks in order.
 
         Non-finite statistics (a NaN or infinite gradient or loss anywhere) skip the
         update on every stage alike; under fp16 they also halve the loss scale.
         """
         finite = all(s[1] for s in stats)  # every actor of every replica
         # replicas hold the same (reduced) gradients: the norm comes from the first one's stages
-        total_norm = math.sqrt(sum(s[0] for s in stats[: self.num_stages])) if finite else math.nan
+        total_norm = math.sqrt(sum(s[0] for s in stats[: self.num_stages * self.tp.size])) if finite else math.nan
         settings = self.settings
         lr = learning_rate(step, settings.optimizer["lr"], settings.lr_schedule)
         if settings.precision == "fp16":
@@ -243,7 +269,7 @@ class StageActor:
             self._broadcast_owned()
         self.stash.clear()
         return {"lr": lr, "grad_norm": total_norm, "skipped": skipped, "loss_scale": self.scaler.scale,
-                "timing": dict(self.timing), "peak_memory_bytes": _peak_memory_bytes(self.device)}
+                "timing": dict(self.timing), "events": list(self.events), "peak_memory_bytes": _peak_memory_bytes(self.device)}
 
     @torch.no_grad()
     def forward_only(self, x: torch.Tensor, target: Any = None) -> Any:
@@ -257,6 +283,8 @@ class StageActor:
                 out = self.module(x.to(self.device))
                 if self.is_last and target is not None:
                     return float(self.loss_fn(out, target.to(self.device) if torch.is_tensor(target) else target))
+            if self.tp.rank != 0:  # the same output as rank 0's, which is the one passed on
+                return None
             return out.float() if self.is_last else out
         except Exception as error:
             raise self._error("F", -1, error) from error
@@ -266,12 +294,19 @@ class StageActor:
     # ----- weights --------------------------------------------------------------
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """This stage's weights under global keys (`"<layer index>.<name>"`)."""
+        """This stage's weights under global keys (`"<layer index>.<name>"`); this tp rank's shards."""
         return {self._global_key(k): v.detach().clone() for k, v in self.module.state_dict().items()}
 
+    def tensor_shards(self) -> dict[str, tuple[int, int]]:
+        """Global key -> (dim, chunks) of every tensor split across tp ranks, for merging."""
+        return {self._global_key(k): (spec.dim, spec.chunks) for k, spec in self.shard_specs.items()}
+
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Loads this stage's weights from global keys; every key of the stage must be present."""
-        local = {self._local_key(k): v for k, v in state.items()}
+        """Loads this stage's full (unsplit) weights from global keys, keeping this rank's shards.
+
+        Every key of the stage must be present.
+        """
+        local = self._shard_state({self._local_key(k): v for k, v in state.items()})
         result = self.module.load_state_dict(local, strict=False)
         if result.missing_keys or result.unexpected_keys:
             missing = [self._global_key(k) for k in result.missing_keys]
@@ -281,7 +316,7 @@ class StageActor:
             )
 
     def gradients(self) -> dict[str, torch.Tensor]:
-        """The last step's gradients (as the optimizer used them) under global keys."""
+        """The last step's gradients (as the optimizer used them) under global keys; this rank's shards."""
         return {
             self._global_key(k): p.grad.detach().clone()
             for k, p in self.module.named_parameters()
@@ -329,6 +364,11 @@ class StageActor:
                         states[index].update(state)
         if self.dp_rank != 0:  # replicas hold the same weights; replica 0 writes them
             return {"files": {}, "loss_scaler": dataclasses.asdict(self.scaler)}
+        models = {self.start + j: layer.state_dict() for j, layer in enumerate(self.module)}
+        if self.tp.size > 1:  # tp rank 0 merges the shards: checkpoints hold whole tensors
+            models, states = self._merge_tp_shards(models, states)
+            if self.tp.rank != 0:
+                return {"files": {}, "loss_scaler": dataclasses.asdict(self.scaler)}
         root = Path(directory)
         if not root.is_dir():
             import ray
@@ -338,10 +378,10 @@ class StageActor:
                 f"checkpoint directory {directory}: multi-node runs need a directory every node shares."
             )
         files = {}
-        for j, layer in enumerate(self.module):
+        for j in range(len(self.module)):
             index = self.start + j
             files[ckpt.layer_file("model", index)] = ckpt.save_tensors(
-                root / ckpt.layer_file("model", index), layer.state_dict()
+                root / ckpt.layer_file("model", index), models[index]
             )
             files[ckpt.layer_file("optim", index)] = ckpt.save_tensors(
                 root / ckpt.layer_file("optim", index), states[index]
@@ -349,6 +389,34 @@ class StageActor:
         rng = f"rng/stage-{self.stage}.pt"
         files[rng] = ckpt.save_tensors(root / rng, {"torch": torch.get_rng_state()})
         return {"files": files, "loss_scaler": dataclasses.asdict(self.scaler)}
+
+    def _merge_tp_shards(self, models: dict[int, dict], states: dict[int, dict]) -> tuple[dict, dict]:
+        """Gathers every tp rank's layer weights and optimizer state; rank 0 gets them merged."""
+        import torch.distributed as dist
+
+        parts = [None] * self.tp.size if self.tp.rank == 0 else None
+        dist.gather_object((models, states), parts, dst=self.tp_ranks[0], group=self.tp.group)
+        if self.tp.rank != 0:
+            return models, states
+        for index in models:
+            j = index - self.start
+            for name in models[index]:
+                spec = self.shard_specs.get(f"{j}.{name}")
+                if spec is not None:
+                    models[index][name] = merge([p[0][index][name] for p in parts], spec)
+            for name, state in states[index].items():
+                spec = self.shard_specs.get(f"{j}.{name}")
+                for key, value in state.items():
+                    if spec is not None and _is_per_element(value):
+                        state[key] = merge([p[1][index][name][key] for p in parts], spec)
+        return models, states
+
+    def _shard_state(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Full tensors under local keys -> this tp rank's shards (replicated ones unchanged)."""
+        if self.tp.size == 1:
+            return local
+        return {k: shard(v, self.shard_specs[k], self.tp.rank, self.tp.size) if k in self.shard_specs else v
+                for k, v in local.items()}
 
     def _optimizer_state_by_layer(self) -> dict[int, dict[str, dict]]:
         """Global layer index -> parameter name -> optimizer state, for the parameters this actor steps."""
@@ -369,13 +437,21 @@ class StageActor:
         try:
             for j, layer in enumerate(self.module):
                 index = self.start + j
-                layer.load_state_dict(ckpt.load_tensors(root / ckpt.layer_file("model", index)))
+                weights = ckpt.load_tensors(root / ckpt.layer_file("model", index))
+                layer.load_state_dict(
+                    {k[len(f"{j}.") :]: v for k, v in self._shard_state({f"{j}.{k}": v for k, v in weights.items()}).items()}
+                )
                 state = ckpt.load_tensors(root / ckpt.layer_file("optim", index))
                 if self.optimizer is not None:
                     stepped = {p for group in self.optimizer.param_groups for p in group["params"]}
                     for name, p in layer.named_parameters():
                         if p in stepped and name in state:
-                            self.optimizer.state[p] = state[name]
+                            spec = self.shard_specs.get(f"{j}.{name}")
+                            self.optimizer.state[p] = {
+                                k: shard(v, spec, self.tp.rank, self.tp.size)
+                                if spec is not None and self.tp.size > 1 and _is_per_element(v) else v
+                                for k, v in state[name].items()
+                            }
                         else:
                             self.optimizer.state.pop(p, None)
             if restore_rng:
@@ -393,12 +469,15 @@ class StageActor:
             self.current_call = call_id
             self.losses_finite = True
             self.timing = {"forward_s": 0.0, "backward_s": 0.0, "first_start": math.inf, "last_end": 0.0}
+            self.events: list[tuple[str, int, float, float]] = []
             self.stash.clear()
             self.module.zero_grad(set_to_none=True)
 
-    def _timed(self, kind: str, started: float) -> None:
-        """Adds one action's duration to this step's timing (wall-clock seconds since the epoch)."""
+    def _timed(self, kind: str, started: float, microbatch: int) -> None:
+        """Records one action: its duration in this step's totals, and (kind, microbatch,
+        start, end) in wall-clock seconds since the epoch for the step's timeline."""
         ended = time.time()
+        self.events.append(("F" if kind == "forward_s" else "B", microbatch, started, ended))
         self.timing[kind] += ended - started
         self.timing["first_start"] = min(self.timing["first_start"], started)
         self.timing["last_end"] = ended
@@ -408,8 +487,10 @@ class StageActor:
         return torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None)
 
     def _build(self, spec: LayerSpec, seed: int, index: int) -> nn.Module:
+        """Builds the whole layer under its seed, then keeps this tp rank's shard of it."""
         try:
-            return build_layer(spec, seed, index)
+            with building(self.tp):
+                return parallelize(build_layer(spec, seed, index), self.tp)
         except Exception as error:
             raise StageError(f"layer {index} {spec!r} failed to build: {type(error).__name__}: {error}") from error
 
@@ -430,6 +511,11 @@ class StageActor:
         return StageError(
             f"{self.name} failed at {self.stage}{kind}{microbatch}: {type(error).__name__}: {error}"
         )
+
+
+def _is_per_element(value: Any) -> bool:
+    """Optimizer state shaped like its parameter (momentum, Adam moments), not a scalar like `step`."""
+    return torch.is_tensor(value) and value.dim() > 0
 
 
 def _peak_memory_bytes(device: torch.device) -> int:

@@ -3,6 +3,11 @@
 Layer 0 embeds tokens and positions, layers 1..n_layer are pre-norm transformer
 blocks, and the last layer is the final norm plus an output head that is not tied
 to the embedding (tying would put one weight on two stages). Read top to bottom.
+
+The layers are plain PyTorch. Each declares a `tp_plan` for tensor parallelism
+(Megatron style): the token embedding splits its vocabulary, attention splits its
+heads (q, k and v alike) and the MLP its hidden features, and the head splits the
+vocabulary of its logits, gathering them for the loss.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from torch.nn import functional as F
 from raypipe.config import check_whole_number
 from raypipe.errors import ConfigError
 from raypipe.layers import LayerSpec
+from raypipe.nn import ColumnParallel, RowParallel, VocabParallel
 
 
 @dataclass(frozen=True)
@@ -72,6 +78,9 @@ class Embedding(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         _init(self, cfg.n_layer)
 
+    def tp_plan(self, tp_size: int) -> dict:
+        return {"wte": VocabParallel()}
+
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]
         if t > self.block_size:
@@ -81,21 +90,23 @@ class Embedding(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
+    """Multi-head causal attention; under tensor parallelism each rank runs a share of the heads."""
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.n_head, self.dropout = cfg.n_head, cfg.dropout
+        self.head_dim, self.dropout = cfg.n_embd // cfg.n_head, cfg.dropout
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.resid_drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.c_attn(x).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        b, t, _ = x.shape
+        q, k, v = self.c_attn(x).chunk(3, dim=2)  # this rank's heads (all heads when tp=1)
+        q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
         )
-        return self.resid_drop(self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c)))
+        return self.resid_drop(self.c_proj(y.transpose(1, 2).contiguous().view(b, t, -1)))
 
 
 class MLP(nn.Module):
@@ -118,7 +129,21 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = MLP(cfg)
+        self.n_head = cfg.n_head
         _init(self, cfg.n_layer)
+
+    def tp_plan(self, tp_size: int) -> dict:
+        if self.n_head % tp_size:
+            raise ConfigError(
+                f"model.n_head={self.n_head} does not divide by TrainConfig.tp={tp_size}: tensor "
+                f"parallelism gives each rank whole heads; use a tp that divides {self.n_head}."
+            )
+        return {
+            "attn.c_attn": ColumnParallel(chunks=3),  # q, k and v: each rank keeps the same heads of all three
+            "attn.c_proj": RowParallel(),
+            "mlp.c_fc": ColumnParallel(),
+            "mlp.c_proj": RowParallel(),
+        }
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -133,6 +158,9 @@ class Head(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         _init(self, cfg.n_layer)
+
+    def tp_plan(self, tp_size: int) -> dict:
+        return {"lm_head": ColumnParallel(gather_output=True)}  # the loss sees whole logits
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.ln_f(x))

@@ -1,0 +1,199 @@
+"""Architecture diagrams: stages, their layers and actors, and what flows between them.
+
+`Architecture.from_config` draws a run before it starts (no cluster needed: boundary
+shapes come from running the layers on the meta device); `Architecture.from_trainer`
+draws a running one, with the node and device each actor really has. Each stage
+shows its layer range, layer kinds and parameter count; inside it, its actors, one
+row per dp replica and one box per tp rank (a tp group is a dashed box); the arrows
+between stages carry the boundary tensor's shape. Graphviz renders PNG, SVG and PDF;
+`.mmd` writes Mermaid text (GitHub renders it in Markdown).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from raypipe.config import TrainConfig
+from raypipe.layers import LayerSpec, as_spec, parameter_counts
+from raypipe.partition import make_plan
+
+
+@dataclass
+class ActorView:
+    name: str
+    dp: int
+    tp: int
+    device: str = "cpu"
+    node: str = ""  # short node id; empty when drawn from the config alone
+
+
+@dataclass
+class StageView:
+    index: int
+    layers: tuple[int, int]
+    kinds: str  # e.g. "Embedding, Block x2"
+    parameters: int
+    actors: list[ActorView] = field(default_factory=list)
+    output: str = ""  # the boundary tensor this stage sends on, e.g. "(4, 64, 128) float32"
+
+
+@dataclass
+class Architecture:
+    title: str
+    input: str
+    stages: list[StageView]
+    dp: int = 1
+    tp: int = 1
+
+    # ----- building -------------------------------------------------------------------
+
+    @classmethod
+    def from_config(cls, layers: Sequence[Any], config: TrainConfig, sample: torch.Tensor | None = None,
+                    title: str = "") -> "Architecture":
+        """The architecture a Trainer would build; `sample` is one microbatch (any device, meta works)."""
+        specs = [as_spec(layer, i) for i, layer in enumerate(layers)]
+        counts = parameter_counts(specs)
+        plan = make_plan(len(specs), config.pp, config.partition, config.shard_plan, counts)
+        shapes = _boundary_shapes(specs, plan, sample)
+        stages = []
+        for s, (start, end) in enumerate(plan):
+            actors = [ActorView(f"stage{s}-dp{d}-tp{t}", d, t) for d in range(config.dp) for t in range(config.tp)]
+            stages.append(StageView(s, (start, end), _kinds(specs[start:end]), sum(counts[start:end]), actors,
+                                    shapes[s + 1]))
+        return cls(title or _title(config), shapes[0], stages, config.dp, config.tp)
+
+    @classmethod
+    def from_trainer(cls, trainer: Any, sample: torch.Tensor | None = None, title: str = "") -> "Architecture":
+        """A running trainer's architecture, with each actor's real node and device."""
+        arch = cls.from_config(trainer.specs, trainer.config, sample, title)
+        by_name = {i["name"]: i for i in trainer.stage_info()}
+        for stage in arch.stages:
+            for actor in stage.actors:
+                info = by_name[actor.name]
+                actor.device, actor.node = info["device"], info["node_id"][:8]
+        return arch
+
+    # ----- drawing --------------------------------------------------------------------
+
+    def to_dot(self) -> str:
+        """Graphviz source: a table per stage (a row per dp replica, a cell per tp rank), shapes on the arrows."""
+        out = ["digraph raypipe {", "  rankdir=LR;",
+               f'  label="{_q(self.title)}"; labelloc=t; fontname="Helvetica"; fontsize=16;',
+               '  node [fontname="Helvetica", fontsize=11];', '  edge [fontname="Helvetica", fontsize=10];',
+               f'  input [label="batch\\n{_q(self.input)}", shape=oval, style=filled, fillcolor="#eeeeee"];',
+               '  loss [label="loss", shape=oval, style=filled, fillcolor="#eeeeee"];']
+        for stage in self.stages:
+            rows = [
+                f'<tr><td colspan="{self.tp + 1}" bgcolor="#4c8bd6"><font color="white"><b>stage {stage.index}</b>'
+                f': layers [{stage.layers[0]}, {stage.layers[1]})</font></td></tr>',
+                f'<tr><td colspan="{self.tp + 1}">{_html(stage.kinds)}<br/>{stage.parameters:,} parameters</td></tr>',
+            ]
+            for d in range(self.dp):
+                cells = "".join(
+                    f'<td bgcolor="#e8f0fb">{a.name}<br/><font point-size="9">{_html(a.device)}'
+                    f'{" @ node " + _html(a.node) if a.node else ""}</font></td>'
+                    for a in stage.actors if a.dp == d
+                )
+                group = f"dp {d}" + (f"<br/>tp group of {self.tp}" if self.tp > 1 else "")
+                rows.append(f'<tr><td><font point-size="9">{group}</font></td>{cells}</tr>')
+            table = f'<table border="0" cellborder="1" cellspacing="0" cellpadding="6">{"".join(rows)}</table>'
+            out.append(f"  stage{stage.index} [shape=plain, label=<{table}>];")
+        out.append("  input -> stage0;")
+        for s in range(len(self.stages) - 1):
+            out.append(f'  stage{s} -> stage{s + 1} [label="{_q(self.stages[s].output)}"];')
+        out.append(f'  stage{len(self.stages) - 1} -> loss [label="{_q(self.stages[-1].output)}"];')
+        out.append("}")
+        return "\n".join(out)
+
+    def to_mermaid(self) -> str:
+        """Mermaid flowchart text of the same picture."""
+        out = ["flowchart LR", f'  input(["batch {self.input}"])']
+        for stage in self.stages:
+            out.append(f'  subgraph S{stage.index}["stage {stage.index}: layers [{stage.layers[0]}, {stage.layers[1]}) '
+                       f'- {stage.kinds} - {stage.parameters:,} parameters"]')
+            for a in stage.actors:
+                where = a.device + (f" @ node {a.node}" if a.node else "")
+                out.append(f'    {a.name.replace("-", "_")}["{a.name}<br/>{where}"]')
+            out.append("  end")
+        out.append("  input --> S0")
+        for s in range(len(self.stages) - 1):
+            out.append(f'  S{s} -- "{self.stages[s].output}" --> S{s + 1}')
+        out.append(f'  S{len(self.stages) - 1} -- "{self.stages[-1].output}" --> loss(["loss"])')
+        return "\n".join(out) + "\n"
+
+    def save(self, path: str | Path) -> Path:
+        """Writes by extension: .png, .svg, .pdf (Graphviz), .dot (its source) or .mmd (Mermaid)."""
+        path = Path(path)
+        suffix = path.suffix.lower()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if suffix == ".mmd":
+            path.write_text(self.to_mermaid())
+        elif suffix == ".dot":
+            path.write_text(self.to_dot())
+        elif suffix in (".png", ".svg", ".pdf"):
+            import graphviz
+
+            path.write_bytes(graphviz.Source(self.to_dot()).pipe(format=suffix[1:]))
+        else:
+            raise ValueError(f"cannot draw a diagram as {path.name!r}: use .png, .svg, .pdf, .dot or .mmd")
+        return path
+
+    def _repr_svg_(self) -> str:  # Jupyter shows it inline (needs dot)
+        import graphviz
+
+        return graphviz.Source(self.to_dot()).pipe(format="svg").decode()
+
+
+def _boundary_shapes(specs: Sequence[LayerSpec], plan: Sequence[tuple[int, int]],
+                     sample: torch.Tensor | None) -> list[str]:
+    """The input's shape, then each stage's output shape, from a forward on the meta device."""
+    if sample is None:
+        return ["?"] * (len(plan) + 1)
+    shapes = [_describe(sample)]
+    x = sample.to("meta")
+    try:
+        with torch.device("meta"), torch.no_grad():
+            for start, end in plan:
+                for spec in specs[start:end]:
+                    x = spec.build()(x)
+                shapes.append(_describe(x))
+    except Exception:  # a layer the meta device cannot run: leave the shapes unknown
+        shapes += ["?"] * (len(plan) + 1 - len(shapes))
+    return shapes
+
+
+def _describe(x: Any) -> str:
+    if torch.is_tensor(x):
+        return f"({', '.join(map(str, x.shape))}) {str(x.dtype).removeprefix('torch.')}"
+    return type(x).__name__
+
+
+def _kinds(specs: Sequence[LayerSpec]) -> str:
+    """Layer class names with repeats folded: "Embedding, Block x2, Head"."""
+    names = [getattr(s.factory, "__name__", "layer") for s in specs]
+    out: list[list[Any]] = []
+    for name in names:
+        if out and out[-1][0] == name:
+            out[-1][1] += 1
+        else:
+            out.append([name, 1])
+    return ", ".join(n if c == 1 else f"{n} x{c}" for n, c in out)
+
+
+def _title(config: TrainConfig) -> str:
+    return (f"pp={config.pp} x dp={config.dp} x tp={config.tp}, {config.schedule}, "
+            f"{config.microbatches} microbatches")
+
+
+def _q(text: str) -> str:
+    return text.replace('"', '\\"')
+
+
+def _html(text: str) -> str:
+    from xml.sax.saxutils import escape
+
+    return escape(text)

@@ -1,0 +1,22 @@
+"""Tensor-parallel building blocks: parallel layers, split styles and `parallelize`."""
+
+from raypipe.nn.group import TensorParallelGroup, current
+from raypipe.nn.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from raypipe.nn.plan import ColumnParallel, RowParallel, VocabParallel, parallelize, shard_specs
+from raypipe.nn.shard import ShardSpec, merge, shard
+
+__all__ = [
+    "ColumnParallel",
+    "ColumnParallelLinear",
+    "RowParallel",
+    "RowParallelLinear",
+    "ShardSpec",
+    "TensorParallelGroup",
+    "VocabParallel",
+    "VocabParallelEmbedding",
+    "current",
+    "merge",
+    "parallelize",
+    "shard",
+    "shard_specs",
+]

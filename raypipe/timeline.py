@@ -1,0 +1,219 @@
+"""Schedule timelines: which stage ran which forward and backward when.
+
+A `Timeline` is a list of spans (stage, F or B, microbatch, start, end). It comes
+from a schedule (`Timeline.planned`: the schedule's own dependencies, with given
+forward and backward durations) or from a step that ran (`Trainer.timeline()`: the
+actors' own timestamps of each action). Both draw the same stage x time chart
+(SVG written here, PNG/PDF through Graphviz), with forward and backward in two
+colours, microbatch numbers and the idle gaps (the bubble) in plain view, and the
+measured one also exports a Chrome trace for Perfetto or chrome://tracing. In a
+notebook a Timeline shows itself inline.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+from xml.sax.saxutils import escape
+
+from raypipe.schedules import BACKWARD, FORWARD, Action, Schedule
+from raypipe.schedules.actions import dependencies
+
+COLOURS = {"F": "#4c8bd6", "B": "#f0a43a"}
+ROW, LEFT, WIDTH, TOP = 30, 150, 900, 40  # svg layout in pixels
+
+
+@dataclass(frozen=True)
+class Span:
+    stage: int
+    kind: str  # "F" or "B"
+    microbatch: int
+    start: float
+    end: float
+
+    @property
+    def label(self) -> str:
+        return f"{self.stage}{self.kind}{self.microbatch}"
+
+
+@dataclass
+class Timeline:
+    """Spans of one step. `unit` names the time axis ("ms" measured, "ticks" planned)."""
+
+    spans: list[Span]
+    num_stages: int
+    title: str = ""
+    unit: str = "ms"
+    stage_names: Sequence[str] = ()
+
+    # ----- building ---------------------------------------------------------------
+
+    @classmethod
+    def planned(cls, schedule: Schedule, forward: float | Sequence[float] = 1.0,
+                backward: float | Sequence[float] = 2.0, title: str = "", unit: str = "ticks") -> "Timeline":
+        """The schedule run with the given per-action durations (one number, or one per stage).
+
+        Each stage runs its actions in order; an action starts when its stage is free and
+        every action it depends on (the previous stage's forward, the next stage's
+        backward) has ended.
+        """
+        p = len(schedule)
+        fwd = [forward] * p if isinstance(forward, (int, float)) else list(forward)
+        bwd = [backward] * p if isinstance(backward, (int, float)) else list(backward)
+        ends: dict[Action, float] = {}
+        free = [0.0] * p
+        position = [0] * p
+        spans = []
+        total = sum(len(a) for a in schedule)
+        while len(ends) < total:
+            progressed = False
+            for s, actions in enumerate(schedule):
+                while position[s] < len(actions):
+                    action = actions[position[s]]
+                    deps = dependencies(action, p)
+                    if any(d not in ends for d in deps):
+                        break
+                    start = max([free[s]] + [ends[d] for d in deps])
+                    end = start + (fwd[s] if action.kind == FORWARD else bwd[s])
+                    ends[action], free[s] = end, end
+                    spans.append(Span(s, action.kind, action.microbatch, start, end))
+                    position[s] += 1
+                    progressed = True
+            if not progressed:  # validate() rejects such schedules; never loop forever
+                raise ValueError("the schedule deadlocks; build it with raypipe.build_schedule to see where")
+        return cls(spans, p, title, unit)
+
+    @classmethod
+    def measured(cls, events: Sequence[Sequence[tuple[str, int, float, float]]], title: str = "",
+                 stage_names: Sequence[str] = ()) -> "Timeline":
+        """From each stage's (kind, microbatch, start, end) wall-clock events, in ms from the first start."""
+        starts = [e[2] for stage in events for e in stage]
+        origin = min(starts) if starts else 0.0
+        spans = [
+            Span(s, kind, m, 1000 * (start - origin), 1000 * (end - origin))
+            for s, stage in enumerate(events)
+            for kind, m, start, end in stage
+        ]
+        return cls(spans, len(events), title, "ms", tuple(stage_names))
+
+    # ----- reading ------------------------------------------------------------------
+
+    @property
+    def makespan(self) -> float:
+        return max((s.end for s in self.spans), default=0.0) - min((s.start for s in self.spans), default=0.0)
+
+    def busy(self) -> list[float]:
+        """Per stage, the share of the makespan it spent running actions."""
+        total = self.makespan or 1.0
+        return [sum(s.end - s.start for s in self.spans if s.stage == st) / total for st in range(self.num_stages)]
+
+    def bubble(self) -> list[float]:
+        """Per stage, the idle share of the makespan: 1 - busy."""
+        return [max(0.0, 1.0 - b) for b in self.busy()]
+
+    # ----- drawing --------------------------------------------------------------------
+
+    def to_svg(self) -> str:
+        """The stage x time chart as an SVG document."""
+        scale = WIDTH / (self.makespan or 1.0)
+        origin = min((s.start for s in self.spans), default=0.0)
+        height = TOP + ROW * self.num_stages + 40
+        out = [
+            f'<svg xmlns="http://www.w3.org/2000/svg" width="{LEFT + WIDTH + 110}" height="{height}" '
+            f'font-family="sans-serif" font-size="12">',
+            f'<rect width="100%" height="100%" fill="white"/>',
+            f'<text x="{LEFT}" y="20" font-size="14">{escape(self.title)}</text>',
+        ]
+        bubble = self.bubble()
+        for st in range(self.num_stages):
+            y = TOP + ROW * st
+            out.append(f'<rect x="{LEFT}" y="{y}" width="{WIDTH}" height="{ROW - 6}" fill="#eeeeee"/>')
+            out.append(f'<text x="6" y="{y + 17}">{escape(self._stage_label(st))}</text>')
+            out.append(f'<text x="{LEFT + WIDTH + 8}" y="{y + 17}">idle {100 * bubble[st]:.0f}%</text>')
+        for span in self.spans:
+            x, w = LEFT + (span.start - origin) * scale, max(1.0, (span.end - span.start) * scale)
+            y = TOP + ROW * span.stage
+            out.append(
+                f'<rect x="{x:.2f}" y="{y}" width="{w:.2f}" height="{ROW - 6}" fill="{COLOURS[span.kind]}" '
+                f'stroke="white" stroke-width="0.5"><title>{span.label}: {span.start:.2f}-{span.end:.2f} '
+                f'{self.unit}</title></rect>'
+            )
+            if w >= 14:
+                out.append(f'<text x="{x + w / 2:.2f}" y="{y + 16}" text-anchor="middle" fill="white">'
+                           f'{span.kind}{span.microbatch}</text>')
+        axis_y = TOP + ROW * self.num_stages + 14
+        for i in range(6):
+            value = self.makespan * i / 5
+            out.append(f'<text x="{LEFT + WIDTH * i / 5:.1f}" y="{axis_y}" text-anchor="middle" fill="#555">'
+                       f'{value:.3g} {self.unit}</text>')
+        out.append(f'<rect x="{LEFT}" y="{axis_y + 10}" width="12" height="10" fill="{COLOURS["F"]}"/>'
+                   f'<text x="{LEFT + 16}" y="{axis_y + 19}">forward</text>'
+                   f'<rect x="{LEFT + 80}" y="{axis_y + 10}" width="12" height="10" fill="{COLOURS["B"]}"/>'
+                   f'<text x="{LEFT + 96}" y="{axis_y + 19}">backward (number: microbatch)</text>')
+        out.append("</svg>")
+        return "\n".join(out)
+
+    def to_dot(self) -> str:
+        """Graphviz source with every span pinned in place (render with `neato -n2`)."""
+        scale = WIDTH / (self.makespan or 1.0)
+        origin = min((s.start for s in self.spans), default=0.0)
+        lines = ['digraph timeline {', '  node [shape=box, style=filled, fontname="Helvetica", fontsize=10, '
+                 'fixedsize=true, penwidth=0.3, color=white];',
+                 f'  title [shape=plaintext, style="", label="{self.title}", pos="{LEFT + WIDTH / 2},'
+                 f'{ROW * (self.num_stages + 1)}!", width=6, height=0.3];']
+        for st in range(self.num_stages):
+            y = ROW * (self.num_stages - st - 1) + ROW / 2
+            lines.append(f'  label{st} [shape=plaintext, style="", label="{self._stage_label(st)}", '
+                         f'pos="{LEFT / 2},{y}!", width={LEFT / 72:.2f}, height={(ROW - 6) / 72:.2f}];')
+        for i, span in enumerate(self.spans):
+            w = max(1.0, (span.end - span.start) * scale)
+            x = LEFT + (span.start - origin) * scale + w / 2
+            y = ROW * (self.num_stages - span.stage - 1) + ROW / 2
+            lines.append(f'  s{i} [label="{span.kind}{span.microbatch if w >= 14 else ""}", fillcolor="{COLOURS[span.kind]}", '
+                         f'fontcolor=white, pos="{x:.2f},{y}!", width={w / 72:.3f}, height={(ROW - 6) / 72:.3f}];')
+        lines.append("}")
+        return "\n".join(lines)
+
+    def to_chrome_trace(self) -> dict:
+        """The spans as Chrome trace events (one thread per stage), for Perfetto or chrome://tracing."""
+        factor = 1000.0 if self.unit == "ms" else 1.0  # trace timestamps are microseconds
+        events = [{"name": "thread_name", "ph": "M", "pid": 1, "tid": st, "args": {"name": self._stage_label(st)}}
+                  for st in range(self.num_stages)]
+        for span in self.spans:
+            events.append({
+                "name": span.label, "cat": "forward" if span.kind == FORWARD else "backward", "ph": "X",
+                "pid": 1, "tid": span.stage, "ts": span.start * factor, "dur": (span.end - span.start) * factor,
+                "args": {"stage": span.stage, "microbatch": span.microbatch},
+            })
+        return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"title": self.title}}
+
+    def save(self, path: str | Path) -> Path:
+        """Writes the chart by the file's extension: .svg, .png or .pdf (Graphviz), .json (Chrome trace)."""
+        path = Path(path)
+        suffix = path.suffix.lower()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if suffix == ".svg":
+            path.write_text(self.to_svg())
+        elif suffix == ".json":
+            path.write_text(json.dumps(self.to_chrome_trace()))
+        elif suffix in (".png", ".pdf"):
+            import graphviz
+
+            data = graphviz.Source(self.to_dot(), engine="neato").pipe(format=suffix[1:], neato_no_op=2)
+            path.write_bytes(data)
+        else:
+            raise ValueError(f"cannot write a timeline as {path.name!r}: use .svg, .png, .pdf or .json")
+        return path
+
+    def _repr_svg_(self) -> str:  # Jupyter shows the chart inline
+        return self.to_svg()
+
+    def _stage_label(self, stage: int) -> str:
+        if stage < len(self.stage_names):
+            return f"stage {stage} ({self.stage_names[stage]})"
+        return f"stage {stage}"
+
+
+__all__ = ["Span", "Timeline", "BACKWARD", "FORWARD"]

@@ -1,0 +1,115 @@
+"""Schedule timelines (planned and measured), Chrome traces, RAYPIPE_TRACE and the progress bar."""
+
+import json
+import shutil
+import struct
+import xml.etree.ElementTree as ET
+
+import pytest
+import torch
+from torch import nn
+
+from helpers import MLP7, Sleep, batch
+from raypipe import LayerSpec, Timeline, TrainConfig, Trainer, build_schedule
+from raypipe.engine import submission_order
+
+HAVE_DOT = shutil.which("dot") is not None
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_planned_timeline_has_the_ideal_makespan_and_bubble(name):
+    p, m, tf, tb = 4, 8, 1.0, 2.0
+    line = Timeline.planned(build_schedule(name, p, m), tf, tb)
+    assert len(line.spans) == 2 * p * m
+    assert line.makespan == (m + p - 1) * (tf + tb)
+    assert line.bubble() == pytest.approx([(p - 1) / (m + p - 1)] * p)
+    for s in range(p):  # a stage never runs two actions at once
+        spans = sorted((x for x in line.spans if x.stage == s), key=lambda x: x.start)
+        assert all(a.end <= b.start for a, b in zip(spans, spans[1:]))
+
+
+def test_svg_and_chrome_trace_are_what_their_readers_accept(tmp_path):
+    line = Timeline.planned(build_schedule("1f1b", 3, 4), 1.0, 2.0, title="t")
+    root = ET.parse(line.save(tmp_path / "t.svg")).getroot()
+    rects = [r for r in root.iter("{http://www.w3.org/2000/svg}rect") if r.get("fill") in ("#4c8bd6", "#f0a43a")]
+    assert len(rects) == 2 * 3 * 4 + 2  # one per action, plus the legend's two swatches
+    trace = json.loads(line.save(tmp_path / "t.json").read_text())
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert len(spans) == 24 and {e["tid"] for e in spans} == {0, 1, 2}
+    assert {e["name"] for e in spans} >= {"0F0", "2B3"}
+    with pytest.raises(ValueError, match="use .svg, .png, .pdf or .json"):
+        line.save(tmp_path / "t.gif")
+
+
+@pytest.mark.skipif(not HAVE_DOT, reason="Graphviz's dot is not installed (the README's set-up installs it)")
+@pytest.mark.parametrize("suffix", [".png", ".pdf"])
+def test_graphviz_renders_the_timeline(tmp_path, suffix):
+    data = Timeline.planned(build_schedule("gpipe", 2, 4)).save(tmp_path / f"t{suffix}").read_bytes()
+    if suffix == ".png":
+        assert data[:8] == b"\x89PNG\r\n\x1a\n"
+        width, height = struct.unpack(">II", data[16:24])
+        assert width > 600 and height > 60
+    else:
+        assert data.startswith(b"%PDF-") and b"%%EOF" in data[-64:]
+
+
+@pytest.fixture(scope="module")
+def sleepy(ray_session):
+    """Two stages whose forward takes 20 ms each: timings well above the call overhead."""
+    layers = [LayerSpec(nn.Linear, 4, 4), LayerSpec(Sleep, 0.02), LayerSpec(nn.Linear, 4, 4), LayerSpec(Sleep, 0.02)]
+    config = TrainConfig(pp=2, microbatches=4, schedule="gpipe", optimizer={"name": "sgd", "lr": 0.01},
+                         cpus_per_actor=0.5)
+    with Trainer(layers, nn.functional.mse_loss, config) as t:
+        yield t
+
+
+def test_measured_timeline_follows_the_schedule(sleepy, tmp_path):
+    with pytest.raises(Exception, match="no step has run yet"):
+        sleepy.timeline()
+    sleepy.step(torch.randn(8, 4), torch.randn(8, 4))
+    line = sleepy.timeline()
+    schedule = build_schedule("gpipe", 2, 4)
+    for s in range(2):
+        ran = sorted((x for x in line.spans if x.stage == s), key=lambda x: x.start)
+        assert [(x.kind, x.microbatch) for x in ran] == [(a.kind, a.microbatch) for a in schedule[s]]
+        forwards = [x for x in ran if x.kind == "F"]
+        assert all(x.end - x.start == pytest.approx(20, abs=15) for x in forwards)  # ms
+    by = {(x.stage, x.kind, x.microbatch): x for x in line.spans}
+    for m in range(4):  # stage 1 starts a microbatch only after stage 0 finished it
+        assert by[(1, "F", m)].start >= by[(0, "F", m)].end
+        assert by[(0, "B", m)].start >= by[(1, "B", m)].end
+    assert line.makespan >= 5 * 20  # (m + p - 1) forwards of 20 ms at least
+    assert "stage0-dp0-tp0" in line.to_svg()
+    planned = sleepy.timeline(planned=True)
+    assert planned.unit == "ms" and planned.makespan == pytest.approx(line.makespan, rel=0.5)
+    assert json.loads(line.save(tmp_path / "step.json").read_text())["traceEvents"]
+
+
+def test_raypipe_trace_lists_every_action_in_issue_order(sleepy, tmp_path, monkeypatch):
+    path = tmp_path / "trace.jsonl"
+    monkeypatch.setenv("RAYPIPE_TRACE", str(path))
+    sleepy.step(torch.randn(8, 4), torch.randn(8, 4))
+    sleepy.step(torch.randn(8, 4), torch.randn(8, 4))
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    per_step = 2 * 2 * 4 + 2 * 2  # F and B of 4 microbatches on 2 stages, then grad_stats + optimizer_step
+    assert len(lines) == 2 * per_step
+    first = lines[:per_step]
+    expected = [str(a) for a in submission_order(build_schedule("gpipe", 2, 4))]
+    assert [x["action"] for x in first[:16]] == expected
+    assert [x["actor"] for x in first[:16]] == [f"stage{a.stage}-dp0-tp0" for a in submission_order(build_schedule("gpipe", 2, 4))]
+    assert [x["action"] for x in first[16:]] == ["grad_stats"] * 2 + ["optimizer_step"] * 2
+    assert [x["ts"] for x in lines] == sorted(x["ts"] for x in lines)
+    assert lines[per_step]["step"] == first[0]["step"] + 1
+
+
+def test_fit_shows_a_progress_bar_where_someone_watches(ray_session, monkeypatch, capsys):
+    import raypipe.progress
+
+    config = TrainConfig(optimizer={"name": "sgd", "lr": 0.05}, cpus_per_actor=0.5)
+    with Trainer(MLP7, nn.functional.mse_loss, config) as t:
+        t.fit(batch, 2, progress=True)  # pytest captures output: not a terminal, so no bar
+        assert "raypipe:" not in capsys.readouterr().err
+        monkeypatch.setattr(raypipe.progress, "interactive", lambda: True)
+        t.fit(batch, 4, progress=True)
+    err = capsys.readouterr().err
+    assert "raypipe: 100%" in err and "4/4" in err and "loss=" in err and "samples/s=" in err
