@@ -24,6 +24,8 @@ def stage_metrics(reports: Sequence[dict[str, Any]]) -> list[dict[str, float]]:
             "backward_s": t.get("backward_s", 0.0),
             "bubble": max(0.0, 1.0 - busy / window) if window > 0 else 0.0,
             "peak_memory_bytes": float(report["peak_memory_bytes"]),
+            "peak_stashed_microbatches": int(t.get("peak_stashed", 0)),
+            "peak_stashed_bytes": float(t.get("peak_stashed_bytes", 0)),
         })
     return result
 
@@ -33,7 +35,9 @@ class TensorBoardLogger:
 
     Tags: train/loss, train/lr, train/grad_norm, train/tokens_per_s (or
     train/samples_per_s), train/step_time, and per stage stage{s}/forward_s,
-    stage{s}/backward_s, stage{s}/bubble_fraction, stage{s}/peak_memory_bytes.
+    stage{s}/backward_s, stage{s}/bubble_fraction, stage{s}/peak_memory_bytes,
+    stage{s}/peak_stashed_microbatches and stage{s}/peak_stashed_bytes (activations
+    kept for backward).
     """
 
     def __init__(self, log_dir: str) -> None:
@@ -51,6 +55,8 @@ class TensorBoardLogger:
             self.writer.add_scalar(f"stage{s}/backward_s", stage["backward_s"], step)
             self.writer.add_scalar(f"stage{s}/bubble_fraction", stage["bubble"], step)
             self.writer.add_scalar(f"stage{s}/peak_memory_bytes", stage["peak_memory_bytes"], step)
+            self.writer.add_scalar(f"stage{s}/peak_stashed_microbatches", stage["peak_stashed_microbatches"], step)
+            self.writer.add_scalar(f"stage{s}/peak_stashed_bytes", stage["peak_stashed_bytes"], step)
 
     def close(self) -> None:
         self.writer.flush()

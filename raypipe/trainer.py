@@ -158,7 +158,8 @@ class Trainer:
             (global, before clipping), `step_time` (s), `samples`, `samples_per_s`,
             `tokens` / `tokens_per_s` when `x` holds token ids, and `stages`: per
             stage `forward_s`, `backward_s`, `bubble` (idle fraction of the pipeline's
-            compute window) and `peak_memory_bytes`. Written to TensorBoard when
+            compute window), `peak_memory_bytes`, and `peak_stashed_microbatches` /
+            `peak_stashed_bytes` (microbatches, and bytes autograd saved, kept for backward). Written to TensorBoard when
             `config.log_dir` is set.
 
         Raises:

@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from raypipe.actors import zero
+from raypipe.actors.memory import count_saved_bytes
 from raypipe.errors import StageError
 from raypipe.layers import LayerSpec, build_layer
 from raypipe.nn import TensorParallelGroup, merge, parallelize, shard, shard_specs
@@ -97,6 +98,7 @@ class StageActor:
         self.timing: dict[str, float] = {}
         self.events: list[tuple[str, int, float, float]] = []
         self.stash: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.stash_bytes: dict[int, int] = {}  # per stashed microbatch, bytes autograd saved for backward
 
     def __repr__(self) -> str:  # Ray's dashboard and logs show this as the actor's repr
         if not hasattr(self, "module"):
@@ -175,19 +177,19 @@ class StageActor:
             x = x.to(self.device)
             if self.stage > 0 and x.is_floating_point():
                 x.requires_grad_(True)
-            with self._autocast():
+            with self._autocast(), count_saved_bytes() as saved:
                 if self.settings.activation_checkpointing and torch.is_grad_enabled():
                     out = checkpoint(self.module, x, use_reentrant=False)
                 else:
                     out = self.module(x)
                 if not self.is_last:
-                    self.stash[microbatch] = (x, out)
+                    self._stash(microbatch, (x, out), saved.bytes)
                     self._timed("forward_s", started, microbatch)
                     # tp ranks end with the same activation: the next stage gets one copy
                     return out.detach() if self.tp.rank == 0 else None
                 loss = self.loss_fn(out, target.to(self.device) if torch.is_tensor(target) else target)
             scale = self.scaler.scale if self.settings.precision == "fp16" else 1.0
-            self.stash[microbatch] = (x, loss.float() * (scale / self.settings.microbatches))
+            self._stash(microbatch, (x, loss.float() * (scale / self.settings.microbatches)), saved.bytes)
             value = float(loss.detach())
             self.losses_finite = self.losses_finite and math.isfinite(value)
             self._timed("forward_s", started, microbatch)
@@ -200,6 +202,7 @@ class StageActor:
         started = time.time()
         try:
             x, out = self.stash.pop(microbatch)
+            self.stash_bytes.pop(microbatch, None)
             if out.requires_grad:
                 torch.autograd.backward(out, None if self.is_last else grad.to(out.device))
             self._timed("backward_s", started, microbatch)
@@ -268,6 +271,7 @@ class StageActor:
         if not skipped and self._zero_active():
             self._broadcast_owned()
         self.stash.clear()
+        self.stash_bytes.clear()
         return {"lr": lr, "grad_norm": total_norm, "skipped": skipped, "loss_scale": self.scaler.scale,
                 "timing": dict(self.timing), "events": list(self.events), "peak_memory_bytes": _peak_memory_bytes(self.device)}
 
@@ -468,10 +472,19 @@ class StageActor:
         if call_id != self.current_call:
             self.current_call = call_id
             self.losses_finite = True
-            self.timing = {"forward_s": 0.0, "backward_s": 0.0, "first_start": math.inf, "last_end": 0.0}
+            self.timing = {"forward_s": 0.0, "backward_s": 0.0, "first_start": math.inf, "last_end": 0.0,
+                           "peak_stashed": 0, "peak_stashed_bytes": 0}
+            self.stash_bytes.clear()
             self.events: list[tuple[str, int, float, float]] = []
             self.stash.clear()
             self.module.zero_grad(set_to_none=True)
+
+    def _stash(self, microbatch: int, entry: tuple, saved_bytes: int) -> None:
+        """Keeps a microbatch for its backward and updates this step's peak count and bytes."""
+        self.stash[microbatch] = entry
+        self.stash_bytes[microbatch] = saved_bytes
+        self.timing["peak_stashed"] = max(self.timing["peak_stashed"], len(self.stash))
+        self.timing["peak_stashed_bytes"] = max(self.timing["peak_stashed_bytes"], sum(self.stash_bytes.values()))
 
     def _timed(self, kind: str, started: float, microbatch: int) -> None:
         """Records one action: its duration in this step's totals, and (kind, microbatch,

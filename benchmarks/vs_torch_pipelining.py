@@ -1,0 +1,123 @@
+"""raypipe vs torch.distributed.pipelining on the same simulated stages, side by side in one run.
+
+p = 4 stages, each one `SimulatedCompute` layer (forward sleeps tf, backward tb),
+m = 16 microbatches, GPipe and 1F1B, tf = tb in {2, 10} ms. torch runs p processes
+joined by gloo on CPU (`PipelineStage` + `ScheduleGPipe` / `Schedule1F1B`, then an
+SGD step); raypipe runs its Trainer. The two alternate, configuration by
+configuration, and the report gives each median step time and the ratio
+raypipe / torch (below 1.0: raypipe is faster).
+
+    python benchmarks/vs_torch_pipelining.py [--steps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import time
+
+import torch
+import torch.multiprocessing as mp
+
+P, M = 4, 16
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torch_rank(rank: int, port: int, schedule: str, t: float, steps: int, out) -> None:
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    from raypipe.simulated import SimulatedCompute
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=P)
+    module = SimulatedCompute(t, t)
+    stage = PipelineStage(module, rank, P, torch.device("cpu"))
+    cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
+    pipe = cls(stage, M, loss_fn=torch.nn.functional.mse_loss)
+    opt = torch.optim.SGD(module.parameters(), lr=1e-3)
+    x, y = torch.randn(M, 8), torch.randn(M, 8)
+    times = []
+    for k in range(steps + 2):
+        dist.barrier()
+        started = time.perf_counter()
+        opt.zero_grad()
+        if rank == 0:
+            pipe.step(x)
+        elif rank == P - 1:
+            pipe.step(target=y, losses=[])
+        else:
+            pipe.step()
+        opt.step()
+        dist.barrier()
+        if k >= 2:
+            times.append(time.perf_counter() - started)
+    if rank == 0:
+        out.put(statistics.median(times))
+    dist.destroy_process_group()
+
+
+def torch_step_time(schedule: str, t: float, steps: int) -> float:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_torch_rank, args=(r, port, schedule, t, steps, out)) for r in range(P)]
+    for proc in procs:
+        proc.start()
+    try:
+        return out.get(timeout=300)
+    finally:
+        for proc in procs:
+            proc.join(timeout=60)
+            if proc.is_alive():
+                proc.kill()
+
+
+def raypipe_step_time(trainer, schedule: str, steps: int) -> float:
+    trainer.reconfigure(schedule=schedule, microbatches=M)
+    x, y = torch.randn(M, 8), torch.randn(M, 8)
+    for _ in range(2):
+        trainer.step(x, y)
+    return statistics.median(trainer.step(x, y)["step_time"] for _ in range(steps))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=5)
+    args = parser.parse_args()
+    import ray
+
+    from raypipe import LayerSpec, TrainConfig, Trainer
+    from raypipe.simulated import SimulatedCompute
+
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    rows = []
+    for t in (0.010, 0.002):
+        layers = [LayerSpec(SimulatedCompute, t, t) for _ in range(P)]
+        config = TrainConfig(pp=P, optimizer={"name": "sgd", "lr": 1e-3}, cpus_per_actor=0.01, threads_per_actor=1)
+        with Trainer(layers, torch.nn.functional.mse_loss, config) as trainer:
+            for schedule in ("gpipe", "1f1b"):
+                torch_s = torch_step_time(schedule, t, args.steps)
+                raypipe_s = raypipe_step_time(trainer, schedule, args.steps)
+                ideal = (M + P - 1) * 2 * t
+                row = {"schedule": schedule, "p": P, "m": M, "tf_ms": 1000 * t, "tb_ms": 1000 * t,
+                       "ideal_s": ideal, "torch_step_s": torch_s, "raypipe_step_s": raypipe_s,
+                       "torch_efficiency": ideal / torch_s, "raypipe_efficiency": ideal / raypipe_s,
+                       "ratio_raypipe_over_torch": raypipe_s / torch_s}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    ray.shutdown()
+    print(json.dumps({"benchmark": "vs_torch_pipelining", "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+"""How much activation memory a microbatch keeps alive until its backward.
+
+Autograd's saved-tensor hooks see every tensor the forward keeps for backward;
+summing their sizes gives the bytes a stashed microbatch holds (tensors that share
+storage are counted once). The stage actor tracks the peak number and bytes of
+stashed microbatches per step: the quantity GPipe and 1F1B differ in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+
+
+class SavedBytes:
+    def __init__(self) -> None:
+        self.bytes = 0
+        self._seen: set[int] = set()
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        try:
+            key = t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):  # tensors without storage (meta, sparse)
+            return t
+        if key not in self._seen:
+            self._seen.add(key)
+            self.bytes += t.untyped_storage().nbytes()
+        return t
+
+
+@contextlib.contextmanager
+def count_saved_bytes() -> Iterator[SavedBytes]:
+    """Counts the bytes of tensors saved for backward inside the block."""
+    counter = SavedBytes()
+    with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
+        yield counter
