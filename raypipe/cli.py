@@ -1,8 +1,11 @@
-"""`raypipe` on the command line: train, show a shard plan, draw the architecture, show a schedule."""
+"""`raypipe` on the command line: train, show a shard plan, draw the architecture, show a schedule,
+print this machine's `ray start` arguments."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import shlex
 import sys
 
 from raypipe.errors import ConfigError, RaypipeError
@@ -70,6 +73,20 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _node_resources(args: argparse.Namespace) -> int:
+    from raypipe.devices import detect
+
+    acc = detect()
+    if args.json:
+        print(json.dumps({"kind": acc.kind, "count": acc.count, "model": acc.model, "memory_bytes": acc.memory_bytes,
+                          "dtypes": list(acc.dtypes), "torch_device": acc.torch_device(),
+                          "resources": acc.ray_resources(), "labels": acc.ray_labels(),
+                          "ray_start_args": acc.ray_start_args()}, indent=1))
+    else:
+        print(" ".join(shlex.quote(a) for a in acc.ray_start_args()))
+    return 0
+
+
 def add_resume_arguments(parser: argparse.ArgumentParser) -> None:
     """`--resume` / `--resume-step N`, shared by `raypipe train` and examples/train.py."""
     group = parser.add_mutually_exclusive_group()
@@ -100,6 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
     with_config(diagram)
     diagram.add_argument("-o", "--output", required=True, help="arch.png, .svg, .pdf (Graphviz), .dot or .mmd (Mermaid)")
     diagram.set_defaults(func=_diagram)
+
+    node = sub.add_parser("node-resources",
+                          help="print the `ray start` arguments advertising this machine's accelerators")
+    node.add_argument("--json", action="store_true", help="everything detected, as JSON")
+    node.set_defaults(func=_node_resources)
 
     sched = sub.add_parser("schedule", help="print a pipeline schedule's stage x time grid")
     sched.add_argument("name", nargs="?", default="1f1b", help="gpipe or 1f1b")

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from raypipe.devices import LABEL_KIND, detect
+
 ROOT = Path(__file__).resolve().parents[1]
 RAY = str(Path(sys.executable).parent / "ray")
 RUN = "ray-job-test"
@@ -46,7 +48,7 @@ def head(tmp_path_factory):
          f"--port={gcs}", "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
          f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={agent}",
          f"--dashboard-agent-grpc-port={agent_grpc}", f"--runtime-env-agent-port={env_agent}",
-         f"--metrics-export-port={metrics}"],
+         f"--metrics-export-port={metrics}", *detect().ray_start_args()],  # what `raypipe node-resources` prints
         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
     url = f"http://127.0.0.1:{dashboard}"
@@ -117,3 +119,13 @@ def test_state_api_lists_every_stage_by_name_and_repr(head, submitted):
     assert {"stage0-dp0-tp0", "stage1-dp0-tp0"} <= set(actors), sorted(actors)
     assert actors["stage1-dp0-tp0"]["class_name"] == "StageActor"
     assert actors["stage1-dp0-tp0"]["repr_name"] == "StageActor(stage1-dp0-tp0, layers [2, 4))"
+
+
+def test_head_advertises_what_node_resources_printed(head):
+    script = ("import json; from ray.util.state import list_nodes;"
+              f"print(json.dumps([n.labels for n in list_nodes(address='{head['url']}', detail=True)]))")
+    result = subprocess.run([sys.executable, "-c", script], env=head["env"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (labels,) = json.loads(result.stdout.strip().splitlines()[-1])
+    assert {k: v for k, v in labels.items() if k.startswith("raypipe.io/")} == detect().ray_labels()
+    assert labels[LABEL_KIND] == "cpu"

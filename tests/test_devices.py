@@ -1,0 +1,51 @@
+"""Accelerator detection and the `ray start` arguments raypipe prints for a machine."""
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+
+from ray._private.label_utils import parse_node_labels_string, validate_node_label_syntax
+
+from raypipe.devices import LABEL_KIND, LABEL_MODEL, Accelerator, detect, label_value
+
+
+def test_this_machine_is_a_cpu_node():
+    acc = detect()
+    assert acc.kind == "cpu" and acc.count == os.cpu_count() and acc.torch_device() == "cpu"
+    assert acc.memory_bytes > 2**30 and "fp32" in acc.dtypes
+    assert acc.ray_resources() == {}  # Ray counts CPUs itself
+
+
+def test_gpu_kinds_get_a_resource_num_gpus_and_labels_ray_accepts():
+    cases = {
+        Accelerator("cuda", 2, "NVIDIA H100 80GB HBM3", 80 * 2**30, ("fp32", "fp16", "bf16")): "NVIDIA-H100-80GB-HBM3",
+        Accelerator("rocm", 8, "AMD Instinct MI300X", 192 * 2**30, ("fp32", "fp16", "bf16")): "AMD-Instinct-MI300X",
+        Accelerator("mps", 1, "arm", 32 * 2**30, ("fp32", "fp16")): "arm",
+    }
+    for acc, model in cases.items():
+        args = acc.ray_start_args()
+        labels = parse_node_labels_string(next(a for a in args if a.startswith("--labels="))[len("--labels="):])
+        validate_node_label_syntax(labels)  # what `ray start --labels` runs
+        assert labels == {LABEL_KIND: acc.kind, LABEL_MODEL: model}
+        resources = json.loads(next(a for a in args if a.startswith("--resources="))[len("--resources="):])
+        assert resources == {acc.kind: float(acc.count)}
+        assert (f"--num-gpus={acc.count}" in args) == (acc.kind in ("cuda", "rocm"))
+    assert Accelerator("rocm", 1, "x", 1, ()).torch_device(0) == "cuda:0"  # torch names ROCm devices cuda
+
+
+def test_label_values_are_cleaned_to_rays_rules():
+    assert label_value("Intel(R) Xeon(R) CPU @ 2.20GHz") == "Intel-R-Xeon-R-CPU-2.20GHz"
+    assert len(label_value("x" * 100)) == 63
+    assert label_value("((()))") == "unknown"
+
+
+def test_node_resources_command_prints_the_arguments():
+    out = subprocess.run([sys.executable, "-m", "raypipe.cli", "node-resources"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == " ".join(shlex.quote(a) for a in detect().ray_start_args())
+    data = json.loads(subprocess.run([sys.executable, "-m", "raypipe.cli", "node-resources", "--json"],
+                                     capture_output=True, text=True, timeout=120).stdout)
+    assert data["kind"] == "cpu" and data["labels"][LABEL_KIND] == "cpu"
