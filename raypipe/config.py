@@ -138,6 +138,21 @@ def _check_shard_plan(value: Any, pp: int) -> None:
         raise _fail("shard_plan", value, f"it has {len(value)} ranges but pp={pp}: give one range per stage.")
 
 
+DEVICE_KINDS = ("cpu", "cuda", "rocm", "mps")
+
+
+def _check_devices(value: Any, pp: int) -> None:
+    if isinstance(value, str):
+        _check_choice("devices", value, DEVICE_KINDS)
+        return
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise _fail("devices", value, f"give one kind of {', '.join(DEVICE_KINDS)}, or a list of them, one per stage.")
+    if len(value) != pp:
+        raise _fail("devices", value, f"it names {len(value)} kinds but pp={pp}: give one kind per stage, or one for all.")
+    for kind in value:
+        _check_choice("devices", kind, DEVICE_KINDS)
+
+
 @dataclass
 class TrainConfig:
     """How a model is split and trained.
@@ -179,6 +194,13 @@ class TrainConfig:
             error naming the step, "skip" skips that update and goes on. Weights are
             never updated from non-finite gradients.
         log_dir: write TensorBoard scalars here (per step and per stage); None: off.
+        devices: the accelerator kind of every stage ("cpu", "cuda", "rocm", "mps"), or a
+            list with one kind per stage. A cuda/rocm/mps stage asks Ray for that custom
+            resource (and `num_gpus` for cuda/rocm) on a node labelled with the kind.
+        gpus_per_actor: the share of one device each accelerator stage takes (0.5 puts
+            two stages on one GPU).
+        allow_cpu_fallback: let a cuda/rocm/mps stage run on the CPU when its node has
+            no such device (tests and demos); the actor reports that it did.
     """
 
     pp: int = 1
@@ -206,6 +228,9 @@ class TrainConfig:
     max_restarts: int = 0
     nonfinite: str = "error"
     log_dir: str | None = None
+    devices: str | list[str] = "cpu"
+    gpus_per_actor: float = 1.0
+    allow_cpu_fallback: bool = False
 
     def __post_init__(self) -> None:
         _check_int("pp", self.pp, 1)
@@ -243,6 +268,12 @@ class TrainConfig:
         _check_int("keep_checkpoints", self.keep_checkpoints, 0)
         _check_int("max_restarts", self.max_restarts, 0)
         _check_choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
+        _check_devices(self.devices, self.pp)
+        if isinstance(self.devices, (list, tuple)):
+            self.devices = list(self.devices)
+        _check_positive("gpus_per_actor", self.gpus_per_actor)
+        if not isinstance(self.allow_cpu_fallback, bool):
+            raise _fail("allow_cpu_fallback", self.allow_cpu_fallback, "give true or false.")
         if self.log_dir is not None and (not isinstance(self.log_dir, str) or not self.log_dir):
             raise _fail("log_dir", self.log_dir, "give a directory path or null.")
 

@@ -26,7 +26,14 @@ def connect() -> bool:
         return False
     # RAY_AUTH_MODE is left to the user: Ray caches it at import, and for a new local
     # cluster it already turns token authentication on.
-    ray.init(address=env.ray_address(), logging_level=logging.WARNING)
+    address = env.ray_address()
+    if address is None:  # a new local Ray: advertise this machine as `raypipe node-resources` would
+        from raypipe.devices import detect
+
+        local = detect()
+        ray.init(logging_level=logging.WARNING, resources=local.ray_resources() or None, labels=local.ray_labels())
+    else:
+        ray.init(address=address, logging_level=logging.WARNING)
     return True
 
 

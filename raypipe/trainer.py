@@ -36,6 +36,7 @@ from raypipe.errors import (
     StageError,
     StepTimeoutError,
 )
+from raypipe.devices import LABEL_KIND
 from raypipe.layers import LayerSpec, as_spec, parameter_counts
 from raypipe.metrics import RayMetrics, TensorBoardLogger, stage_metrics
 from raypipe.nn import ShardSpec, merge
@@ -537,9 +538,11 @@ class Trainer:
                     num_cpus=cpus,
                     max_restarts=0,
                     max_task_retries=0,
+                    **self._placement(s),
                 ).remote(
                     s, cfg.pp, self.specs[start:end], start, cfg.seed, threads,
                     self._loss_fn if s == cfg.pp - 1 else None, name, d, cfg.dp, t, cfg.tp,
+                    self._stage_kinds[s], cfg.allow_cpu_fallback,
                 )
             )
         try:
@@ -566,6 +569,22 @@ class Trainer:
                 warnings.warn(f"raypipe: shutting down the running trainer named {self.run_name!r} of this "
                               f"process to reuse its name ({other!r})", stacklevel=3)
                 other.shutdown()
+
+    @property
+    def _stage_kinds(self) -> list[str]:
+        devices = self.config.devices
+        return [devices] * self.config.pp if isinstance(devices, str) else list(devices)
+
+    def _placement(self, stage: int) -> dict[str, Any]:
+        """Ray options placing a stage on a node of its accelerator kind (none for cpu)."""
+        kind = self._stage_kinds[stage]
+        if kind == "cpu":
+            return {}
+        share = self.config.gpus_per_actor
+        options: dict[str, Any] = {"resources": {kind: share}, "label_selector": {LABEL_KIND: kind}}
+        if kind in ("cuda", "rocm"):
+            options["num_gpus"] = share
+        return options
 
     def _place(self, rank: int) -> tuple[int, int, int]:
         """(dp replica, stage, tp rank) of an actor rank."""
@@ -641,17 +660,25 @@ class Trainer:
                 self._devices = [info["device"] for info in ray.get(refs)]
             if pending and time.monotonic() >= deadline:
                 waiting = [self.names[refs.index(r)] for r in pending]
+                asked = "; ".join(
+                    f"{n} (stage {self._place(self.names.index(n))[1]}) asked for "
+                    f"{ {'CPU': cpus, **self._placement(self._place(self.names.index(n))[1])} }"
+                    for n in waiting[:6]
+                )
                 others = [repr(t) for t in list(_RUNNING) if t is not self and t._actors]
                 hint = (
                     f" Other trainers of this process still hold actors: {'; '.join(others)}; "
                     f"call .shutdown() on those you are done with."
                     if others else ""
                 )
+                for ref in pending:  # never leave a pending actor behind
+                    ray.kill(self._actors[refs.index(ref)], no_restart=True)
                 raise PlacementError(
                     f"actors {waiting} were not placed within {self.config.actor_start_timeout:.0f} s "
-                    f"(TrainConfig.actor_start_timeout). Each asked for {{'CPU': {cpus}}}; the cluster has "
-                    f"{ray.cluster_resources()} in all and {ray.available_resources()} free. Free resources, "
-                    f"lower cpus_per_actor, or add nodes.{hint}"
+                    f"(TrainConfig.actor_start_timeout): {asked}. The cluster offers: {_cluster_offer()}; "
+                    f"{ray.available_resources()} free in all. Free resources, lower cpus_per_actor or "
+                    f"gpus_per_actor, add a node of the missing kind (`ray start ... $(raypipe node-resources)`), "
+                    f"or change TrainConfig.devices.{hint}"
                 )
 
     def _split(self, x: torch.Tensor, y: Any, parts: int) -> tuple[list[torch.Tensor], list[Any]]:
@@ -686,6 +713,18 @@ class Trainer:
             if start <= layer < end:
                 return s
         return None
+
+
+def _cluster_offer() -> str:
+    """Each alive node's CPUs, GPUs, accelerator resources and raypipe labels, for placement errors."""
+    parts = []
+    for node in ray.nodes():
+        if not node.get("Alive"):
+            continue
+        res = {k: v for k, v in node.get("Resources", {}).items() if k in ("CPU", "GPU", "cuda", "rocm", "mps")}
+        labels = {k: v for k, v in (node.get("Labels") or {}).items() if k.startswith("raypipe.io/")}
+        parts.append(f"node {node['NodeID'][:8]} {res}{' ' + str(labels) if labels else ''}")
+    return "; ".join(parts) or "no alive nodes"
 
 
 def _kill(actors: Sequence[Any]) -> None:

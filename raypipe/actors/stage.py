@@ -58,6 +58,8 @@ class StageActor:
         dp_rank, dp_size: this actor's place among the data-parallel replicas of its stage.
         tp_rank, tp_size: its place in the stage's tensor-parallel group; layers with a
             `tp_plan` keep this rank's shard, the others are replicated.
+        device_kind: "cpu", "cuda", "rocm" or "mps", what the stage was placed for.
+        allow_cpu_fallback: run on the CPU when the node has no such device.
     """
 
     def __init__(
@@ -74,6 +76,8 @@ class StageActor:
         dp_size: int = 1,
         tp_rank: int = 0,
         tp_size: int = 1,
+        device_kind: str = "cpu",
+        allow_cpu_fallback: bool = False,
     ) -> None:
         torch.set_num_threads(threads)
         self.stage, self.num_stages, self.start, self.name = stage, num_stages, start, name
@@ -82,7 +86,8 @@ class StageActor:
         self.tp = TensorParallelGroup(tp_rank, tp_size)
         self.is_last = stage == num_stages - 1
         self.loss_fn = loss_fn
-        self.device = torch.device("cpu")
+        self.device_kind = device_kind
+        self.device, self.fallback = _resolve_device(name, device_kind, allow_cpu_fallback)
         self.module = nn.Sequential(*[self._build(spec, seed, start + j) for j, spec in enumerate(specs)])
         self.module.to(self.device)
         # local state-dict key -> how its tensor splits across tp ranks (absent: replicated)
@@ -121,6 +126,8 @@ class StageActor:
             "node_id": ray.get_runtime_context().get_node_id(),
             "pid": os.getpid(),
             "device": str(self.device),
+            "device_kind": self.device_kind,
+            "cpu_fallback": self.fallback,
             "threads": torch.get_num_threads(),
             "parameter_bytes": sum(p.numel() * p.element_size() for p in self.module.parameters()),
             "optimizer_state_bytes": sum(
@@ -186,7 +193,7 @@ class StageActor:
                     self._stash(microbatch, (x, out), saved.bytes)
                     self._timed("forward_s", started, microbatch)
                     # tp ranks end with the same activation: the next stage gets one copy
-                    return out.detach() if self.tp.rank == 0 else None
+                    return _to_host(out.detach()) if self.tp.rank == 0 else None
                 loss = self.loss_fn(out, target.to(self.device) if torch.is_tensor(target) else target)
             scale = self.scaler.scale if self.settings.precision == "fp16" else 1.0
             self._stash(microbatch, (x, loss.float() * (scale / self.settings.microbatches)), saved.bytes)
@@ -206,7 +213,7 @@ class StageActor:
             if out.requires_grad:
                 torch.autograd.backward(out, None if self.is_last else grad.to(out.device))
             self._timed("backward_s", started, microbatch)
-            return x.grad if x.requires_grad and self.tp.rank == 0 else None
+            return _to_host(x.grad) if x.requires_grad and self.tp.rank == 0 else None
         except Exception as error:
             raise self._error("B", microbatch, error) from error
 
@@ -289,7 +296,7 @@ class StageActor:
                     return float(self.loss_fn(out, target.to(self.device) if torch.is_tensor(target) else target))
             if self.tp.rank != 0:  # the same output as rank 0's, which is the one passed on
                 return None
-            return out.float() if self.is_last else out
+            return _to_host(out.float() if self.is_last else out)
         except Exception as error:
             raise self._error("F", -1, error) from error
         finally:
@@ -524,6 +531,35 @@ class StageActor:
         return StageError(
             f"{self.name} failed at {self.stage}{kind}{microbatch}: {type(error).__name__}: {error}"
         )
+
+
+def _resolve_device(name: str, kind: str, allow_cpu_fallback: bool) -> tuple[torch.device, bool]:
+    """The torch device for a stage placed for `kind`, and whether it fell back to the CPU.
+
+    Ray sets the visible devices of cuda/rocm actors, so their device is always cuda:0.
+    """
+    import ray
+
+    if kind in ("cuda", "rocm") and torch.cuda.is_available():
+        return torch.device("cuda", 0), False
+    if kind == "mps" and torch.backends.mps.is_available():
+        return torch.device("mps"), False
+    if kind == "cpu":
+        return torch.device("cpu"), False
+    if allow_cpu_fallback:
+        return torch.device("cpu"), True
+    node = ray.get_runtime_context().get_node_id()[:12]
+    raise StageError(
+        f"{name} was placed for {kind} on node {node}, but torch there sees no {kind} device "
+        f"(torch {torch.__version__}, cuda {torch.version.cuda}, hip {getattr(torch.version, 'hip', None)}). "
+        f"Install a {kind} build of torch on that node, fix the node's advertised resources "
+        f"(`raypipe node-resources`), or set TrainConfig.allow_cpu_fallback=True for a test."
+    )
+
+
+def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:
+    """Boundary tensors cross to other stages (maybe another kind of device) through host memory."""
+    return t.cpu() if t is not None and t.device.type != "cpu" else t
 
 
 def _is_per_element(value: Any) -> bool:

@@ -1,0 +1,66 @@
+"""Run by tests/test_placement.py in its own process: a `ray.cluster_utils.Cluster` of fake
+nodes that advertise cuda, rocm and mps (resources and labels, as `raypipe node-resources`
+prints them), and raypipe placing one stage on each. Prints one JSON object."""
+
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import ray  # noqa: E402
+import torch  # noqa: E402
+from ray.cluster_utils import Cluster  # noqa: E402
+from torch import nn  # noqa: E402
+
+from helpers import MLP7, batch, reference_run  # noqa: E402
+from raypipe import PlacementError, StageError, TrainConfig, Trainer  # noqa: E402
+from raypipe.devices import LABEL_KIND  # noqa: E402
+
+SEED, SGD = 5, {"name": "sgd", "lr": 0.05, "momentum": 0.9}
+
+
+def add(cluster, kind):
+    cluster.add_node(num_cpus=1, num_gpus=1 if kind in ("cuda", "rocm") else 0, resources={kind: 1},
+                     labels={LABEL_KIND: kind})
+
+
+def main() -> None:
+    out = {}
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    try:
+        add(cluster, "cuda")
+        add(cluster, "rocm")
+        ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=False)
+        config = dict(pp=3, devices=["cuda", "rocm", "mps"], allow_cpu_fallback=True, cpus_per_actor=0.25,
+                      optimizer=SGD, seed=SEED, microbatches=2)
+        started = time.monotonic()
+        try:  # no node has mps yet
+            Trainer(MLP7, nn.functional.mse_loss, TrainConfig(**config, actor_start_timeout=15))
+        except PlacementError as error:
+            out["placement_error"], out["placement_seconds"] = str(error), time.monotonic() - started
+        try:  # a cuda stage on a node whose torch has no CUDA, without permission to fall back
+            Trainer(MLP7, nn.functional.mse_loss, TrainConfig(pp=1, devices="cuda", cpus_per_actor=0.25))
+        except StageError as error:
+            out["no_fallback_error"] = str(error)
+        add(cluster, "mps")
+        kinds = {n["NodeID"]: n["Labels"].get(LABEL_KIND) for n in ray.nodes() if n["Alive"]}
+        with Trainer(MLP7, nn.functional.mse_loss, TrainConfig(**config)) as trainer:
+            info = trainer.stage_info()
+            out["placed"] = [{"name": i["name"], "node_kind": kinds[i["node_id"]], "device_kind": i["device_kind"],
+                              "device": i["device"], "cpu_fallback": i["cpu_fallback"]} for i in info]
+            out["losses"] = [trainer.step(*batch(k))["loss"] for k in range(3)]
+            final = trainer.state_dict()
+        ref_losses, _, ref_final = reference_run(
+            MLP7, SEED, lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), steps=3, microbatches=2)
+        out["ref_losses"] = ref_losses
+        out["max_weight_diff"] = max(float((final[k] - ref_final[k]).abs().max()) for k in ref_final)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

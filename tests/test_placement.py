@@ -1,0 +1,53 @@
+"""Placement by accelerator kind on a fake mixed cluster (its own process and Ray), and configs."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from raypipe import ConfigError, TrainConfig
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(scope="module")
+def hetero():
+    result = subprocess.run([sys.executable, str(HERE / "hetero_cluster_run.py")], capture_output=True, text=True,
+                            timeout=300, cwd=HERE.parent)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_each_stage_lands_on_a_node_of_its_kind_and_trains_with_parity(hetero):
+    placed = hetero["placed"]
+    assert [(p["name"], p["node_kind"], p["device_kind"]) for p in placed] == [
+        ("stage0-dp0-tp0", "cuda", "cuda"), ("stage1-dp0-tp0", "rocm", "rocm"), ("stage2-dp0-tp0", "mps", "mps")]
+    assert all(p["cpu_fallback"] and p["device"] == "cpu" for p in placed)  # fake nodes: reported, allowed
+    assert hetero["losses"] == pytest.approx(hetero["ref_losses"], rel=1e-5, abs=4e-5)
+    assert hetero["max_weight_diff"] < 4e-5
+
+
+def test_a_kind_no_node_has_fails_fast_naming_stage_request_and_offer(hetero):
+    message = hetero["placement_error"]
+    assert hetero["placement_seconds"] < 40
+    assert "stage2-dp0-tp0 (stage 2) asked for" in message and "'mps': 1.0" in message
+    assert "'label_selector': {'raypipe.io/accelerator': 'mps'}" in message
+    assert "'cuda': 1.0} {'raypipe.io/accelerator': 'cuda'}" in message  # what the cluster offers
+    assert "stage0-dp0-tp0" not in message.split("The cluster offers")[0]  # placed stages are not blamed
+
+
+def test_an_accelerator_stage_never_silently_runs_on_the_cpu(hetero):
+    message = hetero["no_fallback_error"]
+    assert "stage0-dp0-tp0" in message and "placed for cuda" in message and "allow_cpu_fallback=True" in message
+
+
+def test_device_configs_are_checked():
+    assert TrainConfig(pp=2, devices="cuda", gpus_per_actor=0.5).devices == "cuda"
+    with pytest.raises(ConfigError, match=r"devices=\['cuda'\] is invalid: it names 1 kinds but pp=2"):
+        TrainConfig(pp=2, devices=["cuda"])
+    with pytest.raises(ConfigError, match="Did you mean 'cpu'"):
+        TrainConfig(devices="gpu")
+    with pytest.raises(ConfigError, match="gpus_per_actor=0"):
+        TrainConfig(gpus_per_actor=0)
