@@ -23,7 +23,7 @@ P, M = 4, 16
 
 
 def main() -> None:
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     model = gpt.GPTConfig(n_layer=6, n_head=4, n_embd=128, block_size=64)  # 8 layers: 2 per stage
     data = TokenDataset(np.arange(200_000, dtype=np.uint16) % 256, model.block_size)
     x, y = data.batch(0, 2 * M)

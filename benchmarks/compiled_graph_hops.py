@@ -42,7 +42,7 @@ def timed(fn) -> float:
 
 
 def main() -> None:
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     actors = [Hop.remote() for _ in range(P)]
     x = torch.zeros(2, 8)
 

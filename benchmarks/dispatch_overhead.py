@@ -24,7 +24,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     rows = []
     for pp, m in [(1, 1), (1, 4), (1, 16), (2, 16), (4, 16)]:
         config = TrainConfig(pp=pp, microbatches=m, cpus_per_actor=0.5, optimizer={"name": "sgd", "lr": 0.01})

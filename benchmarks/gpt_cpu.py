@@ -38,7 +38,7 @@ def main() -> None:
     optimizer = {"name": "adamw", "lr": 1e-3}
     tokens_per_step = args.batch_size * model_cfg.block_size
 
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     plain = torch.nn.Sequential(*build_layers(gpt.layers(model_cfg)))
     plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-3)
 

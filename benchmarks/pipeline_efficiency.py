@@ -46,7 +46,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="raypipe schedule efficiency on simulated stages")
     parser.add_argument("--quick", action="store_true", help="m = 16 only")
     args = parser.parse_args()
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     micro = [16] if args.quick else [4, 8, 16, 32]
     rows = []
     for t in (0.0, 0.002, 0.010):

@@ -34,7 +34,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=3)
     args = parser.parse_args()
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     layers = [LayerSpec(nn.Linear, 8, 8), LayerSpec(nn.Tanh), LayerSpec(SlowIdentity), LayerSpec(nn.Linear, 8, 2)]
     data = lambda k: (torch.randn(8, 8, generator=torch.Generator().manual_seed(k)), torch.zeros(8, 2))
     trials = []

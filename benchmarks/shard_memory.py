@@ -20,7 +20,7 @@ from raypipe.models import gpt
 
 
 def main() -> None:
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     model = gpt.GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=64)
     import numpy as np
 

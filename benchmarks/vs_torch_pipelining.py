@@ -99,7 +99,7 @@ def main() -> None:
     from raypipe import LayerSpec, TrainConfig, Trainer
     from raypipe.simulated import SimulatedCompute
 
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     rows = []
     for t in (0.010, 0.002):
         layers = [LayerSpec(SimulatedCompute, t, t) for _ in range(P)]

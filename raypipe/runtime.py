@@ -31,7 +31,9 @@ def connect() -> bool:
         from raypipe.devices import detect
 
         local = detect()
-        ray.init(logging_level=logging.WARNING, resources=local.ray_resources() or None, labels=local.ray_labels())
+        # address="local": a new Ray, even if another cluster on this machine is "current"
+        ray.init(address="local", logging_level=logging.WARNING, resources=local.ray_resources() or None,
+                 labels=local.ray_labels())
     else:
         ray.init(address=address, logging_level=logging.WARNING)
     return True
