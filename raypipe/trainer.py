@@ -721,7 +721,7 @@ def _cluster_offer() -> str:
     for node in ray.nodes():
         if not node.get("Alive"):
             continue
-        res = {k: v for k, v in node.get("Resources", {}).items() if k in ("CPU", "GPU", "cuda", "rocm", "mps")}
+        res = {k: v for k, v in sorted(node.get("Resources", {}).items()) if k in ("CPU", "GPU", "cuda", "rocm", "mps")}
         labels = {k: v for k, v in (node.get("Labels") or {}).items() if k.startswith("raypipe.io/")}
         parts.append(f"node {node['NodeID'][:8]} {res}{' ' + str(labels) if labels else ''}")
     return "; ".join(parts) or "no alive nodes"
