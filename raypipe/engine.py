@@ -70,8 +70,16 @@ def run_step(
     started = time.perf_counter()
     order = order or submission_order(schedule)
     last = len(schedule) - 1
-    pending: dict[ray.ObjectRef, tuple[str, str]] = {}  # insertion order = submission order
-    submitted: dict[ray.ObjectRef, float] = {}  # when each call was issued (for RAYPIPE_TRACE)
+    pending: dict[ray.ObjectRef, tuple[str, str]] = {}  # (actor, action) of every issued call
+    trace = os.environ.get("RAYPIPE_TRACE")
+    issued: list[tuple[float, str, str]] = []  # (time, actor, action), only when tracing
+
+    def issue(ref: ray.ObjectRef, name: str, label: str) -> ray.ObjectRef:
+        pending[ref] = (name, label)
+        if trace:
+            issued.append((time.time(), name, label))
+        return ref
+
     losses, finished = [], []
     for d, stages in enumerate(replicas):
         outputs: dict[Action, ray.ObjectRef] = {}  # tp rank 0's result of each action
@@ -88,8 +96,7 @@ def run_step(
                     finished += refs
             outputs[action] = refs[0]
             for t, ref in enumerate(refs):
-                pending[ref] = (names[d][s][t], str(action))
-                submitted[ref] = time.time()
+                issue(ref, names[d][s][t], str(action))
         losses += [outputs[Action(last, FORWARD, m)] for m in range(len(inputs[d]))]
     flat = [
         (actor, names[d][s][t])
@@ -99,20 +106,12 @@ def run_step(
     ]
     if len(replicas) > 1:  # queued right behind each stage's own last backward
         for actor, name in flat:
-            ref = actor.reduce_gradients.remote()
-            pending[ref], submitted[ref] = (name, "reduce_gradients"), time.time()
-    stats = []
-    for actor, name in flat:
-        stats.append(actor.grad_stats.remote(*finished))
-        pending[stats[-1]], submitted[stats[-1]] = (name, "grad_stats"), time.time()
-    reports = []
-    for actor, name in flat:
-        reports.append(actor.optimizer_step.remote(step, *stats))
-        pending[reports[-1]], submitted[reports[-1]] = (name, "optimizer_step"), time.time()
+            issue(actor.reduce_gradients.remote(), name, "reduce_gradients")
+    stats = [issue(actor.grad_stats.remote(*finished), name, "grad_stats") for actor, name in flat]
+    reports = [issue(actor.optimizer_step.remote(step, *stats), name, "optimizer_step") for actor, name in flat]
     what = f"step {step + 1}"  # 1-based, as the step's metrics report it
-    trace = os.environ.get("RAYPIPE_TRACE")
     if trace:
-        write_trace(trace, step + 1, [(submitted[ref], *pending[ref]) for ref in pending])
+        write_trace(trace, step + 1, issued)
     _wait_for_progress(pending, timeout, what)
     actors = [a for a, _ in flat]
     values = gather(losses + reports, what, actors, [n for _, n in flat])
