@@ -58,6 +58,7 @@ RECONFIGURABLE = (
     "grad_clip",
     "precision",
     "activation_checkpointing",
+    "measure_activations",
     "step_timeout",
     "checkpoint_dir",
     "checkpoint_every",
@@ -159,9 +160,9 @@ class Trainer:
             (global, before clipping), `step_time` (s), `samples`, `samples_per_s`,
             `tokens` / `tokens_per_s` when `x` holds token ids, and `stages`: per
             stage `forward_s`, `backward_s`, `bubble` (idle fraction of the pipeline's
-            compute window), `peak_memory_bytes`, and `peak_stashed_microbatches` /
-            `peak_stashed_bytes` (microbatches, and bytes autograd saved, kept for backward). Written to TensorBoard when
-            `config.log_dir` is set.
+            compute window), `peak_memory_bytes`, `peak_stashed_microbatches` (kept
+            for backward) and, with `config.measure_activations`, `peak_stashed_bytes`.
+            Written to TensorBoard when `config.log_dir` is set.
 
         Raises:
             BatchError: the batch cannot be split into dp x microbatches equal parts.
@@ -510,6 +511,7 @@ class Trainer:
             grad_clip=c.grad_clip,
             precision=c.precision,
             activation_checkpointing=c.activation_checkpointing,
+            measure_activations=c.measure_activations,
             zero=c.zero,
         )
 

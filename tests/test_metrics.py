@@ -76,7 +76,7 @@ def test_stashed_activations_gpipe_holds_all_1f1b_at_most_p_minus_s(ray_session)
     layers = [LayerSpec(nn.Linear, 6, 32), LayerSpec(nn.Tanh), LayerSpec(nn.Linear, 32, 32), LayerSpec(nn.Tanh),
               LayerSpec(nn.Linear, 32, 32), LayerSpec(nn.Tanh), LayerSpec(nn.Linear, 32, 3)]
     config = TrainConfig(pp=4, microbatches=8, shard_plan=[[0, 2], [2, 4], [4, 6], [6, 7]],
-                         optimizer={"name": "sgd", "lr": 0.01}, cpus_per_actor=0.25)
+                         optimizer={"name": "sgd", "lr": 0.01}, cpus_per_actor=0.25, measure_activations=True)
     x, y = torch.randn(32, 6), torch.randn(32, 3)
     with Trainer(layers, nn.functional.mse_loss, config) as t:
         peaks = {}

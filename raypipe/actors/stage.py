@@ -41,6 +41,7 @@ class StageSettings:
     grad_clip: float | None = None
     precision: str = "fp32"
     activation_checkpointing: bool = False
+    measure_activations: bool = False
     zero: int = 0
 
 
@@ -184,7 +185,7 @@ class StageActor:
             x = x.to(self.device)
             if self.stage > 0 and x.is_floating_point():
                 x.requires_grad_(True)
-            with self._autocast(), count_saved_bytes() as saved:
+            with self._autocast(), count_saved_bytes(self.settings.measure_activations) as saved:
                 if self.settings.activation_checkpointing and torch.is_grad_enabled():
                     out = checkpoint(self.module, x, use_reentrant=False)
                 else:
@@ -480,18 +481,21 @@ class StageActor:
             self.current_call = call_id
             self.losses_finite = True
             self.timing = {"forward_s": 0.0, "backward_s": 0.0, "first_start": math.inf, "last_end": 0.0,
-                           "peak_stashed": 0, "peak_stashed_bytes": 0}
+                           "peak_stashed": 0}
+            if self.settings.measure_activations:
+                self.timing["peak_stashed_bytes"] = 0
             self.stash_bytes.clear()
             self.events: list[tuple[str, int, float, float]] = []
             self.stash.clear()
             self.module.zero_grad(set_to_none=True)
 
-    def _stash(self, microbatch: int, entry: tuple, saved_bytes: int) -> None:
-        """Keeps a microbatch for its backward and updates this step's peak count and bytes."""
+    def _stash(self, microbatch: int, entry: tuple, saved_bytes: int | None) -> None:
+        """Keeps a microbatch for its backward and updates this step's peak count (and bytes, when measured)."""
         self.stash[microbatch] = entry
-        self.stash_bytes[microbatch] = saved_bytes
         self.timing["peak_stashed"] = max(self.timing["peak_stashed"], len(self.stash))
-        self.timing["peak_stashed_bytes"] = max(self.timing["peak_stashed_bytes"], sum(self.stash_bytes.values()))
+        if saved_bytes is not None:
+            self.stash_bytes[microbatch] = saved_bytes
+            self.timing["peak_stashed_bytes"] = max(self.timing["peak_stashed_bytes"], sum(self.stash_bytes.values()))
 
     def _timed(self, kind: str, started: float, microbatch: int) -> None:
         """Records one action: its duration in this step's totals, and (kind, microbatch,
