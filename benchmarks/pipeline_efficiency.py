@@ -27,7 +27,15 @@ from raypipe.simulated import SimulatedCompute
 P = 4
 
 
+def simulated_trainer(t: float) -> Trainer:
+    """p stages of one SimulatedCompute layer each (forward and backward sleep t), nearly no CPU reserved."""
+    layers = [LayerSpec(SimulatedCompute, t, t) for _ in range(P)]
+    config = TrainConfig(pp=P, optimizer={"name": "sgd", "lr": 1e-3}, cpus_per_actor=0.01, threads_per_actor=1)
+    return Trainer(layers, torch.nn.functional.mse_loss, config)
+
+
 def measure(trainer: Trainer, schedule: str, m: int, steps: int) -> dict:
+    """Median step time (and actions span) of `steps` steps after 2 warm-up steps, and the stash peaks."""
     trainer.reconfigure(schedule=schedule, microbatches=m)
     x, y = torch.randn(m, 8), torch.randn(m, 8)
     for _ in range(2):
@@ -50,9 +58,7 @@ def main() -> None:
     micro = [16] if args.quick else [4, 8, 16, 32]
     rows = []
     for t in (0.0, 0.002, 0.010):
-        layers = [LayerSpec(SimulatedCompute, t, t) for _ in range(P)]
-        config = TrainConfig(pp=P, optimizer={"name": "sgd", "lr": 1e-3}, cpus_per_actor=0.01, threads_per_actor=1)
-        with Trainer(layers, torch.nn.functional.mse_loss, config) as trainer:
+        with simulated_trainer(t) as trainer:
             for schedule in ("gpipe", "1f1b"):
                 for m in micro:
                     result = measure(trainer, schedule, m, steps=5)

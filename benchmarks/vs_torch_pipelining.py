@@ -82,32 +82,20 @@ def torch_step_time(schedule: str, t: float, steps: int) -> float:
                 proc.kill()
 
 
-def raypipe_step_time(trainer, schedule: str, steps: int) -> float:
-    trainer.reconfigure(schedule=schedule, microbatches=M)
-    x, y = torch.randn(M, 8), torch.randn(M, 8)
-    for _ in range(2):
-        trainer.step(x, y)
-    return statistics.median(trainer.step(x, y)["step_time"] for _ in range(steps))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
     import ray
-
-    from raypipe import LayerSpec, TrainConfig, Trainer
-    from raypipe.simulated import SimulatedCompute
+    from pipeline_efficiency import measure, simulated_trainer  # the same raypipe set-up and timing
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     rows = []
     for t in (0.010, 0.002):
-        layers = [LayerSpec(SimulatedCompute, t, t) for _ in range(P)]
-        config = TrainConfig(pp=P, optimizer={"name": "sgd", "lr": 1e-3}, cpus_per_actor=0.01, threads_per_actor=1)
-        with Trainer(layers, torch.nn.functional.mse_loss, config) as trainer:
+        with simulated_trainer(t) as trainer:
             for schedule in ("gpipe", "1f1b"):
                 torch_s = torch_step_time(schedule, t, args.steps)
-                raypipe_s = raypipe_step_time(trainer, schedule, args.steps)
+                raypipe_s = measure(trainer, schedule, M, args.steps)["step_s"]
                 ideal = (M + P - 1) * 2 * t
                 row = {"schedule": schedule, "p": P, "m": M, "tf_ms": 1000 * t, "tb_ms": 1000 * t,
                        "ideal_s": ideal, "torch_step_s": torch_s, "raypipe_step_s": raypipe_s,

@@ -176,8 +176,7 @@ def run(
             log(f"step {step:4d} | val loss {_validation_loss(trainer, val_set, job):.4f}")
 
     with Trainer(gpt.layers(model), gpt.loss_fn, train) as trainer:
-        first_ranks = trainer.names[:: train.tp][: trainer.num_stages]  # replica 0, tp rank 0 of each stage
-        log(f"stages: {', '.join(f'{n} layers [{a}, {b})' for n, (a, b) in zip(first_ranks, trainer.plan))}")
+        log(f"stages: {', '.join(f'{n} layers [{a}, {b})' for n, (a, b) in zip(trainer.stage_names, trainer.plan))}")
         if len(trainer.names) > trainer.num_stages:
             log(f"actors: {len(trainer.names)} = pp {train.pp} x dp {train.dp} x tp {train.tp}: {', '.join(trainer.names)}")
         if resume or resume_step is not None:

@@ -123,7 +123,7 @@ class Timeline:
         out = [
             f'<svg xmlns="http://www.w3.org/2000/svg" width="{LEFT + WIDTH + 110}" height="{height}" '
             f'font-family="sans-serif" font-size="12">',
-            f'<rect width="100%" height="100%" fill="white"/>',
+            '<rect width="100%" height="100%" fill="white"/>',
             f'<text x="{LEFT}" y="20" font-size="14">{escape(self.title)}</text>',
         ]
         bubble = self.bubble()

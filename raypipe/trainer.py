@@ -143,6 +143,16 @@ class Trainer:
         ]
 
     @property
+    def _lead_ranks(self) -> list[int]:
+        """Per stage, the rank of replica 0's tp rank 0: the actor whose timings stand for the stage."""
+        return [s * self.config.tp for s in range(self.num_stages)]
+
+    @property
+    def stage_names(self) -> list[str]:
+        """One actor name per stage (replica 0, tp rank 0), e.g. for labelling stages."""
+        return [self.names[r] for r in self._lead_ranks]
+
+    @property
     def _replicas(self) -> list[list[list[Any]]]:
         """Actors per data-parallel replica, per stage, per tp rank."""
         return self._grid(self._actors)
@@ -174,7 +184,6 @@ class Trainer:
         dp, m = self.config.dp, self.config.microbatches
         inputs, targets = self._split(x, y, dp * m)
         self._calls += 1
-        pp = self.num_stages
         try:
             result = run_step(
                 self._replicas,
@@ -212,14 +221,14 @@ class Trainer:
             metrics["tokens"] = int(x.numel())
             metrics["tokens_per_s"] = x.numel() / result.seconds
         metrics["skipped"] = report["skipped"]
-        first_ranks = result.stage_reports[: pp * self.config.tp : self.config.tp]  # replica 0, tp rank 0
-        metrics["stages"] = stage_metrics(first_ranks)
-        self._last_events = [r.get("events", []) for r in first_ranks]
+        leads = [result.stage_reports[r] for r in self._lead_ranks]
+        metrics["stages"] = stage_metrics(leads)
+        self._last_events = [r.get("events", []) for r in leads]
         if self.config.precision == "fp16":
             metrics["loss_scale"] = report["loss_scale"]
         if self._ray_metrics is None:
             self._ray_metrics = RayMetrics(self.run_name)
-        self._ray_metrics.log(metrics, [s * self.config.tp for s in range(pp)])
+        self._ray_metrics.log(metrics, self._lead_ranks)
         if self.config.log_dir is not None:
             if self._tensorboard is None:
                 self._tensorboard = TensorBoardLogger(self.config.log_dir)
@@ -365,7 +374,7 @@ class Trainer:
         any step). Save it with `.save("t.svg" | "t.png" | "t.json")`; a notebook shows it inline.
         """
         c = self.config
-        names = self.names[:: c.tp][: self.num_stages]
+        names = self.stage_names
         if not planned:
             if not self._last_events:
                 raise RaypipeError("no step has run yet: call step() first, or timeline(planned=True).")
@@ -647,19 +656,18 @@ class Trainer:
         refs = [a.info.remote() for a in self._actors]
         deadline = time.monotonic() + self.config.actor_start_timeout
         pending = list(refs)
+        devices: list[str] = [""] * len(refs)
         while pending:
             ready, pending = ray.wait(pending, num_returns=len(pending), timeout=max(0.0, deadline - time.monotonic()))
             for ref in ready:
                 rank = refs.index(ref)
                 try:
-                    ray.get(ref)
+                    devices[rank] = ray.get(ref)["device"]
                 except ray.exceptions.RayActorError as error:
                     raise StageError(
                         f"{self.names[rank]} (layers {self.plan[self._place(rank)[1]]}) could not start: "
                         f"{last_line(error)}"
                     ) from None
-            if not pending:
-                self._devices = [info["device"] for info in ray.get(refs)]
             if pending and time.monotonic() >= deadline:
                 waiting = [self.names[refs.index(r)] for r in pending]
                 asked = "; ".join(
@@ -682,6 +690,7 @@ class Trainer:
                     f"gpus_per_actor, add a node of the missing kind (`ray start ... $(raypipe node-resources)`), "
                     f"or change TrainConfig.devices.{hint}"
                 )
+        self._devices = devices  # each actor's torch device, which picks its groups' backends
 
     def _split(self, x: torch.Tensor, y: Any, parts: int) -> tuple[list[torch.Tensor], list[Any]]:
         """Splits a batch into `parts` equal chunks (dp replicas x microbatches for a step)."""

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from helpers import MLP7, KillOnce, batch
-from raypipe import ActorDiedError, NonFiniteError, StageError, TrainConfig, Trainer
+from raypipe import ActorDiedError, NonFiniteError, TrainConfig, Trainer
 from raypipe.checkpoint import CheckpointError, find_valid, list_checkpoints, load_tensors, verify
 
 ADAMW = {"name": "adamw", "lr": 1e-2, "weight_decay": 0.1}

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from helpers import MLP7, assert_close_dicts, batch, check_sgd_parity, reference_run
-from raypipe import LayerSpec, TrainConfig, Trainer, build_layers
+from raypipe import TrainConfig, Trainer, build_layers
 
 SEED = 7
 SGD = {"name": "sgd", "lr": 0.05, "momentum": 0.9}

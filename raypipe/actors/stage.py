@@ -93,8 +93,7 @@ class StageActor:
         self.module.to(self.device)
         # local state-dict key -> how its tensor splits across tp ranks (absent: replicated)
         self.shard_specs = shard_specs(self.module)
-        sharded = {k for k in self.shard_specs}
-        self.sharded_params = {id(p) for k, p in self.module.named_parameters() if k in sharded}
+        self.sharded_params = {id(p) for k, p in self.module.named_parameters() if k in self.shard_specs}
         torch.manual_seed(seed * 7919 + stage)  # dropout and other in-forward randomness
         self.settings: StageSettings | None = None
         self.optimizer: torch.optim.Optimizer | None = None
