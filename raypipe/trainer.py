@@ -138,14 +138,14 @@ class Trainer:
         """Actors (or names) by rank -> [replica][stage][tp rank]."""
         pp, tp = self.num_stages, self.config.tp
         return [
-            [list(flat[(d * pp + s) * tp : (d * pp + s + 1) * tp]) for s in range(pp)]
+            [list(flat[self._rank(d, s, 0) : self._rank(d, s, 0) + tp]) for s in range(pp)]
             for d in range(len(flat) // (pp * tp))
         ]
 
     @property
     def _lead_ranks(self) -> list[int]:
         """Per stage, the rank of replica 0's tp rank 0: the actor whose timings stand for the stage."""
-        return [s * self.config.tp for s in range(self.num_stages)]
+        return [self._rank(0, s, 0) for s in range(self.num_stages)]
 
     @property
     def stage_names(self) -> list[str]:
@@ -598,9 +598,13 @@ class Trainer:
         return options
 
     def _place(self, rank: int) -> tuple[int, int, int]:
-        """(dp replica, stage, tp rank) of an actor rank."""
+        """(dp replica, stage, tp rank) of an actor rank; the inverse of `_rank`."""
         pp, tp = self.config.pp, self.config.tp
         return rank // (pp * tp), (rank // tp) % pp, rank % tp
+
+    def _rank(self, d: int, s: int, t: int) -> int:
+        """The actor rank of replica d, stage s, tp rank t (replica-major, then stage, then tp)."""
+        return (d * self.config.pp + s) * self.config.tp + t
 
     def _join_world(self) -> None:
         """Rendezvous through Ray: rank 0 publishes an address, every actor joins the world.
@@ -610,12 +614,8 @@ class Trainer:
         """
         pp, dp, tp = self.config.pp, self.config.dp, self.config.tp
         address, port = gather([self._actors[0].rendezvous_address.remote()], "rendezvous")[0]
-
-        def rank(d: int, s: int, t: int) -> int:
-            return (d * pp + s) * tp + t
-
-        dp_groups = [[rank(d, s, t) for d in range(dp)] for s in range(pp) for t in range(tp)]
-        tp_groups = [[rank(d, s, t) for t in range(tp)] for d in range(dp) for s in range(pp)]
+        dp_groups = [[self._rank(d, s, t) for d in range(dp)] for s in range(pp) for t in range(tp)]
+        tp_groups = [[self._rank(d, s, t) for t in range(tp)] for d in range(dp) for s in range(pp)]
         groups = [g for g in dp_groups + tp_groups if len(g) > 1]
         backends = [group_backend([self._devices[r] for r in g]) for g in groups]
         joins = []
