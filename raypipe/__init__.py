@@ -19,6 +19,7 @@ from raypipe.errors import (
     StepTimeoutError,
 )
 from raypipe.layers import LayerSpec, build_layers
+from raypipe.profile import PlanReport
 from raypipe.schedules import Action, build_schedule, format_schedule
 from raypipe.timeline import Timeline
 from raypipe.trainer import Trainer
@@ -34,6 +35,7 @@ __all__ = [
     "NonFiniteError",
     "LayerSpec",
     "PlacementError",
+    "PlanReport",
     "RaypipeError",
     "ScheduleError",
     "StageError",

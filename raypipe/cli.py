@@ -65,12 +65,40 @@ def _plan(args: argparse.Namespace) -> int:
     specs = gpt.layers(config.model)
     counts = parameter_counts(specs)
     train = config.train
-    plan = make_plan(len(specs), train.pp, train.partition, train.shard_plan, counts)
     how = "shard_plan" if train.shard_plan is not None else f"partition={train.partition}"
     print(f"{len(specs)} layers, {sum(counts):,} parameters, pp={train.pp} ({how})")
+    if train.partition == "profile" and train.shard_plan is None:
+        report = _profiled_plan(config, specs)
+        print(report)
+        plan = report.plan
+    else:
+        plan = make_plan(len(specs), train.pp, train.partition, train.shard_plan, counts)
+        report = None
     for stage, (start, end) in enumerate(plan):
         print(f"stage {stage}: layers [{start}, {end})  {sum(counts[start:end]):>12,} parameters")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report.to_dict() if report else {"plan": [list(r) for r in plan]}, f, indent=1)
+        print(f"wrote {args.json}")
     return 0
+
+
+def _profiled_plan(config, specs):
+    """Times each layer on every device kind of the job (on the cluster it connects to) and splits by it."""
+    from raypipe import runtime
+    from raypipe.models import gpt
+    from raypipe.profile import plan_from_profiles, profile_layers
+
+    train, job = config.train, config.job
+    kinds = [train.devices] * train.pp if isinstance(train.devices, str) else list(train.devices)
+    x, y = config.data.dataset(config.model.block_size).batch(0, job.batch_size, seed=train.seed)
+    rows = job.batch_size // (train.dp * train.microbatches)
+    runtime.connect()
+    runtime.ship_user_code([gpt.loss_fn] + [s.factory for s in specs])
+    cpus = train.cpus_per_actor or 1.0
+    profiles = profile_layers(specs, gpt.loss_fn, x[:rows], y[:rows], train, kinds,
+                              train.threads_per_actor or max(1, int(cpus)), cpus)
+    return plan_from_profiles(profiles, kinds, train)
 
 
 def _node_resources(args: argparse.Namespace) -> int:
@@ -109,8 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_resume_arguments(train)
     train.set_defaults(func=_train)
 
-    plan = sub.add_parser("plan", help="show how a job's model is split into stages, without training")
+    plan = sub.add_parser("plan", help="show how a job's model is split into stages, without training "
+                                       "(partition=profile: times the layers on the cluster's devices first)")
     with_config(plan)
+    plan.add_argument("--json", metavar="PATH", help="also write the plan (and, profiled, every layer's times) as JSON")
     plan.set_defaults(func=_plan)
 
     diagram = sub.add_parser("diagram", help="draw a job's stages, actors and boundary tensors (no cluster needed)")

@@ -20,7 +20,7 @@ import yaml
 from raypipe.errors import ConfigError
 
 SCHEDULE_NAMES = ("gpipe", "1f1b")
-PARTITION_NAMES = ("uniform", "parameters")
+PARTITION_NAMES = ("uniform", "parameters", "profile")
 PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZER_NAMES = ("sgd", "adam", "adamw")
 LR_SCHEDULE_NAMES = ("constant", "cosine")
@@ -169,8 +169,10 @@ class TrainConfig:
         microbatches: microbatches each batch is split into; the batch size must divide by it.
         schedule: pipeline schedule, "1f1b" (bounded activation memory) or "gpipe".
         shard_plan: explicit contiguous [start, end) layer ranges, one per stage; overrides `partition`.
-        partition: how to split layers when no shard_plan is given: "uniform" (layer count)
-            or "parameters" (parameter count).
+        partition: how to split layers when no shard_plan is given: "uniform" (layer count),
+            "parameters" (parameter count) or "profile" (time every layer on each device
+            kind of the run, then the exact split minimising the slowest stage within each
+            device's memory; needs `Trainer(..., sample=(x, y))`).
         optimizer: {"name": "sgd" | "adam" | "adamw", "lr": ..., other torch.optim keywords}.
         lr_schedule: {"name": "constant" | "cosine", "warmup_steps", "total_steps", "min_lr"}.
         grad_clip: clip gradients to this global L2 norm (across all stages); None disables.

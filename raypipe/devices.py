@@ -16,12 +16,14 @@ import os
 import platform
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 KINDS = ("cuda", "rocm", "mps", "cpu")
 LABEL_KIND = "raypipe.io/accelerator"
 LABEL_MODEL = "raypipe.io/accelerator-model"
+SERVING_ENV = "RAYPIPE_ACCELERATOR"  # set in each stage or profiler process to the kind it serves
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,26 @@ def detect() -> Accelerator:
         dtypes = ("fp32", "fp16") + (("bf16",) if _works_on("mps", torch.bfloat16) else ())
         return Accelerator("mps", 1, platform.processor() or "Apple silicon", _machine_memory(), dtypes)
     return Accelerator("cpu", os.cpu_count() or 1, _cpu_model(), _machine_memory(), ("fp32", "bf16", "fp16"))
+
+
+def ray_options(kind: str, share: float = 1.0) -> dict[str, Any]:
+    """Ray actor options placing work on a node of accelerator `kind` (none for cpu).
+
+    The custom resource counts devices (`share` of one each), the label selector
+    picks nodes that advertise the kind, and `num_gpus` makes Ray set the visible
+    cuda/rocm devices.
+    """
+    if kind == "cpu":
+        return {}
+    options: dict[str, Any] = {"resources": {kind: share}, "label_selector": {LABEL_KIND: kind}}
+    if kind in ("cuda", "rocm"):
+        options["num_gpus"] = share
+    return options
+
+
+def serving_kind() -> str | None:
+    """The accelerator kind this process's stage (or profiler) was placed for; None outside one."""
+    return os.environ.get(SERVING_ENV)
 
 
 def label_value(text: str) -> str:

@@ -175,7 +175,8 @@ def run(
         if val_set and job.eval_every and step % job.eval_every == 0 and step < job.steps:
             log(f"step {step:4d} | val loss {_validation_loss(trainer, val_set, job):.4f}")
 
-    with Trainer(gpt.layers(model), gpt.loss_fn, train) as trainer:
+    profile_batch = train_set.batch(0, job.batch_size, seed=train.seed) if train.partition == "profile" else None
+    with Trainer(gpt.layers(model), gpt.loss_fn, train, sample=profile_batch, log=log) as trainer:
         log(f"stages: {', '.join(f'{n} layers [{a}, {b})' for n, (a, b) in zip(trainer.stage_names, trainer.plan))}")
         if len(trainer.names) > trainer.num_stages:
             log(f"actors: {len(trainer.names)} = pp {train.pp} x dp {train.dp} x tp {train.tp}: {', '.join(trainer.names)}")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 from raypipe.errors import ConfigError
 
@@ -46,6 +46,53 @@ def balanced_plan(weights: Sequence[float], num_stages: int) -> Plan:
         bounds.append(cut[s][bounds[-1]])
     bounds.reverse()
     return [(bounds[s], bounds[s + 1]) for s in range(num_stages)]
+
+
+def speed_aware_plan(
+    times: Sequence[Sequence[float]],
+    fits: Callable[[int, int, int], bool] | None = None,
+) -> Plan:
+    """Contiguous non-empty ranges minimising the slowest stage, each stage at its own speed.
+
+    `times[s][i]` is layer i's forward+backward time on stage s's device, so a slow
+    device gets fewer layers; `fits(s, start, end)` says whether layers [start, end)
+    fit stage s's memory. Exact dynamic programming (O(p n^2)) over the prefix a stage
+    ends at; among plans with the same slowest stage, the one whose earlier stages
+    are lighter wins.
+
+    Raises:
+        ConfigError: no split fits every stage's memory.
+    """
+    p, n = len(times), len(times[0])
+    prefix = []
+    for row in times:
+        acc = [0.0]
+        for t in row:
+            acc.append(acc[-1] + float(t))
+        prefix.append(acc)
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(p + 1)]
+    cut = [[-1] * (n + 1) for _ in range(p + 1)]
+    best[0][0] = 0.0
+    for s in range(1, p + 1):
+        for i in range(s, n - (p - s) + 1):
+            for j in range(s - 1, i):
+                if best[s - 1][j] == inf or (fits is not None and not fits(s - 1, j, i)):
+                    continue
+                cost = max(best[s - 1][j], prefix[s - 1][i] - prefix[s - 1][j])
+                if cost < best[s][i]:
+                    best[s][i], cut[s][i] = cost, j
+    if best[p][n] == inf:
+        raise ConfigError(
+            f"no split of {n} layers into pp={p} stages fits every stage's device memory: use more "
+            f"stages (pp), devices with more memory, activation_checkpointing=True, fewer microbatches "
+            f"in flight (schedule='1f1b'), or a smaller gpus_per_actor share per device."
+        )
+    bounds = [n]
+    for s in range(p, 0, -1):
+        bounds.append(cut[s][bounds[-1]])
+    bounds.reverse()
+    return [(bounds[s], bounds[s + 1]) for s in range(p)]
 
 
 def check_plan(plan: Sequence[Sequence[int]], num_layers: int, num_stages: int) -> Plan:

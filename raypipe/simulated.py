@@ -2,8 +2,9 @@
 
 Schedules, timelines and the engine's overhead can then be measured without the
 result depending on how many cores the machine has: sleeping takes no CPU, so p
-such stages on 2 cores behave like p devices. Used by `examples/timeline.py` and
-`benchmarks/pipeline_efficiency.py`.
+such stages on 2 cores behave like p devices. A `slowdown` per accelerator kind
+makes one kind of device simulate slower than another, for speed-aware partitioning.
+Used by `examples/timeline.py` and the `benchmarks/`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import time
 
 import torch
 from torch import nn
+
+from raypipe.devices import serving_kind
 
 
 class _Sleep(torch.autograd.Function):
@@ -30,15 +33,29 @@ class _Sleep(torch.autograd.Function):
 
 
 class SimulatedCompute(nn.Module):
-    """Identity with a tiny trainable scale, whose forward and backward take fixed times."""
+    """Identity with a tiny trainable scale, whose forward and backward take fixed times.
 
-    def __init__(self, forward_s: float, backward_s: float, features: int = 8) -> None:
+    Args:
+        forward_s, backward_s: seconds each takes on a device of unit speed.
+        features: the width of the activation it passes on.
+        slowdown: {"rocm": 2.0}: on a stage (or profiler) placed for rocm, both take
+            twice as long; kinds not named run at unit speed.
+        ballast: extra parameters that take no compute, so a layer can weigh more
+            than another under `partition="parameters"`.
+    """
+
+    def __init__(self, forward_s: float, backward_s: float, features: int = 8,
+                 slowdown: dict[str, float] | None = None, ballast: int = 0) -> None:
         super().__init__()
         self.forward_s, self.backward_s = float(forward_s), float(backward_s)
+        self.slowdown = dict(slowdown or {})
         self.scale = nn.Parameter(torch.ones(features))
+        self.ballast = nn.Parameter(torch.zeros(ballast)) if ballast else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Sleep.apply(x * self.scale, self.forward_s, self.backward_s)
+        factor = self.slowdown.get(serving_kind() or "", 1.0)
+        return _Sleep.apply(x * self.scale, self.forward_s * factor, self.backward_s * factor)
 
     def extra_repr(self) -> str:
-        return f"forward_s={self.forward_s}, backward_s={self.backward_s}"
+        slow = f", slowdown={self.slowdown}" if self.slowdown else ""
+        return f"forward_s={self.forward_s}, backward_s={self.backward_s}{slow}"

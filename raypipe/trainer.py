@@ -36,12 +36,13 @@ from raypipe.errors import (
     StageError,
     StepTimeoutError,
 )
-from raypipe.devices import LABEL_KIND
+from raypipe.devices import ray_options
 from raypipe.layers import LayerSpec, as_spec, parameter_counts
 from raypipe.metrics import RayMetrics, TensorBoardLogger, stage_metrics
 from raypipe.nn import ShardSpec, merge
 from raypipe.nn.plan import check_tensor_parallel
 from raypipe.partition import Plan, make_plan
+from raypipe.profile import PlanReport, plan_from_profiles, profile_layers
 from raypipe.progress import Progress
 from raypipe.schedules import build_schedule
 from raypipe.timeline import Timeline
@@ -76,6 +77,10 @@ class Trainer:
         layers: `LayerSpec`s or zero-argument callables returning `nn.Module`s, in order.
         loss_fn: `loss_fn(output, target) -> scalar tensor`, a mean over the microbatch.
         config: how to split and train; `TrainConfig()` when omitted.
+        sample: a batch `(x, y)` like the training batches; needed by
+            `partition="profile"`, which times every layer on one of its microbatches on
+            each device kind and splits by the times (see `plan_report`).
+        log: where the profiled plan is printed.
 
     Raises:
         ConfigError: the config does not fit the model (e.g. a bad shard plan).
@@ -88,6 +93,8 @@ class Trainer:
         layers: Sequence[LayerSpec | Callable[[], torch.nn.Module]],
         loss_fn: Callable[[torch.Tensor, Any], torch.Tensor],
         config: TrainConfig | None = None,
+        sample: tuple[torch.Tensor, Any] | None = None,
+        log: Callable[[str], None] = print,
     ) -> None:
         self.config = config if config is not None else TrainConfig()
         if not isinstance(self.config, TrainConfig):
@@ -98,13 +105,19 @@ class Trainer:
         if not self.specs:
             raise ConfigError("the model has no layers: pass at least one LayerSpec.")
         cfg = self.config
-        counts = (
-            parameter_counts(self.specs)
-            if cfg.partition == "parameters" and cfg.shard_plan is None
-            else None
-        )
-        self.plan: Plan = make_plan(len(self.specs), cfg.pp, cfg.partition, cfg.shard_plan, counts)
+        profiled = cfg.partition == "profile" and cfg.shard_plan is None
+        if profiled and sample is None:
+            raise ConfigError(
+                "TrainConfig.partition='profile' needs a sample batch to time the layers on: pass "
+                "Trainer(..., sample=(x, y)) with a batch like those you will train on, or use "
+                "partition='uniform' or 'parameters'."
+            )
+        counts = parameter_counts(self.specs) if cfg.partition == "parameters" and cfg.shard_plan is None else None
+        # a profiled plan is replaced below, once the profilers ran; this one checks pp against the layers
+        self.plan: Plan = make_plan(len(self.specs), cfg.pp, "uniform" if profiled else cfg.partition,
+                                    cfg.shard_plan, counts)
         check_tensor_parallel(self.specs, cfg.tp)
+        self.plan_report: PlanReport | None = None
         self.run_name = cfg.name or f"run-{uuid.uuid4().hex[:8]}"
         self.step_count = 0
         self.restarts = 0
@@ -115,16 +128,20 @@ class Trainer:
         self._ray_metrics: RayMetrics | None = None
         self._set_schedule()
 
-        runtime.connect()
-        runtime.ship_user_code(
-            [loss_fn] + [s.factory for s in self.specs]
-            + [type(a) for s in self.specs for a in (*s.args, *s.kwargs.values())]
-        )
         # actors are laid out replica-major: rank = (d * pp + s) * tp + t, named "stage{s}-dp{d}-tp{t}"
         self.names = [
             f"stage{s}-dp{d}-tp{t}" for d in range(cfg.dp) for s in range(cfg.pp) for t in range(cfg.tp)
         ]
         self._loss_fn = loss_fn
+        runtime.connect()
+        runtime.ship_user_code(
+            [loss_fn] + [s.factory for s in self.specs]
+            + [type(a) for s in self.specs for a in (*s.args, *s.kwargs.values())]
+        )
+        if profiled:
+            self.plan_report = self._profile_plan(*sample)
+            self.plan = self.plan_report.plan
+            log(str(self.plan_report))
         self._replace_same_name()
         self._start_actors()
 
@@ -586,16 +603,19 @@ class Trainer:
         devices = self.config.devices
         return [devices] * self.config.pp if isinstance(devices, str) else list(devices)
 
+    def _profile_plan(self, x: torch.Tensor, y: Any) -> PlanReport:
+        """Times every layer on each device kind of the run and splits by those times."""
+        cfg = self.config
+        inputs, targets = self._split(x, y, cfg.dp * cfg.microbatches)
+        cpus = self._cpus_per_actor()
+        threads = cfg.threads_per_actor or max(1, int(cpus))
+        profiles = profile_layers(self.specs, self._loss_fn, inputs[0], targets[0], cfg, self._stage_kinds,
+                                  threads, cpus)
+        return plan_from_profiles(profiles, self._stage_kinds, cfg)
+
     def _placement(self, stage: int) -> dict[str, Any]:
         """Ray options placing a stage on a node of its accelerator kind (none for cpu)."""
-        kind = self._stage_kinds[stage]
-        if kind == "cpu":
-            return {}
-        share = self.config.gpus_per_actor
-        options: dict[str, Any] = {"resources": {kind: share}, "label_selector": {LABEL_KIND: kind}}
-        if kind in ("cuda", "rocm"):
-            options["num_gpus"] = share
-        return options
+        return ray_options(self._stage_kinds[stage], self.config.gpus_per_actor)
 
     def _place(self, rank: int) -> tuple[int, int, int]:
         """(dp replica, stage, tp rank) of an actor rank; the inverse of `_rank`."""

@@ -15,8 +15,9 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from torch import nn  # noqa: E402
 
 from helpers import MLP7, batch, reference_run  # noqa: E402
-from raypipe import PlacementError, StageError, TrainConfig, Trainer  # noqa: E402
+from raypipe import LayerSpec, PlacementError, StageError, TrainConfig, Trainer  # noqa: E402
 from raypipe.devices import LABEL_KIND  # noqa: E402
+from raypipe.simulated import SimulatedCompute  # noqa: E402
 
 SEED, SGD = 5, {"name": "sgd", "lr": 0.05, "momentum": 0.9}
 
@@ -24,6 +25,23 @@ SEED, SGD = 5, {"name": "sgd", "lr": 0.05, "momentum": 0.9}
 def add(cluster, kind):
     cluster.add_node(num_cpus=1, num_gpus=1 if kind in ("cuda", "rocm") else 0, resources={kind: 1},
                      labels={LABEL_KIND: kind})
+
+
+def balance() -> dict:
+    """Step times of a cuda + rocm pipeline whose rocm stage simulates a 2x slower device, split
+    uniformly and by profile."""
+    layers = [LayerSpec(SimulatedCompute, 0.02, 0.02, slowdown={"rocm": 2.0}) for _ in range(6)]
+    x = torch.randn(8, 8)
+    result = {}
+    for partition in ("uniform", "profile"):
+        config = TrainConfig(pp=2, devices=["cuda", "rocm"], allow_cpu_fallback=True, cpus_per_actor=0.25,
+                             microbatches=4, partition=partition, optimizer={"name": "sgd", "lr": 0.01})
+        with Trainer(layers, nn.functional.mse_loss, config, sample=(x, x), log=lambda _: None) as trainer:
+            times = sorted(trainer.step(x, x)["step_time"] for _ in range(4))
+            result[partition] = {"plan": trainer.plan, "step_time": times[1]}  # the median of the last 3
+            if trainer.plan_report is not None:
+                result[partition]["predicted"] = trainer.plan_report.step_seconds
+    return result
 
 
 def main() -> None:
@@ -52,6 +70,7 @@ def main() -> None:
                               "device": i["device"], "cpu_fallback": i["cpu_fallback"]} for i in info]
             out["losses"] = [trainer.step(*batch(k))["loss"] for k in range(3)]
             final = trainer.state_dict()
+        out["balance"] = balance()
         ref_losses, _, ref_final = reference_run(
             MLP7, SEED, lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), steps=3, microbatches=2)
         out["ref_losses"] = ref_losses

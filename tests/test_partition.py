@@ -8,7 +8,7 @@ from torch import nn
 
 from raypipe import ConfigError, LayerSpec
 from raypipe.layers import parameter_counts
-from raypipe.partition import balanced_plan, check_plan, make_plan, uniform_plan
+from raypipe.partition import balanced_plan, check_plan, make_plan, speed_aware_plan, uniform_plan
 
 
 def test_uniform_spreads_the_remainder_over_the_last_stages():
@@ -17,12 +17,15 @@ def test_uniform_spreads_the_remainder_over_the_last_stages():
     assert uniform_plan(5, 5) == [(i, i + 1) for i in range(5)]
 
 
-def _brute_force(weights, p):
-    n = len(weights)
+def _brute_force(times, fits=lambda s, a, b: True):
+    """The slowest stage of the best split, trying every split; `times[s][i]`: layer i on stage s."""
+    p, n = len(times), len(times[0])
     best = None
     for cuts in itertools.combinations(range(1, n), p - 1):
         bounds = (0, *cuts, n)
-        cost = max(sum(weights[bounds[i]:bounds[i + 1]]) for i in range(p))
+        if not all(fits(s, bounds[s], bounds[s + 1]) for s in range(p)):
+            continue
+        cost = max(sum(times[s][bounds[s]:bounds[s + 1]]) for s in range(p))
         best = cost if best is None else min(best, cost)
     return best
 
@@ -36,7 +39,7 @@ def test_balanced_plan_is_optimal():
         plan = balanced_plan(weights, p)
         check_plan(plan, n, p)
         cost = max(sum(weights[a:b]) for a, b in plan)
-        assert cost == _brute_force(weights, p), (weights, p, plan)
+        assert cost == _brute_force([weights] * p), (weights, p, plan)
 
 
 def test_parameter_partition_counts_without_allocating():
@@ -69,3 +72,81 @@ def test_bad_plans_name_the_problem_and_the_fix(plan, problem):
 def test_more_stages_than_layers_is_a_config_error():
     with pytest.raises(ConfigError, match="only 2 layers"):
         make_plan(2, 3)
+
+
+def test_speed_aware_plan_is_optimal_per_device_speed_and_within_memory():
+    """Random layer times on stages of random speeds and random memory limits, against brute force."""
+    rng = random.Random(1)
+    for _ in range(300):
+        n = rng.randint(1, 8)
+        p = rng.randint(1, n)
+        base = [rng.randint(1, 20) for _ in range(n)]
+        speed = [rng.choice([1, 2, 3]) for _ in range(p)]
+        times = [[t * k for t in base] for k in speed]
+        size = [rng.randint(1, 5) for _ in range(n)]
+        budget = [rng.randint(4, 20) for _ in range(p)]
+
+        def fits(s, a, b):
+            return sum(size[a:b]) <= budget[s]
+
+        best = _brute_force(times, fits)
+        if best is None:
+            with pytest.raises(ConfigError, match="fits every stage's device memory"):
+                speed_aware_plan(times, fits)
+            continue
+        plan = speed_aware_plan(times, fits)
+        check_plan(plan, n, p)
+        assert all(fits(s, a, b) for s, (a, b) in enumerate(plan))
+        assert max(sum(times[s][a:b]) for s, (a, b) in enumerate(plan)) == best, (times, budget, plan)
+
+
+def test_a_two_times_slower_second_stage_gets_a_third_of_equal_layers():
+    assert speed_aware_plan([[1] * 6, [2] * 6]) == [(0, 4), (4, 6)]
+    assert speed_aware_plan([[2] * 6, [1] * 6]) == [(0, 2), (2, 6)]
+
+
+def test_profile_partition_needs_a_sample_batch():
+    from raypipe import TrainConfig, Trainer
+
+    with pytest.raises(ConfigError, match=r"partition='profile' needs a sample batch.*sample=\(x, y\)"):
+        Trainer([LayerSpec(nn.Linear, 2, 2)] * 2, nn.functional.mse_loss, TrainConfig(pp=2, partition="profile"))
+
+
+def test_profile_partition_balances_measured_layer_times(ray_session):
+    """One kind of device, layers of 2 ms and 6 ms: the profile sees it, parameter counts do not."""
+    import torch
+
+    from raypipe import TrainConfig, Trainer
+    from raypipe.simulated import SimulatedCompute
+
+    layers = [LayerSpec(SimulatedCompute, t, t) for t in (0.002, 0.002, 0.002, 0.002, 0.006, 0.006)]
+    config = TrainConfig(pp=2, microbatches=4, partition="profile", optimizer={"name": "sgd", "lr": 0.01},
+                         cpus_per_actor=0.5)
+    x, y = torch.randn(16, 8), torch.randn(16, 8)
+    lines = []
+    with Trainer(layers, nn.functional.mse_loss, config, sample=(x, y), log=lines.append) as t:
+        report = t.plan_report
+        assert t.plan == [(0, 4), (4, 6)] == report.plan
+        assert t.step(x, y)["loss"] > 0
+    forward = report.profiles["cpu"]["forward_s"]
+    assert forward[0] == pytest.approx(0.002, abs=0.001) and forward[5] == pytest.approx(0.006, abs=0.001)
+    assert report.stage_seconds[1] == pytest.approx(0.024, rel=0.2)
+    assert report.step_seconds < report.uniform_step_seconds
+    assert "stage 1: layers [4, 6) on cpu" in lines[0] and "ms per microbatch" in lines[0]
+
+
+def test_raypipe_plan_profiles_the_jobs_model_and_writes_json(ray_session, tmp_path, capsys):
+    import json
+    from pathlib import Path
+
+    from raypipe.cli import main
+
+    config = Path(__file__).parent.parent / "examples/configs/tiny.yaml"
+    out = tmp_path / "plan.json"
+    assert main(["plan", str(config), "--set", "partition=profile", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "speed-aware plan (partition=profile): predicted step" in printed
+    report = json.loads(out.read_text())
+    assert len(report["plan"]) == 2 and report["plan"][0][0] == 0 and report["plan"][-1][1] == 4
+    assert len(report["profiles"]["cpu"]["forward_s"]) == 4 and all(t > 0 for t in report["profiles"]["cpu"]["forward_s"])
+    assert f"stage 1: layers [{report['plan'][1][0]}, 4)" in printed

@@ -22,6 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 from raypipe.actors import zero
 from raypipe.actors.memory import count_saved_bytes
+from raypipe.devices import SERVING_ENV
 from raypipe.errors import StageError
 from raypipe.layers import LayerSpec, build_layer
 from raypipe.nn import TensorParallelGroup, merge, parallelize, shard, shard_specs
@@ -88,6 +89,7 @@ class StageActor:
         self.is_last = stage == num_stages - 1
         self.loss_fn = loss_fn
         self.device_kind = device_kind
+        os.environ[SERVING_ENV] = device_kind
         self.device, self.fallback = _resolve_device(name, device_kind, allow_cpu_fallback)
         self.module = nn.Sequential(*[self._build(spec, seed, start + j) for j, spec in enumerate(specs)])
         self.module.to(self.device)

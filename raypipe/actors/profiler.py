@@ -1,0 +1,102 @@
+"""The LayerProfiler: measures each layer's forward+backward time and memory on one device kind.
+
+`partition="profile"` starts one per accelerator kind in the run, placed exactly
+like a stage of that kind, so each measures the device its stages will run on.
+Layers are built and profiled one at a time (the previous one freed), so a model
+too big for the device can still be profiled; each layer sees the activation the
+layers before it produce on a real microbatch.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+
+from raypipe.actors.memory import count_saved_bytes
+from raypipe.actors.stage import _resolve_device
+from raypipe.devices import SERVING_ENV, detect
+from raypipe.layers import LayerSpec, build_layer
+
+
+class LayerProfiler:
+    """Times layers on the device a stage of `device_kind` gets.
+
+    Args:
+        device_kind: "cpu", "cuda", "rocm" or "mps".
+        allow_cpu_fallback: as in `TrainConfig`; the report says when it happened.
+        threads: torch intra-op threads, as a stage actor of this placement would use.
+    """
+
+    def __init__(self, device_kind: str, allow_cpu_fallback: bool, threads: int) -> None:
+        torch.set_num_threads(threads)
+        os.environ[SERVING_ENV] = device_kind
+        self.kind = device_kind
+        self.device, self.fallback = _resolve_device(f"profiler for {device_kind}", device_kind, allow_cpu_fallback)
+
+    def profile(
+        self,
+        specs: Sequence[LayerSpec],
+        seed: int,
+        x: torch.Tensor,
+        target: Any,
+        loss_fn: Callable[[torch.Tensor, Any], torch.Tensor],
+        warmup: int = 2,
+        repeats: int = 5,
+    ) -> dict[str, Any]:
+        """Per layer: median forward and backward seconds, parameter bytes, and the bytes
+        autograd saves for backward on this microbatch (what a stashed microbatch costs)."""
+        forward_s, backward_s, parameter_bytes, activation_bytes = [], [], [], []
+        h = x.to(self.device)
+        for index, spec in enumerate(specs):
+            layer = build_layer(spec, seed, index).to(self.device)
+            last = index == len(specs) - 1
+            fwd, bwd, saved = [], [], 0
+            for r in range(warmup + repeats):
+                inp = h.detach().requires_grad_(index > 0 and h.is_floating_point())
+                started = self._now()
+                with count_saved_bytes(r == 0) as counter:
+                    out = layer(inp)
+                    if last:
+                        out = loss_fn(out, target.to(self.device) if torch.is_tensor(target) else target)
+                middle = self._now()
+                if out.requires_grad:
+                    grad = None if last else torch.randn_like(out)
+                    torch.autograd.backward(out, grad)
+                ended = self._now()
+                layer.zero_grad(set_to_none=True)
+                if r == 0:
+                    saved = counter.bytes or 0
+                if r >= warmup:
+                    fwd.append(middle - started)
+                    bwd.append(ended - middle)
+            forward_s.append(statistics.median(fwd))
+            backward_s.append(statistics.median(bwd))
+            parameter_bytes.append(sum(p.numel() * p.element_size() for p in layer.parameters()))
+            activation_bytes.append(saved)
+            if not last:
+                with torch.no_grad():
+                    h = layer(h.detach())
+            del layer
+        accelerator = detect()
+        return {
+            "kind": self.kind,
+            "device": str(self.device),
+            "cpu_fallback": self.fallback,
+            "model": accelerator.model,
+            "memory_bytes": accelerator.memory_bytes,
+            "forward_s": forward_s,
+            "backward_s": backward_s,
+            "parameter_bytes": parameter_bytes,
+            "activation_bytes": activation_bytes,
+        }
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        elif self.device.type == "mps":
+            torch.mps.synchronize()
+        return time.perf_counter()
