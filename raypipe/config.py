@@ -177,6 +177,9 @@ class TrainConfig:
         lr_schedule: {"name": "constant" | "cosine", "warmup_steps", "total_steps", "min_lr"}.
         grad_clip: clip gradients to this global L2 norm (across all stages); None disables.
         precision: "fp32", "bf16" (autocast) or "fp16" (autocast with dynamic loss scaling).
+        boundary_dtype: the dtype activations and their gradients travel in between
+            stages: "fp32" (as computed), or "bf16" / "fp16" to halve the bytes sent; the
+            receiving stage computes in float32 again.
         measure_activations: count the bytes autograd saves for backward per stashed
             microbatch (saved-tensor hooks; about 7 % slower forward on CPU), reported
             as `peak_stashed_bytes`. The count of stashed microbatches is always reported.
@@ -220,6 +223,7 @@ class TrainConfig:
     lr_schedule: dict = field(default_factory=lambda: {"name": "constant"})
     grad_clip: float | None = None
     precision: str = "fp32"
+    boundary_dtype: str = "fp32"
     activation_checkpointing: bool = False
     measure_activations: bool = False
     seed: int = 0
@@ -256,6 +260,7 @@ class TrainConfig:
         self.lr_schedule = dict(self.lr_schedule)
         _check_positive("grad_clip", self.grad_clip, allow_none=True)
         _check_choice("precision", self.precision, PRECISIONS)
+        _check_choice("boundary_dtype", self.boundary_dtype, PRECISIONS)
         if not isinstance(self.activation_checkpointing, bool):
             raise _fail("activation_checkpointing", self.activation_checkpointing, "give true or false.")
         if not isinstance(self.measure_activations, bool):

@@ -134,12 +134,14 @@ def run(
     log: Callable[[str], None] = print,
     resume: bool = False,
     resume_step: int | None = None,
+    on_metrics: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Trains the GPT as the job config says and reports progress through `log`.
 
     Args:
         resume: continue from the newest valid checkpoint in `checkpoint_dir`.
         resume_step: continue from the checkpoint of this step.
+        on_metrics: called with every step's metrics (`Trainer.step`'s dict).
 
     Returns:
         A summary: the per-step losses, the first and last validation loss, mean tokens/s.
@@ -162,6 +164,8 @@ def run(
     def on_step(metrics: dict[str, Any]) -> None:
         step = metrics["step"]
         losses.append(metrics["loss"])
+        if on_metrics is not None:
+            on_metrics(metrics)
         if len(losses) > 1:  # the first step pays for warm-up; leave it out of the rate
             rates.append(metrics["tokens_per_s"])
         if step % job.log_every == 0 or len(losses) == 1 or step == job.steps:

@@ -58,6 +58,7 @@ RECONFIGURABLE = (
     "lr_schedule",
     "grad_clip",
     "precision",
+    "boundary_dtype",
     "activation_checkpointing",
     "measure_activations",
     "step_timeout",
@@ -188,7 +189,9 @@ class Trainer:
             `tokens` / `tokens_per_s` when `x` holds token ids, and `stages`: per
             stage `forward_s`, `backward_s`, `bubble` (idle fraction of the pipeline's
             compute window), `peak_memory_bytes`, `peak_stashed_microbatches` (kept
-            for backward) and, with `config.measure_activations`, `peak_stashed_bytes`.
+            for backward), `sent_bytes` (activations and input gradients sent to the
+            neighbouring stages, in `config.boundary_dtype`) and, with
+            `config.measure_activations`, `peak_stashed_bytes`.
             Written to TensorBoard when `config.log_dir` is set.
 
         Raises:
@@ -536,6 +539,7 @@ class Trainer:
             lr_schedule=dict(c.lr_schedule),
             grad_clip=c.grad_clip,
             precision=c.precision,
+            boundary_dtype=c.boundary_dtype,
             activation_checkpointing=c.activation_checkpointing,
             measure_activations=c.measure_activations,
             zero=c.zero,

@@ -27,14 +27,16 @@ def batch(k: int, size: int = 16, features: int = 6, outputs: int = 3):
 
 
 def reference_run(specs, seed, optimizer, steps, microbatches=1, reverse=False, grad_clip=None,
-                  loss_fn=nn.functional.mse_loss, data=batch):
+                  loss_fn=nn.functional.mse_loss, data=batch, prepare=None):
     """Trains nn.Sequential of the same layers in one process.
 
     The batch gradient is accumulated over `microbatches` equal chunks (in reverse
     order when `reverse`, as GPipe's backwards run), each loss scaled by 1/m.
-    Returns (losses, first-step gradients, final state_dict).
+    `prepare(model)` may add hooks first. Returns (losses, first-step gradients, final state_dict).
     """
     model = nn.Sequential(*build_layers(specs, seed))
+    if prepare is not None:
+        prepare(model)
     opt = optimizer(model.parameters())
     losses, first_grads = [], None
     for k in range(steps):

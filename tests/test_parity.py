@@ -97,3 +97,42 @@ def test_evaluate_and_predict_match_the_one_process_model(trainer, initial):
     trainer.reconfigure(microbatches=4)
     assert trainer.evaluate(x, y) == pytest.approx(nn.functional.mse_loss(expected, y).item(), rel=1e-5)
     assert all(torch.equal(v, initial[k]) for k, v in trainer.state_dict().items())  # no training
+
+
+class _RoundTrip(torch.autograd.Function):
+    """What a bf16 stage boundary does: the activation and, in backward, its gradient are rounded."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.bfloat16().float()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.bfloat16().float()
+
+
+def test_bf16_boundaries_round_exactly_there_and_halve_the_bytes_sent(trainer, initial):
+    trainer.reconfigure(schedule="1f1b", microbatches=4, optimizer=SGD)
+    trainer.reset_optimizer()
+    trainer.load_state_dict(initial)
+    fp32_sent = [s["sent_bytes"] for s in trainer.step(*batch(0))["stages"]]
+    trainer.reconfigure(boundary_dtype="bf16")
+    trainer.reset_optimizer()
+    trainer.load_state_dict(initial)
+    metrics = [trainer.step(*batch(k)) for k in range(3)]
+    trainer.reconfigure(boundary_dtype="fp32")
+    assert [s["sent_bytes"] for s in metrics[0]["stages"]] == [b // 2 for b in fp32_sent]
+    pp = trainer.num_stages
+    assert (fp32_sent[0] > 0) == (pp > 1)
+
+    def round_at_boundaries(model):
+        for _, end in trainer.plan[:-1]:  # the output of each stage's last layer
+            model[end - 1].register_forward_hook(lambda module, args, out: _RoundTrip.apply(out))
+
+    ref_losses, _, ref_final = reference_run(MLP7, SEED, sgd, steps=3, microbatches=4, prepare=round_at_boundaries)
+    torch.testing.assert_close(torch.tensor([m["loss"] for m in metrics]), torch.tensor(ref_losses),
+                               rtol=1e-5, atol=4e-5)
+    assert_close_dicts(trainer.state_dict(), ref_final)
+    _, _, unrounded = reference_run(MLP7, SEED, sgd, steps=3, microbatches=4)
+    moved = max(float((trainer.state_dict()[k] - unrounded[k]).abs().max()) for k in unrounded)
+    assert (moved > 1e-6) == (pp > 1), moved  # the rounding is real, and only where stages meet

@@ -41,6 +41,7 @@ class StageSettings:
     lr_schedule: dict = field(default_factory=lambda: {"name": "constant"})
     grad_clip: float | None = None
     precision: str = "fp32"
+    boundary_dtype: str = "fp32"
     activation_checkpointing: bool = False
     measure_activations: bool = False
     zero: int = 0
@@ -183,7 +184,7 @@ class StageActor:
         self._begin(call_id)
         started = time.time()
         try:
-            x = x.to(self.device)
+            x = self._received(x)
             if self.stage > 0 and x.is_floating_point():
                 x.requires_grad_(True)
             with self._autocast(), count_saved_bytes(self.settings.measure_activations) as saved:
@@ -195,7 +196,7 @@ class StageActor:
                     self._stash(microbatch, (x, out), saved.bytes)
                     self._timed("forward_s", started, microbatch)
                     # tp ranks end with the same activation: the next stage gets one copy
-                    return _to_host(out.detach()) if self.tp.rank == 0 else None
+                    return self._send(out) if self.tp.rank == 0 else None
                 loss = self.loss_fn(out, target.to(self.device) if torch.is_tensor(target) else target)
             scale = self.scaler.scale if self.settings.precision == "fp16" else 1.0
             self._stash(microbatch, (x, loss.float() * (scale / self.settings.microbatches)), saved.bytes)
@@ -213,9 +214,9 @@ class StageActor:
             x, out = self.stash.pop(microbatch)
             self.stash_bytes.pop(microbatch, None)
             if out.requires_grad:
-                torch.autograd.backward(out, None if self.is_last else grad.to(out.device))
+                torch.autograd.backward(out, None if self.is_last else grad.to(out.device, out.dtype))
             self._timed("backward_s", started, microbatch)
-            return _to_host(x.grad) if x.requires_grad and self.tp.rank == 0 else None
+            return self._send(x.grad) if x.requires_grad and self.tp.rank == 0 else None
         except Exception as error:
             raise self._error("B", microbatch, error) from error
 
@@ -293,7 +294,7 @@ class StageActor:
         self.module.eval()
         try:
             with self._autocast():
-                out = self.module(x.to(self.device))
+                out = self.module(self._received(x))
                 if self.is_last and target is not None:
                     return float(self.loss_fn(out, target.to(self.device) if torch.is_tensor(target) else target))
             if self.tp.rank != 0:  # the same output as rank 0's, which is the one passed on
@@ -482,7 +483,7 @@ class StageActor:
             self.current_call = call_id
             self.losses_finite = True
             self.timing = {"forward_s": 0.0, "backward_s": 0.0, "first_start": math.inf, "last_end": 0.0,
-                           "peak_stashed": 0}
+                           "peak_stashed": 0, "sent_bytes": 0}
             if self.settings.measure_activations:
                 self.timing["peak_stashed_bytes"] = 0
             self.stash_bytes.clear()
@@ -497,6 +498,24 @@ class StageActor:
         if saved_bytes is not None:
             self.stash_bytes[microbatch] = saved_bytes
             self.timing["peak_stashed_bytes"] = max(self.timing["peak_stashed_bytes"], sum(self.stash_bytes.values()))
+
+    def _send(self, t: torch.Tensor) -> torch.Tensor:
+        """A boundary tensor as it leaves for another stage: in `boundary_dtype`, in host memory
+        (stages may be different kinds of device), counted in this step's `sent_bytes`."""
+        t = t.detach()
+        dtype = AUTOCAST_DTYPES.get(self.settings.boundary_dtype)
+        if dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
+        self.timing["sent_bytes"] = self.timing.get("sent_bytes", 0) + t.numel() * t.element_size()
+        return _to_host(t)
+
+    def _received(self, x: torch.Tensor) -> torch.Tensor:
+        """A boundary tensor on this stage's device; one sent in a narrower `boundary_dtype` is
+        computed on in float32 again."""
+        x = x.to(self.device)
+        if self.settings.boundary_dtype != "fp32" and x.dtype == AUTOCAST_DTYPES[self.settings.boundary_dtype]:
+            x = x.float()
+        return x
 
     def _timed(self, kind: str, started: float, microbatch: int) -> None:
         """Records one action: its duration in this step's totals, and (kind, microbatch,

@@ -1,0 +1,41 @@
+"""The cluster files pass Ray's own validation, and their nodes advertise what raypipe places on."""
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+from ray.autoscaler._private.util import prepare_config, validate_config
+
+from raypipe.devices import LABEL_KIND
+
+ROOT = Path(__file__).parent.parent
+FILES = [ROOT / "cluster.yaml", *sorted((ROOT / "examples/clusters").glob("*.yaml"))]
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_ray_validates_the_cluster_file(path):
+    config = yaml.safe_load(path.read_text())
+    validate_config(prepare_config(copy.deepcopy(config)))
+
+
+def test_on_prem_hosts_advertise_what_node_resources_detects():
+    config = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    assert config["provider"]["type"] == "local" and config["provider"]["worker_ips"]
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        assert "raypipe.cli node-resources)" in config[key][-1], key
+    assert "--dashboard-host=127.0.0.1" in config["head_start_ray_commands"][-1]
+
+
+def test_cloud_node_types_declare_the_resource_and_label_stages_ask_for():
+    from raypipe.devices import ray_options
+
+    config = yaml.safe_load((ROOT / "examples/clusters/aws-nvidia-amd.yaml").read_text())
+    types = config["available_node_types"]
+    kinds = {t["labels"][LABEL_KIND]: t for name, t in types.items() if name != config["head_node_type"]}
+    assert set(kinds) == {"cuda", "rocm"}
+    for kind, node_type in kinds.items():
+        asked = ray_options(kind)
+        assert all(node_type["resources"].get(r, 0) >= n for r, n in asked["resources"].items())
+        assert node_type["resources"].get("GPU", 0) >= asked["num_gpus"]
+        assert all(node_type["labels"].get(k) == v for k, v in asked["label_selector"].items())
