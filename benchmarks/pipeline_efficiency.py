@@ -27,10 +27,11 @@ from raypipe.simulated import SimulatedCompute
 P = 4
 
 
-def simulated_trainer(t: float) -> Trainer:
+def simulated_trainer(t: float, engine: str = TrainConfig.engine) -> Trainer:
     """p stages of one SimulatedCompute layer each (forward and backward sleep t), nearly no CPU reserved."""
     layers = [LayerSpec(SimulatedCompute, t, t) for _ in range(P)]
-    config = TrainConfig(pp=P, optimizer={"name": "sgd", "lr": 1e-3}, cpus_per_actor=0.01, threads_per_actor=1)
+    config = TrainConfig(pp=P, optimizer={"name": "sgd", "lr": 1e-3}, cpus_per_actor=0.01, threads_per_actor=1,
+                         engine=engine, name=f"efficiency-{engine}")
     return Trainer(layers, torch.nn.functional.mse_loss, config)
 
 
@@ -53,18 +54,22 @@ def measure(trainer: Trainer, schedule: str, m: int, steps: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description="raypipe schedule efficiency on simulated stages")
     parser.add_argument("--quick", action="store_true", help="m = 16 only")
+    parser.add_argument("--engines", default="refs,p2p", help="comma-separated; each row is measured for each, "
+                                                               "alternating, so ratios between them are side by side")
     args = parser.parse_args()
+    engines = args.engines.split(",")
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     micro = [16] if args.quick else [4, 8, 16, 32]
     rows = []
     for t in (0.0, 0.002, 0.010):
-        with simulated_trainer(t) as trainer:
-            for schedule in ("gpipe", "1f1b"):
-                for m in micro:
+        trainers = {engine: simulated_trainer(t, engine) for engine in engines}
+        for schedule in ("gpipe", "1f1b"):
+            for m in micro:
+                for engine, trainer in trainers.items():
                     result = measure(trainer, schedule, m, steps=5)
                     ideal = (m + P - 1) * 2 * t
-                    row = {"schedule": schedule, "p": P, "m": m, "tf_ms": 1000 * t, "tb_ms": 1000 * t,
-                           "ideal_s": ideal, **result}
+                    row = {"engine": engine, "schedule": schedule, "p": P, "m": m, "tf_ms": 1000 * t,
+                           "tb_ms": 1000 * t, "ideal_s": ideal, **result}
                     if t > 0:
                         row["efficiency"] = ideal / result["step_s"]
                         row["efficiency_of_actions_span"] = ideal / result["actions_span_s"]
@@ -72,6 +77,8 @@ def main() -> None:
                         row["overhead_per_action_us"] = 1e6 * result["step_s"] / (2 * m * P)
                     rows.append(row)
                     print(json.dumps(row), flush=True)
+        for trainer in trainers.values():
+            trainer.shutdown()
     ray.shutdown()
     print(json.dumps({"benchmark": "pipeline_efficiency", "rows": rows}))
 

@@ -85,6 +85,7 @@ def torch_step_time(schedule: str, t: float, steps: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--engine", default=None, help="raypipe engine (refs or p2p); default: TrainConfig's")
     args = parser.parse_args()
     import ray
     from pipeline_efficiency import measure, simulated_trainer  # the same raypipe set-up and timing
@@ -92,12 +93,12 @@ def main() -> None:
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     rows = []
     for t in (0.010, 0.002):
-        with simulated_trainer(t) as trainer:
+        with simulated_trainer(t, *([args.engine] if args.engine else [])) as trainer:
             for schedule in ("gpipe", "1f1b"):
                 torch_s = torch_step_time(schedule, t, args.steps)
                 raypipe_s = measure(trainer, schedule, M, args.steps)["step_s"]
                 ideal = (M + P - 1) * 2 * t
-                row = {"schedule": schedule, "p": P, "m": M, "tf_ms": 1000 * t, "tb_ms": 1000 * t,
+                row = {"engine": trainer.config.engine, "schedule": schedule, "p": P, "m": M, "tf_ms": 1000 * t, "tb_ms": 1000 * t,
                        "ideal_s": ideal, "torch_step_s": torch_s, "raypipe_step_s": raypipe_s,
                        "torch_efficiency": ideal / torch_s, "raypipe_efficiency": ideal / raypipe_s,
                        "ratio_raypipe_over_torch": raypipe_s / torch_s}

@@ -20,6 +20,7 @@ import yaml
 from raypipe.errors import ConfigError
 
 SCHEDULE_NAMES = ("gpipe", "1f1b")
+ENGINES = ("refs", "p2p")
 PARTITION_NAMES = ("uniform", "parameters", "profile")
 PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZER_NAMES = ("sgd", "adam", "adamw")
@@ -176,6 +177,10 @@ class TrainConfig:
         optimizer: {"name": "sgd" | "adam" | "adamw", "lr": ..., other torch.optim keywords}.
         lr_schedule: {"name": "constant" | "cosine", "warmup_steps", "total_steps", "min_lr"}.
         grad_clip: clip gradients to this global L2 norm (across all stages); None disables.
+        engine: how a step runs. "refs": the driver issues every forward and backward
+            as an actor call and boundary tensors travel as Ray object references;
+            "p2p": one call per actor per step with its whole action list, boundary
+            tensors sent actor to actor over torch.distributed (gloo) point to point.
         precision: "fp32", "bf16" (autocast) or "fp16" (autocast with dynamic loss scaling).
         boundary_dtype: the dtype activations and their gradients travel in between
             stages: "fp32" (as computed), or "bf16" / "fp16" to halve the bytes sent; the
@@ -222,6 +227,7 @@ class TrainConfig:
     optimizer: dict = field(default_factory=lambda: {"name": "adamw", "lr": 1e-3})
     lr_schedule: dict = field(default_factory=lambda: {"name": "constant"})
     grad_clip: float | None = None
+    engine: str = "p2p"
     precision: str = "fp32"
     boundary_dtype: str = "fp32"
     activation_checkpointing: bool = False
@@ -261,6 +267,7 @@ class TrainConfig:
         _check_positive("grad_clip", self.grad_clip, allow_none=True)
         _check_choice("precision", self.precision, PRECISIONS)
         _check_choice("boundary_dtype", self.boundary_dtype, PRECISIONS)
+        _check_choice("engine", self.engine, ENGINES)
         if not isinstance(self.activation_checkpointing, bool):
             raise _fail("activation_checkpointing", self.activation_checkpointing, "give true or false.")
         if not isinstance(self.measure_activations, bool):

@@ -24,6 +24,8 @@ import ray
 import torch
 
 from raypipe.errors import ActorDiedError, StageError, StepTimeoutError
+
+PEER_STOPPED = "stopped: world rank"  # how run_actions words a failure caused by a neighbour's
 from raypipe.schedules import BACKWARD, FORWARD, Action, Schedule, simulate
 
 
@@ -118,6 +120,84 @@ def run_step(
     return StepResult(values[: len(losses)], values[len(losses) :], time.perf_counter() - started)
 
 
+def run_step_p2p(
+    replicas: Sequence[Sequence[Sequence[Any]]],
+    names: Sequence[Sequence[Sequence[str]]],
+    ranks: Sequence[Sequence[Sequence[int]]],
+    schedule: Schedule,
+    inputs: Sequence[Sequence[torch.Tensor]],
+    targets: Sequence[Sequence[Any]],
+    call_id: int,
+    step: int,
+    timeout: float,
+) -> StepResult:
+    """One step of `schedule` with one call per actor ("p2p" engine).
+
+    Each actor gets its stage's whole action list (`StageActor.run_actions`) and
+    exchanges activations and gradients directly with its neighbours (`raypipe.p2p`),
+    so no boundary tensor and no per-action call goes through the driver. tp rank t
+    of a stage talks to tp rank t of the next (their activations are identical).
+    Arguments as `run_step`, plus `ranks`: the world rank of every actor, same shape
+    as `replicas`.
+    """
+    started = time.perf_counter()
+    last = len(schedule) - 1
+    pending: dict[ray.ObjectRef, tuple[str, str]] = {}
+    runs, losses = [], []
+    trace = os.environ.get("RAYPIPE_TRACE")
+    issued: list[tuple[float, str, str]] = []
+    for d, stages in enumerate(replicas):
+        batch = ray.put(list(inputs[d]))
+        labels = ray.put(list(targets[d]))
+        for s, actors in enumerate(stages):
+            actions = [(a.kind, a.microbatch) for a in schedule[s]]
+            for t, actor in enumerate(actors):
+                prev = ranks[d][s - 1][t] if s > 0 else None
+                nxt = ranks[d][s + 1][t] if s < last else None
+                ref = actor.run_actions.remote(call_id, actions, batch if s == 0 else None,
+                                               labels if s == last else None, prev, nxt)
+                pending[ref] = (names[d][s][t], ", ".join(str(a) for a in schedule[s]))
+                runs.append((ref, actor, names[d][s][t]))
+                if trace:  # the list is issued as a whole: one line per action, in the actor's order
+                    now = time.time()
+                    issued += [(now, names[d][s][t], str(a)) for a in schedule[s]]
+                if s == last and t == 0:
+                    losses.append(ref)
+    flat = [(a, n) for _, a, n in runs]  # in world-rank order: replica, stage, tp rank
+    if len(replicas) > 1:  # queued behind each actor's action list
+        for actor, name in flat:
+            pending[actor.reduce_gradients.remote()] = (name, "reduce_gradients")
+    finished = [r for r, _, _ in runs]  # the optimizer runs only if every action list succeeded
+    stats = [actor.grad_stats.remote(*finished) for actor, _ in flat]
+    reports = [actor.optimizer_step.remote(step, *stats) for actor, _ in flat]
+    for ref, (_, name) in zip(stats + reports, flat * 2):
+        pending[ref] = (name, "optimizer step")
+    if trace:
+        now = time.time()
+        issued += [(now, name, "grad_stats") for _, name in flat] + [(now, name, "optimizer_step") for _, name in flat]
+    what = f"step {step + 1}"
+    if trace:
+        write_trace(trace, step + 1, issued)
+    deaths = {ref: (actor, name) for ref, actor, name in runs}
+    _wait_for_progress(pending, timeout, what, on_ready=lambda ready: _raise_if_died(ready, deaths, what))
+    _raise_root_failure(runs, what)
+    values = gather(losses + reports, what, [a for a, _ in flat], [n for _, n in flat])
+    step_losses = [loss for replica in values[: len(losses)] for loss in replica]
+    return StepResult(step_losses, values[len(losses) :], time.perf_counter() - started)
+
+
+def _raise_root_failure(runs: Sequence[tuple[ray.ObjectRef, Any, str]], what: str) -> None:
+    """Raises the error of the stage that failed first, not of the neighbours it stopped."""
+    errors = []
+    for ref, actor, name in runs:
+        try:
+            gather([ref], what, [actor], [name])
+        except (StageError, ActorDiedError) as error:
+            errors.append(error)
+    if errors:
+        raise next((e for e in errors if PEER_STOPPED not in str(e)), errors[0])
+
+
 def write_trace(path: str, step: int, issued: Sequence[tuple[float, str, str]]) -> None:
     """Appends one JSON line per issued call: {"ts", "step", "actor", "action"}, in issue order."""
     with open(path, "a") as f:
@@ -176,14 +256,32 @@ def gather(
         raise StageError(f"{what} failed: {_cause_message(error)}") from None
 
 
-def _wait_for_progress(pending: dict[ray.ObjectRef, tuple[str, str]], timeout: float, what: str) -> None:
+def _raise_if_died(ready: Sequence[ray.ObjectRef], actors: dict[ray.ObjectRef, tuple[Any, str]], what: str) -> None:
+    """Raises ActorDiedError at once when one of `actors`' calls ended with its actor's death:
+    its neighbours would otherwise wait for it until the collective timeout."""
+    for ref in ready:
+        if ref in actors:
+            try:
+                ray.get(ref, timeout=0)
+            except ray.exceptions.RayActorError:
+                actor, name = actors[ref]
+                gather([ref], what, [actor], [name])
+            except Exception:  # noqa: BLE001 - other failures are reported once all lists are done
+                pass
+
+
+def _wait_for_progress(pending: dict[ray.ObjectRef, tuple[str, str]], timeout: float, what: str,
+                       on_ready: Any = None) -> None:
     """Waits until every reference is ready, failing if none finishes for `timeout` s.
 
-    `pending` maps each reference to (actor name, action label) for the error message.
+    `pending` maps each reference to (actor name, action label) for the error message;
+    `on_ready(refs)`, when given, sees every reference as soon as it is ready.
     """
     refs = list(pending)
     while refs:
-        ready, refs = ray.wait(refs, num_returns=len(refs), timeout=timeout, fetch_local=False)
+        ready, refs = ray.wait(refs, num_returns=1 if on_ready else len(refs), timeout=timeout, fetch_local=False)
+        if on_ready is not None:
+            on_ready(ready)
         if not ready and refs:
             by_actor: dict[str, list[str]] = {}
             for ref in refs:

@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
+from raypipe import checkpoint as ckpt
 from raypipe.config import TrainConfig, apply_overrides, check_whole_number, load_yaml, nearest
 from raypipe.data import TokenDataset, stdlib_corpus
 from raypipe.errors import ConfigError, RaypipeError
@@ -151,6 +152,8 @@ def run(
     model, job, train = config.model, config.job, config.train
     if (resume or resume_step is not None) and train.checkpoint_dir is None:
         raise ConfigError("resuming needs checkpoint_dir in the config (or --set checkpoint_dir=PATH).")
+    if resume or resume_step is not None:  # fail before any actor starts
+        ckpt.find_valid(train.checkpoint_dir, step=resume_step, warn=lambda _: None)
     dataset = config.data.dataset(model.block_size)
     train_set, val_set = dataset.split(config.data.val_fraction) if config.data.val_fraction else (dataset, None)
     log(

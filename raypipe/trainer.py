@@ -25,7 +25,7 @@ from raypipe import runtime
 from raypipe.actors.stage import StageActor, StageSettings
 from raypipe.collective import group_backend
 from raypipe.config import TrainConfig, nearest
-from raypipe.engine import gather, last_line, run_forward, run_step, submission_order
+from raypipe.engine import gather, last_line, run_forward, run_step, run_step_p2p, submission_order
 from raypipe.errors import (
     ActorDiedError,
     BatchError,
@@ -204,18 +204,20 @@ class Trainer:
         dp, m = self.config.dp, self.config.microbatches
         inputs, targets = self._split(x, y, dp * m)
         self._calls += 1
+        split_inputs = [inputs[d * m : (d + 1) * m] for d in range(dp)]
+        split_targets = [targets[d * m : (d + 1) * m] for d in range(dp)]
         try:
-            result = run_step(
-                self._replicas,
-                self._grid(self.names),
-                self._schedule,
-                [inputs[d * m : (d + 1) * m] for d in range(dp)],
-                [targets[d * m : (d + 1) * m] for d in range(dp)],
-                call_id=self._calls,
-                step=self.step_count,
-                timeout=self.config.step_timeout,
-                order=self._order,
-            )
+            if self.config.engine == "p2p" and self.num_stages > 1:
+                result = run_step_p2p(
+                    self._replicas, self._grid(self.names), self._grid(range(len(self._actors))), self._schedule,
+                    split_inputs, split_targets, call_id=self._calls, step=self.step_count,
+                    timeout=self.config.step_timeout,
+                )
+            else:
+                result = run_step(
+                    self._replicas, self._grid(self.names), self._schedule, split_inputs, split_targets,
+                    call_id=self._calls, step=self.step_count, timeout=self.config.step_timeout, order=self._order,
+                )
         except StepTimeoutError:
             self.shutdown()  # a stuck actor must not linger; the error names what it waited on
             raise
@@ -579,7 +581,7 @@ class Trainer:
             )
         try:
             self._wait_for_actors(cpus)
-            if cfg.dp > 1 or cfg.tp > 1:
+            if cfg.dp > 1 or cfg.tp > 1 or (cfg.engine == "p2p" and cfg.pp > 1):
                 self._join_world()
             self._configure_actors()
         except BaseException:

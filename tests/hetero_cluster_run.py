@@ -31,11 +31,11 @@ def balance() -> dict:
     """Step times of a cuda + rocm pipeline whose rocm stage simulates a 2x slower device, split
     uniformly and by profile."""
     layers = [LayerSpec(SimulatedCompute, 0.02, 0.02, slowdown={"rocm": 2.0}) for _ in range(6)]
-    x = torch.randn(8, 8)
+    x = torch.randn(16, 8)
     result = {}
     for partition in ("uniform", "profile"):
         config = TrainConfig(pp=2, devices=["cuda", "rocm"], allow_cpu_fallback=True, cpus_per_actor=0.25,
-                             microbatches=4, partition=partition, optimizer={"name": "sgd", "lr": 0.01})
+                             microbatches=8, partition=partition, optimizer={"name": "sgd", "lr": 0.01})
         with Trainer(layers, nn.functional.mse_loss, config, sample=(x, x), log=lambda _: None) as trainer:
             times = sorted(trainer.step(x, x)["step_time"] for _ in range(4))
             result[partition] = {"plan": trainer.plan, "step_time": times[1]}  # the median of the last 3
@@ -55,7 +55,7 @@ def main() -> None:
                       optimizer=SGD, seed=SEED, microbatches=2)
         started = time.monotonic()
         try:  # no node has mps yet
-            Trainer(MLP7, nn.functional.mse_loss, TrainConfig(**config, actor_start_timeout=15))
+            Trainer(MLP7, nn.functional.mse_loss, TrainConfig(**config, actor_start_timeout=6))
         except PlacementError as error:
             out["placement_error"], out["placement_seconds"] = str(error), time.monotonic() - started
         try:  # a cuda stage on a node whose torch has no CUDA, without permission to fall back

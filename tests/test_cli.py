@@ -17,16 +17,6 @@ def losses(output):
     return [float(v) for v in re.findall(r"\| loss (\d+\.\d+)", output)]
 
 
-def test_raypipe_train_runs_the_job_and_the_loss_falls(clean_env):
-    result = run(RAYPIPE + ["train", "examples/configs/tiny.yaml", "--set", "job.steps=40"], clean_env)
-    assert result.returncode == 0, result.stderr[-3000:]
-    out = result.stdout
-    assert "stages: stage0-dp0-tp0 layers [0, 2), stage1-dp0-tp0 layers [2, 4)" in out
-    assert "tok/s" in out and "sample:" in out
-    values = losses(out)
-    assert len(values) >= 5 and values[-1] < values[0] - 1.0
-
-
 def test_examples_train_py_with_overrides_on_pp1_dp2_tp2(clean_env):
     result = run([sys.executable, "examples/train.py", "--config", "examples/configs/tiny.yaml",
                   "--set", "pp=1", "--set", "dp=2", "--set", "tp=2", "--set", "schedule=gpipe",
@@ -63,21 +53,24 @@ def test_the_parity_example_passes(clean_env):
     assert "parity holds" in result.stdout
 
 
-def test_train_saves_checkpoints_and_resumes(clean_env, tmp_path):
+def test_raypipe_train_runs_the_job_saves_checkpoints_and_resumes_on_another_topology(clean_env, tmp_path):
     ck = tmp_path / "ck"
-    common = ["--set", f"checkpoint_dir={ck}", "--set", "checkpoint_every=5", "--set", "job.sample_tokens=0",
-              "--set", "data.val_fraction=0"]
-    first = run(RAYPIPE + ["train", "examples/configs/tiny.yaml", "--set", "job.steps=10"] + common, clean_env)
+    common = ["--set", f"checkpoint_dir={ck}", "--set", "checkpoint_every=20", "--set", "data.val_fraction=0"]
+    first = run(RAYPIPE + ["train", "examples/configs/tiny.yaml", "--set", "job.steps=40"] + common, clean_env)
     assert first.returncode == 0, first.stderr[-3000:]
-    assert f"saved {ck}/step-00000010" in first.stdout
-    second = run(RAYPIPE + ["train", "examples/configs/tiny.yaml", "--set", "job.steps=15", "--resume-step", "5",
-                            "--set", "pp=1"] + common, clean_env)
+    out = first.stdout
+    assert "stages: stage0-dp0-tp0 layers [0, 2), stage1-dp0-tp0 layers [2, 4)" in out
+    assert "tok/s" in out and "sample:" in out
+    values = losses(out)
+    assert len(values) >= 5 and values[-1] < values[0] - 1.0
+    assert f"saved {ck}/step-00000040" in out
+    second = run(RAYPIPE + ["train", "examples/configs/tiny.yaml", "--set", "job.steps=25", "--resume-step", "20",
+                            "--set", "pp=1", "--set", "job.sample_tokens=0"] + common, clean_env)
     assert second.returncode == 0, second.stderr[-3000:]
-    assert f"resumed from {ck}/step-00000005 at step 5" in second.stdout
-    # the resumed run (on another topology) repeats the first run's step 10 loss
-    first_10 = re.search(r"step   10 \| loss (\d+\.\d+)", first.stdout).group(1)
-    assert f"step   10 | loss {first_10}" in second.stdout
-    assert "step   15 |" in second.stdout
+    assert f"resumed from {ck}/step-00000020 at step 20" in second.stdout
+    # the resumed run (on another topology) repeats the first run's step 25 loss
+    first_25 = re.search(r"step   25 \| loss (\d+\.\d+)", out).group(1)
+    assert f"step   25 | loss {first_25}" in second.stdout
     missing = run(RAYPIPE + ["train", "examples/configs/tiny.yaml", "--resume", "--set", f"checkpoint_dir={tmp_path / 'none'}"],
                   clean_env)
     assert missing.returncode == 2 and "no valid checkpoint" in missing.stderr

@@ -1,7 +1,10 @@
-"""Numerical parity with plain PyTorch for every pp, microbatch count and schedule.
+"""Numerical parity with plain PyTorch for every pp, microbatch count, schedule and engine.
 
 One trainer per pipeline depth is reused across schedules and microbatch counts
-(`reconfigure`, `reset_optimizer`, `load_state_dict`), which also tests those.
+(`reconfigure`, `reset_optimizer`, `load_state_dict`), which also tests those. The
+default engine ("p2p": one call per actor per step, tensors sent actor to actor) runs
+at every depth, the "refs" engine (one call per action, tensors as object references)
+at pp=3; failures name the stage that failed, and under p2p its neighbours stop too.
 """
 
 import pytest
@@ -19,9 +22,11 @@ def sgd(params):
     return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 
 
-@pytest.fixture(scope="module", params=[1, 2, 3, 4], ids=lambda p: f"pp{p}")
+@pytest.fixture(scope="module", params=[(1, "p2p"), (2, "p2p"), (3, "p2p"), (4, "p2p"), (3, "refs")],
+                ids=lambda p: f"pp{p[0]}-{p[1]}")
 def trainer(request, ray_session):
-    t = Trainer(MLP7, nn.functional.mse_loss, TrainConfig(pp=request.param, optimizer=SGD, seed=SEED))
+    pp, engine = request.param
+    t = Trainer(MLP7, nn.functional.mse_loss, TrainConfig(pp=pp, engine=engine, optimizer=SGD, seed=SEED))
     yield t
     t.shutdown()
 
@@ -136,3 +141,34 @@ def test_bf16_boundaries_round_exactly_there_and_halve_the_bytes_sent(trainer, i
     _, _, unrounded = reference_run(MLP7, SEED, sgd, steps=3, microbatches=4)
     moved = max(float((trainer.state_dict()[k] - unrounded[k]).abs().max()) for k in unrounded)
     assert (moved > 1e-6) == (pp > 1), moved  # the rounding is real, and only where stages meet
+
+
+def test_timeline_and_sent_bytes_come_from_the_actors(trainer, initial):
+    trainer.reconfigure(schedule="1f1b", microbatches=4, optimizer=SGD)
+    metrics = trainer.step(*batch(0))
+    assert len(trainer.timeline().spans) == 2 * 4 * trainer.num_stages  # every F and B, measured on its actor
+    sent = [s["sent_bytes"] for s in metrics["stages"]]
+    if trainer.num_stages > 1:  # the first stage's output is 16 wide in every plan of MLP7
+        assert sent[0] == 4 * 4 * 16 * 4  # 4 microbatches of 4 x 16 fp32 activations, no gradient back
+        assert all(b > 0 for b in sent)
+
+
+def test_a_failing_stage_is_named_and_its_neighbours_do_not_hang(trainer, initial):
+    import time
+
+    from raypipe import StageError
+
+    x, y = batch(0)
+    trainer.reconfigure(schedule="1f1b", microbatches=4, optimizer=SGD)
+    started = time.monotonic()
+    last = trainer.num_stages - 1
+    with pytest.raises(StageError, match=rf"stage{last}-dp0-tp0 failed at {last}F0: .*size"):
+        trainer.step(x, torch.randn(16, 4))  # targets that do not match the output
+    with pytest.raises(StageError, match=r"stage0-dp0-tp0 failed at 0F0: RuntimeError: .*shapes"):
+        trainer.step(torch.randn(16, 5), y)  # 5 features where the first layer takes 6
+    assert time.monotonic() - started < 20
+    trainer.load_state_dict(initial)  # and it keeps working: the next step is exactly a first step
+    trainer.reset_optimizer()
+    trainer.step(x, y)
+    _, _, expected = reference_run(MLP7, SEED, sgd, steps=1, microbatches=4)
+    assert_close_dicts(trainer.state_dict(), expected)

@@ -178,10 +178,77 @@ class StageActor:
         """Runs the stage on one microbatch and keeps what its backward needs.
 
         Returns:
-            The output activation (detached) on inner stages; the microbatch's
-            unscaled loss as a float on the last stage.
+            The output activation (detached, in `boundary_dtype`) on inner stages; the
+            microbatch's unscaled loss as a float on the last stage. tp ranks other
+            than 0 return None: they end with the same activation, and the next stage
+            gets one copy.
         """
         self._begin(call_id)
+        out = self._forward(microbatch, x, target)
+        return out if self.is_last or self.tp.rank == 0 else None
+
+    def backward(self, call_id: int, microbatch: int, grad: torch.Tensor | None = None) -> Any:
+        """Back-propagates one microbatch, frees its activations, returns the input gradient
+        (None on the first stage, and on tp ranks other than 0)."""
+        grad_in = self._backward(microbatch, grad)
+        return grad_in if self.tp.rank == 0 else None
+
+    def run_actions(self, call_id: int, actions: Sequence[tuple[str, int]], inputs: Sequence[Any] | None,
+                    targets: Sequence[Any] | None, prev_rank: int | None, next_rank: int | None) -> Any:
+        """Runs this stage's whole action list of a step ("p2p" engine), in order.
+
+        Activations come from world rank `prev_rank` and go to `next_rank`, gradients
+        the other way, with torch.distributed point to point (`raypipe.p2p`); stage 0
+        takes `inputs[m]`, the last stage `targets[m]`. After a failure the actor still
+        makes every send and receive of its list (sending poison), so no neighbour
+        hangs, then raises the first error.
+
+        Returns:
+            The microbatch losses on the last stage's tp rank 0, else None.
+        """
+        from raypipe import p2p
+
+        self._begin(call_id)
+        forwards = [m for kind, m in actions if kind == "F"]
+        backwards = [m for kind, m in actions if kind == "B"]
+        activations = p2p.Inbox(prev_rank, [2 * m for m in forwards]) if self.stage > 0 else None
+        gradients = p2p.Inbox(next_rank, [2 * m + 1 for m in backwards]) if not self.is_last else None
+        to_next = p2p.Outbox(next_rank) if not self.is_last else None
+        to_prev = p2p.Outbox(prev_rank) if self.stage > 0 else None
+        losses, failure = [], None
+        for kind, m in actions:
+            if kind == "F":
+                out = None
+                try:
+                    x = inputs[m] if activations is None else activations.take()
+                    if failure is None:
+                        out = self._forward(m, x, targets[m] if self.is_last else None)
+                except Exception as error:  # noqa: BLE001 - kept, raised after the list is done
+                    failure = failure or error
+                if to_next is None:
+                    losses.append(out)
+                else:
+                    failure = _send_or_poison(to_next, out, 2 * m, failure)
+            else:
+                grad_in = None
+                try:
+                    grad = None if gradients is None else gradients.take()
+                    if failure is None:
+                        grad_in = self._backward(m, grad)
+                except Exception as error:  # noqa: BLE001
+                    failure = failure or error
+                if to_prev is not None:
+                    failure = _send_or_poison(to_prev, grad_in, 2 * m + 1, failure)
+        for box in (to_next, to_prev):
+            if box is not None:
+                box.wait()
+        if failure is not None:
+            if isinstance(failure, p2p.PeerFailed):
+                raise StageError(f"{self.name} stopped: {failure} (see that stage's error)") from failure
+            raise failure
+        return losses if self.is_last and self.tp.rank == 0 else None
+
+    def _forward(self, microbatch: int, x: torch.Tensor, target: Any) -> Any:
         started = time.time()
         try:
             x = self._received(x)
@@ -195,8 +262,7 @@ class StageActor:
                 if not self.is_last:
                     self._stash(microbatch, (x, out), saved.bytes)
                     self._timed("forward_s", started, microbatch)
-                    # tp ranks end with the same activation: the next stage gets one copy
-                    return self._send(out) if self.tp.rank == 0 else None
+                    return self._send(out)
                 loss = self.loss_fn(out, target.to(self.device) if torch.is_tensor(target) else target)
             scale = self.scaler.scale if self.settings.precision == "fp16" else 1.0
             self._stash(microbatch, (x, loss.float() * (scale / self.settings.microbatches)), saved.bytes)
@@ -207,8 +273,7 @@ class StageActor:
         except Exception as error:
             raise self._error("F", microbatch, error) from error
 
-    def backward(self, call_id: int, microbatch: int, grad: torch.Tensor | None = None) -> Any:
-        """Back-propagates one microbatch, frees its activations, returns the input gradient."""
+    def _backward(self, microbatch: int, grad: torch.Tensor | None) -> torch.Tensor | None:
         started = time.time()
         try:
             x, out = self.stash.pop(microbatch)
@@ -216,7 +281,7 @@ class StageActor:
             if out.requires_grad:
                 torch.autograd.backward(out, None if self.is_last else grad.to(out.device, out.dtype))
             self._timed("backward_s", started, microbatch)
-            return self._send(x.grad) if x.requires_grad and self.tp.rank == 0 else None
+            return self._send(x.grad) if x.requires_grad else None
         except Exception as error:
             raise self._error("B", microbatch, error) from error
 
@@ -555,6 +620,18 @@ class StageActor:
         return StageError(
             f"{self.name} failed at {self.stage}{kind}{microbatch}: {type(error).__name__}: {error}"
         )
+
+
+def _send_or_poison(box: Any, t: torch.Tensor | None, tag: int, failure: Exception | None) -> Exception | None:
+    """Sends `t`, or poison once this step failed (also when `t` cannot be sent); returns the failure."""
+    if failure is None:
+        try:
+            box.send(t, tag)
+            return None
+        except ValueError as error:  # checked before anything went out
+            failure = error
+    box.send(None, tag)
+    return failure
 
 
 def _resolve_device(name: str, kind: str, allow_cpu_fallback: bool) -> tuple[torch.device, bool]:
