@@ -137,13 +137,15 @@ def run_step_p2p(
     exchanges activations and gradients directly with its neighbours (`raypipe.p2p`),
     so no boundary tensor and no per-action call goes through the driver. tp rank t
     of a stage talks to tp rank t of the next (their activations are identical).
-    Arguments as `run_step`, plus `ranks`: the world rank of every actor, same shape
-    as `replicas`.
+    The gradient reduction and the optimizer step end the same call: the actors agree
+    on the global norm, non-finite values and failures with one all-reduce, so a step
+    costs one round of Ray calls. Arguments as `run_step`, plus `ranks`: the world rank
+    of every actor, same shape as `replicas`.
     """
     started = time.perf_counter()
     last = len(schedule) - 1
     pending: dict[ray.ObjectRef, tuple[str, str]] = {}
-    runs, losses = [], []
+    runs = []
     trace = os.environ.get("RAYPIPE_TRACE")
     issued: list[tuple[float, str, str]] = []
     for d, stages in enumerate(replicas):
@@ -154,36 +156,24 @@ def run_step_p2p(
             for t, actor in enumerate(actors):
                 prev = ranks[d][s - 1][t] if s > 0 else None
                 nxt = ranks[d][s + 1][t] if s < last else None
-                ref = actor.run_actions.remote(call_id, actions, batch if s == 0 else None,
+                ref = actor.run_actions.remote(call_id, step, actions, batch if s == 0 else None,
                                                labels if s == last else None, prev, nxt)
                 pending[ref] = (names[d][s][t], ", ".join(str(a) for a in schedule[s]))
                 runs.append((ref, actor, names[d][s][t]))
-                if trace:  # the list is issued as a whole: one line per action, in the actor's order
+                if trace:  # issued as a whole: each action in the actor's order, then its optimizer step
                     now = time.time()
                     issued += [(now, names[d][s][t], str(a)) for a in schedule[s]]
-                if s == last and t == 0:
-                    losses.append(ref)
-    flat = [(a, n) for _, a, n in runs]  # in world-rank order: replica, stage, tp rank
-    if len(replicas) > 1:  # queued behind each actor's action list
-        for actor, name in flat:
-            pending[actor.reduce_gradients.remote()] = (name, "reduce_gradients")
-    finished = [r for r, _, _ in runs]  # the optimizer runs only if every action list succeeded
-    stats = [actor.grad_stats.remote(*finished) for actor, _ in flat]
-    reports = [actor.optimizer_step.remote(step, *stats) for actor, _ in flat]
-    for ref, (_, name) in zip(stats + reports, flat * 2):
-        pending[ref] = (name, "optimizer step")
-    if trace:
-        now = time.time()
-        issued += [(now, name, "grad_stats") for _, name in flat] + [(now, name, "optimizer_step") for _, name in flat]
+                    issued.append((now, names[d][s][t], "optimizer_step"))
     what = f"step {step + 1}"
     if trace:
         write_trace(trace, step + 1, issued)
     deaths = {ref: (actor, name) for ref, actor, name in runs}
     _wait_for_progress(pending, timeout, what, on_ready=lambda ready: _raise_if_died(ready, deaths, what))
     _raise_root_failure(runs, what)
-    values = gather(losses + reports, what, [a for a, _ in flat], [n for _, n in flat])
-    step_losses = [loss for replica in values[: len(losses)] for loss in replica]
-    return StepResult(step_losses, values[len(losses) :], time.perf_counter() - started)
+    values = gather([r for r, _, _ in runs], what, [a for _, a, _ in runs], [n for _, _, n in runs])
+    # runs are in world-rank order (replica, stage, tp rank); the last stage's tp rank 0 has the losses
+    step_losses = [loss for replica_losses, _ in values if replica_losses is not None for loss in replica_losses]
+    return StepResult(step_losses, [report for _, report in values], time.perf_counter() - started)
 
 
 def _raise_root_failure(runs: Sequence[tuple[ray.ObjectRef, Any, str]], what: str) -> None:

@@ -207,7 +207,7 @@ class Trainer:
         split_inputs = [inputs[d * m : (d + 1) * m] for d in range(dp)]
         split_targets = [targets[d * m : (d + 1) * m] for d in range(dp)]
         try:
-            if self.config.engine == "p2p" and self.num_stages > 1:
+            if self.config.engine == "p2p":
                 result = run_step_p2p(
                     self._replicas, self._grid(self.names), self._grid(range(len(self._actors))), self._schedule,
                     split_inputs, split_targets, call_id=self._calls, step=self.step_count,

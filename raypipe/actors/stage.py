@@ -27,6 +27,7 @@ from raypipe.errors import StageError
 from raypipe.layers import LayerSpec, build_layer
 from raypipe.nn import TensorParallelGroup, merge, parallelize, shard, shard_specs
 from raypipe.nn.group import building
+from raypipe.p2p import PeerFailed
 from raypipe.optim import LossScaler, build_optimizer, learning_rate
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -193,18 +194,21 @@ class StageActor:
         grad_in = self._backward(microbatch, grad)
         return grad_in if self.tp.rank == 0 else None
 
-    def run_actions(self, call_id: int, actions: Sequence[tuple[str, int]], inputs: Sequence[Any] | None,
+    def run_actions(self, call_id: int, step: int, actions: Sequence[tuple[str, int]], inputs: Sequence[Any] | None,
                     targets: Sequence[Any] | None, prev_rank: int | None, next_rank: int | None) -> Any:
-        """Runs this stage's whole action list of a step ("p2p" engine), in order.
+        """Runs this stage's whole step ("p2p" engine): its action list in order, then the
+        gradient reduction and the optimizer step, agreed on with every actor of the world.
 
         Activations come from world rank `prev_rank` and go to `next_rank`, gradients
         the other way, with torch.distributed point to point (`raypipe.p2p`); stage 0
         takes `inputs[m]`, the last stage `targets[m]`. After a failure the actor still
         makes every send and receive of its list (sending poison), so no neighbour
-        hangs, then raises the first error.
+        hangs; then every actor learns through one all-reduce that the step failed, none
+        steps its optimizer, and each raises (the failed stage its own error).
 
         Returns:
-            The microbatch losses on the last stage's tp rank 0, else None.
+            (the microbatch losses on the last stage's tp rank 0, else None; the
+            optimizer report, as `optimizer_step` returns it).
         """
         from raypipe import p2p
 
@@ -242,11 +246,31 @@ class StageActor:
         for box in (to_next, to_prev):
             if box is not None:
                 box.wait()
-        if failure is not None:
-            if isinstance(failure, p2p.PeerFailed):
-                raise StageError(f"{self.name} stopped: {failure} (see that stage's error)") from failure
+        report = self._finish_step(step, failure)
+        return (losses if self.is_last and self.tp.rank == 0 else None), report
+
+    def _finish_step(self, step: int, failure: Exception | None) -> dict[str, Any]:
+        """Reduces gradients over dp, then agrees with every actor through one all-reduce on
+        the global gradient norm, non-finite values and failures, and steps (or raises) alike."""
+        import torch.distributed as dist
+
+        if self.dp_size > 1:  # a collective: every replica gets here, failed or not
+            self.reduce_gradients()
+        sq, finite = self.grad_stats() if failure is None else (0.0, True)
+        # replicas hold the same reduced gradients: the norm counts replica 0's
+        votes = torch.tensor([sq if self.dp_rank == 0 else 0.0, float(not finite), float(failure is not None)],
+                             dtype=torch.float64)
+        if dist.is_initialized():  # a lone actor (pp = dp = tp = 1) has no world to agree with
+            dist.all_reduce(votes)
+        if votes[2] > 0:
+            self.stash.clear()
+            self.stash_bytes.clear()
+            if failure is None or isinstance(failure, PeerFailed):
+                raise StageError(f"{self.name} stopped: world ranks failed earlier in this step "
+                                 f"(see that stage's error)")
             raise failure
-        return losses if self.is_last and self.tp.rank == 0 else None
+        finite = votes[1] == 0
+        return self._apply_step(step, math.sqrt(float(votes[0])) if finite else math.nan, bool(finite))
 
     def _forward(self, microbatch: int, x: torch.Tensor, target: Any) -> Any:
         started = time.time()
@@ -329,6 +353,10 @@ class StageActor:
         finite = all(s[1] for s in stats)  # every actor of every replica
         # replicas hold the same (reduced) gradients: the norm comes from the first one's stages
         total_norm = math.sqrt(sum(s[0] for s in stats[: self.num_stages * self.tp.size])) if finite else math.nan
+        return self._apply_step(step, total_norm, finite)
+
+    def _apply_step(self, step: int, total_norm: float, finite: bool) -> dict[str, Any]:
+        """Clips to the global norm and steps, or skips alike everywhere when not `finite`."""
         settings = self.settings
         lr = learning_rate(step, settings.optimizer["lr"], settings.lr_schedule)
         if settings.precision == "fp16":
