@@ -36,9 +36,9 @@ def main() -> None:
             for _ in range(args.steps):
                 trainer.step(x, y)
             step = (time.perf_counter() - started) / args.steps
-        calls = 2 * pp * m + 2 * pp  # forwards and backwards, then grad_stats and optimizer_step per stage
-        rows.append({"pp": pp, "microbatches": m, "calls_per_step": calls, "step_ms": 1e3 * step,
-                     "us_per_call": 1e6 * step / calls})
+        actions = 2 * pp * m + pp  # forwards and backwards, then an optimizer step per stage
+        rows.append({"pp": pp, "microbatches": m, "engine": TrainConfig.engine, "actions_per_step": actions,
+                     "step_ms": 1e3 * step, "us_per_action": 1e6 * step / actions})
     ray.shutdown()
     print(json.dumps({"benchmark": "dispatch_overhead", "cpus": 2, "ray": ray.__version__, "rows": rows}, indent=2))
 
