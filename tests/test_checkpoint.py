@@ -60,7 +60,7 @@ def test_keep_prunes_to_the_newest(ray_session, tmp_path):
         assert t.save(str(tmp_path / "manual")).name == "step-00000004"
 
 
-@pytest.mark.parametrize("pp, dp", [(2, 1), (1, 1), (3, 1), (2, 2)], ids=["pp2", "pp1", "pp3", "pp2-dp2"])
+@pytest.mark.parametrize("pp, dp", [(2, 1), (1, 1), (2, 2)], ids=["pp2", "pp1", "pp2-dp2"])
 def test_resume_continues_exactly_on_any_topology(uninterrupted, pp, dp):
     losses, root = uninterrupted
     with Trainer(MLP7, nn.functional.mse_loss, config(pp=pp, dp=dp, microbatches=2 // dp)) as t:

@@ -36,7 +36,7 @@ def reference():
     }
 
 
-TOPOLOGIES = [(1, 1, 2, 0), (2, 1, 2, 0), (1, 2, 2, 0), (1, 2, 2, 1), (2, 2, 2, 1)]  # pp x dp x tp, zero
+TOPOLOGIES = [(1, 1, 2, 0), (2, 1, 2, 0), (1, 2, 2, 1), (2, 2, 2, 1)]  # pp x dp x tp, zero
 
 
 @pytest.fixture(scope="module", params=TOPOLOGIES, ids=lambda p: f"pp{p[0]}-dp{p[1]}-tp{p[2]}-zero{p[3]}")
