@@ -13,10 +13,11 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import time
 
 import ray
 import torch
+
+from rounds import interleaved
 
 from raypipe import TrainConfig, Trainer, build_layers
 from raypipe.data import TokenDataset
@@ -60,16 +61,7 @@ def main() -> None:
     runners = {"plain_torch_m1": plain_step, f"plain_torch_m{m}": lambda step: plain_step(step, m)}
     runners.update({name: (lambda step, t=t: t.step(*data.batch(step, args.batch_size))) for name, t in trainers.items()})
 
-    for run in runners.values():  # warm-up: first steps pay for allocation and imports
-        for step in range(3):
-            run(step)
-    seconds = {name: [] for name in runners}
-    for r in range(args.rounds):
-        for name, run in runners.items():
-            started = time.perf_counter()
-            for step in range(args.steps):
-                run(1000 * r + step)
-            seconds[name].append((time.perf_counter() - started) / args.steps)
+    seconds = interleaved(runners, args.rounds, args.steps)
     for t in trainers.values():
         t.shutdown()
     ray.shutdown()

@@ -87,18 +87,14 @@ def _profiled_plan(config, specs):
     """Times each layer on every device kind of the job (on the cluster it connects to) and splits by it."""
     from raypipe import runtime
     from raypipe.models import gpt
-    from raypipe.profile import plan_from_profiles, profile_layers
+    from raypipe.profile import profiled_plan
 
     train, job = config.train, config.job
-    kinds = [train.devices] * train.pp if isinstance(train.devices, str) else list(train.devices)
     x, y = config.data.dataset(config.model.block_size).batch(0, job.batch_size, seed=train.seed)
-    rows = job.batch_size // (train.dp * train.microbatches)
+    rows = job.batch_size // (train.dp * train.microbatches)  # one microbatch
     runtime.connect()
     runtime.ship_user_code([gpt.loss_fn] + [s.factory for s in specs])
-    cpus = train.cpus_per_actor or 1.0
-    profiles = profile_layers(specs, gpt.loss_fn, x[:rows], y[:rows], train, kinds,
-                              train.threads_per_actor or max(1, int(cpus)), cpus)
-    return plan_from_profiles(profiles, kinds, train)
+    return profiled_plan(specs, gpt.loss_fn, x[:rows], y[:rows], train, train.cpus_per_actor or 1.0)
 
 
 def _node_resources(args: argparse.Namespace) -> int:

@@ -297,6 +297,10 @@ class TrainConfig:
         if self.log_dir is not None and (not isinstance(self.log_dir, str) or not self.log_dir):
             raise _fail("log_dir", self.log_dir, "give a directory path or null.")
 
+    def stage_kinds(self) -> list[str]:
+        """The accelerator kind of each stage (`devices` given once for all, or per stage)."""
+        return [self.devices] * self.pp if isinstance(self.devices, str) else list(self.devices)
+
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in dataclasses.fields(cls))

@@ -153,12 +153,13 @@ def run_step_p2p(
         labels = ray.put(list(targets[d]))
         for s, actors in enumerate(stages):
             actions = [(a.kind, a.microbatch) for a in schedule[s]]
+            label = ", ".join(str(a) for a in schedule[s])
             for t, actor in enumerate(actors):
                 prev = ranks[d][s - 1][t] if s > 0 else None
                 nxt = ranks[d][s + 1][t] if s < last else None
                 ref = actor.run_actions.remote(call_id, step, actions, batch if s == 0 else None,
                                                labels if s == last else None, prev, nxt)
-                pending[ref] = (names[d][s][t], ", ".join(str(a) for a in schedule[s]))
+                pending[ref] = (names[d][s][t], label)
                 runs.append((ref, actor, names[d][s][t]))
                 if trace:  # issued as a whole: each action in the actor's order, then its optimizer step
                     now = time.time()

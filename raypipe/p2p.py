@@ -31,6 +31,7 @@ OK, POISON = 0, -1
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.bool]
 CODES = {dtype: i for i, dtype in enumerate(DTYPES)}
 LOOKAHEAD = 2  # receives posted ahead per stream
+_FLAGS = {OK: torch.tensor([OK], dtype=torch.int64), POISON: torch.tensor([POISON], dtype=torch.int64)}  # only read
 
 
 class PeerFailed(RuntimeError):
@@ -63,7 +64,7 @@ class Outbox:
                 f"({tuple(self.like.shape)} {self.like.dtype}); engine='p2p' needs equal shapes within a step, "
                 f"engine='refs' does not."
             )
-        self._post(torch.tensor([OK if t is not None else POISON], dtype=torch.int64), tag)
+        self._post(_FLAGS[OK if t is not None else POISON], tag)
         self._post(t.contiguous() if t is not None else self.like, tag)
 
     def wait(self) -> None:

@@ -117,6 +117,21 @@ def profile_layers(
             ray.kill(actor, no_restart=True)
 
 
+def profiled_plan(
+    specs: Sequence[LayerSpec],
+    loss_fn: Callable[[torch.Tensor, Any], torch.Tensor],
+    x: torch.Tensor,
+    target: Any,
+    config: TrainConfig,
+    cpus: float,
+) -> PlanReport:
+    """Profiles the layers on one microbatch `(x, target)` on every device kind of `config`'s
+    stages (actors reserving `cpus` each, threads as a stage would use) and plans by the times."""
+    kinds = config.stage_kinds()
+    threads = config.threads_per_actor or max(1, int(cpus))
+    return plan_from_profiles(profile_layers(specs, loss_fn, x, target, config, kinds, threads, cpus), kinds, config)
+
+
 def plan_from_profiles(
     profiles: dict[str, dict[str, Any]], kinds: Sequence[str], config: TrainConfig
 ) -> PlanReport:

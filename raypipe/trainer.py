@@ -42,7 +42,7 @@ from raypipe.metrics import RayMetrics, TensorBoardLogger, stage_metrics
 from raypipe.nn import ShardSpec, merge
 from raypipe.nn.plan import check_tensor_parallel
 from raypipe.partition import Plan, make_plan
-from raypipe.profile import PlanReport, plan_from_profiles, profile_layers
+from raypipe.profile import PlanReport, profiled_plan
 from raypipe.progress import Progress
 from raypipe.schedules import build_schedule
 from raypipe.timeline import Timeline
@@ -606,18 +606,13 @@ class Trainer:
 
     @property
     def _stage_kinds(self) -> list[str]:
-        devices = self.config.devices
-        return [devices] * self.config.pp if isinstance(devices, str) else list(devices)
+        return self.config.stage_kinds()
 
     def _profile_plan(self, x: torch.Tensor, y: Any) -> PlanReport:
         """Times every layer on each device kind of the run and splits by those times."""
         cfg = self.config
         inputs, targets = self._split(x, y, cfg.dp * cfg.microbatches)
-        cpus = self._cpus_per_actor()
-        threads = cfg.threads_per_actor or max(1, int(cpus))
-        profiles = profile_layers(self.specs, self._loss_fn, inputs[0], targets[0], cfg, self._stage_kinds,
-                                  threads, cpus)
-        return plan_from_profiles(profiles, self._stage_kinds, cfg)
+        return profiled_plan(self.specs, self._loss_fn, inputs[0], targets[0], cfg, self._cpus_per_actor())
 
     def _placement(self, stage: int) -> dict[str, Any]:
         """Ray options placing a stage on a node of its accelerator kind (none for cpu)."""
