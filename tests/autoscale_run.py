@@ -19,6 +19,7 @@ import psutil
 import ray
 import torch
 import yaml
+from ray.autoscaler._private.fake_multi_node.node_provider import FAKE_HEAD_NODE_ID
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,7 +47,10 @@ def fake_config(port: int, ip: str) -> dict:
     for node_type in types.values():
         node_type["node_config"] = {}
     config["head_node_type"] = HEAD_TYPE
-    config["provider"] = {"type": "fake_multinode", "gcs_address": f"{ip}:{port}"}
+    # As Ray's own fake_multi_node/example.yaml: the autoscaler keys heartbeats by node id (every
+    # fake node shares one IP), or it terminates a worker 30 s after launch as "lost contact".
+    config["provider"] = {"type": "fake_multinode", "gcs_address": f"{ip}:{port}", "use_node_id_as_ip": True,
+                          "disable_node_updaters": True, "disable_launch_config_check": True}
     config["idle_timeout_minutes"] = 5
     for key in ("setup_commands", "head_start_ray_commands", "worker_start_ray_commands", "file_mounts"):
         config[key] = [] if key != "file_mounts" else {}
@@ -60,7 +64,7 @@ def main() -> None:
     config_path = Path(temp) / "autoscaling.yaml"
     config_path.write_text(yaml.safe_dump(fake_config(port, ip)))
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
-    env.update(RAY_FAKE_CLUSTER="1", RAY_AUTH_MODE="disabled")
+    env.update(RAY_FAKE_CLUSTER="1", RAY_AUTH_MODE="disabled", RAY_OVERRIDE_NODE_ID_FOR_TESTING=FAKE_HEAD_NODE_ID)
     log = open(Path(temp) / "head.log", "w")
     head = subprocess.Popen(
         [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", f"--port={port}", "--num-cpus=1",
