@@ -167,6 +167,7 @@ class TrainConfig:
             without one are replicated on every tp rank.
         zero: 1 shards optimizer state across the dp replicas (ZeRO stage 1): each replica
             steps its share of the parameters and sends the result to the others; 0 off.
+            Reconfigurable: switching it re-shards the optimizer state, nothing is lost.
         microbatches: microbatches each batch is split into; the batch size must divide by it.
         schedule: pipeline schedule, "1f1b" (bounded activation memory) or "gpipe".
         shard_plan: explicit contiguous [start, end) layer ranges, one per stage; overrides `partition`.

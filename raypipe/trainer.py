@@ -59,6 +59,7 @@ RECONFIGURABLE = (
     "grad_clip",
     "precision",
     "boundary_dtype",
+    "zero",
     "activation_checkpointing",
     "measure_activations",
     "step_timeout",
@@ -473,10 +474,10 @@ class Trainer:
         """Changes training settings between steps, keeping the actors and weights.
 
         Fields: those in `RECONFIGURABLE` (microbatches, schedule, optimizer,
-        lr_schedule, grad_clip, precision, activation_checkpointing, and the timeout,
-        checkpoint, restart and non-finite policies). Optimizer state is kept when the
-        optimizer's name stays the same (its hyperparameters are updated in place)
-        and reset when it changes.
+        lr_schedule, grad_clip, precision, boundary_dtype, zero, activation_checkpointing,
+        and the timeout, checkpoint, restart and non-finite policies). Optimizer state is
+        kept when the optimizer's name stays the same (its hyperparameters are updated in
+        place; switching `zero` re-shards it across the dp replicas) and reset when it changes.
 
         Raises:
             ConfigError: for a field that needs a new Trainer (pp, shard_plan, ...) or a bad value.

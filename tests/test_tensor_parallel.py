@@ -36,13 +36,13 @@ def reference():
     }
 
 
-TOPOLOGIES = [(1, 1, 2, 0), (2, 1, 2, 0), (1, 2, 2, 1), (2, 2, 2, 1)]  # pp x dp x tp, zero
+TOPOLOGIES = [(1, 1, 2), (2, 1, 2), (1, 2, 2), (2, 2, 2)]  # pp x dp x tp; zero 0 and 1 by reconfigure
 
 
-@pytest.fixture(scope="module", params=TOPOLOGIES, ids=lambda p: f"pp{p[0]}-dp{p[1]}-tp{p[2]}-zero{p[3]}")
+@pytest.fixture(scope="module", params=TOPOLOGIES, ids=lambda p: f"pp{p[0]}-dp{p[1]}-tp{p[2]}")
 def trainer(request, ray_session):
-    pp, dp, tp, zero = request.param
-    t = Trainer(LAYERS, gpt.loss_fn, TrainConfig(pp=pp, dp=dp, tp=tp, zero=zero, optimizer=SGD, seed=SEED,
+    pp, dp, tp = request.param
+    t = Trainer(LAYERS, gpt.loss_fn, TrainConfig(pp=pp, dp=dp, tp=tp, zero=int(dp > 1), optimizer=SGD, seed=SEED,
                                           cpus_per_actor=0.2, threads_per_actor=1))
     yield t
     t.shutdown()
@@ -71,12 +71,14 @@ def test_sgd_parity_and_identical_replicas(trainer, initial, reference, schedule
     m = 2
     ref = reference[m * trainer.config.dp]  # dp replicas x m microbatches = the reference's chunks
     # split tensors count each shard once in the gradient norm, replicated ones once (not per tp rank)
-    check_sgd_parity(trainer, initial, ref, schedule, m, SGD, data=tokens)
-    shards = ray.get([a.state_dict.remote() for a in trainer._actors])
-    per_replica = len(shards) // trainer.config.dp
-    for rank in range(per_replica, len(shards)):  # every replica's shard equals replica 0's, bit for bit
-        twin = shards[rank % per_replica]
-        assert all(torch.equal(shards[rank][k], twin[k]) for k in twin), f"{trainer.names[rank]} diverged"
+    for zero in (0, 1) if trainer.config.dp > 1 else (0,):
+        trainer.reconfigure(zero=zero)
+        check_sgd_parity(trainer, initial, ref, schedule, m, SGD, data=tokens)
+        shards = ray.get([a.state_dict.remote() for a in trainer._actors])
+        per_replica = len(shards) // trainer.config.dp
+        for rank in range(per_replica, len(shards)):  # every replica's shard equals replica 0's, bit for bit
+            twin = shards[rank % per_replica]
+            assert all(torch.equal(shards[rank][k], twin[k]) for k in twin), f"{trainer.names[rank]} diverged"
 
 
 def test_actors_are_named_by_place_and_hold_half_of_each_split_layer(trainer):

@@ -160,14 +160,32 @@ class StageActor:
     def configure(self, settings: StageSettings, reset_optimizer: bool = False) -> None:
         """Applies new settings; keeps optimizer state unless the optimizer kind changes."""
         old = self.settings
-        self.settings = settings
         same_kind = old is not None and old.optimizer["name"] == settings.optimizer["name"]
-        if reset_optimizer or not same_kind:
+        keep_state = same_kind and not reset_optimizer
+        if keep_state and old.zero != settings.zero and self.dp_size > 1:
+            # ZeRO switched on or off: every replica of the stage gets the whole state, then
+            # keeps its new share (configure runs on every actor, so the group meets here).
+            state = self._dp_union(self._optimizer_state_by_param() if self.optimizer is not None else {})
+            self.settings = settings
+            self.optimizer = None
+            params = self._owned_params()
+            if params:
+                self.optimizer = build_optimizer(params, settings.optimizer)
+                names = {p: name for name, p in self.module.named_parameters()}
+                for p in params:
+                    if names[p] in state:
+                        self.optimizer.state[p] = {
+                            k: v.to(p.device) if torch.is_tensor(v) and v.shape == p.shape else v
+                            for k, v in state[names[p]].items()
+                        }
+            return
+        self.settings = settings
+        if not keep_state:
             self.scaler = LossScaler()
         params = self._owned_params()
         if not params:  # parameter-free layers, or (ZeRO) a share that came out empty
             self.optimizer = None
-        elif self.optimizer is None or reset_optimizer or not same_kind:
+        elif self.optimizer is None or not keep_state:
             self.optimizer = build_optimizer(params, settings.optimizer)
         else:
             for group in self.optimizer.param_groups:
@@ -524,6 +542,25 @@ class StageActor:
             return local
         return {k: shard(v, self.shard_specs[k], self.tp.rank, self.tp.size) if k in self.shard_specs else v
                 for k, v in local.items()}
+
+    def _optimizer_state_by_param(self) -> dict[str, dict]:
+        """Module parameter name -> optimizer state, for the parameters this actor steps."""
+        return {  # per-element state through host memory: the gather pickles it
+            name: {k: v.cpu() if torch.is_tensor(v) else v for k, v in self.optimizer.state[p].items()}
+            for name, p in self.module.named_parameters()
+            if p in self.optimizer.state
+        }
+
+    def _dp_union(self, state: dict[str, dict]) -> dict[str, dict]:
+        """The union of every dp replica's `state` (each holds a disjoint ZeRO share)."""
+        import torch.distributed as dist
+
+        shares: list[Any] = [None] * self.dp_size
+        dist.all_gather_object(shares, state, group=self.dp_group)
+        union: dict[str, dict] = {}
+        for share in shares:
+            union.update(share)
+        return union
 
     def _optimizer_state_by_layer(self) -> dict[int, dict[str, dict]]:
         """Global layer index -> parameter name -> optimizer state, for the parameters this actor steps."""
