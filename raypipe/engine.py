@@ -24,6 +24,7 @@ import ray
 import torch
 
 from raypipe.errors import ActorDiedError, StageError, StepTimeoutError
+from raypipe.wire import pack, unpack
 
 PEER_STOPPED = "stopped: world rank"  # how run_actions words a failure caused by a neighbour's
 from raypipe.schedules import BACKWARD, FORWARD, Action, Schedule, simulate
@@ -83,6 +84,7 @@ def run_step(
         return ref
 
     losses, finished = [], []
+    inputs, targets = pack(inputs), pack(targets)
     for d, stages in enumerate(replicas):
         outputs: dict[Action, ray.ObjectRef] = {}  # tp rank 0's result of each action
         for action in order:
@@ -149,8 +151,10 @@ def run_step_p2p(
     trace = os.environ.get("RAYPIPE_TRACE")
     issued: list[tuple[float, str, str]] = []
     for d, stages in enumerate(replicas):
-        batch = ray.put(list(inputs[d]))
-        labels = ray.put(list(targets[d]))
+        # by value (Ray inlines small arguments), or stored once when several tp ranks read it
+        batch, labels = pack(list(inputs[d])), pack(list(targets[d]))
+        if len(stages[0]) > 1:
+            batch, labels = ray.put(batch), ray.put(labels)
         for s, actors in enumerate(stages):
             actions = [(a.kind, a.microbatch) for a in schedule[s]]
             label = ", ".join(str(a) for a in schedule[s])
@@ -211,6 +215,7 @@ def run_forward(
         Per microbatch: the last stage's loss (when targets are given) or its output.
     """
     results, pending = [], {}
+    inputs, targets = pack(inputs), pack(targets)
     for m, x in enumerate(inputs):
         ref = x
         for s, ranks in enumerate(stages):
@@ -222,7 +227,7 @@ def run_forward(
         results.append(ref)
     _wait_for_progress(pending, timeout, "inference")
     flat = [a for ranks in stages for a in ranks]
-    return gather(results, "inference", flat, [n for ranks in names for n in ranks])
+    return unpack(gather(results, "inference", flat, [n for ranks in names for n in ranks]))
 
 
 def gather(

@@ -29,6 +29,7 @@ from raypipe.nn import TensorParallelGroup, merge, parallelize, shard, shard_spe
 from raypipe.nn.group import building
 from raypipe.p2p import PeerFailed
 from raypipe.optim import LossScaler, build_optimizer, learning_rate
+from raypipe.wire import pack, unpack
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -203,14 +204,14 @@ class StageActor:
             gets one copy.
         """
         self._begin(call_id)
-        out = self._forward(microbatch, x, target)
-        return out if self.is_last or self.tp.rank == 0 else None
+        out = self._forward(microbatch, unpack(x), unpack(target))
+        return pack(out) if self.is_last or self.tp.rank == 0 else None
 
     def backward(self, call_id: int, microbatch: int, grad: torch.Tensor | None = None) -> Any:
         """Back-propagates one microbatch, frees its activations, returns the input gradient
         (None on the first stage, and on tp ranks other than 0)."""
-        grad_in = self._backward(microbatch, grad)
-        return grad_in if self.tp.rank == 0 else None
+        grad_in = self._backward(microbatch, unpack(grad))
+        return pack(grad_in) if self.tp.rank == 0 else None
 
     def run_actions(self, call_id: int, step: int, actions: Sequence[tuple[str, int]], inputs: Sequence[Any] | None,
                     targets: Sequence[Any] | None, prev_rank: int | None, next_rank: int | None) -> Any:
@@ -231,6 +232,7 @@ class StageActor:
         from raypipe import p2p
 
         self._begin(call_id)
+        inputs, targets = unpack(inputs), unpack(targets)
         forwards = [m for kind, m in actions if kind == "F"]
         backwards = [m for kind, m in actions if kind == "B"]
         activations = p2p.Inbox(prev_rank, [2 * m for m in forwards]) if self.stage > 0 else None
@@ -403,6 +405,7 @@ class StageActor:
         Returns the output, or on the last stage the loss as a float when a target is given.
         """
         self.module.eval()
+        x, target = unpack(x), unpack(target)
         try:
             with self._autocast():
                 out = self.module(self._received(x))
@@ -410,7 +413,7 @@ class StageActor:
                     return float(self.loss_fn(out, target.to(self.device) if torch.is_tensor(target) else target))
             if self.tp.rank != 0:  # the same output as rank 0's, which is the one passed on
                 return None
-            return _to_host(out.float() if self.is_last else out)
+            return pack(_to_host(out.float() if self.is_last else out))
         except Exception as error:
             raise self._error("F", -1, error) from error
         finally:
