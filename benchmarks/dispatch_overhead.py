@@ -22,23 +22,26 @@ from raypipe import LayerSpec, TrainConfig, Trainer
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--engines", default="p2p,compiled", help="comma-separated; measured alternately per row")
     args = parser.parse_args()
     torch.set_num_threads(1)
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     rows = []
     for pp, m in [(1, 1), (1, 4), (1, 16), (2, 16), (4, 16)]:
-        config = TrainConfig(pp=pp, microbatches=m, cpus_per_actor=0.5, optimizer={"name": "sgd", "lr": 0.01})
-        with Trainer([LayerSpec(nn.Linear, 4, 4)] * pp, nn.functional.mse_loss, config) as trainer:
-            x, y = torch.randn(16, 4), torch.randn(16, 4)
-            for _ in range(5):
-                trainer.step(x, y)
-            started = time.perf_counter()
-            for _ in range(args.steps):
-                trainer.step(x, y)
-            step = (time.perf_counter() - started) / args.steps
-        actions = 2 * pp * m + pp  # forwards and backwards, then an optimizer step per stage
-        rows.append({"pp": pp, "microbatches": m, "engine": TrainConfig.engine, "actions_per_step": actions,
-                     "step_ms": 1e3 * step, "us_per_action": 1e6 * step / actions})
+        for engine in args.engines.split(","):
+            config = TrainConfig(pp=pp, microbatches=m, cpus_per_actor=0.5, engine=engine,
+                                 optimizer={"name": "sgd", "lr": 0.01})
+            with Trainer([LayerSpec(nn.Linear, 4, 4)] * pp, nn.functional.mse_loss, config) as trainer:
+                x, y = torch.randn(16, 4), torch.randn(16, 4)
+                for _ in range(5):
+                    trainer.step(x, y)
+                started = time.perf_counter()
+                for _ in range(args.steps):
+                    trainer.step(x, y)
+                step = (time.perf_counter() - started) / args.steps
+            actions = 2 * pp * m + pp  # forwards and backwards, then an optimizer step per stage
+            rows.append({"pp": pp, "microbatches": m, "engine": engine, "actions_per_step": actions,
+                         "step_ms": 1e3 * step, "us_per_action": 1e6 * step / actions})
     ray.shutdown()
     print(json.dumps({"benchmark": "dispatch_overhead", "cpus": 2, "ray": ray.__version__, "rows": rows}, indent=2))
 

@@ -30,6 +30,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="measured steps per round")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--engine", default=TrainConfig.engine, help="raypipe engine: p2p, compiled or refs")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -54,7 +55,8 @@ def main() -> None:
     trainers = {
         f"raypipe_pp{pp}_m{mb}": Trainer(
             gpt.layers(model_cfg), gpt.loss_fn,
-            TrainConfig(pp=pp, microbatches=mb, optimizer=optimizer, cpus_per_actor=0.5, threads_per_actor=1),
+            TrainConfig(pp=pp, microbatches=mb, optimizer=optimizer, cpus_per_actor=0.5, threads_per_actor=1,
+                        engine=args.engine),
         )
         for pp, mb in ((1, 1), (1, m), (2, m))
     }
@@ -71,6 +73,7 @@ def main() -> None:
         "benchmark": "gpt_cpu",
         "machine": {"cpus": 2, "python": platform.python_version(), "torch": torch.__version__, "ray": ray.__version__},
         "model": {"parameters": model_cfg.parameters, "n_layer": 4, "n_embd": 128, "block_size": 64},
+        "engine": args.engine,
         "batch_size": args.batch_size, "microbatches": args.microbatches, "steps_per_round": args.steps,
         "rounds": args.rounds,
         "step_seconds_per_round": seconds,

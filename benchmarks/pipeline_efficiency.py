@@ -54,7 +54,7 @@ def measure(trainer: Trainer, schedule: str, m: int, steps: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description="raypipe schedule efficiency on simulated stages")
     parser.add_argument("--quick", action="store_true", help="m = 16 only")
-    parser.add_argument("--engines", default="refs,p2p", help="comma-separated; each row is measured for each, "
+    parser.add_argument("--engines", default="refs,p2p,compiled", help="comma-separated; each row is measured for each, "
                                                                "alternating, so ratios between them are side by side")
     args = parser.parse_args()
     engines = args.engines.split(",")

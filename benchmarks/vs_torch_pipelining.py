@@ -85,7 +85,7 @@ def torch_step_time(schedule: str, t: float, steps: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--engine", default=None, help="raypipe engine (refs or p2p); default: TrainConfig's")
+    parser.add_argument("--engine", default=None, help="raypipe engine (refs, p2p or compiled); default: TrainConfig's")
     args = parser.parse_args()
     import ray
     from pipeline_efficiency import measure, simulated_trainer  # the same raypipe set-up and timing

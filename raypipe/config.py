@@ -20,7 +20,7 @@ import yaml
 from raypipe.errors import ConfigError
 
 SCHEDULE_NAMES = ("gpipe", "1f1b")
-ENGINES = ("refs", "p2p")
+ENGINES = ("refs", "p2p", "compiled")
 PARTITION_NAMES = ("uniform", "parameters", "profile")
 PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZER_NAMES = ("sgd", "adam", "adamw")
@@ -181,7 +181,9 @@ class TrainConfig:
         engine: how a step runs. "refs": the driver issues every forward and backward
             as an actor call and boundary tensors travel as Ray object references;
             "p2p": one call per actor per step with its whole action list, boundary
-            tensors sent actor to actor over torch.distributed (gloo) point to point.
+            tensors sent actor to actor over torch.distributed (gloo) point to point;
+            "compiled": p2p's step issued through a Ray Compiled Graph (one `execute`
+            per step instead of one Ray task per actor).
         precision: "fp32", "bf16" (autocast) or "fp16" (autocast with dynamic loss scaling).
         boundary_dtype: the dtype activations and their gradients travel in between
             stages: "fp32" (as computed), or "bf16" / "fp16" to halve the bytes sent; the

@@ -132,6 +132,7 @@ def run_step_p2p(
     call_id: int,
     step: int,
     timeout: float,
+    compiled: Any = None,
 ) -> StepResult:
     """One step of `schedule` with one call per actor ("p2p" engine).
 
@@ -142,43 +143,92 @@ def run_step_p2p(
     The gradient reduction and the optimizer step end the same call: the actors agree
     on the global norm, non-finite values and failures with one all-reduce, so a step
     costs one round of Ray calls. Arguments as `run_step`, plus `ranks`: the world rank
-    of every actor, same shape as `replicas`.
+    of every actor, same shape as `replicas`; and `compiled`, a `raypipe.compiled.CompiledStep`
+    over the same actors, to issue the calls through it ("compiled" engine).
     """
     started = time.perf_counter()
-    last = len(schedule) - 1
-    pending: dict[ray.ObjectRef, tuple[str, str]] = {}
-    runs = []
-    trace = os.environ.get("RAYPIPE_TRACE")
-    issued: list[tuple[float, str, str]] = []
+    lists = action_lists(replicas, names, ranks, schedule)
+    what = f"step {step + 1}"
+    trace_lists(step, schedule, names)
+    if compiled is not None:
+        values = compiled.run(lists, inputs, targets, call_id, step, timeout, what)
+    else:
+        values = _run_lists(lists, replicas, inputs, targets, call_id, step, timeout, what)
+    # values are in world-rank order (replica, stage, tp rank); the last stage's tp rank 0 has the losses
+    step_losses = [loss for replica_losses, _ in values if replica_losses is not None for loss in replica_losses]
+    return StepResult(step_losses, [report for _, report in values], time.perf_counter() - started)
+
+
+def _run_lists(lists: Sequence["ActionList"], replicas: Sequence[Sequence[Sequence[Any]]],
+               inputs: Sequence[Sequence[torch.Tensor]], targets: Sequence[Sequence[Any]],
+               call_id: int, step: int, timeout: float, what: str) -> list[Any]:
+    """One `run_actions` task per actor; their results in `lists` order."""
+    last = max(lst.stage for lst in lists)
+    batches = []
     for d, stages in enumerate(replicas):
         # by value (Ray inlines small arguments), or stored once when several tp ranks read it
         batch, labels = pack(list(inputs[d])), pack(list(targets[d]))
         if len(stages[0]) > 1:
             batch, labels = ray.put(batch), ray.put(labels)
+        batches.append((batch, labels))
+    pending: dict[ray.ObjectRef, tuple[str, str]] = {}
+    runs = []
+    for lst in lists:
+        batch, labels = batches[lst.replica]
+        ref = lst.actor.run_actions.remote(call_id, step, lst.actions, batch if lst.stage == 0 else None,
+                                           labels if lst.stage == last else None, lst.prev_rank, lst.next_rank)
+        pending[ref] = (lst.name, lst.label)
+        runs.append((ref, lst.actor, lst.name))
+    deaths = {ref: (actor, name) for ref, actor, name in runs}
+    _wait_for_progress(pending, timeout, what, on_ready=lambda ready: _raise_if_died(ready, deaths, what))
+    _raise_root_failure(runs, what)
+    return gather([r for r, _, _ in runs], what, [a for _, a, _ in runs], [n for _, _, n in runs])
+
+
+@dataclass
+class ActionList:
+    """One actor's share of a step: its stage's actions and its neighbours' world ranks."""
+
+    replica: int
+    stage: int
+    actor: Any
+    name: str
+    actions: list[tuple[str, int]]
+    prev_rank: int | None
+    next_rank: int | None
+    label: str
+
+
+def action_lists(replicas: Sequence[Sequence[Sequence[Any]]], names: Sequence[Sequence[Sequence[str]]],
+                 ranks: Sequence[Sequence[Sequence[int]]], schedule: Schedule) -> list[ActionList]:
+    """Every actor's action list, in world-rank order (replica, stage, tp rank). tp rank t of
+    a stage exchanges tensors with tp rank t of its neighbours (their activations are identical)."""
+    last = len(schedule) - 1
+    lists = []
+    for d, stages in enumerate(replicas):
         for s, actors in enumerate(stages):
             actions = [(a.kind, a.microbatch) for a in schedule[s]]
             label = ", ".join(str(a) for a in schedule[s])
             for t, actor in enumerate(actors):
                 prev = ranks[d][s - 1][t] if s > 0 else None
                 nxt = ranks[d][s + 1][t] if s < last else None
-                ref = actor.run_actions.remote(call_id, step, actions, batch if s == 0 else None,
-                                               labels if s == last else None, prev, nxt)
-                pending[ref] = (names[d][s][t], label)
-                runs.append((ref, actor, names[d][s][t]))
-                if trace:  # issued as a whole: each action in the actor's order, then its optimizer step
-                    now = time.time()
-                    issued += [(now, names[d][s][t], str(a)) for a in schedule[s]]
-                    issued.append((now, names[d][s][t], "optimizer_step"))
-    what = f"step {step + 1}"
-    if trace:
-        write_trace(trace, step + 1, issued)
-    deaths = {ref: (actor, name) for ref, actor, name in runs}
-    _wait_for_progress(pending, timeout, what, on_ready=lambda ready: _raise_if_died(ready, deaths, what))
-    _raise_root_failure(runs, what)
-    values = gather([r for r, _, _ in runs], what, [a for _, a, _ in runs], [n for _, _, n in runs])
-    # runs are in world-rank order (replica, stage, tp rank); the last stage's tp rank 0 has the losses
-    step_losses = [loss for replica_losses, _ in values if replica_losses is not None for loss in replica_losses]
-    return StepResult(step_losses, [report for _, report in values], time.perf_counter() - started)
+                lists.append(ActionList(d, s, actor, names[d][s][t], actions, prev, nxt, label))
+    return lists
+
+
+def trace_lists(step: int, schedule: Schedule, names: Sequence[Sequence[Sequence[str]]]) -> None:
+    """With RAYPIPE_TRACE set: each actor's actions as issued (all at once), then its optimizer step."""
+    trace = os.environ.get("RAYPIPE_TRACE")
+    if not trace:
+        return
+    now = time.time()
+    issued: list[tuple[float, str, str]] = []
+    for stages in names:
+        for s, tp_names in enumerate(stages):
+            for name in tp_names:
+                issued += [(now, name, str(a)) for a in schedule[s]]
+                issued.append((now, name, "optimizer_step"))
+    write_trace(trace, step + 1, issued)
 
 
 def _raise_root_failure(runs: Sequence[tuple[ray.ObjectRef, Any, str]], what: str) -> None:

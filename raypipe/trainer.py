@@ -25,6 +25,7 @@ from raypipe import runtime
 from raypipe.actors.stage import StageActor, StageSettings
 from raypipe.collective import group_backend
 from raypipe.config import TrainConfig, nearest
+from raypipe.compiled import CompiledStep
 from raypipe.engine import gather, last_line, run_forward, run_step, run_step_p2p, submission_order
 from raypipe.errors import (
     ActorDiedError,
@@ -125,6 +126,7 @@ class Trainer:
         self.restarts = 0
         self._calls = 0
         self._actors: list[Any] = []
+        self._compiled: CompiledStep | None = None  # engine="compiled": built at the first step
         self._tensorboard: TensorBoardLogger | None = None
         self._last_events: list[list[tuple]] = []
         self._ray_metrics: RayMetrics | None = None
@@ -208,11 +210,13 @@ class Trainer:
         split_inputs = [inputs[d * m : (d + 1) * m] for d in range(dp)]
         split_targets = [targets[d * m : (d + 1) * m] for d in range(dp)]
         try:
-            if self.config.engine == "p2p":
+            if self.config.engine in ("p2p", "compiled"):
+                if self.config.engine == "compiled" and self._compiled is None:
+                    self._compiled = CompiledStep(self._actors)
                 result = run_step_p2p(
                     self._replicas, self._grid(self.names), self._grid(range(len(self._actors))), self._schedule,
                     split_inputs, split_targets, call_id=self._calls, step=self.step_count,
-                    timeout=self.config.step_timeout,
+                    timeout=self.config.step_timeout, compiled=self._compiled,
                 )
             else:
                 result = run_step(
@@ -505,6 +509,9 @@ class Trainer:
 
     def shutdown(self) -> None:
         """Stops every actor this trainer started. Safe to call twice."""
+        if self._compiled is not None:
+            self._compiled.teardown()
+            self._compiled = None
         _kill(self._actors)
         self._actors = []
         if getattr(self, "_tensorboard", None) is not None:
@@ -582,7 +589,7 @@ class Trainer:
             )
         try:
             self._wait_for_actors(cpus)
-            if cfg.dp > 1 or cfg.tp > 1 or (cfg.engine == "p2p" and cfg.pp > 1):
+            if cfg.dp > 1 or cfg.tp > 1 or (cfg.engine != "refs" and cfg.pp > 1):
                 self._join_world()
             self._configure_actors()
         except BaseException:

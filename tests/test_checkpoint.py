@@ -129,13 +129,14 @@ def killable_baseline(ray_session, tmp_path_factory):
     return get
 
 
-# both ways of dying at pp=2; the dp=2 restart (a collective world to rebuild) once
-@pytest.mark.parametrize("how, dp", [("ray.kill", 1), ("SIGKILL", 1), ("ray.kill", 2)],
-                         ids=["ray.kill-pp2", "SIGKILL-pp2", "ray.kill-pp2-dp2"])
-def test_training_survives_a_stage_dying_mid_step(killable_baseline, tmp_path, how, dp):
+# both ways of dying at pp=2 (one under the compiled engine); the dp=2 restart (a collective world to rebuild) once
+@pytest.mark.parametrize("how, dp, engine", [("ray.kill", 1, "p2p"), ("SIGKILL", 1, "compiled"), ("ray.kill", 2, "p2p")],
+                         ids=["ray.kill-pp2", "SIGKILL-pp2-compiled", "ray.kill-pp2-dp2"])
+def test_training_survives_a_stage_dying_mid_step(killable_baseline, tmp_path, how, dp, engine):
     flag = tmp_path / "kill-now"
     messages = []
-    with Trainer(killable_layers(flag), nn.functional.mse_loss, config(tmp_path / "ck", max_restarts=2, dp=dp)) as t:
+    cfg = config(tmp_path / "ck", max_restarts=2, dp=dp, engine=engine)
+    with Trainer(killable_layers(flag), nn.functional.mse_loss, cfg) as t:
         victim = t._actors[-1]  # stage 1 of the last replica
 
         def on_step(metrics):

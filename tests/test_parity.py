@@ -3,8 +3,9 @@
 One trainer per pipeline depth is reused across schedules and microbatch counts
 (`reconfigure`, `reset_optimizer`, `load_state_dict`), which also tests those. The
 default engine ("p2p": one call per actor per step, tensors sent actor to actor) runs
-at pp = 1, 2 and 4, the "refs" engine (one call per action, tensors as object references)
-at pp=3; failures name the stage that failed, and under p2p its neighbours stop too.
+at pp = 1 and 4, the "compiled" engine (the same step through a Ray Compiled Graph) at
+pp = 2, the "refs" engine (one call per action, tensors as object references) at pp=3;
+failures name the stage that failed, and under p2p its neighbours stop too.
 """
 
 import pytest
@@ -22,7 +23,7 @@ def sgd(params):
     return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 
 
-@pytest.fixture(scope="module", params=[(1, "p2p"), (2, "p2p"), (4, "p2p"), (3, "refs")],
+@pytest.fixture(scope="module", params=[(1, "p2p"), (2, "compiled"), (4, "p2p"), (3, "refs")],
                 ids=lambda p: f"pp{p[0]}-{p[1]}")
 def trainer(request, ray_session):
     pp, engine = request.param

@@ -269,6 +269,23 @@ class StageActor:
         report = self._finish_step(step, failure)
         return (losses if self.is_last and self.tp.rank == 0 else None), report
 
+    def run_compiled(self, payload: dict[str, Any]) -> Any:
+        """`run_actions` as a node of the trainer's compiled graph ("compiled" engine):
+        the payload holds every actor's list and every replica's batch; this actor runs its own.
+
+        Returns `run_actions`' result, or the exception it raised: a compiled graph reports
+        one node's exception as every node's, and the driver needs each actor's own to
+        name the stage that failed first."""
+        actions, prev_rank, next_rank = payload["lists"][self.name]
+        try:
+            return self.run_actions(
+                payload["call_id"], payload["step"], actions,
+                payload["inputs"][self.dp_rank] if self.stage == 0 else None,
+                payload["targets"][self.dp_rank] if self.is_last else None, prev_rank, next_rank,
+            )
+        except Exception as error:  # noqa: BLE001 - handed to the driver, which raises it
+            return error if isinstance(error, StageError) else StageError(f"{self.name}: {type(error).__name__}: {error}")
+
     def _finish_step(self, step: int, failure: Exception | None) -> dict[str, Any]:
         """Reduces gradients over dp, then agrees with every actor through one all-reduce on
         the global gradient norm, non-finite values and failures, and steps (or raises) alike."""
