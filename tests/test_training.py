@@ -64,3 +64,17 @@ def test_a_stage_without_parameters_trains_in_step(ray_session):
             layers, 4, lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), steps=3, data=data)
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
         assert_close_dicts(t.state_dict(), ref_final)
+
+
+def test_the_parity_example_passes(ray_session, monkeypatch, capsys):
+    """examples/parity_check.py, in this process (its own model, pp=3, both schedules). Not in
+    test_parity: that module keeps a trainer holding the CPUs the example's actors ask for."""
+    import runpy
+    import sys
+    from pathlib import Path
+
+    monkeypatch.setattr(sys, "argv", ["parity_check.py"])
+    script = runpy.run_path(str(Path(__file__).resolve().parents[1] / "examples" / "parity_check.py"))
+    assert script["main"]() == 0
+    out = capsys.readouterr().out
+    assert out.count("max |weight difference|") == 2 and "parity holds" in out
