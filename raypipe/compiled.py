@@ -61,9 +61,9 @@ class CompiledStep:
             try:
                 value = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
             except ray.exceptions.RayChannelTimeoutError:
-                raise StepTimeoutError(
-                    f"{what} made no progress for {timeout:.0f} s (TrainConfig.step_timeout); "
-                    f"pending: {lst.name}: {lst.label}"
+                raise StepTimeoutError(  # a graph's step is one call per actor: the limit is for the whole step
+                    f"{what} did not finish within {timeout:.0f} s (TrainConfig.step_timeout); "
+                    f"still waiting for {lst.name}: {lst.label}"
                 ) from None
             except (ray.exceptions.RayChannelError, ray.exceptions.RayActorError) as error:
                 # the graph raises a death for every output: name the actor that died

@@ -198,7 +198,8 @@ class TrainConfig:
             cluster's CPUs (at most 1 each).
         threads_per_actor: torch intra-op threads per actor; None derives it from cpus_per_actor.
         actor_start_timeout: seconds to wait for every actor to be placed and built.
-        step_timeout: seconds a step may go without any action finishing before it is abandoned.
+        step_timeout: seconds a step may go without any action finishing before it is abandoned
+            (under engine="compiled", where a step is one call per actor: seconds for the whole step).
         name: run name, used in actor names and logs; None picks a unique one.
         checkpoint_dir: where checkpoints go (`<dir>/step-N/`); shared by all nodes in a
             multi-node run. None disables automatic checkpoints.
