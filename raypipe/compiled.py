@@ -23,7 +23,7 @@ from typing import Any, Sequence
 import ray
 import torch
 
-from raypipe.engine import PEER_STOPPED, ActionList, _cause_message
+from raypipe.engine import ActionList, _cause_message, root_failure
 from raypipe.errors import ActorDiedError, StageError, StepTimeoutError
 from raypipe.wire import pack
 
@@ -75,7 +75,7 @@ class CompiledStep:
                 raise StageError(f"{what} failed: {_cause_message(error)}") from None
             (errors if isinstance(value, StageError) else values).append(value)
         if errors:
-            raise next((e for e in errors if PEER_STOPPED not in str(e)), errors[0])
+            raise root_failure(errors)
         return values
 
     def teardown(self) -> None:

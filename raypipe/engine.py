@@ -181,8 +181,15 @@ def _run_lists(lists: Sequence["ActionList"], replicas: Sequence[Sequence[Sequen
         runs.append((ref, lst.actor, lst.name))
     deaths = {ref: (actor, name) for ref, actor, name in runs}
     _wait_for_progress(pending, timeout, what, on_ready=lambda ready: _raise_if_died(ready, deaths, what))
-    _raise_root_failure(runs, what)
-    return gather([r for r, _, _ in runs], what, [a for _, a, _ in runs], [n for _, _, n in runs])
+    values, errors = [], []
+    for ref, actor, name in runs:  # every result once; a failure is kept until all are read
+        try:
+            values.extend(gather([ref], what, [actor], [name]))
+        except (StageError, ActorDiedError) as error:
+            errors.append(error)
+    if errors:
+        raise root_failure(errors)
+    return values
 
 
 @dataclass
@@ -231,16 +238,10 @@ def trace_lists(step: int, schedule: Schedule, names: Sequence[Sequence[Sequence
     write_trace(trace, step + 1, issued)
 
 
-def _raise_root_failure(runs: Sequence[tuple[ray.ObjectRef, Any, str]], what: str) -> None:
-    """Raises the error of the stage that failed first, not of the neighbours it stopped."""
-    errors = []
-    for ref, actor, name in runs:
-        try:
-            gather([ref], what, [actor], [name])
-        except (StageError, ActorDiedError) as error:
-            errors.append(error)
-    if errors:
-        raise next((e for e in errors if PEER_STOPPED not in str(e)), errors[0])
+def root_failure(errors: Sequence[Exception]) -> Exception:
+    """Of the errors the actors of one step raised, the stage that failed first, not the
+    neighbours it stopped."""
+    return next((e for e in errors if PEER_STOPPED not in str(e)), errors[0])
 
 
 def write_trace(path: str, step: int, issued: Sequence[tuple[float, str, str]]) -> None:
