@@ -38,8 +38,9 @@ def balance() -> dict:
                              microbatches=8, partition=partition, optimizer={"name": "sgd", "lr": 0.01})
         with Trainer(layers, nn.functional.mse_loss, config, sample=(x, x), log=lambda _: None) as trainer:
             trainer.step(x, x)  # warm-up
-            times = sorted(trainer.step(x, x)["step_time"] for _ in range(2))
-            result[partition] = {"plan": trainer.plan, "step_time": times[0]}  # the better of 2
+            # the best of 3: one step slowed by a noisy machine must not decide (a best of 2 flaked in CI)
+            times = sorted(trainer.step(x, x)["step_time"] for _ in range(3))
+            result[partition] = {"plan": trainer.plan, "step_time": times[0]}
             if trainer.plan_report is not None:
                 result[partition]["predicted"] = trainer.plan_report.step_seconds
     return result
