@@ -4,10 +4,10 @@ p = 4 stages, each one `SimulatedCompute` layer (forward sleeps tf, backward tb)
 m = 16 microbatches, GPipe and 1F1B, tf = tb in {2, 10} ms. torch runs p processes
 joined by gloo on CPU (`PipelineStage` + `ScheduleGPipe` / `Schedule1F1B`, then an
 SGD step); raypipe runs its Trainer. The two alternate, configuration by
-configuration, and the report gives each median step time and the ratio
-raypipe / torch (below 1.0: raypipe is faster).
+configuration, `--rounds` times, and the report gives each median step time, the
+ratio raypipe / torch (below 1.0: raypipe is faster) and each round's ratio.
 
-    python benchmarks/vs_torch_pipelining.py [--steps 5]
+    python benchmarks/vs_torch_pipelining.py [--steps 5] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -85,6 +85,8 @@ def torch_step_time(schedule: str, t: float, steps: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="torch and raypipe alternate this many times per configuration; medians are reported")
     parser.add_argument("--engine", default=None, help="raypipe engine (refs, p2p or compiled); default: TrainConfig's")
     args = parser.parse_args()
     import ray
@@ -95,13 +97,17 @@ def main() -> None:
     for t in (0.010, 0.002):
         with simulated_trainer(t, *([args.engine] if args.engine else [])) as trainer:
             for schedule in ("gpipe", "1f1b"):
-                torch_s = torch_step_time(schedule, t, args.steps)
-                raypipe_s = measure(trainer, schedule, M, args.steps)["step_s"]
+                torch_rounds, raypipe_rounds = [], []
+                for _ in range(args.rounds):
+                    torch_rounds.append(torch_step_time(schedule, t, args.steps))
+                    raypipe_rounds.append(measure(trainer, schedule, M, args.steps)["step_s"])
+                torch_s, raypipe_s = statistics.median(torch_rounds), statistics.median(raypipe_rounds)
                 ideal = (M + P - 1) * 2 * t
                 row = {"engine": trainer.config.engine, "schedule": schedule, "p": P, "m": M, "tf_ms": 1000 * t, "tb_ms": 1000 * t,
                        "ideal_s": ideal, "torch_step_s": torch_s, "raypipe_step_s": raypipe_s,
                        "torch_efficiency": ideal / torch_s, "raypipe_efficiency": ideal / raypipe_s,
-                       "ratio_raypipe_over_torch": raypipe_s / torch_s}
+                       "ratio_raypipe_over_torch": raypipe_s / torch_s,
+                       "ratio_per_round": [r / q for r, q in zip(raypipe_rounds, torch_rounds)]}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     ray.shutdown()
