@@ -4,6 +4,7 @@ background load on the machine hits them alike. Used by gpt_cpu.py and gpt_gpu.p
 from __future__ import annotations
 
 import time
+import statistics
 from typing import Callable
 
 
@@ -21,3 +22,9 @@ def interleaved(runners: dict[str, Callable[[int], None]], rounds: int, steps: i
                 run(1000 * r + step)
             seconds[name].append((time.perf_counter() - started) / steps)
     return seconds
+
+
+def paired_ratio(seconds: dict[str, list[float]], base: str, other: str) -> float:
+    """Median over rounds of base's step time / other's in the same round: on a machine whose
+    speed drifts, neighbours in time compare more fairly than two bests taken minutes apart."""
+    return statistics.median(b / o for b, o in zip(seconds[base], seconds[other]))
