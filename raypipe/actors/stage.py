@@ -206,13 +206,13 @@ class StageActor:
         """
         self._begin(call_id)
         out = self._forward(microbatch, unpack(x), unpack(target))
-        return pack(out) if self.is_last or self.tp.rank == 0 else None
+        return pack(_to_host(out)) if self.is_last or self.tp.rank == 0 else None
 
     def backward(self, call_id: int, microbatch: int, grad: torch.Tensor | None = None) -> Any:
         """Back-propagates one microbatch, frees its activations, returns the input gradient
         (None on the first stage, and on tp ranks other than 0)."""
         grad_in = self._backward(microbatch, unpack(grad))
-        return pack(grad_in) if self.tp.rank == 0 else None
+        return pack(_to_host(grad_in)) if self.tp.rank == 0 else None
 
     def run_actions(self, call_id: int, step: int, actions: Sequence[tuple[str, int]], inputs: Sequence[Any] | None,
                     targets: Sequence[Any] | None, prev_rank: int | None, next_rank: int | None) -> Any:
@@ -408,8 +408,9 @@ class StageActor:
                 group["lr"] = lr
             if settings.grad_clip is not None:
                 coef = settings.grad_clip / (total_norm + 1e-6)
-                if coef < 1.0 and self._grads():
-                    torch._foreach_mul_(self._grads(), coef)
+                grads = self._grads()
+                if coef < 1.0 and grads:
+                    torch._foreach_mul_(grads, coef)
             self.optimizer.step()
         if not skipped and self._zero_active():
             self._broadcast_owned()
@@ -653,14 +654,15 @@ class StageActor:
             self.timing["peak_stashed_bytes"] = max(self.timing["peak_stashed_bytes"], sum(self.stash_bytes.values()))
 
     def _send(self, t: torch.Tensor) -> torch.Tensor:
-        """A boundary tensor as it leaves for another stage: in `boundary_dtype`, in host memory
-        (stages may be different kinds of device), counted in this step's `sent_bytes`."""
+        """A boundary tensor as it leaves for another stage: detached, in `boundary_dtype`, counted
+        in this step's `sent_bytes`. It stays on this stage's device: the p2p engine copies it
+        straight into its host message buffer, the refs engine moves it to host (`_to_host`)."""
         t = t.detach()
         dtype = AUTOCAST_DTYPES.get(self.settings.boundary_dtype)
         if dtype is not None and t.is_floating_point():
             t = t.to(dtype)
         self.timing["sent_bytes"] = self.timing.get("sent_bytes", 0) + t.numel() * t.element_size()
-        return _to_host(t)
+        return t
 
     def _received(self, x: torch.Tensor) -> torch.Tensor:
         """A boundary tensor on this stage's device; one sent in a narrower `boundary_dtype` is
@@ -759,9 +761,10 @@ def _resolve_device(name: str, kind: str, allow_cpu_fallback: bool) -> tuple[tor
     )
 
 
-def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:
-    """Boundary tensors cross to other stages (maybe another kind of device) through host memory."""
-    return t.cpu() if t is not None and t.device.type != "cpu" else t
+def _to_host(t: Any) -> Any:
+    """Boundary tensors cross to other stages (maybe another kind of device) through host
+    memory; anything but a device tensor (a loss as a float, None) passes unchanged."""
+    return t.cpu() if torch.is_tensor(t) and t.device.type != "cpu" else t
 
 
 def _is_per_element(value: Any) -> bool:
