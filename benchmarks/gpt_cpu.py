@@ -17,7 +17,7 @@ import platform
 import ray
 import torch
 
-from rounds import interleaved, paired_ratio
+from rounds import interleaved, paired_ratio, plain_twin
 
 from raypipe import TrainConfig, Trainer, build_layers
 from raypipe.data import TokenDataset
@@ -80,10 +80,10 @@ def main() -> None:
         "tokens_per_s_best": {k: tokens_per_step / v for k, v in best.items()},
         # raypipe against plain PyTorch doing the same microbatches (the engine's overhead)
         "ratio_vs_plain_same_microbatches": {
-            k: best[f"plain_torch_m{k.rsplit('_m', 1)[1]}"] / v for k, v in best.items() if k.startswith("raypipe")
+            k: best[plain_twin(k)] / v for k, v in best.items() if k.startswith("raypipe")
         },
         "ratio_vs_plain_same_microbatches_median_of_rounds": {
-            k: paired_ratio(seconds, f"plain_torch_m{k.rsplit('_m', 1)[1]}", k) for k in seconds if k.startswith("raypipe")
+            k: paired_ratio(seconds, plain_twin(k), k) for k in seconds if k.startswith("raypipe")
         },
         "ratio_vs_plain_m1": {k: best["plain_torch_m1"] / v for k, v in best.items() if k != "plain_torch_m1"},
     }

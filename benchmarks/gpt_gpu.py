@@ -22,7 +22,7 @@ import json
 import ray
 import torch
 
-from rounds import interleaved, paired_ratio
+from rounds import interleaved, paired_ratio, plain_twin
 
 from raypipe import TrainConfig, Trainer, build_layers, runtime
 from raypipe.models import gpt
@@ -105,10 +105,10 @@ def main() -> None:
         "precision": precision, "batch_size": args.batch_size, "microbatches": m, "rounds": args.rounds,
         "steps_per_round": args.steps, "step_seconds_per_round": seconds, "tokens_per_s_best": rate,
         "ratio_vs_plain_same_microbatches": {
-            k: best[f"plain_torch_m{k.rsplit('_m', 1)[1]}"] / v for k, v in best.items() if k.startswith("raypipe")
+            k: best[plain_twin(k)] / v for k, v in best.items() if k.startswith("raypipe")
         },
         "ratio_vs_plain_same_microbatches_median_of_rounds": {
-            k: paired_ratio(seconds, f"plain_torch_m{k.rsplit('_m', 1)[1]}", k) for k in seconds if k.startswith("raypipe")
+            k: paired_ratio(seconds, plain_twin(k), k) for k in seconds if k.startswith("raypipe")
         },
         "mfu": {k: flops_per_token * v / (peak * 1e12) for k, v in rate.items()} if peak else None,
         "peak_tflops": peak,

@@ -24,6 +24,11 @@ def interleaved(runners: dict[str, Callable[[int], None]], rounds: int, steps: i
     return seconds
 
 
+def plain_twin(name: str) -> str:
+    """The plain-PyTorch run doing the same microbatches as raypipe run `name` ("..._m4" -> "plain_torch_m4")."""
+    return f"plain_torch_m{name.rsplit('_m', 1)[1]}"
+
+
 def paired_ratio(seconds: dict[str, list[float]], base: str, other: str) -> float:
     """Median over rounds of base's step time / other's in the same round: on a machine whose
     speed drifts, neighbours in time compare more fairly than two bests taken minutes apart."""
