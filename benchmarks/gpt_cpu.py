@@ -1,7 +1,8 @@
 """Tokens/s of the main job's GPT: plain PyTorch vs raypipe pp=1 and pp=2, side by side.
 
-Every configuration runs in the same process and the same Ray, in interleaved
-rounds (plain, pp=1, pp=2, plain, ...), so background load hits them alike. Each
+Every configuration runs in the same process and the same Ray, taking its steps in
+turn (one step of plain, pp=1, pp=2, then the next of each), so background load hits
+them alike. Each
 actor and the plain loop get one torch thread, so pp=1 vs plain doing the same microbatches
 measures raypipe's overhead, and pp=2 what a second core buys through the pipeline.
 
@@ -13,11 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 
 import ray
 import torch
 
-from rounds import interleaved, paired_ratio, plain_twin
+from rounds import interleaved, paired_ratio, plain_twin, round_means
 
 from raypipe import TrainConfig, Trainer, build_layers
 from raypipe.data import TokenDataset
@@ -63,7 +65,8 @@ def main() -> None:
     runners = {"plain_torch_m1": plain_step, f"plain_torch_m{m}": lambda step: plain_step(step, m)}
     runners.update({name: (lambda step, t=t: t.step(*data.batch(step, args.batch_size))) for name, t in trainers.items()})
 
-    seconds = interleaved(runners, args.rounds, args.steps)
+    per_step = interleaved(runners, args.rounds, args.steps)
+    seconds = round_means(per_step)
     for t in trainers.values():
         t.shutdown()
     ray.shutdown()
@@ -77,13 +80,14 @@ def main() -> None:
         "batch_size": args.batch_size, "microbatches": args.microbatches, "steps_per_round": args.steps,
         "rounds": args.rounds,
         "step_seconds_per_round": seconds,
+        "step_seconds_median": {k: statistics.median(t for r in v for t in r) for k, v in per_step.items()},
         "tokens_per_s_best": {k: tokens_per_step / v for k, v in best.items()},
         # raypipe against plain PyTorch doing the same microbatches (the engine's overhead)
         "ratio_vs_plain_same_microbatches": {
             k: best[plain_twin(k)] / v for k, v in best.items() if k.startswith("raypipe")
         },
-        "ratio_vs_plain_same_microbatches_median_of_rounds": {
-            k: paired_ratio(seconds, plain_twin(k), k) for k in seconds if k.startswith("raypipe")
+        "ratio_vs_plain_same_microbatches_median_of_steps": {
+            k: paired_ratio(per_step, plain_twin(k), k) for k in seconds if k.startswith("raypipe")
         },
         "ratio_vs_plain_m1": {k: best["plain_torch_m1"] / v for k, v in best.items() if k != "plain_torch_m1"},
     }

@@ -4,7 +4,7 @@ With `--device cuda` (the default where CUDA is present) the GPT has GPT-2 small
 shape (12 blocks, 12 heads, n_embd 768, block 1024, vocabulary 50304: 124M
 parameters) and trains in bf16 autocast with AdamW on random tokens (nothing to
 download). The plain loop, raypipe pp=1 and raypipe pp=2 (both stages on the one GPU,
-`gpus_per_actor=0.25` so every trainer fits at once) run in interleaved rounds in one
+`gpus_per_actor=0.25` so every trainer fits at once) take their steps in turn in one
 process; reports tokens/s, the ratio to plain PyTorch, and MFU: model FLOPs per
 token (6 N + 12 L d T, as PaLM counts them) x tokens/s over the device's bf16 dense
 peak (H100/H200: 989 TFLOPS; others: `--peak-tflops`).
@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 
 import ray
 import torch
 
-from rounds import interleaved, paired_ratio, plain_twin
+from rounds import interleaved, paired_ratio, plain_twin, round_means
 
 from raypipe import TrainConfig, Trainer, build_layers, runtime
 from raypipe.models import gpt
@@ -88,7 +89,8 @@ def main() -> None:
     }
     runners = {"plain_torch_m1": lambda step: plain_step(step, 1), f"plain_torch_m{m}": lambda step: plain_step(step, m)}
     runners.update({name: (lambda step, t=t: t.step(*batch(step))) for name, t in trainers.items()})
-    seconds = interleaved(runners, args.rounds, args.steps)
+    per_step = interleaved(runners, args.rounds, args.steps)
+    seconds = round_means(per_step)
     for t in trainers.values():
         t.shutdown()
     ray.shutdown()
@@ -103,12 +105,14 @@ def main() -> None:
         "model": {"parameters": cfg.parameters, "n_layer": cfg.n_layer, "n_embd": cfg.n_embd,
                   "block_size": cfg.block_size, "vocab_size": cfg.vocab_size},
         "precision": precision, "batch_size": args.batch_size, "microbatches": m, "rounds": args.rounds,
-        "steps_per_round": args.steps, "step_seconds_per_round": seconds, "tokens_per_s_best": rate,
+        "steps_per_round": args.steps, "step_seconds_per_round": seconds,
+        "step_seconds_median": {k: statistics.median(t for r in v for t in r) for k, v in per_step.items()},
+        "tokens_per_s_best": rate,
         "ratio_vs_plain_same_microbatches": {
             k: best[plain_twin(k)] / v for k, v in best.items() if k.startswith("raypipe")
         },
-        "ratio_vs_plain_same_microbatches_median_of_rounds": {
-            k: paired_ratio(seconds, plain_twin(k), k) for k in seconds if k.startswith("raypipe")
+        "ratio_vs_plain_same_microbatches_median_of_steps": {
+            k: paired_ratio(per_step, plain_twin(k), k) for k in seconds if k.startswith("raypipe")
         },
         "mfu": {k: flops_per_token * v / (peak * 1e12) for k, v in rate.items()} if peak else None,
         "peak_tflops": peak,

@@ -1,5 +1,6 @@
-"""Timing several runs side by side: warm each up, then interleave them round by round, so
-background load on the machine hits them alike. Used by gpt_cpu.py and gpt_gpu.py."""
+"""Timing several runs side by side: warm each up, then take their steps in turn (one step
+of each, then the next step of each, ...), so background load on the machine hits them
+alike. Used by gpt_cpu.py and gpt_gpu.py."""
 
 from __future__ import annotations
 
@@ -9,19 +10,30 @@ from typing import Callable
 
 
 def interleaved(runners: dict[str, Callable[[int], None]], rounds: int, steps: int,
-                warmup: int = 3) -> dict[str, list[float]]:
-    """Seconds per step of each runner (`run(step)`), one mean per round."""
+                warmup: int = 3) -> dict[str, list[list[float]]]:
+    """Seconds of each step of each runner (`run(step)`): `[round][step]` per runner.
+
+    Runners alternate step by step, so two runners' step i of a round ran within
+    about a second of each other, on the same machine load.
+    """
     for run in runners.values():  # first steps pay for allocation, imports, autotuning
         for step in range(warmup):
             run(step)
-    seconds: dict[str, list[float]] = {name: [] for name in runners}
+    seconds: dict[str, list[list[float]]] = {name: [] for name in runners}
     for r in range(rounds):
-        for name, run in runners.items():
-            started = time.perf_counter()
-            for step in range(steps):
+        for per_round in seconds.values():
+            per_round.append([])
+        for step in range(steps):
+            for name, run in runners.items():
+                started = time.perf_counter()
                 run(1000 * r + step)
-            seconds[name].append((time.perf_counter() - started) / steps)
+                seconds[name][r].append(time.perf_counter() - started)
     return seconds
+
+
+def round_means(seconds: dict[str, list[list[float]]]) -> dict[str, list[float]]:
+    """Mean seconds per step of each runner, one per round."""
+    return {name: [statistics.fmean(r) for r in per_round] for name, per_round in seconds.items()}
 
 
 def plain_twin(name: str) -> str:
@@ -29,7 +41,8 @@ def plain_twin(name: str) -> str:
     return f"plain_torch_m{name.rsplit('_m', 1)[1]}"
 
 
-def paired_ratio(seconds: dict[str, list[float]], base: str, other: str) -> float:
-    """Median over rounds of base's step time / other's in the same round: on a machine whose
-    speed drifts, neighbours in time compare more fairly than two bests taken minutes apart."""
-    return statistics.median(b / o for b, o in zip(seconds[base], seconds[other]))
+def paired_ratio(seconds: dict[str, list[list[float]]], base: str, other: str) -> float:
+    """Median over all steps of base's step time / other's same step (same round, same
+    index): on a machine whose speed drifts, neighbours in time compare more fairly
+    than two bests taken minutes apart."""
+    return statistics.median(b / o for rb, ro in zip(seconds[base], seconds[other]) for b, o in zip(rb, ro))
