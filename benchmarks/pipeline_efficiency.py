@@ -9,7 +9,7 @@ themselves (first start to last end, from the actors' timestamps). At tf = tb = 
 it reports the per-action overhead: step time / (2 m p). It also reports each
 stage's peak stashed microbatches (GPipe holds m, 1F1B at most p - s).
 
-    python benchmarks/pipeline_efficiency.py [--quick]
+    python benchmarks/pipeline_efficiency.py [--quick] [--engines p2p,p2p:gloo]
 """
 
 from __future__ import annotations
@@ -28,10 +28,16 @@ P = 4
 
 
 def simulated_trainer(t: float, engine: str = TrainConfig.engine) -> Trainer:
-    """p stages of one SimulatedCompute layer each (forward and backward sleep t), nearly no CPU reserved."""
+    """p stages of one SimulatedCompute layer each (forward and backward sleep t), nearly no CPU reserved.
+
+    `engine` is an engine name, optionally with the same-node transport after a colon:
+    "p2p" (its default, shared memory), "p2p:gloo", "compiled:gloo".
+    """
+    name, _, transport = engine.partition(":")
     layers = [LayerSpec(SimulatedCompute, t, t) for _ in range(P)]
     config = TrainConfig(pp=P, optimizer={"name": "sgd", "lr": 1e-3}, cpus_per_actor=0.01, threads_per_actor=1,
-                         engine=engine, name=f"efficiency-{engine}")
+                         engine=name, same_node_transport=transport or TrainConfig.same_node_transport,
+                         name=f"efficiency-{name}-{transport or 'default'}")
     return Trainer(layers, torch.nn.functional.mse_loss, config)
 
 
@@ -54,8 +60,9 @@ def measure(trainer: Trainer, schedule: str, m: int, steps: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description="raypipe schedule efficiency on simulated stages")
     parser.add_argument("--quick", action="store_true", help="m = 16 only")
-    parser.add_argument("--engines", default="refs,p2p,compiled", help="comma-separated; each row is measured for each, "
-                                                               "alternating, so ratios between them are side by side")
+    parser.add_argument("--engines", default="refs,p2p,compiled",
+                        help="comma-separated; each row is measured for each, alternating, so ratios between them "
+                             "are side by side; ENGINE:gloo sends between stages over gloo instead of shared memory")
     args = parser.parse_args()
     engines = args.engines.split(",")
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)

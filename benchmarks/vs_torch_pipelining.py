@@ -87,7 +87,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3,
                         help="torch and raypipe alternate this many times per configuration; medians are reported")
-    parser.add_argument("--engine", default=None, help="raypipe engine (refs, p2p or compiled); default: TrainConfig's")
+    parser.add_argument("--engine", default=None, help="raypipe engine (refs, p2p or compiled; p2p:gloo for gloo between same-node stages); default: TrainConfig's")
     args = parser.parse_args()
     import ray
     from pipeline_efficiency import measure, simulated_trainer  # the same raypipe set-up and timing
@@ -103,7 +103,7 @@ def main() -> None:
                     raypipe_rounds.append(measure(trainer, schedule, M, args.steps)["step_s"])
                 torch_s, raypipe_s = statistics.median(torch_rounds), statistics.median(raypipe_rounds)
                 ideal = (M + P - 1) * 2 * t
-                row = {"engine": trainer.config.engine, "schedule": schedule, "p": P, "m": M, "tf_ms": 1000 * t, "tb_ms": 1000 * t,
+                row = {"engine": trainer.config.engine, "same_node_transport": trainer.config.same_node_transport, "schedule": schedule, "p": P, "m": M, "tf_ms": 1000 * t, "tb_ms": 1000 * t,
                        "ideal_s": ideal, "torch_step_s": torch_s, "raypipe_step_s": raypipe_s,
                        "torch_efficiency": ideal / torch_s, "raypipe_efficiency": ideal / raypipe_s,
                        "ratio_raypipe_over_torch": raypipe_s / torch_s,

@@ -21,6 +21,7 @@ from raypipe.errors import ConfigError
 
 SCHEDULE_NAMES = ("gpipe", "1f1b")
 ENGINES = ("refs", "p2p", "compiled")
+SAME_NODE_TRANSPORTS = ("shm", "gloo")
 PARTITION_NAMES = ("uniform", "parameters", "profile")
 PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZER_NAMES = ("sgd", "adam", "adamw")
@@ -184,6 +185,10 @@ class TrainConfig:
             tensors sent actor to actor over torch.distributed (gloo) point to point;
             "compiled": p2p's step issued through a Ray Compiled Graph (one `execute`
             per step instead of one Ray task per actor).
+        same_node_transport: how p2p and compiled move boundary tensors between neighbouring
+            stages on one node: "shm" (shared memory and a pipe: one copy, no TCP; streams too
+            large for /dev/shm fall back to gloo) or "gloo" (loopback TCP). Stages on
+            different nodes always use gloo.
         precision: "fp32", "bf16" (autocast) or "fp16" (autocast with dynamic loss scaling).
         boundary_dtype: the dtype activations and their gradients travel in between
             stages: "fp32" (as computed), or "bf16" / "fp16" to halve the bytes sent; the
@@ -232,6 +237,7 @@ class TrainConfig:
     lr_schedule: dict = field(default_factory=lambda: {"name": "constant"})
     grad_clip: float | None = None
     engine: str = "p2p"
+    same_node_transport: str = "shm"
     precision: str = "fp32"
     boundary_dtype: str = "fp32"
     activation_checkpointing: bool = False
@@ -272,6 +278,7 @@ class TrainConfig:
         _check_choice("precision", self.precision, PRECISIONS)
         _check_choice("boundary_dtype", self.boundary_dtype, PRECISIONS)
         _check_choice("engine", self.engine, ENGINES)
+        _check_choice("same_node_transport", self.same_node_transport, SAME_NODE_TRANSPORTS)
         if not isinstance(self.activation_checkpointing, bool):
             raise _fail("activation_checkpointing", self.activation_checkpointing, "give true or false.")
         if not isinstance(self.measure_activations, bool):

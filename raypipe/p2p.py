@@ -1,8 +1,10 @@
 """Boundary tensors sent straight from one stage actor to the next, over the trainer's world.
 
 The "p2p" engine gives every actor its whole action list for a step in one call;
-activations and gradients then go actor to actor with torch.distributed point to
-point (gloo, through host memory), never through the driver or the object store.
+activations and gradients then go actor to actor, never through the driver or the
+object store: through shared memory between neighbours on one node (`raypipe.shm`),
+with torch.distributed point to point (gloo, through host memory) between nodes.
+`outbox` and `inbox` pick the transport; this module is the gloo one.
 
 A stream is one direction between two neighbours within a step (activations
 forward, or gradients back), carrying one message per microbatch, each on its own
@@ -41,8 +43,35 @@ class PeerFailed(RuntimeError):
     """A neighbouring stage failed earlier in this step (it sent poison instead of a tensor)."""
 
 
-class Outbox:
-    """The sending end of one stream: a header before the first message, then flagged messages."""
+def outbox(dst: int, count: int) -> Any:
+    """The sending end of this step's stream to world rank `dst`, which takes `count` messages:
+    through shared memory when `dst` is linked on this node (`raypipe.shm`), else over gloo."""
+    from raypipe import shm
+
+    link = shm.link_to(dst)
+    return shm.ShmOutbox(link, count) if link is not None else GlooOutbox(dst)
+
+
+def inbox(src: int, tags: Sequence[int]) -> Any:
+    """The receiving end of this step's stream from world rank `src`, its messages in `tags` order."""
+    from raypipe import shm
+
+    link = shm.link_to(src)
+    return shm.ShmInbox(link, tags) if link is not None else GlooInbox(src, tags)
+
+
+def check_like(like: torch.Tensor, t: torch.Tensor) -> None:
+    """Refuses a boundary tensor whose shape or dtype differs from its stream's first one this step."""
+    if t.shape != like.shape or t.dtype != like.dtype:
+        raise ValueError(
+            f"boundary tensor {tuple(t.shape)} {t.dtype} differs from this step's first microbatch "
+            f"({tuple(like.shape)} {like.dtype}); engine='p2p' needs equal shapes within a step, "
+            f"engine='refs' does not."
+        )
+
+
+class GlooOutbox:
+    """The sending end of one gloo stream: a header before the first message, then flagged messages."""
 
     def __init__(self, dst: int) -> None:
         self.dst = dst
@@ -59,12 +88,8 @@ class Outbox:
                 raise ValueError(f"a boundary tensor has {t.dim()} dimensions; at most {HEADER - 2} can be sent")
             self.like = torch.empty_like(t, device="cpu")
             self._post(_header(t), tag)
-        elif t is not None and (t.shape != self.like.shape or t.dtype != self.like.dtype):
-            raise ValueError(
-                f"boundary tensor {tuple(t.shape)} {t.dtype} differs from this step's first microbatch "
-                f"({tuple(self.like.shape)} {self.like.dtype}); engine='p2p' needs equal shapes within a step, "
-                f"engine='refs' does not."
-            )
+        elif t is not None:
+            check_like(self.like, t)
         message = _message(self.like)
         message[:FLAG_BYTES].view(torch.int64).fill_(OK if t is not None else POISON)
         if t is not None:
@@ -80,8 +105,8 @@ class Outbox:
         self.handles.append((dist.isend(buffer, self.dst, tag=tag), buffer))
 
 
-class Inbox:
-    """The receiving end of one stream, taking its messages in `tags` order."""
+class GlooInbox:
+    """The receiving end of one gloo stream, taking its messages in `tags` order."""
 
     def __init__(self, src: int, tags: Sequence[int]) -> None:
         self.src = src

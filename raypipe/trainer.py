@@ -650,9 +650,10 @@ class Trainer:
         joins = []
         for r, actor in enumerate(self._actors):
             d, s, t = self._place(r)
+            neighbours = [self._rank(d, n, t) for n in (s - 1, s + 1) if 0 <= n < pp]
             joins.append(actor.join.remote(
                 address, port, len(self._actors), r, groups, dp_groups[s * tp + t], tp_groups[d * pp + s],
-                self.config.step_timeout, backends,
+                self.config.step_timeout, backends, neighbours, self.config.same_node_transport,
             ))
         gather(joins, "rendezvous", self._actors, self.names)
 

@@ -1,6 +1,12 @@
-"""The p2p engine's wire protocol (`raypipe.p2p`) between two real processes over gloo:
-every boundary dtype arrives exactly, poison arrives where it was sent, and a shape
-change within a step is refused before anything goes out."""
+"""The p2p engine's wire protocol between two real processes, over both transports that
+`raypipe.p2p` picks from: shared memory between neighbours on one node (`raypipe.shm`)
+and gloo. Every boundary dtype arrives exactly, poison arrives where it was sent, a shape
+change within a step is refused before anything goes out, a stream too large for shared
+memory goes over gloo, nothing is left in /dev/shm, and a receiver whose neighbour exited
+fails instead of waiting."""
+
+import os
+import time
 
 import pytest
 import ray
@@ -13,63 +19,94 @@ POISON = "poison"
 
 @ray.remote(num_cpus=0)
 class Peer:
-    """One end of a two-rank gloo world: rank 0 sends a stream, rank 1 takes it."""
+    """One end of a two-rank world: rank 0 sends a stream, rank 1 takes it."""
 
     def address(self):
         from raypipe.collective import rendezvous_address
 
         return rendezvous_address()
 
-    def join(self, address, port, rank):
+    def join(self, address, port, rank, transport):
+        from raypipe import shm
         from raypipe.collective import join_world
 
         join_world(address, port, 2, rank, [], timeout=30)
+        return shm.connect(rank, [1 - rank], timeout=30, enabled=transport == "shm")
 
-    def send(self, tensors, tags):
-        """Sends each tensor (None: poison) as the stage does; returns the refusals."""
-        from raypipe.p2p import Outbox
+    def send(self, tensors, tags, limit=None):
+        """Sends each tensor (None: poison) as the stage does; returns the refusals.
+        `limit`: the largest stream (bytes) shared memory may carry this time."""
+        from raypipe import p2p, shm
 
-        box, refused = Outbox(1), []
-        for t, tag in zip(tensors, tags):
-            try:
-                box.send(t, tag)
-            except ValueError as error:
-                refused.append(str(error))
-                box.send(None, tag)  # what the stage does: poison keeps the pattern
-        box.wait()
-        return refused
+        default, shm.MAX_STREAM_BYTES = shm.MAX_STREAM_BYTES, limit or shm.MAX_STREAM_BYTES
+        try:
+            box, refused = p2p.outbox(1, len(tensors)), []
+            for t, tag in zip(tensors, tags):
+                try:
+                    box.send(t, tag)
+                except ValueError as error:
+                    refused.append(str(error))
+                    box.send(None, tag)  # what the stage does: poison keeps the pattern
+            box.wait()
+            return refused, type(box).__name__, getattr(box, "gloo", None) is not None
+        finally:
+            shm.MAX_STREAM_BYTES = default
 
     def take(self, tags):
-        """Takes every message; writes into each taken tensor (a layer may) and keeps a copy."""
-        from raypipe.p2p import Inbox, PeerFailed
+        """Takes every message; writes into each taken tensor (a layer may) and keeps a copy,
+        and the taken tensors themselves (`kept`)."""
+        from raypipe.p2p import PeerFailed, inbox
 
-        inbox, got = Inbox(0, tags), []
+        box, got, self.kept = inbox(0, tags), [], []
         for _ in tags:
             try:
-                t = inbox.take()
+                t = box.take()
                 got.append(t.clone())
                 if t.dtype != torch.bool:
                     t.add_(1)  # must not change a message still to be taken
+                self.kept.append((t, t.clone()))
             except PeerFailed:
                 got.append(POISON)
-            inbox.refill()
+            box.refill()
         return got
 
+    def hold(self):
+        """Keeps the tensors the last `take` returned, as a stage's stash does."""
+        self.held = self.kept
 
-@pytest.fixture(scope="module")
-def peers(ray_session):
+    def held_unchanged(self):
+        """Whether the held tensors still hold what they did when taken."""
+        return all(torch.equal(t, copy) for t, copy in self.held)
+
+    def shm_files(self):
+        """Files of this process's links still in the shared-memory directory."""
+        from raypipe import shm
+
+        names = {os.path.basename(link.prefix) for link in shm._links.values()}
+        return [f for f in os.listdir(shm._directory()) if any(f.startswith(n) for n in names)]
+
+
+def connect(transport):
     sender, receiver = Peer.remote(), Peer.remote()
     address, port = ray.get(sender.address.remote(), timeout=30)
-    ray.get([sender.join.remote(address, port, 0), receiver.join.remote(address, port, 1)], timeout=60)
+    linked = ray.get([sender.join.remote(address, port, 0, transport),
+                      receiver.join.remote(address, port, 1, transport)], timeout=60)
+    return sender, receiver, linked
+
+
+@pytest.fixture(scope="module", params=["shm", "gloo"])
+def peers(ray_session, request):
+    sender, receiver, linked = connect(request.param)
+    assert linked == ([[1], [0]] if request.param == "shm" else [[], []])
     yield sender, receiver
     for actor in (sender, receiver):
         ray.kill(actor)
 
 
-def exchange(peers, tensors, tags=None):
+def exchange(peers, tensors, tags=None, limit=None):
     sender, receiver = peers
     tags = tags or [2 * i for i in range(len(tensors))]
-    refused, got = ray.get([sender.send.remote(tensors, tags), receiver.take.remote(tags)], timeout=60)
+    (refused, _, _), got = ray.get([sender.send.remote(tensors, tags, limit), receiver.take.remote(tags)], timeout=60)
     return refused, got
 
 
@@ -97,3 +134,48 @@ def test_a_shape_change_within_a_step_is_refused_by_the_sender_and_seen_as_poiso
     refused, got = exchange(peers, [a, b, a])
     assert len(refused) == 1 and "(4, 3)" in refused[0] and "engine='refs'" in refused[0]
     assert torch.equal(got[0], a) and got[1] == POISON and torch.equal(got[2], a)
+
+
+def test_taken_tensors_outlive_the_next_step(peers):
+    # a stage's stash holds taken tensors until its step ends, which may be after its
+    # neighbour has started the next step's sends
+    sender, receiver = peers
+    exchange(peers, [torch.full((2, 3), float(i)) for i in range(4)])
+    ray.get(receiver.hold.remote(), timeout=30)
+    exchange(peers, [torch.full((2, 3), 100.0 + i) for i in range(4)])
+    assert ray.get(receiver.held_unchanged.remote(), timeout=30)
+
+
+def test_a_stream_too_large_for_shared_memory_goes_over_gloo(peers):
+    sender, receiver = peers
+    tensors = [torch.randn(16, 16) for _ in range(3)]
+    tags = [1, 3, 5]
+    (refused, kind, over_gloo), got = ray.get(
+        [sender.send.remote(tensors, tags, 512), receiver.take.remote(tags)], timeout=60)
+    assert refused == [] and all(torch.equal(a, b) for a, b in zip(tensors, got))
+    assert over_gloo == (kind == "ShmOutbox")  # only a shared-memory stream has anything to fall back from
+    # the next step fits again and goes through shared memory
+    (refused, kind, over_gloo), got = ray.get([sender.send.remote(tensors, tags), receiver.take.remote(tags)], timeout=60)
+    assert not over_gloo and all(torch.equal(a, b) for a, b in zip(tensors, got))
+
+
+def test_nothing_is_left_in_shared_memory(peers):
+    exchange(peers, [torch.randn(3, 5) for _ in range(3)])
+    exchange(peers, [torch.randn(7) for _ in range(2)])  # a new shape: a new file
+    sender, receiver = peers
+    assert ray.get([sender.shm_files.remote(), receiver.shm_files.remote()], timeout=30) == [[], []]
+
+
+def test_a_receiver_whose_neighbour_exited_fails_instead_of_waiting(ray_session):
+    sender, receiver, _ = connect("shm")
+    try:
+        taking = receiver.take.remote([0, 2])
+        time.sleep(1.0)  # the receiver is waiting for the first message
+        ray.kill(sender)
+        started = time.monotonic()
+        with pytest.raises(ray.exceptions.RayTaskError, match="exited before it could send"):
+            ray.get(taking, timeout=30)
+        assert time.monotonic() - started < 10
+    finally:
+        for actor in (sender, receiver):
+            ray.kill(actor)

@@ -2,10 +2,11 @@
 
 One trainer per pipeline depth is reused across schedules and microbatch counts
 (`reconfigure`, `reset_optimizer`, `load_state_dict`), which also tests those. The
-default engine ("p2p": one call per actor per step, tensors sent actor to actor) runs
-at pp = 1 and 4, the "compiled" engine (the same step through a Ray Compiled Graph) at
-pp = 2, the "refs" engine (one call per action, tensors as object references) at pp=3;
-failures name the stage that failed, and under p2p its neighbours stop too.
+default engine ("p2p": one call per actor per step, tensors sent actor to actor, through
+shared memory on one node) runs at pp = 1 and 4, the "compiled" engine (the same step
+through a Ray Compiled Graph) at pp = 2 with gloo between the stages, the "refs" engine
+(one call per action, tensors as object references) at pp=3; failures name the stage
+that failed, and under p2p its neighbours stop too.
 """
 
 import pytest
@@ -23,11 +24,12 @@ def sgd(params):
     return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 
 
-@pytest.fixture(scope="module", params=[(1, "p2p"), (2, "compiled"), (4, "p2p"), (3, "refs")],
-                ids=lambda p: f"pp{p[0]}-{p[1]}")
+@pytest.fixture(scope="module", params=[(1, "p2p", "shm"), (2, "compiled", "gloo"), (4, "p2p", "shm"), (3, "refs", "shm")],
+                ids=lambda p: f"pp{p[0]}-{p[1]}-{p[2]}")
 def trainer(request, ray_session):
-    pp, engine = request.param
-    t = Trainer(MLP7, nn.functional.mse_loss, TrainConfig(pp=pp, engine=engine, optimizer=SGD, seed=SEED))
+    pp, engine, transport = request.param
+    t = Trainer(MLP7, nn.functional.mse_loss,
+                TrainConfig(pp=pp, engine=engine, same_node_transport=transport, optimizer=SGD, seed=SEED))
     yield t
     t.shutdown()
 
@@ -152,6 +154,15 @@ def test_timeline_and_sent_bytes_come_from_the_actors(trainer, initial):
     if trainer.num_stages > 1:  # the first stage's output is 16 wide in every plan of MLP7
         assert sent[0] == 4 * 4 * 16 * 4  # 4 microbatches of 4 x 16 fp32 activations, no gradient back
         assert all(b > 0 for b in sent)
+
+
+def test_stages_on_one_node_are_linked_through_shared_memory_unless_told_otherwise(trainer):
+    cfg = trainer.config
+    linked = [info["shm_peers"] for info in trainer.stage_info()]
+    if cfg.engine == "refs" or cfg.same_node_transport == "gloo":
+        assert linked == [[]] * cfg.pp
+    else:  # every stage with its neighbours, all on this one node
+        assert linked == [[n for n in (s - 1, s + 1) if 0 <= n < cfg.pp] for s in range(cfg.pp)]
 
 
 def test_a_failing_stage_is_named_and_its_neighbours_do_not_hang(trainer, initial):

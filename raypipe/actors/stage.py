@@ -135,6 +135,7 @@ class StageActor:
             "device_kind": self.device_kind,
             "cpu_fallback": self.fallback,
             "threads": torch.get_num_threads(),
+            "shm_peers": list(getattr(self, "shm_peers", [])),  # neighbours' world ranks linked through shared memory
             "parameter_bytes": sum(p.numel() * p.element_size() for p in self.module.parameters()),
             "optimizer_state_bytes": sum(
                 v.numel() * v.element_size()
@@ -151,13 +152,23 @@ class StageActor:
 
     def join(self, address: str, port: int, world_size: int, rank: int,
              groups: list[list[int]], dp_group: list[int], tp_group: list[int], timeout: float,
-             backends: list[str] | None = None) -> None:
-        """Joins the trainer's torch.distributed world and keeps its dp and tp groups."""
+             backends: list[str] | None = None, neighbours: Sequence[int] = (),
+             same_node_transport: str = "shm") -> list[int]:
+        """Joins the trainer's torch.distributed world, keeps its dp and tp groups, and links
+        to its pipeline `neighbours` (world ranks) on this node through shared memory
+        (`raypipe.shm`) unless `same_node_transport` is "gloo".
+
+        Returns:
+            The neighbours linked through shared memory (the others use gloo).
+        """
+        from raypipe import shm
         from raypipe.collective import join_world
 
         mine = join_world(address, port, world_size, rank, groups, timeout, backends)
         self.dp_group, self.dp_ranks = mine.get(tuple(dp_group)), list(dp_group)
         self.tp.group, self.tp_ranks = mine.get(tuple(tp_group)), list(tp_group)
+        self.shm_peers = shm.connect(rank, neighbours, timeout, enabled=same_node_transport == "shm")
+        return self.shm_peers
 
     def configure(self, settings: StageSettings, reset_optimizer: bool = False) -> None:
         """Applies new settings; keeps optimizer state unless the optimizer kind changes."""
@@ -220,7 +231,8 @@ class StageActor:
         gradient reduction and the optimizer step, agreed on with every actor of the world.
 
         Activations come from world rank `prev_rank` and go to `next_rank`, gradients
-        the other way, with torch.distributed point to point (`raypipe.p2p`); stage 0
+        the other way, through shared memory on one node and gloo between nodes
+        (`raypipe.p2p`, `raypipe.shm`); stage 0
         takes `inputs[m]`, the last stage `targets[m]`. After a failure the actor still
         makes every send and receive of its list (sending poison), so no neighbour
         hangs; then every actor learns through one all-reduce that the step failed, none
@@ -236,10 +248,10 @@ class StageActor:
         inputs, targets = unpack(inputs), unpack(targets)
         forwards = [m for kind, m in actions if kind == "F"]
         backwards = [m for kind, m in actions if kind == "B"]
-        activations = p2p.Inbox(prev_rank, [2 * m for m in forwards]) if self.stage > 0 else None
-        gradients = p2p.Inbox(next_rank, [2 * m + 1 for m in backwards]) if not self.is_last else None
-        to_next = p2p.Outbox(next_rank) if not self.is_last else None
-        to_prev = p2p.Outbox(prev_rank) if self.stage > 0 else None
+        activations = p2p.inbox(prev_rank, [2 * m for m in forwards]) if self.stage > 0 else None
+        gradients = p2p.inbox(next_rank, [2 * m + 1 for m in backwards]) if not self.is_last else None
+        to_next = p2p.outbox(next_rank, len(forwards)) if not self.is_last else None
+        to_prev = p2p.outbox(prev_rank, len(backwards)) if self.stage > 0 else None
         losses, failure = [], None
         for kind, m in actions:
             if kind == "F":
