@@ -60,6 +60,12 @@ def inbox(src: int, tags: Sequence[int]) -> Any:
     return shm.ShmInbox(link, tags) if link is not None else GlooInbox(src, tags)
 
 
+def check_sendable(t: torch.Tensor) -> None:
+    """Refuses a boundary tensor with more dimensions than a header describes."""
+    if t.dim() > HEADER - 2:
+        raise ValueError(f"a boundary tensor has {t.dim()} dimensions; at most {HEADER - 2} can be sent")
+
+
 def check_like(like: torch.Tensor, t: torch.Tensor) -> None:
     """Refuses a boundary tensor whose shape or dtype differs from its stream's first one this step."""
     if t.shape != like.shape or t.dtype != like.dtype:
@@ -82,12 +88,11 @@ class GlooOutbox:
         """Starts sending `t` (a tensor on any device; None sends poison)."""
         if self.like is None:
             if t is None:
-                self._post(_header(None), tag)
+                self._post(header(None), tag)
                 return
-            if t.dim() > HEADER - 2:
-                raise ValueError(f"a boundary tensor has {t.dim()} dimensions; at most {HEADER - 2} can be sent")
+            check_sendable(t)
             self.like = torch.empty_like(t, device="cpu")
-            self._post(_header(t), tag)
+            self._post(header(t), tag)
         elif t is not None:
             check_like(self.like, t)
         message = _message(self.like)
@@ -160,7 +165,8 @@ def _payload(message: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return message[FLAG_BYTES:].view(like.dtype).view(like.shape)
 
 
-def _header(t: torch.Tensor | None) -> torch.Tensor:
+def header(t: torch.Tensor | None) -> torch.Tensor:
+    """A stream's description of its tensors (HEADER int64s: dtype code, ndim, shape), or poison for None."""
     if t is None:
         return torch.tensor([POISON] + [0] * (HEADER - 1), dtype=torch.int64)
     return torch.tensor([CODES[t.dtype], t.dim(), *t.shape] + [0] * (HEADER - 2 - t.dim()), dtype=torch.int64)

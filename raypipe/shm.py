@@ -39,11 +39,11 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from raypipe.p2p import CODES, DTYPES, HEADER, POISON, GlooInbox, GlooOutbox, PeerFailed, check_like
+from raypipe.p2p import CODES, DTYPES, POISON, GlooInbox, GlooOutbox, PeerFailed, check_like, check_sendable, header
 
 OK, GLOO = 0, 1  # record flags besides POISON: a tensor in a slot; this stream goes over gloo this step
 RECORD = struct.Struct("<4q")  # tag, flag, generation, slot: written atomically (< PIPE_BUF)
-FILE_HEADER = 64  # bytes before the first slot: dtype code, ndim, shape (HEADER int64s)
+FILE_HEADER = 64  # bytes before the first slot: the stream's `p2p.header` (8 int64s)
 SLOT_ALIGN = 64
 MAX_STREAM_BYTES = 1 << 30  # one direction's file; larger streams go over gloo
 POLL_MS = 1000  # how often a waiting end checks that its neighbour is still alive
@@ -143,7 +143,7 @@ class Link:
         like = (t.dtype, t.shape, count)
         if like == self.out_like:
             return True
-        slot_bytes = max(SLOT_ALIGN, -(-t.numel() * t.element_size() // SLOT_ALIGN) * SLOT_ALIGN)
+        slot_bytes = _slot_bytes(t.numel() * t.element_size())
         size = FILE_HEADER + 2 * count * slot_bytes
         if size > MAX_STREAM_BYTES:
             return False
@@ -164,7 +164,7 @@ class Link:
         finally:
             os.close(fd)
         out = torch.frombuffer(mapped, dtype=torch.uint8)
-        out[:FILE_HEADER].view(torch.int64).copy_(_header(t))
+        out[:FILE_HEADER].view(torch.int64).copy_(header(t))
         self.generation += 1
         self.out, self.out_like, self.slot_bytes, self.parity = out, like, slot_bytes, 0
         return True
@@ -211,12 +211,11 @@ class Link:
                 mapped = mmap.mmap(f.fileno(), 0)
             os.unlink(path)  # the sender made it before announcing it; nobody opens it again
             inp = torch.frombuffer(mapped, dtype=torch.uint8)
-            header = inp[:FILE_HEADER].view(torch.int64).tolist()
-            code, ndim = header[0], header[1]
-            dtype, shape = DTYPES[code], torch.Size(header[2 : 2 + ndim])
-            nbytes = shape.numel() * dtype.itemsize
+            described = inp[:FILE_HEADER].view(torch.int64).tolist()
+            code, ndim = described[0], described[1]
+            dtype, shape = DTYPES[code], torch.Size(described[2 : 2 + ndim])
             self.inp, self.in_like, self.in_generation = inp, (dtype, shape), generation
-            self.in_slot_bytes = max(SLOT_ALIGN, -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN)
+            self.in_slot_bytes = _slot_bytes(shape.numel() * dtype.itemsize)
         dtype, shape = self.in_like
         start = FILE_HEADER + slot * self.in_slot_bytes
         return self.inp[start : start + shape.numel() * dtype.itemsize].view(dtype).view(shape)
@@ -268,8 +267,7 @@ class ShmOutbox:
             self.sent += 1
             return
         if self.like is None:
-            if t.dim() > HEADER - 2:
-                raise ValueError(f"a boundary tensor has {t.dim()} dimensions; at most {HEADER - 2} can be sent")
+            check_sendable(t)
             if t.dtype not in CODES or not self.link.prepare(t, self.count):
                 self.link.write(tag, GLOO)
                 self.gloo = GlooOutbox(self.link.peer)
@@ -320,8 +318,9 @@ class ShmInbox:
             self.gloo.refill()
 
 
-def _header(t: torch.Tensor) -> torch.Tensor:
-    return torch.tensor([CODES[t.dtype], t.dim(), *t.shape] + [0] * (HEADER - 2 - t.dim()), dtype=torch.int64)
+def _slot_bytes(nbytes: int) -> int:
+    """A slot's size for a message of `nbytes`: rounded up to SLOT_ALIGN, so every dtype's view is aligned."""
+    return max(SLOT_ALIGN, -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN)
 
 
 def _poller(fd: int, event: int) -> select.poll:

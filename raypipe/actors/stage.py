@@ -89,6 +89,7 @@ class StageActor:
         self.stage, self.num_stages, self.start, self.name = stage, num_stages, start, name
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.dp_group, self.dp_ranks = None, [0]
+        self.shm_peers: list[int] = []  # neighbours' world ranks linked through shared memory (`join`)
         self.tp = TensorParallelGroup(tp_rank, tp_size)
         self.is_last = stage == num_stages - 1
         self.loss_fn = loss_fn
@@ -135,7 +136,7 @@ class StageActor:
             "device_kind": self.device_kind,
             "cpu_fallback": self.fallback,
             "threads": torch.get_num_threads(),
-            "shm_peers": list(getattr(self, "shm_peers", [])),  # neighbours' world ranks linked through shared memory
+            "shm_peers": list(self.shm_peers),
             "parameter_bytes": sum(p.numel() * p.element_size() for p in self.module.parameters()),
             "optimizer_state_bytes": sum(
                 v.numel() * v.element_size()
