@@ -15,10 +15,24 @@ import torch
 
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], spec: Mapping) -> torch.optim.Optimizer:
-    """`{"name": "sgd", "lr": 0.1, "momentum": 0.9}` -> torch.optim.SGD(params, lr=0.1, momentum=0.9)."""
-    classes = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
+    """`{"name": "sgd", "lr": 0.1, "momentum": 0.9}` -> torch.optim.SGD(params, lr=0.1, momentum=0.9).
+
+    Parameters that all live on the CPU get torch's fused kernels (`fused=True`) unless
+    `spec` chooses `fused` or `foreach` itself: torch's default there is a Python loop
+    over the tensors, which for the main job's GPT (53 tensors, 0.87 M parameters) took
+    4.1 ms per AdamW step against 1.2 ms fused, 2-3 % of a training step. Fused kernels
+    round differently in the last bits (~5e-6 relative after 30 AdamW steps). Where the
+    fused kernels refuse an option or dtype, the default implementation is used.
+    """
+    cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[spec["name"]]
     kwargs = {k: v for k, v in spec.items() if k != "name"}
-    return classes[spec["name"]](list(params), **kwargs)
+    params = list(params)
+    if params and "fused" not in kwargs and "foreach" not in kwargs and all(p.device.type == "cpu" for p in params):
+        try:
+            return cls(params, fused=True, **kwargs)
+        except (RuntimeError, ValueError):  # e.g. differentiable=True, a dtype without fused kernels
+            pass
+    return cls(params, **kwargs)
 
 
 def learning_rate(step: int, base_lr: float, schedule: Mapping) -> float:
