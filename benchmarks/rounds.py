@@ -36,9 +36,10 @@ def round_means(seconds: dict[str, list[list[float]]]) -> dict[str, list[float]]
     return {name: [statistics.fmean(r) for r in per_round] for name, per_round in seconds.items()}
 
 
-def plain_twin(name: str) -> str:
-    """The plain-PyTorch run doing the same microbatches as raypipe run `name` ("..._m4" -> "plain_torch_m4")."""
-    return f"plain_torch_m{name.rsplit('_m', 1)[1]}"
+def plain_twin(name: str, flavour: str = "torch") -> str:
+    """The plain-PyTorch run doing the same microbatches as raypipe run `name` ("..._m4" ->
+    "plain_torch_m4"; with `flavour="fused"`, "plain_fused_m4")."""
+    return f"plain_{flavour}_m{name.rsplit('_m', 1)[1]}"
 
 
 def paired_ratio(seconds: dict[str, list[list[float]]], base: str, other: str) -> float:
