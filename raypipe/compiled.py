@@ -25,7 +25,7 @@ import torch
 
 from raypipe.engine import ActionList, _cause_message, root_failure
 from raypipe.errors import ActorDiedError, StageError, StepTimeoutError
-from raypipe.wire import pack
+from raypipe.wire import pack_microbatches
 
 
 class CompiledStep:
@@ -51,8 +51,8 @@ class CompiledStep:
             "call_id": call_id,
             "step": step,
             "lists": {lst.name: (lst.actions, lst.prev_rank, lst.next_rank) for lst in lists},
-            "inputs": [pack(list(x)) for x in inputs],
-            "targets": [pack(list(y)) for y in targets],
+            "inputs": [pack_microbatches(list(x)) for x in inputs],
+            "targets": [pack_microbatches(list(y)) for y in targets],
         }
         refs = self.graph.execute(payload)
         deadline = time.monotonic() + timeout

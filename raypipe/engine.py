@@ -24,7 +24,7 @@ import ray
 import torch
 
 from raypipe.errors import ActorDiedError, StageError, StepTimeoutError
-from raypipe.wire import pack, unpack
+from raypipe.wire import pack, pack_microbatches, unpack
 
 PEER_STOPPED = "stopped: world rank"  # how run_actions words a failure caused by a neighbour's
 from raypipe.schedules import BACKWARD, FORWARD, Action, Schedule, simulate
@@ -167,7 +167,7 @@ def _run_lists(lists: Sequence["ActionList"], replicas: Sequence[Sequence[Sequen
     batches = []
     for d, stages in enumerate(replicas):
         # by value (Ray inlines small arguments), or stored once when several tp ranks read it
-        batch, labels = pack(list(inputs[d])), pack(list(targets[d]))
+        batch, labels = pack_microbatches(list(inputs[d])), pack_microbatches(list(targets[d]))
         if len(stages[0]) > 1:
             batch, labels = ray.put(batch), ray.put(labels)
         batches.append((batch, labels))

@@ -7,7 +7,7 @@ import numpy as np
 import ray
 import torch
 
-from raypipe.wire import Packed, pack, unpack
+from raypipe.wire import Packed, pack, pack_microbatches, unpack
 
 Pair = namedtuple("Pair", "x y")
 
@@ -52,3 +52,27 @@ def test_through_ray_the_receiver_gets_a_writable_tensor_of_its_own(ray_session)
     assert torch.equal(unpack(ray.get(double_in_place.remote(packed))), 2 * x)
     assert torch.equal(unpack(ray.get(double_in_place.remote(ray.put(packed)))), 2 * x)
     assert torch.equal(x, torch.arange(8, dtype=torch.float32))  # the sender's tensor is untouched
+
+
+def test_microbatches_travel_stacked_and_come_back_as_disjoint_owned_rows():
+    items = [torch.randn(2, 3) for _ in range(4)]
+    sent = [t.clone() for t in items]
+    packed = pack_microbatches(items)
+    assert isinstance(packed, Packed) and packed.array.shape == (4, 2, 3)  # one array for the call
+    back = unpack(packed)
+    for i, item in enumerate(items):
+        assert torch.equal(back[i], item)
+    back[1].mul_(0)  # a layer writing into its input touches only its own microbatch
+    assert torch.equal(back[0], sent[0]) and torch.equal(back[2], sent[2])
+    assert torch.equal(items[1], sent[1])  # and never the sender's
+
+
+def test_microbatches_that_cannot_stack_travel_one_by_one():
+    ragged = [torch.ones(2, 3), torch.ones(1, 3)]
+    mixed = [torch.ones(2), torch.ones(2, dtype=torch.int64)]
+    for items in (ragged, mixed, [None, None], ["a", "b"], []):
+        packed = pack_microbatches(items)
+        assert isinstance(packed, list) and len(packed) == len(items)
+        back = unpack(packed)
+        for got, want in zip(back, items):
+            assert torch.equal(got, want) if torch.is_tensor(want) else got == want
