@@ -223,20 +223,8 @@ class Link:
     # ----- both -----------------------------------------------------------------
 
     def _wait(self, fd: int, event: int, what: str) -> None:
-        """Waits until `fd` is ready, checking every POLL_MS that the neighbour still lives."""
         poller = self.poller if fd == self.reader else _poller(fd, event)
-        deadline = time.monotonic() + self.timeout
-        while not poller.poll(POLL_MS):
-            try:
-                os.kill(self.peer_pid, 0)
-            except ProcessLookupError:
-                raise RuntimeError(
-                    f"world rank {self.peer} (pid {self.peer_pid}, on this node) exited before it could {what}"
-                ) from None
-            except PermissionError:  # alive, another user's
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"world rank {self.peer} did not {what} within {self.timeout:.0f} s")
+        wait_alive(poller, {self.peer: self.peer_pid}, self.timeout, what)
 
     def close(self) -> None:
         for fd in (self.reader, self.writer):
@@ -321,6 +309,24 @@ class ShmInbox:
 def _slot_bytes(nbytes: int) -> int:
     """A slot's size for a message of `nbytes`: rounded up to SLOT_ALIGN, so every dtype's view is aligned."""
     return max(SLOT_ALIGN, -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN)
+
+
+def wait_alive(poller: select.poll, peers: dict[int, int], timeout: float, what: str) -> None:
+    """Waits until `poller` has an event, checking every POLL_MS that the processes awaited,
+    `peers` (world rank -> pid, on this node), still live: one that exited fails the wait
+    within a second instead of after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while not poller.poll(POLL_MS):
+        for rank, pid in peers.items():
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                raise RuntimeError(f"world rank {rank} (pid {pid}, on this node) exited before it could {what}") from None
+            except PermissionError:  # alive, another user's
+                pass
+        if time.monotonic() > deadline:
+            ranks = ", ".join(str(r) for r in peers)
+            raise RuntimeError(f"world rank{'s' if len(peers) > 1 else ''} {ranks} did not {what} within {timeout:.0f} s")
 
 
 def _poller(fd: int, event: int) -> select.poll:

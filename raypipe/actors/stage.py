@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from raypipe import agree
 from raypipe.actors import zero
 from raypipe.actors.memory import count_saved_bytes
 from raypipe.devices import SERVING_ENV
@@ -90,6 +91,7 @@ class StageActor:
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.dp_group, self.dp_ranks = None, [0]
         self.shm_peers: list[int] = []  # neighbours' world ranks linked through shared memory (`join`)
+        self.agrees_through_pipes = False  # the step's closing all-reduce: pipes on one node, else gloo (`join`)
         self.tp = TensorParallelGroup(tp_rank, tp_size)
         self.is_last = stage == num_stages - 1
         self.loss_fn = loss_fn
@@ -143,6 +145,7 @@ class StageActor:
             "cpu_fallback": self.fallback,
             "threads": torch.get_num_threads(),
             "shm_peers": list(self.shm_peers),
+            "agrees_through_pipes": self.agrees_through_pipes,
             "parameter_bytes": sum(p.numel() * p.element_size() for p in self.module.parameters()),
             "optimizer_state_bytes": sum(
                 v.numel() * v.element_size()
@@ -163,7 +166,8 @@ class StageActor:
              same_node_transport: str = "shm") -> list[int]:
         """Joins the trainer's torch.distributed world, keeps its dp and tp groups, and links
         to its pipeline `neighbours` (world ranks) on this node through shared memory
-        (`raypipe.shm`) unless `same_node_transport` is "gloo".
+        (`raypipe.shm`) unless `same_node_transport` is "gloo"; with "shm" and the whole
+        world on this node, the step's closing agreement goes through pipes (`raypipe.agree`).
 
         Returns:
             The neighbours linked through shared memory (the others use gloo).
@@ -175,6 +179,7 @@ class StageActor:
         self.dp_group, self.dp_ranks = mine.get(tuple(dp_group)), list(dp_group)
         self.tp.group, self.tp_ranks = mine.get(tuple(tp_group)), list(tp_group)
         self.shm_peers = shm.connect(rank, neighbours, timeout, enabled=same_node_transport == "shm")
+        self.agrees_through_pipes = agree.connect(rank, timeout, enabled=same_node_transport == "shm")
         return self.shm_peers
 
     def configure(self, settings: StageSettings, reset_optimizer: bool = False) -> None:
@@ -312,7 +317,8 @@ class StageActor:
 
     def _finish_step(self, step: int, failure: Exception | None) -> dict[str, Any]:
         """Reduces gradients over dp, then agrees with every actor through one all-reduce on
-        the global gradient norm, non-finite values and failures, and steps (or raises) alike."""
+        the global gradient norm, non-finite values and failures (`raypipe.agree`: pipes when
+        the world shares a node, else gloo), and steps (or raises) alike."""
         import torch.distributed as dist
 
         if self.dp_size > 1:  # a collective: every replica gets here, failed or not
@@ -322,7 +328,7 @@ class StageActor:
         votes = torch.tensor([sq if self.dp_rank == 0 else 0.0, float(not finite), float(failure is not None)],
                              dtype=torch.float64)
         if dist.is_initialized():  # a lone actor (pp = dp = tp = 1) has no world to agree with
-            dist.all_reduce(votes)
+            votes = agree.all_sum(votes)
         if votes[2] > 0:
             self.stash.clear()
             self.stash_bytes.clear()
