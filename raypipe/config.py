@@ -190,7 +190,8 @@ class TrainConfig:
         same_node_transport: how p2p and compiled move boundary tensors between neighbouring
             stages on one node: "shm" (shared memory and a pipe: one copy, no TCP; streams too
             large for /dev/shm fall back to gloo) or "gloo" (loopback TCP). Stages on
-            different nodes always use gloo.
+            different nodes always use gloo. With "shm" the step's closing agreement (global
+            norm, failures) also goes through pipes when every actor is on one node.
         precision: "fp32", "bf16" (autocast) or "fp16" (autocast with dynamic loss scaling).
         boundary_dtype: the dtype activations and their gradients travel in between
             stages: "fp32" (as computed), or "bf16" / "fp16" to halve the bytes sent; the
