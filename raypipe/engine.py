@@ -122,7 +122,7 @@ def run_step(
     return StepResult(values[: len(losses)], values[len(losses) :], time.perf_counter() - started)
 
 
-def run_step_p2p(
+def submit_step_p2p(
     replicas: Sequence[Sequence[Sequence[Any]]],
     names: Sequence[Sequence[Sequence[str]]],
     ranks: Sequence[Sequence[Sequence[int]]],
@@ -132,9 +132,11 @@ def run_step_p2p(
     call_id: int,
     step: int,
     timeout: float,
+    after: int | None = None,
     compiled: Any = None,
-) -> StepResult:
-    """One step of `schedule` with one call per actor ("p2p" engine).
+) -> "SubmittedStep":
+    """Sends one step of `schedule` with one call per actor ("p2p" engine) and returns
+    without waiting for it; `result()` waits.
 
     Each actor gets its stage's whole action list (`StageActor.run_actions`) and
     exchanges activations and gradients directly with its neighbours (`raypipe.p2p`),
@@ -143,26 +145,24 @@ def run_step_p2p(
     The gradient reduction and the optimizer step end the same call: the actors agree
     on the global norm, non-finite values and failures with one all-reduce, so a step
     costs one round of Ray calls. Arguments as `run_step`, plus `ranks`: the world rank
-    of every actor, same shape as `replicas`; and `compiled`, a `raypipe.compiled.CompiledStep`
-    over the same actors, to issue the calls through it ("compiled" engine).
+    of every actor, same shape as `replicas`.
+
+    `after`: the call id of a step still running on the same actors, which this one
+    queues behind. The actors run this step only if that one was applied: a step that
+    failed, or (with `StageSettings.stop_on_nonfinite`) skipped a non-finite update,
+    makes every actor answer the steps queued behind it with `{"halted": True}`
+    instead, so a failure leaves the weights of the last good step.
+
+    `compiled`: a `raypipe.compiled.CompiledStep` over the same actors, to issue the
+    calls through it ("compiled" engine); that step is run in full before this returns.
     """
     started = time.perf_counter()
     lists = action_lists(replicas, names, ranks, schedule)
-    what = f"step {step + 1}"
     trace_lists(step, schedule, names)
+    what = f"step {step + 1}"
     if compiled is not None:
         values = compiled.run(lists, inputs, targets, call_id, step, timeout, what)
-    else:
-        values = _run_lists(lists, replicas, inputs, targets, call_id, step, timeout, what)
-    # values are in world-rank order (replica, stage, tp rank); the last stage's tp rank 0 has the losses
-    step_losses = [loss for replica_losses, _ in values if replica_losses is not None for loss in replica_losses]
-    return StepResult(step_losses, [report for _, report in values], time.perf_counter() - started)
-
-
-def _run_lists(lists: Sequence["ActionList"], replicas: Sequence[Sequence[Sequence[Any]]],
-               inputs: Sequence[Sequence[torch.Tensor]], targets: Sequence[Sequence[Any]],
-               call_id: int, step: int, timeout: float, what: str) -> list[Any]:
-    """One `run_actions` task per actor; their results in `lists` order."""
+        return SubmittedStep([], what, timeout, started, call_id, values)
     last = max(lst.stage for lst in lists)
     batches = []
     for d, stages in enumerate(replicas):
@@ -171,25 +171,56 @@ def _run_lists(lists: Sequence["ActionList"], replicas: Sequence[Sequence[Sequen
         if len(stages[0]) > 1:
             batch, labels = ray.put(batch), ray.put(labels)
         batches.append((batch, labels))
-    pending: dict[ray.ObjectRef, tuple[str, str]] = {}
     runs = []
     for lst in lists:
         batch, labels = batches[lst.replica]
         ref = lst.actor.run_actions.remote(call_id, step, lst.actions, batch if lst.stage == 0 else None,
-                                           labels if lst.stage == last else None, lst.prev_rank, lst.next_rank)
-        pending[ref] = (lst.name, lst.label)
-        runs.append((ref, lst.actor, lst.name))
-    deaths = {ref: (actor, name) for ref, actor, name in runs}
-    _wait_for_progress(pending, timeout, what, on_ready=lambda ready: _raise_if_died(ready, deaths, what))
-    values, errors = [], []
-    for ref, actor, name in runs:  # every result once; a failure is kept until all are read
-        try:
-            values.extend(gather([ref], what, [actor], [name]))
-        except (StageError, ActorDiedError) as error:
-            errors.append(error)
-    if errors:
-        raise root_failure(errors)
-    return values
+                                           labels if lst.stage == last else None, lst.prev_rank, lst.next_rank,
+                                           after)
+        runs.append((ref, lst))
+    return SubmittedStep(runs, what, timeout, started, call_id)
+
+
+class SubmittedStep:
+    """A p2p step whose calls are out; `result()` waits for them. `values`: the actors'
+    results, when the step already ended (a compiled graph's)."""
+
+    def __init__(self, runs: list[tuple[ray.ObjectRef, "ActionList"]], what: str, timeout: float,
+                 started: float, call_id: int, values: list[Any] | None = None) -> None:
+        self.runs, self.what, self.timeout, self.started, self.call_id = runs, what, timeout, started, call_id
+        self.values = values
+
+    def result(self, since: float = 0.0) -> StepResult:
+        """Waits for every actor's call and returns the step's result; `seconds` counts
+        from the later of the submission and `since` (when the step queued behind another,
+        the moment that one's result came back).
+
+        Raises:
+            StageError: a stage failed (the root cause, not the neighbours it stopped).
+            ActorDiedError: an actor died, raised as soon as its call ends.
+            StepTimeoutError: no call finished for `timeout` s.
+        """
+        if self.values is not None:
+            return _step_result(self.values, time.perf_counter() - max(self.started, since))
+        pending = {ref: (lst.name, lst.label) for ref, lst in self.runs}
+        deaths = {ref: (lst.actor, lst.name) for ref, lst in self.runs}
+        _wait_for_progress(pending, self.timeout, self.what,
+                           on_ready=lambda ready: _raise_if_died(ready, deaths, self.what))
+        values, errors = [], []
+        for ref, lst in self.runs:  # every result once; a failure is kept until all are read
+            try:
+                values.extend(gather([ref], self.what, [lst.actor], [lst.name]))
+            except (StageError, ActorDiedError) as error:
+                errors.append(error)
+        if errors:
+            raise root_failure(errors)
+        return _step_result(values, time.perf_counter() - max(self.started, since))
+
+
+def _step_result(values: Sequence[Any], seconds: float) -> StepResult:
+    # values are in world-rank order (replica, stage, tp rank); the last stage's tp rank 0 has the losses
+    step_losses = [loss for replica_losses, _ in values if replica_losses is not None for loss in replica_losses]
+    return StepResult(step_losses, [report for _, report in values], seconds)
 
 
 @dataclass

@@ -142,7 +142,8 @@ def run(
     Args:
         resume: continue from the newest valid checkpoint in `checkpoint_dir`.
         resume_step: continue from the checkpoint of this step.
-        on_metrics: called with every step's metrics (`Trainer.step`'s dict).
+        on_metrics: called with every step's metrics (`Trainer.step`'s dict), while the
+            next step already runs (`Trainer.fit(overlap=True)`).
 
     Returns:
         A summary: the per-step losses, the first and last validation loss, mean tokens/s.
@@ -179,8 +180,6 @@ def run(
             )
         if "checkpoint" in metrics:
             log(f"step {step:4d} | saved {metrics['checkpoint']}")
-        if val_set and job.eval_every and step % job.eval_every == 0 and step < job.steps:
-            log(f"step {step:4d} | val loss {_validation_loss(trainer, val_set, job):.4f}")
 
     profile_batch = train_set.batch(0, job.batch_size, seed=train.seed) if train.partition == "profile" else None
     with Trainer(gpt.layers(model), gpt.loss_fn, train, sample=profile_batch, log=log) as trainer:
@@ -196,9 +195,17 @@ def run(
         started = time.perf_counter()
         bar = Progress(job.steps, trainer.step_count, job.progress)
         plain_log, log = log, bar.writer(log)
+        evals = range(job.eval_every, job.steps, job.eval_every) if val_set and job.eval_every else ()
         try:
-            trainer.fit(lambda step: train_set.batch(step, job.batch_size, seed=train.seed), job.steps, on_step,
-                        log, progress=bar)
+            # on_step only reads the metrics, so fit may keep the next step queued (overlap); it
+            # stops at each evaluation, which must see the weights of that step and no later
+            for stop in [*evals, job.steps]:
+                if trainer.step_count >= stop:
+                    continue
+                trainer.fit(lambda step: train_set.batch(step, job.batch_size, seed=train.seed), stop, on_step,
+                            log, progress=bar, overlap=True)
+                if stop < job.steps:
+                    log(f"step {stop:4d} | val loss {_validation_loss(trainer, val_set, job):.4f}")
         finally:
             bar.close()
             log = plain_log

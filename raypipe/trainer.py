@@ -14,6 +14,7 @@ import time
 import uuid
 import warnings
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -26,7 +27,15 @@ from raypipe.actors.stage import StageActor, StageSettings
 from raypipe.collective import group_backend
 from raypipe.config import TrainConfig, nearest
 from raypipe.compiled import CompiledStep
-from raypipe.engine import gather, last_line, run_forward, run_step, run_step_p2p, submission_order
+from raypipe.engine import (
+    StepResult,
+    gather,
+    last_line,
+    run_forward,
+    run_step,
+    submission_order,
+    submit_step_p2p,
+)
 from raypipe.errors import (
     ActorDiedError,
     BatchError,
@@ -125,6 +134,7 @@ class Trainer:
         self.step_count = 0
         self.restarts = 0
         self._calls = 0
+        self._last_result_at = 0.0  # perf_counter() when the last step's result came back
         self._actors: list[Any] = []
         self._compiled: CompiledStep | None = None  # engine="compiled": built at the first step
         self._tensorboard: TensorBoardLogger | None = None
@@ -202,6 +212,12 @@ class Trainer:
             StageError: an action failed on a stage (its message names stage and action).
             StepTimeoutError: no action finished for `config.step_timeout` seconds.
         """
+        return self._complete(self._submit(x, y, self.step_count))
+
+    def _submit(self, x: torch.Tensor, y: Any, index: int, after: int | None = None) -> "_Submitted":
+        """Sends the step of 0-based index `index` on `(x, y)` (p2p engine) and returns while
+        the actors run it; the other engines run it when it is waited for. `after`: the
+        call id of the step queued before it."""
         if not self._actors:
             raise RaypipeError(f"{self!r} has no actors; build a new Trainer or call load() after a failure.")
         dp, m = self.config.dp, self.config.microbatches
@@ -209,24 +225,42 @@ class Trainer:
         self._calls += 1
         split_inputs = [inputs[d * m : (d + 1) * m] for d in range(dp)]
         split_targets = [targets[d * m : (d + 1) * m] for d in range(dp)]
+        args = (split_inputs, split_targets)
+        timeout = self.config.step_timeout
+        tokens = None if x.is_floating_point() else int(x.numel())
+        call_id = self._calls
+        topology = (self._replicas, self._grid(self.names), self._grid(range(len(self._actors))), self._schedule)
+        if self.config.engine == "p2p":
+            wait = submit_step_p2p(*topology, *args, call_id=call_id, step=index, timeout=timeout, after=after).result
+        elif self.config.engine == "compiled":
+            if self._compiled is None:
+                self._compiled = CompiledStep(self._actors)
+
+            def wait(since: float) -> StepResult:  # the other engines run the step while it is waited for
+                return submit_step_p2p(*topology, *args, call_id=call_id, step=index, timeout=timeout,
+                                       compiled=self._compiled).result(since)
+        else:
+            def wait(since: float) -> StepResult:
+                return run_step(self._replicas, self._grid(self.names), self._schedule, *args,
+                                call_id=call_id, step=index, timeout=timeout, order=self._order)
+        return _Submitted(self._calls, int(x.shape[0]), tokens, wait)
+
+    def _complete(self, submitted: "_Submitted") -> dict[str, Any] | None:
+        """Waits for a submitted step and books it: the step count, metrics, logs and a
+        checkpoint when one is due. None when the actors halted it (a step queued behind
+        one that failed)."""
         try:
-            if self.config.engine in ("p2p", "compiled"):
-                if self.config.engine == "compiled" and self._compiled is None:
-                    self._compiled = CompiledStep(self._actors)
-                result = run_step_p2p(
-                    self._replicas, self._grid(self.names), self._grid(range(len(self._actors))), self._schedule,
-                    split_inputs, split_targets, call_id=self._calls, step=self.step_count,
-                    timeout=self.config.step_timeout, compiled=self._compiled,
-                )
-            else:
-                result = run_step(
-                    self._replicas, self._grid(self.names), self._schedule, split_inputs, split_targets,
-                    call_id=self._calls, step=self.step_count, timeout=self.config.step_timeout, order=self._order,
-                )
-        except StepTimeoutError:
-            self.shutdown()  # a stuck actor must not linger; the error names what it waited on
+            result = submitted.wait(self._last_result_at)
+        except Exception as error:  # an interrupt leaves the step pending: `_settle` waits for it
+            submitted.done = True
+            if isinstance(error, StepTimeoutError):
+                self.shutdown()  # a stuck actor must not linger; the error names what it waited on
             raise
+        submitted.done = True
+        self._last_result_at = time.perf_counter()
         report = result.stage_reports[0]
+        if report.get("halted"):
+            return None
         if report["skipped"] and self.config.precision != "fp16" and self.config.nonfinite == "error":
             raise NonFiniteError(
                 f"step {self.step_count + 1}: non-finite loss or gradients (microbatch losses "
@@ -234,7 +268,7 @@ class Trainer:
                 f"after step {self.step_count}. Set TrainConfig.nonfinite='skip' to skip such steps."
             )
         self.step_count += 1
-        samples = int(x.shape[0])
+        samples = submitted.samples
         metrics = {
             "step": self.step_count,
             "loss": sum(result.losses) / len(result.losses),
@@ -244,9 +278,9 @@ class Trainer:
             "samples": samples,
             "samples_per_s": samples / result.seconds,
         }
-        if not x.is_floating_point():
-            metrics["tokens"] = int(x.numel())
-            metrics["tokens_per_s"] = x.numel() / result.seconds
+        if submitted.tokens is not None:
+            metrics["tokens"] = submitted.tokens
+            metrics["tokens_per_s"] = submitted.tokens / result.seconds
         metrics["skipped"] = report["skipped"]
         leads = [result.stage_reports[r] for r in self._lead_ranks]
         metrics["stages"] = stage_metrics(leads)
@@ -272,6 +306,7 @@ class Trainer:
         on_step: Callable[[dict[str, Any]], None] | None = None,
         log: Callable[[str], None] = print,
         progress: bool | Progress = False,
+        overlap: bool | None = None,
     ) -> list[dict[str, Any]]:
         """Trains until `step_count == steps`, surviving actor deaths.
 
@@ -284,6 +319,15 @@ class Trainer:
             log: where recovery messages go.
             progress: show a tqdm bar (terminal or notebook) with loss and tokens/s; or a
                 `raypipe.progress.Progress` the caller made (and closes).
+            overlap: keep the next step queued at the actors while the driver waits for
+                the current one (engine "p2p"), so a step starts as soon as the last one
+                ends instead of a driver round trip later. The default (None) overlaps
+                when there is no `on_step`: with it, `on_step` sees a step's metrics while
+                the next one already runs, so a callback that calls the trainer
+                (`evaluate`, `save`, `reconfigure`) would act one step late; pass
+                `overlap=True` when it only reads the metrics. Results are the same
+                either way: a step that fails stops the one queued behind it on every
+                actor, and no step is queued past a `checkpoint_every` save.
 
         Returns:
             The metrics of every step run by this call (replayed steps appear again).
@@ -292,15 +336,23 @@ class Trainer:
             ActorDiedError: an actor died more than `config.max_restarts` times; the
                 message says which, why, and where the last checkpoint is.
         """
+        overlap = (on_step is None if overlap is None else overlap) and self.config.engine == "p2p"
         history = []
         bar = progress if isinstance(progress, Progress) else Progress(steps, self.step_count, bool(progress))
         log = bar.writer(log)
+        queue: list[_Submitted] = []  # submitted, not yet booked; the first is the oldest
         try:
             while self.step_count < steps:
-                x, y = batches(self.step_count)
+                if not queue:
+                    queue.append(self._submit(*batches(self.step_count), self.step_count))
+                ahead, every = self.step_count + len(queue), self.config.checkpoint_every
+                if overlap and ahead < steps and not (every and ahead % every == 0):
+                    queue.append(self._submit(*batches(ahead), ahead, after=queue[-1].call_id))
                 try:
-                    metrics = self.step(x, y)
+                    metrics = self._complete(queue[0])
+                    queue.pop(0)
                 except ActorDiedError as error:
+                    queue.clear()  # their calls end with the actors being replaced
                     if self.restarts >= self.config.max_restarts:
                         where = self._last_checkpoint()
                         raise ActorDiedError(
@@ -311,14 +363,29 @@ class Trainer:
                     self._recover(error, log)
                     bar.moved_to(self.step_count)
                     continue
+                if metrics is None:
+                    raise RaypipeError(f"step {self.step_count + 1} was halted by the actors, but the step "
+                                       f"before it succeeded: please report this as a raypipe bug")
                 history.append(metrics)
                 bar.update(metrics)
                 if on_step is not None:
                     on_step(metrics)
         finally:
+            self._settle(queue)
             if bar is not progress:
                 bar.close()
         return history
+
+    def _settle(self, queue: list["_Submitted"]) -> None:
+        """Books the steps still queued when `fit` stops early (an error, an interrupt):
+        those behind a failed step were halted by the actors; the others ran and count,
+        so `step_count` always matches the weights."""
+        for submitted in queue:
+            if not submitted.done and self._actors:
+                try:
+                    self._complete(submitted)
+                except Exception:  # noqa: BLE001 - the error that stopped fit is the one to raise
+                    pass
 
     def save(self, path: str | None = None) -> Path:
         """Saves weights, optimizer state, step and RNG state, all actors in lock-step.
@@ -553,6 +620,7 @@ class Trainer:
             activation_checkpointing=c.activation_checkpointing,
             measure_activations=c.measure_activations,
             zero=c.zero,
+            stop_on_nonfinite=c.nonfinite == "error",
         )
 
     def _configure_actors(self, reset_optimizer: bool = False) -> None:
@@ -774,3 +842,14 @@ def _kill(actors: Sequence[Any]) -> None:
             ray.kill(actor, no_restart=True)
         except Exception:  # already dead, or Ray already shut down
             pass
+
+
+@dataclass
+class _Submitted:
+    """A step sent to the actors and not yet booked by `Trainer._complete`."""
+
+    call_id: int
+    samples: int
+    tokens: int | None  # token ids in the batch; None for float inputs
+    wait: Callable[[float], StepResult]  # wait(since) -> the step's result
+    done: bool = False

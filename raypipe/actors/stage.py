@@ -49,6 +49,9 @@ class StageSettings:
     activation_checkpointing: bool = False
     measure_activations: bool = False
     zero: int = 0
+    # a non-finite step that is not fp16's loss scaling ends training (TrainConfig.nonfinite="error"):
+    # steps queued behind it must not run
+    stop_on_nonfinite: bool = True
 
 
 class StageActor:
@@ -114,6 +117,7 @@ class StageActor:
         self.optimizer: torch.optim.Optimizer | None = None
         self.scaler = LossScaler()
         self.current_call = -1
+        self.unapplied_call: int | None = None  # the last p2p step whose update was not applied
         self.losses_finite = True
         self.timing: dict[str, float] = {}
         self.events: list[tuple[str, int, float, float]] = []
@@ -238,7 +242,8 @@ class StageActor:
         return pack(_to_host(grad_in)) if self.tp.rank == 0 else None
 
     def run_actions(self, call_id: int, step: int, actions: Sequence[tuple[str, int]], inputs: Sequence[Any] | None,
-                    targets: Sequence[Any] | None, prev_rank: int | None, next_rank: int | None) -> Any:
+                    targets: Sequence[Any] | None, prev_rank: int | None, next_rank: int | None,
+                    after: int | None = None) -> Any:
         """Runs this stage's whole step ("p2p" engine): its action list in order, then the
         gradient reduction and the optimizer step, agreed on with every actor of the world.
 
@@ -250,12 +255,21 @@ class StageActor:
         hangs; then every actor learns through one all-reduce that the step failed, none
         steps its optimizer, and each raises (the failed stage its own error).
 
+        `after`: the call id of the step the driver queued this one behind. When that
+        step's update was not applied (it failed, or was non-finite and
+        `settings.stop_on_nonfinite`), this one does not run either: every actor knows
+        it from the same agreement, so all of them answer `(None, {"halted": True})`
+        without touching their neighbours.
+
         Returns:
             (the microbatch losses on the last stage's tp rank 0, else None; the
             optimizer report, as `optimizer_step` returns it).
         """
         from raypipe import p2p
 
+        if after is not None and after == self.unapplied_call:
+            self.unapplied_call = call_id  # and so on down the queue
+            return None, {"halted": True}
         self._begin(call_id)
         inputs, targets = unpack(inputs), unpack(targets)
         forwards = [m for kind, m in actions if kind == "F"]
@@ -330,6 +344,7 @@ class StageActor:
         if dist.is_initialized():  # a lone actor (pp = dp = tp = 1) has no world to agree with
             votes = agree.all_sum(votes)
         if votes[2] > 0:
+            self.unapplied_call = self.current_call
             self.stash.clear()
             self.stash_bytes.clear()
             if failure is None or isinstance(failure, PeerFailed):
@@ -337,6 +352,8 @@ class StageActor:
                                  f"(see that stage's error)")
             raise failure
         finite = votes[1] == 0
+        if not finite and self.settings.stop_on_nonfinite and self.settings.precision != "fp16":
+            self.unapplied_call = self.current_call
         return self._apply_step(step, math.sqrt(float(votes[0])) if finite else math.nan, bool(finite))
 
     def _forward(self, microbatch: int, x: torch.Tensor, target: Any) -> Any:

@@ -1,0 +1,100 @@
+"""Trainer.fit keeps the next step queued at the actors while it waits for the current
+one: the results are those of one step at a time, a failed step halts the step queued
+behind it, and a fit stopped early books the step that already ran."""
+
+import pytest
+import torch
+from torch import nn
+
+from helpers import MLP7, assert_close_dicts, batch, reference_run
+from raypipe import NonFiniteError, StageError, TrainConfig, Trainer
+
+SGD = {"name": "sgd", "lr": 0.05, "momentum": 0.9}
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+@pytest.fixture(scope="module")
+def trainer(ray_session):
+    t = Trainer(MLP7, nn.functional.mse_loss, TrainConfig(pp=2, microbatches=4, optimizer=SGD, seed=3,
+                                                          cpus_per_actor=0.25))
+    yield t
+    t.shutdown()
+
+
+def restart(trainer: Trainer) -> None:
+    """Back to the initial weights, a fresh optimizer and step 0."""
+    trainer.reset_optimizer()
+    trainer.load_state_dict(reference_run(MLP7, 3, sgd, steps=0)[2])
+    trainer.step_count = 0
+
+
+def test_queued_steps_train_exactly_like_single_steps(trainer):
+    restart(trainer)
+    singles = [trainer.step(*batch(k))["loss"] for k in range(4)]
+    expected = trainer.state_dict()
+    restart(trainer)
+    order = []
+
+    def data(k):
+        order.append(f"batch {k}")
+        return batch(k)
+
+    history = trainer.fit(data, 4, on_step=lambda m: order.append(f"done {m['step']}"), overlap=True)
+    # the next batch was sent before the step ahead of it was booked
+    assert order == ["batch 0", "batch 1", "done 1", "batch 2", "done 2", "batch 3", "done 3", "done 4"]
+    assert [m["loss"] for m in history] == singles
+    actual = trainer.state_dict()
+    assert all(torch.equal(actual[k], expected[k]) for k in expected)
+    assert all(0 < m["step_time"] < 60 for m in history)
+
+
+def test_fit_with_on_step_waits_for_each_step_unless_told(trainer):
+    restart(trainer)
+    order = []
+
+    def data(k):
+        order.append(f"batch {k}")
+        return batch(k)
+
+    trainer.fit(data, 2, on_step=lambda m: order.append(f"done {m['step']}"))
+    assert order == ["batch 0", "done 1", "batch 1", "done 2"]
+
+
+@pytest.mark.parametrize("spoil, error", [
+    (lambda x: torch.randn(16, 5), StageError),  # 5 features where the first layer takes 6
+    (lambda x: x * float("nan"), NonFiniteError),
+], ids=["stage-error", "non-finite"])
+def test_a_failed_step_halts_the_step_queued_behind_it(trainer, spoil, error):
+    restart(trainer)
+    trainer.fit(batch, 1)
+    before = trainer.state_dict()
+
+    def data(k):
+        x, y = batch(k)
+        return (spoil(x), y) if k == 1 else (x, y)
+
+    with pytest.raises(error):
+        trainer.fit(data, 4)  # step 2 (index 1) fails while step 3 is queued behind it
+    assert trainer.step_count == 1
+    after = trainer.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    trainer.fit(batch, 3)  # and training goes on from the last good step
+    assert trainer.step_count == 3
+    assert_close_dicts(trainer.state_dict(), reference_run(MLP7, 3, sgd, steps=3)[2])
+
+
+def test_a_fit_stopped_by_its_batches_books_the_step_already_queued(trainer):
+    restart(trainer)
+
+    def data(k):
+        if k == 2:
+            raise ValueError("no batch 2")
+        return batch(k)
+
+    with pytest.raises(ValueError, match="no batch 2"):
+        trainer.fit(data, 4)
+    assert trainer.step_count == 2  # step 2 was queued when batch 2 failed: it ran, so it counts
+    assert_close_dicts(trainer.state_dict(), reference_run(MLP7, 3, sgd, steps=2)[2])
