@@ -6,8 +6,12 @@ them alike. Each actor and the plain loop get one torch thread, so pp=1 vs plain
 the same microbatches measures raypipe's overhead, and pp=2 what a second core buys
 through the pipeline. Two plain loops run: torch's default AdamW (what a user writes)
 and the fused AdamW raypipe's CPU stages use (to isolate the engine's own cost).
+Each raypipe trainer runs twice: `raypipe_*` calls `Trainer.step` once per step (the
+driver waits for each step before sending the next), `raypipe_fit_*` trains the same
+steps through `Trainer.fit`, which keeps the next step queued at the actors. Every
+runner takes `--block` steps per turn; times are per step.
 
-    python benchmarks/gpt_cpu.py --rounds 3 --steps 10 > gpt_cpu.json
+    python benchmarks/gpt_cpu.py --rounds 3 --steps 4 --block 5 > gpt_cpu.json
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ from raypipe.models import gpt
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=10, help="measured steps per round")
+    parser.add_argument("--steps", type=int, default=4, help="measured turns per round")
+    parser.add_argument("--block", type=int, default=5, help="steps per turn")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--engine", default=TrainConfig.engine, help="raypipe engine: p2p, compiled or refs")
@@ -50,13 +55,22 @@ def main() -> None:
     plain_opt = {"torch": torch.optim.AdamW(plain["torch"].parameters(), lr=1e-3),
                  "fused": torch.optim.AdamW(plain["fused"].parameters(), lr=1e-3, fused=True)}
 
-    def plain_step(step: int, microbatches: int = 1, flavour: str = "torch") -> None:
-        x, y = data.batch(step, args.batch_size)
-        model, opt = plain[flavour], plain_opt[flavour]
-        opt.zero_grad()
-        for xc, yc in zip(x.chunk(microbatches), y.chunk(microbatches)):
-            (gpt.loss_fn(model(xc), yc) / microbatches).backward()
-        opt.step()
+    def plain_steps(turn: int, microbatches: int = 1, flavour: str = "torch") -> None:
+        for step in range(turn * args.block, (turn + 1) * args.block):
+            x, y = data.batch(step, args.batch_size)
+            model, opt = plain[flavour], plain_opt[flavour]
+            opt.zero_grad()
+            for xc, yc in zip(x.chunk(microbatches), y.chunk(microbatches)):
+                (gpt.loss_fn(model(xc), yc) / microbatches).backward()
+            opt.step()
+
+    def raypipe_steps(trainer: Trainer, turn: int) -> None:
+        for step in range(turn * args.block, (turn + 1) * args.block):
+            trainer.step(*data.batch(step, args.batch_size))
+
+    def raypipe_fit(trainer: Trainer, turn: int) -> None:
+        first = trainer.step_count
+        trainer.fit(lambda step: data.batch(turn * args.block + step - first, args.batch_size), first + args.block)
 
     m = args.microbatches
     trainers = {
@@ -67,11 +81,14 @@ def main() -> None:
         )
         for pp, mb in ((1, 1), (1, m), (2, m))
     }
-    runners = {f"plain_{flavour}_m{mb}": (lambda step, mb=mb, flavour=flavour: plain_step(step, mb, flavour))
+    runners = {f"plain_{flavour}_m{mb}": (lambda turn, mb=mb, flavour=flavour: plain_steps(turn, mb, flavour))
                for flavour in ("torch", "fused") for mb in (1, m)}
-    runners.update({name: (lambda step, t=t: t.step(*data.batch(step, args.batch_size))) for name, t in trainers.items()})
+    runners.update({name: (lambda turn, t=t: raypipe_steps(t, turn)) for name, t in trainers.items()})
+    runners.update({name.replace("raypipe_", "raypipe_fit_"): (lambda turn, t=t: raypipe_fit(t, turn))
+                    for name, t in trainers.items()})
 
-    per_step = interleaved(runners, args.rounds, args.steps)
+    per_turn = interleaved(runners, args.rounds, args.steps, warmup=1)
+    per_step = {name: [[s / args.block for s in r] for r in rounds] for name, rounds in per_turn.items()}
     seconds = round_means(per_step)
     for t in trainers.values():
         t.shutdown()
@@ -83,7 +100,8 @@ def main() -> None:
         "machine": {"cpus": 2, "python": platform.python_version(), "torch": torch.__version__, "ray": ray.__version__},
         "model": {"parameters": model_cfg.parameters, "n_layer": 4, "n_embd": 128, "block_size": 64},
         "engine": args.engine,
-        "batch_size": args.batch_size, "microbatches": args.microbatches, "steps_per_round": args.steps,
+        "batch_size": args.batch_size, "microbatches": args.microbatches, "turns_per_round": args.steps,
+        "steps_per_turn": args.block,
         "rounds": args.rounds,
         "step_seconds_per_round": seconds,
         "step_seconds_median": {k: statistics.median(t for r in v for t in r) for k, v in per_step.items()},
