@@ -87,7 +87,7 @@ def main() -> None:
     runners.update({name.replace("raypipe_", "raypipe_fit_"): (lambda turn, t=t: raypipe_fit(t, turn))
                     for name, t in trainers.items()})
 
-    per_turn = interleaved(runners, args.rounds, args.steps, warmup=1)
+    per_turn = interleaved(runners, args.rounds, args.steps, warmup=-(-3 // args.block))  # 3 steps or more
     per_step = {name: [[s / args.block for s in r] for r in rounds] for name, rounds in per_turn.items()}
     seconds = round_means(per_step)
     for t in trainers.values():
