@@ -103,7 +103,11 @@ class Sleep(nn.Module):
 
 
 class KillOnce(nn.Module):
-    """Identity that SIGKILLs its own process the first time `flag` exists (then removes it)."""
+    """Identity that SIGKILLs its own process the first time `flag` exists (then removes it).
+
+    A flag that says "pause" instead makes it create `flag + ".paused"` and sleep 30 s,
+    so a test can kill the actor from outside while it is surely inside a step.
+    """
 
     def __init__(self, flag: str) -> None:
         super().__init__()
@@ -114,6 +118,12 @@ class KillOnce(nn.Module):
         import signal
 
         if os.path.exists(self.flag):
+            with open(self.flag) as f:
+                pause = f.read().strip() == "pause"
             os.remove(self.flag)
-            os.kill(os.getpid(), signal.SIGKILL)
+            if pause:
+                open(self.flag + ".paused", "w").close()
+                time.sleep(30)
+            else:
+                os.kill(os.getpid(), signal.SIGKILL)
         return x

@@ -1,6 +1,7 @@
 """Checkpoints, resume on any topology, exact continuation, corruption, actor failures, NaN."""
 
 import json
+import os
 import re
 import shutil
 import threading
@@ -129,6 +130,14 @@ def killable_baseline(ray_session, tmp_path_factory):
     return get
 
 
+def kill_when_exists(actor, path, timeout=30.0):
+    """ray.kill(actor) as soon as `path` exists (the actor made it, inside a step)."""
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    ray.kill(actor)
+
+
 # both ways of dying at pp=2 (one under the compiled engine); the dp=2 restart (a collective world to rebuild) once
 @pytest.mark.parametrize("how, dp, engine", [("ray.kill", 1, "p2p"), ("SIGKILL", 1, "compiled"), ("ray.kill", 2, "p2p")],
                          ids=["ray.kill-pp2", "SIGKILL-pp2-compiled", "ray.kill-pp2-dp2"])
@@ -143,9 +152,9 @@ def test_training_survives_a_stage_dying_mid_step(killable_baseline, tmp_path, h
             if metrics["step"] == 3 and t.restarts == 0:
                 if how == "SIGKILL":
                     flag.touch()  # stage 1 kills its own process in step 4's first forward
-                else:
-                    threading.Timer(0.01, ray.kill, args=(victim,)).start()
-                    time.sleep(0.005)
+                else:  # stage 1 pauses in step 4's first forward, and is killed from outside there
+                    flag.write_text("pause")
+                    threading.Thread(target=kill_when_exists, args=(victim, f"{flag}.paused"), daemon=True).start()
 
         started = time.monotonic()
         history = t.fit(batch, STEPS, on_step=on_step, log=messages.append)
