@@ -24,7 +24,7 @@ import ray
 import torch
 
 from raypipe.errors import ActorDiedError, StageError, StepTimeoutError
-from raypipe.wire import pack, pack_microbatches, unpack
+from raypipe.wire import StepCall, pack, pack_microbatches, unpack
 
 PEER_STOPPED = "stopped: world rank"  # how run_actions words a failure caused by a neighbour's
 from raypipe.schedules import BACKWARD, FORWARD, Action, Schedule, simulate
@@ -174,9 +174,9 @@ def submit_step_p2p(
     runs = []
     for lst in lists:
         batch, labels = batches[lst.replica]
-        ref = lst.actor.run_actions.remote(call_id, step, lst.actions, batch if lst.stage == 0 else None,
-                                           labels if lst.stage == last else None, lst.prev_rank, lst.next_rank,
-                                           after)
+        ref = lst.actor.run_actions.remote(StepCall(
+            call_id, step, lst.actions, batch if lst.stage == 0 else None, labels if lst.stage == last else None,
+            lst.prev_rank, lst.next_rank, after))
         runs.append((ref, lst))
     return SubmittedStep(runs, what, timeout, started, call_id)
 

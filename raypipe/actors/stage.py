@@ -31,7 +31,7 @@ from raypipe.nn import TensorParallelGroup, merge, parallelize, shard, shard_spe
 from raypipe.nn.group import building
 from raypipe.p2p import PeerFailed
 from raypipe.optim import LossScaler, build_optimizer, learning_rate
-from raypipe.wire import pack, unpack
+from raypipe.wire import StepCall, pack, unpack
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -241,21 +241,20 @@ class StageActor:
         grad_in = self._backward(microbatch, unpack(grad))
         return pack(_to_host(grad_in)) if self.tp.rank == 0 else None
 
-    def run_actions(self, call_id: int, step: int, actions: Sequence[tuple[str, int]], inputs: Sequence[Any] | None,
-                    targets: Sequence[Any] | None, prev_rank: int | None, next_rank: int | None,
-                    after: int | None = None) -> Any:
-        """Runs this stage's whole step ("p2p" engine): its action list in order, then the
-        gradient reduction and the optimizer step, agreed on with every actor of the world.
+    def run_actions(self, call: StepCall) -> Any:
+        """Runs this stage's whole step ("p2p" engine): its action list `call.actions` in
+        order, then the gradient reduction and the optimizer step, agreed on with every
+        actor of the world.
 
-        Activations come from world rank `prev_rank` and go to `next_rank`, gradients
-        the other way, through shared memory on one node and gloo between nodes
-        (`raypipe.p2p`, `raypipe.shm`); stage 0
-        takes `inputs[m]`, the last stage `targets[m]`. After a failure the actor still
+        Activations come from world rank `call.prev_rank` and go to `call.next_rank`,
+        gradients the other way, through shared memory on one node and gloo between nodes
+        (`raypipe.p2p`, `raypipe.shm`); stage 0 takes `call.inputs[m]`, the last stage
+        `call.targets[m]`. After a failure the actor still
         makes every send and receive of its list (sending poison), so no neighbour
         hangs; then every actor learns through one all-reduce that the step failed, none
         steps its optimizer, and each raises (the failed stage its own error).
 
-        `after`: the call id of the step the driver queued this one behind. When that
+        `call.after`: the call id of the step the driver queued this one behind. When that
         step's update was not applied (it failed, or was non-finite and
         `settings.stop_on_nonfinite`), this one does not run either: every actor knows
         it from the same agreement, so all of them answer `(None, {"halted": True})`
@@ -265,12 +264,17 @@ class StageActor:
             (the microbatch losses on the last stage's tp rank 0, else None; the
             optimizer report, as `optimizer_step` returns it).
         """
+        import ray
+
         from raypipe import p2p
 
+        call_id, step, actions, inputs, targets, prev_rank, next_rank, after = call
         if after is not None and after == self.unapplied_call:
             self.unapplied_call = call_id  # and so on down the queue
             return None, {"halted": True}
         self._begin(call_id)
+        # stored once for several tp ranks: Ray resolves only top-level references
+        inputs, targets = (ray.get(v) if isinstance(v, ray.ObjectRef) else v for v in (inputs, targets))
         inputs, targets = unpack(inputs), unpack(targets)
         forwards = [m for kind, m in actions if kind == "F"]
         backwards = [m for kind, m in actions if kind == "B"]
@@ -321,11 +325,11 @@ class StageActor:
         name the stage that failed first."""
         actions, prev_rank, next_rank = payload["lists"][self.name]
         try:
-            return self.run_actions(
+            return self.run_actions(StepCall(
                 payload["call_id"], payload["step"], actions,
                 payload["inputs"][self.dp_rank] if self.stage == 0 else None,
                 payload["targets"][self.dp_rank] if self.is_last else None, prev_rank, next_rank,
-            )
+            ))
         except Exception as error:  # noqa: BLE001 - handed to the driver, which raises it
             return error if isinstance(error, StageError) else StageError(f"{self.name}: {type(error).__name__}: {error}")
 
