@@ -162,7 +162,7 @@ def submit_step_p2p(
     what = f"step {step + 1}"
     if compiled is not None:
         values = compiled.run(lists, inputs, targets, call_id, step, timeout, what)
-        return SubmittedStep([], what, timeout, started, call_id, values)
+        return SubmittedStep([], what, timeout, started, values)
     last = max(lst.stage for lst in lists)
     batches = []
     for d, stages in enumerate(replicas):
@@ -178,7 +178,7 @@ def submit_step_p2p(
             call_id, step, lst.actions, batch if lst.stage == 0 else None, labels if lst.stage == last else None,
             lst.prev_rank, lst.next_rank, after))
         runs.append((ref, lst))
-    return SubmittedStep(runs, what, timeout, started, call_id)
+    return SubmittedStep(runs, what, timeout, started)
 
 
 class SubmittedStep:
@@ -186,9 +186,8 @@ class SubmittedStep:
     results, when the step already ended (a compiled graph's)."""
 
     def __init__(self, runs: list[tuple[ray.ObjectRef, "ActionList"]], what: str, timeout: float,
-                 started: float, call_id: int, values: list[Any] | None = None) -> None:
-        self.runs, self.what, self.timeout, self.started, self.call_id = runs, what, timeout, started, call_id
-        self.values = values
+                 started: float, values: list[Any] | None = None) -> None:
+        self.runs, self.what, self.timeout, self.started, self.values = runs, what, timeout, started, values
 
     def result(self, since: float = 0.0) -> StepResult:
         """Waits for every actor's call and returns the step's result; `seconds` counts

@@ -243,7 +243,7 @@ class Trainer:
             def wait(since: float) -> StepResult:
                 return run_step(self._replicas, self._grid(self.names), self._schedule, *args,
                                 call_id=call_id, step=index, timeout=timeout, order=self._order)
-        return _Submitted(self._calls, int(x.shape[0]), tokens, wait)
+        return _Submitted(call_id, int(x.shape[0]), tokens, wait)
 
     def _complete(self, submitted: "_Submitted") -> dict[str, Any] | None:
         """Waits for a submitted step and books it: the step count, metrics, logs and a
@@ -261,7 +261,7 @@ class Trainer:
         report = result.stage_reports[0]
         if report.get("halted"):
             return None
-        if report["skipped"] and self.config.precision != "fp16" and self.config.nonfinite == "error":
+        if report["skipped"] and self._stops_on_nonfinite:
             raise NonFiniteError(
                 f"step {self.step_count + 1}: non-finite loss or gradients (microbatch losses "
                 f"{[round(v, 4) for v in result.losses]}); the update was not applied, weights are those "
@@ -608,6 +608,11 @@ class Trainer:
         self._schedule = build_schedule(self.config.schedule, self.config.pp, self.config.microbatches)
         self._order = submission_order(self._schedule)
 
+    @property
+    def _stops_on_nonfinite(self) -> bool:
+        """A non-finite step raises NonFiniteError (fp16 skips such steps as part of loss scaling)."""
+        return self.config.nonfinite == "error" and self.config.precision != "fp16"
+
     def _settings(self) -> StageSettings:
         c = self.config
         return StageSettings(
@@ -620,7 +625,7 @@ class Trainer:
             activation_checkpointing=c.activation_checkpointing,
             measure_activations=c.measure_activations,
             zero=c.zero,
-            stop_on_nonfinite=c.nonfinite == "error",
+            stop_on_nonfinite=self._stops_on_nonfinite,
         )
 
     def _configure_actors(self, reset_optimizer: bool = False) -> None:

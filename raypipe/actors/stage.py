@@ -49,7 +49,7 @@ class StageSettings:
     activation_checkpointing: bool = False
     measure_activations: bool = False
     zero: int = 0
-    # a non-finite step that is not fp16's loss scaling ends training (TrainConfig.nonfinite="error"):
+    # a non-finite step ends training (TrainConfig.nonfinite="error", not fp16's loss scaling):
     # steps queued behind it must not run
     stop_on_nonfinite: bool = True
 
@@ -356,7 +356,7 @@ class StageActor:
                                  f"(see that stage's error)")
             raise failure
         finite = votes[1] == 0
-        if not finite and self.settings.stop_on_nonfinite and self.settings.precision != "fp16":
+        if not finite and self.settings.stop_on_nonfinite:
             self.unapplied_call = self.current_call
         return self._apply_step(step, math.sqrt(float(votes[0])) if finite else math.nan, bool(finite))
 
