@@ -9,9 +9,11 @@ and the fused AdamW raypipe's CPU stages use (to isolate the engine's own cost).
 Each raypipe trainer runs twice: `raypipe_*` calls `Trainer.step` once per step (the
 driver waits for each step before sending the next), `raypipe_fit_*` trains the same
 steps through `Trainer.fit`, which keeps the next step queued at the actors. Every
-runner takes `--block` steps per turn; times are per step.
+runner takes `--block` steps per turn; times are per step. `--only` keeps the named
+runners and their plain twins, for longer runs of one comparison.
 
     python benchmarks/gpt_cpu.py --rounds 3 --steps 4 --block 5 > gpt_cpu.json
+    python benchmarks/gpt_cpu.py --only raypipe_fit_pp1_m4 --rounds 4 --steps 10 --block 5
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--engine", default=TrainConfig.engine, help="raypipe engine: p2p, compiled or refs")
+    parser.add_argument("--only", default="", help="comma-separated runners to keep (with their plain twins)")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -73,19 +76,27 @@ def main() -> None:
         trainer.fit(lambda step: data.batch(turn * args.block + step - first, args.batch_size), first + args.block)
 
     m = args.microbatches
+    only = [name for name in args.only.split(",") if name]
+    every = [f"plain_{f}_m{mb}" for f in ("torch", "fused") for mb in (1, m)] + [
+        f"raypipe_{fit}pp{pp}_m{mb}" for fit in ("", "fit_") for pp, mb in ((1, 1), (1, m), (2, m))]
+    if set(only) - set(every):
+        parser.error(f"--only: unknown runner(s) {sorted(set(only) - set(every))}; choose from {every}")
+    wanted = set(only) | {plain_twin(n, f) for n in only if n.startswith("raypipe") for f in ("torch", "fused")}
+    kept = (lambda name: not only or name in wanted or name.replace("raypipe_", "raypipe_fit_") in wanted)
     trainers = {
         f"raypipe_pp{pp}_m{mb}": Trainer(
             gpt.layers(model_cfg), gpt.loss_fn,
             TrainConfig(pp=pp, microbatches=mb, optimizer=optimizer, cpus_per_actor=0.5, threads_per_actor=1,
                         engine=args.engine),
         )
-        for pp, mb in ((1, 1), (1, m), (2, m))
+        for pp, mb in ((1, 1), (1, m), (2, m)) if kept(f"raypipe_pp{pp}_m{mb}")
     }
     runners = {f"plain_{flavour}_m{mb}": (lambda turn, mb=mb, flavour=flavour: plain_steps(turn, mb, flavour))
                for flavour in ("torch", "fused") for mb in (1, m)}
     runners.update({name: (lambda turn, t=t: raypipe_steps(t, turn)) for name, t in trainers.items()})
     runners.update({name.replace("raypipe_", "raypipe_fit_"): (lambda turn, t=t: raypipe_fit(t, turn))
                     for name, t in trainers.items()})
+    runners = {name: run for name, run in runners.items() if not only or name in wanted}
 
     per_turn = interleaved(runners, args.rounds, args.steps, warmup=-(-3 // args.block))  # 3 steps or more
     per_step = {name: [[s / args.block for s in r] for r in rounds] for name, rounds in per_turn.items()}
@@ -117,7 +128,8 @@ def main() -> None:
         "ratio_vs_plain_fused_same_microbatches_median_of_steps": {
             k: paired_ratio(per_step, plain_twin(k, "fused"), k) for k in seconds if k.startswith("raypipe")
         },
-        "ratio_vs_plain_m1": {k: best["plain_torch_m1"] / v for k, v in best.items() if k != "plain_torch_m1"},
+        "ratio_vs_plain_m1": {k: best["plain_torch_m1"] / v for k, v in best.items()
+                              if k != "plain_torch_m1" and "plain_torch_m1" in best},
     }
     print(json.dumps(result, indent=2))
 

@@ -1,6 +1,8 @@
 """Timing several runs side by side: warm each up, then take their steps in turn (one step
 of each, then the next step of each, ...), so background load on the machine hits them
-alike. Used by gpt_cpu.py and gpt_gpu.py."""
+alike. The order rotates every turn, so no runner always follows the same one (the
+plain loop right after an actor's block, say, finding the caches the actor left).
+Used by gpt_cpu.py and gpt_gpu.py."""
 
 from __future__ import annotations
 
@@ -14,8 +16,10 @@ def interleaved(runners: dict[str, Callable[[int], None]], rounds: int, steps: i
     """Seconds of each step of each runner (`run(step)`): `[round][step]` per runner.
 
     Runners alternate step by step, so two runners' step i of a round ran within
-    about a second of each other, on the same machine load.
+    about a second of each other, on the same machine load; turn i starts with runner
+    i mod n.
     """
+    names = list(runners)
     for run in runners.values():  # first steps pay for allocation, imports, autotuning
         for step in range(warmup):
             run(step)
@@ -24,7 +28,9 @@ def interleaved(runners: dict[str, Callable[[int], None]], rounds: int, steps: i
         for per_round in seconds.values():
             per_round.append([])
         for step in range(steps):
-            for name, run in runners.items():
+            turn = r * steps + step
+            for name in names[turn % len(names):] + names[:turn % len(names)]:
+                run = runners[name]
                 started = time.perf_counter()
                 run(1000 * r + step)
                 seconds[name][r].append(time.perf_counter() - started)
