@@ -166,7 +166,7 @@ class Link:
         out[:FILE_HEADER].view(torch.int64).copy_(header(t))
         self.generation += 1
         self.out_like, self.parity = like, 0
-        self.out_slots = _slot_views(out, t.dtype, t.shape, 2 * count)  # they keep the mapping alive
+        self.out_slots = _slot_views(out, t.dtype, t.shape)  # they keep the mapping alive
         return True
 
     def put(self, t: torch.Tensor, tag: int, index: int) -> None:
@@ -211,8 +211,7 @@ class Link:
             described = inp[:FILE_HEADER].view(torch.int64).tolist()
             code, ndim = described[0], described[1]
             dtype, shape = DTYPES[code], torch.Size(described[2 : 2 + ndim])
-            slots = (len(inp) - FILE_HEADER) // _slot_bytes(shape.numel() * dtype.itemsize)
-            self.in_slots, self.in_generation = _slot_views(inp, dtype, shape, slots), generation
+            self.in_slots, self.in_generation = _slot_views(inp, dtype, shape), generation
         # a new tensor object on the slot's memory for every message: the stage marks what it
         # receives requires_grad, and autograd would otherwise keep a .grad on the cached view
         return self.in_slots[slot].detach()
@@ -303,13 +302,14 @@ class ShmInbox:
             self.gloo.refill()
 
 
-def _slot_views(data: torch.Tensor, dtype: torch.dtype, shape: torch.Size, slots: int) -> list[torch.Tensor]:
-    """Every slot of a data file (`data`, its bytes) as a tensor view, made once per file:
+def _slot_views(data: torch.Tensor, dtype: torch.dtype, shape: torch.Size) -> list[torch.Tensor]:
+    """Every slot of a data file (`data`, all its bytes) as a tensor view, made once per file:
     slicing and viewing costs a few torch calls, which ran at 30-100 us per hop on a
     vCPU just back from a pipeline bubble."""
-    nbytes, step = shape.numel() * dtype.itemsize, _slot_bytes(shape.numel() * dtype.itemsize)
-    return [data[FILE_HEADER + i * step : FILE_HEADER + i * step + nbytes].view(dtype).view(shape)
-            for i in range(slots)]
+    nbytes = shape.numel() * dtype.itemsize
+    step = _slot_bytes(nbytes)
+    starts = range(FILE_HEADER, len(data) - nbytes + 1, step)
+    return [data[start : start + nbytes].view(dtype).view(shape) for start in starts]
 
 
 def _slot_bytes(nbytes: int) -> int:
