@@ -7,7 +7,11 @@ reports the measured step time (median of 5 `Trainer.step` calls, after 2 warm-u
 steps; and per step of 5 steps through `Trainer.fit`, which queues the next step at
 the actors while the driver waits for the current one), the ideal
 (m + p - 1)(tf + tb), efficiency = ideal / measured, and the span of the actions
-themselves (first start to last end, from the actors' timestamps). At tf = tb = 0
+themselves (first start to last end, from the actors' timestamps). It also reports
+how much longer than tf or tb an action took (median, from the same timestamps) and
+the efficiency cap that sets: t / (t + that excess), what even a free engine would
+reach with actions that long (the sleep's wake-up and Python around it, on the
+machine at hand). At tf = tb = 0
 it reports the per-action overhead: step time / (2 m p). It also reports each
 stage's peak stashed microbatches (GPipe holds m, 1F1B at most p - s).
 
@@ -44,19 +48,22 @@ def simulated_trainer(t: float, engine: str = TrainConfig.engine) -> Trainer:
     return Trainer(layers, torch.nn.functional.mse_loss, config)
 
 
-def measure(trainer: Trainer, schedule: str, m: int, steps: int) -> dict:
+def measure(trainer: Trainer, schedule: str, m: int, steps: int, t: float) -> dict:
     """Median step time (and actions span) of `steps` `Trainer.step` calls after 2 warm-up
-    steps, the stash peaks, and the time per step of `steps` steps through `Trainer.fit`
-    (which keeps the next step queued at the actors), right after."""
+    steps, the median time an action took beyond `t`, the stash peaks, and the time per
+    step of `steps` steps through `Trainer.fit` (which keeps the next step queued at the
+    actors), right after."""
     trainer.reconfigure(schedule=schedule, microbatches=m)
     x, y = torch.randn(m, 8), torch.randn(m, 8)
     for _ in range(2):
         trainer.step(x, y)
-    times, spans, stashed = [], [], None
+    times, spans, excess, stashed = [], [], [], None
     for _ in range(steps):
         metrics = trainer.step(x, y)
         times.append(metrics["step_time"])
-        spans.append(trainer.timeline().makespan / 1000)
+        line = trainer.timeline()
+        spans.append(line.makespan / 1000)
+        excess += [(a.end - a.start) / 1000 - t for a in line.spans]
         stashed = [s["peak_stashed_microbatches"] for s in metrics["stages"]]
     fit_spans = []  # on_step reads only the driver's copy of the timestamps: overlap stays safe
     started = time.perf_counter()
@@ -65,6 +72,7 @@ def measure(trainer: Trainer, schedule: str, m: int, steps: int) -> dict:
     fit_step = (time.perf_counter() - started) / steps
     step_s, span_s = statistics.median(times), statistics.median(spans)
     return {"step_s": step_s, "fit_step_s": fit_step, "actions_span_s": span_s,
+            "action_excess_s": statistics.median(excess),
             # the time a step spends outside its actions: the call, the closing agreement, the
             # optimizer step, the reply; fit's queued step hides the call and the reply
             "outside_actions_s": step_s - span_s, "fit_outside_actions_s": fit_step - statistics.median(fit_spans),
@@ -87,7 +95,7 @@ def main() -> None:
         for schedule in ("gpipe", "1f1b"):
             for m in micro:
                 for engine, trainer in trainers.items():
-                    result = measure(trainer, schedule, m, steps=5)
+                    result = measure(trainer, schedule, m, steps=5, t=t)
                     ideal = (m + P - 1) * 2 * t
                     row = {"engine": engine, "schedule": schedule, "p": P, "m": m, "tf_ms": 1000 * t,
                            "tb_ms": 1000 * t, "ideal_s": ideal, **result}
@@ -95,6 +103,7 @@ def main() -> None:
                         row["efficiency"] = ideal / result["step_s"]
                         row["efficiency_fit"] = ideal / result["fit_step_s"]
                         row["efficiency_of_actions_span"] = ideal / result["actions_span_s"]
+                        row["efficiency_cap_of_actions"] = t / (t + result["action_excess_s"])
                     else:
                         row["overhead_per_action_us"] = 1e6 * result["step_s"] / (2 * m * P)
                         row["overhead_per_action_us_fit"] = 1e6 * result["fit_step_s"] / (2 * m * P)

@@ -116,7 +116,7 @@ def main() -> None:
                     single, loop = torch_step_time(schedule, t, args.steps)
                     torch_rounds.append(single)
                     torch_loops.append(loop)
-                    result = measure(trainer, schedule, M, args.steps)
+                    result = measure(trainer, schedule, M, args.steps, t)
                     raypipe_rounds.append(result["step_s"])
                     raypipe_loops.append(result["fit_step_s"])
                 torch_s, raypipe_s = statistics.median(torch_rounds), statistics.median(raypipe_rounds)
