@@ -76,28 +76,28 @@ def main() -> None:
         trainer.fit(lambda step: data.batch(turn * args.block + step - first, args.batch_size), first + args.block)
 
     m = args.microbatches
-    flavours, shapes = ("torch", "fused"), ((1, 1), (1, m), (2, m))  # plain loops; raypipe (pp, microbatches)
+    flavours = ("torch", "fused")
+    runners = {f"plain_{flavour}_m{mb}": (lambda turn, mb=mb, flavour=flavour: plain_steps(turn, mb, flavour))
+               for flavour in flavours for mb in (1, m)}
+    shapes = {f"raypipe_pp{pp}_m{mb}": (pp, mb) for pp, mb in ((1, 1), (1, m), (2, m))}
+    fit_name = (lambda name: name.replace("raypipe_", "raypipe_fit_"))
+    every = [*runners, *shapes, *map(fit_name, shapes)]
     only = [name for name in args.only.split(",") if name]
-    every = [f"plain_{f}_m{mb}" for f in flavours for mb in (1, m)] + [
-        f"raypipe_{fit}pp{pp}_m{mb}" for fit in ("", "fit_") for pp, mb in shapes]
     if set(only) - set(every):
         parser.error(f"--only: unknown runner(s) {sorted(set(only) - set(every))}; choose from {every}")
-    wanted = set(only) | {plain_twin(n, f) for n in only if n.startswith("raypipe") for f in flavours}
-    kept = (lambda name: not only or name in wanted or name.replace("raypipe_", "raypipe_fit_") in wanted)
+    wanted = set(only) | {plain_twin(n, f) for n in only if n.startswith("raypipe") for f in flavours} if only \
+        else set(every)
     trainers = {
-        f"raypipe_pp{pp}_m{mb}": Trainer(
+        name: Trainer(
             gpt.layers(model_cfg), gpt.loss_fn,
             TrainConfig(pp=pp, microbatches=mb, optimizer=optimizer, cpus_per_actor=0.5, threads_per_actor=1,
                         engine=args.engine),
         )
-        for pp, mb in shapes if kept(f"raypipe_pp{pp}_m{mb}")
+        for name, (pp, mb) in shapes.items() if name in wanted or fit_name(name) in wanted
     }
-    runners = {f"plain_{flavour}_m{mb}": (lambda turn, mb=mb, flavour=flavour: plain_steps(turn, mb, flavour))
-               for flavour in flavours for mb in (1, m)}
     runners.update({name: (lambda turn, t=t: raypipe_steps(t, turn)) for name, t in trainers.items()})
-    runners.update({name.replace("raypipe_", "raypipe_fit_"): (lambda turn, t=t: raypipe_fit(t, turn))
-                    for name, t in trainers.items()})
-    runners = {name: run for name, run in runners.items() if not only or name in wanted}
+    runners.update({fit_name(name): (lambda turn, t=t: raypipe_fit(t, turn)) for name, t in trainers.items()})
+    runners = {name: run for name, run in runners.items() if name in wanted}
 
     per_turn = interleaved(runners, args.rounds, args.steps, warmup=-(-3 // args.block))  # 3 steps or more
     per_step = {name: [[s / args.block for s in r] for r in rounds] for name, rounds in per_turn.items()}
