@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import sys
 
 from raypipe.errors import ConfigError, RaypipeError
@@ -106,8 +105,8 @@ def _node_resources(args: argparse.Namespace) -> int:
                           "dtypes": list(acc.dtypes), "torch_device": acc.torch_device(),
                           "resources": acc.ray_resources(), "labels": acc.ray_labels(),
                           "ray_start_args": acc.ray_start_args()}, indent=1))
-    else:
-        print(" ".join(shlex.quote(a) for a in acc.ray_start_args()))
+    else:  # for `ray start ... $(raypipe node-resources)`: no argument holds a space, a quote or a glob
+        print(" ".join(acc.ray_start_args()))
     return 0
 
 

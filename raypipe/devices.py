@@ -20,6 +20,9 @@ from typing import Any
 
 import torch
 
+from raypipe import env
+from raypipe.errors import ConfigError
+
 KINDS = ("cuda", "rocm", "mps", "cpu")
 LABEL_KIND = "raypipe.io/accelerator"
 LABEL_MODEL = "raypipe.io/accelerator-model"
@@ -62,7 +65,14 @@ class Accelerator:
 
 
 def detect() -> Accelerator:
-    """The local accelerator kind, count, model, memory and supported training dtypes."""
+    """The local accelerator kind, count, model, memory and supported training dtypes.
+
+    RAYPIPE_FAKE_ACCELERATOR (`raypipe.env.fake_accelerator`) replaces the hardware's
+    answer, for tests and demos of cuda, rocm and mps nodes on a CPU-only machine.
+    """
+    fake = env.fake_accelerator()
+    if fake is not None:
+        return parse_fake_accelerator(fake)
     if torch.cuda.is_available():
         kind = "rocm" if getattr(torch.version, "hip", None) else "cuda"
         props = torch.cuda.get_device_properties(0)
@@ -72,6 +82,22 @@ def detect() -> Accelerator:
         dtypes = ("fp32", "fp16") + (("bf16",) if _works_on("mps", torch.bfloat16) else ())
         return Accelerator("mps", 1, platform.processor() or "Apple silicon", _machine_memory(), dtypes)
     return Accelerator("cpu", os.cpu_count() or 1, _cpu_model(), _machine_memory(), ("fp32", "bf16", "fp16"))
+
+
+def parse_fake_accelerator(text: str) -> Accelerator:
+    """`KIND:COUNT:MODEL` (e.g. `cuda:2:NVIDIA-H100`) as the Accelerator `detect()` reports for it.
+
+    Raises:
+        ConfigError: the text is not of that form, names an unknown kind or a count below 1.
+    """
+    parts = text.split(":", 2)
+    fix = "set it as KIND:COUNT:MODEL, e.g. RAYPIPE_FAKE_ACCELERATOR=cuda:2:NVIDIA-H100, or unset it"
+    if len(parts) != 3 or parts[0] not in KINDS or not parts[1].isdigit() or int(parts[1]) < 1 or not parts[2]:
+        raise ConfigError(f"RAYPIPE_FAKE_ACCELERATOR={text!r} is not KIND:COUNT:MODEL with KIND one of "
+                          f"{', '.join(KINDS)} and COUNT >= 1: {fix}.")
+    kind, count, model = parts[0], int(parts[1]), parts[2]
+    dtypes = {"mps": ("fp32", "fp16")}.get(kind, ("fp32", "fp16", "bf16"))
+    return Accelerator(kind, count, model, _machine_memory(), dtypes)
 
 
 def ray_options(kind: str, share: float = 1.0) -> dict[str, Any]:

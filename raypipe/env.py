@@ -15,3 +15,10 @@ def ray_address() -> str | None:
     """RAY_ADDRESS: the cluster to join; unset means start an embedded local Ray."""
     return os.environ.get("RAY_ADDRESS") or None
 
+
+
+def fake_accelerator() -> str | None:
+    """RAYPIPE_FAKE_ACCELERATOR=KIND:COUNT:MODEL (e.g. `cuda:2:NVIDIA-H100`): makes `detect()` report
+    that accelerator instead of this machine's, so tests and demos can start Ray nodes that advertise
+    cuda, rocm or mps on a CPU-only machine. Unset (the default): detect the real hardware."""
+    return os.environ.get("RAYPIPE_FAKE_ACCELERATOR") or None

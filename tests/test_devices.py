@@ -2,12 +2,14 @@
 
 import json
 import os
-import shlex
 import subprocess
 import sys
 
+import pytest
+
 from ray._private.label_utils import parse_node_labels_string, validate_node_label_syntax
 
+from raypipe import ConfigError
 from raypipe.devices import LABEL_KIND, LABEL_MODEL, Accelerator, detect, label_value
 
 
@@ -41,11 +43,41 @@ def test_label_values_are_cleaned_to_rays_rules():
     assert label_value("((()))") == "unknown"
 
 
+def node_resources(*args, **env):
+    return subprocess.run([sys.executable, "-m", "raypipe.cli", "node-resources", *args], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, **env})
+
+
 def test_node_resources_command_prints_the_arguments():
-    out = subprocess.run([sys.executable, "-m", "raypipe.cli", "node-resources"], capture_output=True, text=True,
-                         timeout=120)
+    out = node_resources()
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == " ".join(shlex.quote(a) for a in detect().ray_start_args())
-    data = json.loads(subprocess.run([sys.executable, "-m", "raypipe.cli", "node-resources", "--json"],
-                                     capture_output=True, text=True, timeout=120).stdout)
+    assert out.stdout.split() == detect().ray_start_args()
+    data = json.loads(node_resources("--json").stdout)
     assert data["kind"] == "cpu" and data["labels"][LABEL_KIND] == "cpu"
+
+
+def test_printed_arguments_survive_command_substitution_unchanged():
+    """`ray start $(raypipe node-resources)`: bash splits the output on white space and globs each word,
+    and removes no quotes, so every argument must be one word with no quote or glob character."""
+    out = node_resources(RAYPIPE_FAKE_ACCELERATOR="cuda:2:NVIDIA H100 80GB HBM3")
+    assert out.returncode == 0, out.stderr
+    split = subprocess.run(["bash", "-c", 'printf "%s\\n" $(cat)'], input=out.stdout, capture_output=True,
+                           text=True, timeout=30).stdout.splitlines()
+    assert split == Accelerator("cuda", 2, "NVIDIA H100 80GB HBM3", 1, ()).ray_start_args()
+    assert split[:2] == ["--num-gpus=2", '--resources={"cuda":2.0}'], split
+    assert not any(c in out.stdout for c in "'*?["), out.stdout
+
+
+def test_fake_accelerator_override_is_what_detect_reports(monkeypatch):
+    monkeypatch.setenv("RAYPIPE_FAKE_ACCELERATOR", "rocm:8:AMD Instinct MI300X")
+    acc = detect()
+    assert (acc.kind, acc.count, acc.model) == ("rocm", 8, "AMD Instinct MI300X")
+    assert acc.ray_labels()[LABEL_MODEL] == "AMD-Instinct-MI300X" and "bf16" in acc.dtypes
+    monkeypatch.setenv("RAYPIPE_FAKE_ACCELERATOR", "mps:1:Apple M3 Max")
+    assert detect().ray_resources() == {"mps": 1.0} and "bf16" not in detect().dtypes
+    for bad in ("cuda", "cuda:0:x", "tpu:1:x", "cuda:two:x", "cuda:1:"):
+        monkeypatch.setenv("RAYPIPE_FAKE_ACCELERATOR", bad)
+        with pytest.raises(ConfigError, match="RAYPIPE_FAKE_ACCELERATOR=.*KIND:COUNT:MODEL"):
+            detect()
+    out = node_resources(RAYPIPE_FAKE_ACCELERATOR="gpu:1:x")
+    assert out.returncode == 2 and "KIND:COUNT:MODEL" in out.stderr

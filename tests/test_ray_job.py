@@ -2,81 +2,36 @@
 main job, and Ray's state API (through the head's dashboard) lists its stage actors by name."""
 
 import json
-import os
 import re
 import shutil
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from raypipe.devices import LABEL_KIND, detect
+from ray_head import RAY, RayHead, head_env
 
 ROOT = Path(__file__).resolve().parents[1]
-RAY = str(Path(sys.executable).parent / "ray")
 RUN = "ray-job-test"
-
-
-def free_ports(n):
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
 
 
 @pytest.fixture(scope="module")
 def head(tmp_path_factory):
-    """`ray start --head --block` on free ports, auth mode set for server and clients alike;
-    stopped by its own process group at the end."""
-    gcs, dashboard, client, agent, agent_grpc, env_agent, metrics = free_ports(7)
-    temp = tempfile.mkdtemp(prefix="rp-", dir="/tmp")  # short: Ray's socket paths must stay short
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
-    env.update(RAY_AUTH_MODE="disabled", RAYPIPE_CACHE_DIR=str(tmp_path_factory.mktemp("cache")),
-               PYTHONUNBUFFERED="1")
-    log = open(tmp_path_factory.mktemp("head") / "ray-start.log", "w")
-    proc = subprocess.Popen(
-        [RAY, "start", "--head", "--block", "--num-cpus=2", "--disable-usage-stats", f"--temp-dir={temp}",
-         f"--port={gcs}", "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
-         f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={agent}",
-         f"--dashboard-agent-grpc-port={agent_grpc}", f"--runtime-env-agent-port={env_agent}",
-         f"--metrics-export-port={metrics}", *detect().ray_start_args()],  # what `raypipe node-resources` prints
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{dashboard}"
+    """`ray start --head --block $(raypipe node-resources)` through bash, as cluster.yaml starts a
+    host, with the dashboard on; stopped by its own process group at the end."""
+    env = head_env(RAYPIPE_CACHE_DIR=str(tmp_path_factory.mktemp("cache")))
+    node = RayHead("$(raypipe node-resources)", env, tmp_path_factory.mktemp("head") / "ray-start.log",
+                   dashboard=True)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"ray start exited with {proc.returncode}: {Path(log.name).read_text()[-2000:]}")
-            try:
-                urllib.request.urlopen(f"{url}/api/version", timeout=2).read()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    pytest.fail(f"the dashboard at {url} did not answer within 120 s")
-                time.sleep(1)
-        yield {"url": url, "env": env}
+        try:
+            node.wait_dashboard(timeout=120)
+        except (RuntimeError, TimeoutError) as error:
+            pytest.fail(str(error))
+        yield {"url": node.url, "env": env}
     finally:
-        proc.terminate()  # `ray start --block` stops the processes it started
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # anything of that group still running
-        except ProcessLookupError:
-            pass
-        log.close()
-        shutil.rmtree(temp, ignore_errors=True)
+        node.stop()
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,96 @@
+"""A real Ray head started the way a cluster host starts one: `ray start --head --block ...`
+through a real shell, so `$(raypipe node-resources)` in its arguments is expanded by bash
+exactly as in cluster.yaml's start commands. The head runs in its own process group and
+is stopped by it: nothing else on the machine (the suite's shared local Ray) is touched."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+BIN = Path(sys.executable).parent  # ray and raypipe as installed beside this python
+RAY = str(BIN / "ray")
+
+
+def free_ports(n: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def head_env(**extra: str) -> dict[str, str]:
+    """This process's environment without an earlier test's Ray address or auth mode, auth off
+    for the head and its clients alike, and the venv's commands first on PATH."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS") and k != "RAY_AUTH_MODE"}
+    env.update(RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1", PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}")
+    env.update(extra)
+    return env
+
+
+class RayHead:
+    """`ray start --head --block <shell_args>` on free ports; `stop()` ends its process group."""
+
+    def __init__(self, shell_args: str, env: dict[str, str], log: Path, dashboard: bool = False,
+                 num_cpus: int = 2) -> None:
+        gcs, dashboard_port, client, agent, agent_grpc, env_agent, metrics = free_ports(7)
+        self.temp = tempfile.mkdtemp(prefix="rp-", dir="/tmp")  # short: Ray's socket paths must stay short
+        self.env, self.address = env, f"127.0.0.1:{gcs}"
+        self.url = f"http://127.0.0.1:{dashboard_port}" if dashboard else None
+        ports = (f"--port={gcs} --ray-client-server-port={client} --dashboard-agent-listen-port={agent} "
+                 f"--dashboard-agent-grpc-port={agent_grpc} --runtime-env-agent-port={env_agent} "
+                 f"--metrics-export-port={metrics}")
+        ui = (f"--include-dashboard=true --dashboard-host=127.0.0.1 --dashboard-port={dashboard_port}"
+              if dashboard else "--include-dashboard=false")
+        self.command = (f"exec {shlex.quote(RAY)} start --head --block --num-cpus={num_cpus} --disable-usage-stats "
+                        f"--temp-dir={self.temp} {ports} {ui} {shell_args}")
+        self.log_path = log
+        self._log = open(log, "w")
+        self.proc = subprocess.Popen(["bash", "-c", self.command], env=env, stdout=self._log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+
+    def log_tail(self, chars: int = 3000) -> str:
+        return self.log_path.read_text()[-chars:]
+
+    def run_python(self, code: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        """Runs `code` in a new Python process with this head's environment."""
+        return subprocess.run([sys.executable, "-c", code], env=self.env, capture_output=True, text=True,
+                              timeout=timeout)
+
+    def wait_dashboard(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"ray start exited with {self.proc.returncode}: {self.log_tail()}")
+            try:
+                urllib.request.urlopen(f"{self.url}/api/version", timeout=2).read()
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the dashboard at {self.url} did not answer within {timeout} s")
+                time.sleep(1)
+
+    def stop(self) -> None:
+        self.proc.terminate()  # bash exec'd `ray start --block`, which stops the processes it started
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # anything of that group still running
+        except ProcessLookupError:
+            pass
+        self._log.close()
+        shutil.rmtree(self.temp, ignore_errors=True)
