@@ -27,6 +27,16 @@ def test_on_prem_hosts_advertise_what_node_resources_detects():
     assert "--dashboard-host=127.0.0.1" in config["head_start_ray_commands"][-1]
 
 
+def test_a_mac_worker_may_join_and_every_host_gets_the_same_ray():
+    """`ray start --address` on macOS aborts unless RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1 is set in its
+    environment; and Ray refuses nodes whose Ray version differs from the head's."""
+    config = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    start = config["worker_start_ray_commands"][-1]
+    assert "export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1;" in start and start.index("export") < start.index("ray start")
+    assert all("-c ~/raypipe/constraints.txt" in c for c in config["setup_commands"] if "pip install" in c)
+    assert any(line.startswith("ray==") for line in (ROOT / "constraints.txt").read_text().splitlines())
+
+
 def test_cloud_node_types_declare_the_resource_and_label_stages_ask_for():
     from raypipe.devices import ray_options
 
