@@ -42,3 +42,8 @@ def count_saved_bytes(enabled: bool = True) -> Iterator[SavedBytes]:
         return
     with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
         yield counter
+
+
+def max_rss_bytes(ru_maxrss: int, platform: str) -> int:
+    """`getrusage().ru_maxrss` in bytes: macOS reports bytes, Linux (and the BSDs) KiB."""
+    return int(ru_maxrss) if platform == "darwin" else int(ru_maxrss) * 1024

@@ -23,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 from raypipe import agree
 from raypipe.actors import zero
-from raypipe.actors.memory import count_saved_bytes
+from raypipe.actors.memory import count_saved_bytes, max_rss_bytes
 from raypipe.devices import SERVING_ENV
 from raypipe.errors import StageError
 from raypipe.layers import LayerSpec, build_layer
@@ -822,5 +822,6 @@ def _peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     import resource
+    import sys
 
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+    return max_rss_bytes(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, sys.platform)
