@@ -50,7 +50,7 @@ from raypipe.devices import ray_options
 from raypipe.layers import LayerSpec, as_spec, parameter_counts
 from raypipe.metrics import RayMetrics, TensorBoardLogger, stage_metrics
 from raypipe.nn import ShardSpec, merge
-from raypipe.nn.plan import check_tensor_parallel
+from raypipe.nn.plan import check_stages_split, check_tensor_parallel
 from raypipe.partition import Plan, make_plan
 from raypipe.profile import PlanReport, profiled_plan
 from raypipe.progress import Progress
@@ -128,7 +128,9 @@ class Trainer:
         # a profiled plan is replaced below, once the profilers ran; this one checks pp against the layers
         self.plan: Plan = make_plan(len(self.specs), cfg.pp, "uniform" if profiled else cfg.partition,
                                     cfg.shard_plan, counts)
-        check_tensor_parallel(self.specs, cfg.tp)
+        tp_splits = check_tensor_parallel(self.specs, cfg.tp)
+        if not profiled:
+            check_stages_split(tp_splits, self.plan, cfg.tp)
         self.plan_report: PlanReport | None = None
         self.run_name = cfg.name or f"run-{uuid.uuid4().hex[:8]}"
         self.step_count = 0
@@ -156,6 +158,7 @@ class Trainer:
             self.plan_report = self._profile_plan(*sample)
             self.plan = self.plan_report.plan
             log(str(self.plan_report))
+            check_stages_split(tp_splits, self.plan, cfg.tp)
         self._replace_same_name()
         self._start_actors()
 

@@ -5,10 +5,11 @@ depend on tp."""
 import pytest
 import ray
 import torch
+from torch import nn
 
 from helpers import check_sgd_parity, reference_run
 from raypipe import checkpoint as ckpt
-from raypipe import ConfigError, TrainConfig, Trainer
+from raypipe import ConfigError, LayerSpec, TrainConfig, Trainer
 from raypipe.models import gpt
 
 SEED = 3
@@ -141,6 +142,17 @@ def test_checkpoint_holds_whole_tensors_and_restores_under_another_tp(trainer, i
 def test_tp_that_does_not_divide_the_heads_fails_before_any_actor_starts(ray_session):
     with pytest.raises(ConfigError, match=r"n_head=2 does not divide by TrainConfig.tp=4"):
         Trainer(LAYERS, gpt.loss_fn, TrainConfig(tp=4))
+
+
+def test_tp_on_a_stage_whose_layers_have_no_plan_is_refused_before_any_actor_starts():
+    plain = [LayerSpec(nn.Linear, 8, 8), LayerSpec(nn.ReLU), LayerSpec(nn.Linear, 8, 2)]
+    with pytest.raises(ConfigError, match=r"tp=3, but no layer of stage 0 \(layers \[0, 3\)\) declares a tp_plan.*"
+                                          r"ColumnParallel.*or set tp=1"):
+        Trainer(plain, nn.functional.mse_loss, TrainConfig(tp=3))
+    # the GPT's layers have plans; a trailing stage of plain layers alone does not
+    with pytest.raises(ConfigError, match=r"no layer of stage 1 \(layers \[4, 5\)\)"):
+        Trainer(LAYERS + [LayerSpec(nn.Identity)], gpt.loss_fn,
+                TrainConfig(pp=2, tp=2, shard_plan=[[0, 4], [4, 5]]))
 
 
 def test_each_group_takes_the_backend_of_its_members_tensors():

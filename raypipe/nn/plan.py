@@ -89,18 +89,46 @@ def shard_specs(module: nn.Module) -> dict[str, ShardSpec]:
     return specs
 
 
-def check_tensor_parallel(specs: Sequence[Any], tp_size: int) -> None:
-    """Splits every layer on the meta device, so a tp that does not fit fails before any actor starts."""
+def check_tensor_parallel(specs: Sequence[Any], tp_size: int) -> list[bool | None]:
+    """Splits every layer on the meta device, so a tp that does not fit fails before any actor starts.
+
+    Returns, per layer, whether it declares a tp plan (None where it cannot be built on the meta
+    device, so the actor will tell); all True when tp_size is 1.
+    """
     if tp_size == 1:
-        return
+        return [True] * len(specs)
+    splits: list[bool | None] = []
     for index, spec in enumerate(specs):
         try:
             with torch.device("meta"):
-                parallelize(spec.build(), TensorParallelGroup(0, tp_size))
+                module = spec.build()
+                splits.append(bool(tp_plan_of(module, tp_size)))
+                parallelize(module, TensorParallelGroup(0, tp_size))
         except ConfigError as error:
             raise ConfigError(f"layer {index} ({spec!r}) cannot be split for tensor parallelism: {error}") from None
         except Exception:  # a constructor that needs real tensors: the actor will report it
-            continue
+            splits.append(None)
+    return splits
+
+
+def check_stages_split(splits: Sequence[bool | None], plan: Sequence[tuple[int, int]], tp_size: int) -> None:
+    """Refuses a plan in which no layer of some stage has a tp plan: its tp ranks would each
+    hold and run the same whole layers, tp times the actors for nothing.
+
+    Raises:
+        ConfigError: naming the first such stage, its layers and how to add a plan.
+    """
+    if tp_size == 1:
+        return
+    for stage, (start, end) in enumerate(plan):
+        if all(split is False for split in splits[start:end]):
+            raise ConfigError(
+                f"tp={tp_size}, but no layer of stage {stage} (layers [{start}, {end})) declares a tp_plan, so "
+                f"each of its {tp_size} tensor-parallel actors would hold and run the same whole layers. Give a "
+                f"layer of that stage a `tp_plan(self, tp_size)` method returning the submodules to split, e.g. "
+                f"{{'fc1': ColumnParallel(), 'fc2': RowParallel()}} (raypipe.nn), move such a layer into the stage "
+                f"(shard_plan), or set tp=1."
+            )
 
 
 def _expect(module: nn.Module, kind: type, style: Any) -> Any:
