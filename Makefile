@@ -17,7 +17,12 @@ $(STAMP): pyproject.toml constraints.txt
 	  { apt-get install -y -qq graphviz >/dev/null 2>&1 || \
 	    { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq graphviz >/dev/null 2>&1; }; }; } || \
 	  echo "note: Graphviz's dot is not installed (apt-get install graphviz / brew install graphviz); PNG/PDF renderings are skipped"
+	@# Debian and Ubuntu ship Python without venv's ensurepip until python3-venv is installed
+	@test -x $(BIN)/python || $(PYTHON) -c "import venv, ensurepip" 2>/dev/null || { \
+	  echo "error: $(PYTHON) cannot make a virtual environment (no venv/ensurepip): run 'sudo apt-get install python3-venv' (Debian/Ubuntu; python3.X-venv for another version), then make again" >&2; exit 1; }
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@# the distribution was called "raypipe" before it was renamed raypipe-train (the index's raypipe is another project)
+	@! $(BIN)/pip show -q raypipe >/dev/null 2>&1 || $(BIN)/pip uninstall -q -y raypipe
 	$(BIN)/pip install --quiet --disable-pip-version-check -c constraints.txt "torch==2.13.0"
 	$(BIN)/pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[test]"
 	touch $(STAMP)
