@@ -5,7 +5,7 @@ import sys
 
 import torch
 
-from raypipe.actors.memory import max_rss_bytes
+from raypipe.actors.memory import count_saved_bytes, max_rss_bytes
 
 
 def test_ru_maxrss_is_kib_on_linux_and_bytes_on_macos():
@@ -20,3 +20,17 @@ def test_this_process_peak_is_plausible():
     peak = max_rss_bytes(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, sys.platform)
     del block
     assert 256 * 2**20 <= peak < 64 * 2**30
+
+
+def test_saved_bytes_count_what_a_microbatch_spans_not_the_whole_batch_storage():
+    """A microbatch is a row slice of the stacked batch: its Linear saves the slice (4 x 16 floats),
+    not the 16 x 16 batch; the same tensor saved twice counts once."""
+    batch = torch.randn(16, 16)
+    layer = torch.nn.Linear(16, 16)
+    with count_saved_bytes() as saved:
+        layer(batch[4:8].requires_grad_(False)).sum()
+    assert saved.bytes == 4 * 16 * 4
+    x = torch.randn(8, 16, requires_grad=True)
+    with count_saved_bytes() as saved:
+        (x * x).sum()  # saves x for both operands
+    assert saved.bytes == 8 * 16 * 4

@@ -1,8 +1,12 @@
 """How much activation memory a microbatch keeps alive until its backward.
 
 Autograd's saved-tensor hooks see every tensor the forward keeps for backward;
-summing their sizes gives the bytes a stashed microbatch holds (tensors that share
-storage are counted once). The stage actor tracks the peak number and bytes of
+summing their sizes gives the bytes a stashed microbatch holds. A saved tensor counts
+the bytes it spans in its storage, not the whole storage: a microbatch's input is a row
+slice of the step's stacked batch, and a boundary received through shared memory is a
+view of the transport's slot file; counting those storages whole charged every
+microbatch with the whole batch or file (activation checkpointing then seemed to keep
+more than it saved). Views that start at the same place are counted once. The stage actor tracks the peak number and bytes of
 stashed microbatches per step: the quantity GPipe and 1F1B differ in. The hooks
 run on every saved tensor (about 7 % of a GPT block's forward and backward on CPU),
 so they are on only when `TrainConfig.measure_activations` asks for them.
@@ -19,17 +23,25 @@ import torch
 class SavedBytes:
     def __init__(self) -> None:
         self.bytes: int | None = 0
-        self._seen: set[int] = set()
+        self._seen: set[tuple[int, int]] = set()
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         try:
-            key = t.untyped_storage().data_ptr()
+            key = (t.untyped_storage().data_ptr(), t.storage_offset())
         except (RuntimeError, NotImplementedError):  # tensors without storage (meta, sparse)
             return t
         if key not in self._seen:
             self._seen.add(key)
-            self.bytes += t.untyped_storage().nbytes()
+            self.bytes += span_bytes(t)
         return t
+
+
+def span_bytes(t: torch.Tensor) -> int:
+    """Bytes of storage from a tensor's first element to its last (its size when contiguous)."""
+    if t.numel() == 0:
+        return 0
+    span = 1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
+    return min(t.untyped_storage().nbytes() - t.storage_offset() * t.element_size(), span * t.element_size())
 
 
 @contextlib.contextmanager
