@@ -26,18 +26,25 @@ def batch(k: int, size: int = 16, features: int = 6, outputs: int = 3):
     return torch.randn(size, features, generator=g), torch.randn(size, outputs, generator=g)
 
 
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 def reference_run(specs, seed, optimizer, steps, microbatches=1, reverse=False, grad_clip=None,
-                  loss_fn=nn.functional.mse_loss, data=batch, prepare=None):
+                  loss_fn=nn.functional.mse_loss, data=batch, prepare=None, precision="fp32"):
     """Trains nn.Sequential of the same layers in one process.
 
     The batch gradient is accumulated over `microbatches` equal chunks (in reverse
     order when `reverse`, as GPipe's backwards run), each loss scaled by 1/m.
-    `prepare(model)` may add hooks first. Returns (losses, first-step gradients, final state_dict).
+    `prepare(model)` may add hooks first. `precision` "bf16" or "fp16" runs each forward
+    and loss under CPU `torch.autocast`, and fp16 scales the loss with torch's own
+    `GradScaler` (unscaled before clipping; an overflowing step is skipped).
+    Returns (losses, first-step gradients, final state_dict).
     """
     model = nn.Sequential(*build_layers(specs, seed))
     if prepare is not None:
         prepare(model)
     opt = optimizer(model.parameters())
+    scaler = torch.amp.GradScaler("cpu") if precision == "fp16" else None
     losses, first_grads = [], None
     for k in range(steps):
         x, y = data(k)
@@ -45,15 +52,23 @@ def reference_run(specs, seed, optimizer, steps, microbatches=1, reverse=False, 
         chunks = list(zip(x.chunk(microbatches), y.chunk(microbatches)))
         total = 0.0
         for xc, yc in (reversed(chunks) if reverse else chunks):
-            loss = loss_fn(model(xc), yc)
-            (loss / microbatches).backward()
+            with torch.autocast("cpu", dtype=AUTOCAST.get(precision), enabled=precision in AUTOCAST):
+                loss = loss_fn(model(xc), yc)
+            scaled = loss.float() / microbatches
+            (scaler.scale(scaled) if scaler is not None else scaled).backward()
             total += loss.item()
         losses.append(total / microbatches)
+        if scaler is not None:
+            scaler.unscale_(opt)
         if grad_clip is not None:
             nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
         if k == 0:
             first_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-        opt.step()
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
     return losses, first_grads, model.state_dict()
 
 
