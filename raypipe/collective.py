@@ -70,21 +70,25 @@ def leave_world() -> None:
         dist.destroy_process_group()
 
 
-def all_reduce_mean(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, size: int) -> None:
-    """Averages tensors in place across `group`, flattened into buckets of ~BUCKET_BYTES."""
-    bucket: list[torch.Tensor] = []
+def bucket_plan(tensors: Sequence[torch.Tensor], bucket_bytes: int) -> list[list[int]]:
+    """Indices of `tensors` grouped into consecutive buckets of about `bucket_bytes`; a bucket
+    is flattened into one tensor, so a change of dtype also closes it."""
+    buckets: list[list[int]] = []
     nbytes = 0
-    for t in tensors:
-        if bucket and t.dtype != bucket[0].dtype:  # a bucket is flattened into one dtype
-            _reduce_bucket(bucket, group, size)
-            bucket, nbytes = [], 0
-        bucket.append(t)
+    for i, t in enumerate(tensors):
+        if not buckets or nbytes >= bucket_bytes or t.dtype != tensors[buckets[-1][0]].dtype:
+            buckets.append([])
+            nbytes = 0
+        buckets[-1].append(i)
         nbytes += t.numel() * t.element_size()
-        if nbytes >= BUCKET_BYTES:
-            _reduce_bucket(bucket, group, size)
-            bucket, nbytes = [], 0
-    if bucket:
-        _reduce_bucket(bucket, group, size)
+    return buckets
+
+
+def all_reduce_mean(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, size: int,
+                    bucket_bytes: int = BUCKET_BYTES) -> None:
+    """Averages tensors in place across `group`, flattened into buckets of ~`bucket_bytes`."""
+    for bucket in bucket_plan(tensors, bucket_bytes):
+        _reduce_bucket([tensors[i] for i in bucket], group, size)
 
 
 def _reduce_bucket(bucket: list[torch.Tensor], group: dist.ProcessGroup, size: int) -> None:

@@ -169,6 +169,8 @@ class TrainConfig:
         zero: 1 shards optimizer state across the dp replicas (ZeRO stage 1): each replica
             steps its share of the parameters and sends the result to the others; 0 off.
             Reconfigurable: switching it re-shards the optimizer state, nothing is lost.
+        dp_bucket_mb: MiB of gradients the dp all-reduce flattens into one collective (torch
+            DDP's `bucket_cap_mb`, same default): larger amortises each collective's latency.
         microbatches: microbatches each batch is split into; the batch size must divide by it.
         schedule: pipeline schedule, "1f1b" (bounded activation memory) or "gpipe".
         shard_plan: explicit contiguous [start, end) layer ranges, one per stage; overrides `partition`.
@@ -232,6 +234,7 @@ class TrainConfig:
     dp: int = 1
     tp: int = 1
     zero: int = 0
+    dp_bucket_mb: float = 25.0
     microbatches: int = 1
     schedule: str = "1f1b"
     shard_plan: list[list[int]] | None = None
@@ -267,6 +270,7 @@ class TrainConfig:
         _check_int("tp", self.tp, 1)
         if self.zero not in (0, 1) or isinstance(self.zero, bool):
             raise _fail("zero", self.zero, "give 0 (off) or 1 (shard optimizer state across dp replicas).")
+        _check_positive("dp_bucket_mb", self.dp_bucket_mb)
         _check_int("microbatches", self.microbatches, 1)
         _check_choice("schedule", self.schedule, SCHEDULE_NAMES)
         _check_shard_plan(self.shard_plan, self.pp)

@@ -70,6 +70,7 @@ RECONFIGURABLE = (
     "precision",
     "boundary_dtype",
     "zero",
+    "dp_bucket_mb",
     "activation_checkpointing",
     "measure_activations",
     "step_timeout",
@@ -628,6 +629,7 @@ class Trainer:
             activation_checkpointing=c.activation_checkpointing,
             measure_activations=c.measure_activations,
             zero=c.zero,
+            dp_bucket_bytes=max(1, int(c.dp_bucket_mb * 2**20)),
             stop_on_nonfinite=self._stops_on_nonfinite,
         )
 

@@ -49,6 +49,7 @@ class StageSettings:
     activation_checkpointing: bool = False
     measure_activations: bool = False
     zero: int = 0
+    dp_bucket_bytes: int = 25 * 2**20
     # a non-finite step ends training (TrainConfig.nonfinite="error", not fp16's loss scaling):
     # steps queued behind it must not run
     stop_on_nonfinite: bool = True
@@ -411,7 +412,7 @@ class StageActor:
                 p.grad = torch.zeros_like(p)
         from raypipe.collective import all_reduce_mean
 
-        all_reduce_mean([p.grad for p in params], self.dp_group, self.dp_size)
+        all_reduce_mean([p.grad for p in params], self.dp_group, self.dp_size, self.settings.dp_bucket_bytes)
 
     def grad_stats(self, *finished: Any) -> tuple[float, bool]:
         """Unscales fp16 gradients and returns (sum of squared gradients, all finite).
