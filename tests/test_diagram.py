@@ -1,6 +1,5 @@
 """Architecture diagrams from a config and from a running trainer, rendered by the real `dot`."""
 
-import shutil
 import struct
 import xml.etree.ElementTree as ET
 
@@ -14,8 +13,6 @@ from raypipe.cli import main as cli
 from raypipe.diagram import Architecture
 from raypipe.models import gpt
 
-HAVE_DOT = shutil.which("dot") is not None
-needs_dot = pytest.mark.skipif(not HAVE_DOT, reason="Graphviz's dot is not installed (the README's set-up installs it)")
 MODEL = gpt.GPTConfig(n_layer=4, n_head=4, n_embd=32, block_size=16)
 
 
@@ -43,8 +40,7 @@ def test_mermaid_text(arch, tmp_path):
     assert "stage0_dp1_tp1[" in text
 
 
-@needs_dot
-def test_dot_renders_png_svg_and_pdf(arch, tmp_path):
+def test_dot_renders_png_svg_and_pdf(arch, tmp_path, dot):
     png = arch.save(tmp_path / "a.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     width, height = struct.unpack(">II", png[16:24])

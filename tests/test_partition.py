@@ -130,8 +130,9 @@ def test_profile_partition_balances_measured_layer_times(ray_session):
         assert t.plan == [(0, 4), (4, 6)] == report.plan
         assert t.step(x, y)["loss"] > 0
     forward = report.profiles["cpu"]["forward_s"]
-    assert forward[0] == pytest.approx(0.01, abs=0.003) and forward[5] == pytest.approx(0.03, abs=0.005)
-    assert report.stage_seconds[1] == pytest.approx(0.12, rel=0.2)
+    # sleeps of 10 and 30 ms per forward: never measured shorter, and within 3x on a slow machine
+    assert 0.0095 <= forward[0] < 0.03 and 0.0295 <= forward[5] < 0.09, forward
+    assert 0.12 <= report.stage_seconds[1] < 0.36, report.stage_seconds  # 2 layers x (30 + 30) ms
     assert report.step_seconds < report.uniform_step_seconds
     assert "stage 1: layers [4, 6) on cpu" in lines[0] and "ms per microbatch" in lines[0]
 

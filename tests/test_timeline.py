@@ -1,7 +1,6 @@
 """Schedule timelines (planned and measured), Chrome traces, RAYPIPE_TRACE and the progress bar."""
 
 import json
-import shutil
 import struct
 import xml.etree.ElementTree as ET
 
@@ -13,7 +12,6 @@ from helpers import MLP7, Sleep, batch
 from raypipe import LayerSpec, Timeline, TrainConfig, Trainer, build_schedule
 from raypipe.engine import submission_order
 
-HAVE_DOT = shutil.which("dot") is not None
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
@@ -41,9 +39,8 @@ def test_svg_and_chrome_trace_are_what_their_readers_accept(tmp_path):
         line.save(tmp_path / "t.gif")
 
 
-@pytest.mark.skipif(not HAVE_DOT, reason="Graphviz's dot is not installed (the README's set-up installs it)")
 @pytest.mark.parametrize("suffix", [".png", ".pdf"])
-def test_graphviz_renders_the_timeline(tmp_path, suffix):
+def test_graphviz_renders_the_timeline(tmp_path, suffix, dot):
     data = Timeline.planned(build_schedule("gpipe", 2, 4)).save(tmp_path / f"t{suffix}").read_bytes()
     if suffix == ".png":
         assert data[:8] == b"\x89PNG\r\n\x1a\n"
@@ -76,7 +73,9 @@ def test_measured_timeline_follows_the_schedule(sleepy, tmp_path):
         ran = sorted((x for x in line.spans if x.stage == s), key=lambda x: x.start)
         assert [(x.kind, x.microbatch) for x in ran] == [(a.kind, a.microbatch) for a in schedule[s]]
         forwards = [x for x in ran if x.kind == "F"]
-        assert all(x.end - x.start == pytest.approx(20, abs=15) for x in forwards)  # ms
+        # a 20 ms sleep: never shorter (a span that misses its action's start or end would be), and under
+        # 100 ms even on a machine 3x slower than CI's, where only the few ms around the sleep grow
+        assert all(19.5 <= x.end - x.start < 100 for x in forwards), [x.end - x.start for x in forwards]  # ms
     by = {(x.stage, x.kind, x.microbatch): x for x in line.spans}
     for m in range(4):  # stage 1 starts a microbatch only after stage 0 finished it
         assert by[(1, "F", m)].start >= by[(0, "F", m)].end
