@@ -110,15 +110,9 @@ def _node_resources(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_resume_arguments(parser: argparse.ArgumentParser) -> None:
-    """`--resume` / `--resume-step N`, shared by `raypipe train` and examples/train.py."""
-    group = parser.add_mutually_exclusive_group()
-    group.add_argument("--resume", action="store_true",
-                       help="continue from the newest valid checkpoint in checkpoint_dir")
-    group.add_argument("--resume-step", type=int, metavar="N", help="continue from the checkpoint of step N")
-
-
 def build_parser() -> argparse.ArgumentParser:
+    from raypipe.job import add_resume_arguments  # the job module imports torch: only when parsing
+
     parser = argparse.ArgumentParser(prog="raypipe", description="Pipeline-parallel PyTorch training on Ray.")
     sub = parser.add_subparsers(dest="command", required=True)
 

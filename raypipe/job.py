@@ -7,6 +7,7 @@ sections: `model` (GPTConfig fields), `data` (where tokens come from) and `job`
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import sys
 import time
@@ -245,16 +246,20 @@ def _sample(trainer: Any, config: JobConfig) -> str:
     return tokenizer.decode(idx[0].tolist())
 
 
+def add_resume_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--resume` / `--resume-step N`, shared by `raypipe train` and examples/train.py."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--resume", action="store_true",
+                       help="continue from the newest valid checkpoint in checkpoint_dir")
+    group.add_argument("--resume-step", type=int, metavar="N", help="continue from the checkpoint of step N")
+
+
 def main(argv: list[str] | None = None) -> int:
     """`examples/train.py --config FILE [--set key=value ...]`."""
-    import argparse
-
     parser = argparse.ArgumentParser(description="Train the reference GPT with raypipe.")
     parser.add_argument("--config", required=True, help="job YAML, e.g. examples/configs/gpt_pp2.yaml")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a field, e.g. --set microbatches=8 --set model.n_layer=2")
-    from raypipe.cli import add_resume_arguments
-
     add_resume_arguments(parser)
     args = parser.parse_args(argv)
     try:

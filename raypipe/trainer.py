@@ -24,18 +24,12 @@ import torch
 from raypipe import checkpoint as ckpt
 from raypipe import runtime
 from raypipe.actors.stage import StageActor, StageSettings
-from raypipe.collective import group_backend
+from raypipe.runtime.collective import group_backend
 from raypipe.config import TrainConfig, nearest
-from raypipe.compiled import CompiledStep
-from raypipe.engine import (
-    StepResult,
-    gather,
-    last_line,
-    run_forward,
-    run_step,
-    submission_order,
-    submit_step_p2p,
-)
+from raypipe.runtime.compiled import CompiledStep
+from raypipe.runtime.p2p import submit_step_p2p
+from raypipe.runtime.refs import run_forward, run_step, submission_order
+from raypipe.runtime.results import StepResult, gather, last_line
 from raypipe.errors import (
     ActorDiedError,
     BatchError,

@@ -1,5 +1,5 @@
 """The p2p engine's wire protocol between two real processes, over both transports that
-`raypipe.p2p` picks from: shared memory between neighbours on one node (`raypipe.shm`)
+`raypipe.runtime.transport` picks from: shared memory between neighbours on one node (`shm`)
 and gloo. Every boundary dtype arrives exactly, poison arrives where it was sent, a shape
 change within a step is refused before anything goes out, a stream too large for shared
 memory goes over gloo, nothing is left in /dev/shm, and a receiver whose neighbour exited
@@ -12,7 +12,7 @@ import pytest
 import ray
 import torch
 
-from raypipe.p2p import DTYPES
+from raypipe.runtime.transport.stream import DTYPES
 
 POISON = "poison"
 
@@ -22,13 +22,13 @@ class Peer:
     """One end of a two-rank world: rank 0 sends a stream, rank 1 takes it."""
 
     def address(self):
-        from raypipe.collective import rendezvous_address
+        from raypipe.runtime.collective import rendezvous_address
 
         return rendezvous_address()
 
     def join(self, address, port, rank, transport):
-        from raypipe import shm
-        from raypipe.collective import join_world
+        from raypipe.runtime.transport import shm
+        from raypipe.runtime.collective import join_world
 
         join_world(address, port, 2, rank, [], timeout=30)
         return shm.connect(rank, [1 - rank], timeout=30, enabled=transport == "shm")
@@ -36,7 +36,8 @@ class Peer:
     def send(self, tensors, tags, limit=None):
         """Sends each tensor (None: poison) as the stage does; returns the refusals.
         `limit`: the largest stream (bytes) shared memory may carry this time."""
-        from raypipe import p2p, shm
+        from raypipe.runtime import transport as p2p
+        from raypipe.runtime.transport import shm
 
         default, shm.MAX_STREAM_BYTES = shm.MAX_STREAM_BYTES, limit or shm.MAX_STREAM_BYTES
         try:
@@ -55,7 +56,7 @@ class Peer:
     def take(self, tags):
         """Takes every message; writes into each taken tensor (a layer may) and keeps a copy,
         and the taken tensors themselves (`kept`)."""
-        from raypipe.p2p import PeerFailed, inbox
+        from raypipe.runtime.transport import PeerFailed, inbox
 
         box, got, self.kept = inbox(0, tags), [], []
         for _ in tags:
@@ -80,10 +81,10 @@ class Peer:
 
     def shm_files(self):
         """Files of this process's links still in the shared-memory directory."""
-        from raypipe import shm
+        from raypipe.runtime.transport import shm
 
         names = {os.path.basename(link.prefix) for link in shm._links.values()}
-        return [f for f in os.listdir(shm._directory()) if any(f.startswith(n) for n in names)]
+        return [f for f in os.listdir(shm.directory()) if any(f.startswith(n) for n in names)]
 
 
 def connect(transport):

@@ -156,7 +156,7 @@ def test_tp_on_a_stage_whose_layers_have_no_plan_is_refused_before_any_actor_sta
 
 
 def test_each_group_takes_the_backend_of_its_members_tensors():
-    from raypipe.collective import group_backend
+    from raypipe.runtime.collective import group_backend
 
     assert group_backend(["cpu", "cpu"]) == "gloo"
     assert group_backend(["cuda:0", "cuda:0"]) == "nccl"  # ROCm's torch uses the cuda device type too

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from raypipe import agree
+from raypipe.runtime.transport import agree
 from raypipe.actors import zero
 from raypipe.actors.memory import count_saved_bytes, max_rss_bytes
 from raypipe.devices import SERVING_ENV
@@ -29,9 +29,9 @@ from raypipe.errors import StageError
 from raypipe.layers import LayerSpec, build_layer
 from raypipe.nn import TensorParallelGroup, merge, parallelize, shard, shard_specs
 from raypipe.nn.group import building
-from raypipe.p2p import PeerFailed
+from raypipe.runtime.transport import PeerFailed
 from raypipe.optim import LossScaler, build_optimizer, learning_rate
-from raypipe.wire import StepCall, pack, unpack
+from raypipe.runtime.transport.wire import StepCall, pack, unpack
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -161,7 +161,7 @@ class StageActor:
 
     def rendezvous_address(self) -> tuple[str, int]:
         """Rank 0's address and a free port, which every actor then joins."""
-        from raypipe.collective import rendezvous_address
+        from raypipe.runtime.collective import rendezvous_address
 
         return rendezvous_address()
 
@@ -171,14 +171,14 @@ class StageActor:
              same_node_transport: str = "shm") -> list[int]:
         """Joins the trainer's torch.distributed world, keeps its dp and tp groups, and links
         to its pipeline `neighbours` (world ranks) on this node through shared memory
-        (`raypipe.shm`) unless `same_node_transport` is "gloo"; with "shm" and the whole
-        world on this node, the step's closing agreement goes through pipes (`raypipe.agree`).
+        (`raypipe.runtime.transport.shm`) unless `same_node_transport` is "gloo"; with "shm" and the whole
+        world on this node, the step's closing agreement goes through pipes (`transport.agree`).
 
         Returns:
             The neighbours linked through shared memory (the others use gloo).
         """
-        from raypipe import shm
-        from raypipe.collective import join_world
+        from raypipe.runtime.transport import shm
+        from raypipe.runtime.collective import join_world
 
         mine = join_world(address, port, world_size, rank, groups, timeout, backends)
         self.dp_group, self.dp_ranks = mine.get(tuple(dp_group)), list(dp_group)
@@ -249,7 +249,7 @@ class StageActor:
 
         Activations come from world rank `call.prev_rank` and go to `call.next_rank`,
         gradients the other way, through shared memory on one node and gloo between nodes
-        (`raypipe.p2p`, `raypipe.shm`); stage 0 takes `call.inputs[m]`, the last stage
+        (`raypipe.runtime.transport`); stage 0 takes `call.inputs[m]`, the last stage
         `call.targets[m]`. After a failure the actor still
         makes every send and receive of its list (sending poison), so no neighbour
         hangs; then every actor learns through one all-reduce that the step failed, none
@@ -267,7 +267,7 @@ class StageActor:
         """
         import ray
 
-        from raypipe import p2p
+        from raypipe.runtime import transport
 
         call_id, step, actions, inputs, targets, prev_rank, next_rank, after = call
         if after is not None and after == self.unapplied_call:
@@ -279,10 +279,10 @@ class StageActor:
         inputs, targets = unpack(inputs), unpack(targets)
         forwards = [m for kind, m in actions if kind == "F"]
         backwards = [m for kind, m in actions if kind == "B"]
-        activations = p2p.inbox(prev_rank, [2 * m for m in forwards]) if self.stage > 0 else None
-        gradients = p2p.inbox(next_rank, [2 * m + 1 for m in backwards]) if not self.is_last else None
-        to_next = p2p.outbox(next_rank, len(forwards)) if not self.is_last else None
-        to_prev = p2p.outbox(prev_rank, len(backwards)) if self.stage > 0 else None
+        activations = transport.inbox(prev_rank, [2 * m for m in forwards]) if self.stage > 0 else None
+        gradients = transport.inbox(next_rank, [2 * m + 1 for m in backwards]) if not self.is_last else None
+        to_next = transport.outbox(next_rank, len(forwards)) if not self.is_last else None
+        to_prev = transport.outbox(prev_rank, len(backwards)) if self.stage > 0 else None
         losses, failure = [], None
         for kind, m in actions:
             if kind == "F":
@@ -336,7 +336,7 @@ class StageActor:
 
     def _finish_step(self, step: int, failure: Exception | None) -> dict[str, Any]:
         """Reduces gradients over dp, then agrees with every actor through one all-reduce on
-        the global gradient norm, non-finite values and failures (`raypipe.agree`: pipes when
+        the global gradient norm, non-finite values and failures (`transport.agree`: pipes when
         the world shares a node, else gloo), and steps (or raises) alike."""
         import torch.distributed as dist
 
@@ -410,7 +410,7 @@ class StageActor:
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        from raypipe.collective import all_reduce_mean
+        from raypipe.runtime.collective import all_reduce_mean
 
         all_reduce_mean([p.grad for p in params], self.dp_group, self.dp_size, self.settings.dp_bucket_bytes)
 

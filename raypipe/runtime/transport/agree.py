@@ -10,7 +10,7 @@ the others' from its own: one wake-up per rank. Every rank adds the records up i
 order, so all get the same bits. Worlds that span nodes keep gloo.
 
 Like gloo's all-reduce it is a barrier: no rank leaves before every rank has arrived,
-which `raypipe.shm`'s alternating slots rely on. A rank whose peer's process exited
+which `shm`'s alternating slots rely on. A rank whose peer's process exited
 fails within a second, naming it, instead of waiting for the timeout.
 """
 
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from raypipe.shm import _directory, _poller, wait_alive
+from raypipe.runtime.transport.pipes import directory, poller, wait_alive
 
 VALUES = 3  # numbers each rank contributes
 RECORD = struct.Struct(f"<2q{VALUES}d")  # rank, round, values: written atomically (< PIPE_BUF)
@@ -48,7 +48,7 @@ def connect(rank: int, timeout: float, enabled: bool = True) -> bool:
     dist.all_gather_object(everyone, (node, os.getpid(), uuid.uuid4().hex[:16], enabled))
     if not all(e[3] and e[0] == node for e in everyone):
         return False
-    prefix = os.path.join(_directory(), f"raypipe-agree-{everyone[0][2]}")
+    prefix = os.path.join(directory(), f"raypipe-agree-{everyone[0][2]}")
     own = f"{prefix}-{rank}.pipe"
     fds: dict[int, int] = {}
     try:
@@ -127,7 +127,7 @@ class Board:
                 os.write(fd, record)
                 return
             except BlockingIOError:  # never in practice: a pipe holds 64 KiB, a round writes 40 bytes
-                self._wait(_poller(fd, select.POLLOUT), [peer], "make room in its pipe")
+                self._wait(poller(fd, select.POLLOUT), [peer], "make room in its pipe")
 
     def _read(self, missing: list[int]) -> None:
         try:

@@ -1,26 +1,13 @@
-"""Boundary tensors sent straight from one stage actor to the next, over the trainer's world.
+"""Boundary tensors over gloo point to point (torch.distributed, through host memory): the
+transport between stages on different nodes, and between stages on one node when
+shared memory is off or a stream is too large for it.
 
-The "p2p" engine gives every actor its whole action list for a step in one call;
-activations and gradients then go actor to actor, never through the driver or the
-object store: through shared memory between neighbours on one node (`raypipe.shm`),
-with torch.distributed point to point (gloo, through host memory) between nodes.
-`outbox` and `inbox` pick the transport; this module is the gloo one.
-
-A stream is one direction between two neighbours within a step (activations
-forward, or gradients back), carrying one message per microbatch, each on its own
-tag. Its first message is preceded by a header (dtype and shape); every message of
-the step has that shape (microbatches are equal splits), so the receiver posts the
-following receives ahead (`Inbox`) and a message lands as soon as it is sent, with
-no rendezvous: gloo moves a message only once its receive is posted. A message is
-one byte buffer, an 8-byte flag and then the tensor's bytes, so each hop costs one
-gloo send and one receive (a separate flag message doubled both; posting a gloo
-operation costs 0.1-0.25 ms on a loaded 2-core machine). The receiver reads the
-tensor as a view of the buffer, without a copy.
-
-A failed stage keeps the communication pattern: it still makes every receive and
-every send its action list calls for, sending poison (a poison header, or a poison
-flag with a dummy payload) instead of a tensor, so no neighbour waits forever; a
-neighbour that receives poison fails the same way.
+A message is one byte buffer, an 8-byte flag and then the tensor's bytes, so each hop
+costs one gloo send and one receive (a separate flag message doubled both; posting a
+gloo operation costs 0.1-0.25 ms on a loaded 2-core machine). The receiver posts the
+following receives ahead (`GlooInbox`), so a message lands as soon as it is sent, with
+no rendezvous: gloo moves a message only once its receive is posted. The receiver
+reads the tensor as a view of the buffer, without a copy.
 """
 
 from __future__ import annotations
@@ -31,49 +18,11 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-HEADER = 8  # int64 slots: dtype code, ndim, up to 6 dimensions
-OK, POISON = 0, -1
-FLAG_BYTES = 8  # an int64 flag (OK or POISON) at the start of every message
-DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.bool]
-CODES = {dtype: i for i, dtype in enumerate(DTYPES)}
+from raypipe.runtime.transport.stream import (
+    DTYPES, FLAG_BYTES, HEADER, OK, POISON, PeerFailed, check_like, check_sendable, header,
+)
+
 LOOKAHEAD = 3  # receives posted per stream; refilled after each action, so two stay posted while it computes
-
-
-class PeerFailed(RuntimeError):
-    """A neighbouring stage failed earlier in this step (it sent poison instead of a tensor)."""
-
-
-def outbox(dst: int, count: int) -> Any:
-    """The sending end of this step's stream to world rank `dst`, which takes `count` messages:
-    through shared memory when `dst` is linked on this node (`raypipe.shm`), else over gloo."""
-    from raypipe import shm
-
-    link = shm.link_to(dst)
-    return shm.ShmOutbox(link, count) if link is not None else GlooOutbox(dst)
-
-
-def inbox(src: int, tags: Sequence[int]) -> Any:
-    """The receiving end of this step's stream from world rank `src`, its messages in `tags` order."""
-    from raypipe import shm
-
-    link = shm.link_to(src)
-    return shm.ShmInbox(link, tags) if link is not None else GlooInbox(src, tags)
-
-
-def check_sendable(t: torch.Tensor) -> None:
-    """Refuses a boundary tensor with more dimensions than a header describes."""
-    if t.dim() > HEADER - 2:
-        raise ValueError(f"a boundary tensor has {t.dim()} dimensions; at most {HEADER - 2} can be sent")
-
-
-def check_like(like: torch.Tensor, t: torch.Tensor) -> None:
-    """Refuses a boundary tensor whose shape or dtype differs from its stream's first one this step."""
-    if t.shape != like.shape or t.dtype != like.dtype:
-        raise ValueError(
-            f"boundary tensor {tuple(t.shape)} {t.dtype} differs from this step's first microbatch "
-            f"({tuple(like.shape)} {like.dtype}); engine='p2p' needs equal shapes within a step, "
-            f"engine='refs' does not."
-        )
 
 
 class GlooOutbox:
@@ -163,10 +112,3 @@ def _message(like: torch.Tensor) -> torch.Tensor:
 def _payload(message: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """The tensor inside a message buffer, as a view (the flag's 8 bytes keep every dtype aligned)."""
     return message[FLAG_BYTES:].view(like.dtype).view(like.shape)
-
-
-def header(t: torch.Tensor | None) -> torch.Tensor:
-    """A stream's description of its tensors (HEADER int64s: dtype code, ndim, shape), or poison for None."""
-    if t is None:
-        return torch.tensor([POISON] + [0] * (HEADER - 1), dtype=torch.int64)
-    return torch.tensor([CODES[t.dtype], t.dim(), *t.shape] + [0] * (HEADER - 2 - t.dim()), dtype=torch.int64)

@@ -30,8 +30,6 @@ import mmap
 import os
 import select
 import struct
-import tempfile
-import time
 import uuid
 from collections import deque
 from typing import Any, Sequence
@@ -39,14 +37,15 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from raypipe.p2p import CODES, DTYPES, POISON, GlooInbox, GlooOutbox, PeerFailed, check_like, check_sendable, header
+from raypipe.runtime.transport.gloo import GlooInbox, GlooOutbox
+from raypipe.runtime.transport.pipes import directory, poller, wait_alive
+from raypipe.runtime.transport.stream import CODES, DTYPES, POISON, PeerFailed, check_like, check_sendable, header
 
 OK, GLOO = 0, 1  # record flags besides POISON: a tensor in a slot; this stream goes over gloo this step
 RECORD = struct.Struct("<4q")  # tag, flag, generation, slot: written atomically (< PIPE_BUF)
-FILE_HEADER = 64  # bytes before the first slot: the stream's `p2p.header` (8 int64s)
+FILE_HEADER = 64  # bytes before the first slot: the stream's `stream.header` (8 int64s)
 SLOT_ALIGN = 64
 MAX_STREAM_BYTES = 1 << 30  # one direction's file; larger streams go over gloo
-POLL_MS = 1000  # how often a waiting end checks that its neighbour is still alive
 
 _links: dict[int, "Link"] = {}  # neighbour's world rank -> this process's link to it
 
@@ -68,7 +67,7 @@ def connect(rank: int, neighbours: Sequence[int], timeout: float, enabled: bool 
     node = ray.get_runtime_context().get_node_id()
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (node, os.getpid(), uuid.uuid4().hex[:16], sorted(neighbours) if enabled else []))
-    prefix = os.path.join(_directory(), f"raypipe-{everyone[0][2]}")
+    prefix = os.path.join(directory(), f"raypipe-{everyone[0][2]}")
     local = [n for n in neighbours if enabled and everyone[n][0] == node and rank in everyone[n][3]]
     made = []
     for n in local:  # each end makes the pipe it writes to
@@ -219,7 +218,7 @@ class Link:
     # ----- both -----------------------------------------------------------------
 
     def _wait(self, fd: int, event: int, what: str) -> None:
-        poller = self.poller if fd == self.reader else _poller(fd, event)
+        poller = self.poller if fd == self.reader else poller(fd, event)
         wait_alive(poller, {self.peer: self.peer_pid}, self.timeout, what)
 
     def close(self) -> None:
@@ -232,7 +231,7 @@ class Link:
 
 
 class ShmOutbox:
-    """The sending end of one stream to a neighbour on this node (`p2p.outbox` picks it)."""
+    """The sending end of one stream to a neighbour on this node (`transport.outbox` picks it)."""
 
     def __init__(self, link: Link, count: int) -> None:
         self.link, self.count = link, count
@@ -315,35 +314,6 @@ def _slot_views(data: torch.Tensor, dtype: torch.dtype, shape: torch.Size) -> li
 def _slot_bytes(nbytes: int) -> int:
     """A slot's size for a message of `nbytes`: rounded up to SLOT_ALIGN, so every dtype's view is aligned."""
     return max(SLOT_ALIGN, -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN)
-
-
-def wait_alive(poller: select.poll, peers: dict[int, int], timeout: float, what: str) -> None:
-    """Waits until `poller` has an event, checking every POLL_MS that the processes awaited,
-    `peers` (world rank -> pid, on this node), still live: one that exited fails the wait
-    within a second instead of after `timeout` s."""
-    deadline = time.monotonic() + timeout
-    while not poller.poll(POLL_MS):
-        for rank, pid in peers.items():
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                raise RuntimeError(f"world rank {rank} (pid {pid}, on this node) exited before it could {what}") from None
-            except PermissionError:  # alive, another user's
-                pass
-        if time.monotonic() > deadline:
-            ranks = ", ".join(str(r) for r in peers)
-            raise RuntimeError(f"world rank{'s' if len(peers) > 1 else ''} {ranks} did not {what} within {timeout:.0f} s")
-
-
-def _poller(fd: int, event: int) -> select.poll:
-    poller = select.poll()
-    poller.register(fd, event)
-    return poller
-
-
-def _directory() -> str:
-    """/dev/shm where it exists (Linux); the temporary directory otherwise (macOS)."""
-    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
 def _pipe(prefix: str, src: int, dst: int) -> str:

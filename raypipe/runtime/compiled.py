@@ -6,7 +6,7 @@ The graph is compiled once per set of actors: its input goes to every actor's
 actors are already waiting on, instead of one `.remote()` task per actor.
 Everything else is the p2p engine's: each actor runs its stage's action list,
 activations and gradients go actor to actor over torch.distributed
-(`raypipe.p2p`), and the call ends with the agreed optimizer step. The action
+(`raypipe.runtime.transport`), and the call ends with the agreed optimizer step. The action
 lists travel in the payload, so changing microbatches or schedule needs no new
 graph.
 
@@ -23,9 +23,10 @@ from typing import Any, Sequence
 import ray
 import torch
 
-from raypipe.engine import ActionList, _cause_message, root_failure
+from raypipe.runtime.p2p import ActionList
+from raypipe.runtime.results import cause_message, root_failure
 from raypipe.errors import ActorDiedError, StageError, StepTimeoutError
-from raypipe.wire import pack_microbatches
+from raypipe.runtime.transport.wire import pack_microbatches
 
 
 class CompiledStep:
@@ -72,7 +73,7 @@ class CompiledStep:
                 cause = str(error).splitlines()[0]
                 raise ActorDiedError(f"{name} died during {what}: {cause}", actor=name, cause=cause) from None
             except ray.exceptions.RayTaskError as error:  # not run_actions' own failure: Ray's, or the graph's
-                raise StageError(f"{what} failed: {_cause_message(error)}") from None
+                raise StageError(f"{what} failed: {cause_message(error)}") from None
             (errors if isinstance(value, StageError) else values).append(value)
         if errors:
             raise root_failure(errors)

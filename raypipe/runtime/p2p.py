@@ -1,0 +1,149 @@
+"""The "p2p" engine on the driver: one call per actor per step carrying its whole action list;
+boundary tensors then go actor to actor (`raypipe.runtime.transport`), never through the driver.
+`compiled` issues the same calls through a Ray Compiled Graph."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import ray
+import torch
+
+from raypipe.errors import ActorDiedError, StageError
+from raypipe.runtime.results import StepResult, gather, raise_if_died, root_failure, wait_for_progress
+from raypipe.runtime.trace import trace_lists
+from raypipe.runtime.transport.wire import StepCall, pack_microbatches
+from raypipe.schedules import Schedule
+
+
+def submit_step_p2p(
+    replicas: Sequence[Sequence[Sequence[Any]]],
+    names: Sequence[Sequence[Sequence[str]]],
+    ranks: Sequence[Sequence[Sequence[int]]],
+    schedule: Schedule,
+    inputs: Sequence[Sequence[torch.Tensor]],
+    targets: Sequence[Sequence[Any]],
+    call_id: int,
+    step: int,
+    timeout: float,
+    after: int | None = None,
+    compiled: Any = None,
+) -> "SubmittedStep":
+    """Sends one step of `schedule` with one call per actor ("p2p" engine) and returns
+    without waiting for it; `result()` waits.
+
+    Each actor gets its stage's whole action list (`StageActor.run_actions`) and
+    exchanges activations and gradients directly with its neighbours (`raypipe.runtime.transport`),
+    so no boundary tensor and no per-action call goes through the driver. tp rank t
+    of a stage talks to tp rank t of the next (their activations are identical).
+    The gradient reduction and the optimizer step end the same call: the actors agree
+    on the global norm, non-finite values and failures with one all-reduce, so a step
+    costs one round of Ray calls. Arguments as `run_step`, plus `ranks`: the world rank
+    of every actor, same shape as `replicas`.
+
+    `after`: the call id of a step still running on the same actors, which this one
+    queues behind. The actors run this step only if that one was applied: a step that
+    failed, or (with `StageSettings.stop_on_nonfinite`) skipped a non-finite update,
+    makes every actor answer the steps queued behind it with `{"halted": True}`
+    instead, so a failure leaves the weights of the last good step.
+
+    `compiled`: a `raypipe.runtime.compiled.CompiledStep` over the same actors, to issue the
+    calls through it ("compiled" engine); that step is run in full before this returns.
+    """
+    started = time.perf_counter()
+    lists = action_lists(replicas, names, ranks, schedule)
+    trace_lists(step, schedule, names)
+    what = f"step {step + 1}"
+    if compiled is not None:
+        values = compiled.run(lists, inputs, targets, call_id, step, timeout, what)
+        return SubmittedStep([], what, timeout, started, values)
+    last = max(lst.stage for lst in lists)
+    batches = []
+    for d, stages in enumerate(replicas):
+        # by value (Ray inlines small arguments), or stored once when several tp ranks read it
+        batch, labels = pack_microbatches(list(inputs[d])), pack_microbatches(list(targets[d]))
+        if len(stages[0]) > 1:
+            batch, labels = ray.put(batch), ray.put(labels)
+        batches.append((batch, labels))
+    runs = []
+    for lst in lists:
+        batch, labels = batches[lst.replica]
+        ref = lst.actor.run_actions.remote(StepCall(
+            call_id, step, lst.actions, batch if lst.stage == 0 else None, labels if lst.stage == last else None,
+            lst.prev_rank, lst.next_rank, after))
+        runs.append((ref, lst))
+    return SubmittedStep(runs, what, timeout, started)
+
+
+class SubmittedStep:
+    """A p2p step whose calls are out; `result()` waits for them. `values`: the actors'
+    results, when the step already ended (a compiled graph's)."""
+
+    def __init__(self, runs: list[tuple[ray.ObjectRef, "ActionList"]], what: str, timeout: float,
+                 started: float, values: list[Any] | None = None) -> None:
+        self.runs, self.what, self.timeout, self.started, self.values = runs, what, timeout, started, values
+
+    def result(self, since: float = 0.0) -> StepResult:
+        """Waits for every actor's call and returns the step's result; `seconds` counts
+        from the later of the submission and `since` (when the step queued behind another,
+        the moment that one's result came back).
+
+        Raises:
+            StageError: a stage failed (the root cause, not the neighbours it stopped).
+            ActorDiedError: an actor died, raised as soon as its call ends.
+            StepTimeoutError: no call finished for `timeout` s.
+        """
+        if self.values is not None:
+            return _step_result(self.values, time.perf_counter() - max(self.started, since))
+        pending = {ref: (lst.name, lst.label) for ref, lst in self.runs}
+        deaths = {ref: (lst.actor, lst.name) for ref, lst in self.runs}
+        wait_for_progress(pending, self.timeout, self.what,
+                           on_ready=lambda ready: raise_if_died(ready, deaths, self.what))
+        values, errors = [], []
+        for ref, lst in self.runs:  # every result once; a failure is kept until all are read
+            try:
+                values.extend(gather([ref], self.what, [lst.actor], [lst.name]))
+            except (StageError, ActorDiedError) as error:
+                errors.append(error)
+        if errors:
+            raise root_failure(errors)
+        return _step_result(values, time.perf_counter() - max(self.started, since))
+
+
+def _step_result(values: Sequence[Any], seconds: float) -> StepResult:
+    # values are in world-rank order (replica, stage, tp rank); the last stage's tp rank 0 has the losses
+    step_losses = [loss for replica_losses, _ in values if replica_losses is not None for loss in replica_losses]
+    return StepResult(step_losses, [report for _, report in values], seconds)
+
+
+@dataclass
+class ActionList:
+    """One actor's share of a step: its stage's actions and its neighbours' world ranks."""
+
+    replica: int
+    stage: int
+    actor: Any
+    name: str
+    actions: list[tuple[str, int]]
+    prev_rank: int | None
+    next_rank: int | None
+    label: str
+
+
+def action_lists(replicas: Sequence[Sequence[Sequence[Any]]], names: Sequence[Sequence[Sequence[str]]],
+                 ranks: Sequence[Sequence[Sequence[int]]], schedule: Schedule) -> list[ActionList]:
+    """Every actor's action list, in world-rank order (replica, stage, tp rank). tp rank t of
+    a stage exchanges tensors with tp rank t of its neighbours (their activations are identical)."""
+    last = len(schedule) - 1
+    lists = []
+    for d, stages in enumerate(replicas):
+        for s, actors in enumerate(stages):
+            actions = [(a.kind, a.microbatch) for a in schedule[s]]
+            label = ", ".join(str(a) for a in schedule[s])
+            for t, actor in enumerate(actors):
+                prev = ranks[d][s - 1][t] if s > 0 else None
+                nxt = ranks[d][s + 1][t] if s < last else None
+                lists.append(ActionList(d, s, actor, names[d][s][t], actions, prev, nxt, label))
+    return lists

@@ -1,0 +1,140 @@
+"""The "refs" engine: one Ray call per forward and backward, boundaries as object references.
+
+The whole step is submitted at once: every forward and backward in the schedule,
+each stage's gradient statistics and its optimizer step. Activations and gradients
+travel between actors as Ray object references, never through the driver. Ray runs
+one actor's calls in the order this driver submits them, so submitting in the order
+of the schedule's simulated run makes each actor execute exactly its own action list,
+and every reference an action needs already exists when it is submitted.
+
+Under tensor parallelism every action goes to all tp ranks of its stage with the
+same inputs; the ranks finish with the same activation, so only rank 0's output
+(and input gradient) travels on: the next stage receives one copy, not tp copies.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Sequence
+
+import ray
+import torch
+
+from raypipe.runtime.results import StepResult, gather, wait_for_progress
+from raypipe.runtime.trace import write_trace
+from raypipe.runtime.transport.wire import pack, unpack
+from raypipe.schedules import BACKWARD, FORWARD, Action, Schedule, simulate
+
+
+def submission_order(schedule: Schedule) -> list[Action]:
+    """Actions in the order of the schedule's simulated run (tick by tick, stage by stage)."""
+    return [a for row in simulate(schedule, len(schedule)) for a in row if a is not None]
+
+
+def run_step(
+    replicas: Sequence[Sequence[Sequence[Any]]],
+    names: Sequence[Sequence[Sequence[str]]],
+    schedule: Schedule,
+    inputs: Sequence[Sequence[torch.Tensor]],
+    targets: Sequence[Sequence[Any]],
+    call_id: int,
+    step: int,
+    timeout: float,
+    order: Sequence[Action] | None = None,
+) -> StepResult:
+    """Submits one step of `schedule` on every data-parallel replica and waits for it.
+
+    Args:
+        replicas: per replica, per stage, the StageActor of each tp rank; names: their names.
+        inputs, targets: per replica, one entry per microbatch.
+        call_id: a number new to every call; actors drop leftovers of a failed call
+            and zero gradients when it changes.
+        step: the optimizer step number (drives the learning-rate schedule).
+        timeout: seconds without any action finishing before the step is abandoned.
+        order: `submission_order(schedule)`, when the caller has it cached.
+
+    Raises:
+        StageError: an action failed on an actor (ActorDiedError: the actor died).
+        StepTimeoutError: nothing finished for `timeout` seconds.
+    """
+    started = time.perf_counter()
+    order = order or submission_order(schedule)
+    last = len(schedule) - 1
+    pending: dict[ray.ObjectRef, tuple[str, str]] = {}  # (actor, action) of every issued call
+    trace = os.environ.get("RAYPIPE_TRACE")
+    issued: list[tuple[float, str, str]] = []  # (time, actor, action), only when tracing
+
+    def issue(ref: ray.ObjectRef, name: str, label: str) -> ray.ObjectRef:
+        pending[ref] = (name, label)
+        if trace:
+            issued.append((time.time(), name, label))
+        return ref
+
+    losses, finished = [], []
+    inputs, targets = pack(inputs), pack(targets)
+    for d, stages in enumerate(replicas):
+        outputs: dict[Action, ray.ObjectRef] = {}  # tp rank 0's result of each action
+        for action in order:
+            s, m = action.stage, action.microbatch
+            if action.kind == FORWARD:
+                x = inputs[d][m] if s == 0 else outputs[Action(s - 1, FORWARD, m)]
+                args = (call_id, m, x, targets[d][m]) if s == last else (call_id, m, x)
+                refs = [actor.forward.remote(*args) for actor in stages[s]]
+            else:
+                grad = None if s == last else outputs[Action(s + 1, BACKWARD, m)]
+                refs = [actor.backward.remote(call_id, m, grad) for actor in stages[s]]
+                if s == 0:
+                    finished += refs
+            outputs[action] = refs[0]
+            for t, ref in enumerate(refs):
+                issue(ref, names[d][s][t], str(action))
+        losses += [outputs[Action(last, FORWARD, m)] for m in range(len(inputs[d]))]
+    flat = [
+        (actor, names[d][s][t])
+        for d, stages in enumerate(replicas)
+        for s, ranks in enumerate(stages)
+        for t, actor in enumerate(ranks)
+    ]
+    if len(replicas) > 1:  # queued right behind each stage's own last backward
+        for actor, name in flat:
+            issue(actor.reduce_gradients.remote(), name, "reduce_gradients")
+    stats = [issue(actor.grad_stats.remote(*finished), name, "grad_stats") for actor, name in flat]
+    reports = [issue(actor.optimizer_step.remote(step, *stats), name, "optimizer_step") for actor, name in flat]
+    what = f"step {step + 1}"  # 1-based, as the step's metrics report it
+    if trace:
+        write_trace(trace, step + 1, issued)
+    wait_for_progress(pending, timeout, what)
+    actors = [a for a, _ in flat]
+    values = gather(losses + reports, what, actors, [n for _, n in flat])
+    return StepResult(values[: len(losses)], values[len(losses) :], time.perf_counter() - started)
+
+
+def run_forward(
+    stages: Sequence[Sequence[Any]],
+    names: Sequence[Sequence[str]],
+    inputs: Sequence[torch.Tensor],
+    targets: Sequence[Any] | None,
+    timeout: float,
+) -> list[Any]:
+    """Forward-only pass of every microbatch through all stages (evaluation, inference).
+
+    `stages` holds each stage's tp ranks; every rank runs, rank 0's output goes on.
+
+    Returns:
+        Per microbatch: the last stage's loss (when targets are given) or its output.
+    """
+    results, pending = [], {}
+    inputs, targets = pack(inputs), pack(targets)
+    for m, x in enumerate(inputs):
+        ref = x
+        for s, ranks in enumerate(stages):
+            target = targets[m] if targets is not None and s == len(stages) - 1 else None
+            refs = [actor.forward_only.remote(ref, target) for actor in ranks]
+            for t, r in enumerate(refs):
+                pending[r] = (names[s][t], str(Action(s, FORWARD, m)))
+            ref = refs[0]
+        results.append(ref)
+    wait_for_progress(pending, timeout, "inference")
+    flat = [a for ranks in stages for a in ranks]
+    return unpack(gather(results, "inference", flat, [n for ranks in names for n in ranks]))
