@@ -1,5 +1,6 @@
 """Ray actors that hold model pieces."""
 
-from raypipe.actors.stage import StageActor, StageSettings
+from raypipe.actors.settings import StageSettings
+from raypipe.actors.stage import StageActor
 
 __all__ = ["StageActor", "StageSettings"]

@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from raypipe.actors.memory import count_saved_bytes
-from raypipe.actors.stage import _resolve_device
+from raypipe.actors.model import resolve_device
 from raypipe.devices import SERVING_ENV, detect
 from raypipe.layers import LayerSpec, build_layer
 
@@ -35,7 +35,7 @@ class LayerProfiler:
         torch.set_num_threads(threads)
         os.environ[SERVING_ENV] = device_kind
         self.kind = device_kind
-        self.device, self.fallback = _resolve_device(f"profiler for {device_kind}", device_kind, allow_cpu_fallback)
+        self.device, self.fallback = resolve_device(f"profiler for {device_kind}", device_kind, allow_cpu_fallback)
 
     def profile(
         self,

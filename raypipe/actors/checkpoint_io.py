@@ -1,0 +1,129 @@
+"""One stage's part of a checkpoint: its layers' weights and optimizer state, one file per
+global layer (whole tensors: tp shards merged, ZeRO shares united), and its RNG state.
+
+The trainer (`raypipe.trainer`) orchestrates a save or load across the actors and writes
+the manifest; `raypipe.checkpoint` owns the file format. Here is what each actor does.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from raypipe import checkpoint as ckpt
+from raypipe.actors.model import StageModel
+from raypipe.actors.optimizer import OptimizerState
+from raypipe.errors import StageError
+from raypipe.nn import merge, shard
+
+
+def save_stage(model: StageModel, optim: OptimizerState, directory: str, stage: int, name: str,
+               tp_ranks: list[int]) -> dict[str, Any]:
+    """Writes this stage's layers, their optimizer state and its RNG state (a collective of the
+    stage's dp and tp groups: every replica and rank calls it).
+
+    Returns:
+        {"files": relative path -> {"sha256", "bytes"}, "loss_scaler": {...}}; files is empty
+        on the actors that only contributed (dp rank > 0, tp rank > 0).
+    """
+    states = optim.state_by_layer()
+    if optim.zero_active():  # each replica holds a share: dp rank 0 writes the union
+        import torch.distributed as dist
+
+        shares = [None] * optim.dp_size if optim.dp_rank == 0 else None
+        dist.gather_object(states, shares, dst=optim.dp_ranks[0], group=optim.dp_group)
+        if optim.dp_rank == 0:
+            for share in shares:
+                for index, state in share.items():
+                    states[index].update(state)
+    nothing = {"files": {}, "loss_scaler": optim.scaler_state()}
+    if optim.dp_rank != 0:  # replicas hold the same weights; replica 0 writes them
+        return nothing
+    models = {index: layer.state_dict() for index, layer in zip(model.layers, model.module)}
+    if model.tp.size > 1:  # tp rank 0 merges the shards: checkpoints hold whole tensors
+        models, states = _merge_tp_shards(model, models, states, tp_ranks)
+        if model.tp.rank != 0:
+            return nothing
+    root = Path(directory)
+    if not root.is_dir():
+        import ray
+
+        raise StageError(
+            f"{name} on node {ray.get_runtime_context().get_node_id()[:12]} cannot see the "
+            f"checkpoint directory {directory}: multi-node runs need a directory every node shares."
+        )
+    files = {}
+    for index in model.layers:
+        files[ckpt.layer_file("model", index)] = ckpt.save_tensors(root / ckpt.layer_file("model", index), models[index])
+        files[ckpt.layer_file("optim", index)] = ckpt.save_tensors(root / ckpt.layer_file("optim", index), states[index])
+    rng = f"rng/stage-{stage}.pt"
+    files[rng] = ckpt.save_tensors(root / rng, {"torch": torch.get_rng_state()})
+    return {"files": files, "loss_scaler": optim.scaler_state()}
+
+
+def load_stage(model: StageModel, optim: OptimizerState, directory: str, stage: int, name: str,
+               loss_scaler: dict, restore_rng: bool) -> None:
+    """Loads this stage's layers and optimizer state from a verified checkpoint, cut to this
+    actor's tp shard and (under ZeRO) its share of the optimizer state.
+
+    Raises:
+        StageError: a file is missing or does not fit the stage, naming the actor and the directory.
+    """
+    root = Path(directory)
+    tp, optimizer = model.tp, optim.optimizer
+    try:
+        for j, (index, layer) in enumerate(zip(model.layers, model.module)):
+            weights = ckpt.load_tensors(root / ckpt.layer_file("model", index))
+            local = model.shard_state({f"{j}.{k}": v for k, v in weights.items()})
+            layer.load_state_dict({k[len(f"{j}.") :]: v for k, v in local.items()})
+            state = ckpt.load_tensors(root / ckpt.layer_file("optim", index))
+            if optimizer is not None:
+                stepped = {p for group in optimizer.param_groups for p in group["params"]}
+                for param_name, p in layer.named_parameters():
+                    if p in stepped and param_name in state:
+                        spec = model.shard_specs.get(f"{j}.{param_name}")
+                        optimizer.state[p] = {
+                            k: shard(v, spec, tp.rank, tp.size) if spec is not None and tp.size > 1 and is_per_element(v)
+                            else v
+                            for k, v in state[param_name].items()
+                        }
+                    else:
+                        optimizer.state.pop(p, None)
+        if restore_rng:
+            torch.set_rng_state(ckpt.load_tensors(root / f"rng/stage-{stage}.pt")["torch"])
+    except StageError:
+        raise
+    except Exception as error:
+        raise StageError(f"{name} could not load {directory}: {type(error).__name__}: {error}") from error
+    optim.restore_scaler(loss_scaler)
+
+
+def _merge_tp_shards(model: StageModel, models: dict[int, dict], states: dict[int, dict],
+                     tp_ranks: list[int]) -> tuple[dict, dict]:
+    """Gathers every tp rank's layer weights and optimizer state; rank 0 gets them merged."""
+    import torch.distributed as dist
+
+    tp = model.tp
+    parts = [None] * tp.size if tp.rank == 0 else None
+    dist.gather_object((models, states), parts, dst=tp_ranks[0], group=tp.group)
+    if tp.rank != 0:
+        return models, states
+    for index in models:
+        j = index - model.start
+        for param_name in models[index]:
+            spec = model.shard_specs.get(f"{j}.{param_name}")
+            if spec is not None:
+                models[index][param_name] = merge([p[0][index][param_name] for p in parts], spec)
+        for param_name, state in states[index].items():
+            spec = model.shard_specs.get(f"{j}.{param_name}")
+            for key, value in state.items():
+                if spec is not None and is_per_element(value):
+                    state[key] = merge([p[1][index][param_name][key] for p in parts], spec)
+    return models, states
+
+
+def is_per_element(value: Any) -> bool:
+    """Optimizer state shaped like its parameter (momentum, Adam moments), not a scalar like `step`."""
+    return torch.is_tensor(value) and value.dim() > 0

@@ -1,0 +1,186 @@
+"""Where a stage's optimizer is stepped: its optimizer (or ZeRO-1 share of it), fp16 loss
+scaling, the gradients' dp average and global-norm statistics, clipping and the step.
+
+Every actor runs the same code on the same global inputs (step number, global
+gradient norm, whether anything overflowed), so all stages step, clip or skip alike
+without a driver round trip. Plain Python and torch; the dp collectives need the
+trainer's torch.distributed world.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from raypipe.actors import zero
+from raypipe.actors.model import StageModel
+from raypipe.actors.settings import StageSettings
+from raypipe.optim import LossScaler, build_optimizer, learning_rate
+
+
+class OptimizerState:
+    """The optimizer side of one stage actor.
+
+    Attributes:
+        dp_rank, dp_size: this actor's place among its stage's data-parallel replicas;
+            dp_group, dp_ranks: their process group and world ranks (set when the world is joined).
+    """
+
+    def __init__(self, model: StageModel, dp_rank: int, dp_size: int) -> None:
+        self.model = model
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.dp_group: Any = None
+        self.dp_ranks: list[int] = [0]
+        self.settings: StageSettings | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scaler = LossScaler()
+
+    def configure(self, settings: StageSettings, reset: bool = False) -> None:
+        """Applies new settings; keeps optimizer state unless the optimizer kind changes or `reset`."""
+        old = self.settings
+        keep_state = old is not None and old.optimizer["name"] == settings.optimizer["name"] and not reset
+        if keep_state and old.zero != settings.zero and self.dp_size > 1:
+            # ZeRO switched on or off: every replica of the stage gets the whole state, then
+            # keeps its new share (configure runs on every actor, so the group meets here).
+            state = self.dp_union(self.state_by_param() if self.optimizer is not None else {})
+            self.settings = settings
+            self.optimizer = None
+            params = self.owned_params()
+            if params:
+                self.optimizer = build_optimizer(params, settings.optimizer)
+                names = {p: name for name, p in self.model.module.named_parameters()}
+                for p in params:
+                    if names[p] in state:
+                        self.optimizer.state[p] = {
+                            k: v.to(p.device) if torch.is_tensor(v) and v.shape == p.shape else v
+                            for k, v in state[names[p]].items()
+                        }
+            return
+        self.settings = settings
+        if not keep_state:
+            self.scaler = LossScaler()
+        params = self.owned_params()
+        if not params:  # parameter-free layers, or (ZeRO) a share that came out empty
+            self.optimizer = None
+        elif self.optimizer is None or not keep_state:
+            self.optimizer = build_optimizer(params, settings.optimizer)
+        else:
+            for group in self.optimizer.param_groups:
+                group.update({k: v for k, v in settings.optimizer.items() if k != "name"})
+
+    @property
+    def loss_scale(self) -> float:
+        """What the last stage multiplies each microbatch's loss by (1 unless fp16)."""
+        return self.scaler.scale if self.settings.precision == "fp16" else 1.0
+
+    def reduce_gradients(self) -> None:
+        """Averages this stage's gradients over its data-parallel replicas, in buckets."""
+        from raypipe.runtime.collective import all_reduce_mean
+
+        params = self.model.trainable()
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        all_reduce_mean([p.grad for p in params], self.dp_group, self.dp_size, self.settings.dp_bucket_bytes)
+
+    def grad_stats(self, losses_finite: bool) -> tuple[float, bool]:
+        """Unscales fp16 gradients; returns (this actor's share of the squared global norm, all finite)."""
+        grads = self.model.grads()
+        if self.settings.precision == "fp16" and grads:
+            torch._foreach_div_(grads, self.scaler.scale)
+        sq = sum_of_squares([p.grad.detach() for p in self.model.norm_params if p.grad is not None])
+        return sq, math.isfinite(sq) and losses_finite
+
+    def apply_step(self, step: int, total_norm: float, finite: bool) -> dict[str, Any]:
+        """Clips to the global norm and steps, or skips alike everywhere when not `finite`;
+        fp16 loss scaling halves on a skip and grows after its interval of good steps."""
+        settings = self.settings
+        lr = learning_rate(step, settings.optimizer["lr"], settings.lr_schedule)
+        if settings.precision == "fp16":
+            self.scaler.update(found_inf=not finite)
+        skipped = not finite
+        if not skipped and self.optimizer is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            if settings.grad_clip is not None:
+                coef = settings.grad_clip / (total_norm + 1e-6)
+                grads = self.model.grads()
+                if coef < 1.0 and grads:
+                    torch._foreach_mul_(grads, coef)
+            self.optimizer.step()
+        if not skipped and self.zero_active():
+            self.broadcast_owned()
+        return {"lr": lr, "grad_norm": total_norm, "skipped": skipped, "loss_scale": self.scaler.scale}
+
+    def state_bytes(self) -> int:
+        return sum(v.numel() * v.element_size()
+                   for state in (self.optimizer.state.values() if self.optimizer else [])
+                   for v in state.values() if torch.is_tensor(v))
+
+    def scaler_state(self) -> dict[str, Any]:
+        return dataclasses.asdict(self.scaler)
+
+    def restore_scaler(self, state: dict[str, Any]) -> None:
+        self.scaler = LossScaler(**state)
+
+    # ----- ZeRO stage 1 -----------------------------------------------------------
+
+    def zero_active(self) -> bool:
+        return bool(self.settings and self.settings.zero) and self.dp_size > 1
+
+    def owned_params(self) -> list[nn.Parameter]:
+        """The parameters this actor's optimizer steps: all of them, or its ZeRO-1 share."""
+        params = self.model.trainable()
+        if not self.zero_active():
+            return params
+        return [p for p, owner in zip(params, zero.owners(params, self.dp_size)) if owner == self.dp_rank]
+
+    def broadcast_owned(self) -> None:
+        params = self.model.trainable()
+        zero.broadcast_from_owners(params, zero.owners(params, self.dp_size), self.dp_ranks, self.dp_group)
+
+    def state_by_param(self) -> dict[str, dict]:
+        """Module parameter name -> optimizer state, for the parameters this actor steps."""
+        return {  # per-element state through host memory: the gather pickles it
+            name: {k: v.cpu() if torch.is_tensor(v) else v for k, v in self.optimizer.state[p].items()}
+            for name, p in self.model.module.named_parameters()
+            if p in self.optimizer.state
+        }
+
+    def dp_union(self, state: dict[str, dict]) -> dict[str, dict]:
+        """The union of every dp replica's `state` (each holds a disjoint ZeRO share)."""
+        import torch.distributed as dist
+
+        shares: list[Any] = [None] * self.dp_size
+        dist.all_gather_object(shares, state, group=self.dp_group)
+        union: dict[str, dict] = {}
+        for share in shares:
+            union.update(share)
+        return union
+
+    def state_by_layer(self) -> dict[int, dict[str, dict]]:
+        """Global layer index -> parameter name -> optimizer state, for the parameters this actor steps."""
+        states: dict[int, dict[str, dict]] = {}
+        for index, layer in zip(self.model.layers, self.model.module):
+            states[index] = {
+                name: {k: (v.clone() if torch.is_tensor(v) else v) for k, v in self.optimizer.state[p].items()}
+                for name, p in layer.named_parameters()
+                if self.optimizer is not None and p in self.optimizer.state
+            }
+        return states
+
+
+def sum_of_squares(grads: list[torch.Tensor]) -> float:
+    """The sum of squares of all `grads` (one stage: one device), the tensors' norms taken
+    together with torch's foreach kernel (for the main job's GPT on CPU: ~0.4 ms a step,
+    against ~0.75 through `torch.nn.utils.get_total_norm` and ~1.4 for a pow-and-sum per
+    tensor). Narrower dtypes are widened first, so bf16 gradients are measured in float32."""
+    if not grads:
+        return 0.0
+    wide = [g if g.dtype in (torch.float32, torch.float64) else g.float() for g in grads]
+    norms = torch.stack(torch._foreach_norm(wide))  # float64 if any gradient is
+    return float(torch.linalg.vector_norm(norms).double()) ** 2
