@@ -31,6 +31,30 @@ def stage_metrics(reports: Sequence[dict[str, Any]]) -> list[dict[str, float]]:
     return result
 
 
+def step_metrics(step: int, losses: Sequence[float], seconds: float, samples: int, tokens: int | None,
+                 report: dict[str, Any], lead_reports: Sequence[dict[str, Any]], fp16: bool) -> dict[str, Any]:
+    """What `Trainer.step` returns for step `step` (1-based): the loss (mean of the microbatch
+    losses), lr, global gradient norm, time and throughput, and per stage `stage_metrics`
+    from each stage's lead actor; `loss_scale` under fp16."""
+    metrics = {
+        "step": step,
+        "loss": sum(losses) / len(losses),
+        "lr": report["lr"],
+        "grad_norm": report["grad_norm"],
+        "step_time": seconds,
+        "samples": samples,
+        "samples_per_s": samples / seconds,
+    }
+    if tokens is not None:
+        metrics["tokens"] = tokens
+        metrics["tokens_per_s"] = tokens / seconds
+    metrics["skipped"] = report["skipped"]
+    metrics["stages"] = stage_metrics(lead_reports)
+    if fp16:
+        metrics["loss_scale"] = report["loss_scale"]
+    return metrics
+
+
 class TensorBoardLogger:
     """Writes each step's metrics as TensorBoard scalars under `log_dir`.
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from raypipe.errors import ConfigError
 
@@ -156,3 +156,32 @@ def _ranges(sizes: Sequence[int]) -> Plan:
         plan.append((start, start + size))
         start += size
     return plan
+
+
+def first_plan(specs: Sequence[Any], config: Any, has_sample: bool) -> tuple[Plan, list[bool | None], bool]:
+    """A trainer's plan before any actor starts, checked against the layers and tp.
+
+    Returns:
+        (the plan, which layers have a tp plan, whether partition="profile" will replace the
+        plan once the profilers ran; until then the plan is uniform, to check pp).
+
+    Raises:
+        ConfigError: no sample for a profiled plan, a plan that does not fit the layers, a tp
+            that does not split them, or a stage whose layers have no tp plan.
+    """
+    from raypipe.layers import parameter_counts
+    from raypipe.nn.plan import check_stages_split, check_tensor_parallel
+
+    profiled = config.partition == "profile" and config.shard_plan is None
+    if profiled and not has_sample:
+        raise ConfigError(
+            "TrainConfig.partition='profile' needs a sample batch to time the layers on: pass "
+            "Trainer(..., sample=(x, y)) with a batch like those you will train on, or use "
+            "partition='uniform' or 'parameters'."
+        )
+    counts = parameter_counts(specs) if config.partition == "parameters" and config.shard_plan is None else None
+    plan = make_plan(len(specs), config.pp, "uniform" if profiled else config.partition, config.shard_plan, counts)
+    tp_splits = check_tensor_parallel(specs, config.tp)
+    if not profiled:
+        check_stages_split(tp_splits, plan, config.tp)
+    return plan, tp_splits, profiled

@@ -98,6 +98,23 @@ class Timeline:
         ]
         return cls(spans, len(events), title, "ms", tuple(stage_names))
 
+    @classmethod
+    def planned_as_measured(cls, schedule: Schedule, events: Sequence[Sequence[tuple[str, int, float, float]]],
+                            title: str = "", stage_names: Sequence[str] = ()) -> "Timeline":
+        """`schedule` as planned, each stage's forward and backward lasting their mean in `events`
+        (a step's measured actions, in ms); 1 and 2 ticks when there are none."""
+        p = len(schedule)
+        fwd, bwd, unit = [1.0] * p, [2.0] * p, "ticks"
+        if events:
+            unit = "ms"
+            for s, stage in enumerate(events):
+                for kind, durations in (("F", fwd), ("B", bwd)):
+                    spans = [1000 * (e[3] - e[2]) for e in stage if e[0] == kind]
+                    durations[s] = sum(spans) / len(spans) if spans else 0.0
+        line = cls.planned(schedule, fwd, bwd, title, unit)
+        line.stage_names = tuple(stage_names)
+        return line
+
     # ----- reading ------------------------------------------------------------------
 
     @property

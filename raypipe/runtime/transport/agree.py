@@ -141,8 +141,8 @@ class Board:
             self.pending[(rnd, rank)] = tuple(values)
         self.partial = data[whole:]
 
-    def _wait(self, poller: select.poll, peers: list[int], what: str) -> None:
-        wait_alive(poller, {r: self.pids[r] for r in peers}, self.timeout, what)
+    def _wait(self, waiting: select.poll, peers: list[int], what: str) -> None:
+        wait_alive(waiting, {r: self.pids[r] for r in peers}, self.timeout, what)
 
     def close(self) -> None:
         for fd in self.fds.values():

@@ -218,8 +218,8 @@ class Link:
     # ----- both -----------------------------------------------------------------
 
     def _wait(self, fd: int, event: int, what: str) -> None:
-        poller = self.poller if fd == self.reader else poller(fd, event)
-        wait_alive(poller, {self.peer: self.peer_pid}, self.timeout, what)
+        waiting = self.poller if fd == self.reader else poller(fd, event)
+        wait_alive(waiting, {self.peer: self.peer_pid}, self.timeout, what)
 
     def close(self) -> None:
         for fd in (self.reader, self.writer):

@@ -1,0 +1,60 @@
+"""Checkpoint orchestration across a trainer's actors: every actor saves or loads its own
+layers in lock-step (`raypipe.actors.checkpoint_io`), the driver writes the manifest that
+commits a save and picks the checkpoint a load or a recovery restores
+(`raypipe.checkpoint` owns the format)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from raypipe import checkpoint as ckpt
+from raypipe.runtime.results import gather
+
+
+def save(actors: Sequence[Any], names: Sequence[str], root: str, step: int, meta: dict[str, Any],
+         keep: int) -> Path:
+    """Saves checkpoint `<root>/step-<step>`: every actor writes its files, then the manifest
+    (with `meta`, the loss scaler and every file's checksum) commits it; `keep` newest stay."""
+    partial = ckpt.begin(root, step)
+    try:
+        # every actor takes part: under ZeRO-1 each replica holds a share of the optimizer state
+        parts = gather([a.save_checkpoint.remote(str(partial)) for a in actors], "save", actors, names)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    files = {name: entry for part in parts for name, entry in part["files"].items()}
+    return ckpt.commit(partial, files, {**meta, "loss_scaler": parts[0]["loss_scaler"]}, keep)
+
+
+def load(actors: Sequence[Any], names: Sequence[str], path: str, step: int | None, num_layers: int,
+         plan: Sequence[tuple[int, int]], log: Callable[[str], None]) -> tuple[Path, int]:
+    """Restores a checkpoint saved by any topology into every actor.
+
+    Returns:
+        (the checkpoint directory, the step it holds).
+
+    Raises:
+        CheckpointError: nothing valid to restore, or a model of another size.
+    """
+    if step is not None:
+        where, meta = ckpt.find_valid(path, step=step, warn=log)
+    else:
+        where, meta = ckpt.resolve(path, warn=log)
+    if meta["num_layers"] != num_layers:
+        raise ckpt.CheckpointError(f"{where} holds a {meta['num_layers']}-layer model; this trainer has {num_layers} layers.")
+    same_split = meta["plan"] == [list(r) for r in plan]
+    gather([a.load_checkpoint.remote(str(where), meta["loss_scaler"], same_split) for a in actors],
+           "load", actors, names)
+    return where, meta["step"]
+
+
+def last_valid(checkpoint_dir: str | None) -> Path | None:
+    """The newest valid checkpoint under `checkpoint_dir`, or None."""
+    if checkpoint_dir is None:
+        return None
+    try:
+        return ckpt.find_valid(checkpoint_dir, warn=lambda _: None)[0]
+    except ckpt.CheckpointError:
+        return None

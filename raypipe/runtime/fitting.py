@@ -1,0 +1,135 @@
+"""Steps on the driver: submitting one to the engine, booking its result (step count,
+metrics, logs, a due checkpoint), and the loop behind `Trainer.fit` - the next step kept
+queued at the actors while the driver waits for the current one, recovery after an actor
+death, and booking of what is left when the loop stops early."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from raypipe.actors.settings import StageSettings
+from raypipe.errors import ActorDiedError, NonFiniteError, RaypipeError, StepTimeoutError
+from raypipe.metrics import RayMetrics, TensorBoardLogger, step_metrics
+from raypipe.progress import Progress
+from raypipe.runtime.engines import StepInput, StepTarget, Wait
+from raypipe.runtime.recovery import recover
+
+
+@dataclass
+class Submitted:
+    """A step sent to the actors and not yet booked by `complete`."""
+
+    call_id: int
+    samples: int
+    tokens: int | None  # token ids in the batch; None for float inputs
+    wait: Wait  # wait(since) -> the step's result
+    done: bool = False
+
+
+def submit(trainer: Any, x: torch.Tensor, y: Any, index: int, after: int | None = None) -> Submitted:
+    """Sends `trainer`'s step of 0-based index `index` on `(x, y)` (p2p engine) and returns while
+    the actors run it; the other engines run it when it is waited for. `after`: the
+    call id of the step queued before it."""
+    if not trainer._actors:
+        raise RaypipeError(f"{trainer!r} has no actors; build a new Trainer or call load() after a failure.")
+    dp, m = trainer.config.dp, trainer.config.microbatches
+    inputs, targets = trainer._split(x, y, dp * m)
+    trainer._calls += 1
+    grid = trainer.topology.grid
+    target = StepTarget(grid(trainer._actors), grid(trainer.names), grid(range(len(trainer._actors))),
+                        trainer._schedule, trainer._order)
+    data = StepInput([inputs[d * m : (d + 1) * m] for d in range(dp)],
+                     [targets[d * m : (d + 1) * m] for d in range(dp)], trainer._calls, index, trainer.config.step_timeout)
+    tokens = None if x.is_floating_point() else int(x.numel())
+    return Submitted(trainer._calls, int(x.shape[0]), tokens, trainer._engine.submit(target, data, after))
+
+
+
+def complete(trainer: Any, submitted: Submitted) -> dict[str, Any] | None:
+    """Waits for a submitted step and books it on `trainer`: the step count, metrics, logs and a
+    checkpoint when one is due. None when the actors halted it (a step queued behind
+    one that failed)."""
+    try:
+        result = submitted.wait(trainer._last_result_at)
+    except Exception as error:  # an interrupt leaves the step pending: `settle` waits for it
+        submitted.done = True
+        if isinstance(error, StepTimeoutError):
+            trainer.shutdown()  # a stuck actor must not linger; the error names what it waited on
+        raise
+    submitted.done = True
+    trainer._last_result_at = time.perf_counter()
+    report = result.stage_reports[0]
+    if report.get("halted"):
+        return None
+    if report["skipped"] and StageSettings.from_config(trainer.config).stop_on_nonfinite:
+        raise NonFiniteError(
+            f"step {trainer.step_count + 1}: non-finite loss or gradients (microbatch losses "
+            f"{[round(v, 4) for v in result.losses]}); the update was not applied, weights are those "
+            f"after step {trainer.step_count}. Set TrainConfig.nonfinite='skip' to skip such steps."
+        )
+    trainer.step_count += 1
+    leads = [result.stage_reports[r] for r in trainer.topology.lead_ranks()]
+    metrics = step_metrics(trainer.step_count, result.losses, result.seconds, submitted.samples, submitted.tokens,
+                           report, leads, trainer.config.precision == "fp16")
+    trainer._last_events = [r.get("events", []) for r in leads]
+    if trainer._ray_metrics is None:
+        trainer._ray_metrics = RayMetrics(trainer.run_name)
+    trainer._ray_metrics.log(metrics, trainer.topology.lead_ranks())
+    if trainer.config.log_dir is not None:
+        if trainer._tensorboard is None:
+            trainer._tensorboard = TensorBoardLogger(trainer.config.log_dir)
+        trainer._tensorboard.log(metrics)
+    every = trainer.config.checkpoint_every
+    if every and trainer.step_count % every == 0:
+        metrics["checkpoint"] = str(trainer.save())
+    return metrics
+
+
+def fit(trainer: Any, batches: Callable[[int], tuple[torch.Tensor, Any]], steps: int,
+        on_step: Callable[[dict[str, Any]], None] | None, log: Callable[[str], None], bar: Progress,
+        overlap: bool) -> list[dict[str, Any]]:
+    """Steps `trainer` until its step count is `steps` (see `Trainer.fit`); returns every
+    step's metrics, replayed steps again after a recovery."""
+    history = []
+    queue: list[Submitted] = []  # submitted, not yet booked; the first is the oldest
+    try:
+        while trainer.step_count < steps:
+            if not queue:
+                queue.append(submit(trainer, *batches(trainer.step_count), trainer.step_count))
+            ahead, every = trainer.step_count + len(queue), trainer.config.checkpoint_every
+            if overlap and ahead < steps and not (every and ahead % every == 0):
+                queue.append(submit(trainer, *batches(ahead), ahead, after=queue[-1].call_id))
+            try:
+                metrics = complete(trainer, queue[0])
+                queue.pop(0)
+            except ActorDiedError as error:
+                queue.clear()  # their calls end with the actors being replaced
+                recover(trainer, error, log)
+                bar.moved_to(trainer.step_count)
+                continue
+            if metrics is None:
+                raise RaypipeError(f"step {trainer.step_count + 1} was halted by the actors, but the step "
+                                   f"before it succeeded: please report this as a raypipe bug")
+            history.append(metrics)
+            bar.update(metrics)
+            if on_step is not None:
+                on_step(metrics)
+    finally:
+        settle(trainer, queue)
+    return history
+
+
+def settle(trainer: Any, queue: list[Submitted]) -> None:
+    """Books the steps still queued when `fit` stops early (an error, an interrupt): those
+    behind a failed step were halted by the actors; the others ran and count, so
+    `step_count` always matches the weights."""
+    for submitted in queue:
+        if not submitted.done and trainer._actors:
+            try:
+                complete(trainer, submitted)
+            except Exception:  # noqa: BLE001 - the error that stopped fit is the one to raise
+                pass

@@ -1,0 +1,164 @@
+"""Starting a trainer's stage actors: resources and label selectors per accelerator kind,
+a bounded wait that turns an unplaceable actor into an error saying why, and the
+rendezvous that joins them into one torch.distributed world with their dp and tp groups.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Sequence
+
+import ray
+
+from raypipe.actors.stage import StageActor
+from raypipe.config import TrainConfig
+from raypipe.devices import ray_options
+from raypipe.errors import PlacementError, StageError
+from raypipe.layers import LayerSpec
+from raypipe.runtime.collective import group_backend
+from raypipe.runtime.results import gather, last_line
+from raypipe.runtime.topology import Topology
+
+
+def cpus_per_actor(config: TrainConfig, actors: int) -> float:
+    """The logical CPUs each actor reserves: the config's, or a share of the cluster's (at most 1)."""
+    if config.cpus_per_actor is not None:
+        return float(config.cpus_per_actor)
+    total = ray.cluster_resources().get("CPU", 1.0)
+    return min(1.0, int(100 * total / actors) / 100) or 0.01
+
+
+def stage_options(config: TrainConfig, stage: int) -> dict[str, Any]:
+    """Ray options placing a stage on a node of its accelerator kind (none for cpu)."""
+    return ray_options(config.stage_kinds()[stage], config.gpus_per_actor)
+
+
+def start_actors(config: TrainConfig, topology: Topology, names: Sequence[str], specs: Sequence[LayerSpec],
+                 plan: Sequence[tuple[int, int]], loss_fn: Any, run_name: str, cpus: float) -> list[Any]:
+    """Creates every stage actor (Ray places them asynchronously; `wait_for_actors` waits)."""
+    threads = config.threads_per_actor or max(1, int(cpus))
+    remote_cls = ray.remote(StageActor)
+    kinds = config.stage_kinds()
+    actors = []
+    for rank, name in enumerate(names):
+        d, s, t = topology.place(rank)
+        start, end = plan[s]
+        actors.append(
+            remote_cls.options(
+                name=name, namespace=f"raypipe-{run_name}", num_cpus=cpus, max_restarts=0, max_task_retries=0,
+                **stage_options(config, s),
+            ).remote(
+                s, config.pp, list(specs[start:end]), start, config.seed, threads,
+                loss_fn if s == config.pp - 1 else None, name, d, config.dp, t, config.tp,
+                kinds[s], config.allow_cpu_fallback,
+            )
+        )
+    return actors
+
+
+def wait_for_actors(actors: Sequence[Any], names: Sequence[str], topology: Topology, plan: Sequence[tuple[int, int]],
+                    config: TrainConfig, cpus: float, others: Callable[[], list[str]]) -> list[str]:
+    """Waits until every actor has built its layers; returns each one's torch device.
+
+    Raises:
+        StageError: an actor failed to start (its layers did not build, say).
+        PlacementError: some actors were not placed within `actor_start_timeout`; names what
+            they asked for, what the cluster offers, and `others()`: trainers still holding actors.
+    """
+    refs = [a.info.remote() for a in actors]
+    deadline = time.monotonic() + config.actor_start_timeout
+    pending = list(refs)
+    devices: list[str] = [""] * len(refs)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=len(pending), timeout=max(0.0, deadline - time.monotonic()))
+        for ref in ready:
+            rank = refs.index(ref)
+            try:
+                devices[rank] = ray.get(ref)["device"]
+            except ray.exceptions.RayActorError as error:
+                raise StageError(f"{names[rank]} (layers {plan[topology.place(rank)[1]]}) could not start: "
+                                 f"{last_line(error)}") from None
+        if pending and time.monotonic() >= deadline:
+            waiting = [names[refs.index(r)] for r in pending]
+            asked = "; ".join(
+                f"{n} (stage {topology.place(names.index(n))[1]}) asked for "
+                f"{ {'CPU': cpus, **stage_options(config, topology.place(names.index(n))[1])} }"
+                for n in waiting[:6]
+            )
+            held = others()
+            hint = (f" Other trainers of this process still hold actors: {'; '.join(held)}; "
+                    f"call .shutdown() on those you are done with." if held else "")
+            for ref in pending:  # never leave a pending actor behind
+                ray.kill(actors[refs.index(ref)], no_restart=True)
+            raise PlacementError(
+                f"actors {waiting} were not placed within {config.actor_start_timeout:.0f} s "
+                f"(TrainConfig.actor_start_timeout): {asked}. The cluster offers: {cluster_offer()}; "
+                f"{ray.available_resources()} free in all. Free resources, lower cpus_per_actor or "
+                f"gpus_per_actor, add a node of the missing kind (`ray start ... $(raypipe node-resources)`), "
+                f"or change TrainConfig.devices.{hint}"
+            )
+    return devices
+
+
+def start_gang(config: TrainConfig, topology: Topology, names: Sequence[str], specs: Sequence[LayerSpec],
+               plan: Sequence[tuple[int, int]], loss_fn: Any, run_name: str,
+               others: Callable[[], list[str]]) -> list[Any]:
+    """Starts every stage actor, waits until all are placed and built, and joins them into the
+    trainer's world when it needs one; on any failure kills those started, then raises."""
+    cpus = cpus_per_actor(config, len(names))
+    actors = start_actors(config, topology, names, specs, plan, loss_fn, run_name, cpus)
+    try:
+        devices = wait_for_actors(actors, names, topology, plan, config, cpus, others)
+        if needs_world(config):
+            join_world(actors, names, topology, devices, config)
+    except BaseException:
+        kill(actors)
+        raise
+    return actors
+
+
+def needs_world(config: TrainConfig) -> bool:
+    """Collectives (dp, tp) or actor-to-actor boundaries (p2p, compiled between stages) need one."""
+    return config.dp > 1 or config.tp > 1 or (config.engine != "refs" and config.pp > 1)
+
+
+def join_world(actors: Sequence[Any], names: Sequence[str], topology: Topology, devices: Sequence[str],
+               config: TrainConfig) -> None:
+    """Rendezvous through Ray: rank 0 publishes an address, every actor joins the world.
+
+    Each actor is in one dp group (its stage and tp rank across replicas) and one tp
+    group (its stage's ranks within its replica); the groups overlap in membership.
+    """
+    pp, tp = topology.pp, topology.tp
+    address, port = gather([actors[0].rendezvous_address.remote()], "rendezvous")[0]
+    dp_groups, tp_groups = topology.dp_groups(), topology.tp_groups()
+    groups = [g for g in dp_groups + tp_groups if len(g) > 1]
+    backends = [group_backend([devices[r] for r in g]) for g in groups]
+    joins = []
+    for r, actor in enumerate(actors):
+        d, s, t = topology.place(r)
+        joins.append(actor.join.remote(
+            address, port, len(actors), r, groups, dp_groups[s * tp + t], tp_groups[d * pp + s],
+            config.step_timeout, backends, topology.neighbours(r), config.same_node_transport,
+        ))
+    gather(joins, "rendezvous", actors, names)
+
+
+def cluster_offer() -> str:
+    """Each alive node's CPUs, GPUs, accelerator resources and raypipe labels, for placement errors."""
+    parts = []
+    for node in ray.nodes():
+        if not node.get("Alive"):
+            continue
+        res = {k: v for k, v in sorted(node.get("Resources", {}).items()) if k in ("CPU", "GPU", "cuda", "rocm", "mps")}
+        labels = {k: v for k, v in (node.get("Labels") or {}).items() if k.startswith("raypipe.io/")}
+        parts.append(f"node {node['NodeID'][:8]} {res}{' ' + str(labels) if labels else ''}")
+    return "; ".join(parts) or "no alive nodes"
+
+
+def kill(actors: Sequence[Any]) -> None:
+    for actor in actors:
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception:  # already dead, or Ray already shut down
+            pass

@@ -1,0 +1,58 @@
+"""The rank math of a trainer's actors: (dp replica d, stage s, tp rank t) <-> world rank,
+names, neighbours and process groups, in one place.
+
+Actors are laid out replica-major, then stage, then tp rank: rank = (d * pp + s) * tp + t,
+named `stage{s}-dp{d}-tp{t}`. The actor list, the torch.distributed world and every
+per-actor list the driver keeps use this one order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+
+@dataclass(frozen=True)
+class Topology:
+    """pp stages x dp replicas x tp ranks."""
+
+    pp: int
+    dp: int
+    tp: int
+
+    @property
+    def size(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    def rank(self, d: int, s: int, t: int) -> int:
+        """The world rank of replica d, stage s, tp rank t."""
+        return (d * self.pp + s) * self.tp + t
+
+    def place(self, rank: int) -> tuple[int, int, int]:
+        """(dp replica, stage, tp rank) of a world rank; the inverse of `rank`."""
+        return rank // (self.pp * self.tp), (rank // self.tp) % self.pp, rank % self.tp
+
+    def names(self) -> list[str]:
+        return [f"stage{s}-dp{d}-tp{t}" for d in range(self.dp) for s in range(self.pp) for t in range(self.tp)]
+
+    def grid(self, flat: Sequence[Any]) -> list[list[list[Any]]]:
+        """Per-rank items (actors, names, ranks) -> [replica][stage][tp rank]."""
+        return [[list(flat[self.rank(d, s, 0) : self.rank(d, s, 0) + self.tp]) for s in range(self.pp)]
+                for d in range(len(flat) // (self.pp * self.tp))]
+
+    def lead_ranks(self) -> list[int]:
+        """Per stage, the rank of replica 0's tp rank 0: the actor whose timings stand for the stage."""
+        return [self.rank(0, s, 0) for s in range(self.pp)]
+
+    def dp_groups(self) -> list[list[int]]:
+        """One per (stage, tp rank): that stage's tp rank across the replicas, indexed s * tp + t."""
+        return [[self.rank(d, s, t) for d in range(self.dp)] for s in range(self.pp) for t in range(self.tp)]
+
+    def tp_groups(self) -> list[list[int]]:
+        """One per (replica, stage): the stage's tp ranks within the replica, indexed d * pp + s."""
+        return [[self.rank(d, s, t) for t in range(self.tp)] for d in range(self.dp) for s in range(self.pp)]
+
+    def neighbours(self, rank: int) -> list[int]:
+        """The world ranks of the previous and next stage of the same replica and tp rank."""
+        d, s, t = self.place(rank)
+        return [self.rank(d, n, t) for n in (s - 1, s + 1) if 0 <= n < self.pp]

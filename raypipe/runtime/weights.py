@@ -1,0 +1,67 @@
+"""The whole model's weights through the driver: gathered from the stages with tensor-parallel
+shards merged, and cut by stage to load them. Both pass every tensor through the driver's
+memory; checkpoints (`save`/`load`) are the way for a model that does not fit there."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from raypipe.errors import StageError
+from raypipe.nn import ShardSpec, merge
+from raypipe.runtime.results import gather
+
+
+def merged(stages: Sequence[Sequence[Any]], method: str, tp: int) -> dict[str, torch.Tensor]:
+    """Calls `method` ("state_dict" or "gradients") on one replica's actors (per stage, every
+    tp rank) and merges tensor-parallel shards by key."""
+    calls = [getattr(a, method).remote() for stage in stages for a in stage]
+    specs_refs = [stage[0].tensor_shards.remote() for stage in stages] if tp > 1 else []
+    values = gather(calls + specs_refs, method)
+    parts, specs = values[: len(calls)], {}
+    for part in values[len(calls) :]:
+        specs.update(part)
+    result: dict[str, torch.Tensor] = {}
+    for s in range(len(stages)):
+        shards = parts[s * tp : (s + 1) * tp]
+        for key, value in shards[0].items():
+            spec = specs.get(key)
+            result[key] = merge([p[key] for p in shards], ShardSpec(*spec)) if spec else value
+    return result
+
+
+def load_into(actors: Sequence[Any], state: dict[str, torch.Tensor], plan: Sequence[tuple[int, int]], tp: int) -> None:
+    """Loads full-model weights into every actor, each stage getting the keys of its layers.
+
+    Raises:
+        KeyError: a key names no layer of the model, or a stage's key is missing.
+    """
+    parts: list[dict[str, torch.Tensor]] = [{} for _ in plan]
+    stray = []
+    for key, value in state.items():
+        index = key.split(".", 1)[0]
+        stage = stage_of(plan, int(index)) if index.isdigit() else None
+        if stage is None:
+            stray.append(key)
+        else:
+            parts[stage][key] = value
+    if stray:
+        layers = plan[-1][1] if plan else 0
+        raise KeyError(
+            f"load_state_dict: keys {stray[:5]} name no layer of this {layers}-layer "
+            f"model; keys look like '<layer index>.<parameter>', as state_dict() gives them."
+        )
+    try:
+        gather([a.load_state_dict.remote(parts[(i // tp) % len(plan)]) for i, a in enumerate(actors)],
+               "load_state_dict")
+    except StageError as error:
+        raise KeyError(str(error)) from None
+
+
+def stage_of(plan: Sequence[tuple[int, int]], layer: int) -> int | None:
+    """The stage holding global layer `layer`, or None."""
+    for s, (start, end) in enumerate(plan):
+        if start <= layer < end:
+            return s
+    return None
