@@ -26,7 +26,7 @@ from raypipe.errors import ConfigError
 KINDS = ("cuda", "rocm", "mps", "cpu")
 LABEL_KIND = "raypipe.io/accelerator"
 LABEL_MODEL = "raypipe.io/accelerator-model"
-SERVING_ENV = "RAYPIPE_ACCELERATOR"  # set in each stage or profiler process to the kind it serves
+SERVING_ENV = env.SERVING_ENV  # set in each stage or profiler process to the kind it serves
 
 
 @dataclass(frozen=True)

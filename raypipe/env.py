@@ -22,3 +22,14 @@ def fake_accelerator() -> str | None:
     that accelerator instead of this machine's, so tests and demos can start Ray nodes that advertise
     cuda, rocm or mps on a CPU-only machine. Unset (the default): detect the real hardware."""
     return os.environ.get("RAYPIPE_FAKE_ACCELERATOR") or None
+
+
+def trace_path() -> str | None:
+    """RAYPIPE_TRACE=PATH: the engines append every call they issue there, as JSON lines
+    (`raypipe.runtime.trace`). Unset (the default): no trace."""
+    return os.environ.get("RAYPIPE_TRACE") or None
+
+
+# RAYPIPE_ACCELERATOR: set by raypipe itself in each stage or profiler process to the kind it
+# serves (`raypipe.devices.serving_kind`); not for users to set.
+SERVING_ENV = "RAYPIPE_ACCELERATOR"

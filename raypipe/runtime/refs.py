@@ -14,13 +14,13 @@ same inputs; the ranks finish with the same activation, so only rank 0's output
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any, Sequence
 
 import ray
 import torch
 
+from raypipe import env
 from raypipe.runtime.results import StepResult, gather, wait_for_progress
 from raypipe.runtime.trace import write_trace
 from raypipe.runtime.transport.wire import pack, unpack
@@ -62,7 +62,7 @@ def run_step(
     order = order or submission_order(schedule)
     last = len(schedule) - 1
     pending: dict[ray.ObjectRef, tuple[str, str]] = {}  # (actor, action) of every issued call
-    trace = os.environ.get("RAYPIPE_TRACE")
+    trace = env.trace_path()
     issued: list[tuple[float, str, str]] = []  # (time, actor, action), only when tracing
 
     def issue(ref: ray.ObjectRef, name: str, label: str) -> ray.ObjectRef:

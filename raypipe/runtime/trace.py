@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import json
-import os
 import time
 from typing import Sequence
 
+from raypipe import env
 from raypipe.schedules import Schedule
 
 
 def trace_lists(step: int, schedule: Schedule, names: Sequence[Sequence[Sequence[str]]]) -> None:
     """With RAYPIPE_TRACE set: each actor's actions as issued (all at once), then its optimizer step."""
-    trace = os.environ.get("RAYPIPE_TRACE")
+    trace = env.trace_path()
     if not trace:
         return
     now = time.time()
