@@ -34,3 +34,8 @@ def test_saved_bytes_count_what_a_microbatch_spans_not_the_whole_batch_storage()
     with count_saved_bytes() as saved:
         (x * x).sum()  # saves x for both operands
     assert saved.bytes == 8 * 16 * 4
+    qkv = torch.randn(4, 3 * 16, requires_grad=True) * 1.0
+    with count_saved_bytes() as saved:  # q, k, v: strided views that each stretch over the storage
+        q, k, v = qkv.split(16, dim=1)
+        (q * k).sum() + (v * k).sum()  # saves q, k, v and k again, nothing else
+    assert saved.bytes == 4 * 3 * 16 * 4  # the storage once, not three times

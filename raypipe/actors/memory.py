@@ -2,11 +2,12 @@
 
 Autograd's saved-tensor hooks see every tensor the forward keeps for backward;
 summing their sizes gives the bytes a stashed microbatch holds. A saved tensor counts
-the bytes it spans in its storage, not the whole storage: a microbatch's input is a row
-slice of the step's stacked batch, and a boundary received through shared memory is a
-view of the transport's slot file; counting those storages whole charged every
-microbatch with the whole batch or file (activation checkpointing then seemed to keep
-more than it saved). Views that start at the same place are counted once. The stage actor tracks the peak number and bytes of
+its own elements, not its whole storage: a microbatch's input is a row slice of the
+step's stacked batch, and a boundary received through shared memory is a view of the
+transport's slot file; counting those storages whole charged every microbatch with the
+whole batch or file (activation checkpointing then seemed to keep more than it saved).
+Several views of one storage (q, k and v split from one projection, a transpose) add
+up to at most the storage's size, and a view seen twice counts once. The stage actor tracks the peak number and bytes of
 stashed microbatches per step: the quantity GPipe and 1F1B differ in. The hooks
 run on every saved tensor (about 7 % of a GPT block's forward and backward on CPU),
 so they are on only when `TrainConfig.measure_activations` asks for them.
@@ -23,25 +24,22 @@ import torch
 class SavedBytes:
     def __init__(self) -> None:
         self.bytes: int | None = 0
-        self._seen: set[tuple[int, int]] = set()
+        self._seen: set[tuple[int, int, int]] = set()  # (storage, offset, elements) of each tensor counted
+        self._per_storage: dict[int, int] = {}  # storage -> bytes counted in it, at most its size
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         try:
-            key = (t.untyped_storage().data_ptr(), t.storage_offset())
+            storage = t.untyped_storage()
+            key = (storage.data_ptr(), t.storage_offset(), t.numel())
         except (RuntimeError, NotImplementedError):  # tensors without storage (meta, sparse)
             return t
         if key not in self._seen:
             self._seen.add(key)
-            self.bytes += span_bytes(t)
+            before = self._per_storage.get(key[0], 0)
+            after = min(storage.nbytes(), before + t.numel() * t.element_size())
+            self._per_storage[key[0]] = after
+            self.bytes += after - before
         return t
-
-
-def span_bytes(t: torch.Tensor) -> int:
-    """Bytes of storage from a tensor's first element to its last (its size when contiguous)."""
-    if t.numel() == 0:
-        return 0
-    span = 1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
-    return min(t.untyped_storage().nbytes() - t.storage_offset() * t.element_size(), span * t.element_size())
 
 
 @contextlib.contextmanager
