@@ -69,6 +69,22 @@ class RayHead:
         return subprocess.run([sys.executable, "-c", code], env=self.env, capture_output=True, text=True,
                               timeout=timeout)
 
+    def wait_gcs(self, timeout: float = 120) -> None:
+        """Waits until the head's GCS port accepts connections; fails at once, with `ray start`'s
+        own output, when the command exited instead (a bad argument, say)."""
+        host, port = self.address.split(":")
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"ray start exited with {self.proc.returncode}: {self.log_tail()}")
+            try:
+                socket.create_connection((host, int(port)), timeout=1).close()
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the head's GCS at {self.address} did not answer within {timeout} s")
+                time.sleep(0.5)
+
     def wait_dashboard(self, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout
         while True:

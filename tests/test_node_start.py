@@ -33,6 +33,7 @@ def test_ray_start_takes_node_resources_output_on_a_gpu_or_mac_host(kind, tmp_pa
     node = RayHead("$(raypipe node-resources)", head_env(RAYPIPE_FAKE_ACCELERATOR=fake), tmp_path / "ray.log",
                    num_cpus=1)
     try:
+        node.wait_gcs(timeout=120)
         result = node.run_python(READ_NODE.format(address=node.address), timeout=120)
         assert result.returncode == 0, result.stderr[-2000:] + node.log_tail()
         seen = json.loads(result.stdout.strip().splitlines()[-1])
