@@ -11,41 +11,17 @@ Every engine raises the same typed root cause when a step fails (`results.root_f
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Sequence
-
-import torch
+from typing import Callable
 
 from raypipe.runtime.compiled import CompiledStep
 from raypipe.runtime.p2p import submit_step_p2p
 from raypipe.runtime.refs import run_step
 from raypipe.runtime.results import StepResult
-from raypipe.schedules import Action, Schedule
+from raypipe.runtime.step import StepInput, StepTarget
+
+__all__ = ["ENGINES", "Engine", "StepInput", "StepTarget", "Wait", "make_engine"]
 
 Wait = Callable[[float], StepResult]  # wait(since) -> the step's result; `since` starts its clock
-
-
-@dataclass
-class StepTarget:
-    """What a step runs on: the actors, their names and world ranks as [replica][stage][tp
-    rank], the schedule and its submission order (for the refs engine)."""
-
-    replicas: list[list[list[Any]]]
-    names: list[list[list[str]]]
-    ranks: list[list[list[int]]]
-    schedule: Schedule
-    order: list[Action]
-
-
-@dataclass
-class StepInput:
-    """One step's data and identity: per replica, one input and one target per microbatch."""
-
-    inputs: Sequence[Sequence[torch.Tensor]]
-    targets: Sequence[Sequence[Any]]
-    call_id: int
-    step: int  # 0-based optimizer step (drives the learning-rate schedule)
-    timeout: float
 
 
 class Engine:
@@ -62,9 +38,7 @@ class Engine:
 
 class P2PEngine(Engine):
     def submit(self, target: StepTarget, step: StepInput, after: int | None = None) -> Wait:
-        return submit_step_p2p(target.replicas, target.names, target.ranks, target.schedule, step.inputs,
-                               step.targets, call_id=step.call_id, step=step.step, timeout=step.timeout,
-                               after=after).result
+        return submit_step_p2p(target, step, after=after).result
 
 
 class CompiledEngine(Engine):
@@ -76,9 +50,7 @@ class CompiledEngine(Engine):
             self.graph = CompiledStep([a for stages in target.replicas for ranks in stages for a in ranks])
 
         def wait(since: float) -> StepResult:
-            return submit_step_p2p(target.replicas, target.names, target.ranks, target.schedule, step.inputs,
-                                   step.targets, call_id=step.call_id, step=step.step, timeout=step.timeout,
-                                   compiled=self.graph).result(since)
+            return submit_step_p2p(target, step, compiled=self.graph).result(since)
 
         return wait
 
@@ -91,8 +63,7 @@ class CompiledEngine(Engine):
 class RefsEngine(Engine):
     def submit(self, target: StepTarget, step: StepInput, after: int | None = None) -> Wait:
         def wait(since: float) -> StepResult:
-            return run_step(target.replicas, target.names, target.schedule, step.inputs, step.targets,
-                            call_id=step.call_id, step=step.step, timeout=step.timeout, order=target.order)
+            return run_step(target, step)
 
         return wait
 

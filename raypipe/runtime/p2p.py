@@ -9,29 +9,18 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import ray
-import torch
 
 from raypipe.errors import ActorDiedError, StageError
 from raypipe.runtime.results import StepResult, gather, raise_if_died, root_failure, wait_for_progress
+from raypipe.runtime.step import StepInput, StepTarget
 from raypipe.runtime.trace import trace_lists
 from raypipe.runtime.transport.wire import StepCall, pack_microbatches
 from raypipe.schedules import Schedule
 
 
-def submit_step_p2p(
-    replicas: Sequence[Sequence[Sequence[Any]]],
-    names: Sequence[Sequence[Sequence[str]]],
-    ranks: Sequence[Sequence[Sequence[int]]],
-    schedule: Schedule,
-    inputs: Sequence[Sequence[torch.Tensor]],
-    targets: Sequence[Sequence[Any]],
-    call_id: int,
-    step: int,
-    timeout: float,
-    after: int | None = None,
-    compiled: Any = None,
-) -> "SubmittedStep":
-    """Sends one step of `schedule` with one call per actor ("p2p" engine) and returns
+def submit_step_p2p(target: StepTarget, data: StepInput, after: int | None = None,
+                    compiled: Any = None) -> "SubmittedStep":
+    """Sends one step of `target.schedule` with one call per actor ("p2p" engine) and returns
     without waiting for it; `result()` waits.
 
     Each actor gets its stage's whole action list (`StageActor.run_actions`) and
@@ -40,8 +29,7 @@ def submit_step_p2p(
     of a stage talks to tp rank t of the next (their activations are identical).
     The gradient reduction and the optimizer step end the same call: the actors agree
     on the global norm, non-finite values and failures with one all-reduce, so a step
-    costs one round of Ray calls. Arguments as `run_step`, plus `ranks`: the world rank
-    of every actor, same shape as `replicas`.
+    costs one round of Ray calls.
 
     `after`: the call id of a step still running on the same actors, which this one
     queues behind. The actors run this step only if that one was applied: a step that
@@ -53,7 +41,9 @@ def submit_step_p2p(
     calls through it ("compiled" engine); that step is run in full before this returns.
     """
     started = time.perf_counter()
-    lists = action_lists(replicas, names, ranks, schedule)
+    replicas, names, schedule = target.replicas, target.names, target.schedule
+    inputs, targets, call_id, step, timeout = data.inputs, data.targets, data.call_id, data.step, data.timeout
+    lists = action_lists(replicas, names, target.ranks, schedule)
     trace_lists(step, schedule, names)
     what = f"step {step + 1}"
     if compiled is not None:

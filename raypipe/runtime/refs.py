@@ -22,6 +22,7 @@ import torch
 
 from raypipe import env
 from raypipe.runtime.results import StepResult, gather, wait_for_progress
+from raypipe.runtime.step import StepInput, StepTarget
 from raypipe.runtime.trace import write_trace
 from raypipe.runtime.transport.wire import pack, unpack
 from raypipe.schedules import BACKWARD, FORWARD, Action, Schedule, simulate
@@ -32,34 +33,20 @@ def submission_order(schedule: Schedule) -> list[Action]:
     return [a for row in simulate(schedule, len(schedule)) for a in row if a is not None]
 
 
-def run_step(
-    replicas: Sequence[Sequence[Sequence[Any]]],
-    names: Sequence[Sequence[Sequence[str]]],
-    schedule: Schedule,
-    inputs: Sequence[Sequence[torch.Tensor]],
-    targets: Sequence[Sequence[Any]],
-    call_id: int,
-    step: int,
-    timeout: float,
-    order: Sequence[Action] | None = None,
-) -> StepResult:
-    """Submits one step of `schedule` on every data-parallel replica and waits for it.
+def run_step(target: StepTarget, data: StepInput) -> StepResult:
+    """Submits one step of `target.schedule` on every data-parallel replica and waits for it.
 
-    Args:
-        replicas: per replica, per stage, the StageActor of each tp rank; names: their names.
-        inputs, targets: per replica, one entry per microbatch.
-        call_id: a number new to every call; actors drop leftovers of a failed call
-            and zero gradients when it changes.
-        step: the optimizer step number (drives the learning-rate schedule).
-        timeout: seconds without any action finishing before the step is abandoned.
-        order: `submission_order(schedule)`, when the caller has it cached.
+    Every forward and backward of `target.order` (the schedule's simulated run) is one
+    call; `data.call_id` is new to every call, so actors drop leftovers of a failed call
+    and zero gradients when it changes.
 
     Raises:
         StageError: an action failed on an actor (ActorDiedError: the actor died).
-        StepTimeoutError: nothing finished for `timeout` seconds.
+        StepTimeoutError: nothing finished for `data.timeout` seconds.
     """
     started = time.perf_counter()
-    order = order or submission_order(schedule)
+    replicas, names, schedule, order = target.replicas, target.names, target.schedule, target.order
+    call_id, step, timeout = data.call_id, data.step, data.timeout
     last = len(schedule) - 1
     pending: dict[ray.ObjectRef, tuple[str, str]] = {}  # (actor, action) of every issued call
     trace = env.trace_path()
@@ -72,7 +59,7 @@ def run_step(
         return ref
 
     losses, finished = [], []
-    inputs, targets = pack(inputs), pack(targets)
+    inputs, targets = pack(data.inputs), pack(data.targets)
     for d, stages in enumerate(replicas):
         outputs: dict[Action, ray.ObjectRef] = {}  # tp rank 0's result of each action
         for action in order:

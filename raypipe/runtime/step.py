@@ -1,0 +1,34 @@
+"""What every engine is given for one step: what it runs on (`StepTarget`) and with what
+data (`StepInput`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from raypipe.schedules import Action, Schedule
+
+
+@dataclass
+class StepTarget:
+    """What a step runs on: the actors, their names and world ranks as [replica][stage][tp
+    rank], the schedule and its submission order (for the refs engine)."""
+
+    replicas: list[list[list[Any]]]
+    names: list[list[list[str]]]
+    ranks: list[list[list[int]]]
+    schedule: Schedule
+    order: list[Action]
+
+
+@dataclass
+class StepInput:
+    """One step's data and identity: per replica, one input and one target per microbatch."""
+
+    inputs: Sequence[Sequence[torch.Tensor]]
+    targets: Sequence[Sequence[Any]]
+    call_id: int
+    step: int  # 0-based optimizer step (drives the learning-rate schedule)
+    timeout: float
