@@ -20,10 +20,6 @@ class Topology:
     dp: int
     tp: int
 
-    @property
-    def size(self) -> int:
-        return self.pp * self.dp * self.tp
-
     def rank(self, d: int, s: int, t: int) -> int:
         """The world rank of replica d, stage s, tp rank t."""
         return (d * self.pp + s) * self.tp + t
