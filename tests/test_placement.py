@@ -55,7 +55,8 @@ def test_device_configs_are_checked():
 
 def test_profile_partition_sizes_stages_to_their_device_speed(hetero):
     """rocm simulates a 2x slower device: the profiled split gives it a third of the work (4 + 2
-    layers of 40 ms), predicted within 10 % of the ideal balanced step, and clearly faster than uniform in the same run."""
+    layers of 40 ms), predicted within 10 % of the ideal balanced step, and clearly faster than
+    uniform in the same run."""
     balance = hetero["balance"]
     assert balance["uniform"]["plan"] == [[0, 3], [3, 6]]
     assert balance["profile"]["plan"] == [[0, 4], [4, 6]]

@@ -27,8 +27,7 @@ class StageSettings:
 
     @classmethod
     def from_config(cls, c: Any) -> "StageSettings":
-        """The settings of a `TrainConfig`. A non-finite step stops training when nonfinite is
-        "error", except under fp16, whose loss scaling skips such steps by design."""
+        """The settings of a `TrainConfig`."""
         return cls(
             microbatches=c.microbatches,
             optimizer=dict(c.optimizer),
@@ -40,8 +39,14 @@ class StageSettings:
             measure_activations=c.measure_activations,
             zero=c.zero,
             dp_bucket_bytes=max(1, int(c.dp_bucket_mb * 2**20)),
-            stop_on_nonfinite=c.nonfinite == "error" and c.precision != "fp16",
+            stop_on_nonfinite=stops_on_nonfinite(c),
         )
+
+
+def stops_on_nonfinite(config: Any) -> bool:
+    """Whether a non-finite step ends training: nonfinite="error", except under fp16, whose
+    loss scaling skips such steps by design."""
+    return config.nonfinite == "error" and config.precision != "fp16"
 
 
 # TrainConfig fields a running trainer can change between steps (`Trainer.reconfigure`);

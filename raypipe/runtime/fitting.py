@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import torch
 
-from raypipe.actors.settings import StageSettings
+from raypipe.actors.settings import stops_on_nonfinite
 from raypipe.errors import ActorDiedError, NonFiniteError, RaypipeError, StepTimeoutError
 from raypipe.metrics import RayMetrics, TensorBoardLogger, step_metrics
 from raypipe.progress import Progress
@@ -65,7 +65,7 @@ def complete(trainer: Any, submitted: Submitted) -> dict[str, Any] | None:
     report = result.stage_reports[0]
     if report.get("halted"):
         return None
-    if report["skipped"] and StageSettings.from_config(trainer.config).stop_on_nonfinite:
+    if report["skipped"] and stops_on_nonfinite(trainer.config):
         raise NonFiniteError(
             f"step {trainer.step_count + 1}: non-finite loss or gradients (microbatch losses "
             f"{[round(v, 4) for v in result.losses]}); the update was not applied, weights are those "
