@@ -142,3 +142,56 @@ class KillOnce(nn.Module):
             else:
                 os.kill(os.getpid(), signal.SIGKILL)
         return x
+
+
+class DictEmbed(nn.Module):
+    """Token ids -> a dict boundary: hidden states, a bool mask, integer positions, an auxiliary
+    loss that needs a gradient, and a None leaf: every kind of leaf a stage may hand on."""
+
+    def __init__(self, vocab: int, dim: int) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+
+    def forward(self, ids: torch.Tensor) -> dict:
+        h = self.emb(ids)
+        positions = torch.arange(ids.shape[1]).expand_as(ids)
+        return {"h": h, "mask": ids % 3 != 0, "pos": positions, "aux": (h.pow(2).mean() * 0.01, None)}
+
+
+class DictBlock(nn.Module):
+    """A residual block over the dict: masked update, position embedding, aux loss accumulated."""
+
+    def __init__(self, dim: int, positions: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+        self.pos = nn.Embedding(positions, dim)
+
+    def forward(self, x: dict) -> dict:
+        h = x["h"] + torch.tanh(self.lin(x["h"])) * x["mask"].unsqueeze(-1) + self.pos(x["pos"])
+        aux, nothing = x["aux"]
+        return {**x, "h": h, "aux": (aux + 0.01 * h.abs().mean(), nothing)}
+
+
+class DictHead(nn.Module):
+    """The dict -> (outputs, aux loss) for `dict_loss`."""
+
+    def __init__(self, dim: int, out: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(dim, out)
+
+    def forward(self, x: dict) -> tuple:
+        return self.lin(x["h"].mean(dim=1)), x["aux"][0]
+
+
+def dict_loss(out, y):
+    prediction, aux = out
+    return nn.functional.mse_loss(prediction, y) + aux
+
+
+DICT_MODEL = [LayerSpec(DictEmbed, 11, 8), LayerSpec(DictBlock, 8, 16), LayerSpec(DictBlock, 8, 16),
+              LayerSpec(DictHead, 8, 2)]
+
+
+def dict_batch(k: int, size: int = 8, length: int = 6):
+    g = torch.Generator().manual_seed(700 + k)
+    return torch.randint(0, 11, (size, length), generator=g), torch.randn(size, 2, generator=g)

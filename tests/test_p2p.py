@@ -12,7 +12,7 @@ import pytest
 import ray
 import torch
 
-from raypipe.runtime.transport.stream import DTYPES
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.bool]
 
 POISON = "poison"
 
@@ -33,21 +33,25 @@ class Peer:
         join_world(address, port, 2, rank, [], timeout=30)
         return shm.connect(rank, [1 - rank], timeout=30, enabled=transport == "shm")
 
-    def send(self, tensors, tags, limit=None):
-        """Sends each tensor (None: poison) as the stage does; returns the refusals.
-        `limit`: the largest stream (bytes) shared memory may carry this time."""
+    def send(self, tensors, tags, limit=None, varying=False):
+        """Sends each value (None: poison) as the stage does; returns the refusals.
+        `limit`: the largest stream (bytes) shared memory may carry this time; `varying`:
+        the step's microbatches differ in shape."""
         from raypipe.runtime import transport as p2p
         from raypipe.runtime.transport import shm
 
         default, shm.MAX_STREAM_BYTES = shm.MAX_STREAM_BYTES, limit or shm.MAX_STREAM_BYTES
         try:
-            box, refused = p2p.outbox(1, len(tensors)), []
+            box, refused = p2p.outbox(1, len(tensors), varying), []
             for t, tag in zip(tensors, tags):
+                if t is None:
+                    box.poison(tag)
+                    continue
                 try:
                     box.send(t, tag)
                 except ValueError as error:
                     refused.append(str(error))
-                    box.send(None, tag)  # what the stage does: poison keeps the pattern
+                    box.poison(tag)  # what the stage does: poison keeps the pattern
             box.wait()
             return refused, type(box).__name__, getattr(box, "gloo", None) is not None
         finally:
@@ -58,14 +62,17 @@ class Peer:
         and the taken tensors themselves (`kept`)."""
         from raypipe.runtime.transport import PeerFailed, inbox
 
+        from raypipe.runtime.transport.tree import map_tensors, tensors
+
         box, got, self.kept = inbox(0, tags), [], []
         for _ in tags:
             try:
-                t = box.take()
-                got.append(t.clone())
-                if t.dtype != torch.bool:
-                    t.add_(1)  # must not change a message still to be taken
-                self.kept.append((t, t.clone()))
+                value = box.take()
+                got.append(map_tensors(torch.clone, value))
+                for t in tensors(value):
+                    if t.dtype != torch.bool:
+                        t.add_(1)  # must not change a message still to be taken
+                    self.kept.append((t, t.clone()))
             except PeerFailed:
                 got.append(POISON)
             box.refill()
@@ -135,6 +142,52 @@ def test_a_shape_change_within_a_step_is_refused_by_the_sender_and_seen_as_poiso
     refused, got = exchange(peers, [a, b, a])
     assert len(refused) == 1 and "(4, 3)" in refused[0] and "engine='refs'" in refused[0]
     assert torch.equal(got[0], a) and got[1] == POISON and torch.equal(got[2], a)
+
+
+def same(a, b):
+    """Two boundary values are equal: the same tree, None where None, equal tensors."""
+    import torch.utils._pytree as pytree
+
+    (la, sa), (lb, sb) = pytree.tree_flatten(a), pytree.tree_flatten(b)
+    return sa == sb and all((x is None and y is None) or (torch.is_tensor(x) and torch.is_tensor(y) and x.dtype == y.dtype
+                                                          and torch.equal(x, y)) for x, y in zip(la, lb))
+
+
+def test_a_pytree_with_a_mask_ids_and_none_arrives_exactly(peers):
+    values = [{"hidden": torch.randn(2, 5, 4), "mask": torch.rand(2, 5) > 0.3,
+               "positions": torch.arange(10).view(2, 5) + i, "aux": (torch.tensor(float(i)), None)}
+              for i in range(3)]
+    refused, got = exchange(peers, values)
+    assert refused == [] and all(same(a, b) for a, b in zip(values, got))
+
+
+def test_a_gradient_tree_of_only_none_leaves_is_a_message_not_poison(peers):
+    refused, got = exchange(peers, [{"ids": None}, {"ids": None}])
+    assert refused == [] and got == [{"ids": None}, {"ids": None}]
+
+
+def test_varying_shapes_arrive_when_the_step_says_they_vary(peers):
+    sender, receiver = peers
+    values = [{"h": torch.randn(1, n, 4), "ids": torch.arange(n)} for n in (5, 3, 8)] + [None, {"h": torch.ones(1, 2, 4), "ids": torch.arange(2)}]
+    tags = [2 * i for i in range(len(values))]
+    (refused, _, _), got = ray.get([sender.send.remote(values, tags, None, True), receiver.take.remote(tags)], timeout=60)
+    assert refused == []
+    assert all(same(a, b) for a, b in zip(values[:3], got[:3]))
+    assert got[3] == POISON and same(values[4], got[4])
+
+
+def test_poison_first_then_a_varying_stream(peers):
+    sender, receiver = peers
+    values = [None, torch.ones(2, 3), torch.zeros(4)]
+    tags = [0, 2, 4]
+    (refused, _, _), got = ray.get([sender.send.remote(values, tags, None, True), receiver.take.remote(tags)], timeout=60)
+    assert refused == [] and got[0] == POISON and same(got[1], values[1]) and same(got[2], values[2])
+
+
+def test_a_non_tensor_leaf_is_refused_before_it_goes_out(peers):
+    refused, got = exchange(peers, [{"h": torch.ones(2), "n": 3}, {"h": torch.ones(2), "n": 3}])
+    assert len(refused) == 2 and "int" in refused[0] and "only tensors and None" in refused[0]
+    assert got == [POISON, POISON]
 
 
 def test_taken_tensors_outlive_the_next_step(peers):

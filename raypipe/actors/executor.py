@@ -20,6 +20,7 @@ from raypipe.actors.memory import count_saved_bytes
 from raypipe.actors.model import StageModel
 from raypipe.actors.settings import StageSettings
 from raypipe.errors import StageError
+from raypipe.runtime.transport.tree import map_tensors, tensors
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -63,18 +64,26 @@ class Executor:
         self.stash.clear()
         self.stash_bytes.clear()
 
-    def forward(self, microbatch: int, x: torch.Tensor, target: Any) -> Any:
+    def forward(self, microbatch: int, x: Any, target: Any, weight: float = 1.0) -> Any:
         """Runs the stage on one microbatch and stashes what its backward needs.
 
+        Args:
+            x: the microbatch's input, or the previous stage's output: a tensor or any pytree
+                of them; its floating-point tensors get gradients in backward.
+            weight: the microbatch's share of the step's loss relative to an equal share
+                (a loss counting tokens weighs microbatches by their tokens).
+
         Returns:
-            The boundary tensor for the next stage (`send`); on the last stage the
+            The boundary value for the next stage (`send`); on the last stage the
             microbatch's unscaled loss as a float.
         """
         started = time.time()
         try:
             x = self.received(x)
-            if self.stage > 0 and x.is_floating_point():
-                x.requires_grad_(True)
+            if self.stage > 0:
+                for t in tensors(x):
+                    if t.is_floating_point():
+                        t.requires_grad_(True)
             with self.autocast(), count_saved_bytes(self.settings.measure_activations) as saved:
                 if self.settings.activation_checkpointing and torch.is_grad_enabled():
                     out = checkpoint(self.module, x, use_reentrant=False)
@@ -84,8 +93,9 @@ class Executor:
                     self._stash(microbatch, (x, out), saved.bytes)
                     self._timed("forward_s", started, microbatch)
                     return self.send(out)
-                loss = self.loss_fn(out, target.to(self.device) if torch.is_tensor(target) else target)
-            self._stash(microbatch, (x, loss.float() * (self.loss_scale() / self.settings.microbatches)), saved.bytes)
+                loss = self.loss_fn(out, map_tensors(lambda t: t.to(self.device), target))
+            scale = self.loss_scale() * weight / self.settings.microbatches
+            self._stash(microbatch, (x, loss.float() * scale), saved.bytes)
             value = float(loss.detach())
             self.losses_finite = self.losses_finite and math.isfinite(value)
             self._timed("forward_s", started, microbatch)
@@ -93,22 +103,31 @@ class Executor:
         except Exception as error:
             raise self.error("F", microbatch, error) from error
 
-    def backward(self, microbatch: int, grad: torch.Tensor | None) -> torch.Tensor | None:
+    def backward(self, microbatch: int, grad: Any) -> Any:
         """Back-propagates one microbatch and frees its activations; returns the input gradient
-        for the previous stage (None on the first stage)."""
+        for the previous stage: the input's tree with each leaf's gradient, None where a leaf
+        has none (integer tensors, or on the first stage)."""
         started = time.time()
         try:
             x, out = self.stash.pop(microbatch)
             self.stash_bytes.pop(microbatch, None)
-            if out.requires_grad:
-                torch.autograd.backward(out, None if self.is_last else grad.to(out.device, out.dtype))
+            if self.is_last:
+                if out.requires_grad:
+                    torch.autograd.backward(out)
+            else:
+                pairs = [(o, g.to(o.device, o.dtype)) for o, g in zip(_leaves(out), _leaves(grad))
+                         if torch.is_tensor(o) and o.requires_grad and g is not None]
+                if pairs:
+                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
             self._timed("backward_s", started, microbatch)
-            return self.send(x.grad) if x.requires_grad else None
+            grads = map_tensors(lambda t: t.grad if t.requires_grad else None, x)
+            return None if self.stage == 0 else self.send(grads)
         except Exception as error:
             raise self.error("B", microbatch, error) from error
 
     def run_list(self, actions: Sequence[tuple[str, int]], inputs: Any, targets: Any, activations: Any,
-                 gradients: Any, to_next: Any, to_prev: Any) -> tuple[list[Any], Exception | None]:
+                 gradients: Any, to_next: Any, to_prev: Any,
+                 weights: Sequence[float] | None = None) -> tuple[list[Any], Exception | None]:
         """Runs a step's action list in order, taking boundaries from the inboxes (None on the
         first stage's `activations`, the last stage's `gradients`) and sending results to the
         outboxes. After a failure it still makes every send and receive of the list, sending
@@ -116,6 +135,8 @@ class Executor:
 
         Returns:
             (the last stage's microbatch losses, else []; the first failure or None).
+
+        `weights`: on the last stage, each microbatch's loss weight (`forward`), else None.
         """
         losses, failure = [], None
         for kind, m in actions:
@@ -124,7 +145,8 @@ class Executor:
                 try:
                     x = inputs[m] if activations is None else activations.take()
                     if failure is None:
-                        out = self.forward(m, x, targets[m] if self.is_last else None)
+                        out = self.forward(m, x, targets[m] if self.is_last else None,
+                                           weights[m] if weights is not None else 1.0)
                 except Exception as error:  # noqa: BLE001 - kept, raised after the list is done
                     failure = failure or error
                 if to_next is None:
@@ -151,7 +173,7 @@ class Executor:
         return losses, failure
 
     @torch.no_grad()
-    def forward_only(self, x: torch.Tensor, target: Any = None) -> Any:
+    def forward_only(self, x: Any, target: Any = None) -> Any:
         """Inference through this stage (eval mode, nothing stashed): the output, or on the
         last stage the loss as a float when a target is given."""
         self.module.eval()
@@ -159,31 +181,39 @@ class Executor:
             with self.autocast():
                 out = self.module(self.received(x))
                 if self.is_last and target is not None:
-                    return float(self.loss_fn(out, target.to(self.device) if torch.is_tensor(target) else target))
-            return out.float() if self.is_last else out
+                    return float(self.loss_fn(out, map_tensors(lambda t: t.to(self.device), target)))
+            return map_tensors(lambda t: t.float() if t.is_floating_point() else t, out) if self.is_last else out
         except Exception as error:
             raise self.error("F", -1, error) from error
         finally:
             self.module.train()
 
-    def send(self, t: torch.Tensor) -> torch.Tensor:
-        """A boundary tensor as it leaves for another stage: detached, in `boundary_dtype`, counted
-        in this step's `sent_bytes`. It stays on this stage's device: the p2p engine copies it
-        straight into its host message buffer, the refs engine moves it to host."""
-        t = t.detach()
+    def send(self, value: Any) -> Any:
+        """A boundary value as it leaves for another stage: its tensors detached, floating ones in
+        `boundary_dtype`, counted in this step's `sent_bytes`. They stay on this stage's device:
+        the p2p engine copies them straight into its host message buffer, the refs engine
+        moves them to host."""
         dtype = AUTOCAST_DTYPES.get(self.settings.boundary_dtype)
-        if dtype is not None and t.is_floating_point():
-            t = t.to(dtype)
-        self.timing["sent_bytes"] = self.timing.get("sent_bytes", 0) + t.numel() * t.element_size()
-        return t
 
-    def received(self, x: torch.Tensor) -> torch.Tensor:
-        """A boundary tensor on this stage's device; one sent in a narrower `boundary_dtype` is
-        computed on in float32 again."""
-        x = x.to(self.device)
-        if self.settings.boundary_dtype != "fp32" and x.dtype == AUTOCAST_DTYPES[self.settings.boundary_dtype]:
-            x = x.float()
-        return x
+        def leaving(t: torch.Tensor) -> torch.Tensor:
+            t = t.detach()
+            if dtype is not None and t.is_floating_point():
+                t = t.to(dtype)
+            self.timing["sent_bytes"] = self.timing.get("sent_bytes", 0) + t.numel() * t.element_size()
+            return t
+
+        return map_tensors(leaving, value)
+
+    def received(self, x: Any) -> Any:
+        """A boundary value's tensors on this stage's device; those sent in a narrower
+        `boundary_dtype` are computed on in float32 again."""
+        narrow = AUTOCAST_DTYPES.get(self.settings.boundary_dtype)
+
+        def arriving(t: torch.Tensor) -> torch.Tensor:
+            t = t.to(self.device)
+            return t.float() if narrow is not None and t.dtype == narrow else t
+
+        return map_tensors(arriving, x)
 
     def autocast(self):
         dtype = AUTOCAST_DTYPES.get(self.settings.precision)
@@ -214,13 +244,21 @@ class Executor:
         self.timing["last_end"] = ended
 
 
-def send_or_poison(box: Any, t: torch.Tensor | None, tag: int, failure: Exception | None) -> Exception | None:
-    """Sends `t`, or poison once this step failed (also when `t` cannot be sent); returns the failure."""
+def send_or_poison(box: Any, value: Any, tag: int, failure: Exception | None) -> Exception | None:
+    """Sends `value`, or poison once this step failed (also when `value` cannot be sent);
+    returns the failure."""
     if failure is None:
         try:
-            box.send(t, tag)
+            box.send(value, tag)
             return None
         except ValueError as error:  # checked before anything went out
             failure = error
-    box.send(None, tag)
+    box.poison(tag)
     return failure
+
+
+def _leaves(value: Any) -> list[Any]:
+    """A boundary value's leaves in flattening order (its gradient's align with them)."""
+    import torch.utils._pytree as pytree
+
+    return pytree.tree_leaves(value)

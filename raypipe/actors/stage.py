@@ -31,6 +31,7 @@ from raypipe.errors import StageError
 from raypipe.layers import LayerSpec
 from raypipe.nn import TensorParallelGroup
 from raypipe.runtime.transport import PeerFailed, agree
+from raypipe.runtime.transport.tree import map_tensors
 from raypipe.runtime.transport.wire import StepCall, pack, unpack
 
 __all__ = ["StageActor", "StageSettings"]
@@ -153,7 +154,7 @@ class StageActor:
 
     # ----- one step: the refs engine's calls ------------------------------------
 
-    def forward(self, call_id: int, microbatch: int, x: torch.Tensor, target: Any = None) -> Any:
+    def forward(self, call_id: int, microbatch: int, x: Any, target: Any = None, weight: float = 1.0) -> Any:
         """Runs the stage on one microbatch and keeps what its backward needs.
 
         Returns:
@@ -163,10 +164,10 @@ class StageActor:
             gets one copy.
         """
         self.executor.begin(call_id)
-        out = self.executor.forward(microbatch, unpack(x), unpack(target))
+        out = self.executor.forward(microbatch, unpack(x), unpack(target), weight)
         return pack(_to_host(out)) if self.is_last or self.tp.rank == 0 else None
 
-    def backward(self, call_id: int, microbatch: int, grad: torch.Tensor | None = None) -> Any:
+    def backward(self, call_id: int, microbatch: int, grad: Any = None) -> Any:
         """Back-propagates one microbatch, frees its activations, returns the input gradient
         (None on the first stage, and on tp ranks other than 0)."""
         grad_in = self.executor.backward(microbatch, unpack(grad))
@@ -233,7 +234,7 @@ class StageActor:
 
         from raypipe.runtime import transport
 
-        call_id, step, actions, inputs, targets, prev_rank, next_rank, after = call
+        call_id, step, actions, inputs, targets, prev_rank, next_rank, after, varying, weights = call
         if after is not None and after == self.unapplied_call:
             self.unapplied_call = call_id  # and so on down the queue
             return None, {"halted": True}
@@ -247,8 +248,9 @@ class StageActor:
             actions, inputs, targets,
             activations=transport.inbox(prev_rank, [2 * m for m in forwards]) if self.stage > 0 else None,
             gradients=transport.inbox(next_rank, [2 * m + 1 for m in backwards]) if not self.is_last else None,
-            to_next=transport.outbox(next_rank, len(forwards)) if not self.is_last else None,
-            to_prev=transport.outbox(prev_rank, len(backwards)) if self.stage > 0 else None,
+            to_next=transport.outbox(next_rank, len(forwards), varying) if not self.is_last else None,
+            to_prev=transport.outbox(prev_rank, len(backwards), varying) if self.stage > 0 else None,
+            weights=weights,
         )
         report = self._finish_step(step, failure)
         return (losses if self.is_last and self.tp.rank == 0 else None), report
@@ -266,6 +268,7 @@ class StageActor:
                 payload["call_id"], payload["step"], actions,
                 payload["inputs"][self.optim.dp_rank] if self.stage == 0 else None,
                 payload["targets"][self.optim.dp_rank] if self.is_last else None, prev_rank, next_rank,
+                None, payload["varying"], payload["weights"][self.optim.dp_rank] if self.is_last else None,
             ))
         except Exception as error:  # noqa: BLE001 - handed to the driver, which raises it
             return error if isinstance(error, StageError) else StageError(f"{self.name}: {type(error).__name__}: {error}")
@@ -307,7 +310,7 @@ class StageActor:
 
     # ----- inference, weights, checkpoints ------------------------------------------
 
-    def forward_only(self, x: torch.Tensor, target: Any = None) -> Any:
+    def forward_only(self, x: Any, target: Any = None) -> Any:
         """Inference through this stage (eval mode, no activations kept).
 
         Returns the output, or on the last stage the loss as a float when a target is given;
@@ -346,10 +349,10 @@ class StageActor:
         checkpoint_io.load_stage(self.model, self.optim, directory, self.stage, self.name, loss_scaler, restore_rng)
 
 
-def _to_host(t: Any) -> Any:
-    """Boundary tensors cross to other stages (maybe another kind of device) through host
+def _to_host(value: Any) -> Any:
+    """Boundary values cross to other stages (maybe another kind of device) through host
     memory; anything but a device tensor (a loss as a float, None) passes unchanged."""
-    return t.cpu() if torch.is_tensor(t) and t.device.type != "cpu" else t
+    return map_tensors(lambda t: t.cpu() if t.device.type != "cpu" else t, value)
 
 
 def _peak_memory_bytes(device: torch.device) -> int:

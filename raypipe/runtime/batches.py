@@ -1,33 +1,49 @@
-"""Cutting a batch into the equal parts a step needs (dp replicas x microbatches), with an
-error that says which sizes work."""
+"""Cutting a batch into the parts a step needs (dp replicas x microbatches), with an error
+that says which sizes work; whether those parts differ in shape; and each part's share of
+a loss that counts items (tokens) rather than samples."""
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Sequence
 
 import torch
+import torch.utils._pytree as pytree
 
 from raypipe.errors import BatchError
 
 
-def split_batch(x: torch.Tensor, y: Any, parts: int, dp: int, microbatches: int) -> tuple[list[torch.Tensor], list[Any]]:
+def split_batch(x: Any, y: Any, parts: int, dp: int, microbatches: int) -> tuple[list[Any], list[Any]]:
     """Splits `(x, y)` into `parts` equal chunks along dim 0; `y=None` (inference) takes any
-    split that divides the batch. A tensor `y` is split alongside; anything else is repeated.
+    split that divides the batch.
+
+    `x` is a tensor or a tuple or dict of tensors with the same batch size (such as
+    `{"input_ids": ..., "attention_mask": ...}`); a tensor (or tree of tensors) `y` is
+    split alongside, anything else repeated. A Python *list* `x` is the step's microbatches
+    already cut (`parts` of them, which may differ in shape: unpadded sequences), with a
+    list `y` of as many targets.
 
     Raises:
-        BatchError: `x` is not a batched tensor, `y` does not match it, or the batch does not
+        BatchError: `x` is not batched, `y` does not match it, or the batch does not
             divide into `parts` (`dp` and `microbatches` word the message).
     """
-    if not torch.is_tensor(x):
-        raise BatchError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dim() == 0:
-        raise BatchError("x must have a batch dimension (dim 0)")
-    batch = x.shape[0]
-    if torch.is_tensor(y) and (y.dim() == 0 or y.shape[0] != batch):
+    if isinstance(x, list):
+        return _given(x, y, parts, dp, microbatches)
+    leaves = pytree.tree_leaves(x)
+    if not leaves or not all(torch.is_tensor(t) for t in leaves):
         raise BatchError(
-            f"x has {batch} samples but y has shape {tuple(y.shape)}: give one target per sample (y.shape[0] == {batch})."
+            f"x must be a torch.Tensor, a tuple or dict of tensors, or a list of microbatches; got {type(x).__name__}"
         )
+    if any(t.dim() == 0 for t in leaves):
+        raise BatchError("x must have a batch dimension (dim 0)")
+    batch = leaves[0].shape[0]
+    if any(t.shape[0] != batch for t in leaves):
+        raise BatchError(f"the tensors of x differ in batch size ({[t.shape[0] for t in leaves]}): give each one row per sample.")
+    for t in pytree.tree_leaves(y) if y is not None else []:
+        if torch.is_tensor(t) and (t.dim() == 0 or t.shape[0] != batch):
+            raise BatchError(
+                f"x has {batch} samples but y has shape {tuple(t.shape)}: give one target per sample (y.shape[0] == {batch})."
+            )
     if y is None:
         parts = math.gcd(batch, parts)  # inference: any split works
     elif batch % parts:
@@ -38,8 +54,66 @@ def split_batch(x: torch.Tensor, y: Any, parts: int, dp: int, microbatches: int)
             f"a batch of {batch} samples cannot be split into {into} equal parts: "
             f"use a batch size divisible by {parts} (e.g. {max(parts, batch - batch % parts)})"
             + (f", or microbatches in {options}." if dp == 1 else ".")
+            + " Or pass x and y as lists of microbatches of any sizes."
         )
-    # clone: a view would carry the whole batch's storage through the object store
-    inputs = [c.clone() for c in x.split(batch // parts)]
-    targets = [c.clone() for c in y.split(batch // parts)] if torch.is_tensor(y) else [y] * len(inputs)
+    inputs = _chunks(x, parts, batch)
+    has_tensor = any(torch.is_tensor(t) for t in pytree.tree_leaves(y))
+    targets = _chunks(y, parts, batch) if has_tensor else [y] * len(inputs)
     return inputs, targets
+
+
+def is_varying(inputs: Sequence[Any]) -> bool:
+    """Whether the microbatches differ in their tensors' shapes or dtypes (or their trees)."""
+    described = [[(t.shape, t.dtype) if torch.is_tensor(t) else t for t in pytree.tree_flatten(x)[0]]
+                 + [pytree.tree_flatten(x)[1]] for x in inputs]
+    return any(d != described[0] for d in described[1:])
+
+
+def loss_weights(loss_fn: Any, targets: Sequence[Sequence[Any]]) -> list[list[float]] | None:
+    """Per replica and microbatch, the loss weight that makes the step's loss the mean over all
+    of its items, when `loss_fn` counts them (`loss_fn.count(target)`: the tokens a causal
+    LM loss averages over, those not ignored); None otherwise (every part weighs the same).
+
+    A part's loss is the mean over its own items; weighting it by `count * parts / total`
+    makes the average over parts (what the microbatches and dp replicas compute) the mean
+    over the whole batch, as a one-process run of the same batch computes it.
+    """
+    count = getattr(loss_fn, "count", None)
+    if count is None:
+        return None
+    counts = [[float(count(t)) for t in replica] for replica in targets]
+    total = sum(map(sum, counts))
+    parts = sum(map(len, counts))
+    return [[c * parts / total if total else 0.0 for c in replica] for replica in counts]
+
+
+def samples_and_tokens(inputs: Sequence[Any]) -> tuple[int, int | None]:
+    """Samples in a step's parts, and the token ids among them (the first tensor of each part,
+    when it holds integers; None for float inputs)."""
+    firsts = [pytree.tree_leaves(x)[0] for x in inputs]
+    samples = sum(int(t.shape[0]) for t in firsts)
+    return samples, None if any(t.is_floating_point() for t in firsts) else sum(int(t.numel()) for t in firsts)
+
+
+def _given(x: list, y: Any, parts: int, dp: int, microbatches: int) -> tuple[list[Any], list[Any]]:
+    """A batch given as its microbatches, checked against the count the step needs."""
+    if y is not None and not isinstance(y, list):
+        raise BatchError(f"x is a list of {len(x)} microbatches, so y must be a list of as many targets, "
+                         f"not a {type(y).__name__}.")
+    if y is not None and len(y) != len(x):
+        raise BatchError(f"x holds {len(x)} microbatches but y holds {len(y)} targets: give one target per microbatch.")
+    if y is not None and len(x) != parts:
+        into = f"dp={dp} x microbatches={microbatches} = {parts}" if dp > 1 else f"microbatches={parts}"
+        raise BatchError(f"x is a list of {len(x)} microbatches, but a step takes {into}: pass {parts}.")
+    for i, part in enumerate(x):
+        if not pytree.tree_leaves(part) or not all(torch.is_tensor(t) for t in pytree.tree_leaves(part)):
+            raise BatchError(f"microbatch {i} of x is {type(part).__name__}: give tensors (or tuples/dicts of them).")
+    return list(x), list(y) if y is not None else [None] * len(x)
+
+
+def _chunks(value: Any, parts: int, batch: int) -> list[Any]:
+    """`value`'s tensors cut into `parts` along dim 0, one tree per part; cloned, since a view
+    would carry the whole batch's storage through the object store."""
+    leaves, spec = pytree.tree_flatten(value)
+    cut = [[c.clone() for c in t.split(batch // parts)] if torch.is_tensor(t) else [t] * parts for t in leaves]
+    return [pytree.tree_unflatten([c[i] for c in cut], spec) for i in range(parts)]

@@ -21,9 +21,9 @@ import time
 from typing import Any, Sequence
 
 import ray
-import torch
 
 from raypipe.runtime.p2p import ActionList
+from raypipe.runtime.step import StepInput
 from raypipe.runtime.results import cause_message, root_failure
 from raypipe.errors import ActorDiedError, StageError, StepTimeoutError
 from raypipe.runtime.transport.wire import pack_microbatches
@@ -39,8 +39,7 @@ class CompiledStep:
             graph = MultiOutputNode([actor.run_compiled.bind(payload) for actor in actors])
         self.graph = graph.experimental_compile()
 
-    def run(self, lists: Sequence[ActionList], inputs: Sequence[Sequence[torch.Tensor]],
-            targets: Sequence[Sequence[Any]], call_id: int, step: int, timeout: float, what: str) -> list[Any]:
+    def run(self, lists: Sequence[ActionList], data: StepInput, what: str) -> list[Any]:
         """Executes one step of `lists` (`engine.action_lists`, the graph's actor order);
         returns each actor's `run_actions` result.
 
@@ -49,12 +48,15 @@ class CompiledStep:
             ActorDiedError: an actor died; StepTimeoutError: a call did not end in `timeout` s.
         """
         payload = {
-            "call_id": call_id,
-            "step": step,
+            "call_id": data.call_id,
+            "step": data.step,
             "lists": {lst.name: (lst.actions, lst.prev_rank, lst.next_rank) for lst in lists},
-            "inputs": [pack_microbatches(list(x)) for x in inputs],
-            "targets": [pack_microbatches(list(y)) for y in targets],
+            "inputs": [pack_microbatches(list(x)) for x in data.inputs],
+            "targets": [pack_microbatches(list(y)) for y in data.targets],
+            "varying": data.varying,
+            "weights": data.weights or [None] * len(data.inputs),
         }
+        timeout = data.timeout
         refs = self.graph.execute(payload)
         deadline = time.monotonic() + timeout
         values, errors = [], []

@@ -15,6 +15,7 @@ from raypipe.actors.settings import stops_on_nonfinite
 from raypipe.errors import ActorDiedError, NonFiniteError, RaypipeError, StepTimeoutError
 from raypipe.metrics import RayMetrics, TensorBoardLogger, step_metrics
 from raypipe.progress import Progress
+from raypipe.runtime.batches import is_varying, loss_weights, samples_and_tokens
 from raypipe.runtime.engines import StepInput, StepTarget, Wait
 from raypipe.runtime.recovery import recover
 
@@ -27,6 +28,7 @@ class Submitted:
     samples: int
     tokens: int | None  # token ids in the batch; None for float inputs
     wait: Wait  # wait(since) -> the step's result
+    weights: list[float] | None = None  # the parts' loss weights, replica by replica (`loss_weights`)
     done: bool = False
 
 
@@ -42,10 +44,13 @@ def submit(trainer: Any, x: torch.Tensor, y: Any, index: int, after: int | None 
     grid = trainer.topology.grid
     target = StepTarget(grid(trainer._actors), grid(trainer.names), grid(range(len(trainer._actors))),
                         trainer._schedule, trainer._order)
-    data = StepInput([inputs[d * m : (d + 1) * m] for d in range(dp)],
-                     [targets[d * m : (d + 1) * m] for d in range(dp)], trainer._calls, index, trainer.config.step_timeout)
-    tokens = None if x.is_floating_point() else int(x.numel())
-    return Submitted(trainer._calls, int(x.shape[0]), tokens, trainer._engine.submit(target, data, after))
+    per_replica = [targets[d * m : (d + 1) * m] for d in range(dp)]
+    weights = loss_weights(trainer._loss_fn, per_replica)
+    data = StepInput([inputs[d * m : (d + 1) * m] for d in range(dp)], per_replica, trainer._calls, index,
+                     trainer.config.step_timeout, weights, is_varying(inputs))
+    samples, tokens = samples_and_tokens(inputs)
+    return Submitted(trainer._calls, samples, tokens, trainer._engine.submit(target, data, after),
+                     [w for replica in weights for w in replica] if weights is not None else None)
 
 
 
@@ -73,7 +78,8 @@ def complete(trainer: Any, submitted: Submitted) -> dict[str, Any] | None:
         )
     trainer.step_count += 1
     leads = [result.stage_reports[r] for r in trainer.topology.lead_ranks()]
-    metrics = step_metrics(trainer.step_count, result.losses, result.seconds, submitted.samples, submitted.tokens,
+    losses = result.losses if submitted.weights is None else [v * w for v, w in zip(result.losses, submitted.weights)]
+    metrics = step_metrics(trainer.step_count, losses, result.seconds, submitted.samples, submitted.tokens,
                            report, leads, trainer.config.precision == "fp16")
     trainer._last_events = [r.get("events", []) for r in leads]
     if trainer._ray_metrics is None:

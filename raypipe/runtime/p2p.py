@@ -47,7 +47,7 @@ def submit_step_p2p(target: StepTarget, data: StepInput, after: int | None = Non
     trace_lists(step, schedule, names)
     what = f"step {step + 1}"
     if compiled is not None:
-        values = compiled.run(lists, inputs, targets, call_id, step, timeout, what)
+        values = compiled.run(lists, data, what)
         return SubmittedStep([], what, timeout, started, values)
     last = max(lst.stage for lst in lists)
     batches = []
@@ -60,9 +60,10 @@ def submit_step_p2p(target: StepTarget, data: StepInput, after: int | None = Non
     runs = []
     for lst in lists:
         batch, labels = batches[lst.replica]
+        weights = data.weights[lst.replica] if data.weights is not None and lst.stage == last else None
         ref = lst.actor.run_actions.remote(StepCall(
             call_id, step, lst.actions, batch if lst.stage == 0 else None, labels if lst.stage == last else None,
-            lst.prev_rank, lst.next_rank, after))
+            lst.prev_rank, lst.next_rank, after, data.varying, weights))
         runs.append((ref, lst))
     return SubmittedStep(runs, what, timeout, started)
 

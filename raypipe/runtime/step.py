@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-import torch
 
 from raypipe.schedules import Action, Schedule
 
@@ -25,10 +24,17 @@ class StepTarget:
 
 @dataclass
 class StepInput:
-    """One step's data and identity: per replica, one input and one target per microbatch."""
+    """One step's data and identity: per replica, one input and one target per microbatch.
 
-    inputs: Sequence[Sequence[torch.Tensor]]
+    `weights`: per replica and microbatch, its loss weight relative to an equal share (a
+    loss that counts tokens, `raypipe.runtime.batches.loss_weights`), or None for equal shares.
+    `varying`: the microbatches differ in shape, so boundary messages describe themselves.
+    """
+
+    inputs: Sequence[Sequence[Any]]
     targets: Sequence[Sequence[Any]]
     call_id: int
     step: int  # 0-based optimizer step (drives the learning-rate schedule)
     timeout: float
+    weights: Sequence[Sequence[float]] | None = None
+    varying: bool = False

@@ -1,6 +1,7 @@
 """Links between neighbouring stages, as the actors use them inside a step.
 
-A stage sends each microbatch's activation (or input gradient) through an outbox and
+A stage sends each microbatch's activation (or input gradient), any pytree of tensors
+(`tree`), through an outbox and
 takes its neighbour's from an inbox; `outbox` and `inbox` pick the transport per link:
 shared memory between neighbours on one node (`shm`), gloo point to point otherwise
 (`gloo`). Every transport speaks the stream format of `stream` (a header, then flagged
@@ -20,11 +21,12 @@ from raypipe.runtime.transport.stream import PeerFailed
 __all__ = ["PeerFailed", "inbox", "outbox"]
 
 
-def outbox(dst: int, count: int) -> Any:
+def outbox(dst: int, count: int, varying: bool = False) -> Any:
     """The sending end of this step's stream to world rank `dst`, which takes `count` messages:
-    through shared memory when `dst` is linked on this node (`shm`), else over gloo."""
+    through shared memory when `dst` is linked on this node (`shm`), else over gloo.
+    `varying`: the step's microbatches differ in shape, so each message describes itself."""
     link = shm.link_to(dst)
-    return shm.ShmOutbox(link, count) if link is not None else GlooOutbox(dst)
+    return shm.ShmOutbox(link, count, varying) if link is not None else GlooOutbox(dst, varying)
 
 
 def inbox(src: int, tags: Sequence[int]) -> Any:

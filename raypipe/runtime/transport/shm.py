@@ -4,24 +4,25 @@ Under the p2p engine, gloo sends every boundary tensor over loopback TCP, and ea
 costs the receiver's "ready" notice, the send, and wake-ups of gloo's I/O threads at both
 ends: posting one gloo operation took 0.1-0.25 ms on the loaded 2-core machine. Stages
 on one node (every GPU box, every Mac, every CPU test) skip all that here: the sender
-copies the tensor into a slot of a file in shared memory (/dev/shm) and writes a 32-byte
+copies the value's tensors into a slot of a file in shared memory (/dev/shm) and writes a 32-byte
 record (tag, flag, file generation, slot) to a named pipe; the receiver, blocked reading
-that pipe, wakes and takes the tensor as a view of the slot. One copy and two system
+that pipe, wakes and takes the value as views of the slot. One copy and two system
 calls per hop, no threads in between.
 
-Files. Each direction of a link has one data file at a time: a 64-byte header (dtype
-and shape) and slots for twice the stream's messages of one step. Steps alternate
+Files. Each direction of a link has one data file at a time: a header (the values'
+`tree.Layout`) and slots for twice the stream's messages of one step. Steps alternate
 between the two halves, so a step's sends never overwrite a slot the previous step's
 receiver may still hold a view of (a step ends with an all-reduce every actor joins, so
 a receiver is at most one step behind). The file is kept while the shape stays, and
-replaced (the next generation) when the shape, dtype or count changes; the receiver
+replaced (the next generation) when the layout or count changes; the receiver
 unlinks each file as soon as it has mapped it, and the pipes are unlinked once both ends
 have opened them, so a killed actor leaves nothing behind in /dev/shm.
 
 Fallback. A stream whose slots would not fit (`MAX_STREAM_BYTES`, or /dev/shm full, as
 in a container with a 64 MB /dev/shm) goes over gloo for that step: its first record
 says so and the receiver switches to a gloo Inbox. Neighbours on different nodes always
-use gloo. Poison (a failed stage's message) is a record with the POISON flag.
+use gloo, and so does a varying stream (shapes that differ between the step's
+microbatches). Poison (a failed stage's message) is a record with the POISON flag.
 """
 
 from __future__ import annotations
@@ -39,12 +40,13 @@ import torch.distributed as dist
 
 from raypipe.runtime.transport.gloo import GlooInbox, GlooOutbox
 from raypipe.runtime.transport.pipes import directory, poller, wait_alive
-from raypipe.runtime.transport.stream import CODES, DTYPES, POISON, PeerFailed, check_like, check_sendable, header
+from raypipe.runtime.transport.stream import HEADER_BYTES, POISON, PeerFailed, check_like, header, read_header
+from raypipe.runtime.transport.tree import Layout, flatten
 
 OK, GLOO = 0, 1  # record flags besides POISON: a tensor in a slot; this stream goes over gloo this step
 RECORD = struct.Struct("<4q")  # tag, flag, generation, slot: written atomically (< PIPE_BUF)
-FILE_HEADER = 64  # bytes before the first slot: the stream's `stream.header` (8 int64s)
 SLOT_ALIGN = 64
+FILE_HEADER = HEADER_BYTES  # bytes before the first slot: the stream's `stream.header` (its layout)
 MAX_STREAM_BYTES = 1 << 30  # one direction's file; larger streams go over gloo
 
 _links: dict[int, "Link"] = {}  # neighbour's world rank -> this process's link to it
@@ -124,11 +126,11 @@ class Link:
         self.poller.register(reader, select.POLLIN)
         # sending side: the current file and what it holds
         self.generation = 0
-        self.out_like: tuple[torch.dtype, torch.Size, int] | None = None  # dtype, shape, messages per step
+        self.out_like: tuple[Layout, int] | None = None  # the values' layout, messages per step
         self.out_slots: list[torch.Tensor] = []
         self.parity = 0
         # receiving side: the newest file mapped, its slots as views
-        self.in_generation, self.in_slots = -1, []
+        self.in_generation, self.in_slots, self.in_layout = -1, [], None
 
     # ----- sending --------------------------------------------------------------
 
@@ -136,12 +138,12 @@ class Link:
         """A new step's stream starts: it writes the other half of the slots."""
         self.parity ^= 1
 
-    def prepare(self, t: torch.Tensor, count: int) -> bool:
-        """Makes the outgoing file hold `count` messages like `t` per half; False when it cannot."""
-        like = (t.dtype, t.shape, count)
+    def prepare(self, layout: Layout, count: int) -> bool:
+        """Makes the outgoing file hold `count` messages of `layout` per half; False when it cannot."""
+        like = (layout, count)
         if like == self.out_like:
             return True
-        slot_bytes = _slot_bytes(t.numel() * t.element_size())
+        slot_bytes = _slot_bytes(layout.nbytes)
         size = FILE_HEADER + 2 * count * slot_bytes
         if size > MAX_STREAM_BYTES:
             return False
@@ -162,16 +164,18 @@ class Link:
         finally:
             os.close(fd)
         out = torch.frombuffer(mapped, dtype=torch.uint8)
-        out[:FILE_HEADER].view(torch.int64).copy_(header(t))
+        out[:FILE_HEADER].copy_(header(layout))
         self.generation += 1
         self.out_like, self.parity = like, 0
-        self.out_slots = _slot_views(out, t.dtype, t.shape)  # they keep the mapping alive
+        self.out_slots = _slot_views(out, layout)  # they keep the mapping alive
         return True
 
-    def put(self, t: torch.Tensor, tag: int, index: int) -> None:
-        """Copies the stream's message `index` into its slot and announces it."""
-        slot = self.parity * self.out_like[2] + index
-        self.out_slots[slot].copy_(t)
+    def put(self, leaves: list[torch.Tensor | None], tag: int, index: int) -> None:
+        """Copies the stream's message `index` (a value's leaves) into its slot and announces it."""
+        slot = self.parity * self.out_like[1] + index
+        for view, leaf in zip(self.out_slots[slot], leaves):
+            if view is not None:
+                view.copy_(leaf)
         self.write(tag, OK, slot)
 
     def write(self, tag: int, flag: int, slot: int = 0) -> None:
@@ -199,21 +203,19 @@ class Link:
             self.partial = data[whole:]
         return self.records.popleft()
 
-    def view(self, generation: int, slot: int) -> torch.Tensor:
-        """The tensor in `slot` of the neighbour's file `generation`, as a view (no copy)."""
+    def view(self, generation: int, slot: int) -> Any:
+        """The value in `slot` of the neighbour's file `generation`, as views (no copy)."""
         if generation != self.in_generation:
             path = _data(self.prefix, self.peer, self.rank, generation)
             with open(path, "r+b") as f:
                 mapped = mmap.mmap(f.fileno(), 0)
             os.unlink(path)  # the sender made it before announcing it; nobody opens it again
             inp = torch.frombuffer(mapped, dtype=torch.uint8)
-            described = inp[:FILE_HEADER].view(torch.int64).tolist()
-            code, ndim = described[0], described[1]
-            dtype, shape = DTYPES[code], torch.Size(described[2 : 2 + ndim])
-            self.in_slots, self.in_generation = _slot_views(inp, dtype, shape), generation
-        # a new tensor object on the slot's memory for every message: the stage marks what it
-        # receives requires_grad, and autograd would otherwise keep a .grad on the cached view
-        return self.in_slots[slot].detach()
+            self.in_layout = read_header(inp[:FILE_HEADER])[2]
+            self.in_slots, self.in_generation = _slot_views(inp, self.in_layout), generation
+        # new tensor objects on the slot's memory for every message: the stage marks what it
+        # receives requires_grad, and autograd would otherwise keep a .grad on the cached views
+        return self.in_layout.tree([None if v is None else v.detach() for v in self.in_slots[slot]])
 
     # ----- both -----------------------------------------------------------------
 
@@ -233,35 +235,44 @@ class Link:
 class ShmOutbox:
     """The sending end of one stream to a neighbour on this node (`transport.outbox` picks it)."""
 
-    def __init__(self, link: Link, count: int) -> None:
-        self.link, self.count = link, count
-        self.like: torch.Tensor | None = None
+    def __init__(self, link: Link, count: int, varying: bool = False) -> None:
+        self.link, self.count, self.varying = link, count, varying
+        self.layout: Layout | None = None
         self.sent = 0
-        self.gloo: GlooOutbox | None = None  # set when this step's stream does not fit
+        self.gloo: GlooOutbox | None = None  # set when this step's stream does not fit, or varies
         link.begin_stream()
 
-    def send(self, t: torch.Tensor | None, tag: int) -> None:
-        """Sends `t` (a tensor on any device; None sends poison)."""
+    def send(self, value: Any, tag: int) -> None:
+        """Sends `value` (a pytree of tensors on any device).
+
+        Raises:
+            ValueError: `value` cannot be sent in this stream (nothing went out).
+        """
         if self.gloo is not None:
-            self.gloo.send(t, tag)
+            self.gloo.send(value, tag)
             return
-        if t is None:
-            self.link.write(tag, POISON)
-            self.sent += 1
-            return
-        if self.like is None:
-            check_sendable(t)
-            if t.dtype not in CODES or not self.link.prepare(t, self.count):
+        layout, leaves = flatten(value)
+        if self.layout is None:
+            if self.varying or not self.link.prepare(layout, self.count):
+                header(layout)  # a layout too large to describe is refused before the switch
                 self.link.write(tag, GLOO)
-                self.gloo = GlooOutbox(self.link.peer)
-                self.gloo.send(t, tag)
+                self.gloo = GlooOutbox(self.link.peer, self.varying)
+                self.gloo.send(value, tag)
                 return
-            self.like = torch.empty(t.shape, dtype=t.dtype, device="meta")
+            self.layout = layout
         else:
-            check_like(self.like, t)
+            check_like(self.layout, layout)
         if self.sent >= self.count:
             raise ValueError(f"stream to world rank {self.link.peer} got more than its {self.count} messages")
-        self.link.put(t, tag, self.sent)
+        self.link.put(leaves, tag, self.sent)
+        self.sent += 1
+
+    def poison(self, tag: int) -> None:
+        """Tells the receiver this stage failed, in place of the message on `tag`."""
+        if self.gloo is not None:
+            self.gloo.poison(tag)
+            return
+        self.link.write(tag, POISON)
         self.sent += 1
 
     def wait(self) -> None:
@@ -277,8 +288,8 @@ class ShmInbox:
         self.tags = deque(tags)
         self.gloo: GlooInbox | None = None
 
-    def take(self) -> torch.Tensor:
-        """The next message's tensor (a view into shared memory, valid for this step and the next).
+    def take(self) -> Any:
+        """The next message's value (views into shared memory, valid for this step and the next).
 
         Raises:
             PeerFailed: the sender failed and sent poison.
@@ -301,14 +312,13 @@ class ShmInbox:
             self.gloo.refill()
 
 
-def _slot_views(data: torch.Tensor, dtype: torch.dtype, shape: torch.Size) -> list[torch.Tensor]:
-    """Every slot of a data file (`data`, all its bytes) as a tensor view, made once per file:
-    slicing and viewing costs a few torch calls, which ran at 30-100 us per hop on a
+def _slot_views(data: torch.Tensor, layout: Layout) -> list[list[torch.Tensor | None]]:
+    """Every slot of a data file (`data`, all its bytes) as views of its leaves, made once per
+    file: slicing and viewing costs a few torch calls, which ran at 30-100 us per hop on a
     vCPU just back from a pipeline bubble."""
-    nbytes = shape.numel() * dtype.itemsize
-    step = _slot_bytes(nbytes)
-    starts = range(FILE_HEADER, len(data) - nbytes + 1, step)
-    return [data[start : start + nbytes].view(dtype).view(shape) for start in starts]
+    step = _slot_bytes(layout.nbytes)
+    starts = range(FILE_HEADER, len(data) - layout.nbytes + 1, step)
+    return [layout.views(data[start : start + layout.nbytes]) for start in starts]
 
 
 def _slot_bytes(nbytes: int) -> int:

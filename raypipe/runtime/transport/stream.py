@@ -1,48 +1,75 @@
-"""One stream's wire format, shared by every transport: a header (dtype code, ndim, shape) before
-its first message, and a flag (OK or POISON) with each message.
+"""One stream's wire format, shared by every transport: a header before its first message,
+and a flag (OK or POISON) with each message.
 
 A stream is one direction between two neighbours within a step (activations
 forward, or gradients back), carrying one message per microbatch, each on its own
-tag. Every message of a step has the first one's shape (microbatches are equal
-splits), so the receiver can post receives ahead. A failed stage keeps the
-communication pattern: it still makes every send its action list calls for, sending
-poison instead of a tensor, so no neighbour waits forever; a neighbour that receives
-poison fails the same way (`PeerFailed`).
+tag. A message is a boundary value (any pytree of tensors, `tree.Layout`) as one
+byte payload. The header holds the stream's layout when every microbatch of the step
+has the same shapes (the common case: the receiver then posts receives ahead and
+reads each message as views of its buffer), or says the stream is *varying*: then
+each message brings its own header (packed or unpadded sequences, at the cost of one
+more small message per microbatch).
+
+A failed stage keeps the communication pattern: it still makes every send its action
+list calls for, sending poison instead of a value, so no neighbour waits forever; a
+neighbour that receives poison fails the same way (`PeerFailed`).
 """
 
 from __future__ import annotations
 
 import torch
 
-HEADER = 8  # int64 slots: dtype code, ndim, up to 6 dimensions
+from raypipe.runtime.transport.tree import Layout
+
+HEADER_BYTES = 2048  # flag, varying, layout length (int64s), then the pickled layout
 OK, POISON = 0, -1
-FLAG_BYTES = 8  # an int64 flag (OK or POISON) at the start of every message
-DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.bool]
-CODES = {dtype: i for i, dtype in enumerate(DTYPES)}
+FLAG_BYTES = 8  # an int64 flag (OK or POISON) at the start of every fixed-layout message
+_FIELDS = 3 * 8
 
 
 class PeerFailed(RuntimeError):
-    """A neighbouring stage failed earlier in this step (it sent poison instead of a tensor)."""
+    """A neighbouring stage failed earlier in this step (it sent poison instead of a value)."""
 
 
-def check_sendable(t: torch.Tensor) -> None:
-    """Refuses a boundary tensor with more dimensions than a header describes."""
-    if t.dim() > HEADER - 2:
-        raise ValueError(f"a boundary tensor has {t.dim()} dimensions; at most {HEADER - 2} can be sent")
+def header(layout: Layout | None, varying: bool = False) -> torch.Tensor:
+    """A stream's (or, when varying, a message's) header: poison for `layout=None` unless
+    `varying`, where the stream's header holds no layout.
 
-
-def check_like(like: torch.Tensor, t: torch.Tensor) -> None:
-    """Refuses a boundary tensor whose shape or dtype differs from its stream's first one this step."""
-    if t.shape != like.shape or t.dtype != like.dtype:
+    Raises:
+        ValueError: the layout does not fit (a tree of hundreds of leaves); checked before sending.
+    """
+    out = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
+    encoded = b"" if layout is None else layout.encode()
+    if len(encoded) > HEADER_BYTES - _FIELDS:
         raise ValueError(
-            f"boundary tensor {tuple(t.shape)} {t.dtype} differs from this step's first microbatch "
-            f"({tuple(like.shape)} {like.dtype}); engine='p2p' needs equal shapes within a step, "
-            f"engine='refs' does not."
+            f"a boundary value with {len(layout.leaves)} leaves needs a {len(encoded)}-byte description, "
+            f"more than a stream header holds ({HEADER_BYTES - _FIELDS}): hand fewer tensors between stages "
+            f"(stack them into one)."
+        )
+    flag = POISON if layout is None and not varying else OK
+    out[:_FIELDS].view(torch.int64).copy_(torch.tensor([flag, int(varying), len(encoded)]))
+    if encoded:
+        out[_FIELDS : _FIELDS + len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
+    return out
+
+
+def read_header(data: torch.Tensor) -> tuple[int, bool, Layout | None]:
+    """(flag, varying, layout or None) from a header's bytes."""
+    flag, varying, length = data[:_FIELDS].view(torch.int64).tolist()
+    layout = Layout.decode(data[_FIELDS : _FIELDS + length].numpy().tobytes()) if length else None
+    return flag, bool(varying), layout
+
+
+def check_like(stream: Layout, message: Layout) -> None:
+    """Refuses a message whose tree, dtypes or shapes differ from its stream's first one."""
+    if message != stream:
+        raise ValueError(
+            f"a boundary value {_describe(message)} differs from this step's first microbatch "
+            f"({_describe(stream)}); microbatches of one step had equal shapes, so the stream was "
+            f"fixed: a stage whose output shapes vary between microbatches of equal-shaped inputs "
+            f"needs engine='refs'."
         )
 
 
-def header(t: torch.Tensor | None) -> torch.Tensor:
-    """A stream's description of its tensors (HEADER int64s: dtype code, ndim, shape), or poison for None."""
-    if t is None:
-        return torch.tensor([POISON] + [0] * (HEADER - 1), dtype=torch.int64)
-    return torch.tensor([CODES[t.dtype], t.dim(), *t.shape] + [0] * (HEADER - 2 - t.dim()), dtype=torch.int64)
+def _describe(layout: Layout) -> str:
+    return "[" + ", ".join("None" if m is None else f"{tuple(m[1])} {m[0]}" for m in layout.leaves) + "]"

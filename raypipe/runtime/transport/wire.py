@@ -107,3 +107,5 @@ class StepCall(NamedTuple):
     prev_rank: int | None
     next_rank: int | None
     after: int | None = None  # the call id of the step queued ahead of this one
+    varying: bool = False  # the step's microbatches differ in shape: boundary messages describe themselves
+    weights: Any = None  # last stage: each microbatch's loss weight (`Executor.forward`), or None
