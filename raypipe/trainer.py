@@ -21,6 +21,7 @@ from raypipe.config import TrainConfig
 from raypipe.errors import ConfigError, RaypipeError
 from raypipe.layers import LayerSpec, as_spec
 from raypipe.metrics import RayMetrics, TensorBoardLogger
+from raypipe.model import Model
 from raypipe.nn.plan import check_stages_split
 from raypipe.partition import first_plan
 from raypipe.profile import PlanReport, profiled_plan
@@ -38,8 +39,11 @@ class Trainer:
     """Trains a model given as a list of layer specs, split into pipeline stages on Ray actors.
 
     Args:
-        layers: `LayerSpec`s or zero-argument callables returning `nn.Module`s, in order.
-        loss_fn: `loss_fn(output, target) -> scalar tensor`, a mean over the microbatch.
+        layers: `LayerSpec`s or zero-argument callables returning `nn.Module`s, in order; or a
+            model object (`raypipe.model.Model`, e.g. from `raypipe.models.hf.from_pretrained`)
+            carrying its layers, loss and tied weights.
+        loss_fn: `loss_fn(output, target) -> scalar tensor`, a mean over the microbatch; a
+            model object's own loss when omitted.
         config: how to split and train; `TrainConfig()` when omitted.
         sample: a batch `(x, y)` like the training batches; needed by
             `partition="profile"`, which times every layer on one of its microbatches on
@@ -54,8 +58,8 @@ class Trainer:
 
     def __init__(
         self,
-        layers: Sequence[LayerSpec | Callable[[], torch.nn.Module]],
-        loss_fn: Callable[[torch.Tensor, Any], torch.Tensor],
+        layers: Sequence[LayerSpec | Callable[[], torch.nn.Module]] | Model,
+        loss_fn: Callable[[torch.Tensor, Any], torch.Tensor] | None = None,
         config: TrainConfig | None = None,
         sample: tuple[torch.Tensor, Any] | None = None,
         log: Callable[[str], None] = print,
@@ -63,9 +67,11 @@ class Trainer:
         self.config = config if config is not None else TrainConfig()
         if not isinstance(self.config, TrainConfig):
             raise TypeError(f"config must be a TrainConfig, got {type(self.config).__name__}")
+        self.model = layers if isinstance(layers, Model) else Model(list(layers), loss_fn)
+        loss_fn = loss_fn if loss_fn is not None else self.model.loss_fn
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {loss_fn!r}")
-        self.specs = [as_spec(layer, i) for i, layer in enumerate(layers)]
+        self.specs = [as_spec(layer, i) for i, layer in enumerate(self.model.layers)]
         if not self.specs:
             raise ConfigError("the model has no layers: pass at least one LayerSpec.")
         cfg = self.config
@@ -331,7 +337,8 @@ class Trainer:
         """Starts, places and joins every actor; a failure stops those already started."""
         self._engine = make_engine(self.config.engine)
         self._actors = placement.start_gang(self.config, self.topology, self.names, self.specs, self.plan,
-                                            self._loss_fn, self.run_name, lambda: registry.others_holding_actors(self))
+                                            self._loss_fn, self.run_name, lambda: registry.others_holding_actors(self),
+                                            self.model.tied)
         try:
             self._configure_actors()
         except BaseException:

@@ -33,9 +33,10 @@ class StageModel:
     """
 
     def __init__(self, specs: Sequence[LayerSpec], start: int, seed: int, device: torch.device,
-                 tp: TensorParallelGroup) -> None:
+                 tp: TensorParallelGroup, tied: Sequence[Sequence[str]] = ()) -> None:
         self.start, self.device, self.tp = start, device, tp
         self.module = nn.Sequential(*[self._build(spec, seed, start + j) for j, spec in enumerate(specs)])
+        self.tied = self._tie(tied)
         self.module.to(device)
         self.shard_specs = shard_specs(self.module)
         self.sharded_params = {id(p) for k, p in self.module.named_parameters() if k in self.shard_specs}
@@ -95,9 +96,28 @@ class StageModel:
             raise StageError(f"{name}: load_state_dict: missing keys {missing}, unexpected keys {unexpected}")
 
     def gradients(self) -> dict[str, torch.Tensor]:
-        """The last step's gradients under global keys; this rank's shards."""
-        return {self.global_key(k): p.grad.detach().clone() for k, p in self.module.named_parameters()
-                if p.grad is not None}
+        """The last step's gradients under global keys (every key of a tied weight); this rank's shards."""
+        return {self.global_key(k): p.grad.detach().clone()
+                for k, p in self.module.named_parameters(remove_duplicate=False) if p.grad is not None}
+
+    def _tie(self, tied: Sequence[Sequence[str]]) -> dict[int, nn.Parameter]:
+        """Makes the keys of each tied group held here one Parameter (the first key's); returns
+        group index -> that Parameter, for the groups this stage holds a key of."""
+        held = {}
+        for g, group in enumerate(tied):
+            local = [self.local_key(k) for k in group if int(k.partition(".")[0]) in self.layers]
+            if not local:
+                continue
+            first = self.module.get_parameter(local[0])
+            for key in local[1:]:
+                parent, _, name = key.rpartition(".")
+                owner = self.module.get_submodule(parent)
+                if owner.get_parameter(name).shape != first.shape:
+                    raise StageError(f"tied weights {group[0]} and {key} differ in shape: "
+                                     f"{tuple(first.shape)} vs {tuple(owner.get_parameter(name).shape)}")
+                setattr(owner, name, first)
+            held[g] = first
+        return held
 
     def shard_state(self, local: dict[str, Any]) -> dict[str, Any]:
         """Full tensors under local keys -> this tp rank's shards (replicated ones unchanged)."""

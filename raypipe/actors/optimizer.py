@@ -38,6 +38,7 @@ class OptimizerState:
         self.settings: StageSettings | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.scaler = LossScaler()
+        self.tied: list[tuple[nn.Parameter, Any]] = []  # (this stage's copy, the group of every copy's rank)
 
     def configure(self, settings: StageSettings, reset: bool = False) -> None:
         """Applies new settings; keeps optimizer state unless the optimizer kind changes or `reset`."""
@@ -86,6 +87,16 @@ class OptimizerState:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         all_reduce_mean([p.grad for p in params], self.dp_group, self.dp_size, self.settings.dp_bucket_bytes)
+
+    def reduce_tied(self) -> None:
+        """Sums the gradients of each weight tied across stages over its holders (a collective of
+        those stages), so every copy takes the same step and they stay bit-identical."""
+        import torch.distributed as dist
+
+        for param, group in self.tied:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            dist.all_reduce(param.grad, group=group)
 
     def grad_stats(self, losses_finite: bool) -> tuple[float, bool]:
         """Unscales fp16 gradients; returns (this actor's share of the squared global norm, all finite)."""

@@ -53,6 +53,7 @@ class StageActor:
             `tp_plan` keep this rank's shard, the others are replicated.
         device_kind: "cpu", "cuda", "rocm" or "mps", what the stage was placed for.
         allow_cpu_fallback: run on the CPU when the node has no such device.
+        tied: the model's groups of tied weights' keys (`raypipe.model.Model.tied`).
     """
 
     def __init__(
@@ -71,6 +72,7 @@ class StageActor:
         tp_size: int = 1,
         device_kind: str = "cpu",
         allow_cpu_fallback: bool = False,
+        tied: Sequence[Sequence[str]] = (),
     ) -> None:
         torch.set_num_threads(threads)
         self.stage, self.num_stages, self.name = stage, num_stages, name
@@ -82,7 +84,7 @@ class StageActor:
         self.shm_peers: list[int] = []  # neighbours' world ranks linked through shared memory (`join`)
         self.agrees_through_pipes = False  # the step's closing all-reduce: pipes on one node, else gloo (`join`)
         device, self.fallback = resolve_device(name, device_kind, allow_cpu_fallback)
-        self.model = StageModel(specs, start, seed, device, self.tp)
+        self.model = StageModel(specs, start, seed, device, self.tp, tied)
         torch.manual_seed(seed * 7919 + stage)  # dropout and other in-forward randomness
         self.optim = OptimizerState(self.model, dp_rank, dp_size)
         self.executor = Executor(self.model, stage, self.is_last, loss_fn, lambda: self.optim.loss_scale, name)
@@ -127,12 +129,14 @@ class StageActor:
     def join(self, address: str, port: int, world_size: int, rank: int,
              groups: list[list[int]], dp_group: list[int], tp_group: list[int], timeout: float,
              backends: list[str] | None = None, neighbours: Sequence[int] = (),
-             same_node_transport: str = "shm") -> list[int]:
+             same_node_transport: str = "shm", tied_groups: Sequence[tuple[int, list[int]]] = ()) -> list[int]:
         """Joins the trainer's torch.distributed world, keeps its dp and tp groups, and links
         to its pipeline `neighbours` (world ranks) on this node through shared memory
         (`raypipe.runtime.transport.shm`) unless `same_node_transport` is "gloo"; with "shm"
         and the whole world on this node, the step's closing agreement goes through pipes
-        (`transport.agree`).
+        (`transport.agree`). `tied_groups`: (tied group index, the world ranks of its holders,
+        lowest stage first) for each weight this actor shares with other stages; the copies
+        start from the first holder's values.
 
         Returns:
             The neighbours linked through shared memory (the others use gloo).
@@ -143,9 +147,25 @@ class StageActor:
         mine = join_world(address, port, world_size, rank, groups, timeout, backends)
         self.optim.dp_group, self.optim.dp_ranks = mine.get(tuple(dp_group)), list(dp_group)
         self.tp.group, self.tp_ranks = mine.get(tuple(tp_group)), list(tp_group)
+        self._join_tied(rank, tied_groups, mine)
         self.shm_peers = shm.connect(rank, neighbours, timeout, enabled=same_node_transport == "shm")
         self.agrees_through_pipes = agree.connect(rank, timeout, enabled=same_node_transport == "shm")
         return self.shm_peers
+
+    def _join_tied(self, rank: int, tied_groups: Sequence[tuple[int, list[int]]], mine: dict) -> None:
+        """Keeps each cross-stage tied weight's group, copies the first holder's values, and counts
+        the weight once in the gradient norm (on its first holder)."""
+        import torch.distributed as dist
+
+        copies = set()
+        for g, ranks in tied_groups:
+            param, group = self.model.tied[g], mine[tuple(ranks)]
+            with torch.no_grad():
+                dist.broadcast(param.data, src=ranks[0], group=group)
+            self.optim.tied.append((param, group))
+            if rank != ranks[0]:
+                copies.add(id(param))
+        self.model.norm_params = [p for p in self.model.norm_params if id(p) not in copies]
 
     def configure(self, settings: StageSettings, reset_optimizer: bool = False) -> None:
         """Applies new settings; keeps optimizer state unless the optimizer kind changes."""
@@ -189,6 +209,7 @@ class StageActor:
         `finished` are the first stage's backward results: Ray runs this only once all
         of them succeeded, so a failed step never reaches the optimizer.
         """
+        self.optim.reduce_tied()
         return self.optim.grad_stats(self.executor.losses_finite)
 
     def optimizer_step(self, step: int, *stats: tuple[float, bool]) -> dict[str, Any]:
@@ -280,7 +301,8 @@ class StageActor:
         import torch.distributed as dist
 
         optim = self.optim
-        if optim.dp_size > 1:  # a collective: every replica gets here, failed or not
+        optim.reduce_tied()  # collectives: every holder and replica gets here, failed or not
+        if optim.dp_size > 1:
             optim.reduce_gradients()
         sq, finite = optim.grad_stats(self.executor.losses_finite) if failure is None else (0.0, True)
         # replicas hold the same reduced gradients: the norm counts replica 0's

@@ -13,6 +13,7 @@ import ray
 from raypipe.actors.stage import StageActor
 from raypipe.config import TrainConfig
 from raypipe.devices import ray_options
+from raypipe.model import tied_stages
 from raypipe.errors import PlacementError, StageError
 from raypipe.layers import LayerSpec
 from raypipe.runtime.collective import group_backend
@@ -34,7 +35,8 @@ def stage_options(config: TrainConfig, stage: int) -> dict[str, Any]:
 
 
 def start_actors(config: TrainConfig, topology: Topology, names: Sequence[str], specs: Sequence[LayerSpec],
-                 plan: Sequence[tuple[int, int]], loss_fn: Any, run_name: str, cpus: float) -> list[Any]:
+                 plan: Sequence[tuple[int, int]], loss_fn: Any, run_name: str, cpus: float,
+                 tied: Sequence[Sequence[str]] = ()) -> list[Any]:
     """Creates every stage actor (Ray places them asynchronously; `wait_for_actors` waits)."""
     threads = config.threads_per_actor or max(1, int(cpus))
     remote_cls = ray.remote(StageActor)
@@ -50,7 +52,7 @@ def start_actors(config: TrainConfig, topology: Topology, names: Sequence[str], 
             ).remote(
                 s, config.pp, list(specs[start:end]), start, config.seed, threads,
                 loss_fn if s == config.pp - 1 else None, name, d, config.dp, t, config.tp,
-                kinds[s], config.allow_cpu_fallback,
+                kinds[s], config.allow_cpu_fallback, list(tied),
             )
         )
     return actors
@@ -102,15 +104,17 @@ def wait_for_actors(actors: Sequence[Any], names: Sequence[str], topology: Topol
 
 def start_gang(config: TrainConfig, topology: Topology, names: Sequence[str], specs: Sequence[LayerSpec],
                plan: Sequence[tuple[int, int]], loss_fn: Any, run_name: str,
-               others: Callable[[], list[str]]) -> list[Any]:
+               others: Callable[[], list[str]], tied: Sequence[Sequence[str]] = ()) -> list[Any]:
     """Starts every stage actor, waits until all are placed and built, and joins them into the
-    trainer's world when it needs one; on any failure kills those started, then raises."""
+    trainer's world when it needs one; on any failure kills those started, then raises.
+    `tied`: the model's tied weights (`raypipe.model.Model.tied`)."""
     cpus = cpus_per_actor(config, len(names))
-    actors = start_actors(config, topology, names, specs, plan, loss_fn, run_name, cpus)
+    actors = start_actors(config, topology, names, specs, plan, loss_fn, run_name, cpus, tied)
+    shared = [(g, stages) for g, stages in enumerate(tied_stages(tied, plan)) if len(stages) > 1]
     try:
         devices = wait_for_actors(actors, names, topology, plan, config, cpus, others)
-        if needs_world(config):
-            join_world(actors, names, topology, devices, config)
+        if needs_world(config) or shared:
+            join_world(actors, names, topology, devices, config, shared)
     except BaseException:
         kill(actors)
         raise
@@ -123,16 +127,20 @@ def needs_world(config: TrainConfig) -> bool:
 
 
 def join_world(actors: Sequence[Any], names: Sequence[str], topology: Topology, devices: Sequence[str],
-               config: TrainConfig) -> None:
+               config: TrainConfig, shared: Sequence[tuple[int, list[int]]] = ()) -> None:
     """Rendezvous through Ray: rank 0 publishes an address, every actor joins the world.
 
     Each actor is in one dp group (its stage and tp rank across replicas) and one tp
     group (its stage's ranks within its replica); the groups overlap in membership.
+    `shared`: (tied group index, its stages) for each weight tied across stages; the
+    holders of each (replica, tp rank) get a group of their own.
     """
     pp, tp = topology.pp, topology.tp
     address, port = gather([actors[0].rendezvous_address.remote()], "rendezvous")[0]
     dp_groups, tp_groups = topology.dp_groups(), topology.tp_groups()
-    groups = [g for g in dp_groups + tp_groups if len(g) > 1]
+    tied_groups = [(g, topology.across_stages(stages, d, t)) for g, stages in shared
+                   for d in range(topology.dp) for t in range(tp)]
+    groups = [g for g in dp_groups + tp_groups if len(g) > 1] + [ranks for _, ranks in tied_groups]
     backends = [group_backend([devices[r] for r in g]) for g in groups]
     joins = []
     for r, actor in enumerate(actors):
@@ -140,6 +148,7 @@ def join_world(actors: Sequence[Any], names: Sequence[str], topology: Topology, 
         joins.append(actor.join.remote(
             address, port, len(actors), r, groups, dp_groups[s * tp + t], tp_groups[d * pp + s],
             config.step_timeout, backends, topology.neighbours(r), config.same_node_transport,
+            [(g, ranks) for g, ranks in tied_groups if r in ranks],
         ))
     gather(joins, "rendezvous", actors, names)
 

@@ -48,6 +48,10 @@ class Topology:
         """One per (replica, stage): the stage's tp ranks within the replica, indexed d * pp + s."""
         return [[self.rank(d, s, t) for t in range(self.tp)] for d in range(self.dp) for s in range(self.pp)]
 
+    def across_stages(self, stages: Sequence[int], d: int, t: int) -> list[int]:
+        """The world ranks of replica d's tp rank t on each of `stages` (a tied weight's holders)."""
+        return [self.rank(d, s, t) for s in stages]
+
     def neighbours(self, rank: int) -> list[int]:
         """The world ranks of the previous and next stage of the same replica and tp rank."""
         d, s, t = self.place(rank)

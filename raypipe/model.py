@@ -1,0 +1,58 @@
+"""A model object: what a `Trainer` needs to know about a model besides its layers.
+
+`Trainer(layers, loss_fn)` takes a bare list of layer specs. A model object carries them
+together with its loss and its tied weights, and optionally how to export it and whether
+its layers keep a KV cache while generating; `raypipe.models.hf` makes one from a
+transformers config or model directory, and `raypipe.models.module.split` from an
+`nn.Module`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from raypipe.errors import ConfigError
+from raypipe.layers import LayerSpec
+
+
+@dataclass
+class Model:
+    """Layer specs with their loss and tied weights.
+
+    Attributes:
+        layers: the layer specs, in order.
+        loss_fn: `loss_fn(output, target) -> scalar`; it may also have `count(target)`, the
+            items its mean is over (tokens not ignored), so microbatches weigh by them.
+        tied: groups of state-dict keys (`"<layer>.<name>"`) that are one weight, such as a
+            token embedding and the head that reuses it. Every holder keeps a copy; their
+            gradients are summed each step, so all stay bit-identical.
+        kv_cache: whether the layers keep a KV cache while generating (`begin_cache(shared)`,
+            `end_cache()`), so each new token runs through the pipeline alone.
+        exporter: writes the model in another library's format (`Trainer.save_pretrained`).
+    """
+
+    layers: Sequence[LayerSpec]
+    loss_fn: Callable[[Any, Any], Any]
+    tied: list[tuple[str, ...]] = field(default_factory=list)
+    kv_cache: bool = False
+    exporter: Any = None
+
+    def __post_init__(self) -> None:
+        for group in self.tied:
+            if len(group) < 2 or len(set(group)) != len(group):
+                raise ConfigError(f"Model.tied group {group!r} is invalid: name two or more different keys.")
+            for key in group:
+                index = key.partition(".")[0]
+                if not index.isdigit() or int(index) >= len(self.layers):
+                    raise ConfigError(f"Model.tied key {key!r} names no layer: keys look like '0.weight' "
+                                      f"(layer index, then the name in that layer's state dict).")
+
+
+def tied_stages(tied: Sequence[Sequence[str]], plan: Sequence[tuple[int, int]]) -> list[list[int]]:
+    """For each tied group, the stages holding its keys, in stage order without repeats."""
+    def stage_of(key: str) -> int:
+        layer = int(key.partition(".")[0])
+        return next(s for s, (start, end) in enumerate(plan) if start <= layer < end)
+
+    return [sorted({stage_of(k) for k in group}) for group in tied]

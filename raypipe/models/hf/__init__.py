@@ -1,0 +1,84 @@
+"""HuggingFace transformers causal LMs as raypipe models.
+
+    model = hf.from_pretrained("path/to/model_dir", dtype="fp32")   # or hf.from_config(config)
+    trainer = Trainer(model, config=TrainConfig(pp=2, microbatches=4))
+    trainer.step(input_ids, labels)         # or x = {"input_ids": ..., "attention_mask": ...}
+    trainer.save_pretrained("out/")         # transformers.AutoModelForCausalLM loads it
+    trainer.generate(input_ids, max_new_tokens=20)
+
+The model becomes layers: the embeddings, each decoder layer, the final norm with the
+head (`layers`). The driver reads only `config.json`; every stage actor builds its own
+layers and reads only their tensors from the directory's safetensors files. Tested
+architectures: GPT-2, and the Llama family (Llama, Mistral, Qwen2); another `model_type`
+gets an error naming it (`families`). Nothing of transformers is imported until a model
+from it is made.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any
+
+from raypipe.errors import ConfigError
+from raypipe.layers import LayerSpec
+from raypipe.model import Model
+from raypipe.models.hf.families import FAMILIES, family_of
+from raypipe.models.hf.layers import build
+from raypipe.models.hf.loss import CausalLMLoss
+from raypipe.models.hf.weights import DTYPES
+
+__all__ = ["FAMILIES", "CausalLMLoss", "HFModel", "from_config", "from_pretrained"]
+
+
+class HFModel(Model):
+    """A transformers causal LM as layer specs, loss and tied weights, with its config (`config`),
+    the directory it was read from (`source`, None from a config) and its weights' dtype."""
+
+    config: Any
+    source: str | None
+    dtype: str
+
+
+def from_pretrained(path: str, dtype: str = "fp32", attn_implementation: str = "sdpa") -> HFModel:
+    """A model from a local transformers model directory (config.json and safetensors weights).
+
+    Args:
+        dtype: "fp32" or "bf16", the dtype the weights are kept and trained in.
+        attn_implementation: transformers' attention kernel, "sdpa" (its default) or "eager".
+
+    Raises:
+        ConfigError: no such directory, an unsupported model type, or a bad dtype.
+    """
+    from transformers import AutoConfig
+
+    if not os.path.isdir(path):
+        raise ConfigError(f"hf.from_pretrained({path!r}): no such directory. raypipe reads local model "
+                          f"directories only (nothing is downloaded); save one with save_pretrained first.")
+    return _model(AutoConfig.from_pretrained(path), os.path.abspath(path), dtype, attn_implementation)
+
+
+def from_config(config: Any, dtype: str = "fp32", attn_implementation: str = "sdpa") -> HFModel:
+    """A model with fresh weights from a transformers config (e.g. `LlamaConfig(...)`), each layer
+    initialised on its actor as transformers initialises the whole model, under the run seed."""
+    return _model(config, None, dtype, attn_implementation)
+
+
+def _model(config: Any, source: str | None, dtype: str, attn_implementation: str) -> HFModel:
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype={dtype!r} is invalid: use one of {sorted(DTYPES)}.")
+    family = family_of(config)
+    config = copy.deepcopy(config)
+    config._attn_implementation = attn_implementation
+    n = config.num_hidden_layers
+    specs = ([LayerSpec(build, "embedding", config, None, source, dtype)]
+             + [LayerSpec(build, "decoder", config, i, source, dtype) for i in range(n)]
+             + [LayerSpec(build, "head", config, None, source, dtype)])
+    tied = ([(f"0.{family.token_embedding}.weight", f"{n + 1}.lm_head.weight")]
+            if getattr(config, "tie_word_embeddings", False) else [])
+    model = HFModel(specs, CausalLMLoss(config.vocab_size), tied, kv_cache=True)
+    model.config, model.source, model.dtype = config, source, dtype
+    from raypipe.models.hf.export import HFExporter
+
+    model.exporter = HFExporter(config, family)
+    return model

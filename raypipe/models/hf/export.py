@@ -1,0 +1,67 @@
+"""A trained raypipe model back in transformers' format: `config.json`, one safetensors shard
+per stage (each written by that stage's actor from its own weights) and the index that maps
+every tensor to its shard, so `AutoModelForCausalLM.from_pretrained(dir)` loads it."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Sequence
+
+import torch
+
+from raypipe.layers import LayerSpec
+from raypipe.models.hf.families import Family
+from raypipe.models.hf.layers import checkpoint_keys
+from raypipe.models.hf.weights import INDEX
+
+
+class HFExporter:
+    """How a model's raypipe keys (`"<layer>.<name>"`) map onto its transformers checkpoint."""
+
+    def __init__(self, config: Any, family: Family) -> None:
+        self.config, self.family = config, family
+
+    def names(self, specs: Sequence[LayerSpec]) -> dict[str, str | None]:
+        """raypipe key -> checkpoint key, None for a tied head (transformers ties it on load).
+        The layers are built on the meta device: nothing is allocated."""
+        tied = bool(getattr(self.config, "tie_word_embeddings", False))
+        names: dict[str, str | None] = {}
+        for i, spec in enumerate(specs):
+            with torch.device("meta"):
+                module = spec.build()
+            for local, key in checkpoint_keys(module).items():
+                names[f"{i}.{local}"] = None if tied and key == "lm_head.weight" else key
+        return names
+
+    def write_config(self, directory: str, dtype: torch.dtype) -> None:
+        config = self.config
+        config.architectures = config.architectures or [_causal_lm_class(config)]
+        config.dtype = dtype
+        config.save_pretrained(directory)
+
+
+def shard_name(stage: int, stages: int) -> str:
+    return f"model-{stage + 1:05d}-of-{stages:05d}.safetensors"
+
+
+def write_shard(state: dict[str, torch.Tensor], names: dict[str, str | None], path: str) -> dict[str, int]:
+    """Writes the tensors of `state` (raypipe keys) under their checkpoint names; returns the
+    checkpoint keys written and their sizes in bytes."""
+    from safetensors.torch import save_file
+
+    tensors = {names[k]: v.detach().cpu().contiguous() for k, v in state.items() if names.get(k)}
+    save_file(tensors, path, metadata={"format": "pt"})
+    return {k: v.numel() * v.element_size() for k, v in tensors.items()}
+
+
+def write_index(directory: str, written: Sequence[tuple[str, dict[str, int]]]) -> None:
+    """The index transformers reads to find each tensor's shard."""
+    weight_map = {key: name for name, sizes in written for key in sizes}
+    total = sum(size for _, sizes in written for size in sizes.values())
+    with open(os.path.join(directory, INDEX), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
+
+
+def _causal_lm_class(config: Any) -> str:
+    return {"gpt2": "GPT2LMHeadModel"}.get(config.model_type, f"{type(config).__name__[:-6]}ForCausalLM")

@@ -1,0 +1,76 @@
+"""Tiny transformers models for the HF tests, saved to a directory as transformers saves them,
+and the one-process reference training the raypipe runs are checked against."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+VOCAB = 48
+
+
+def tiny_config(kind: str, **overrides):
+    """A GPT-2 (tied head) or Llama (grouped-query attention, untied) config of a few kB of weights,
+    dropout off so training is deterministic, no end-of-sequence token so generation never stops."""
+    from transformers import GPT2Config, LlamaConfig
+
+    if kind == "gpt2":
+        return GPT2Config(n_embd=16, n_layer=4, n_head=2, vocab_size=VOCAB, n_positions=32, embd_pdrop=0.0,
+                          attn_pdrop=0.0, resid_pdrop=0.0, bos_token_id=0, eos_token_id=None, **overrides)
+    return LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=32, bos_token_id=0,
+                       eos_token_id=None, pad_token_id=None, **overrides)
+
+
+def save_tiny(kind: str, directory: str, seed: int = 0, **overrides) -> str:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        AutoModelForCausalLM.from_config(tiny_config(kind, **overrides)).save_pretrained(directory)
+    return directory
+
+
+def load(directory: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(directory, attn_implementation="sdpa")
+
+
+def lm_batch(k: int, size: int = 8, length: int = 10):
+    """Token ids with left padding on some rows (attention mask 0, label -100) and a few more
+    ignored labels, so microbatches count different numbers of tokens."""
+    g = torch.Generator().manual_seed(500 + k)
+    ids = torch.randint(1, VOCAB, (size, length), generator=g)
+    mask = torch.ones(size, length, dtype=torch.long)
+    for row, pad in zip(range(0, size, 3), (3, 1, 4)):
+        mask[row, :pad] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[1, 4:7] = -100
+    return {"input_ids": ids, "attention_mask": mask}, labels
+
+
+def hf_reference(directory: str, steps: int = 3, lr: float = 0.05, momentum: float = 0.9, data=lm_batch):
+    """The transformers model trained in one process on whole batches: every step's loss, the first
+    step's gradients and the final state dict, keyed by transformers' names."""
+    model = load(directory)
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    losses, grads = [], None
+    for k in range(steps):
+        x, labels = data(k)
+        opt.zero_grad()
+        loss = model(**x, labels=labels).loss
+        loss.backward()
+        losses.append(loss.item())
+        if grads is None:
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        opt.step()
+    return losses, grads, model.state_dict()
+
+
+def by_hf_name(values: dict, names: dict) -> dict:
+    """raypipe-keyed tensors under transformers' names (keys a tied head repeats are dropped)."""
+    return {names[k]: v for k, v in values.items() if names.get(k)}
