@@ -27,7 +27,7 @@ from raypipe.partition import first_plan
 from raypipe.profile import PlanReport, profiled_plan
 from raypipe.progress import Progress
 from raypipe.runtime import checkpoints, fitting, placement, registry, weights
-from raypipe.runtime.batches import split_batch
+from raypipe.runtime.batches import loss_weights, split_batch
 from raypipe.runtime.engines import Engine, make_engine
 from raypipe.runtime.refs import run_forward, submission_order
 from raypipe.runtime.results import gather
@@ -231,7 +231,8 @@ class Trainer:
         """The mean loss on `(x, y)` without training (eval mode, no gradients, weights unchanged)."""
         inputs, targets = self._split(x, y, self.config.microbatches)
         losses = run_forward(self.topology.grid(self._actors)[0], self.topology.grid(self.names)[0], inputs, targets, self.config.step_timeout)
-        return sum(losses) / len(losses)
+        weights = loss_weights(self._loss_fn, [targets])  # a loss over counted tokens: their mean
+        return sum(v * w for v, w in zip(losses, weights[0] if weights else [1.0] * len(losses))) / len(losses)
 
     def predict(self, x: torch.Tensor) -> torch.Tensor:
         """The model's output for `x` (eval mode, no gradients), run through the pipeline."""
@@ -252,6 +253,45 @@ class Trainer:
         if not self._last_events:
             raise RaypipeError("no step has run yet: call step() first, or timeline(planned=True).")
         return Timeline.measured(self._last_events, f"{title}step {self.step_count} as measured", self.stage_names)
+
+    def save_pretrained(self, directory: str) -> Path:
+        """Writes the model in its library's format, each stage's actor writing its own shard:
+        for `raypipe.models.hf` models a transformers directory (config.json, safetensors
+        shards and their index) that `AutoModelForCausalLM.from_pretrained` loads.
+
+        Raises:
+            RaypipeError: the model has no such format (a bare list of layers).
+        """
+        exporter = self.model.exporter
+        if exporter is None:
+            raise RaypipeError(
+                "this model has no pretrained format to save to: save_pretrained works for models from "
+                "raypipe.models.hf (and raypipe.models.gpt); use save() for a raypipe checkpoint, or "
+                "state_dict() for the weights."
+            )
+        exporter.save(self.topology.grid(self._actors)[0], self.specs, str(directory), self.config.tp)
+        return Path(directory)
+
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 20, temperature: float = 0.0,
+                 top_k: int | None = None, attention_mask: torch.Tensor | None = None,
+                 eos_token_id: int | None = None, seed: int | None = None) -> torch.Tensor:
+        """Continues each row of `input_ids` by up to `max_new_tokens` tokens, run through the pipeline.
+
+        Greedy by default (`temperature=0`); otherwise samples from the softmax of the logits
+        divided by `temperature`, over the `top_k` most likely tokens when given (`seed` makes
+        it repeatable). With a model whose layers keep a KV cache (transformers models), each
+        stage caches its own layers' keys and values and only the new token travels;
+        others run the whole sequence for every token. The last layer's output must be
+        logits shaped (batch, sequence, vocabulary).
+
+        Returns:
+            The prompt followed by the generated tokens, as transformers' `generate` returns them.
+        """
+        from raypipe.runtime.generation import generate
+
+        grid = self.topology.grid
+        return generate(grid(self._actors)[0], grid(self.names)[0], input_ids, max_new_tokens, temperature, top_k,
+                        self.model.kv_cache, self.config.step_timeout, attention_mask, eos_token_id, seed)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full model's weights, keyed as `nn.Sequential(*layers).state_dict()`.

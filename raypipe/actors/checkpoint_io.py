@@ -127,3 +127,13 @@ def _merge_tp_shards(model: StageModel, models: dict[int, dict], states: dict[in
 def is_per_element(value: Any) -> bool:
     """Optimizer state shaped like its parameter (momentum, Adam moments), not a scalar like `step`."""
     return torch.is_tensor(value) and value.dim() > 0
+
+
+def save_tensors(state: dict[str, torch.Tensor], names: dict[str, str | None], path: str) -> dict[str, int]:
+    """Writes the tensors of `state` under their `names` (those named None are left out) to one
+    safetensors file; returns the names written and their sizes in bytes."""
+    from safetensors.torch import save_file
+
+    tensors = {names[k]: v.detach().cpu().contiguous() for k, v in state.items() if names.get(k)}
+    save_file(tensors, path, metadata={"format": "pt"})
+    return {k: v.numel() * v.element_size() for k, v in tensors.items()}

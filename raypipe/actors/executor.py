@@ -188,6 +188,33 @@ class Executor:
         finally:
             self.module.train()
 
+    @torch.no_grad()
+    def generate(self, x: Any, start: bool, cached: bool) -> Any:
+        """One generation forward (eval mode, nothing stashed): the output, or on the last stage
+        the logits of the last position. `start` begins a new sequence; with `cached`, the
+        layers that keep a KV cache (`begin_cache`) share a fresh one for this stage."""
+        if start:
+            self.end_generation()
+            shared: dict[str, Any] = {}
+            for layer in self.module if cached else []:
+                if hasattr(layer, "begin_cache"):
+                    layer.begin_cache(shared)
+        self.module.eval()
+        try:
+            with self.autocast():
+                out = self.module(self.received(x))
+            return out[:, -1].float() if self.is_last else out
+        except Exception as error:
+            raise self.error("F", -1, error) from error
+        finally:
+            self.module.train()
+
+    def end_generation(self) -> None:
+        """Drops the layers' KV caches."""
+        for layer in self.module:
+            if hasattr(layer, "end_cache"):
+                layer.end_cache()
+
     def send(self, value: Any) -> Any:
         """A boundary value as it leaves for another stage: its tensors detached, floating ones in
         `boundary_dtype`, counted in this step's `sent_bytes`. They stay on this stage's device:

@@ -114,6 +114,9 @@ class StageActor:
             "device_kind": self.device_kind,
             "cpu_fallback": self.fallback,
             "threads": torch.get_num_threads(),
+            "dtype": str(self.model.params[0].dtype).removeprefix("torch.") if self.model.params else "float32",
+            # checkpoint tensors its layers read when built (key -> bytes), for pretrained models
+            "weights_read": {k: v for layer in self.model.module for k, v in getattr(layer, "read_keys", {}).items()},
             "shm_peers": list(self.shm_peers),
             "agrees_through_pipes": self.agrees_through_pipes,
             "parameter_bytes": self.model.parameter_bytes(),
@@ -342,6 +345,20 @@ class StageActor:
         if isinstance(out, float):  # the loss
             return out
         return pack(_to_host(out)) if self.tp.rank == 0 else None
+
+    def generate_forward(self, x: Any, start: bool, cached: bool) -> Any:
+        """One forward of generation (`raypipe.runtime.generation`): the output (rank 0 of tp
+        only), or on the last stage the last position's logits."""
+        out = self.executor.generate(unpack(x), start, cached)
+        return pack(_to_host(out)) if self.tp.rank == 0 else None
+
+    def end_generation(self) -> None:
+        self.executor.end_generation()
+
+    def save_tensors(self, path: str, names: dict[str, str | None]) -> dict[str, int]:
+        """Writes this stage's weights to one safetensors file under `names` (global key -> the
+        file's key; None leaves a key out), for exports such as `Trainer.save_pretrained`."""
+        return checkpoint_io.save_tensors(self.model.state_dict(), names, path)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This stage's weights under global keys (`"<layer index>.<name>"`); this tp rank's shards."""

@@ -34,6 +34,27 @@ class HFExporter:
                 names[f"{i}.{local}"] = None if tied and key == "lm_head.weight" else key
         return names
 
+    def save(self, stages: Sequence[Sequence[Any]], specs: Sequence[LayerSpec], directory: str, tp: int) -> None:
+        """Writes the model of one replica's actors (per stage, its tp ranks) to `directory`. With
+        tp = 1 every stage's actor writes its own shard; tp shards are merged through the
+        driver one stage at a time."""
+        from raypipe.actors.checkpoint_io import save_tensors
+        from raypipe.runtime.results import gather
+        from raypipe.runtime.weights import merged
+
+        os.makedirs(directory, exist_ok=True)
+        names = self.names(specs)
+        files = [shard_name(s, len(stages)) for s in range(len(stages))]
+        paths = [os.path.join(directory, f) for f in files]
+        if tp == 1:
+            written = gather([stage[0].save_tensors.remote(path, names) for stage, path in zip(stages, paths)],
+                             "save_pretrained")
+        else:
+            written = [save_tensors(merged([stage], "state_dict", tp), names, path) for stage, path in zip(stages, paths)]
+        write_index(directory, list(zip(files, written)))
+        dtype = gather([stages[0][0].info.remote()], "save_pretrained")[0]["dtype"]
+        self.write_config(directory, getattr(torch, dtype))
+
     def write_config(self, directory: str, dtype: torch.dtype) -> None:
         config = self.config
         config.architectures = config.architectures or [_causal_lm_class(config)]
@@ -43,16 +64,6 @@ class HFExporter:
 
 def shard_name(stage: int, stages: int) -> str:
     return f"model-{stage + 1:05d}-of-{stages:05d}.safetensors"
-
-
-def write_shard(state: dict[str, torch.Tensor], names: dict[str, str | None], path: str) -> dict[str, int]:
-    """Writes the tensors of `state` (raypipe keys) under their checkpoint names; returns the
-    checkpoint keys written and their sizes in bytes."""
-    from safetensors.torch import save_file
-
-    tensors = {names[k]: v.detach().cpu().contiguous() for k, v in state.items() if names.get(k)}
-    save_file(tensors, path, metadata={"format": "pt"})
-    return {k: v.numel() * v.element_size() for k, v in tensors.items()}
 
 
 def write_index(directory: str, written: Sequence[tuple[str, dict[str, int]]]) -> None:

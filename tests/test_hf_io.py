@@ -1,0 +1,150 @@
+"""HuggingFace models in and out: each stage actor reads only its own layers' tensors from the
+safetensors files (the driver none), a trained model saved with `save_pretrained` loads in
+transformers with the same logits, greedy generation through the pipeline (with per-stage KV
+caches) equals transformers' token for token, models from a config start with their tied
+copies equal, and unsupported models get an error naming them."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from hf_helpers import VOCAB, load, lm_batch, save_tiny, tiny_config
+from raypipe import ConfigError, TrainConfig, Trainer
+from raypipe.models import hf
+from raypipe.models.hf import weights
+
+pytest.importorskip("transformers")
+
+SGD = {"name": "sgd", "lr": 0.05, "momentum": 0.9}
+CONFIG = dict(microbatches=2, optimizer=SGD, cpus_per_actor=0.25, threads_per_actor=1)
+
+
+def file_tensors(directory):
+    """Every tensor's key and size in a model directory's safetensors files."""
+    from safetensors import safe_open
+
+    sizes = {}
+    for key, path in weights.files_by_key(directory).items():
+        with safe_open(path, framework="pt") as f:
+            t = f.get_slice(key)
+            sizes[key] = int(torch.Size(t.get_shape()).numel()) * {"F32": 4, "BF16": 2}[t.get_dtype()]
+    return sizes
+
+
+@pytest.fixture(scope="module")
+def llama(ray_session, tmp_path_factory):
+    """A tiny Llama in three stages, from a directory of two safetensors shards."""
+    directory = str(tmp_path_factory.mktemp("llama"))
+    from transformers import AutoModelForCausalLM
+
+    save_tiny("llama", directory)
+    AutoModelForCausalLM.from_pretrained(directory).save_pretrained(directory, max_shard_size="20KB")
+    with Trainer(hf.from_pretrained(directory), config=TrainConfig(pp=3, **CONFIG)) as t:
+        yield t, directory
+
+
+@pytest.fixture(scope="module")
+def gpt2(ray_session, tmp_path_factory):
+    directory = save_tiny("gpt2", str(tmp_path_factory.mktemp("gpt2")))
+    with Trainer(hf.from_pretrained(directory), config=TrainConfig(pp=2, **CONFIG)) as t:
+        yield t, directory
+
+
+def test_each_actor_reads_only_its_own_tensors_and_the_driver_none(llama):
+    trainer, directory = llama
+    assert os.path.exists(os.path.join(directory, weights.INDEX))  # sharded: the index is honoured
+    on_disk = file_tensors(directory)
+    read = [info["weights_read"] for info in trainer.stage_info()]
+    keys = [set(r) for r in read]
+    assert all(not (a & b) for i, a in enumerate(keys) for b in keys[i + 1:])  # no tensor read twice
+    assert set().union(*keys) == set(on_disk)
+    assert sum(sum(r.values()) for r in read) == sum(on_disk.values())
+    names = hf.from_pretrained(directory).exporter.names(trainer.specs)
+    for (start, end), mine in zip(trainer.plan, keys):  # exactly the tensors of its own layers
+        assert mine == {names[k] for k in names if start <= int(k.split(".")[0]) < end}
+    assert weights.last_read == {}  # this process (the driver) read no tensor
+
+
+def test_a_tied_head_reads_the_embedding_on_its_own_stage(gpt2):
+    trainer, directory = gpt2
+    read = [info["weights_read"] for info in trainer.stage_info()]
+    assert "lm_head.weight" not in file_tensors(directory)  # transformers saves a tied head once
+    assert "transformer.wte.weight" in read[0] and "transformer.wte.weight" in read[1]
+    assert set(read[0]) & set(read[1]) == {"transformer.wte.weight"}
+
+
+@pytest.mark.slow
+def test_a_trained_model_saved_in_hf_format_loads_in_transformers_with_the_same_logits(gpt2, tmp_path):
+    trainer, _ = gpt2
+    for k in range(2):
+        trainer.step(*lm_batch(k))
+    out = trainer.save_pretrained(str(tmp_path / "out"))
+    index = json.loads((out / weights.INDEX).read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert files == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]  # one per stage
+    assert all(index["weight_map"][k] == files[0] for k in index["weight_map"] if ".h.0." in k or ".h.1." in k)
+    model = load(str(out))
+    x, _ = lm_batch(5)
+    with torch.no_grad():
+        expected = model(**x).logits
+    torch.testing.assert_close(trainer.predict(x), expected, rtol=1e-5, atol=1e-5)
+    # the weights are those trained, not the ones loaded
+    assert not torch.equal(model.transformer.wte.weight, load_original(trainer).transformer.wte.weight)
+
+
+def load_original(trainer):
+    return load(trainer.model.source)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["gpt2", "llama"])
+def test_greedy_generation_equals_transformers_token_for_token(request, which):
+    trainer, _ = request.getfixturevalue(which)
+    directory = str(request.getfixturevalue("tmp_path") / "now")
+    trainer.save_pretrained(directory)  # whatever the trainer holds now
+    model = load(directory)
+    prompt = torch.randint(1, VOCAB, (2, 5), generator=torch.Generator().manual_seed(3))
+    expected = model.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(trainer.generate(prompt, max_new_tokens=8), expected)
+    # top_k=1 samples the most likely token whatever the temperature
+    assert torch.equal(trainer.generate(prompt, max_new_tokens=4, temperature=0.7, top_k=1, seed=1), expected[:, :9])
+
+
+@pytest.mark.slow
+def test_a_model_from_config_trains_with_its_tied_copies_equal(ray_session):
+    model = hf.from_config(tiny_config("gpt2"))
+    with Trainer(model, config=TrainConfig(pp=2, seed=3, **CONFIG)) as t:
+        last = len(t.specs) - 1
+        state = t.state_dict()
+        assert torch.equal(state["0.wte.weight"], state[f"{last}.lm_head.weight"])  # the head started as the embedding
+        assert 0.015 < float(state["1.block.attn.c_attn.weight"].std()) < 0.025  # transformers' N(0, 0.02)
+        losses = [t.step(*lm_batch(0))["loss"] for _ in range(5)]
+        assert losses[-1] < losses[0]
+        state = t.state_dict()
+        assert torch.equal(state["0.wte.weight"], state[f"{last}.lm_head.weight"])
+
+
+def test_an_unsupported_model_type_is_named_with_what_is_supported():
+    from transformers import BertConfig
+
+    with pytest.raises(ConfigError, match=r"'bert'.*\['gpt2', 'llama', 'mistral', 'qwen2'\]"):
+        hf.from_config(BertConfig())
+    with pytest.raises(ConfigError, match="no such directory"):
+        hf.from_pretrained("/nonexistent/model")
+    with pytest.raises(ConfigError, match="dtype='fp8'"):
+        hf.from_config(tiny_config("llama"), dtype="fp8")
+
+
+@pytest.mark.slow
+def test_generation_from_left_padded_prompts_equals_transformers(llama, tmp_path):
+    trainer, _ = llama
+    trainer.save_pretrained(str(tmp_path / "now"))
+    model = load(str(tmp_path / "now"))
+    prompt = torch.randint(1, VOCAB, (3, 6), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(prompt)
+    mask[0, :2] = 0
+    mask[2, :4] = 0
+    expected = model.generate(prompt, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(trainer.generate(prompt, max_new_tokens=6, attention_mask=mask), expected)
