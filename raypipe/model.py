@@ -30,6 +30,8 @@ class Model:
         kv_cache: whether the layers keep a KV cache while generating (`begin_cache(shared)`,
             `end_cache()`), so each new token runs through the pipeline alone.
         exporter: writes the model in another library's format (`Trainer.save_pretrained`).
+        shard_plan: the stages' [start, end) layer ranges the model was split into (its
+            split points), used when `TrainConfig.shard_plan` is not set.
     """
 
     layers: Sequence[LayerSpec]
@@ -37,6 +39,7 @@ class Model:
     tied: list[tuple[str, ...]] = field(default_factory=list)
     kv_cache: bool = False
     exporter: Any = None
+    shard_plan: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         for group in self.tied:

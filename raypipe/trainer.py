@@ -72,6 +72,13 @@ class Trainer:
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {loss_fn!r}")
         self.specs = [as_spec(layer, i) for i, layer in enumerate(self.model.layers)]
+        if self.model.shard_plan is not None and self.config.shard_plan is None:
+            if len(self.model.shard_plan) != self.config.pp:
+                raise ConfigError(
+                    f"the model was split into {len(self.model.shard_plan)} stages (its split points) but "
+                    f"TrainConfig.pp={self.config.pp}: give pp={len(self.model.shard_plan)}, or other split points."
+                )
+            self.config = self.config.replace(shard_plan=self.model.shard_plan)
         if not self.specs:
             raise ConfigError("the model has no layers: pass at least one LayerSpec.")
         cfg = self.config

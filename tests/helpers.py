@@ -195,3 +195,24 @@ DICT_MODEL = [LayerSpec(DictEmbed, 11, 8), LayerSpec(DictBlock, 8, 16), LayerSpe
 def dict_batch(k: int, size: int = 8, length: int = 6):
     g = torch.Generator().manual_seed(700 + k)
     return torch.randint(0, 11, (size, length), generator=g), torch.randn(size, 2, generator=g)
+
+
+class ChainModel(nn.Module):
+    """A user's own model whose forward chains submodules: embed, blocks, norm, head."""
+
+    def __init__(self, vocab: int = 20, dim: int = 12, depth: int = 5) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(dim, dim), nn.Tanh()) for _ in range(depth)])
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def chain_loss(logits, targets):
+    return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())

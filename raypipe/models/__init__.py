@@ -1,5 +1,6 @@
-"""Reference models, each written as a list of LayerSpecs so it splits at block boundaries."""
+"""Models for raypipe: the reference GPT (written as LayerSpecs), transformers causal LMs (`hf`,
+which imports transformers only when used), and any nn.Module that chains submodules (`module`)."""
 
-from raypipe.models import gpt
+from raypipe.models import gpt, hf, module
 
-__all__ = ["gpt"]
+__all__ = ["gpt", "hf", "module"]
