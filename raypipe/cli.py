@@ -40,14 +40,13 @@ def _diagram(args: argparse.Namespace) -> int:
 
     from raypipe.diagram import Architecture
     from raypipe.job import JobConfig
-    from raypipe.models import gpt
 
     config = JobConfig.from_yaml(args.config, args.set)
     train, model = config.train, config.model
     rows = max(1, config.job.batch_size // (train.dp * train.microbatches))
     sample = torch.zeros(rows, model.block_size, dtype=torch.long, device="meta")  # one microbatch
-    arch = Architecture.from_config(gpt.layers(model), train, sample,
-                                    title=f"{args.config}: GPT {model.parameters / 1e6:.2f}M parameters, "
+    arch = Architecture.from_config(model.build().layers, train, sample,
+                                    title=f"{args.config}: {model.describe()}, "
                                           f"pp={train.pp} x dp={train.dp} x tp={train.tp}, {train.schedule}, "
                                           f"{train.microbatches} microbatches of {rows}")
     print(f"wrote {arch.save(args.output)}")
@@ -57,11 +56,10 @@ def _diagram(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     from raypipe.job import JobConfig
     from raypipe.layers import parameter_counts
-    from raypipe.models import gpt
     from raypipe.partition import make_plan
 
     config = JobConfig.from_yaml(args.config, args.set)
-    specs = gpt.layers(config.model)
+    specs = config.model.build().layers
     counts = parameter_counts(specs)
     train = config.train
     how = "shard_plan" if train.shard_plan is not None else f"partition={train.partition}"
@@ -85,15 +83,16 @@ def _plan(args: argparse.Namespace) -> int:
 def _profiled_plan(config, specs):
     """Times each layer on every device kind of the job (on the cluster it connects to) and splits by it."""
     from raypipe import runtime
-    from raypipe.models import gpt
     from raypipe.profile import profiled_plan
 
     train, job = config.train, config.job
     x, y = config.data.dataset(config.model.block_size).batch(0, job.batch_size, seed=train.seed)
+    y = config.model.targets(x, y)
     rows = job.batch_size // (train.dp * train.microbatches)  # one microbatch
+    loss_fn = config.model.build().loss_fn
     runtime.connect()
-    runtime.ship_user_code([gpt.loss_fn] + [s.factory for s in specs])
-    return profiled_plan(specs, gpt.loss_fn, x[:rows], y[:rows], train, train.cpus_per_actor or 1.0)
+    runtime.ship_user_code([loss_fn] + [s.factory for s in specs])
+    return profiled_plan(specs, loss_fn, x[:rows], y[:rows], train, train.cpus_per_actor or 1.0)
 
 
 def _node_resources(args: argparse.Namespace) -> int:

@@ -1,8 +1,9 @@
-"""The main job: train the reference GPT on a local corpus, from one YAML file.
+"""The main job: train a model on a local corpus, from one YAML file.
 
 A job file holds the TrainConfig fields (optionally in sections) plus three job
-sections: `model` (GPTConfig fields), `data` (where tokens come from) and `job`
-(steps, batch size, logging). `raypipe train FILE` and `examples/train.py` run it.
+sections: `model` (the reference GPT's fields, or `hf:` a transformers model:
+`raypipe.models.registry`), `data` (where tokens come from) and `job` (steps, batch
+size, logging, export). `raypipe train FILE` and `examples/train.py` run it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from raypipe import checkpoint as ckpt
 from raypipe.config import TrainConfig, apply_overrides, check_whole_number, load_yaml, nearest
 from raypipe.data import TokenDataset, stdlib_corpus
 from raypipe.errors import ConfigError, RaypipeError
-from raypipe.models import gpt
+from raypipe.models.registry import JobModel, job_model
 from raypipe.progress import Progress
 
 DATA_SOURCES = ("stdlib", "bin", "text")
@@ -81,6 +82,8 @@ class JobSettings:
         sample_tokens: tokens to sample from the trained model at the end (0: none).
         progress: a live progress bar on a terminal or in a notebook; plain log lines
             either way, and only those where no one watches a terminal (`ray job submit`).
+        save_pretrained: a directory to export the trained model to in its library's format
+            (transformers models; `Trainer.save_pretrained`), or None.
     """
 
     steps: int = 200
@@ -90,12 +93,13 @@ class JobSettings:
     eval_batches: int = 4
     sample_tokens: int = 200
     progress: bool = True
+    save_pretrained: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.progress, bool):
             raise ConfigError(f"job.progress={self.progress!r} is invalid: give true or false.")
         for f in dataclasses.fields(self):
-            if f.name == "progress":
+            if f.name in ("progress", "save_pretrained"):
                 continue
             minimum = 1 if f.name in ("steps", "batch_size", "log_every", "eval_batches") else 0
             check_whole_number(f"job.{f.name}", getattr(self, f.name), minimum)
@@ -105,7 +109,7 @@ class JobSettings:
 class JobConfig:
     """A whole job: model, data, job settings and the training config."""
 
-    model: gpt.GPTConfig = field(default_factory=gpt.GPTConfig)
+    model: JobModel = field(default_factory=lambda: job_model(None))
     data: DataConfig = field(default_factory=DataConfig)
     job: JobSettings = field(default_factory=JobSettings)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -115,7 +119,7 @@ class JobConfig:
         """Loads a job file, applying `key=value` overrides (e.g. `model.n_layer=2`, `pp=1`)."""
         raw = apply_overrides(load_yaml(path), overrides)
         return cls(
-            model=_section(gpt.GPTConfig, "model", raw.get("model")),
+            model=job_model(raw.get("model")),
             data=_section(DataConfig, "data", raw.get("data")),
             job=_section(JobSettings, "job", raw.get("job")),
             train=TrainConfig.from_dict(raw),
@@ -138,7 +142,7 @@ def run(
     resume_step: int | None = None,
     on_metrics: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
-    """Trains the GPT as the job config says and reports progress through `log`.
+    """Trains the job's model as its config says and reports progress through `log`.
 
     Args:
         resume: continue from the newest valid checkpoint in `checkpoint_dir`.
@@ -158,8 +162,13 @@ def run(
         ckpt.find_valid(train.checkpoint_dir, step=resume_step, warn=lambda _: None)
     dataset = config.data.dataset(model.block_size)
     train_set, val_set = dataset.split(config.data.val_fraction) if config.data.val_fraction else (dataset, None)
+
+    def batch(data: TokenDataset, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = data.batch(k, job.batch_size, seed=seed)
+        return x, model.targets(x, y)
+
     log(
-        f"raypipe: GPT {model.parameters / 1e6:.2f}M parameters ({model.n_layer} blocks, n_embd {model.n_embd}); "
+        f"raypipe: {model.describe()}; "
         f"{len(train_set):,} training tokens; pp={train.pp}, dp={train.dp}, tp={train.tp}, schedule={train.schedule}, "
         f"microbatches={train.microbatches}, batch {job.batch_size} x {model.block_size} tokens"
     )
@@ -182,15 +191,16 @@ def run(
         if "checkpoint" in metrics:
             log(f"step {step:4d} | saved {metrics['checkpoint']}")
 
-    profile_batch = train_set.batch(0, job.batch_size, seed=train.seed) if train.partition == "profile" else None
-    with Trainer(gpt.layers(model), gpt.loss_fn, train, sample=profile_batch, log=log) as trainer:
+    profile_batch = batch(train_set, 0, train.seed) if train.partition == "profile" else None
+    with Trainer(model.build(), config=train, sample=profile_batch, log=log) as trainer:
         log(f"stages: {', '.join(f'{n} layers [{a}, {b})' for n, (a, b) in zip(trainer.stage_names, trainer.plan))}")
         if len(trainer.names) > trainer.num_stages:
             log(f"actors: {len(trainer.names)} = pp {train.pp} x dp {train.dp} x tp {train.tp}: {', '.join(trainer.names)}")
         if resume or resume_step is not None:
             where = trainer.load(train.checkpoint_dir, step=resume_step, log=log)
             log(f"resumed from {where} at step {trainer.step_count}")
-        first_val = _validation_loss(trainer, val_set, job) if val_set else None
+        validation = (lambda: _validation_loss(trainer, lambda k: batch(val_set, k, 12345), job)) if val_set else None
+        first_val = validation() if validation else None
         if first_val is not None:
             log(f"step {trainer.step_count:4d} | val loss {first_val:.4f}")
         started = time.perf_counter()
@@ -203,18 +213,20 @@ def run(
             for stop in [*evals, job.steps]:
                 if trainer.step_count >= stop:
                     continue
-                trainer.fit(lambda step: train_set.batch(step, job.batch_size, seed=train.seed), stop, on_step,
+                trainer.fit(lambda step: batch(train_set, step, train.seed), stop, on_step,
                             log, progress=bar, overlap=True)
                 if stop < job.steps:
-                    log(f"step {stop:4d} | val loss {_validation_loss(trainer, val_set, job):.4f}")
+                    log(f"step {stop:4d} | val loss {validation():.4f}")
         finally:
             bar.close()
             log = plain_log
         elapsed = time.perf_counter() - started
-        last_val = _validation_loss(trainer, val_set, job) if val_set else None
+        last_val = validation() if validation else None
         if last_val is not None:
             log(f"step {job.steps:4d} | val loss {last_val:.4f}")
         sample = _sample(trainer, config) if job.sample_tokens else None
+        if job.save_pretrained:
+            log(f"saved the trained model to {trainer.save_pretrained(job.save_pretrained)}")
     if losses:
         head = sum(losses[:10]) / len(losses[:10])
         tail = sum(losses[-10:]) / len(losses[-10:])
@@ -227,9 +239,10 @@ def run(
     return {"losses": losses, "val_first": first_val, "val_last": last_val, "tokens_per_s": rates}
 
 
-def _validation_loss(trainer: Any, val_set: TokenDataset, job: JobSettings) -> float:
+def _validation_loss(trainer: Any, batches: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+                     job: JobSettings) -> float:
     """Mean loss over fixed validation batches, computed through the pipeline."""
-    losses = [trainer.evaluate(*val_set.batch(k, job.batch_size, seed=12345)) for k in range(job.eval_batches)]
+    losses = [trainer.evaluate(*batches(k)) for k in range(job.eval_batches)]
     return sum(losses) / len(losses)
 
 
@@ -240,6 +253,9 @@ def _sample(trainer: Any, config: JobConfig) -> str:
     tokenizer = ByteTokenizer()
     generator = torch.Generator().manual_seed(config.train.seed)
     idx = torch.tensor([tokenizer.encode("def ")], dtype=torch.long)
+    if trainer.model.kv_cache:  # each new token through the pipeline alone, against per-stage KV caches
+        new = min(config.job.sample_tokens, config.model.block_size - idx.shape[1])
+        return tokenizer.decode(trainer.generate(idx, new, temperature=0.8, seed=config.train.seed)[0].tolist())
     for _ in range(config.job.sample_tokens):
         logits = trainer.predict(idx[:, -config.model.block_size :])[:, -1, :] / 0.8
         idx = torch.cat([idx, torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)], dim=1)

@@ -97,7 +97,7 @@ def test_replace_revalidates():
 def test_job_files_in_examples_load():
     for name in ("gpt_pp2", "tiny"):
         job = JobConfig.from_yaml(f"examples/configs/{name}.yaml")
-        assert job.train.pp == 2 and job.model.n_embd % job.model.n_head == 0
+        assert job.train.pp == 2 and job.model.config.n_embd % job.model.config.n_head == 0
 
 
 def test_job_sections_reject_unknown_keys(tmp_path):

@@ -148,3 +148,24 @@ def test_generation_from_left_padded_prompts_equals_transformers(llama, tmp_path
     mask[2, :4] = 0
     expected = model.generate(prompt, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert torch.equal(trainer.generate(prompt, max_new_tokens=6, attention_mask=mask), expected)
+
+
+@pytest.mark.slow
+def test_the_example_jobs_train_a_llama_from_config_then_fine_tune_its_export(ray_session, tmp_path):
+    from raypipe.job import JobConfig, run
+
+    small = ["job.steps=4", "job.eval_every=0", "job.eval_batches=1", "job.batch_size=8", "job.sample_tokens=8",
+             "data.max_bytes=200000", "log_dir=null", "job.progress=false"]
+    first = JobConfig.from_yaml("examples/configs/llama_pp2.yaml",
+                                small + [f"job.save_pretrained={tmp_path / 'hf'}", "model.hf.num_hidden_layers=2"])
+    lines = []
+    trained = summary = run(first, log=lines.append)
+    assert len(summary["losses"]) == 4 and summary["losses"][-1] < summary["losses"][0]
+    assert any("transformers model (llama from config fields" in line for line in lines)
+    assert load(str(tmp_path / "hf")).config.num_hidden_layers == 2  # transformers reads the export
+    second = JobConfig.from_yaml("examples/configs/llama_finetune.yaml",
+                                 small + [f"model.hf={tmp_path / 'hf'}", f"job.save_pretrained={tmp_path / 'tuned'}"])
+    summary = run(second, log=lines.append)
+    # it starts from the exported weights: the same validation loss, now in three stages
+    assert summary["val_first"] == pytest.approx(trained["val_last"], rel=1e-5)
+    assert (tmp_path / "tuned" / weights.INDEX).exists()
