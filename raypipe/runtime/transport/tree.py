@@ -45,12 +45,18 @@ class Layout:
         return sum(_aligned(_nbytes(leaf)) for leaf in self.leaves if leaf is not None)
 
     def encode(self) -> bytes:
-        return pickle.dumps((self.spec, self.leaves))
+        """The layout as bytes: the tree's structure as torch's JSON (a pickled TreeSpec warns
+        on load in torch 2.13), or pickled where that cannot describe it (a user's namedtuple)."""
+        try:
+            spec = pytree.treespec_dumps(self.spec)
+        except Exception:  # noqa: BLE001 - types torch's JSON does not know
+            spec = self.spec
+        return pickle.dumps((spec, self.leaves))
 
     @staticmethod
     def decode(data: bytes) -> "Layout":
         spec, leaves = pickle.loads(data)
-        return Layout(spec, leaves)
+        return Layout(pytree.treespec_loads(spec) if isinstance(spec, str) else spec, leaves)
 
     def views(self, payload: torch.Tensor) -> list[torch.Tensor | None]:
         """The leaves as views of `payload` (uint8 bytes laid out by this layout), no copy."""
