@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from raypipe.errors import ConfigError
+from raypipe.errors import ConfigError, RaypipeError
 from raypipe.layers import LayerSpec
 
 
@@ -41,6 +41,22 @@ class Model:
     exporter: Any = None
     shard_plan: list[list[int]] | None = None
 
+    def save_pretrained(self, stages: Sequence[Sequence[Any]], specs: Sequence[LayerSpec], directory: str,
+                        tp: int) -> None:
+        """Writes the model held by one replica's actors (per stage, its tp ranks) in its library's
+        format, each stage's actor writing its own shard.
+
+        Raises:
+            RaypipeError: the model has no such format (a bare list of layers).
+        """
+        if self.exporter is None:
+            raise RaypipeError(
+                "this model has no pretrained format to save to: save_pretrained works for models from "
+                "raypipe.models.hf, and for the reference GPT as raypipe.models.gpt_export.model(cfg); use "
+                "save() for a raypipe checkpoint, or state_dict() for the weights."
+            )
+        self.exporter.save(stages, specs, directory, tp)
+
     def __post_init__(self) -> None:
         for group in self.tied:
             if len(group) < 2 or len(set(group)) != len(group):
@@ -50,6 +66,33 @@ class Model:
                 if not index.isdigit() or int(index) >= len(self.layers):
                     raise ConfigError(f"Model.tied key {key!r} names no layer: keys look like '0.weight' "
                                       f"(layer index, then the name in that layer's state dict).")
+
+
+def resolve(layers: Any, loss_fn: Any, config: Any) -> tuple[Model, Callable, list[LayerSpec], Any]:
+    """What `Trainer(layers, loss_fn, config)` trains: the model object (made from a bare list of
+    layers), its loss, its layer specs, and the config with the model's split points as its
+    shard plan when the config names none.
+
+    Raises:
+        TypeError: no callable loss. ConfigError: no layers, or split points that do not match pp.
+    """
+    from raypipe.layers import as_spec
+
+    model = layers if isinstance(layers, Model) else Model(list(layers), loss_fn)
+    loss_fn = loss_fn if loss_fn is not None else model.loss_fn
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable, got {loss_fn!r}")
+    specs = [as_spec(layer, i) for i, layer in enumerate(model.layers)]
+    if not specs:
+        raise ConfigError("the model has no layers: pass at least one LayerSpec.")
+    if model.shard_plan is not None and config.shard_plan is None:
+        if len(model.shard_plan) != config.pp:
+            raise ConfigError(
+                f"the model was split into {len(model.shard_plan)} stages (its split points) but "
+                f"TrainConfig.pp={config.pp}: give pp={len(model.shard_plan)}, or other split points."
+            )
+        config = config.replace(shard_plan=model.shard_plan)
+    return model, loss_fn, specs, config
 
 
 def tied_stages(tied: Sequence[Sequence[str]], plan: Sequence[tuple[int, int]]) -> list[list[int]]:

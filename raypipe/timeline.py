@@ -115,6 +115,22 @@ class Timeline:
         line.stage_names = tuple(stage_names)
         return line
 
+    @classmethod
+    def of_run(cls, schedule: Schedule, events: Sequence[Sequence[tuple[str, int, float, float]]], title: str,
+               stage_names: Sequence[str], planned: bool) -> "Timeline":
+        """A trainer's last step as measured (`events`), or with `planned` its schedule as planned.
+
+        Raises:
+            RaypipeError: no step has run yet and the measured one is asked for.
+        """
+        if planned:
+            return cls.planned_as_measured(schedule, events, title, stage_names)
+        if not events:
+            from raypipe.errors import RaypipeError
+
+            raise RaypipeError("no step has run yet: call step() first, or timeline(planned=True).")
+        return cls.measured(events, title, stage_names)
+
     # ----- reading ------------------------------------------------------------------
 
     @property

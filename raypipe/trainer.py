@@ -18,10 +18,10 @@ import torch
 from raypipe import runtime
 from raypipe.actors.settings import StageSettings, check_reconfigurable
 from raypipe.config import TrainConfig
-from raypipe.errors import ConfigError, RaypipeError
-from raypipe.layers import LayerSpec, as_spec
+from raypipe.errors import ConfigError
+from raypipe.layers import LayerSpec
 from raypipe.metrics import RayMetrics, TensorBoardLogger
-from raypipe.model import Model
+from raypipe.model import Model, resolve
 from raypipe.nn.plan import check_stages_split
 from raypipe.partition import first_plan
 from raypipe.profile import PlanReport, profiled_plan
@@ -67,20 +67,7 @@ class Trainer:
         self.config = config if config is not None else TrainConfig()
         if not isinstance(self.config, TrainConfig):
             raise TypeError(f"config must be a TrainConfig, got {type(self.config).__name__}")
-        self.model = layers if isinstance(layers, Model) else Model(list(layers), loss_fn)
-        loss_fn = loss_fn if loss_fn is not None else self.model.loss_fn
-        if not callable(loss_fn):
-            raise TypeError(f"loss_fn must be callable, got {loss_fn!r}")
-        self.specs = [as_spec(layer, i) for i, layer in enumerate(self.model.layers)]
-        if self.model.shard_plan is not None and self.config.shard_plan is None:
-            if len(self.model.shard_plan) != self.config.pp:
-                raise ConfigError(
-                    f"the model was split into {len(self.model.shard_plan)} stages (its split points) but "
-                    f"TrainConfig.pp={self.config.pp}: give pp={len(self.model.shard_plan)}, or other split points."
-                )
-            self.config = self.config.replace(shard_plan=self.model.shard_plan)
-        if not self.specs:
-            raise ConfigError("the model has no layers: pass at least one LayerSpec.")
+        self.model, loss_fn, self.specs, self.config = resolve(layers, loss_fn, self.config)
         cfg = self.config
         self.plan, tp_splits, profiled = first_plan(self.specs, cfg, sample is not None)
         self.plan_report: PlanReport | None = None
@@ -104,8 +91,10 @@ class Trainer:
             [loss_fn] + [s.factory for s in self.specs]
             + [type(a) for s in self.specs for a in (*s.args, *s.kwargs.values())]
         )
-        if profiled:
-            self.plan_report = self._profile_plan(*sample)
+        if profiled:  # time every layer on each device kind of the run and split by those times
+            inputs, targets = self._split(*sample, cfg.dp * cfg.microbatches)
+            self.plan_report = profiled_plan(self.specs, loss_fn, inputs[0], targets[0], cfg,
+                                             placement.cpus_per_actor(cfg, len(self.names)))
             self.plan = self.plan_report.plan
             log(str(self.plan_report))
             check_stages_split(tp_splits, self.plan, cfg.tp)
@@ -123,13 +112,12 @@ class Trainer:
         """One actor name per stage (replica 0, tp rank 0), e.g. for labelling stages."""
         return [self.names[r] for r in self.topology.lead_ranks()]
 
-    @property
-    def _replicas(self) -> list[list[list[Any]]]:
-        """Actors per data-parallel replica, per stage, per tp rank."""
-        return self.topology.grid(self._actors)
-
     def step(self, x: torch.Tensor, y: Any) -> dict[str, Any]:
         """Runs one optimizer step on the batch `(x, y)`, split into microbatches.
+
+        `x` is a tensor, or a tuple or dict of them (`{"input_ids": ..., "attention_mask": ...}`),
+        cut along dim 0; or a list of the step's microbatches (dp x microbatches of them, whose
+        shapes may differ) with a list `y` of their targets.
 
         Returns:
             A dict with `loss` (mean of the microbatch losses), `lr`, `grad_norm`
@@ -170,14 +158,10 @@ class Trainer:
             progress: show a tqdm bar (terminal or notebook) with loss and tokens/s; or a
                 `raypipe.progress.Progress` the caller made (and closes).
             overlap: keep the next step queued at the actors while the driver waits for
-                the current one (engine "p2p"), so a step starts as soon as the last one
-                ends instead of a driver round trip later. The default (None) overlaps
-                when there is no `on_step`: with it, `on_step` sees a step's metrics while
-                the next one already runs, so a callback that calls the trainer
-                (`evaluate`, `save`, `reconfigure`) would act one step late; pass
-                `overlap=True` when it only reads the metrics. Results are the same
-                either way: a step that fails stops the one queued behind it on every
-                actor, and no step is queued past a `checkpoint_every` save.
+                the current one (engine "p2p"). The default (None) overlaps when there is
+                no `on_step`, which would otherwise see a step's metrics while the next one
+                runs (pass True when it only reads them). Results are the same either way
+                (`raypipe.runtime.fitting.fit`).
 
         Returns:
             The metrics of every step run by this call (replayed steps appear again).
@@ -237,14 +221,14 @@ class Trainer:
     def evaluate(self, x: torch.Tensor, y: Any) -> float:
         """The mean loss on `(x, y)` without training (eval mode, no gradients, weights unchanged)."""
         inputs, targets = self._split(x, y, self.config.microbatches)
-        losses = run_forward(self.topology.grid(self._actors)[0], self.topology.grid(self.names)[0], inputs, targets, self.config.step_timeout)
+        losses = run_forward(*self._replica0(), inputs, targets, self.config.step_timeout)
         weights = loss_weights(self._loss_fn, [targets])  # a loss over counted tokens: their mean
         return sum(v * w for v, w in zip(losses, weights[0] if weights else [1.0] * len(losses))) / len(losses)
 
     def predict(self, x: torch.Tensor) -> torch.Tensor:
         """The model's output for `x` (eval mode, no gradients), run through the pipeline."""
         inputs, _ = self._split(x, None, self.config.microbatches)
-        return torch.cat(run_forward(self.topology.grid(self._actors)[0], self.topology.grid(self.names)[0], inputs, None, self.config.step_timeout))
+        return torch.cat(run_forward(*self._replica0(), inputs, None, self.config.step_timeout))
 
     def timeline(self, planned: bool = False) -> Timeline:
         """The last step's schedule as each stage ran it (from the actors' own timestamps).
@@ -254,57 +238,28 @@ class Trainer:
         any step). Save it with `.save("t.svg" | "t.png" | "t.json")`; a notebook shows it inline.
         """
         c = self.config
-        title = f"{c.schedule}, pp={c.pp}, m={c.microbatches}: "
-        if planned:
-            return Timeline.planned_as_measured(self._schedule, self._last_events, title + "planned", self.stage_names)
-        if not self._last_events:
-            raise RaypipeError("no step has run yet: call step() first, or timeline(planned=True).")
-        return Timeline.measured(self._last_events, f"{title}step {self.step_count} as measured", self.stage_names)
+        title = f"{c.schedule}, pp={c.pp}, m={c.microbatches}: " + ("planned" if planned else f"step {self.step_count} as measured")
+        return Timeline.of_run(self._schedule, self._last_events, title, self.stage_names, planned)
 
     def save_pretrained(self, directory: str) -> Path:
-        """Writes the model in its library's format, each stage's actor writing its own shard:
-        for `raypipe.models.hf` models a transformers directory (config.json, safetensors
-        shards and their index) that `AutoModelForCausalLM.from_pretrained` loads.
-
-        Raises:
-            RaypipeError: the model has no such format (a bare list of layers).
-        """
-        exporter = self.model.exporter
-        if exporter is None:
-            raise RaypipeError(
-                "this model has no pretrained format to save to: save_pretrained works for models from "
-                "raypipe.models.hf (and raypipe.models.gpt); use save() for a raypipe checkpoint, or "
-                "state_dict() for the weights."
-            )
-        exporter.save(self.topology.grid(self._actors)[0], self.specs, str(directory), self.config.tp)
+        """Writes the model in its library's format (`raypipe.model.Model.save_pretrained`): for
+        transformers models, and the reference GPT, a directory transformers loads."""
+        self.model.save_pretrained(self.topology.grid(self._actors)[0], self.specs, str(directory), self.config.tp)
         return Path(directory)
 
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 20, temperature: float = 0.0,
                  top_k: int | None = None, attention_mask: torch.Tensor | None = None,
                  eos_token_id: int | None = None, seed: int | None = None) -> torch.Tensor:
-        """Continues each row of `input_ids` by up to `max_new_tokens` tokens, run through the pipeline.
-
-        Greedy by default (`temperature=0`); otherwise samples from the softmax of the logits
-        divided by `temperature`, over the `top_k` most likely tokens when given (`seed` makes
-        it repeatable). With a model whose layers keep a KV cache (transformers models), each
-        stage caches its own layers' keys and values and only the new token travels;
-        others run the whole sequence for every token. The last layer's output must be
-        logits shaped (batch, sequence, vocabulary).
-
-        Returns:
-            The prompt followed by the generated tokens, as transformers' `generate` returns them.
-        """
+        """The prompt `input_ids` followed by up to `max_new_tokens` tokens generated through the
+        pipeline: greedy by default, else sampled at `temperature` from the `top_k` most likely
+        (`raypipe.runtime.generation`). The model's output must be logits (batch, sequence, vocab)."""
         from raypipe.runtime.generation import generate
 
-        grid = self.topology.grid
-        return generate(grid(self._actors)[0], grid(self.names)[0], input_ids, max_new_tokens, temperature, top_k,
-                        self.model.kv_cache, self.config.step_timeout, attention_mask, eos_token_id, seed)
+        return generate(*self._replica0(), input_ids, max_new_tokens, temperature, top_k, self.model.kv_cache,
+                        self.config.step_timeout, attention_mask, eos_token_id, seed)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The full model's weights, keyed as `nn.Sequential(*layers).state_dict()`.
-
-        Tensor-parallel shards are merged, so the result is the same for any pp, dp and tp.
-        """
+        """The full model's weights, keyed as `nn.Sequential(*layers).state_dict()`, tp shards merged."""
         return weights.merged(self.topology.grid(self._actors)[0], "state_dict", self.config.tp)
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -317,16 +272,14 @@ class Trainer:
 
     def gradients(self) -> dict[str, torch.Tensor]:
         """The last step's gradients, keyed like `state_dict()` (as the optimizer used them)."""
-        return weights.merged(self.topology.grid(self._actors)[0], "gradients", self.config.tp)
+        return weights.merged(self._replica0()[0], "gradients", self.config.tp)
 
     def reconfigure(self, **changes: Any) -> None:
         """Changes training settings between steps, keeping the actors and weights.
 
         Fields: those in `raypipe.actors.settings.RECONFIGURABLE` (microbatches, schedule, optimizer,
-        lr_schedule, grad_clip, precision, boundary_dtype, zero, activation_checkpointing,
-        and the timeout, checkpoint, restart and non-finite policies). Optimizer state is
-        kept when the optimizer's name stays the same (its hyperparameters are updated in
-        place; switching `zero` re-shards it across the dp replicas) and reset when it changes.
+        precision, zero, ... and the timeout, checkpoint, restart and non-finite policies). Optimizer
+        state is kept while the optimizer's name stays (hyperparameters updated in place).
 
         Raises:
             ConfigError: for a field that needs a new Trainer (pp, shard_plan, ...) or a bad value.
@@ -359,18 +312,20 @@ class Trainer:
     def __enter__(self) -> "Trainer":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: Any) -> None:  # `with Trainer(...) as t:` shuts down on leaving
         self.shutdown()
 
     def __repr__(self) -> str:
         c = self.config
-        return (
-            f"Trainer(run={self.run_name!r}, pp={c.pp}, dp={c.dp}, tp={c.tp}, schedule={c.schedule!r}, "
-            f"microbatches={c.microbatches}, plan={self.plan}, steps={self.step_count}, "
-            f"{'running' if self._actors else 'shut down'})"
-        )
+        return (f"Trainer(run={self.run_name!r}, pp={c.pp}, dp={c.dp}, tp={c.tp}, schedule={c.schedule!r}, "
+                f"microbatches={c.microbatches}, plan={self.plan}, steps={self.step_count}, "
+                f"{'running' if self._actors else 'shut down'})")
 
     # ----- internals ----------------------------------------------------------------
+
+    def _replica0(self) -> tuple[list[list[Any]], list[list[str]]]:
+        """Replica 0's actors and their names, per stage and tp rank: where inference runs."""
+        return self.topology.grid(self._actors)[0], self.topology.grid(self.names)[0]
 
     def _set_schedule(self) -> None:
         self._schedule = build_schedule(self.config.schedule, self.config.pp, self.config.microbatches)
@@ -395,13 +350,6 @@ class Trainer:
         self._finalizer = weakref.finalize(self, placement.kill, list(self._actors))
         self._finalizer.atexit = False  # at exit Ray ends the actors with the driver
         registry.add(self)
-
-    def _profile_plan(self, x: torch.Tensor, y: Any) -> PlanReport:
-        """Times every layer on each device kind of the run and splits by those times."""
-        cfg = self.config
-        inputs, targets = self._split(x, y, cfg.dp * cfg.microbatches)
-        return profiled_plan(self.specs, self._loss_fn, inputs[0], targets[0], cfg,
-                             placement.cpus_per_actor(cfg, len(self.names)))
 
     def _split(self, x: torch.Tensor, y: Any, parts: int) -> tuple[list[torch.Tensor], list[Any]]:
         """Splits a batch into `parts` equal chunks (dp replicas x microbatches for a step)."""

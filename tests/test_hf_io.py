@@ -155,7 +155,8 @@ def test_the_example_jobs_train_a_llama_from_config_then_fine_tune_its_export(ra
     from raypipe.job import JobConfig, run
 
     small = ["job.steps=4", "job.eval_every=0", "job.eval_batches=1", "job.batch_size=8", "job.sample_tokens=8",
-             "data.max_bytes=200000", "log_dir=null", "job.progress=false"]
+             "data.max_bytes=200000", "log_dir=null", "job.progress=false", "cpus_per_actor=0.25",
+             "threads_per_actor=1"]
     first = JobConfig.from_yaml("examples/configs/llama_pp2.yaml",
                                 small + [f"job.save_pretrained={tmp_path / 'hf'}", "model.hf.num_hidden_layers=2"])
     lines = []
@@ -169,3 +170,17 @@ def test_the_example_jobs_train_a_llama_from_config_then_fine_tune_its_export(ra
     # it starts from the exported weights: the same validation loss, now in three stages
     assert summary["val_first"] == pytest.approx(trained["val_last"], rel=1e-5)
     assert (tmp_path / "tuned" / weights.INDEX).exists()
+
+
+@pytest.mark.slow
+def test_the_reference_gpt_exports_as_a_gpt2_transformers_loads(ray_session, tmp_path):
+    from raypipe.models import gpt, gpt_export
+
+    cfg = gpt.GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)
+    with Trainer(gpt_export.model(cfg), config=TrainConfig(pp=2, **CONFIG)) as t:
+        x = torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(0))
+        t.step(x, x.roll(-1, dims=1))
+        model = load(str(t.save_pretrained(str(tmp_path / "gpt"))))
+        assert type(model).__name__ == "GPT2LMHeadModel"
+        with torch.no_grad():
+            torch.testing.assert_close(model(x).logits, t.predict(x), rtol=1e-5, atol=1e-5)

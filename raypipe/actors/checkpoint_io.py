@@ -129,11 +129,15 @@ def is_per_element(value: Any) -> bool:
     return torch.is_tensor(value) and value.dim() > 0
 
 
-def save_tensors(state: dict[str, torch.Tensor], names: dict[str, str | None], path: str) -> dict[str, int]:
-    """Writes the tensors of `state` under their `names` (those named None are left out) to one
-    safetensors file; returns the names written and their sizes in bytes."""
+def save_tensors(state: dict[str, torch.Tensor], names: dict[str, str | None], path: str,
+                 transpose: Any = ()) -> dict[str, int]:
+    """Writes the tensors of `state` under their `names` (those named None are left out; those
+    in `transpose` transposed) to one safetensors file; returns the names written and their
+    sizes in bytes."""
     from safetensors.torch import save_file
 
-    tensors = {names[k]: v.detach().cpu().contiguous() for k, v in state.items() if names.get(k)}
+    flip = set(transpose)
+    tensors = {names[k]: (v.t() if k in flip else v).detach().cpu().contiguous()
+               for k, v in state.items() if names.get(k)}
     save_file(tensors, path, metadata={"format": "pt"})
     return {k: v.numel() * v.element_size() for k, v in tensors.items()}

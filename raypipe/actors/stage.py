@@ -25,19 +25,19 @@ from raypipe.actors.executor import Executor
 from raypipe.actors.memory import max_rss_bytes
 from raypipe.actors.model import StageModel, resolve_device
 from raypipe.actors.optimizer import OptimizerState
+from raypipe.actors.refs_calls import RefsCalls, to_host
 from raypipe.actors.settings import StageSettings
 from raypipe.devices import SERVING_ENV
 from raypipe.errors import StageError
 from raypipe.layers import LayerSpec
 from raypipe.nn import TensorParallelGroup
 from raypipe.runtime.transport import PeerFailed, agree
-from raypipe.runtime.transport.tree import map_tensors
 from raypipe.runtime.transport.wire import StepCall, pack, unpack
 
 __all__ = ["StageActor", "StageSettings"]
 
 
-class StageActor:
+class StageActor(RefsCalls):
     """Holds layers [start, end) of the model and runs their forward and backward.
 
     Args:
@@ -175,60 +175,6 @@ class StageActor:
         self.optim.configure(settings, reset_optimizer)
         self.executor.settings = settings
 
-    # ----- one step: the refs engine's calls ------------------------------------
-
-    def forward(self, call_id: int, microbatch: int, x: Any, target: Any = None, weight: float = 1.0) -> Any:
-        """Runs the stage on one microbatch and keeps what its backward needs.
-
-        Returns:
-            The output activation (detached, in `boundary_dtype`) on inner stages; the
-            microbatch's unscaled loss as a float on the last stage. tp ranks other
-            than 0 return None: they end with the same activation, and the next stage
-            gets one copy.
-        """
-        self.executor.begin(call_id)
-        out = self.executor.forward(microbatch, unpack(x), unpack(target), weight)
-        return pack(_to_host(out)) if self.is_last or self.tp.rank == 0 else None
-
-    def backward(self, call_id: int, microbatch: int, grad: Any = None) -> Any:
-        """Back-propagates one microbatch, frees its activations, returns the input gradient
-        (None on the first stage, and on tp ranks other than 0)."""
-        grad_in = self.executor.backward(microbatch, unpack(grad))
-        return pack(_to_host(grad_in)) if self.tp.rank == 0 else None
-
-    def reduce_gradients(self) -> None:
-        """Averages this stage's gradients over its data-parallel replicas, in buckets.
-
-        The refs engine queues it right after the stage's own last backward, so a stage
-        reduces while earlier stages are still running backward. Every replica
-        reaches it even when a step failed (it takes no references), so the
-        collective never waits for a peer that skipped it.
-        """
-        self.optim.reduce_gradients()
-
-    def grad_stats(self, *finished: Any) -> tuple[float, bool]:
-        """Unscales fp16 gradients and returns (sum of squared gradients, all finite).
-
-        `finished` are the first stage's backward results: Ray runs this only once all
-        of them succeeded, so a failed step never reaches the optimizer.
-        """
-        self.optim.reduce_tied()
-        return self.optim.grad_stats(self.executor.losses_finite)
-
-    def optimizer_step(self, step: int, *stats: tuple[float, bool]) -> dict[str, Any]:
-        """One optimizer step from every actor's gradient statistics (same on all actors).
-
-        `stats` come replica by replica, each replica's stages in order, each stage's
-        tp ranks in order.
-
-        Non-finite statistics (a NaN or infinite gradient or loss anywhere) skip the
-        update on every stage alike; under fp16 they also halve the loss scale.
-        """
-        finite = all(s[1] for s in stats)  # every actor of every replica
-        # replicas hold the same (reduced) gradients: the norm comes from the first one's stages
-        total_norm = math.sqrt(sum(s[0] for s in stats[: self.num_stages * self.tp.size])) if finite else math.nan
-        return self._apply_step(step, total_norm, finite)
-
     # ----- one step: the p2p and compiled engines' call ---------------------------
 
     def run_actions(self, call: StepCall) -> Any:
@@ -335,30 +281,20 @@ class StageActor:
 
     # ----- inference, weights, checkpoints ------------------------------------------
 
-    def forward_only(self, x: Any, target: Any = None) -> Any:
-        """Inference through this stage (eval mode, no activations kept).
-
-        Returns the output, or on the last stage the loss as a float when a target is given;
-        None on tp ranks other than 0 (their output is rank 0's).
-        """
-        out = self.executor.forward_only(unpack(x), unpack(target))
-        if isinstance(out, float):  # the loss
-            return out
-        return pack(_to_host(out)) if self.tp.rank == 0 else None
-
     def generate_forward(self, x: Any, start: bool, cached: bool) -> Any:
         """One forward of generation (`raypipe.runtime.generation`): the output (rank 0 of tp
         only), or on the last stage the last position's logits."""
         out = self.executor.generate(unpack(x), start, cached)
-        return pack(_to_host(out)) if self.tp.rank == 0 else None
+        return pack(to_host(out)) if self.tp.rank == 0 else None
 
     def end_generation(self) -> None:
         self.executor.end_generation()
 
-    def save_tensors(self, path: str, names: dict[str, str | None]) -> dict[str, int]:
+    def save_tensors(self, path: str, names: dict[str, str | None], transpose: Sequence[str] = ()) -> dict[str, int]:
         """Writes this stage's weights to one safetensors file under `names` (global key -> the
-        file's key; None leaves a key out), for exports such as `Trainer.save_pretrained`."""
-        return checkpoint_io.save_tensors(self.model.state_dict(), names, path)
+        file's key; None leaves a key out; keys in `transpose` transposed), for exports such
+        as `Trainer.save_pretrained`."""
+        return checkpoint_io.save_tensors(self.model.state_dict(), names, path, transpose)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This stage's weights under global keys (`"<layer index>.<name>"`); this tp rank's shards."""
@@ -386,12 +322,6 @@ class StageActor:
     def load_checkpoint(self, directory: str, loss_scaler: dict, restore_rng: bool) -> None:
         """Loads this stage's layers and optimizer state from a verified checkpoint."""
         checkpoint_io.load_stage(self.model, self.optim, directory, self.stage, self.name, loss_scaler, restore_rng)
-
-
-def _to_host(value: Any) -> Any:
-    """Boundary values cross to other stages (maybe another kind of device) through host
-    memory; anything but a device tensor (a loss as a float, None) passes unchanged."""
-    return map_tensors(lambda t: t.cpu() if t.device.type != "cpu" else t, value)
 
 
 def _peak_memory_bytes(device: torch.device) -> int:

@@ -49,7 +49,9 @@ class GPTModel(JobModel):
         return self.config.block_size
 
     def build(self) -> Model:
-        return Model(gpt.layers(self.config), gpt.loss_fn)
+        from raypipe.models import gpt_export
+
+        return gpt_export.model(self.config)
 
     def describe(self) -> str:
         c = self.config

@@ -35,31 +35,37 @@ class HFExporter:
         return names
 
     def save(self, stages: Sequence[Sequence[Any]], specs: Sequence[LayerSpec], directory: str, tp: int) -> None:
-        """Writes the model of one replica's actors (per stage, its tp ranks) to `directory`. With
-        tp = 1 every stage's actor writes its own shard; tp shards are merged through the
-        driver one stage at a time."""
-        from raypipe.actors.checkpoint_io import save_tensors
-        from raypipe.runtime.results import gather
-        from raypipe.runtime.weights import merged
-
-        os.makedirs(directory, exist_ok=True)
-        names = self.names(specs)
-        files = [shard_name(s, len(stages)) for s in range(len(stages))]
-        paths = [os.path.join(directory, f) for f in files]
-        if tp == 1:
-            written = gather([stage[0].save_tensors.remote(path, names) for stage, path in zip(stages, paths)],
-                             "save_pretrained")
-        else:
-            written = [save_tensors(merged([stage], "state_dict", tp), names, path) for stage, path in zip(stages, paths)]
-        write_index(directory, list(zip(files, written)))
-        dtype = gather([stages[0][0].info.remote()], "save_pretrained")[0]["dtype"]
-        self.write_config(directory, getattr(torch, dtype))
+        """Writes the model of one replica's actors (per stage, its tp ranks) to `directory`."""
+        self.write_config(directory, save_shards(stages, self.names(specs), directory, tp))
 
     def write_config(self, directory: str, dtype: torch.dtype) -> None:
         config = self.config
         config.architectures = config.architectures or [_causal_lm_class(config)]
         config.dtype = dtype
         config.save_pretrained(directory)
+
+
+def save_shards(stages: Sequence[Sequence[Any]], names: dict[str, str | None], directory: str, tp: int,
+                transpose: Sequence[str] = ()) -> torch.dtype:
+    """Writes one replica's weights as one safetensors shard per stage under `names` (raypipe key
+    -> checkpoint key), with their index; returns the weights' dtype. With tp = 1 each stage's
+    actor writes its own shard; tp shards are merged through the driver one stage at a time.
+    `transpose`: raypipe keys stored transposed in the checkpoint (GPT-2's Conv1D weights)."""
+    from raypipe.actors.checkpoint_io import save_tensors
+    from raypipe.runtime.results import gather
+    from raypipe.runtime.weights import merged
+
+    os.makedirs(directory, exist_ok=True)
+    files = [shard_name(s, len(stages)) for s in range(len(stages))]
+    paths = [os.path.join(directory, f) for f in files]
+    if tp == 1:
+        written = gather([stage[0].save_tensors.remote(path, names, list(transpose))
+                          for stage, path in zip(stages, paths)], "save_pretrained")
+    else:
+        written = [save_tensors(merged([stage], "state_dict", tp), names, path, transpose)
+                   for stage, path in zip(stages, paths)]
+    write_index(directory, list(zip(files, written)))
+    return getattr(torch, gather([stages[0][0].info.remote()], "save_pretrained")[0]["dtype"])
 
 
 def shard_name(stage: int, stages: int) -> str:
