@@ -63,3 +63,46 @@ def test_training_matches_transformers_in_one_process(ray_session, saved, kind, 
         if kind == "gpt2" and pp > 1:  # the tied copies on the first and last stage stayed bit-identical
             state = t.state_dict()
             assert torch.equal(state["0.wte.weight"], state[f"{len(t.specs) - 1}.lm_head.weight"])
+
+
+def bf16_reference(directory, steps=3, lr=0.05, momentum=0.9):
+    """The transformers model stored in bf16, SGD stepping fp32 master copies of its weights."""
+    from hf_helpers import load
+
+    model = load(directory).to(torch.bfloat16)
+    model.train()
+    params = list(model.parameters())
+    masters = [p.detach().float().clone() for p in params]
+    opt = torch.optim.SGD(masters, lr=lr, momentum=momentum, fused=True)
+    losses = []
+    for k in range(steps):
+        x, labels = lm_batch(k)
+        model.zero_grad()
+        loss = model(**x, labels=labels).loss
+        loss.backward()
+        losses.append(loss.item())
+        for p, m in zip(params, masters):
+            m.grad = p.grad.float()
+        opt.step()
+        with torch.no_grad():
+            for p, m in zip(params, masters):
+                p.copy_(m)
+    return losses, model.state_dict()
+
+
+@pytest.mark.slow
+def test_bf16_weights_train_through_fp32_master_copies(ray_session, saved):
+    directory, _ = saved["llama"]
+    ref_losses, ref_final = bf16_reference(directory)
+    model = hf.from_pretrained(directory, dtype="bf16")
+    config = TrainConfig(pp=2, microbatches=1, optimizer=SGD, cpus_per_actor=0.25, threads_per_actor=1)
+    with Trainer(model, config=config) as t:
+        info = t.stage_info()
+        assert {i["dtype"] for i in info} == {"bfloat16"}
+        # masters: 4 bytes per weight besides the 2 it is stored in
+        assert [i["optimizer_state_bytes"] for i in info] == [2 * i["parameter_bytes"] for i in info]
+        losses = [t.step(*lm_batch(k))["loss"] for k in range(3)]
+        final = by_hf_name(t.state_dict(), model.exporter.names(t.specs))
+    assert losses == pytest.approx(ref_losses, rel=1e-6)
+    for name, value in final.items():  # bit for bit: the same bf16 kernels, the same fp32 master updates
+        assert value.dtype == torch.bfloat16 and torch.equal(value, ref_final[name]), name

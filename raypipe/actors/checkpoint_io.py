@@ -82,15 +82,15 @@ def load_stage(model: StageModel, optim: OptimizerState, directory: str, stage: 
             if optimizer is not None:
                 stepped = {p for group in optimizer.param_groups for p in group["params"]}
                 for param_name, p in layer.named_parameters():
-                    if p in stepped and param_name in state:
+                    if optim.stepped(p) in stepped and param_name in state:
                         spec = model.shard_specs.get(f"{j}.{param_name}")
-                        optimizer.state[p] = {
+                        optimizer.state[optim.stepped(p)] = {
                             k: shard(v, spec, tp.rank, tp.size) if spec is not None and tp.size > 1 and is_per_element(v)
                             else v
                             for k, v in state[param_name].items()
                         }
                     else:
-                        optimizer.state.pop(p, None)
+                        optimizer.state.pop(optim.stepped(p), None)
         if restore_rng:
             torch.set_rng_state(ckpt.load_tensors(root / f"rng/stage-{stage}.pt")["torch"])
     except StageError:
@@ -98,6 +98,7 @@ def load_stage(model: StageModel, optim: OptimizerState, directory: str, stage: 
     except Exception as error:
         raise StageError(f"{name} could not load {directory}: {type(error).__name__}: {error}") from error
     optim.restore_scaler(loss_scaler)
+    optim.sync_masters()  # bf16 weights' masters restart from the saved (bf16) weights
 
 
 def _merge_tp_shards(model: StageModel, models: dict[int, dict], states: dict[int, dict],

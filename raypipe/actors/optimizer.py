@@ -39,6 +39,25 @@ class OptimizerState:
         self.optimizer: torch.optim.Optimizer | None = None
         self.scaler = LossScaler()
         self.tied: list[tuple[nn.Parameter, Any]] = []  # (this stage's copy, the group of every copy's rank)
+        # fp32 master copies of bf16/fp16 weights: the optimizer steps them, the weights follow
+        self.masters: dict[nn.Parameter, torch.Tensor] = {}
+
+    def stepped(self, p: nn.Parameter) -> torch.Tensor:
+        """The tensor the optimizer steps for weight `p` (and keys its state by): its fp32 master
+        copy when `p` is stored in a narrower dtype, else `p` itself."""
+        return self.masters.get(p, p)
+
+    def sync_masters(self) -> None:
+        """Copies the weights into their master copies, after weights were loaded into them."""
+        with torch.no_grad():
+            for p, master in self.masters.items():
+                master.copy_(p)
+
+    def _build(self, params: list[nn.Parameter], settings: StageSettings) -> torch.optim.Optimizer:
+        """The optimizer over `params`, through fp32 master copies for those stored in bf16 or fp16
+        (a bf16 weight cannot take an update below its resolution; its master accumulates it)."""
+        self.masters = {p: p.detach().float().clone() for p in params if p.dtype in (torch.bfloat16, torch.float16)}
+        return build_optimizer([self.stepped(p) for p in params], settings.optimizer)
 
     def configure(self, settings: StageSettings, reset: bool = False) -> None:
         """Applies new settings; keeps optimizer state unless the optimizer kind changes or `reset`."""
@@ -52,11 +71,11 @@ class OptimizerState:
             self.optimizer = None
             params = self.owned_params()
             if params:
-                self.optimizer = build_optimizer(params, settings.optimizer)
+                self.optimizer = self._build(params, settings)
                 names = {p: name for name, p in self.model.module.named_parameters()}
                 for p in params:
                     if names[p] in state:
-                        self.optimizer.state[p] = {
+                        self.optimizer.state[self.stepped(p)] = {
                             k: v.to(p.device) if torch.is_tensor(v) and v.shape == p.shape else v
                             for k, v in state[names[p]].items()
                         }
@@ -68,7 +87,7 @@ class OptimizerState:
         if not params:  # parameter-free layers, or (ZeRO) a share that came out empty
             self.optimizer = None
         elif self.optimizer is None or not keep_state:
-            self.optimizer = build_optimizer(params, settings.optimizer)
+            self.optimizer = self._build(params, settings)
         else:
             for group in self.optimizer.param_groups:
                 group.update({k: v for k, v in settings.optimizer.items() if k != "name"})
@@ -122,15 +141,22 @@ class OptimizerState:
                 grads = self.model.grads()
                 if coef < 1.0 and grads:
                     torch._foreach_mul_(grads, coef)
+            for p, master in self.masters.items():
+                master.grad = None if p.grad is None else p.grad.float()
             self.optimizer.step()
+            with torch.no_grad():
+                for p, master in self.masters.items():
+                    p.copy_(master)
         if not skipped and self.zero_active():
             self.broadcast_owned()
         return {"lr": lr, "grad_norm": total_norm, "skipped": skipped, "loss_scale": self.scaler.scale}
 
     def state_bytes(self) -> int:
+        """Bytes of optimizer state, fp32 master copies included."""
         return sum(v.numel() * v.element_size()
                    for state in (self.optimizer.state.values() if self.optimizer else [])
-                   for v in state.values() if torch.is_tensor(v))
+                   for v in state.values() if torch.is_tensor(v)) + sum(
+            m.numel() * m.element_size() for m in self.masters.values())
 
     def scaler_state(self) -> dict[str, Any]:
         return dataclasses.asdict(self.scaler)
@@ -157,9 +183,9 @@ class OptimizerState:
     def state_by_param(self) -> dict[str, dict]:
         """Module parameter name -> optimizer state, for the parameters this actor steps."""
         return {  # per-element state through host memory: the gather pickles it
-            name: {k: v.cpu() if torch.is_tensor(v) else v for k, v in self.optimizer.state[p].items()}
+            name: {k: v.cpu() if torch.is_tensor(v) else v for k, v in self.optimizer.state[self.stepped(p)].items()}
             for name, p in self.model.module.named_parameters()
-            if p in self.optimizer.state
+            if self.stepped(p) in self.optimizer.state
         }
 
     def dp_union(self, state: dict[str, dict]) -> dict[str, dict]:
@@ -178,9 +204,9 @@ class OptimizerState:
         states: dict[int, dict[str, dict]] = {}
         for index, layer in zip(self.model.layers, self.model.module):
             states[index] = {
-                name: {k: (v.clone() if torch.is_tensor(v) else v) for k, v in self.optimizer.state[p].items()}
+                name: {k: (v.clone() if torch.is_tensor(v) else v) for k, v in self.optimizer.state[self.stepped(p)].items()}
                 for name, p in layer.named_parameters()
-                if self.optimizer is not None and p in self.optimizer.state
+                if self.optimizer is not None and self.stepped(p) in self.optimizer.state
             }
         return states
 

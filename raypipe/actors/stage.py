@@ -310,6 +310,7 @@ class StageActor(RefsCalls):
         Every key of the stage must be present.
         """
         self.model.load_state_dict(state, self.name)
+        self.optim.sync_masters()
 
     def gradients(self) -> dict[str, torch.Tensor]:
         """The last step's gradients (as the optimizer used them) under global keys; this rank's shards."""
