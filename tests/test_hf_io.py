@@ -184,3 +184,13 @@ def test_the_reference_gpt_exports_as_a_gpt2_transformers_loads(ray_session, tmp
         assert type(model).__name__ == "GPT2LMHeadModel"
         with torch.no_grad():
             torch.testing.assert_close(model(x).logits, t.predict(x), rtol=1e-5, atol=1e-5)
+
+
+def test_importing_raypipe_imports_nothing_of_transformers():
+    import subprocess
+    import sys
+
+    code = ("import sys, raypipe, raypipe.models, raypipe.models.hf, raypipe.job; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('transformers', 'safetensors')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]"
