@@ -52,22 +52,31 @@ def lm_batch(k: int, size: int = 8, length: int = 10):
     return {"input_ids": ids, "attention_mask": mask}, labels
 
 
-def hf_reference(directory: str, steps: int = 3, lr: float = 0.05, momentum: float = 0.9, data=lm_batch):
+def hf_reference(directory: str, steps: int = 3, lr: float = 0.05, momentum: float = 0.9, data=lm_batch,
+                 bf16: bool = False):
     """The transformers model trained in one process on whole batches: every step's loss, the first
-    step's gradients and the final state dict, keyed by transformers' names."""
-    model = load(directory)
+    step's gradients and the final state dict, keyed by transformers' names. With `bf16` the
+    model is stored in bfloat16 and (fused) SGD steps fp32 master copies of its weights."""
+    model = load(directory).to(torch.bfloat16 if bf16 else torch.float32)
     model.train()
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    params = list(model.parameters())
+    masters = [p.detach().float().clone() for p in params] if bf16 else params
+    opt = torch.optim.SGD(masters, lr=lr, momentum=momentum, **({"fused": True} if bf16 else {}))
     losses, grads = [], None
     for k in range(steps):
         x, labels = data(k)
-        opt.zero_grad()
+        model.zero_grad()
         loss = model(**x, labels=labels).loss
         loss.backward()
         losses.append(loss.item())
         if grads is None:
             grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        for p, master in zip(params, masters) if bf16 else ():
+            master.grad = p.grad.float()
         opt.step()
+        with torch.no_grad():
+            for p, master in zip(params, masters) if bf16 else ():
+                p.copy_(master)
     return losses, grads, model.state_dict()
 
 

@@ -73,35 +73,10 @@ def test_training_matches_transformers_in_one_process(ray_session, saved, tmp_pa
             assert torch.equal(t.generate(prompt, max_new_tokens=5), expected)
 
 
-def bf16_reference(directory, steps=3, lr=0.05, momentum=0.9):
-    """The transformers model stored in bf16, SGD stepping fp32 master copies of its weights."""
-    from hf_helpers import load
-
-    model = load(directory).to(torch.bfloat16)
-    model.train()
-    params = list(model.parameters())
-    masters = [p.detach().float().clone() for p in params]
-    opt = torch.optim.SGD(masters, lr=lr, momentum=momentum, fused=True)
-    losses = []
-    for k in range(steps):
-        x, labels = lm_batch(k)
-        model.zero_grad()
-        loss = model(**x, labels=labels).loss
-        loss.backward()
-        losses.append(loss.item())
-        for p, m in zip(params, masters):
-            m.grad = p.grad.float()
-        opt.step()
-        with torch.no_grad():
-            for p, m in zip(params, masters):
-                p.copy_(m)
-    return losses, model.state_dict()
-
-
 @pytest.mark.slow
 def test_bf16_weights_train_through_fp32_master_copies(ray_session, saved):
     directory, _ = saved["llama"]
-    ref_losses, ref_final = bf16_reference(directory)
+    ref_losses, _, ref_final = hf_reference(directory, bf16=True)
     model = hf.from_pretrained(directory, dtype="bf16")
     config = TrainConfig(pp=2, microbatches=1, optimizer=SGD, cpus_per_actor=0.25, threads_per_actor=1)
     with Trainer(model, config=config) as t:
