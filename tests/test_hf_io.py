@@ -194,3 +194,35 @@ def test_importing_raypipe_imports_nothing_of_transformers():
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('transformers', 'safetensors')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("kind", ["mistral", "qwen2"])
+def test_mistral_and_qwen2_layers_give_transformers_logits(tmp_path, kind):
+    """The Llama-shaped families beside Llama, in one process: Mistral with a sliding window shorter
+    than the sequence, Qwen2 with its head tied; with and without a padding mask."""
+    from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config
+
+    from raypipe import build_layers
+
+    common = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=32, bos_token_id=0, eos_token_id=None)
+    config = MistralConfig(sliding_window=4, **common) if kind == "mistral" else Qwen2Config(tie_word_embeddings=True, **common)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(str(tmp_path))
+    model = hf.from_pretrained(str(tmp_path))
+    assert bool(model.tied) == (kind == "qwen2")
+    layers = torch.nn.Sequential(*build_layers(model.layers))
+    reference = load(str(tmp_path))
+    ids = torch.randint(1, VOCAB, (3, 10), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    with torch.no_grad():
+        assert torch.equal(layers(ids), reference(ids).logits)
+        assert torch.equal(layers({"input_ids": ids, "attention_mask": mask}), reference(ids, attention_mask=mask).logits)
+
+
+def test_tensor_parallelism_without_a_plan_is_refused_naming_the_layer(ray_session, tmp_path):
+    directory = save_tiny("gpt2", str(tmp_path))
+    with pytest.raises(ConfigError, match=r"layer 1 \(LayerSpec\(build, 'decoder', gpt2\(hidden_size=16.*no "
+                                          r"base_model_tp_plan .* use tp=1"):
+        Trainer(hf.from_pretrained(directory), config=TrainConfig(pp=1, tp=2, **CONFIG))

@@ -24,7 +24,7 @@ from raypipe.errors import ConfigError
 from raypipe.layers import LayerSpec
 from raypipe.model import Model
 from raypipe.models.hf.families import FAMILIES, family_of
-from raypipe.models.hf.layers import build
+from raypipe.models.hf.layers import ConfigRef, build
 from raypipe.models.hf.loss import CausalLMLoss
 from raypipe.models.hf.weights import DTYPES
 
@@ -70,10 +70,10 @@ def _model(config: Any, source: str | None, dtype: str, attn_implementation: str
     family = family_of(config)
     config = copy.deepcopy(config)
     config._attn_implementation = attn_implementation
-    n = config.num_hidden_layers
-    specs = ([LayerSpec(build, "embedding", config, None, source, dtype)]
-             + [LayerSpec(build, "decoder", config, i, source, dtype) for i in range(n)]
-             + [LayerSpec(build, "head", config, None, source, dtype)])
+    n, ref = config.num_hidden_layers, ConfigRef(config)
+    specs = ([LayerSpec(build, "embedding", ref, None, source, dtype)]
+             + [LayerSpec(build, "decoder", ref, i, source, dtype) for i in range(n)]
+             + [LayerSpec(build, "head", ref, None, source, dtype)])
     tied = ([(f"0.{family.token_embedding}.weight", f"{n + 1}.lm_head.weight")]
             if getattr(config, "tie_word_embeddings", False) else [])
     model = HFModel(specs, CausalLMLoss(config.vocab_size), tied, kv_cache=True)

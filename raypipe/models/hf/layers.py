@@ -147,15 +147,28 @@ def checkpoint_keys(module: nn.Module, tied: bool = False) -> dict[str, str]:
 KINDS = {"embedding": HFEmbedding, "decoder": HFDecoderLayer, "head": HFHead}
 
 
-def build(kind: str, config: Any, index: int | None, source: str | None, dtype: str) -> nn.Module:
+class ConfigRef:
+    """A transformers config inside a `LayerSpec`, printed in one line (a config's own repr is its
+    whole JSON, which would fill every error message that names the layer)."""
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+
+    def __repr__(self) -> str:
+        c = self.config
+        return f"{c.model_type}(hidden_size={c.hidden_size}, layers={c.num_hidden_layers}, vocab={c.vocab_size})"
+
+
+def build(kind: str, ref: ConfigRef, index: int | None, source: str | None, dtype: str) -> nn.Module:
     """Builds one layer where it runs (the `LayerSpec` factory of every HF layer).
 
     Args:
-        kind: "embedding", "decoder" or "head"; index: the decoder layer's index.
+        kind: "embedding", "decoder" or "head"; ref: the model's config; index: the decoder layer's index.
         source: a model directory to read this layer's tensors from, or None to initialise it
             as transformers does.
         dtype: "fp32" or "bf16", the dtype its weights are kept in.
     """
+    config = ref.config
     args = (config, index) if kind == "decoder" else (config,)
     if source is None:
         module = KINDS[kind](*args)
