@@ -17,6 +17,7 @@ from typing import Any, Iterable, Mapping
 
 import yaml
 
+from raypipe import lora
 from raypipe.errors import ConfigError
 
 SCHEDULE_NAMES = ("gpipe", "1f1b")
@@ -228,6 +229,8 @@ class TrainConfig:
             two stages on one GPU).
         allow_cpu_fallback: let a cuda/rocm/mps stage run on the CPU when its node has
             no such device (tests and demos); the actor reports that it did.
+        lora: low-rank adapters through peft, `{"r", "alpha", "dropout", "target_modules"}` or a
+            `peft.LoraConfig` (`raypipe.lora`): the base weights are frozen, only adapters train.
     """
 
     pp: int = 1
@@ -263,6 +266,7 @@ class TrainConfig:
     devices: str | list[str] = "cpu"
     gpus_per_actor: float = 1.0
     allow_cpu_fallback: bool = False
+    lora: dict | None = None
 
     def __post_init__(self) -> None:
         _check_int("pp", self.pp, 1)
@@ -314,6 +318,7 @@ class TrainConfig:
             raise _fail("allow_cpu_fallback", self.allow_cpu_fallback, "give true or false.")
         if self.log_dir is not None and (not isinstance(self.log_dir, str) or not self.log_dir):
             raise _fail("log_dir", self.log_dir, "give a directory path or null.")
+        self.lora = lora.check(self.lora, self.tp)
 
     def stage_kinds(self) -> list[str]:
         """The accelerator kind of each stage (`devices` given once for all, or per stage)."""

@@ -42,7 +42,7 @@ class Model:
     shard_plan: list[list[int]] | None = None
 
     def save_pretrained(self, stages: Sequence[Sequence[Any]], specs: Sequence[LayerSpec], directory: str,
-                        tp: int) -> None:
+                        tp: int, merge: bool = False) -> None:
         """Writes the model held by one replica's actors (per stage, its tp ranks) in its library's
         format, each stage's actor writing its own shard.
 
@@ -55,7 +55,7 @@ class Model:
                 "raypipe.models.hf, and for the reference GPT as raypipe.models.gpt_export.model(cfg); use "
                 "save() for a raypipe checkpoint, or state_dict() for the weights."
             )
-        self.exporter.save(stages, specs, directory, tp)
+        self.exporter.save(stages, specs, directory, tp, merge)
 
     def __post_init__(self) -> None:
         for group in self.tied:

@@ -179,38 +179,19 @@ class Trainer:
                 bar.close()
 
     def save(self, path: str | None = None) -> Path:
-        """Saves weights, optimizer state, step and RNG state, all actors in lock-step.
-
-        Args:
-            path: the checkpoint root; `config.checkpoint_dir` when omitted.
-
-        Returns:
-            The checkpoint directory, `<root>/step-<N>`.
-        """
+        """Saves weights, optimizer state, step and RNG state, all actors in lock-step, under
+        `path` (`config.checkpoint_dir` when omitted); returns the directory, `<root>/step-<N>`."""
         root = path or self.config.checkpoint_dir
         if root is None:
             raise ConfigError("Trainer.save needs a path, or TrainConfig.checkpoint_dir set.")
-        meta = {
-            "step": self.step_count,
-            "data_position": self.step_count,  # batches are a function of the step
-            "num_layers": len(self.specs),
-            "pp": self.num_stages,
-            "plan": [list(r) for r in self.plan],
-            "run": self.run_name,
-            "config": self.config.to_dict(),
-        }
+        meta = checkpoints.run_meta(self.step_count, len(self.specs), self.plan, self.run_name, self.config)
         return checkpoints.save(self._actors, self.names, root, self.step_count, meta, self.config.keep_checkpoints)
 
     def load(self, path: str, step: int | None = None, log: Callable[[str], None] = print) -> Path:
         """Restores a checkpoint saved by any topology; training continues from its step.
 
-        Args:
-            path: a checkpoint directory (`.../step-N`), or a root holding several, in
-                which case the newest valid one is used (invalid ones are reported).
-            step: with a root, the step to restore instead of the newest.
-
-        Returns:
-            The checkpoint directory restored.
+        `path` is a checkpoint directory (`.../step-N`) or a root holding several: the newest
+        valid one (or `step`'s) is restored, invalid ones are reported. Returns the directory.
 
         Raises:
             CheckpointError: nothing valid to restore (missing, truncated, altered files).
@@ -241,11 +222,25 @@ class Trainer:
         title = f"{c.schedule}, pp={c.pp}, m={c.microbatches}: " + ("planned" if planned else f"step {self.step_count} as measured")
         return Timeline.of_run(self._schedule, self._last_events, title, self.stage_names, planned)
 
-    def save_pretrained(self, directory: str) -> Path:
+    def save_pretrained(self, directory: str, merge_adapters: bool = False) -> Path:
         """Writes the model in its library's format (`raypipe.model.Model.save_pretrained`): for
-        transformers models, and the reference GPT, a directory transformers loads."""
-        self.model.save_pretrained(self.topology.grid(self._actors)[0], self.specs, str(directory), self.config.tp)
+        transformers models, and the reference GPT, a directory transformers loads; LoRA adapters
+        folded into the weights with `merge_adapters` (else the base alone)."""
+        self.model.save_pretrained(self._replica0()[0], self.specs, str(directory), self.config.tp, merge_adapters)
         return Path(directory)
+
+    def save_adapter(self, directory: str) -> Path:
+        """Writes the LoRA adapters in peft's format (`peft.PeftModel.from_pretrained(base, dir)`)."""
+        from raypipe.models.hf import adapters
+
+        adapters.save(self._replica0()[0], self.specs, self.model, self.config.lora, str(directory))
+        return Path(directory)
+
+    def load_adapter(self, directory: str) -> None:
+        """Loads LoRA adapters in peft's format into every stage (training continues from them)."""
+        from raypipe.models.hf import adapters
+
+        adapters.load(self._actors, self._replica0()[0], self.specs, self.model, self.plan, str(directory))
 
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 20, temperature: float = 0.0,
                  top_k: int | None = None, attention_mask: torch.Tensor | None = None,

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from raypipe.errors import StageError
-from raypipe.layers import LayerSpec, build_layer
+from raypipe.layers import LayerSpec, build_layer, layer_seed
 from raypipe.nn import TensorParallelGroup, parallelize, shard, shard_specs
 from raypipe.nn.group import building
 
@@ -33,9 +33,13 @@ class StageModel:
     """
 
     def __init__(self, specs: Sequence[LayerSpec], start: int, seed: int, device: torch.device,
-                 tp: TensorParallelGroup, tied: Sequence[Sequence[str]] = ()) -> None:
+                 tp: TensorParallelGroup, tied: Sequence[Sequence[str]] = (), lora: dict | None = None) -> None:
         self.start, self.device, self.tp = start, device, tp
         self.module = nn.Sequential(*[self._build(spec, seed, start + j) for j, spec in enumerate(specs)])
+        if lora is not None:  # adapters under a seed per layer, then everything else frozen
+            from raypipe import lora as lora_
+
+            lora_.apply(self.module, lora, [layer_seed(seed, start + j) + 1 for j in range(len(specs))])
         self.tied = self._tie(tied)
         self.module.to(device)
         self.shard_specs = shard_specs(self.module)
@@ -94,6 +98,34 @@ class StageModel:
             missing = [self.global_key(k) for k in result.missing_keys]
             unexpected = [self.global_key(k) for k in result.unexpected_keys]
             raise StageError(f"{name}: load_state_dict: missing keys {missing}, unexpected keys {unexpected}")
+
+    def adapters(self) -> dict[str, torch.Tensor]:
+        """This stage's LoRA adapter weights under global keys (none without `TrainConfig.lora`)."""
+        from raypipe.lora import is_adapter
+
+        return {k: v for k, v in self.state_dict().items() if is_adapter(k)}
+
+    def load_adapters(self, state: dict[str, torch.Tensor], name: str) -> None:
+        """Replaces this stage's adapters from global keys.
+
+        Raises:
+            StageError: the keys are not exactly this stage's adapters (`name` says whose).
+        """
+        if set(state) != set(self.adapters()):
+            raise StageError(f"{name}: load_adapters: got {sorted(state)[:3]}..., expected {sorted(self.adapters())[:3]}...")
+        with torch.no_grad():
+            params = dict(self.module.named_parameters())
+            for key, value in state.items():
+                params[self.local_key(key)].copy_(value)
+
+    def export_state(self, merge: bool) -> dict[str, torch.Tensor]:
+        """This stage's base weights under global keys without peft's wrapping, with the adapters
+        folded in when `merge` (what a library's own format holds)."""
+        from raypipe.lora import base_key, is_adapter, merged_state
+
+        if merge:
+            return {self.global_key(k): v for k, v in merged_state(self.module).items()}
+        return {base_key(k): v for k, v in self.state_dict().items() if not is_adapter(k)}
 
     def gradients(self) -> dict[str, torch.Tensor]:
         """The last step's gradients under global keys (every key of a tied weight); this rank's shards."""

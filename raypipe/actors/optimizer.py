@@ -113,6 +113,8 @@ class OptimizerState:
         import torch.distributed as dist
 
         for param, group in self.tied:
+            if not param.requires_grad:  # frozen (LoRA's base): no holder has a gradient
+                continue
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             dist.all_reduce(param.grad, group=group)

@@ -54,6 +54,7 @@ class StageActor(RefsCalls):
         device_kind: "cpu", "cuda", "rocm" or "mps", what the stage was placed for.
         allow_cpu_fallback: run on the CPU when the node has no such device.
         tied: the model's groups of tied weights' keys (`raypipe.model.Model.tied`).
+        lora: `TrainConfig.lora`: adapters injected into its layers, the rest frozen.
     """
 
     def __init__(
@@ -73,6 +74,7 @@ class StageActor(RefsCalls):
         device_kind: str = "cpu",
         allow_cpu_fallback: bool = False,
         tied: Sequence[Sequence[str]] = (),
+        lora: dict | None = None,
     ) -> None:
         torch.set_num_threads(threads)
         self.stage, self.num_stages, self.name = stage, num_stages, name
@@ -84,7 +86,7 @@ class StageActor(RefsCalls):
         self.shm_peers: list[int] = []  # neighbours' world ranks linked through shared memory (`join`)
         self.agrees_through_pipes = False  # the step's closing all-reduce: pipes on one node, else gloo (`join`)
         device, self.fallback = resolve_device(name, device_kind, allow_cpu_fallback)
-        self.model = StageModel(specs, start, seed, device, self.tp, tied)
+        self.model = StageModel(specs, start, seed, device, self.tp, tied, lora)
         torch.manual_seed(seed * 7919 + stage)  # dropout and other in-forward randomness
         self.optim = OptimizerState(self.model, dp_rank, dp_size)
         self.executor = Executor(self.model, stage, self.is_last, loss_fn, lambda: self.optim.loss_scale, name)
@@ -290,11 +292,19 @@ class StageActor(RefsCalls):
     def end_generation(self) -> None:
         self.executor.end_generation()
 
-    def save_tensors(self, path: str, names: dict[str, str | None], transpose: Sequence[str] = ()) -> dict[str, int]:
-        """Writes this stage's weights to one safetensors file under `names` (global key -> the
-        file's key; None leaves a key out; keys in `transpose` transposed), for exports such
-        as `Trainer.save_pretrained`."""
-        return checkpoint_io.save_tensors(self.model.state_dict(), names, path, transpose)
+    def save_tensors(self, path: str, names: dict[str, str | None], transpose: Sequence[str] = (),
+                     merge: bool = False) -> dict[str, int]:
+        """Writes this stage's base weights (LoRA adapters folded in when `merge`) to one safetensors
+        file under `names` (global key -> the file's key; None leaves a key out; keys in
+        `transpose` transposed), for exports such as `Trainer.save_pretrained`."""
+        return checkpoint_io.save_tensors(self.model.export_state(merge), names, path, transpose)
+
+    def adapters(self) -> dict[str, torch.Tensor]:
+        return self.model.adapters()
+
+    def load_adapters(self, state: dict[str, torch.Tensor]) -> None:
+        """Replaces this stage's LoRA adapters (global keys, every one of them)."""
+        self.model.load_adapters(state, self.name)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This stage's weights under global keys (`"<layer index>.<name>"`); this tp rank's shards."""

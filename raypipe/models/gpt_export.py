@@ -51,7 +51,8 @@ class GPT2Exporter:
                     names[f"{i}.{key}"] = f"transformer.h.{i - 1}.{key}"
         return names
 
-    def save(self, stages: Sequence[Sequence[Any]], specs: Sequence[LayerSpec], directory: str, tp: int) -> None:
+    def save(self, stages: Sequence[Sequence[Any]], specs: Sequence[LayerSpec], directory: str, tp: int,
+             merge: bool = False) -> None:
         from transformers import GPT2Config
 
         c = self.cfg
@@ -59,7 +60,7 @@ class GPT2Exporter:
             raise ConfigError("a GPT with model.bias=False has no GPT-2 twin (GPT-2's layers have biases): "
                               "save it with Trainer.save() or state_dict() instead.")
         names = self.names(specs)
-        dtype = save_shards(stages, names, directory, tp, [k for k in names if k.endswith(CONV1D)])
+        dtype = save_shards(stages, names, directory, tp, [k for k in names if k.endswith(CONV1D)], merge)
         config = GPT2Config(vocab_size=c.vocab_size, n_positions=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer,
                             n_head=c.n_head, activation_function="gelu", tie_word_embeddings=False,
                             resid_pdrop=c.dropout, embd_pdrop=c.dropout, attn_pdrop=c.dropout,

@@ -13,6 +13,19 @@ from raypipe import checkpoint as ckpt
 from raypipe.runtime.results import gather
 
 
+def run_meta(step: int, num_layers: int, plan: Sequence[Sequence[int]], run: str, config: Any) -> dict[str, Any]:
+    """What a checkpoint's manifest says about the run beside the files."""
+    return {
+        "step": step,
+        "data_position": step,  # batches are a function of the step
+        "num_layers": num_layers,
+        "pp": len(plan),
+        "plan": [list(r) for r in plan],
+        "run": run,
+        "config": config.to_dict(),
+    }
+
+
 def save(actors: Sequence[Any], names: Sequence[str], root: str, step: int, meta: dict[str, Any],
          keep: int) -> Path:
     """Saves checkpoint `<root>/step-<step>`: every actor writes its files, then the manifest

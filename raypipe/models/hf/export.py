@@ -34,9 +34,19 @@ class HFExporter:
                 names[f"{i}.{local}"] = None if tied and key == "lm_head.weight" else key
         return names
 
-    def save(self, stages: Sequence[Sequence[Any]], specs: Sequence[LayerSpec], directory: str, tp: int) -> None:
-        """Writes the model of one replica's actors (per stage, its tp ranks) to `directory`."""
-        self.write_config(directory, save_shards(stages, self.names(specs), directory, tp))
+    def save(self, stages: Sequence[Sequence[Any]], specs: Sequence[LayerSpec], directory: str, tp: int,
+             merge: bool = False) -> None:
+        """Writes the model of one replica's actors (per stage, its tp ranks) to `directory`, LoRA
+        adapters folded into the base weights when `merge` (else the base alone)."""
+        self.write_config(directory, save_shards(stages, self.names(specs), directory, tp, merge=merge))
+
+    def prefixes(self, specs: Sequence[LayerSpec]) -> list[list[tuple[str, str]]]:
+        """Per layer, its (local prefix, checkpoint prefix) pairs (built on the meta device)."""
+        out = []
+        for spec in specs:
+            with torch.device("meta"):
+                out.append(list(spec.build().prefixes))
+        return out
 
     def write_config(self, directory: str, dtype: torch.dtype) -> None:
         config = self.config
@@ -46,7 +56,7 @@ class HFExporter:
 
 
 def save_shards(stages: Sequence[Sequence[Any]], names: dict[str, str | None], directory: str, tp: int,
-                transpose: Sequence[str] = ()) -> torch.dtype:
+                transpose: Sequence[str] = (), merge: bool = False) -> torch.dtype:
     """Writes one replica's weights as one safetensors shard per stage under `names` (raypipe key
     -> checkpoint key), with their index; returns the weights' dtype. With tp = 1 each stage's
     actor writes its own shard; tp shards are merged through the driver one stage at a time.
@@ -59,7 +69,7 @@ def save_shards(stages: Sequence[Sequence[Any]], names: dict[str, str | None], d
     files = [shard_name(s, len(stages)) for s in range(len(stages))]
     paths = [os.path.join(directory, f) for f in files]
     if tp == 1:
-        written = gather([stage[0].save_tensors.remote(path, names, list(transpose))
+        written = gather([stage[0].save_tensors.remote(path, names, list(transpose), merge)
                           for stage, path in zip(stages, paths)], "save_pretrained")
     else:
         written = [save_tensors(merged([stage], "state_dict", tp), names, path, transpose)

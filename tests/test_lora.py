@@ -1,0 +1,132 @@
+"""LoRA fine-tuning of a split transformers model through peft: exact parity with peft on the
+one-process transformers model (losses, adapter gradients, adapter weights after 3 SGD-momentum
+steps; base weights untouched bit for bit) for pp 1, 2, 3, both schedules, dp 2; adapters saved
+in peft's format load in `PeftModel.from_pretrained` with the same logits, load back into a
+trainer, and merge into a transformers directory."""
+
+import pytest
+import torch
+
+from helpers import assert_close_dicts
+from hf_helpers import load, lm_batch, save_tiny
+from raypipe import ConfigError, TrainConfig, Trainer
+from raypipe.models import hf
+from raypipe.models.hf import adapters
+
+pytest.importorskip("peft")
+
+SGD = {"name": "sgd", "lr": 0.05, "momentum": 0.9}
+TARGETS = {"llama": ["q_proj", "v_proj"], "gpt2": ["c_attn"]}
+
+
+def lora(kind):
+    return {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": TARGETS[kind]}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    return {kind: save_tiny(kind, str(tmp_path_factory.mktemp(kind))) for kind in ("llama", "gpt2")}
+
+
+def peft_reference(directory, kind, initial, steps=3):
+    """peft's LoRA on the one-process transformers model, starting from raypipe's initial adapters."""
+    import warnings
+
+    from peft import get_peft_model, set_peft_model_state_dict
+
+    from raypipe.lora import peft_config
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # GPT-2's Conv1D: peft notes fan_in_fan_out
+        model = get_peft_model(load(directory), peft_config(lora(kind)))
+    set_peft_model_state_dict(model, initial)
+    model.train()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(trainable, lr=0.05, momentum=0.9)
+    losses, grads = [], None
+    for k in range(steps):
+        x, labels = lm_batch(k)
+        opt.zero_grad()
+        loss = model(**x, labels=labels).loss
+        loss.backward()
+        losses.append(loss.item())
+        grads = grads or {n.replace(".default.", "."): p.grad.clone() for n, p in model.named_parameters()
+                          if p.requires_grad}
+        opt.step()
+    final = {n.replace(".default.", "."): p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    return losses, grads, final
+
+
+CASES = [("llama", 1, 1), ("llama", 2, 1), ("llama", 3, 1), ("gpt2", 2, 2)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind, pp, dp", CASES, ids=[f"{k}-pp{p}-dp{d}" for k, p, d in CASES])
+def test_lora_matches_peft_in_one_process_and_leaves_the_base_untouched(ray_session, saved, kind, pp, dp):
+    model = hf.from_pretrained(saved[kind])
+    config = TrainConfig(pp=pp, dp=dp, microbatches=4 // dp, optimizer=SGD, lora=lora(kind), cpus_per_actor=0.25,
+                         threads_per_actor=1)
+    with Trainer(model, config=config) as t:
+        start = t.state_dict()
+        prefixes = model.exporter.prefixes(t.specs)
+        initial = {k: v for k, v in start.items() if ".lora_" in k}
+        names = adapters.peft_names(list(initial), prefixes)
+        reference = peft_reference(saved[kind], kind, {names[k]: v for k, v in initial.items()})
+        assert all(i["optimizer_state_bytes"] == 0 for i in t.stage_info())  # nothing stepped yet
+        for schedule in ("1f1b", "gpipe"):
+            t.reconfigure(schedule=schedule)
+            t.reset_optimizer()
+            t.load_state_dict(start)
+            losses = []
+            for k in range(3):
+                losses.append(t.step(*lm_batch(k))["loss"])
+                if k == 0:
+                    grads = t.gradients()
+                    assert set(grads) == set(initial)  # only adapters have gradients
+                    assert_close_dicts({names[k]: v for k, v in grads.items()}, reference[1])
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference[0]), rtol=1e-5, atol=4e-5)
+            final = t.state_dict()
+            assert_close_dicts({names[k]: final[k] for k in initial}, reference[2])
+            assert all(torch.equal(final[k], v) for k, v in start.items() if k not in initial)  # base bit-identical
+
+
+@pytest.mark.slow
+def test_adapters_round_trip_through_peft_and_merge_into_transformers(ray_session, saved, tmp_path):
+    from peft import PeftModel
+
+    directory = saved["llama"]
+    config = TrainConfig(pp=2, microbatches=2, optimizer=SGD, lora=lora("llama"), cpus_per_actor=0.25,
+                         threads_per_actor=1)
+    x, _ = lm_batch(9)
+    with Trainer(hf.from_pretrained(directory), config=config) as t:
+        for k in range(3):
+            t.step(*lm_batch(k))
+        trained = t.predict(x)
+        t.save_adapter(str(tmp_path / "adapter"))
+        assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == ["adapter_config.json",
+                                                                          "adapter_model.safetensors"]
+        peft_model = PeftModel.from_pretrained(load(directory), str(tmp_path / "adapter"))
+        with torch.no_grad():
+            torch.testing.assert_close(peft_model(**x).logits, trained, rtol=1e-5, atol=1e-5)
+        merged = load(str(t.save_pretrained(str(tmp_path / "merged"), merge_adapters=True)))
+        with torch.no_grad():
+            torch.testing.assert_close(merged(**x).logits, trained, rtol=1e-5, atol=1e-5)
+        base = load(str(t.save_pretrained(str(tmp_path / "base"))))  # without merging: the untouched base
+        assert all(torch.equal(a, b) for a, b in zip(base.state_dict().values(), load(directory).state_dict().values()))
+    with Trainer(hf.from_pretrained(directory), config=config.replace(pp=1)) as fresh:
+        assert not torch.allclose(fresh.predict(x), trained)
+        fresh.load_adapter(str(tmp_path / "adapter"))
+        torch.testing.assert_close(fresh.predict(x), trained, rtol=1e-5, atol=1e-5)
+
+
+def test_lora_settings_are_checked_with_what_to_give():
+    with pytest.raises(ConfigError, match=r"lora.r=0 is invalid"):
+        TrainConfig(lora={"r": 0, "target_modules": ["q_proj"]})
+    with pytest.raises(ConfigError, match=r"lora.target_modules=None is invalid.*q_proj"):
+        TrainConfig(lora={"r": 4})
+    with pytest.raises(ConfigError, match=r"lora with tp=2 is not supported"):
+        TrainConfig(tp=2, lora={"target_modules": ["q_proj"]})
+    from peft import LoraConfig
+
+    assert TrainConfig(lora=LoraConfig(r=2, lora_alpha=4, target_modules=["v_proj"])).lora == {
+        "r": 2, "alpha": 4, "dropout": 0.0, "target_modules": ["v_proj"]}
