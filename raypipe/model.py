@@ -41,6 +41,13 @@ class Model:
     exporter: Any = None
     shard_plan: list[list[int]] | None = None
 
+    def identity(self) -> dict[str, Any]:
+        """What identifies the model's weights before training (the base a LoRA run's adapters
+        belong to): here its layer specs; a pretrained model says which files it read."""
+        import hashlib
+
+        return {"layers": len(self.layers), "hash": hashlib.sha256(repr(list(self.layers)).encode()).hexdigest()[:16]}
+
     def save_pretrained(self, stages: Sequence[Sequence[Any]], specs: Sequence[LayerSpec], directory: str,
                         tp: int, merge: bool = False) -> None:
         """Writes the model held by one replica's actors (per stage, its tp ranks) in its library's

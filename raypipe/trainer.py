@@ -184,7 +184,8 @@ class Trainer:
         root = path or self.config.checkpoint_dir
         if root is None:
             raise ConfigError("Trainer.save needs a path, or TrainConfig.checkpoint_dir set.")
-        meta = checkpoints.run_meta(self.step_count, len(self.specs), self.plan, self.run_name, self.config)
+        meta = checkpoints.run_meta(self.step_count, len(self.specs), self.plan, self.run_name, self.config,
+                                    self.model.identity() if self.config.lora else None)
         return checkpoints.save(self._actors, self.names, root, self.step_count, meta, self.config.keep_checkpoints)
 
     def load(self, path: str, step: int | None = None, log: Callable[[str], None] = print) -> Path:
@@ -196,7 +197,8 @@ class Trainer:
         Raises:
             CheckpointError: nothing valid to restore (missing, truncated, altered files).
         """
-        where, self.step_count = checkpoints.load(self._actors, self.names, path, step, len(self.specs), self.plan, log)
+        where, self.step_count = checkpoints.load(self._actors, self.names, path, step, len(self.specs), self.plan, log,
+                                                  self.model.identity() if self.config.lora else None)
         return where
 
     def evaluate(self, x: torch.Tensor, y: Any) -> float:

@@ -130,3 +130,32 @@ def test_lora_settings_are_checked_with_what_to_give():
 
     assert TrainConfig(lora=LoraConfig(r=2, lora_alpha=4, target_modules=["v_proj"])).lora == {
         "r": 2, "alpha": 4, "dropout": 0.0, "target_modules": ["v_proj"]}
+
+
+@pytest.mark.slow
+def test_a_lora_checkpoint_holds_adapters_only_and_resumes_at_another_pp(ray_session, saved, tmp_path):
+    import json
+
+    directory = saved["llama"]
+    config = TrainConfig(pp=2, microbatches=2, optimizer=SGD, lora=lora("llama"), cpus_per_actor=0.25,
+                         threads_per_actor=1, seed=4)
+    with Trainer(hf.from_pretrained(directory), config=config) as t:
+        uninterrupted = [t.step(*lm_batch(k))["loss"] for k in range(4)]
+    with Trainer(hf.from_pretrained(directory), config=config) as t:
+        for k in range(2):
+            t.step(*lm_batch(k))
+        where = t.save(str(tmp_path / "ckpt"))
+    from raypipe import checkpoint as ckpt
+
+    meta = json.loads((where / ckpt.META).read_text())
+    assert meta["base"]["path"] == directory and len(meta["base"]["hash"]) == 16
+    held = [k for f in where.glob("model/*.pt") for k in torch.load(f)]
+    assert held and all(".lora_" in k for k in held)  # adapters only: the base stays in its directory
+    with Trainer(hf.from_pretrained(directory), config=config.replace(pp=3)) as t:
+        t.load(str(where))
+        resumed = [t.step(*lm_batch(k))["loss"] for k in range(2, 4)]
+    assert resumed == pytest.approx(uninterrupted[2:], rel=1e-5)
+    other = save_tiny("llama", str(tmp_path / "other"), seed=1)
+    with Trainer(hf.from_pretrained(other), config=config) as t:
+        with pytest.raises(Exception, match="was saved by a run on base .* but this trainer's is"):
+            t.load(str(where))

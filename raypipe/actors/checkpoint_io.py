@@ -41,7 +41,7 @@ def save_stage(model: StageModel, optim: OptimizerState, directory: str, stage: 
     nothing = {"files": {}, "loss_scaler": optim.scaler_state()}
     if optim.dp_rank != 0:  # replicas hold the same weights; replica 0 writes them
         return nothing
-    models = {index: layer.state_dict() for index, layer in zip(model.layers, model.module)}
+    models = {index: _saved(layer.state_dict(), model.lora) for index, layer in zip(model.layers, model.module)}
     if model.tp.size > 1:  # tp rank 0 merges the shards: checkpoints hold whole tensors
         models, states = _merge_tp_shards(model, models, states, tp_ranks)
         if model.tp.rank != 0:
@@ -77,7 +77,7 @@ def load_stage(model: StageModel, optim: OptimizerState, directory: str, stage: 
         for j, (index, layer) in enumerate(zip(model.layers, model.module)):
             weights = ckpt.load_tensors(root / ckpt.layer_file("model", index))
             local = model.shard_state({f"{j}.{k}": v for k, v in weights.items()})
-            layer.load_state_dict({k[len(f"{j}.") :]: v for k, v in local.items()})
+            _load_layer(layer, {k[len(f"{j}.") :]: v for k, v in local.items()}, model.lora)
             state = ckpt.load_tensors(root / ckpt.layer_file("optim", index))
             if optimizer is not None:
                 stepped = {p for group in optimizer.param_groups for p in group["params"]}
@@ -99,6 +99,27 @@ def load_stage(model: StageModel, optim: OptimizerState, directory: str, stage: 
         raise StageError(f"{name} could not load {directory}: {type(error).__name__}: {error}") from error
     optim.restore_scaler(loss_scaler)
     optim.sync_masters()  # bf16 weights' masters restart from the saved (bf16) weights
+
+
+def _saved(state: dict[str, torch.Tensor], lora: bool) -> dict[str, torch.Tensor]:
+    """What a layer's checkpoint file holds: its whole state, or in a LoRA run its adapters only
+    (the frozen base is the model directory's, which the manifest identifies)."""
+    from raypipe.lora import is_adapter
+
+    return {k: v for k, v in state.items() if is_adapter(k)} if lora else state
+
+
+def _load_layer(layer: torch.nn.Module, state: dict[str, torch.Tensor], lora: bool) -> None:
+    """Loads a layer's checkpoint file: everything, or in a LoRA run exactly its adapters."""
+    if not lora:
+        layer.load_state_dict(state)
+        return
+    from raypipe.lora import is_adapter
+
+    expected = {k for k in layer.state_dict() if is_adapter(k)}
+    if set(state) != expected:
+        raise StageError(f"the checkpoint's adapters {sorted(state)[:2]} are not this layer's {sorted(expected)[:2]}")
+    layer.load_state_dict(state, strict=False)
 
 
 def _merge_tp_shards(model: StageModel, models: dict[int, dict], states: dict[int, dict],

@@ -36,6 +36,7 @@ class StageModel:
                  tp: TensorParallelGroup, tied: Sequence[Sequence[str]] = (), lora: dict | None = None) -> None:
         self.start, self.device, self.tp = start, device, tp
         self.module = nn.Sequential(*[self._build(spec, seed, start + j) for j, spec in enumerate(specs)])
+        self.lora = lora is not None
         if lora is not None:  # adapters under a seed per layer, then everything else frozen
             from raypipe import lora as lora_
 

@@ -13,9 +13,12 @@ from raypipe import checkpoint as ckpt
 from raypipe.runtime.results import gather
 
 
-def run_meta(step: int, num_layers: int, plan: Sequence[Sequence[int]], run: str, config: Any) -> dict[str, Any]:
-    """What a checkpoint's manifest says about the run beside the files."""
+def run_meta(step: int, num_layers: int, plan: Sequence[Sequence[int]], run: str, config: Any,
+             base: Any = None) -> dict[str, Any]:
+    """What a checkpoint's manifest says about the run beside the files; `base`: in a LoRA run,
+    the identity of the frozen base model its adapters belong to (`raypipe.model.Model.identity`)."""
     return {
+        "base": base,
         "step": step,
         "data_position": step,  # batches are a function of the step
         "num_layers": num_layers,
@@ -42,14 +45,15 @@ def save(actors: Sequence[Any], names: Sequence[str], root: str, step: int, meta
 
 
 def load(actors: Sequence[Any], names: Sequence[str], path: str, step: int | None, num_layers: int,
-         plan: Sequence[tuple[int, int]], log: Callable[[str], None]) -> tuple[Path, int]:
+         plan: Sequence[tuple[int, int]], log: Callable[[str], None], base: Any = None) -> tuple[Path, int]:
     """Restores a checkpoint saved by any topology into every actor.
 
     Returns:
         (the checkpoint directory, the step it holds).
 
     Raises:
-        CheckpointError: nothing valid to restore, or a model of another size.
+        CheckpointError: nothing valid to restore, a model of another size, or (`base`: a LoRA
+            run's base identity) adapters that belong to another base, or none where some are due.
     """
     if step is not None:
         where, meta = ckpt.find_valid(path, step=step, warn=log)
@@ -57,6 +61,12 @@ def load(actors: Sequence[Any], names: Sequence[str], path: str, step: int | Non
         where, meta = ckpt.resolve(path, warn=log)
     if meta["num_layers"] != num_layers:
         raise ckpt.CheckpointError(f"{where} holds a {meta['num_layers']}-layer model; this trainer has {num_layers} layers.")
+    if meta.get("base") != base:
+        raise ckpt.CheckpointError(
+            f"{where} was saved by a run on base {meta.get('base')}, but this trainer's is {base}: a LoRA "
+            f"checkpoint holds adapters only, which fit only the base they were trained on (and a full "
+            f"checkpoint does not load into a LoRA run). Load it with that base model and TrainConfig.lora."
+        )
     same_split = meta["plan"] == [list(r) for r in plan]
     gather([a.load_checkpoint.remote(str(where), meta["loss_scaler"], same_split) for a in actors],
            "load", actors, names)

@@ -39,6 +39,27 @@ class HFModel(Model):
     source: str | None
     dtype: str
 
+    def identity(self) -> dict[str, Any]:
+        """The base model a LoRA run's adapters belong to: its directory, and a hash of its
+        config.json and of every safetensors file's size and header (tensor names, dtypes,
+        shapes, offsets). Reading the header only keeps this cheap for a model of many GB;
+        two directories whose weights differ but whose files have the same layout would hash
+        alike, so the path is kept too."""
+        if self.source is None:
+            return {**super().identity(), "dtype": self.dtype}
+        import glob
+        import hashlib
+        import struct
+
+        digest = hashlib.sha256()
+        with open(os.path.join(self.source, "config.json"), "rb") as f:
+            digest.update(f.read())
+        for path in sorted(glob.glob(os.path.join(self.source, "*.safetensors"))):
+            with open(path, "rb") as f:
+                (length,) = struct.unpack("<Q", f.read(8))
+                digest.update(f"{os.path.basename(path)}:{os.path.getsize(path)}".encode() + f.read(length))
+        return {"path": self.source, "hash": digest.hexdigest()[:16], "dtype": self.dtype}
+
 
 def from_pretrained(path: str, dtype: str = "fp32", attn_implementation: str = "sdpa") -> HFModel:
     """A model from a local transformers model directory (config.json and safetensors weights).
