@@ -25,7 +25,7 @@ from raypipe.errors import ConfigError, RaypipeError
 from raypipe.models.registry import JobModel, job_model
 from raypipe.progress import Progress
 
-DATA_SOURCES = ("stdlib", "bin", "text")
+DATA_SOURCES = ("stdlib", "bin", "text", "sft")
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,10 @@ class DataConfig:
 
     Attributes:
         source: "stdlib" (the Python standard library's source, built locally),
-            "bin" (a uint16 token file at `path`) or "text" (text files in `paths`).
+            "bin" (a uint16 token file at `path`), "text" (text files in `paths`) or "sft"
+            (prompt/response examples from the JSONL file at `path`, or without one the
+            stdlib's function signatures and docstrings: `raypipe.data.sft`).
+        pack: for "sft", pack several examples into each row (positions restart per example).
         max_bytes: how much stdlib source to use.
         path: the token file for source "bin".
         paths: text files for source "text".
@@ -46,6 +49,7 @@ class DataConfig:
     path: str | None = None
     paths: tuple[str, ...] = ()
     val_fraction: float = 0.05
+    pack: bool = False
 
     def __post_init__(self) -> None:
         if self.source not in DATA_SOURCES:
@@ -61,7 +65,12 @@ class DataConfig:
             raise ConfigError(f"data.val_fraction={self.val_fraction!r} is invalid: give a number in [0, 1).")
         object.__setattr__(self, "paths", tuple(self.paths))
 
-    def dataset(self, block_size: int) -> TokenDataset:
+    def dataset(self, block_size: int, tokenizer: Any = None) -> Any:
+        if self.source == "sft":
+            from raypipe.data.sft import SFTDataset, read_jsonl, stdlib_docstrings
+
+            records = read_jsonl(self.path) if self.path else stdlib_docstrings(max_bytes=self.max_bytes)
+            return SFTDataset.from_records(records, tokenizer, block_size, self.pack)
         if self.source == "stdlib":
             return TokenDataset.from_bin(stdlib_corpus(self.max_bytes), block_size)
         if self.source == "bin":
@@ -84,6 +93,9 @@ class JobSettings:
             either way, and only those where no one watches a terminal (`ray job submit`).
         save_pretrained: a directory to export the trained model to in its library's format
             (transformers models; `Trainer.save_pretrained`), or None.
+        prompt: the text samples continue; sample_before: also sample before training.
+        save_adapter: in a LoRA run, a directory for the adapters in peft's format (and
+            save_pretrained then writes the model with the adapters merged in).
     """
 
     steps: int = 200
@@ -94,12 +106,15 @@ class JobSettings:
     sample_tokens: int = 200
     progress: bool = True
     save_pretrained: str | None = None
+    prompt: str = "def "
+    sample_before: bool = False
+    save_adapter: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.progress, bool):
             raise ConfigError(f"job.progress={self.progress!r} is invalid: give true or false.")
         for f in dataclasses.fields(self):
-            if f.name in ("progress", "save_pretrained"):
+            if f.name in ("progress", "save_pretrained", "prompt", "sample_before", "save_adapter"):
                 continue
             minimum = 1 if f.name in ("steps", "batch_size", "log_every", "eval_batches") else 0
             check_whole_number(f"job.{f.name}", getattr(self, f.name), minimum)
@@ -160,12 +175,12 @@ def run(
         raise ConfigError("resuming needs checkpoint_dir in the config (or --set checkpoint_dir=PATH).")
     if resume or resume_step is not None:  # fail before any actor starts
         ckpt.find_valid(train.checkpoint_dir, step=resume_step, warn=lambda _: None)
-    dataset = config.data.dataset(model.block_size)
+    dataset = config.data.dataset(model.block_size, model.tokenizer() if config.data.source == "sft" else None)
     train_set, val_set = dataset.split(config.data.val_fraction) if config.data.val_fraction else (dataset, None)
 
-    def batch(data: TokenDataset, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(data: Any, k: int, seed: int) -> tuple[Any, torch.Tensor]:
         x, y = data.batch(k, job.batch_size, seed=seed)
-        return x, model.targets(x, y)
+        return (x, model.targets(x, y)) if isinstance(data, TokenDataset) else (x, y)  # SFT: labels as given
 
     log(
         f"raypipe: {model.describe()}; "
@@ -201,6 +216,8 @@ def run(
             log(f"resumed from {where} at step {trainer.step_count}")
         validation = (lambda: _validation_loss(trainer, lambda k: batch(val_set, k, 12345), job)) if val_set else None
         first_val = validation() if validation else None
+        if job.sample_before and job.sample_tokens:
+            log("sample before training:\n" + _sample(trainer, config))
         if first_val is not None:
             log(f"step {trainer.step_count:4d} | val loss {first_val:.4f}")
         started = time.perf_counter()
@@ -225,8 +242,12 @@ def run(
         if last_val is not None:
             log(f"step {job.steps:4d} | val loss {last_val:.4f}")
         sample = _sample(trainer, config) if job.sample_tokens else None
+        if job.save_adapter:
+            log(f"saved the adapters (peft's format) to {trainer.save_adapter(job.save_adapter)}")
         if job.save_pretrained:
-            log(f"saved the trained model to {trainer.save_pretrained(job.save_pretrained)}")
+            merged = trainer.save_pretrained(job.save_pretrained, merge_adapters=train.lora is not None)
+            model.save_tokenizer(job.save_pretrained)
+            log(f"saved the trained model{' (adapters merged)' if train.lora else ''} to {merged}")
     if losses:
         head = sum(losses[:10]) / len(losses[:10])
         tail = sum(losses[-10:]) / len(losses[-10:])
@@ -250,12 +271,14 @@ def _sample(trainer: Any, config: JobConfig) -> str:
     """Text sampled from the trained model, one pipeline pass per new token."""
     from raypipe.data import ByteTokenizer
 
-    tokenizer = ByteTokenizer()
     generator = torch.Generator().manual_seed(config.train.seed)
-    idx = torch.tensor([tokenizer.encode("def ")], dtype=torch.long)
     if trainer.model.kv_cache:  # each new token through the pipeline alone, against per-stage KV caches
+        tokenizer = config.model.tokenizer()
+        idx = torch.tensor([tokenizer.encode(config.job.prompt, add_special_tokens=False)], dtype=torch.long)
         new = min(config.job.sample_tokens, config.model.block_size - idx.shape[1])
         return tokenizer.decode(trainer.generate(idx, new, temperature=0.8, seed=config.train.seed)[0].tolist())
+    tokenizer = ByteTokenizer()
+    idx = torch.tensor([tokenizer.encode(config.job.prompt)], dtype=torch.long)
     for _ in range(config.job.sample_tokens):
         logits = trainer.predict(idx[:, -config.model.block_size :])[:, -1, :] / 0.8
         idx = torch.cat([idx, torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)], dim=1)

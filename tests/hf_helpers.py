@@ -16,11 +16,11 @@ def tiny_config(kind: str, **overrides):
     from transformers import GPT2Config, LlamaConfig
 
     if kind == "gpt2":
-        return GPT2Config(n_embd=16, n_layer=4, n_head=2, vocab_size=VOCAB, n_positions=32, embd_pdrop=0.0,
-                          attn_pdrop=0.0, resid_pdrop=0.0, bos_token_id=0, eos_token_id=None, **overrides)
-    return LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
-                       num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=32, bos_token_id=0,
-                       eos_token_id=None, pad_token_id=None, **overrides)
+        return GPT2Config(**{**dict(n_embd=16, n_layer=4, n_head=2, vocab_size=VOCAB, n_positions=32, embd_pdrop=0.0,
+                                    attn_pdrop=0.0, resid_pdrop=0.0, bos_token_id=0, eos_token_id=None), **overrides})
+    return LlamaConfig(**{**dict(hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+                                 num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=32, bos_token_id=0,
+                                 eos_token_id=None, pad_token_id=None), **overrides})
 
 
 def save_tiny(kind: str, directory: str, seed: int = 0, **overrides) -> str:

@@ -37,6 +37,16 @@ class JobModel:
         """The next tokens `y` (the GPT's loss takes them); a transformers loss shifts `x` itself."""
         return y
 
+    def tokenizer(self) -> Any:
+        """The tokenizer of the model's data (raypipe's bytes, as a transformers tokenizer)."""
+        from raypipe.data.hf_tokenizer import byte_tokenizer
+
+        return byte_tokenizer()
+
+    def save_tokenizer(self, directory: str) -> None:
+        """Saves the tokenizer beside an exported model, so `AutoTokenizer` loads it from there."""
+        self.tokenizer().save_pretrained(directory)
+
 
 @dataclass(frozen=True)
 class GPTModel(JobModel):
@@ -94,6 +104,17 @@ class HFModelSection(JobModel):
 
     def targets(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return x
+
+    def tokenizer(self) -> Any:
+        """The model directory's own tokenizer when it has one, else raypipe's byte tokenizer."""
+        import os
+
+        if isinstance(self.hf, str) and any(os.path.exists(os.path.join(self.hf, f))
+                                            for f in ("tokenizer.json", "tokenizer_config.json")):
+            from transformers import AutoTokenizer
+
+            return AutoTokenizer.from_pretrained(self.hf)
+        return super().tokenizer()
 
 
 def job_model(values: Mapping[str, Any] | None) -> JobModel:
