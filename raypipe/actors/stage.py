@@ -122,6 +122,8 @@ class StageActor(RefsCalls):
             "shm_peers": list(self.shm_peers),
             "agrees_through_pipes": self.agrees_through_pipes,
             "parameter_bytes": self.model.parameter_bytes(),
+            "trainable_parameters": sum(p.numel() for p in self.model.trainable()),
+            "gradient_bytes": sum(g.numel() * g.element_size() for g in self.model.grads()),
             "optimizer_state_bytes": self.optim.state_bytes(),
         }
 
