@@ -231,6 +231,8 @@ class TrainConfig:
             no such device (tests and demos); the actor reports that it did.
         lora: low-rank adapters through peft, `{"r", "alpha", "dropout", "target_modules"}` or a
             `peft.LoraConfig` (`raypipe.lora`): the base weights are frozen, only adapters train.
+        quantize: QLoRA: "nf4" or "int8" stores the frozen base's linears through bitsandbytes
+            (cpu, cuda, rocm stages), or one entry per stage (null keeps a stage's dtype).
     """
 
     pp: int = 1
@@ -267,6 +269,7 @@ class TrainConfig:
     gpus_per_actor: float = 1.0
     allow_cpu_fallback: bool = False
     lora: dict | None = None
+    quantize: str | list | None = None
 
     def __post_init__(self) -> None:
         _check_int("pp", self.pp, 1)
@@ -319,6 +322,7 @@ class TrainConfig:
         if self.log_dir is not None and (not isinstance(self.log_dir, str) or not self.log_dir):
             raise _fail("log_dir", self.log_dir, "give a directory path or null.")
         self.lora = lora.check(self.lora, self.tp)
+        self.quantize = lora.check_quantize(self.quantize, self.lora, self.stage_kinds())
 
     def stage_kinds(self) -> list[str]:
         """The accelerator kind of each stage (`devices` given once for all, or per stage)."""

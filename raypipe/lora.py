@@ -4,7 +4,7 @@ Each stage actor injects peft's LoRA layers into the layers it builds (`apply`),
 building them, under a seed of its own per layer, so the adapters start the same however the
 model is split. The base weights are frozen: only the adapters get gradients, optimizer
 state, the dp all-reduce and ZeRO shares. Adapters leave and enter in peft's own format
-(`Trainer.save_adapter`, `load_adapter`); `merged_state` folds them into the base weights
+(`Trainer.save_adapter`, `load_adapter`); `dense_state` folds them into the base weights
 for `save_pretrained(merge_adapters=True)`.
 """
 
@@ -63,13 +63,87 @@ def peft_config(lora: dict[str, Any]) -> Any:
                       target_modules=list(lora["target_modules"]), task_type="CAUSAL_LM")
 
 
-def apply(module: nn.Sequential, lora: dict[str, Any], seeds: list[int]) -> None:
+QUANTIZE = ("nf4", "int8")
+QUANTIZE_KINDS = {"cpu", "cuda", "rocm"}  # where bitsandbytes has kernels (its CPU backend since 0.45)
+
+
+def check_quantize(value: Any, lora_config: dict | None, kinds: list[str]) -> list[str | None] | None:
+    """`TrainConfig.quantize` as one entry per stage (None: that stage keeps its dtype), checked
+    against LoRA and each stage's device kind.
+
+    Raises:
+        ConfigError: naming the stage, its device kind and the options that work there.
+    """
+    if value is None:
+        return None
+    per_stage = [value] * len(kinds) if isinstance(value, str) else list(value)
+    if len(per_stage) != len(kinds):
+        raise ConfigError(f"quantize={value!r} has {len(per_stage)} entries but pp={len(kinds)}: give one per stage.")
+    if lora_config is None:
+        raise ConfigError(f"quantize={value!r} stores a frozen base in fewer bits, which only LoRA leaves frozen: "
+                          f"set TrainConfig.lora too (QLoRA), or use hf.from_pretrained(..., dtype='bf16').")
+    for stage, (q, kind) in enumerate(zip(per_stage, kinds)):
+        if q is not None and q not in QUANTIZE:
+            raise ConfigError(f"quantize[{stage}]={q!r} is invalid: give one of {list(QUANTIZE)} or null.")
+        if q is not None and kind not in QUANTIZE_KINDS:
+            raise ConfigError(
+                f"stage {stage} runs on {kind}, where bitsandbytes has no {q} kernels: give that stage null "
+                f"(e.g. quantize: [nf4, null]) and load the base in bf16 (hf.from_pretrained(dtype='bf16')); "
+                f"{q} works on {sorted(QUANTIZE_KINDS)} stages."
+            )
+    return per_stage
+
+
+def quantize(layer: nn.Module, kind: str) -> None:
+    """Replaces every linear of `layer` with bitsandbytes' 4-bit (NF4) or 8-bit twin holding the same
+    weights, frozen (QLoRA's base). Computation stays in the weights' original dtype."""
+    import bitsandbytes as bnb
+
+    for name, child in list(layer.named_modules()):
+        if type(child) is not nn.Linear:
+            continue
+        dtype = child.weight.dtype
+        if kind == "nf4":
+            new = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
+                                    compute_dtype=dtype, quant_type="nf4")
+            new.weight = bnb.nn.Params4bit(child.weight.data.clone(), requires_grad=False, quant_type="nf4")
+            # on a CPU with AVX-512 bf16, bitsandbytes repacks the weight on the first forward in eval
+            # mode, for good, and computes differently from then on (0.01 apart here): keep one path
+            new.support_avx512bf16_for_cpu = False
+        else:
+            new = bnb.nn.Linear8bitLt(child.in_features, child.out_features, bias=child.bias is not None,
+                                      has_fp16_weights=False)
+            new.weight = bnb.nn.Int8Params(child.weight.data.clone(), requires_grad=False, has_fp16_weights=False)
+        if child.bias is not None:
+            new.bias = nn.Parameter(child.bias.data.clone(), requires_grad=False)
+        parent, _, attr = name.rpartition(".")
+        setattr(layer.get_submodule(parent) if parent else layer, attr, new.to(child.weight.device))
+
+
+def dense_weight(module: nn.Module) -> torch.Tensor:
+    """A linear's weight as a dense tensor: bitsandbytes' quantized ones dequantized."""
+    weight = module.weight
+    if type(weight).__name__ == "Params4bit":
+        import bitsandbytes.functional as bnbf
+
+        return bnbf.dequantize_4bit(weight.data, weight.quant_state).to(getattr(module, "compute_dtype", None) or torch.float32)
+    if type(weight).__name__ == "Int8Params":  # row scales: on the weight until a forward moves them to the state
+        scales = weight.SCB if weight.SCB is not None else module.state.SCB
+        return weight.data.float() * scales.float().unsqueeze(1) / 127.0
+    return weight
+
+
+def apply(module: nn.Sequential, lora: dict[str, Any], seeds: list[int], quantized: str | None = None) -> None:
     """Injects LoRA adapters into every layer of `module` holding a target (layer j's under
-    `seeds[j]`), then freezes everything but the adapters."""
+    `seeds[j]`), after storing the layers' linears in `quantized` bits ("nf4", "int8") when
+    given, then freezes everything but the adapters."""
     from peft import inject_adapter_in_model
 
     config = peft_config(lora)
     targets = set(lora["target_modules"])
+    for layer in module if quantized else []:
+        if not hasattr(layer, "lm_head"):  # QLoRA keeps the head in full precision
+            quantize(layer, quantized)
     for layer, seed in zip(module, seeds):
         if not any(name.rpartition(".")[2] in targets for name, _ in layer.named_modules()):
             continue
@@ -89,19 +163,28 @@ def base_key(key: str) -> str:
     return key.replace(".base_layer.", ".")
 
 
-def merged_state(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The layers' weights with every adapter folded into its base weight, under the base keys."""
+def dense_state(module: nn.Module, merge: bool) -> dict[str, torch.Tensor]:
+    """The layers' base weights under the base keys, quantized ones dequantized (their statistics
+    left out), with every adapter folded in when `merge`: what a transformers directory holds."""
     from peft.tuners.lora import LoraLayer
 
-    merged = {}
+    dense: dict[str, torch.Tensor] = {}  # module path -> its dense weight
     for name, sub in module.named_modules():
         if isinstance(sub, LoraLayer):
-            base = sub.get_base_layer()
-            merged[f"{name}.weight"] = (base.weight + sub.get_delta_weight(ADAPTER)).detach().clone()
+            weight = dense_weight(sub.get_base_layer())
+            dense[name] = weight + sub.get_delta_weight(ADAPTER).to(weight.dtype) if merge else weight
+        elif type(getattr(sub, "weight", None)).__name__ in ("Params4bit", "Int8Params"):
+            dense.setdefault(base_key(name + ".").rstrip("."), dense_weight(sub))
     state = {}
     for key, value in module.state_dict().items():
         if is_adapter(key):
             continue
         key = base_key(key)
-        state[key] = merged.get(key, value.detach().clone())
+        owner = next((m for m in dense if key.startswith(m + ".")), None)
+        if owner is None:
+            state[key] = value.detach().clone()
+        elif key == f"{owner}.weight":
+            state[key] = dense[owner].detach().clone()
+        elif key == f"{owner}.bias":
+            state[key] = value.detach().clone()
     return state

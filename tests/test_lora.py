@@ -159,3 +159,59 @@ def test_a_lora_checkpoint_holds_adapters_only_and_resumes_at_another_pp(ray_ses
     with Trainer(hf.from_pretrained(other), config=config) as t:
         with pytest.raises(Exception, match="was saved by a run on base .* but this trainer's is"):
             t.load(str(where))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bits", ["nf4", "int8"])
+def test_qlora_stores_the_base_in_fewer_bits_and_matches_peft_on_the_same_quantized_model(ray_session, saved, tmp_path,
+                                                                                          bits):
+    pytest.importorskip("bitsandbytes")
+    from peft import get_peft_model, set_peft_model_state_dict
+
+    from raypipe.lora import peft_config, quantize
+
+    directory = saved["llama"]
+    config = TrainConfig(pp=2, microbatches=2, optimizer=SGD, lora=lora("llama"), quantize=bits, cpus_per_actor=0.25,
+                         threads_per_actor=1)
+    with Trainer(hf.from_pretrained(directory), config=config) as t:
+        info = t.stage_info()
+        full = sum(p.numel() * 4 for p in load(directory).model.layers.parameters())
+        held = sum(i["parameter_bytes"] for i in info) - 2 * sum(p.numel() * 4 for p in load(directory).model.embed_tokens.parameters())
+        assert held < full / (2 if bits == "nf4" else 1.5)  # the decoder layers' linears in 4 or 8 bits
+        initial = {k: v for k, v in t.state_dict().items() if ".lora_" in k}
+        names = adapters.peft_names(list(initial), hf.from_pretrained(directory).exporter.prefixes(t.specs))
+        losses = [t.step(*lm_batch(k))["loss"] for k in range(3)]
+        final = {names[k]: v for k, v in t.state_dict().items() if k in initial}
+        x, _ = lm_batch(5)
+        predicted = t.predict(x)
+        merged = load(str(t.save_pretrained(str(tmp_path / "merged"), merge_adapters=True)))
+    reference = load(directory)
+    for layer in reference.model.layers:
+        quantize(layer, bits)
+    reference = get_peft_model(reference, peft_config(lora("llama")))
+    set_peft_model_state_dict(reference, {names[k]: v for k, v in initial.items()})
+    opt = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
+    expected = []
+    for k in range(3):
+        opt.zero_grad()
+        loss = reference(**lm_batch(k)[0], labels=lm_batch(k)[1]).loss
+        loss.backward()
+        expected.append(loss.item())
+        opt.step()
+    assert losses == pytest.approx(expected, rel=1e-5)
+    ref_final = {n.replace(".default.", "."): p for n, p in reference.named_parameters() if p.requires_grad}
+    assert_close_dicts(final, ref_final)
+    # the export holds the dequantized base with the adapters merged in; LLM.int8's forward also
+    # rounds the activations to 8 bits, which a dense model does not (0.1% of the logits' scale here)
+    tolerance = 1e-4 if bits == "nf4" else 1e-2
+    with torch.no_grad():
+        torch.testing.assert_close(merged(**x).logits, predicted, rtol=tolerance, atol=tolerance)
+
+
+def test_quantize_is_refused_where_bitsandbytes_has_no_kernels_naming_the_stage():
+    with pytest.raises(ConfigError, match=r"stage 1 runs on mps, where bitsandbytes has no nf4 kernels: .*"
+                                          r"quantize: \[nf4, null\]"):
+        TrainConfig(pp=2, devices=["cuda", "mps"], lora=lora("llama"), quantize="nf4")
+    assert TrainConfig(pp=2, devices=["cuda", "mps"], lora=lora("llama"), quantize=["nf4", None]).quantize == ["nf4", None]
+    with pytest.raises(ConfigError, match="only LoRA leaves frozen"):
+        TrainConfig(quantize="int8")

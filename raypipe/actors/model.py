@@ -33,14 +33,15 @@ class StageModel:
     """
 
     def __init__(self, specs: Sequence[LayerSpec], start: int, seed: int, device: torch.device,
-                 tp: TensorParallelGroup, tied: Sequence[Sequence[str]] = (), lora: dict | None = None) -> None:
+                 tp: TensorParallelGroup, tied: Sequence[Sequence[str]] = (), lora: dict | None = None,
+                 quantize: str | None = None) -> None:
         self.start, self.device, self.tp = start, device, tp
         self.module = nn.Sequential(*[self._build(spec, seed, start + j) for j, spec in enumerate(specs)])
         self.lora = lora is not None
         if lora is not None:  # adapters under a seed per layer, then everything else frozen
             from raypipe import lora as lora_
 
-            lora_.apply(self.module, lora, [layer_seed(seed, start + j) + 1 for j in range(len(specs))])
+            lora_.apply(self.module, lora, [layer_seed(seed, start + j) + 1 for j in range(len(specs))], quantize)
         self.tied = self._tie(tied)
         self.module.to(device)
         self.shard_specs = shard_specs(self.module)
@@ -122,11 +123,11 @@ class StageModel:
     def export_state(self, merge: bool) -> dict[str, torch.Tensor]:
         """This stage's base weights under global keys without peft's wrapping, with the adapters
         folded in when `merge` (what a library's own format holds)."""
-        from raypipe.lora import base_key, is_adapter, merged_state
+        from raypipe.lora import dense_state
 
-        if merge:
-            return {self.global_key(k): v for k, v in merged_state(self.module).items()}
-        return {base_key(k): v for k, v in self.state_dict().items() if not is_adapter(k)}
+        if self.lora:
+            return {self.global_key(k): v for k, v in dense_state(self.module, merge).items()}
+        return self.state_dict()
 
     def gradients(self) -> dict[str, torch.Tensor]:
         """The last step's gradients under global keys (every key of a tied weight); this rank's shards."""

@@ -54,7 +54,8 @@ class StageActor(RefsCalls):
         device_kind: "cpu", "cuda", "rocm" or "mps", what the stage was placed for.
         allow_cpu_fallback: run on the CPU when the node has no such device.
         tied: the model's groups of tied weights' keys (`raypipe.model.Model.tied`).
-        lora: `TrainConfig.lora`: adapters injected into its layers, the rest frozen.
+        lora: `TrainConfig.lora`: adapters injected into its layers, the rest frozen; quantize:
+            this stage's `TrainConfig.quantize` ("nf4", "int8": the frozen linears in fewer bits).
     """
 
     def __init__(
@@ -75,6 +76,7 @@ class StageActor(RefsCalls):
         allow_cpu_fallback: bool = False,
         tied: Sequence[Sequence[str]] = (),
         lora: dict | None = None,
+        quantize: str | None = None,
     ) -> None:
         torch.set_num_threads(threads)
         self.stage, self.num_stages, self.name = stage, num_stages, name
@@ -86,7 +88,7 @@ class StageActor(RefsCalls):
         self.shm_peers: list[int] = []  # neighbours' world ranks linked through shared memory (`join`)
         self.agrees_through_pipes = False  # the step's closing all-reduce: pipes on one node, else gloo (`join`)
         device, self.fallback = resolve_device(name, device_kind, allow_cpu_fallback)
-        self.model = StageModel(specs, start, seed, device, self.tp, tied, lora)
+        self.model = StageModel(specs, start, seed, device, self.tp, tied, lora, quantize)
         torch.manual_seed(seed * 7919 + stage)  # dropout and other in-forward randomness
         self.optim = OptimizerState(self.model, dp_rank, dp_size)
         self.executor = Executor(self.model, stage, self.is_last, loss_fn, lambda: self.optim.loss_scale, name)

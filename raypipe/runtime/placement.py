@@ -53,6 +53,7 @@ def start_actors(config: TrainConfig, topology: Topology, names: Sequence[str], 
                 s, config.pp, list(specs[start:end]), start, config.seed, threads,
                 loss_fn if s == config.pp - 1 else None, name, d, config.dp, t, config.tp,
                 kinds[s], config.allow_cpu_fallback, list(tied), config.lora,
+                config.quantize[s] if config.quantize else None,
             )
         )
     return actors
