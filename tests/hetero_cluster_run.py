@@ -46,6 +46,25 @@ def balance() -> dict:
     return result
 
 
+def lora_job(kinds: dict) -> dict:
+    """The LoRA SFT example job with its stages on a cuda node (4-bit base) and an mps node (bf16
+    has no meaning on a fake mps node's CPU, so fp32): where they landed, and the losses."""
+    import tempfile
+
+    from hf_helpers import save_tiny
+    from raypipe.job import JobConfig, run
+
+    base = save_tiny("llama", tempfile.mkdtemp(prefix="hetero-lora-"), vocab_size=256, hidden_size=64,
+                     intermediate_size=128)
+    overrides = [f"model.hf={base}", "model.block_size=32", "job.steps=3", "job.eval_every=0", "job.eval_batches=1",
+                 "job.batch_size=4", "job.sample_tokens=0", "data.max_bytes=200000", "log_dir=null",
+                 "job.progress=false", "job.save_adapter=null", "job.save_pretrained=null", "devices=[cuda, mps]",
+                 "quantize=[nf4, null]", "allow_cpu_fallback=true", "cpus_per_actor=0.25", "threads_per_actor=1"]
+    lines = []
+    summary = run(JobConfig.from_yaml("examples/configs/lora_sft.yaml", overrides), log=lines.append)
+    return {"losses": summary["losses"], "log": lines}
+
+
 def main() -> None:
     out = {}
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
@@ -73,6 +92,7 @@ def main() -> None:
             out["losses"] = [trainer.step(*batch(k))["loss"] for k in range(3)]
             final = trainer.state_dict()
         out["balance"] = balance()
+        out["lora_job"] = lora_job(kinds)
         ref_losses, _, ref_final = reference_run(
             MLP7, SEED, lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), steps=3, microbatches=2)
         out["ref_losses"] = ref_losses

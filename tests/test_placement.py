@@ -66,3 +66,11 @@ def test_profile_partition_sizes_stages_to_their_device_speed(hetero):
     # measured side by side in one run, so a slower machine slows both; the absolute step time
     # against the ideal is a benchmark's (benchmarks/hetero_balance.py), not a test's
     assert balance["uniform"]["step_time"] >= 1.3 * balance["profile"]["step_time"]
+
+
+def test_the_lora_sft_job_trains_on_a_cuda_node_in_4_bits_and_an_mps_node(hetero):
+    import math
+
+    job = hetero["lora_job"]
+    assert len(job["losses"]) == 3 and all(math.isfinite(v) for v in job["losses"])
+    assert any("pp=2" in line for line in job["log"])
