@@ -5,8 +5,8 @@ A Llama-shaped model (hidden 256, 4 layers, vocabulary 4096) saved with `save_pr
 split in two stages; full fine-tuning trains every weight with AdamW, LoRA (r = 8 on q_proj
 and v_proj, through peft) only the adapters. Both trainers live at once and take their steps
 in turn (`rounds.interleaved`). Memory figures come from the actors after a step
-(`Trainer.stage_info`), checkpoint bytes from the files each stage wrote. QLoRA needs
-bitsandbytes on a GPU and is not measured here.
+(`Trainer.stage_info`), checkpoint bytes from the files each stage wrote. QLoRA (nf4 base
+through bitsandbytes' CPU backend) runs beside them.
 
     python benchmarks/lora_memory.py --rounds 3 --steps 4 --block 3 > lora_memory.json
 """
@@ -56,11 +56,13 @@ def main() -> None:
         return ids, ids
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-    common = dict(pp=2, microbatches=2, optimizer={"name": "adamw", "lr": 1e-4}, cpus_per_actor=0.5, threads_per_actor=1)
+    common = dict(pp=2, microbatches=2, optimizer={"name": "adamw", "lr": 1e-4}, cpus_per_actor=0.3, threads_per_actor=1)
     trainers = {
         "full": Trainer(hf.from_pretrained(directory), config=TrainConfig(**common)),
         "lora": Trainer(hf.from_pretrained(directory), config=TrainConfig(
             **common, lora={"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]})),
+        "qlora": Trainer(hf.from_pretrained(directory), config=TrainConfig(
+            **common, lora={"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}, quantize="nf4")),
     }
     runners = {name: (lambda turn, t=t: [t.step(*batch(turn * args.block + i)) for i in range(args.block)])
                for name, t in trainers.items()}
@@ -90,6 +92,7 @@ def main() -> None:
         "step_seconds_per_round": round_means(per_step),
         "step_seconds_median": {k: statistics.median(s for r in v for s in r) for k, v in per_step.items()},
         "lora_speed_vs_full_median_of_steps": paired_ratio(per_step, "full", "lora"),
+        "qlora_speed_vs_full_median_of_steps": paired_ratio(per_step, "full", "qlora"),
     }, indent=2))
 
 
