@@ -53,13 +53,16 @@ def lm_batch(k: int, size: int = 8, length: int = 10):
 
 
 def hf_reference(directory: str, steps: int = 3, lr: float = 0.05, momentum: float = 0.9, data=lm_batch,
-                 bf16: bool = False):
+                 bf16: bool = False, prepare=None):
     """The transformers model trained in one process on whole batches: every step's loss, the first
-    step's gradients and the final state dict, keyed by transformers' names. With `bf16` the
-    model is stored in bfloat16 and (fused) SGD steps fp32 master copies of its weights."""
+    step's gradients and the final state dict, keyed by transformers' names (`.default.` of peft's
+    adapters dropped). With `bf16` the model is stored in bfloat16 and (fused) SGD steps fp32
+    master copies of its weights; `prepare(model)` returns the model to train (peft's, say),
+    whose weights that need no gradient stay as they are."""
     model = load(directory).to(torch.bfloat16 if bf16 else torch.float32)
+    model = prepare(model) if prepare is not None else model
     model.train()
-    params = list(model.parameters())
+    params = [p for p in model.parameters() if p.requires_grad]
     masters = [p.detach().float().clone() for p in params] if bf16 else params
     opt = torch.optim.SGD(masters, lr=lr, momentum=momentum, **({"fused": True} if bf16 else {}))
     losses, grads = [], None
@@ -70,14 +73,30 @@ def hf_reference(directory: str, steps: int = 3, lr: float = 0.05, momentum: flo
         loss.backward()
         losses.append(loss.item())
         if grads is None:
-            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+            grads = {n.replace(".default.", "."): p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
         for p, master in zip(params, masters) if bf16 else ():
             master.grad = p.grad.float()
         opt.step()
         with torch.no_grad():
             for p, master in zip(params, masters) if bf16 else ():
                 p.copy_(master)
-    return losses, grads, model.state_dict()
+    return losses, grads, {k.replace(".default.", "."): v for k, v in model.state_dict().items()}
+
+
+def run_schedules(trainer, start: dict, steps: int = 3, data=lm_batch):
+    """Per schedule (1F1B, GPipe), from the weights `start` with fresh optimizer state: the losses of
+    `steps` steps, the first step's gradients and the final state dict."""
+    out = {}
+    for schedule in ("1f1b", "gpipe"):
+        trainer.reconfigure(schedule=schedule)
+        trainer.reset_optimizer()
+        trainer.load_state_dict(start)
+        losses, grads = [], None
+        for k in range(steps):
+            losses.append(trainer.step(*data(k))["loss"])
+            grads = grads if grads is not None else trainer.gradients()
+        out[schedule] = losses, grads, trainer.state_dict()
+    return out
 
 
 def by_hf_name(values: dict, names: dict) -> dict:

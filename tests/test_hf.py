@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from helpers import assert_close_dicts
-from hf_helpers import by_hf_name, hf_reference, lm_batch, load, save_tiny
+from hf_helpers import by_hf_name, hf_reference, lm_batch, load, run_schedules, save_tiny
 from raypipe import TrainConfig, Trainer
 from raypipe.models import hf
 
@@ -30,20 +30,12 @@ def saved(tmp_path_factory):
 
 def check_parity(trainer, reference, names):
     ref_losses, ref_grads, ref_final = reference
-    initial = trainer.state_dict()
-    for schedule in ("1f1b", "gpipe"):
-        trainer.reconfigure(schedule=schedule)
-        trainer.reset_optimizer()
-        trainer.load_state_dict(initial)
-        losses = []
-        for k in range(3):
-            losses.append(trainer.step(*lm_batch(k))["loss"])
-            if k == 0:
-                grads = by_hf_name(trainer.gradients(), names)
-                assert_close_dicts(grads, {n: ref_grads[n] for n in grads})
-                assert set(grads) == set(ref_grads), sorted(set(ref_grads) ^ set(grads))
+    for losses, grads, final in run_schedules(trainer, trainer.state_dict()).values():
+        grads = by_hf_name(grads, names)
+        assert_close_dicts(grads, {n: ref_grads[n] for n in grads})
+        assert set(grads) == set(ref_grads), sorted(set(ref_grads) ^ set(grads))
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=4e-5)
-        final = by_hf_name(trainer.state_dict(), names)
+        final = by_hf_name(final, names)
         assert_close_dicts(final, {n: ref_final[n] for n in final})
 
 

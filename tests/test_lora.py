@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from helpers import assert_close_dicts
-from hf_helpers import load, lm_batch, save_tiny
+from hf_helpers import hf_reference, load, lm_batch, run_schedules, save_tiny
 from raypipe import ConfigError, TrainConfig, Trainer
 from raypipe.models import hf
 from raypipe.models.hf import adapters
@@ -28,33 +28,24 @@ def saved(tmp_path_factory):
     return {kind: save_tiny(kind, str(tmp_path_factory.mktemp(kind))) for kind in ("llama", "gpt2")}
 
 
-def peft_reference(directory, kind, initial, steps=3):
-    """peft's LoRA on the one-process transformers model, starting from raypipe's initial adapters."""
+def peft_reference(directory, kind, initial):
+    """peft's LoRA on the one-process transformers model, from raypipe's initial adapters: losses,
+    the adapters' first gradients and final weights under peft's saved names."""
     import warnings
 
     from peft import get_peft_model, set_peft_model_state_dict
 
     from raypipe.lora import peft_config
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # GPT-2's Conv1D: peft notes fan_in_fan_out
-        model = get_peft_model(load(directory), peft_config(lora(kind)))
-    set_peft_model_state_dict(model, initial)
-    model.train()
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.SGD(trainable, lr=0.05, momentum=0.9)
-    losses, grads = [], None
-    for k in range(steps):
-        x, labels = lm_batch(k)
-        opt.zero_grad()
-        loss = model(**x, labels=labels).loss
-        loss.backward()
-        losses.append(loss.item())
-        grads = grads or {n.replace(".default.", "."): p.grad.clone() for n, p in model.named_parameters()
-                          if p.requires_grad}
-        opt.step()
-    final = {n.replace(".default.", "."): p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-    return losses, grads, final
+    def prepare(model):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # GPT-2's Conv1D: peft notes fan_in_fan_out
+            model = get_peft_model(model, peft_config(lora(kind)))
+        set_peft_model_state_dict(model, initial)
+        return model
+
+    losses, grads, final = hf_reference(directory, prepare=prepare)
+    return losses, grads, {k: v for k, v in final.items() if ".lora_" in k}
 
 
 CASES = [("llama", 1, 1), ("llama", 2, 1), ("llama", 3, 1), ("gpt2", 2, 2)]
@@ -73,19 +64,10 @@ def test_lora_matches_peft_in_one_process_and_leaves_the_base_untouched(ray_sess
         names = adapters.peft_names(list(initial), prefixes)
         reference = peft_reference(saved[kind], kind, {names[k]: v for k, v in initial.items()})
         assert all(i["optimizer_state_bytes"] == 0 for i in t.stage_info())  # nothing stepped yet
-        for schedule in ("1f1b", "gpipe"):
-            t.reconfigure(schedule=schedule)
-            t.reset_optimizer()
-            t.load_state_dict(start)
-            losses = []
-            for k in range(3):
-                losses.append(t.step(*lm_batch(k))["loss"])
-                if k == 0:
-                    grads = t.gradients()
-                    assert set(grads) == set(initial)  # only adapters have gradients
-                    assert_close_dicts({names[k]: v for k, v in grads.items()}, reference[1])
+        for losses, grads, final in run_schedules(t, start).values():
+            assert set(grads) == set(initial)  # only adapters have gradients
+            assert_close_dicts({names[k]: v for k, v in grads.items()}, reference[1])
             torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference[0]), rtol=1e-5, atol=4e-5)
-            final = t.state_dict()
             assert_close_dicts({names[k]: final[k] for k in initial}, reference[2])
             assert all(torch.equal(final[k], v) for k, v in start.items() if k not in initial)  # base bit-identical
 

@@ -7,7 +7,6 @@ import copy
 
 import pytest
 import torch
-from torch import nn
 
 from helpers import ChainModel, assert_close_dicts, chain_loss
 from raypipe import ConfigError, TrainConfig, Trainer
