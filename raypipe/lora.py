@@ -41,9 +41,9 @@ def check(value: Any, tp: int) -> dict[str, Any] | None:
     out = {**FIELDS, **value}
     if not isinstance(out["r"], int) or isinstance(out["r"], bool) or out["r"] < 1:
         raise ConfigError(f"lora.r={out['r']!r} is invalid: give the adapters' rank, a whole number >= 1.")
-    if not isinstance(out["alpha"], (int, float)) or out["alpha"] <= 0:
+    if not isinstance(out["alpha"], (int, float)) or isinstance(out["alpha"], bool) or out["alpha"] <= 0:
         raise ConfigError(f"lora.alpha={out['alpha']!r} is invalid: give a positive number (the scale is alpha / r).")
-    if not isinstance(out["dropout"], (int, float)) or not 0 <= out["dropout"] < 1:
+    if not isinstance(out["dropout"], (int, float)) or isinstance(out["dropout"], bool) or not 0 <= out["dropout"] < 1:
         raise ConfigError(f"lora.dropout={out['dropout']!r} is invalid: give a number in [0, 1).")
     targets = out["target_modules"]
     if not targets or not isinstance(targets, (list, tuple)) or not all(isinstance(t, str) for t in targets):
@@ -76,6 +76,8 @@ def check_quantize(value: Any, lora_config: dict | None, kinds: list[str]) -> li
     """
     if value is None:
         return None
+    if not isinstance(value, (str, list, tuple)):
+        raise ConfigError(f"quantize={value!r} is invalid: give 'nf4', 'int8', one of them (or null) per stage, or null.")
     per_stage = [value] * len(kinds) if isinstance(value, str) else list(value)
     if len(per_stage) != len(kinds):
         raise ConfigError(f"quantize={value!r} has {len(per_stage)} entries but pp={len(kinds)}: give one per stage.")
