@@ -20,7 +20,7 @@ from raypipe.actors.memory import count_saved_bytes
 from raypipe.actors.model import StageModel
 from raypipe.actors.settings import StageSettings
 from raypipe.errors import StageError
-from raypipe.runtime.transport.tree import map_tensors, tensors
+from raypipe.runtime.transport.tree import leaves, map_tensors, tensors
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -115,7 +115,7 @@ class Executor:
                 if out.requires_grad:
                     torch.autograd.backward(out)
             else:
-                pairs = [(o, g.to(o.device, o.dtype)) for o, g in zip(_leaves(out), _leaves(grad))
+                pairs = [(o, g.to(o.device, o.dtype)) for o, g in zip(leaves(out), leaves(grad))
                          if torch.is_tensor(o) and o.requires_grad and g is not None]
                 if pairs:
                     torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
@@ -283,9 +283,3 @@ def send_or_poison(box: Any, value: Any, tag: int, failure: Exception | None) ->
     box.poison(tag)
     return failure
 
-
-def _leaves(value: Any) -> list[Any]:
-    """A boundary value's leaves in flattening order (its gradient's align with them)."""
-    import torch.utils._pytree as pytree
-
-    return pytree.tree_leaves(value)

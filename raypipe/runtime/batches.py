@@ -64,8 +64,10 @@ def split_batch(x: Any, y: Any, parts: int, dp: int, microbatches: int) -> tuple
 
 def is_varying(inputs: Sequence[Any]) -> bool:
     """Whether the microbatches differ in their tensors' shapes or dtypes (or their trees)."""
-    described = [[(t.shape, t.dtype) if torch.is_tensor(t) else t for t in pytree.tree_flatten(x)[0]]
-                 + [pytree.tree_flatten(x)[1]] for x in inputs]
+    described = []
+    for x in inputs:
+        leaves, spec = pytree.tree_flatten(x)
+        described.append(([(t.shape, t.dtype) if torch.is_tensor(t) else t for t in leaves], spec))
     return any(d != described[0] for d in described[1:])
 
 

@@ -103,6 +103,11 @@ def pack_into(payload: torch.Tensor, layout: Layout, leaves: list[torch.Tensor |
             view.copy_(leaf)
 
 
+def leaves(value: Any) -> list[Any]:
+    """A boundary value's leaves in flattening order (a gradient tree's align with its value's)."""
+    return pytree.tree_leaves(value)
+
+
 def tensors(value: Any) -> list[torch.Tensor]:
     """The tensor leaves of a boundary value, in flattening order."""
     return [t for t in pytree.tree_leaves(value) if torch.is_tensor(t)]
