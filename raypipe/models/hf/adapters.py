@@ -13,6 +13,7 @@ import torch
 from raypipe.errors import ConfigError
 from raypipe.layers import LayerSpec
 from raypipe.lora import ADAPTER, peft_config
+from raypipe.models.hf.layers import checkpoint_key
 from raypipe.runtime.results import gather
 
 WEIGHTS, CONFIG = "adapter_model.safetensors", "adapter_config.json"
@@ -24,8 +25,7 @@ def peft_names(keys: Sequence[str], prefixes: list[list[tuple[str, str]]]) -> di
     names = {}
     for key in keys:
         index, _, local = key.partition(".")
-        local_prefix, hf = next((p, h) for p, h in prefixes[int(index)] if local.startswith(p))
-        names[key] = PREFIX + (hf + local[len(local_prefix):]).replace(f".{ADAPTER}.", ".")
+        names[key] = PREFIX + checkpoint_key(prefixes[int(index)], local).replace(f".{ADAPTER}.", ".")
     return names
 
 

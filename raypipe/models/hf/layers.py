@@ -133,12 +133,16 @@ class HFHead(nn.Module):
         return self.lm_head(getattr(self, self.norm_name)(hidden))
 
 
+def checkpoint_key(prefixes: list[tuple[str, str]], local: str) -> str:
+    """A layer's state-dict key under the checkpoint's name, by the layer's (local prefix,
+    checkpoint prefix) pairs (`prefixes`, the first that matches)."""
+    prefix, hf = next((p, h) for p, h in prefixes if local.startswith(p))
+    return hf + local[len(prefix):]
+
+
 def checkpoint_keys(module: nn.Module, tied: bool = False) -> dict[str, str]:
     """The module's state-dict keys -> the checkpoint's keys (a tied head reads the embedding)."""
-    keys = {}
-    for local in module.state_dict():
-        prefix, hf = next((p, h) for p, h in module.prefixes if local.startswith(p))
-        keys[local] = hf + local[len(prefix):]
+    keys = {local: checkpoint_key(module.prefixes, local) for local in module.state_dict()}
     if tied and "lm_head.weight" in keys:
         keys["lm_head.weight"] = family_of(module.config).tied_key()
     return keys
