@@ -19,13 +19,15 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _schedule(args: argparse.Namespace) -> int:
-    from raypipe.schedules import SCHEDULES, build_schedule, format_schedule, peak_in_flight
+    from raypipe.schedules import SCHEDULES, bubble, build_schedule, format_schedule, peak_in_flight, virtual_stages
 
     if args.name not in SCHEDULES:
         raise ConfigError(f"schedule {args.name!r} is unknown: choose one of {', '.join(SCHEDULES)}.")
-    schedule = build_schedule(args.name, args.pp, args.microbatches)
+    schedule = build_schedule(args.name, args.pp, args.microbatches, args.chunks)
     print(format_schedule(schedule))
-    print("peak microbatches in flight per stage:", [peak_in_flight(a) for a in schedule])
+    print("virtual stages per actor:", virtual_stages(schedule))
+    print("peak (chunk) microbatches in flight per actor:", [peak_in_flight(a) for a in schedule])
+    print(f"planned bubble with F = I = W: {bubble(schedule, {'F': 1, 'I': 1, 'W': 1}):.3f}")
     if args.output:
         from raypipe.timeline import Timeline
 
@@ -142,7 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     node.set_defaults(func=_node_resources)
 
     sched = sub.add_parser("schedule", help="print a pipeline schedule's stage x time grid")
-    sched.add_argument("name", nargs="?", default="1f1b", help="gpipe or 1f1b")
+    sched.add_argument("name", nargs="?", default="1f1b", help="gpipe, 1f1b, interleaved-1f1b, zb-h1 or zb-v")
+    sched.add_argument("--chunks", type=int, default=None, help="model chunks per actor (interleaved-1f1b)")
     sched.add_argument("--pp", type=int, default=4, help="pipeline stages")
     sched.add_argument("--microbatches", "-m", type=int, default=8)
     sched.add_argument("-o", "--output", help="also draw its timeline: .svg, .png, .pdf or .json (Chrome trace)")

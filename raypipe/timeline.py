@@ -18,17 +18,19 @@ from pathlib import Path
 from typing import Sequence
 from xml.sax.saxutils import escape
 
-from raypipe.schedules import BACKWARD, FORWARD, Action, Schedule
-from raypipe.schedules.actions import dependencies
+from raypipe.errors import ScheduleError
+from raypipe.schedules import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, Schedule
+from raypipe.schedules.actions import timed
 
-COLOURS = {"F": "#4c8bd6", "B": "#f0a43a"}
+# forward blue, backward orange; a split backward's input gradient orange, its weight gradient green
+COLOURS = {"F": "#4c8bd6", "B": "#f0a43a", "I": "#f0a43a", "W": "#59a14f"}
 ROW, LEFT, WIDTH, TOP = 30, 150, 900, 40  # svg layout in pixels
 
 
 @dataclass(frozen=True)
 class Span:
     stage: int
-    kind: str  # "F" or "B"
+    kind: str  # "F", "B", or a split backward's "I" and "W"
     microbatch: int
     start: float
     end: float
@@ -62,27 +64,12 @@ class Timeline:
         p = len(schedule)
         fwd = [forward] * p if isinstance(forward, (int, float)) else list(forward)
         bwd = [backward] * p if isinstance(backward, (int, float)) else list(backward)
-        ends: dict[Action, float] = {}
-        free = [0.0] * p
-        position = [0] * p
-        spans = []
-        total = sum(len(a) for a in schedule)
-        while len(ends) < total:
-            progressed = False
-            for s, actions in enumerate(schedule):
-                while position[s] < len(actions):
-                    action = actions[position[s]]
-                    deps = dependencies(action, p)
-                    if any(d not in ends for d in deps):
-                        break
-                    start = max([free[s]] + [ends[d] for d in deps])
-                    end = start + (fwd[s] if action.kind == FORWARD else bwd[s])
-                    ends[action], free[s] = end, end
-                    spans.append(Span(s, action.kind, action.microbatch, start, end))
-                    position[s] += 1
-                    progressed = True
-            if not progressed:  # validate() rejects such schedules; never loop forever
-                raise ValueError("the schedule deadlocks; build it with raypipe.build_schedule to see where")
+        costs = [{FORWARD: f, BACKWARD: b, INPUT_GRAD: b / 2, WEIGHT_GRAD: b / 2} for f, b in zip(fwd, bwd)]
+        try:
+            runs = timed(schedule, costs)
+        except ScheduleError as error:  # validate() rejects such schedules
+            raise ValueError("the schedule deadlocks; build it with raypipe.build_schedule to see where") from error
+        spans = [Span(s, a.kind, a.microbatch, start, end) for s, run in enumerate(runs) for a, start, end in run]
         return cls(spans, p, title, unit)
 
     @classmethod
@@ -102,15 +89,18 @@ class Timeline:
     def planned_as_measured(cls, schedule: Schedule, events: Sequence[Sequence[tuple[str, int, float, float]]],
                             title: str = "", stage_names: Sequence[str] = ()) -> "Timeline":
         """`schedule` as planned, each stage's forward and backward lasting their mean in `events`
-        (a step's measured actions, in ms); 1 and 2 ticks when there are none."""
+        (a step's measured actions, in ms; a split backward's I and W together); 1 and 2 ticks
+        when there are none."""
         p = len(schedule)
         fwd, bwd, unit = [1.0] * p, [2.0] * p, "ticks"
         if events:
             unit = "ms"
             for s, stage in enumerate(events):
-                for kind, durations in (("F", fwd), ("B", bwd)):
-                    spans = [1000 * (e[3] - e[2]) for e in stage if e[0] == kind]
-                    durations[s] = sum(spans) / len(spans) if spans else 0.0
+                # a microbatch's backward is one B, or one I and one W: its time is their sum
+                for kinds, counted, durations in (("F", "F", fwd), ("BIW", "BI", bwd)):
+                    total = sum(1000 * (e[3] - e[2]) for e in stage if e[0] in kinds)
+                    count = sum(1 for e in stage if e[0] in counted)
+                    durations[s] = total / count if count else 0.0
         line = cls.planned(schedule, fwd, bwd, title, unit)
         line.stage_names = tuple(stage_names)
         return line
@@ -216,7 +206,7 @@ class Timeline:
                   for st in range(self.num_stages)]
         for span in self.spans:
             events.append({
-                "name": span.label, "cat": "forward" if span.kind == FORWARD else "backward", "ph": "X",
+                "name": span.label, "cat": {FORWARD: "forward", WEIGHT_GRAD: "weight gradient"}.get(span.kind, "backward"), "ph": "X",
                 "pid": 1, "tid": span.stage, "ts": span.start * factor, "dur": (span.end - span.start) * factor,
                 "args": {"stage": span.stage, "microbatch": span.microbatch},
             })

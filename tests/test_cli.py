@@ -43,7 +43,11 @@ def test_plan_and_schedule_commands(clean_env):
     result = run(RAYPIPE + ["schedule", "1f1b", "--pp", "3", "-m", "4"], clean_env)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[0].startswith("stage 0: 0F0 0F1 0F2")
-    assert "peak microbatches in flight per stage: [3, 2, 1]" in result.stdout
+    assert "peak (chunk) microbatches in flight per actor: [3, 2, 1]" in result.stdout
+    result = run(RAYPIPE + ["schedule", "zb-v", "--pp", "2", "-m", "4"], clean_env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[0].startswith("stage 0: 0F0 0F1 0F2 3F0 3I0 3W0")
+    assert "virtual stages per actor: [[0, 3], [1, 2]]" in result.stdout
 
 
 def test_raypipe_train_runs_the_job_saves_checkpoints_and_resumes_on_another_topology(clean_env, tmp_path):

@@ -6,14 +6,19 @@ from raypipe.errors import ScheduleError
 from raypipe.schedules import (
     BACKWARD,
     FORWARD,
+    INPUT_GRAD,
     SCHEDULES,
+    WEIGHT_GRAD,
     Action,
+    bubble,
+    build_schedule,
     format_schedule,
     gpipe,
     one_f_one_b,
     peak_in_flight,
     simulate,
     validate,
+    virtual_stages,
 )
 
 SIZES = [(p, m) for p in range(1, 9) for m in range(1, 33)]
@@ -21,12 +26,17 @@ SIZES = [(p, m) for p in range(1, 9) for m in range(1, 33)]
 
 @pytest.mark.parametrize("name", sorted(SCHEDULES))
 def test_every_size_is_valid(name):
+    kind = SCHEDULES[name]
     for p, m in SIZES:
-        schedule = SCHEDULES[name](p, m)
-        validate(schedule, p, m)
-        for stage, actions in enumerate(schedule):
-            assert len(actions) == 2 * m
-            assert {a.stage for a in actions} == {stage}
+        if name == "interleaved-1f1b" and m % p:
+            with pytest.raises(ScheduleError, match="divisible by pp"):
+                build_schedule(name, p, m)
+            continue
+        schedule = build_schedule(name, p, m)  # validates
+        chunks = kind.chunks_for(None)
+        for actor, actions in enumerate(schedule):
+            assert len(actions) == (3 if kind.split_backward else 2) * m * chunks
+            assert len({a.stage for a in actions}) == chunks
 
 
 def test_one_f_one_b_bounds_activations_per_stage():
@@ -48,11 +58,11 @@ def test_one_f_one_b_order_on_a_known_case():
     assert last == "3F0 3B0 3F1 3B1 3F2 3B2 3F3 3B3 3F4 3B4 3F5 3B5".split()
 
 
-@pytest.mark.parametrize("name", sorted(SCHEDULES))
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
 def test_simulated_length_is_the_ideal_pipeline(name):
     # with unit-time actions both schedules take 2 (m + p - 1) ticks
     for p, m in [(1, 1), (2, 3), (4, 8), (4, 16), (8, 5)]:
-        assert len(simulate(SCHEDULES[name](p, m), p)) == 2 * (m + p - 1)
+        assert len(simulate(build_schedule(name, p, m), p)) == 2 * (m + p - 1)
 
 
 def test_simulation_respects_dependencies():
@@ -82,14 +92,14 @@ def test_grid_printer_shows_every_stage():
 def test_validator_rejects_a_missing_backward():
     schedule = gpipe(2, 3)
     schedule[1].remove(Action(1, BACKWARD, 2))
-    with pytest.raises(ScheduleError, match="stage 1 never runs 1B2"):
+    with pytest.raises(ScheduleError, match="actor 1 never runs 1B2"):
         validate(schedule, 2, 3)
 
 
 def test_validator_rejects_duplicates_and_misorder():
     schedule = gpipe(2, 2)
     schedule[0].append(Action(0, FORWARD, 1))
-    with pytest.raises(ScheduleError, match=r"stage 0, position 4 \(0F1\): runs twice"):
+    with pytest.raises(ScheduleError, match=r"actor 0, position 4 \(0F1\): runs twice"):
         validate(schedule, 2, 2)
     backwards_first = [[Action(0, BACKWARD, 0), Action(0, FORWARD, 0)]]
     with pytest.raises(ScheduleError, match="backward before its forward"):
@@ -108,6 +118,89 @@ def test_validator_finds_a_deadlock_and_marks_it_in_the_grid():
         validate(schedule, 2, 2)
     message = str(info.value)
     assert "deadlocks" in message
-    assert "stage 0 waits at 0B0 for 1B0" in message
-    assert "stage 1 waits at 1F1 for 0F1" in message
+    assert "actor 0 waits at 0B0 for 1B0" in message
+    assert "actor 1 waits at 1F1 for 0F1" in message
     assert "[1F1 stuck]" in message and "[0B0 stuck]" in message
+
+
+# ----- chunks and split backwards (interleaved 1F1B, ZB-H1, ZB-V) --------------------------
+
+UNIT = {FORWARD: 1.0, INPUT_GRAD: 1.0, WEIGHT_GRAD: 1.0}  # B = I + W = 2
+
+
+def test_planned_bubbles_equal_their_formulas():
+    """F, I and W of one unit each: 1F1B and GPipe idle (p-1)/(m+p-1) of the step; interleaved
+    with v chunks (p-1)/(vm+p-1); ZB-H1 (p-1)/(3m+p-1); ZB-V (chunks of half a stage) (p-1)/(6m+p-1)."""
+    for p in (2, 3, 4):
+        for m in (p, 2 * p, 4 * p):
+            def planned(name, chunks=None):
+                return bubble(build_schedule(name, p, m, chunks), UNIT)
+
+            assert planned("gpipe") == pytest.approx((p - 1) / (m + p - 1))
+            assert planned("1f1b") == pytest.approx((p - 1) / (m + p - 1))
+            for v in (2, 3):
+                assert planned("interleaved-1f1b", v) == pytest.approx((p - 1) / (v * m + p - 1)), (p, m, v)
+            assert planned("zb-h1") == pytest.approx((p - 1) / (3 * m + p - 1)), (p, m)
+            if m >= 2 * p - 1:
+                assert planned("zb-v") == pytest.approx((p - 1) / (6 * m + p - 1)), (p, m)
+    # the issue's comparison point: p = 4, m = 16
+    one_f = bubble(build_schedule("1f1b", 4, 16), UNIT)
+    assert bubble(build_schedule("zb-h1", 4, 16), UNIT) <= 0.4 * one_f
+    assert bubble(build_schedule("zb-v", 4, 16), UNIT) <= 0.2 * one_f
+
+
+def test_peak_stashed_microbatches_within_each_bound():
+    """1F1B: p - s; ZB-H1: p on every actor (1F1B's first stage); ZB-V: 2p chunk halves, the same
+    memory; interleaved: (v-1)p + 2(p-1-s) + 1 chunks (Megatron's warm-up plus one)."""
+    for p in (1, 2, 3, 4, 6):
+        for m in (1, p, 2 * p + 1, 4 * p):
+            for s, actions in enumerate(build_schedule("zb-h1", p, m)):
+                assert peak_in_flight(actions) <= min(p, m)
+            for s, actions in enumerate(build_schedule("zb-v", p, m)):
+                assert peak_in_flight(actions) <= min(2 * p, 2 * m)
+            if m % p == 0:
+                for s, actions in enumerate(build_schedule("interleaved-1f1b", p, m, 2)):
+                    assert peak_in_flight(actions) <= min(p + 2 * (p - 1 - s) + 1, 2 * m)
+
+
+def test_chunks_are_placed_as_each_schedule_says():
+    assert virtual_stages(build_schedule("interleaved-1f1b", 4, 8, 3)) == [[0, 4, 8], [1, 5, 9], [2, 6, 10], [3, 7, 11]]
+    assert virtual_stages(build_schedule("zb-v", 4, 8)) == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    assert virtual_stages(build_schedule("zb-h1", 3, 4)) == [[0], [1], [2]]
+    with pytest.raises(ScheduleError, match="always runs 2 chunk"):
+        build_schedule("zb-v", 2, 4, chunks=3)
+
+
+def test_split_backward_order_on_a_known_case():
+    # 1F1B's order with each backward split; actor s defers its weight gradients by s steps
+    first, last = ([str(a) for a in actions] for actions in build_schedule("zb-h1", 2, 3))
+    assert first == "0F0 0F1 0I0 0W0 0F2 0I1 0W1 0I2 0W2".split()
+    assert last == "1F0 1I0 1F1 1I1 1W0 1F2 1I2 1W1 1W2".split()
+
+
+def test_validator_checks_the_split_backward_rules():
+    w_first = [[Action(0, FORWARD, 0), Action(0, WEIGHT_GRAD, 0), Action(0, INPUT_GRAD, 0)]]
+    with pytest.raises(ScheduleError, match="weight gradient before its input gradient"):
+        validate(w_first, 1, 1)
+    no_w = [[Action(0, FORWARD, 0), Action(0, INPUT_GRAD, 0)]]
+    with pytest.raises(ScheduleError, match="never runs 0W0"):
+        validate(no_w, 1, 1)
+    mixed = [[Action(0, FORWARD, 0), Action(0, BACKWARD, 0), Action(0, INPUT_GRAD, 0), Action(0, WEIGHT_GRAD, 0)]]
+    with pytest.raises(ScheduleError, match="mixes a whole backward with a split one"):
+        validate(mixed, 1, 1)
+
+
+def test_validator_checks_chunks_and_link_order():
+    schedule = build_schedule("interleaved-1f1b", 2, 2)
+    schedule[1].append(Action(0, FORWARD, 0))
+    with pytest.raises(ScheduleError, match="virtual stage 0 has actions on actors 0 and 1"):
+        validate(schedule, 2, 2)
+    # actor 1 takes stage 0's activations in the order 1, 0 while actor 0 sends 0, 1
+    swapped = [
+        [Action(0, FORWARD, 0), Action(0, FORWARD, 1), Action(0, BACKWARD, 0), Action(0, BACKWARD, 1)],
+        [Action(1, FORWARD, 1), Action(1, FORWARD, 0), Action(1, BACKWARD, 0), Action(1, BACKWARD, 1)],
+    ]
+    with pytest.raises(ScheduleError, match=r"activations between virtual stages 0 and 1 are sent in microbatch order \[0, 1\] but taken in order \[1, 0\]"):
+        validate(swapped, 2, 2)
+    # a V turn inside one actor is a hand-off and needs no link
+    validate(build_schedule("zb-v", 3, 5), 3, 5)

@@ -1,53 +1,88 @@
-"""Pipeline schedules: functions `(num_stages, num_microbatches) -> list[list[Action]]`."""
+"""Pipeline schedules: functions `(num_stages, num_microbatches[, chunks]) -> list[list[Action]]`,
+one list per actor, registered by name with how many model chunks each actor holds."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
+from raypipe.errors import ScheduleError
 from raypipe.schedules.actions import (
     BACKWARD,
     FORWARD,
+    INPUT_GRAD,
+    WEIGHT_GRAD,
     Action,
     Schedule,
+    bubble,
     format_grid,
     format_schedule,
+    owners,
     peak_in_flight,
     simulate,
+    timed,
     validate,
+    virtual_stages,
 )
 from raypipe.schedules.gpipe import gpipe
+from raypipe.schedules.interleaved import interleaved_1f1b
 from raypipe.schedules.one_f_one_b import one_f_one_b
+from raypipe.schedules.zero_bubble import zb_h1, zb_v
 
-SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {
-    "gpipe": gpipe,
-    "1f1b": one_f_one_b,
+
+@dataclass(frozen=True)
+class ScheduleKind:
+    """A registered schedule.
+
+    Attributes:
+        build: `(p, m) -> Schedule`, or `(p, m, chunks)` when `chunks` is None.
+        chunks: the model chunks per actor it always has, or None when the config chooses
+            (`TrainConfig.chunks`, `default_chunks` unless given).
+        split_backward: whether its backwards are split into I and W.
+    """
+
+    build: Callable[..., Schedule]
+    chunks: int | None = 1
+    split_backward: bool = False
+    default_chunks: int = 2
+
+    def chunks_for(self, chunks: int | None) -> int:
+        return self.chunks if self.chunks is not None else (chunks or self.default_chunks)
+
+
+SCHEDULES: dict[str, ScheduleKind] = {
+    "gpipe": ScheduleKind(gpipe),
+    "1f1b": ScheduleKind(one_f_one_b),
+    "interleaved-1f1b": ScheduleKind(interleaved_1f1b, chunks=None),
+    "zb-h1": ScheduleKind(zb_h1, split_backward=True),
+    "zb-v": ScheduleKind(zb_v, chunks=2, split_backward=True),
 }
 
 
-def build_schedule(name: str, num_stages: int, num_microbatches: int) -> Schedule:
+def build_schedule(name: str, num_stages: int, num_microbatches: int, chunks: int | None = None) -> Schedule:
     """Builds and validates the named schedule.
+
+    Args:
+        chunks: model chunks per actor, for the schedules that let the config choose.
 
     Raises:
         KeyError: for an unknown name (the config validates names before this).
-        ScheduleError: if the schedule is invalid for these sizes.
+        ScheduleError: if the schedule is invalid for these sizes, or `chunks` is not its own.
     """
-    schedule = SCHEDULES[name](num_stages, num_microbatches)
+    kind = SCHEDULES[name]
+    if kind.chunks is None:
+        schedule = kind.build(num_stages, num_microbatches, kind.chunks_for(chunks))
+    else:
+        if chunks not in (None, kind.chunks):
+            raise ScheduleError(f"schedule {name!r} always runs {kind.chunks} chunk(s) per actor, got chunks={chunks}; "
+                                f"leave chunks unset, or use interleaved-1f1b to choose them")
+        schedule = kind.build(num_stages, num_microbatches)
     validate(schedule, num_stages, num_microbatches)
     return schedule
 
 
 __all__ = [
-    "Action",
-    "BACKWARD",
-    "FORWARD",
-    "SCHEDULES",
-    "Schedule",
-    "build_schedule",
-    "format_grid",
-    "format_schedule",
-    "gpipe",
-    "one_f_one_b",
-    "peak_in_flight",
-    "simulate",
-    "validate",
+    "Action", "BACKWARD", "FORWARD", "INPUT_GRAD", "WEIGHT_GRAD", "SCHEDULES", "Schedule", "ScheduleKind",
+    "bubble", "build_schedule", "format_grid", "format_schedule", "gpipe", "interleaved_1f1b", "one_f_one_b",
+    "owners", "peak_in_flight", "simulate", "timed", "validate", "virtual_stages", "zb_h1", "zb_v",
 ]

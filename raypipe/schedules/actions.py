@@ -1,26 +1,37 @@
-"""Actions, the unit of a pipeline schedule, with the validator and the grid printer.
+"""Actions, the unit of a pipeline schedule, with the validator, the simulators and the grid printer.
 
-A schedule is plain data: one ordered list of `Action`s per stage. Each stage runs
-its list in order; an action may start once the actions it depends on (on other
-stages) have finished. The engine that drives actors, the validator below and the
-timeline plots all read the same object.
+A schedule is plain data: one ordered list of `Action`s per actor. An action names a
+*virtual* stage: without model chunks virtual stage s is actor s; with chunks an actor
+holds several non-contiguous virtual stages (interleaved: c * p + s; V-shaped: s and
+2p - 1 - s), and which actor runs a virtual stage is read from the lists themselves.
+Each actor runs its list in order; an action may start once the actions it depends on
+have finished. The engines, the validator below and the timeline plots all read the
+same object.
+
+Kinds, as torch.distributed.pipelining prints them: `F` forward, `B` the whole backward,
+or the backward split in two for zero-bubble schedules: `I` the input gradient (what the
+previous stage waits for) and `W` the weight gradient (which nothing waits for).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from raypipe.errors import ScheduleError
 
 FORWARD = "F"
 BACKWARD = "B"
-KINDS = (FORWARD, BACKWARD)
+INPUT_GRAD = "I"
+WEIGHT_GRAD = "W"
+KINDS = (FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD)
+GRADIENT_KINDS = (BACKWARD, INPUT_GRAD)  # the kinds that send a gradient to the previous stage
+FREEING_KINDS = (BACKWARD, WEIGHT_GRAD)  # the kinds after which a microbatch's activations are gone
 
 
 @dataclass(frozen=True, order=True)
 class Action:
-    """One forward or backward of one microbatch on one stage, printed as `1F3`."""
+    """One forward or backward (part) of one microbatch on one virtual stage, printed as `1F3`."""
 
     stage: int
     kind: str
@@ -35,100 +46,191 @@ class Action:
 Schedule = list[list[Action]]
 
 
-def dependencies(action: Action, num_stages: int) -> list[Action]:
-    """The actions on *other* stages that must finish before `action` can start.
+def virtual_stages(schedule: Schedule) -> list[list[int]]:
+    """Per actor, the virtual stages it runs, in ascending order (its model chunks, chunk 0 first)."""
+    return [sorted({a.stage for a in actions}) for actions in schedule]
 
-    Same-stage order is the schedule's own business: forward before backward of a
-    microbatch on one stage is checked by `validate`, not here.
-    """
-    s, m = action.stage, action.microbatch
+
+def owners(schedule: Schedule) -> dict[int, int]:
+    """Virtual stage -> the actor that runs it."""
+    return {v: actor for actor, stages in enumerate(virtual_stages(schedule)) for v in stages}
+
+
+def dependencies(action: Action, num_virtual: int) -> list[tuple[str, int, int]]:
+    """What must have finished before `action` starts, as (event, virtual stage, microbatch):
+    event "F" is a forward, "G" the gradient a `B` or `I` produced, "I" an input gradient."""
+    v, m = action.stage, action.microbatch
     if action.kind == FORWARD:
-        return [Action(s - 1, FORWARD, m)] if s > 0 else []
-    return [Action(s + 1, BACKWARD, m)] if s < num_stages - 1 else []
+        return [("F", v - 1, m)] if v > 0 else []
+    if action.kind == WEIGHT_GRAD:
+        return [("I", v, m)]
+    return [("G", v + 1, m)] if v < num_virtual - 1 else [("F", v, m)]
+
+
+def events(action: Action) -> list[tuple[str, int, int]]:
+    """What finishing `action` makes available (the keys `dependencies` waits on)."""
+    key = (action.stage, action.microbatch)
+    return {FORWARD: [("F", *key)], BACKWARD: [("G", *key)], INPUT_GRAD: [("G", *key), ("I", *key)],
+            WEIGHT_GRAD: []}[action.kind]
 
 
 def simulate(schedule: Schedule, num_stages: int) -> list[list[Action | None]]:
     """Runs the schedule with every action taking one tick.
 
     Returns:
-        The grid: one row per tick, one column per stage, `None` where a stage idles.
+        The grid: one row per tick, one column per actor, `None` where an actor idles.
 
     Raises:
-        ScheduleError: when no stage can make progress before all actions ran
+        ScheduleError: when no actor can make progress before all actions ran
             (a deadlock); the message shows the grid so far and the stuck actions.
     """
-    done: set[Action] = set()
+    num_virtual = len(owners(schedule))
+    done: set[tuple[str, int, int]] = set()
     position = [0] * num_stages
     grid: list[list[Action | None]] = []
     total = sum(len(actions) for actions in schedule)
-    while len(done) < total:
+    ran = 0
+    while ran < total:
         row: list[Action | None] = []
-        for stage, actions in enumerate(schedule):
-            nxt = actions[position[stage]] if position[stage] < len(actions) else None
-            ready = nxt is not None and all(d in done for d in dependencies(nxt, num_stages))
+        for actor, actions in enumerate(schedule):
+            nxt = actions[position[actor]] if position[actor] < len(actions) else None
+            ready = nxt is not None and all(d in done for d in dependencies(nxt, num_virtual))
             row.append(nxt if ready else None)
         if not any(row):
-            stuck = {
-                s: actions[position[s]]
-                for s, actions in enumerate(schedule)
-                if position[s] < len(actions)
-            }
+            stuck = {s: actions[position[s]] for s, actions in enumerate(schedule) if position[s] < len(actions)}
+            names = {e: str(a) for actions in reversed(schedule) for a in reversed(actions) for e in events(a)}
             waits = "; ".join(
-                f"stage {s} waits at {a} for {', '.join(map(str, dependencies(a, num_stages)))}"
-                for s, a in stuck.items()
-            )
-            raise ScheduleError(
-                f"schedule deadlocks after {len(grid)} ticks: {waits}\n"
-                + format_grid(grid, num_stages, stuck=stuck)
-            )
-        for stage, action in enumerate(row):
+                f"actor {s} waits at {a} for "
+                + ", ".join(names.get(d, "{1}{0}{2}".format(*d)) for d in dependencies(a, num_virtual) if d not in done)
+                for s, a in stuck.items())
+            raise ScheduleError(f"schedule deadlocks after {len(grid)} ticks: {waits}\n"
+                                + format_grid(grid, num_stages, stuck=stuck))
+        for actor, action in enumerate(row):
             if action is not None:
-                done.add(action)
-                position[stage] += 1
+                done.update(events(action))
+                position[actor] += 1
+                ran += 1
         grid.append(row)
     return grid
 
 
-def validate(schedule: Schedule, num_stages: int, num_microbatches: int) -> None:
-    """Checks a schedule is complete, well ordered and deadlock free.
-
-    Every stage must run each microbatch's forward and backward exactly once, the
-    forward first, and a simulated run must finish.
+def timed(schedule: Schedule, costs: Mapping[str, float] | Sequence[Mapping[str, float]]
+          ) -> list[list[tuple[Action, float, float]]]:
+    """Runs the schedule with each action taking `costs[kind]` (one mapping, or one per actor;
+    per chunk; `B` defaults to I + W) and no communication time: per actor, (action, start,
+    end) in order.
 
     Raises:
-        ScheduleError: naming the stage and action that break a rule.
+        ScheduleError: on a deadlock (see `simulate`).
+    """
+    per_actor = [costs] * len(schedule) if isinstance(costs, Mapping) else list(costs)
+    per_actor = [{BACKWARD: c.get(INPUT_GRAD, 0) + c.get(WEIGHT_GRAD, 0), **c} for c in per_actor]
+    simulate(schedule, len(schedule))  # the deadlock check, with its message
+    num_virtual = len(owners(schedule))
+    finished: dict[tuple[str, int, int], float] = {}
+    free = [0.0] * len(schedule)
+    position = [0] * len(schedule)
+    runs: list[list[tuple[Action, float, float]]] = [[] for _ in schedule]
+    remaining = sum(len(actions) for actions in schedule)
+    while remaining:
+        for actor, actions in enumerate(schedule):
+            while position[actor] < len(actions):
+                action = actions[position[actor]]
+                deps = dependencies(action, num_virtual)
+                if any(d not in finished for d in deps):
+                    break
+                start = max([free[actor]] + [finished[d] for d in deps])
+                free[actor] = end = start + per_actor[actor][action.kind]
+                for e in events(action):
+                    finished[e] = end
+                runs[actor].append((action, start, end))
+                position[actor] += 1
+                remaining -= 1
+    return runs
+
+
+def bubble(schedule: Schedule, costs: Mapping[str, float]) -> float:
+    """The planned bubble: the share of actor time idle between the step's first start and its
+    last end, with the action costs given (see `timed`)."""
+    runs = timed(schedule, costs)
+    span = max(end for actor in runs for _, _, end in actor)
+    busy = sum(end - start for actor in runs for _, start, end in actor)
+    return 1.0 - busy / (span * len(runs))
+
+
+def validate(schedule: Schedule, num_stages: int, num_microbatches: int) -> None:
+    """Checks a schedule is complete, well ordered, sendable and deadlock free.
+
+    Every virtual stage runs on one actor; it runs each microbatch's forward once and
+    either its whole backward `B` or its split `I` then `W`, after the forward; the
+    microbatches cross each link between two actors in the order the receiver takes
+    them; and a simulated run finishes.
+
+    Raises:
+        ScheduleError: naming the actor and action that break a rule.
     """
     if len(schedule) != num_stages:
-        raise ScheduleError(f"schedule has {len(schedule)} stage lists, expected {num_stages}")
-    expected = {(k, m) for k in KINDS for m in range(num_microbatches)}
-    for stage, actions in enumerate(schedule):
-        seen: set[tuple[str, int]] = set()
+        raise ScheduleError(f"schedule has {len(schedule)} actor lists, expected {num_stages}")
+    who: dict[int, int] = {}
+    for actor, actions in enumerate(schedule):
+        for v in {a.stage for a in actions}:
+            if who.setdefault(v, actor) != actor:
+                raise ScheduleError(f"virtual stage {v} has actions on actors {who[v]} and {actor}")
+    num_virtual = len(who)
+    if sorted(who) != list(range(num_virtual)):
+        raise ScheduleError(f"virtual stages {sorted(who)} are not 0..{num_virtual - 1}")
+    if any(not actions for actions in schedule):
+        raise ScheduleError(f"actors {[a for a, actions in enumerate(schedule) if not actions]} have no actions")
+    for actor, actions in enumerate(schedule):
+        seen: set[tuple[str, int, int]] = set()
         for index, action in enumerate(actions):
-            key = (action.kind, action.microbatch)
-            where = f"stage {stage}, position {index} ({action})"
-            if action.stage != stage:
-                raise ScheduleError(f"{where}: action belongs to stage {action.stage}")
-            if key not in expected:
-                raise ScheduleError(
-                    f"{where}: unknown kind or microbatch out of range 0..{num_microbatches - 1}"
-                )
-            if key in seen:
+            v, kind, m = action.stage, action.kind, action.microbatch
+            where = f"actor {actor}, position {index} ({action})"
+            if kind not in KINDS or not 0 <= m < num_microbatches:
+                raise ScheduleError(f"{where}: unknown kind or microbatch out of range 0..{num_microbatches - 1}")
+            if (kind, v, m) in seen:
                 raise ScheduleError(f"{where}: runs twice")
-            if action.kind == BACKWARD and (FORWARD, action.microbatch) not in seen:
+            if kind != FORWARD and (FORWARD, v, m) not in seen:
                 raise ScheduleError(f"{where}: backward before its forward")
-            seen.add(key)
-        missing = sorted(expected - seen)
-        if missing:
-            names = ", ".join(f"{stage}{k}{m}" for k, m in missing)
-            raise ScheduleError(f"stage {stage} never runs {names}")
+            if kind == WEIGHT_GRAD and (INPUT_GRAD, v, m) not in seen:
+                raise ScheduleError(f"{where}: weight gradient before its input gradient")
+            if kind in (BACKWARD, INPUT_GRAD) and ({BACKWARD, INPUT_GRAD} - {kind}).pop() in {
+                    k for k, vv, mm in seen if (vv, mm) == (v, m)}:
+                raise ScheduleError(f"{where}: mixes a whole backward with a split one")
+            seen.add((kind, v, m))
+        for v in virtual_stages([actions])[0]:
+            for m in range(num_microbatches):
+                missing = [k for k in ((FORWARD,) + ((INPUT_GRAD, WEIGHT_GRAD) if (INPUT_GRAD, v, m) in seen
+                                                      or (WEIGHT_GRAD, v, m) in seen else (BACKWARD,)))
+                           if (k, v, m) not in seen]
+                if missing:
+                    raise ScheduleError(f"actor {actor} never runs {', '.join(f'{v}{k}{m}' for k in missing)}")
     simulate(schedule, num_stages)
+    _check_links(schedule, who)
+
+
+def _check_links(schedule: Schedule, who: dict[int, int]) -> None:
+    """Each link between two actors is a FIFO stream: the sender must send microbatches in the
+    order the receiver takes them (activations v -> v+1, gradients v+1 -> v)."""
+    def order(v: int, kinds: Sequence[str]) -> list[int]:
+        return [a.microbatch for a in schedule[who[v]] if a.stage == v and a.kind in kinds]
+
+    for v in range(len(who) - 1):
+        if who[v] == who[v + 1]:
+            continue  # a hand-off inside one actor
+        for what, sent, taken in (("activations", order(v, FORWARD), order(v + 1, FORWARD)),
+                                  ("gradients", order(v + 1, GRADIENT_KINDS), order(v, GRADIENT_KINDS))):
+            if sent != taken:
+                raise ScheduleError(f"{what} between virtual stages {v} and {v + 1} are sent in microbatch "
+                                    f"order {sent} but taken in order {taken}: a link delivers in order")
 
 
 def peak_in_flight(actions: Sequence[Action]) -> int:
-    """The most microbatches one stage holds activations for (forwarded, not yet backwarded)."""
+    """The most (chunk, microbatch) pairs one actor holds activations for: forwarded, and not
+    yet through their whole backward or their weight gradient."""
     live = peak = 0
     for action in actions:
-        live += 1 if action.kind == FORWARD else -1
+        live += 1 if action.kind == FORWARD else -1 if action.kind in FREEING_KINDS else 0
         peak = max(peak, live)
     return peak
 
@@ -138,9 +240,9 @@ def format_grid(
     num_stages: int,
     stuck: dict[int, Action] | None = None,
 ) -> str:
-    """Draws the stage x time grid, one line per stage; `.` is an idle tick.
+    """Draws the actor x time grid, one line per actor; `.` is an idle tick.
 
-    A stuck action (from a deadlock) is shown after the grid in brackets on its stage.
+    A stuck action (from a deadlock) is shown after the grid in brackets on its actor.
     """
     width = max([len(str(a)) for row in grid for a in row if a] + [3])
     lines = []
