@@ -18,9 +18,10 @@ from typing import Any, Iterable, Mapping
 import yaml
 
 from raypipe import lora
-from raypipe.errors import ConfigError
+from raypipe.errors import ConfigError, ScheduleError
+from raypipe.schedules import SCHEDULES, build_schedule
 
-SCHEDULE_NAMES = ("gpipe", "1f1b")
+SCHEDULE_NAMES = tuple(SCHEDULES)
 ENGINES = ("refs", "p2p", "compiled")
 SAME_NODE_TRANSPORTS = ("shm", "gloo")
 PARTITION_NAMES = ("uniform", "parameters", "profile")
@@ -129,7 +130,7 @@ def _check_lr_schedule(value: Any) -> None:
         raise _fail("lr_schedule.min_lr", min_lr, "give a number >= 0.")
 
 
-def _check_shard_plan(value: Any, pp: int) -> None:
+def _check_shard_plan(value: Any, pp: int, chunks: int = 1) -> None:
     if value is None:
         return
     ok = isinstance(value, (list, tuple)) and all(
@@ -137,8 +138,10 @@ def _check_shard_plan(value: Any, pp: int) -> None:
     )
     if not ok:
         raise _fail("shard_plan", value, "give one [start, end) pair of layer indices per stage, e.g. [[0, 3], [3, 5]].")
-    if len(value) != pp:
-        raise _fail("shard_plan", value, f"it has {len(value)} ranges but pp={pp}: give one range per stage.")
+    if len(value) != pp * chunks:
+        per = f"pp={pp}: give one range per stage" if chunks == 1 else \
+            f"pp={pp} x {chunks} chunks: give one range per virtual stage (chunk c of stage s is virtual stage c*pp+s)"
+        raise _fail("shard_plan", value, f"it has {len(value)} ranges but {per}.")
 
 
 DEVICE_KINDS = ("cpu", "cuda", "rocm", "mps")
@@ -173,8 +176,16 @@ class TrainConfig:
         dp_bucket_mb: MiB of gradients the dp all-reduce flattens into one collective (torch
             DDP's `bucket_cap_mb`, same default): larger amortises each collective's latency.
         microbatches: microbatches each batch is split into; the batch size must divide by it.
-        schedule: pipeline schedule, "1f1b" (bounded activation memory) or "gpipe".
-        shard_plan: explicit contiguous [start, end) layer ranges, one per stage; overrides `partition`.
+        schedule: pipeline schedule: "1f1b" (bounded activation memory), "gpipe", "interleaved-1f1b"
+            (`chunks` model chunks per actor, chunk c of actor s being virtual stage c*pp+s: the
+            bubble divided by the chunks; microbatches a multiple of pp), "zb-h1" (backward split
+            into input and weight gradients, the weight gradients filling the bubble, at 1F1B's
+            peak memory) or "zb-v" (two chunks per actor in a V, virtual stages s and 2pp-1-s:
+            nearly no bubble). p2p and compiled engines only for the last three.
+        chunks: model chunks per actor for "interleaved-1f1b" (default 2); the other schedules
+            fix their own (1, or 2 for "zb-v").
+        shard_plan: explicit contiguous [start, end) layer ranges, one per stage (per virtual
+            stage with chunks, in virtual-stage order); overrides `partition`.
         partition: how to split layers when no shard_plan is given: "uniform" (layer count),
             "parameters" (parameter count) or "profile" (time every layer on each device
             kind of the run, then the exact split minimising the slowest stage within each
@@ -242,6 +253,7 @@ class TrainConfig:
     dp_bucket_mb: float = 25.0
     microbatches: int = 1
     schedule: str = "1f1b"
+    chunks: int | None = None
     shard_plan: list[list[int]] | None = None
     partition: str = "uniform"
     optimizer: dict = field(default_factory=lambda: {"name": "adamw", "lr": 1e-3})
@@ -280,7 +292,10 @@ class TrainConfig:
         _check_positive("dp_bucket_mb", self.dp_bucket_mb)
         _check_int("microbatches", self.microbatches, 1)
         _check_choice("schedule", self.schedule, SCHEDULE_NAMES)
-        _check_shard_plan(self.shard_plan, self.pp)
+        if self.chunks is not None:
+            _check_int("chunks", self.chunks, 1)
+        self._check_schedule()
+        _check_shard_plan(self.shard_plan, self.pp, self.num_chunks())
         if self.shard_plan is not None:
             self.shard_plan = [list(r) for r in self.shard_plan]
         _check_choice("partition", self.partition, PARTITION_NAMES)
@@ -323,6 +338,27 @@ class TrainConfig:
             raise _fail("log_dir", self.log_dir, "give a directory path or null.")
         self.lora = lora.check(self.lora, self.tp)
         self.quantize = lora.check_quantize(self.quantize, self.lora, self.stage_kinds())
+
+    def num_chunks(self) -> int:
+        """Model chunks per actor: the schedule's own, or `chunks` where it lets the config choose."""
+        return SCHEDULES[self.schedule].chunks_for(self.chunks)
+
+    def _check_schedule(self) -> None:
+        kind = SCHEDULES[self.schedule]
+        if self.chunks is not None and kind.chunks is not None and self.chunks != kind.chunks:
+            raise _fail("chunks", self.chunks, f"schedule {self.schedule!r} always runs {kind.chunks} per actor: "
+                                               f"leave chunks unset, or use schedule='interleaved-1f1b'.")
+        if (self.num_chunks() > 1 or kind.split_backward) and self.engine == "refs":
+            raise _fail("engine", self.engine, f"schedule {self.schedule!r} runs on the p2p and compiled engines "
+                                               f"(its chunks and split backwards live inside one call per step): "
+                                               f"use engine='p2p'.")
+        if self.num_chunks() > 1 and self.partition == "profile" and self.shard_plan is None:
+            raise _fail("partition", self.partition, f"profiled partitioning does not split model chunks yet: use "
+                                                     f"'uniform' or 'parameters', or a shard_plan, with {self.schedule!r}.")
+        try:
+            build_schedule(self.schedule, self.pp, self.microbatches, self.chunks)
+        except ScheduleError as error:
+            raise _fail("microbatches", self.microbatches, str(error)) from None
 
     def stage_kinds(self) -> list[str]:
         """The accelerator kind of each stage (`devices` given once for all, or per stage)."""

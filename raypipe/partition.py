@@ -180,7 +180,9 @@ def first_plan(specs: Sequence[Any], config: Any, has_sample: bool) -> tuple[Pla
             "partition='uniform' or 'parameters'."
         )
     counts = parameter_counts(specs) if config.partition == "parameters" and config.shard_plan is None else None
-    plan = make_plan(len(specs), config.pp, "uniform" if profiled else config.partition, config.shard_plan, counts)
+    # one range per virtual stage: with model chunks (interleaved-1f1b, zb-v) pp x chunks of them
+    plan = make_plan(len(specs), config.pp * config.num_chunks(), "uniform" if profiled else config.partition,
+                     config.shard_plan, counts)
     tp_splits = check_tensor_parallel(specs, config.tp)
     if not profiled:
         check_stages_split(tp_splits, plan, config.tp)

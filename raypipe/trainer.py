@@ -26,7 +26,7 @@ from raypipe.nn.plan import check_stages_split
 from raypipe.partition import first_plan
 from raypipe.profile import PlanReport, profiled_plan
 from raypipe.progress import Progress
-from raypipe.runtime import checkpoints, fitting, placement, registry, weights
+from raypipe.runtime import checkpoints, chunks, fitting, placement, registry, weights
 from raypipe.runtime.batches import loss_weights, split_batch
 from raypipe.runtime.engines import Engine, make_engine
 from raypipe.runtime.refs import run_forward, submission_order
@@ -204,14 +204,14 @@ class Trainer:
     def evaluate(self, x: torch.Tensor, y: Any) -> float:
         """The mean loss on `(x, y)` without training (eval mode, no gradients, weights unchanged)."""
         inputs, targets = self._split(x, y, self.config.microbatches)
-        losses = run_forward(*self._replica0(), inputs, targets, self.config.step_timeout)
+        losses = run_forward(*self._inference_path(), inputs, targets, self.config.step_timeout)
         weights = loss_weights(self._loss_fn, [targets])  # a loss over counted tokens: their mean
         return sum(v * w for v, w in zip(losses, weights[0] if weights else [1.0] * len(losses))) / len(losses)
 
     def predict(self, x: torch.Tensor) -> torch.Tensor:
         """The model's output for `x` (eval mode, no gradients), run through the pipeline."""
         inputs, _ = self._split(x, None, self.config.microbatches)
-        return torch.cat(run_forward(*self._replica0(), inputs, None, self.config.step_timeout))
+        return torch.cat(run_forward(*self._inference_path(), inputs, None, self.config.step_timeout))
 
     def timeline(self, planned: bool = False) -> Timeline:
         """The last step's schedule as each stage ran it (from the actors' own timestamps).
@@ -242,7 +242,8 @@ class Trainer:
         """Loads LoRA adapters in peft's format into every stage (training continues from them)."""
         from raypipe.models.hf import adapters
 
-        adapters.load(self._actors, self._replica0()[0], self.specs, self.model, self.plan, str(directory))
+        adapters.load(self._actors, self._replica0()[0], self.specs, self.model,
+                      chunks.actor_plan(self.plan, self._schedule), str(directory))
 
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 20, temperature: float = 0.0,
                  top_k: int | None = None, attention_mask: torch.Tensor | None = None,
@@ -252,7 +253,7 @@ class Trainer:
         (`raypipe.runtime.generation`). The model's output must be logits (batch, sequence, vocab)."""
         from raypipe.runtime.generation import generate
 
-        return generate(*self._replica0(), input_ids, max_new_tokens, temperature, top_k, self.model.kv_cache,
+        return generate(*self._inference_path(), input_ids, max_new_tokens, temperature, top_k, self.model.kv_cache,
                         self.config.step_timeout, attention_mask, eos_token_id, seed)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -265,7 +266,7 @@ class Trainer:
         Raises:
             KeyError: a key names no layer of this model, or a stage's key is missing.
         """
-        weights.load_into(self._actors, state, self.plan, self.config.tp)
+        weights.load_into(self._actors, state, chunks.actor_plan(self.plan, self._schedule), self.config.tp)
 
     def gradients(self) -> dict[str, torch.Tensor]:
         """The last step's gradients, keyed like `state_dict()` (as the optimizer used them)."""
@@ -282,8 +283,13 @@ class Trainer:
             ConfigError: for a field that needs a new Trainer (pp, shard_plan, ...) or a bad value.
         """
         check_reconfigurable(changes)
+        old = self.config
         self.config = self.config.replace(**changes)
-        self._set_schedule()
+        try:
+            self._set_schedule()
+        except ConfigError:
+            self.config = old
+            raise
         self._configure_actors()
 
     def reset_optimizer(self) -> None:
@@ -324,9 +330,16 @@ class Trainer:
         """Replica 0's actors and their names, per stage and tp rank: where inference runs."""
         return self.topology.grid(self._actors)[0], self.topology.grid(self.names)[0]
 
+    def _inference_path(self) -> tuple[list, list, list[int] | None]:
+        """Replica 0's actors in virtual-stage order, and the chunk each call runs (`chunks`)."""
+        return chunks.inference_path(*self._replica0(), self._schedule)
+
     def _set_schedule(self) -> None:
-        self._schedule = build_schedule(self.config.schedule, self.config.pp, self.config.microbatches)
-        self._order = submission_order(self._schedule)
+        c = self.config
+        schedule = build_schedule(c.schedule, c.pp, c.microbatches, c.chunks)
+        if self._actors:
+            chunks.check_same_layout(self._schedule, schedule, c.schedule)
+        self._schedule, self._order = schedule, submission_order(schedule)
 
     def _configure_actors(self, reset_optimizer: bool = False) -> None:
         settings = StageSettings.from_config(self.config)
@@ -335,7 +348,7 @@ class Trainer:
     def _start_actors(self) -> None:
         """Starts, places and joins every actor; a failure stops those already started."""
         self._engine = make_engine(self.config.engine)
-        self._actors = placement.start_gang(self.config, self.topology, self.names, self.specs, self.plan,
+        self._actors = placement.start_gang(self.config, self.topology, self.names, self.specs, self.plan, self._schedule,
                                             self._loss_fn, self.run_name, lambda: registry.others_holding_actors(self),
                                             self.model.tied)
         try:

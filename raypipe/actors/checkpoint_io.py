@@ -133,7 +133,7 @@ def _merge_tp_shards(model: StageModel, models: dict[int, dict], states: dict[in
     if tp.rank != 0:
         return models, states
     for index in models:
-        j = index - model.start
+        j = model.local[index]
         for param_name in models[index]:
             spec = model.shard_specs.get(f"{j}.{param_name}")
             if spec is not None:

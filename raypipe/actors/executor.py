@@ -11,14 +11,17 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
+from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from raypipe.actors.memory import count_saved_bytes
 from raypipe.actors.model import StageModel
 from raypipe.actors.settings import StageSettings
+from raypipe.actors.split_backward import Deferred, input_gradients, weight_gradients
 from raypipe.errors import StageError
 from raypipe.runtime.transport.tree import leaves, map_tensors, tensors
 
@@ -36,16 +39,25 @@ class Executor:
     """
 
     def __init__(self, model: StageModel, stage: int, is_last: bool, loss_fn: Callable[[Any, Any], Any] | None,
-                 loss_scale: Callable[[], float], name: str) -> None:
+                 loss_scale: Callable[[], float], name: str,
+                 chunks: dict[int, tuple[int, int]] | None = None, num_virtual: int | None = None) -> None:
         self.model, self.module, self.device = model, model.module, model.device
         self.stage, self.is_last, self.loss_fn, self.loss_scale, self.name = stage, is_last, loss_fn, loss_scale, name
+        # virtual stage -> (its layers as a module, is it the first, is it the last); one without chunks
+        if chunks is None:
+            self.parts = {stage: (self.module, stage == 0, is_last)}
+        else:
+            self.parts = {v: (nn.Sequential(*self.module[lo:hi]), v == 0, v == num_virtual - 1)
+                          for v, (lo, hi) in chunks.items()}
+        self.only = next(iter(self.parts)) if len(self.parts) == 1 else None
         self.settings: StageSettings | None = None
         self.current_call = -1
         self.losses_finite = True
         self.timing: dict[str, float] = {}
         self.events: list[tuple[str, int, float, float]] = []
-        self.stash: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.stash_bytes: dict[int, int] = {}  # per stashed microbatch, bytes autograd saved for backward
+        self.stash: dict[tuple[int, int], tuple[Any, Any]] = {}  # (virtual stage, microbatch) -> (input, output)
+        self.stash_bytes: dict[tuple[int, int], int] = {}  # per stashed microbatch, bytes autograd saved for backward
+        self.deferred: dict[tuple[int, int], Deferred] = {}  # what each pending W needs from its I
 
     def begin(self, call_id: int) -> None:
         """Starts a new step when `call_id` is new: fresh timings and stash, gradients zeroed."""
@@ -63,9 +75,17 @@ class Executor:
     def clear_stash(self) -> None:
         self.stash.clear()
         self.stash_bytes.clear()
+        self.deferred.clear()
 
-    def forward(self, microbatch: int, x: Any, target: Any, weight: float = 1.0) -> Any:
-        """Runs the stage on one microbatch and stashes what its backward needs.
+    def _part(self, v: int | None) -> tuple[int, nn.Module, bool, bool]:
+        """(virtual stage, its module, first?, last?) for `v`, or this actor's only chunk when None."""
+        v = self.only if v is None else v
+        module, first, last = self.parts[v]
+        return v, module, first, last
+
+    def forward(self, microbatch: int, x: Any, target: Any, weight: float = 1.0, v: int | None = None) -> Any:
+        """Runs the stage (model chunk `v`: a virtual stage this actor holds) on one microbatch
+        and stashes what its backward needs.
 
         Args:
             x: the microbatch's input, or the previous stage's output: a tensor or any pytree
@@ -78,134 +98,191 @@ class Executor:
             microbatch's unscaled loss as a float.
         """
         started = time.time()
+        v, module, first, last = self._part(v)
         try:
             x = self.received(x)
-            if self.stage > 0:
+            if not first:
                 for t in tensors(x):
                     if t.is_floating_point():
                         t.requires_grad_(True)
             with self.autocast(), count_saved_bytes(self.settings.measure_activations) as saved:
                 if self.settings.activation_checkpointing and torch.is_grad_enabled():
-                    out = checkpoint(self.module, x, use_reentrant=False)
+                    out = checkpoint(module, x, use_reentrant=False)
                 else:
-                    out = self.module(x)
-                if not self.is_last:
-                    self._stash(microbatch, (x, out), saved.bytes)
-                    self._timed("forward_s", started, microbatch)
+                    out = module(x)
+                if not last:
+                    self._stash((v, microbatch), (x, out), saved.bytes)
+                    self._timed("F", started, microbatch)
                     return self.send(out)
                 loss = self.loss_fn(out, map_tensors(lambda t: t.to(self.device), target))
             scale = self.loss_scale() * weight / self.settings.microbatches
-            self._stash(microbatch, (x, loss.float() * scale), saved.bytes)
+            self._stash((v, microbatch), (x, loss.float() * scale), saved.bytes)
             value = float(loss.detach())
             self.losses_finite = self.losses_finite and math.isfinite(value)
-            self._timed("forward_s", started, microbatch)
+            self._timed("F", started, microbatch)
             return value
         except Exception as error:
-            raise self.error("F", microbatch, error) from error
+            raise self.error("F", microbatch, error, v) from error
 
-    def backward(self, microbatch: int, grad: Any) -> Any:
+    def backward(self, microbatch: int, grad: Any, v: int | None = None) -> Any:
         """Back-propagates one microbatch and frees its activations; returns the input gradient
         for the previous stage: the input's tree with each leaf's gradient, None where a leaf
         has none (integer tensors, or on the first stage)."""
         started = time.time()
+        v, _, first, last = self._part(v)
         try:
-            x, out = self.stash.pop(microbatch)
-            self.stash_bytes.pop(microbatch, None)
-            if self.is_last:
+            x, out = self.stash.pop((v, microbatch))
+            self.stash_bytes.pop((v, microbatch), None)
+            if last:
                 if out.requires_grad:
                     torch.autograd.backward(out)
             else:
-                pairs = [(o, g.to(o.device, o.dtype)) for o, g in zip(leaves(out), leaves(grad))
-                         if torch.is_tensor(o) and o.requires_grad and g is not None]
+                pairs = self._pairs(out, grad)
                 if pairs:
                     torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-            self._timed("backward_s", started, microbatch)
-            grads = map_tensors(lambda t: t.grad if t.requires_grad else None, x)
-            return None if self.stage == 0 else self.send(grads)
+            self._timed("B", started, microbatch)
+            return None if first else self.send(self._input_grads(x))
         except Exception as error:
-            raise self.error("B", microbatch, error) from error
+            raise self.error("B", microbatch, error, v) from error
 
-    def run_list(self, actions: Sequence[tuple[str, int]], inputs: Any, targets: Any, activations: Any,
-                 gradients: Any, to_next: Any, to_prev: Any,
+    def backward_input(self, microbatch: int, grad: Any, v: int | None = None) -> Any:
+        """The first half of a split backward (I): only the input gradient, returned as
+        `backward` returns it; what the weight gradient needs is kept for `backward_weight`."""
+        started = time.time()
+        v, _, first, last = self._part(v)
+        try:
+            x, out = self.stash[(v, microbatch)]
+            if last:
+                outputs, grads = ([out], None) if out.requires_grad else ([], None)
+            else:
+                pairs = self._pairs(out, grad)
+                outputs, grads = [o for o, _ in pairs], [g for _, g in pairs]
+            inputs = [] if first else [t for t in tensors(x) if t.requires_grad]
+            self.deferred[(v, microbatch)] = input_gradients(outputs, grads, inputs, self.model.trainable())
+            self._timed("I", started, microbatch)
+            return None if first else self.send(self._input_grads(x))
+        except Exception as error:
+            raise self.error("I", microbatch, error, v) from error
+
+    def backward_weight(self, microbatch: int, v: int | None = None) -> None:
+        """The second half of a split backward (W): the weight gradients; frees the microbatch."""
+        started = time.time()
+        v = self._part(v)[0]
+        try:
+            deferred = self.deferred.pop((v, microbatch))
+            weight_gradients(deferred, self.model.trainable())
+            self.stash.pop((v, microbatch))
+            self.stash_bytes.pop((v, microbatch), None)
+            self._timed("W", started, microbatch)
+        except Exception as error:
+            raise self.error("W", microbatch, error, v) from error
+
+    @staticmethod
+    def _pairs(out: Any, grad: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(output leaf, its gradient) for the leaves that need one; the others get None back."""
+        return [(o, g.to(o.device, o.dtype)) for o, g in zip(leaves(out), leaves(grad))
+                if torch.is_tensor(o) and o.requires_grad and g is not None]
+
+    @staticmethod
+    def _input_grads(x: Any) -> Any:
+        return map_tensors(lambda t: t.grad if t.requires_grad else None, x)
+
+    def run_list(self, actions: Sequence[tuple[str, int, int]], inputs: Any, targets: Any, links: "StepLinks",
                  weights: Sequence[float] | None = None) -> tuple[list[Any], Exception | None]:
-        """Runs a step's action list in order, taking boundaries from the inboxes (None on the
-        first stage's `activations`, the last stage's `gradients`) and sending results to the
-        outboxes. After a failure it still makes every send and receive of the list, sending
-        poison, so no neighbour waits forever.
+        """Runs a step's action list, (kind, microbatch, virtual stage) in order, taking boundaries
+        from `links`' inboxes and sending results to its outboxes; a boundary between two virtual
+        stages this actor holds (the turn of a V) is handed over in place. After a failure it
+        still makes every send and receive of the list, sending poison, so no neighbour waits
+        forever.
 
         Returns:
             (the last stage's microbatch losses, else []; the first failure or None).
 
-        `weights`: on the last stage, each microbatch's loss weight (`forward`), else None.
+        `weights`: where the last virtual stage is held, each microbatch's loss weight (`forward`).
         """
         losses, failure = [], None
-        for kind, m in actions:
+        handed: dict[tuple[str, int, int], Any] = {}  # hand-overs inside this actor
+        for kind, m, v in actions:
+            _, _, first, last = self._part(v)
             if kind == "F":
-                out = None
+                out, box = None, links.activations.get(v)
                 try:
-                    x = inputs[m] if activations is None else activations.take()
+                    x = inputs[m] if first else box.take() if box is not None else handed.pop(("F", v, m))
                     if failure is None:
-                        out = self.forward(m, x, targets[m] if self.is_last else None,
-                                           weights[m] if weights is not None else 1.0)
+                        out = self.forward(m, x, targets[m] if last else None,
+                                           weights[m] if weights is not None and last else 1.0, v)
                 except Exception as error:  # noqa: BLE001 - kept, raised after the list is done
                     failure = failure or error
-                if to_next is None:
+                if last:
                     losses.append(out)
+                elif v + 1 in self.parts:
+                    handed[("F", v + 1, m)] = out
                 else:
-                    failure = send_or_poison(to_next, out, 2 * m, failure)
-                if activations is not None:
-                    activations.refill()
-            else:
-                grad_in = None
+                    failure = send_or_poison(links.to_next[v], out, links.tag(v, m, "F"), failure)
+                if box is not None:
+                    box.refill()
+            elif kind in ("B", "I"):
+                grad_in, box = None, links.gradients.get(v)
                 try:
-                    grad = None if gradients is None else gradients.take()
+                    grad = None if last else box.take() if box is not None else handed.pop(("G", v, m))
                     if failure is None:
-                        grad_in = self.backward(m, grad)
+                        grad_in = (self.backward if kind == "B" else self.backward_input)(m, grad, v)
                 except Exception as error:  # noqa: BLE001
                     failure = failure or error
-                if to_prev is not None:
-                    failure = send_or_poison(to_prev, grad_in, 2 * m + 1, failure)
-                if gradients is not None:
-                    gradients.refill()
-        for box in (to_next, to_prev):
-            if box is not None:
-                box.wait()
+                if first:
+                    pass
+                elif v - 1 in self.parts:
+                    handed[("G", v - 1, m)] = grad_in
+                else:
+                    failure = send_or_poison(links.to_prev[v], grad_in, links.tag(v, m, "G"), failure)
+                if box is not None:
+                    box.refill()
+            elif failure is None:  # W: nothing crosses to another actor
+                try:
+                    self.backward_weight(m, v)
+                except Exception as error:  # noqa: BLE001
+                    failure = error
+        for box in (*links.to_next.values(), *links.to_prev.values()):
+            box.wait()
         return losses, failure
 
     @torch.no_grad()
-    def forward_only(self, x: Any, target: Any = None) -> Any:
-        """Inference through this stage (eval mode, nothing stashed): the output, or on the
-        last stage the loss as a float when a target is given."""
+    def forward_only(self, x: Any, target: Any = None, v: int | None = None) -> Any:
+        """Inference through this stage's chunk `v` (eval mode, nothing stashed): the output, or on
+        the last stage the loss as a float when a target is given."""
+        v, module, _, last = self._part(v)
         self.module.eval()
         try:
             with self.autocast():
-                out = self.module(self.received(x))
-                if self.is_last and target is not None:
+                out = module(self.received(x))
+                if last and target is not None:
                     return float(self.loss_fn(out, map_tensors(lambda t: t.to(self.device), target)))
-            return map_tensors(lambda t: t.float() if t.is_floating_point() else t, out) if self.is_last else out
+            return map_tensors(lambda t: t.float() if t.is_floating_point() else t, out) if last else out
         except Exception as error:
-            raise self.error("F", -1, error) from error
+            raise self.error("F", -1, error, v) from error
         finally:
             self.module.train()
 
     @torch.no_grad()
-    def generate(self, x: Any, start: bool, cached: bool) -> Any:
-        """One generation forward (eval mode, nothing stashed): the output, or on the last stage
-        the logits of the last position. `start` begins a new sequence; with `cached`, the
-        layers that keep a KV cache (`begin_cache`) share a fresh one for this stage."""
+    def generate(self, x: Any, start: bool, cached: bool, v: int | None = None) -> Any:
+        """One generation forward through chunk `v` (eval mode, nothing stashed): the output, or on
+        the last stage the logits of the last position. `start` begins a new sequence; with
+        `cached`, the chunk's layers that keep a KV cache (`begin_cache`) share a fresh one."""
+        v, module, _, last = self._part(v)
         if start:
-            self.end_generation()
             shared: dict[str, Any] = {}
-            for layer in self.module if cached else []:
-                if hasattr(layer, "begin_cache"):
+            for layer in module:
+                if hasattr(layer, "end_cache"):
+                    layer.end_cache()
+                if cached and hasattr(layer, "begin_cache"):
                     layer.begin_cache(shared)
         self.module.eval()
         try:
             with self.autocast():
-                out = self.module(self.received(x))
-            return out[:, -1].float() if self.is_last else out
+                out = module(self.received(x))
+            return out[:, -1].float() if last else out
         except Exception as error:
-            raise self.error("F", -1, error) from error
+            raise self.error("F", -1, error, v) from error
         finally:
             self.module.train()
 
@@ -248,27 +325,48 @@ class Executor:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=dtype)
 
-    def error(self, kind: str, microbatch: int, error: Exception) -> StageError:
+    def error(self, kind: str, microbatch: int, error: Exception, v: int | None = None) -> StageError:
         if isinstance(error, StageError):
             return error
-        return StageError(f"{self.name} failed at {self.stage}{kind}{microbatch}: {type(error).__name__}: {error}")
+        where = self.stage if v is None else v
+        return StageError(f"{self.name} failed at {where}{kind}{microbatch}: {type(error).__name__}: {error}")
 
-    def _stash(self, microbatch: int, entry: tuple, saved_bytes: int | None) -> None:
-        """Keeps a microbatch for its backward and updates this step's peak count (and bytes, when measured)."""
-        self.stash[microbatch] = entry
+    def _stash(self, key: tuple[int, int], entry: tuple, saved_bytes: int | None) -> None:
+        """Keeps a (virtual stage, microbatch) for its backward and updates this step's peak count
+        (and bytes, when measured)."""
+        self.stash[key] = entry
         self.timing["peak_stashed"] = max(self.timing["peak_stashed"], len(self.stash))
         if saved_bytes is not None:
-            self.stash_bytes[microbatch] = saved_bytes
+            self.stash_bytes[key] = saved_bytes
             self.timing["peak_stashed_bytes"] = max(self.timing["peak_stashed_bytes"], sum(self.stash_bytes.values()))
 
     def _timed(self, kind: str, started: float, microbatch: int) -> None:
-        """Records one action: its duration in this step's totals, and (kind, microbatch,
-        start, end) in wall-clock seconds since the epoch for the step's timeline."""
+        """Records one action: its duration in this step's totals (a split backward's I and W
+        both count as backward), and (kind, microbatch, start, end) in wall-clock seconds since
+        the epoch for the step's timeline."""
         ended = time.time()
-        self.events.append(("F" if kind == "forward_s" else "B", microbatch, started, ended))
-        self.timing[kind] += ended - started
+        self.events.append((kind, microbatch, started, ended))
+        self.timing["forward_s" if kind == "F" else "backward_s"] += ended - started
         self.timing["first_start"] = min(self.timing["first_start"], started)
         self.timing["last_end"] = ended
+
+
+@dataclass
+class StepLinks:
+    """One step's streams to other actors, per virtual stage held: where its activations come
+    from and go to, where its gradients come from and go to (absent: the first or last stage,
+    or a neighbour held by this actor)."""
+
+    activations: dict[int, Any] = field(default_factory=dict)
+    gradients: dict[int, Any] = field(default_factory=dict)
+    to_next: dict[int, Any] = field(default_factory=dict)
+    to_prev: dict[int, Any] = field(default_factory=dict)
+    microbatches: int = 1
+
+    def tag(self, v: int, m: int, what: str) -> int:
+        """The tag of the message virtual stage v sends for microbatch m: "F" its activation,
+        "G" its input gradient (one tag per message of the step; both ends compute it)."""
+        return 2 * (v * self.microbatches + m) + (what == "G")
 
 
 def send_or_poison(box: Any, value: Any, tag: int, failure: Exception | None) -> Exception | None:

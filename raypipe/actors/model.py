@@ -32,16 +32,19 @@ class StageModel:
             each count, a replicated one counts once, on tp rank 0.
     """
 
-    def __init__(self, specs: Sequence[LayerSpec], start: int, seed: int, device: torch.device,
+    def __init__(self, specs: Sequence[LayerSpec], start: int | Sequence[int], seed: int, device: torch.device,
                  tp: TensorParallelGroup, tied: Sequence[Sequence[str]] = (), lora: dict | None = None,
                  quantize: str | None = None) -> None:
-        self.start, self.device, self.tp = start, device, tp
-        self.module = nn.Sequential(*[self._build(spec, seed, start + j) for j, spec in enumerate(specs)])
+        # `start`: the first layer's global index, or every layer's (model chunks hold several ranges)
+        self.indices = list(range(start, start + len(specs))) if isinstance(start, int) else list(start)
+        self.local = {index: j for j, index in enumerate(self.indices)}
+        self.device, self.tp = device, tp
+        self.module = nn.Sequential(*[self._build(spec, seed, index) for spec, index in zip(specs, self.indices)])
         self.lora = lora is not None
         if lora is not None:  # adapters under a seed per layer, then everything else frozen
             from raypipe import lora as lora_
 
-            lora_.apply(self.module, lora, [layer_seed(seed, start + j) + 1 for j in range(len(specs))], quantize)
+            lora_.apply(self.module, lora, [layer_seed(seed, index) + 1 for index in self.indices], quantize)
         self.tied = self._tie(tied)
         self.module.to(device)
         self.shard_specs = shard_specs(self.module)
@@ -50,9 +53,19 @@ class StageModel:
         self.norm_params = [p for p in self.params if tp.rank == 0 or id(p) in self.sharded_params]
 
     @property
-    def layers(self) -> range:
-        """The global indices of this stage's layers."""
-        return range(self.start, self.start + len(self.module))
+    def layers(self) -> list[int]:
+        """The global indices of this stage's layers, in the order it holds them."""
+        return self.indices
+
+    def ranges(self) -> list[tuple[int, int]]:
+        """The layers as [start, end) ranges of global indices (one per model chunk)."""
+        ranges: list[list[int]] = []
+        for index in self.indices:
+            if ranges and ranges[-1][1] == index:
+                ranges[-1][1] += 1
+            else:
+                ranges.append([index, index + 1])
+        return [(a, b) for a, b in ranges]
 
     def parameter_count(self) -> int:
         return sum(p.numel() for p in self.params)
@@ -74,11 +87,11 @@ class StageModel:
 
     def global_key(self, local: str) -> str:
         index, _, rest = local.partition(".")
-        return f"{self.start + int(index)}.{rest}"
+        return f"{self.indices[int(index)]}.{rest}"
 
     def local_key(self, key: str) -> str:
         index, _, rest = key.partition(".")
-        return f"{int(index) - self.start}.{rest}"
+        return f"{self.local[int(index)]}.{rest}"
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This stage's weights under global keys; this tp rank's shards."""
@@ -139,7 +152,7 @@ class StageModel:
         group index -> that Parameter, for the groups this stage holds a key of."""
         held = {}
         for g, group in enumerate(tied):
-            local = [self.local_key(k) for k in group if int(k.partition(".")[0]) in self.layers]
+            local = [self.local_key(k) for k in group if int(k.partition(".")[0]) in self.local]
             if not local:
                 continue
             first = self.module.get_parameter(local[0])

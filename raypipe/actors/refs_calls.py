@@ -69,13 +69,13 @@ class RefsCalls:
         total_norm = math.sqrt(sum(s[0] for s in stats[: self.num_stages * self.tp.size])) if finite else math.nan
         return self._apply_step(step, total_norm, finite)
 
-    def forward_only(self, x: Any, target: Any = None) -> Any:
-        """Inference through this stage (eval mode, no activations kept).
+    def forward_only(self, x: Any, target: Any = None, v: int | None = None) -> Any:
+        """Inference through this stage's chunk `v` (eval mode, no activations kept).
 
         Returns the output, or on the last stage the loss as a float when a target is given;
         None on tp ranks other than 0 (their output is rank 0's).
         """
-        out = self.executor.forward_only(unpack(x), unpack(target))
+        out = self.executor.forward_only(unpack(x), unpack(target), v)
         if isinstance(out, float):  # the loss
             return out
         return pack(to_host(out)) if self.tp.rank == 0 else None

@@ -77,10 +77,16 @@ class StageActor(RefsCalls):
         tied: Sequence[Sequence[str]] = (),
         lora: dict | None = None,
         quantize: str | None = None,
+        chunks: Sequence[tuple[int, int, int]] = (),
+        num_virtual: int | None = None,
     ) -> None:
         torch.set_num_threads(threads)
         self.stage, self.num_stages, self.name = stage, num_stages, name
-        self.is_last = stage == num_stages - 1
+        # model chunks: (virtual stage, start, end) per range of layers held; one without chunks
+        self.chunks = list(chunks) or [(stage, start, start + len(specs))]
+        self.num_virtual = num_virtual or num_stages
+        held = {v for v, _, _ in self.chunks}
+        self.holds_first, self.is_last = 0 in held, self.num_virtual - 1 in held
         self.device_kind = device_kind
         os.environ[SERVING_ENV] = device_kind
         self.tp = TensorParallelGroup(tp_rank, tp_size)
@@ -88,16 +94,22 @@ class StageActor(RefsCalls):
         self.shm_peers: list[int] = []  # neighbours' world ranks linked through shared memory (`join`)
         self.agrees_through_pipes = False  # the step's closing all-reduce: pipes on one node, else gloo (`join`)
         device, self.fallback = resolve_device(name, device_kind, allow_cpu_fallback)
-        self.model = StageModel(specs, start, seed, device, self.tp, tied, lora, quantize)
+        indices = [i for _, a, b in self.chunks for i in range(a, b)]
+        self.model = StageModel(specs, indices, seed, device, self.tp, tied, lora, quantize)
         torch.manual_seed(seed * 7919 + stage)  # dropout and other in-forward randomness
         self.optim = OptimizerState(self.model, dp_rank, dp_size)
-        self.executor = Executor(self.model, stage, self.is_last, loss_fn, lambda: self.optim.loss_scale, name)
+        local, positions = 0, {}
+        for v, a, b in self.chunks:
+            positions[v] = (local, local + b - a)
+            local += b - a
+        self.executor = Executor(self.model, stage, self.is_last, loss_fn, lambda: self.optim.loss_scale, name,
+                                 positions if chunks else None, self.num_virtual)
         self.unapplied_call: int | None = None  # the last p2p step whose update was not applied
 
     def __repr__(self) -> str:  # Ray's dashboard and logs show this as the actor's repr
         if not hasattr(self, "model"):
             return "StageActor(starting)"
-        return f"StageActor({self.name}, layers [{self.model.layers.start}, {self.model.layers.stop}))"
+        return f"StageActor({self.name}, layers {' + '.join(f'[{a}, {b})' for a, b in self.model.ranges())})"
 
     # ----- set-up -------------------------------------------------------------
 
@@ -110,7 +122,8 @@ class StageActor(RefsCalls):
             "stage": self.stage,
             "dp_rank": self.optim.dp_rank,
             "tp_rank": self.tp.rank,
-            "layers": (self.model.layers.start, self.model.layers.stop),
+            "layers": ranges[0] if len(ranges := self.model.ranges()) == 1 else ranges,
+            "virtual_stages": [v for v, _, _ in self.chunks],
             "parameters": self.model.parameter_count(),
             "node_id": ray.get_runtime_context().get_node_id(),
             "pid": os.getpid(),
@@ -188,10 +201,10 @@ class StageActor(RefsCalls):
         order, then the gradient reduction and the optimizer step, agreed on with every
         actor of the world.
 
-        Activations come from world rank `call.prev_rank` and go to `call.next_rank`,
-        gradients the other way, through shared memory on one node and gloo between nodes
-        (`raypipe.runtime.transport`); stage 0 takes `call.inputs[m]`, the last stage
-        `call.targets[m]`. After a failure the actor still
+        Activations come from the actor holding the previous virtual stage (`call.peers`) and
+        go to the next one's, gradients the other way, through shared memory on one node and
+        gloo between nodes (`raypipe.runtime.transport`); the actor holding the first virtual
+        stage takes `call.inputs[m]`, the one holding the last `call.targets[m]`. After a failure the actor still
         makes every send and receive of its list (sending poison), so no neighbour
         hangs; then every actor learns through one all-reduce that the step failed, none
         steps its optimizer, and each raises (the failed stage its own error).
@@ -208,9 +221,8 @@ class StageActor(RefsCalls):
         """
         import ray
 
-        from raypipe.runtime import transport
 
-        call_id, step, actions, inputs, targets, prev_rank, next_rank, after, varying, weights = call
+        call_id, step, actions, inputs, targets, peers, after, varying, weights = call
         if after is not None and after == self.unapplied_call:
             self.unapplied_call = call_id  # and so on down the queue
             return None, {"halted": True}
@@ -218,18 +230,33 @@ class StageActor(RefsCalls):
         # stored once for several tp ranks: Ray resolves only top-level references
         inputs, targets = (ray.get(v) if isinstance(v, ray.ObjectRef) else v for v in (inputs, targets))
         inputs, targets = unpack(inputs), unpack(targets)
-        forwards = [m for kind, m in actions if kind == "F"]
-        backwards = [m for kind, m in actions if kind == "B"]
-        losses, failure = self.executor.run_list(
-            actions, inputs, targets,
-            activations=transport.inbox(prev_rank, [2 * m for m in forwards]) if self.stage > 0 else None,
-            gradients=transport.inbox(next_rank, [2 * m + 1 for m in backwards]) if not self.is_last else None,
-            to_next=transport.outbox(next_rank, len(forwards), varying) if not self.is_last else None,
-            to_prev=transport.outbox(prev_rank, len(backwards), varying) if self.stage > 0 else None,
-            weights=weights,
-        )
+        links = self._links(actions, peers, varying)
+        losses, failure = self.executor.run_list(actions, inputs, targets, links, weights=weights)
         report = self._finish_step(step, failure)
         return (losses if self.is_last and self.tp.rank == 0 else None), report
+
+    def _links(self, actions: Sequence[tuple[str, int, int]], peers: Sequence[int], varying: bool) -> Any:
+        """This step's streams: for each virtual stage held, from and to the actors holding its
+        neighbours (`peers`: the world rank holding each virtual stage, for this replica and tp
+        rank). With model chunks every stream goes over gloo, even on one node: a shared-memory
+        link carries one stream per direction and pair, and chunks put several on one pair."""
+        from raypipe.actors.executor import StepLinks
+        from raypipe.runtime import transport
+
+        held = self.executor.parts
+        last = self.num_virtual - 1
+        shm = len(held) == 1
+        links = StepLinks(microbatches=1 + max(m for _, m, _ in actions))
+        for v in held:
+            forwards = [m for kind, m, u in actions if u == v and kind == "F"]
+            backwards = [m for kind, m, u in actions if u == v and kind in ("B", "I")]
+            if v > 0 and v - 1 not in held:
+                links.activations[v] = transport.inbox(peers[v - 1], [links.tag(v - 1, m, "F") for m in forwards], shm)
+                links.to_prev[v] = transport.outbox(peers[v - 1], len(backwards), varying, shm)
+            if v < last and v + 1 not in held:
+                links.gradients[v] = transport.inbox(peers[v + 1], [links.tag(v + 1, m, "G") for m in backwards], shm)
+                links.to_next[v] = transport.outbox(peers[v + 1], len(forwards), varying, shm)
+        return links
 
     def run_compiled(self, payload: dict[str, Any]) -> Any:
         """`run_actions` as a node of the trainer's compiled graph ("compiled" engine):
@@ -238,12 +265,12 @@ class StageActor(RefsCalls):
         Returns `run_actions`' result, or the exception it raised: a compiled graph reports
         one node's exception as every node's, and the driver needs each actor's own to
         name the stage that failed first."""
-        actions, prev_rank, next_rank = payload["lists"][self.name]
+        actions, peers = payload["lists"][self.name]
         try:
             return self.run_actions(StepCall(
                 payload["call_id"], payload["step"], actions,
-                payload["inputs"][self.optim.dp_rank] if self.stage == 0 else None,
-                payload["targets"][self.optim.dp_rank] if self.is_last else None, prev_rank, next_rank,
+                payload["inputs"][self.optim.dp_rank] if self.holds_first else None,
+                payload["targets"][self.optim.dp_rank] if self.is_last else None, peers,
                 None, payload["varying"], payload["weights"][self.optim.dp_rank] if self.is_last else None,
             ))
         except Exception as error:  # noqa: BLE001 - handed to the driver, which raises it
@@ -287,10 +314,10 @@ class StageActor(RefsCalls):
 
     # ----- inference, weights, checkpoints ------------------------------------------
 
-    def generate_forward(self, x: Any, start: bool, cached: bool) -> Any:
-        """One forward of generation (`raypipe.runtime.generation`): the output (rank 0 of tp
-        only), or on the last stage the last position's logits."""
-        out = self.executor.generate(unpack(x), start, cached)
+    def generate_forward(self, x: Any, start: bool, cached: bool, v: int | None = None) -> Any:
+        """One forward of generation through chunk `v` (`raypipe.runtime.generation`): the output
+        (rank 0 of tp only), or on the last stage the last position's logits."""
+        out = self.executor.generate(unpack(x), start, cached, v)
         return pack(to_host(out)) if self.tp.rank == 0 else None
 
     def end_generation(self) -> None:

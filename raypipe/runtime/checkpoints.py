@@ -22,7 +22,7 @@ def run_meta(step: int, num_layers: int, plan: Sequence[Sequence[int]], run: str
         "step": step,
         "data_position": step,  # batches are a function of the step
         "num_layers": num_layers,
-        "pp": len(plan),
+        "pp": config.pp,
         "plan": [list(r) for r in plan],
         "run": run,
         "config": config.to_dict(),

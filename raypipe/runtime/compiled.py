@@ -50,7 +50,7 @@ class CompiledStep:
         payload = {
             "call_id": data.call_id,
             "step": data.step,
-            "lists": {lst.name: (lst.actions, lst.prev_rank, lst.next_rank) for lst in lists},
+            "lists": {lst.name: (lst.actions, lst.peers) for lst in lists},
             "inputs": [pack_microbatches(list(x)) for x in data.inputs],
             "targets": [pack_microbatches(list(y)) for y in data.targets],
             "varying": data.varying,

@@ -29,14 +29,16 @@ def pick(logits: torch.Tensor, temperature: float, top_k: int | None, generator:
     return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator).squeeze(-1)
 
 
-def generate(stages: Sequence[Sequence[Any]], names: Sequence[Sequence[str]], input_ids: torch.Tensor,
+def generate(stages: Sequence[Sequence[Any]], names: Sequence[Sequence[str]], chunks: Sequence[int] | None,
+             input_ids: torch.Tensor,
              max_new_tokens: int, temperature: float, top_k: int | None, cached: bool, timeout: float,
              attention_mask: torch.Tensor | None = None, eos_token_id: int | None = None,
              seed: int | None = None) -> torch.Tensor:
     """The prompt `input_ids` followed by up to `max_new_tokens` generated tokens per row; rows
     that produced `eos_token_id` continue with it (as transformers pads finished rows).
 
-    `stages` holds each stage's tp ranks; every rank runs, rank 0's output goes on.
+    `stages` holds each stage's tp ranks, in virtual-stage order with model chunks (`chunks`: the
+    chunk each runs); every rank runs, rank 0's output goes on.
     """
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
     flat = [a for ranks in stages for a in ranks]
@@ -46,7 +48,7 @@ def generate(stages: Sequence[Sequence[Any]], names: Sequence[Sequence[str]], in
     try:
         for i in range(max_new_tokens):
             x = _step_input(sequence, mask, i, cached)
-            logits = _run(stages, names, x, start=i == 0, cached=cached, timeout=timeout)
+            logits = _run(stages, names, chunks, x, start=i == 0, cached=cached, timeout=timeout)
             token = pick(logits, temperature, top_k, generator)
             if eos_token_id is not None:
                 token = token.masked_fill(done, eos_token_id)
@@ -77,12 +79,13 @@ def _step_input(sequence: torch.Tensor, mask: torch.Tensor | None, i: int, cache
     return x
 
 
-def _run(stages: Sequence[Sequence[Any]], names: Sequence[Sequence[str]], x: Any, start: bool, cached: bool,
-         timeout: float) -> torch.Tensor:
+def _run(stages: Sequence[Sequence[Any]], names: Sequence[Sequence[str]], chunks: Sequence[int] | None, x: Any,
+         start: bool, cached: bool, timeout: float) -> torch.Tensor:
     """One forward through every stage; the last position's logits."""
     ref, pending = pack(x), {}
     for s, ranks in enumerate(stages):
-        refs = [actor.generate_forward.remote(ref, start, cached) for actor in ranks]
+        chunk = () if chunks is None else (chunks[s],)
+        refs = [actor.generate_forward.remote(ref, start, cached, *chunk) for actor in ranks]
         for t, r in enumerate(refs):
             pending[r] = (names[s][t], "generate")
         ref = refs[0]

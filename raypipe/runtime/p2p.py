@@ -15,7 +15,7 @@ from raypipe.runtime.results import StepResult, gather, raise_if_died, root_fail
 from raypipe.runtime.step import StepInput, StepTarget
 from raypipe.runtime.trace import trace_lists
 from raypipe.runtime.transport.wire import StepCall, pack_microbatches
-from raypipe.schedules import Schedule
+from raypipe.schedules import Schedule, owners
 
 
 def submit_step_p2p(target: StepTarget, data: StepInput, after: int | None = None,
@@ -49,7 +49,6 @@ def submit_step_p2p(target: StepTarget, data: StepInput, after: int | None = Non
     if compiled is not None:
         values = compiled.run(lists, data, what)
         return SubmittedStep([], what, timeout, started, values)
-    last = max(lst.stage for lst in lists)
     batches = []
     for d, stages in enumerate(replicas):
         # by value (Ray inlines small arguments), or stored once when several tp ranks read it
@@ -60,10 +59,10 @@ def submit_step_p2p(target: StepTarget, data: StepInput, after: int | None = Non
     runs = []
     for lst in lists:
         batch, labels = batches[lst.replica]
-        weights = data.weights[lst.replica] if data.weights is not None and lst.stage == last else None
+        weights = data.weights[lst.replica] if data.weights is not None and lst.holds_last else None
         ref = lst.actor.run_actions.remote(StepCall(
-            call_id, step, lst.actions, batch if lst.stage == 0 else None, labels if lst.stage == last else None,
-            lst.prev_rank, lst.next_rank, after, data.varying, weights))
+            call_id, step, lst.actions, batch if lst.holds_first else None, labels if lst.holds_last else None,
+            lst.peers, after, data.varying, weights))
         runs.append((ref, lst))
     return SubmittedStep(runs, what, timeout, started)
 
@@ -111,30 +110,33 @@ def _step_result(values: Sequence[Any], seconds: float) -> StepResult:
 
 @dataclass
 class ActionList:
-    """One actor's share of a step: its stage's actions and its neighbours' world ranks."""
+    """One actor's share of a step: its actions as (kind, microbatch, virtual stage), and the world
+    rank holding each virtual stage for its replica and tp rank."""
 
     replica: int
     stage: int
     actor: Any
     name: str
-    actions: list[tuple[str, int]]
-    prev_rank: int | None
-    next_rank: int | None
+    actions: list[tuple[str, int, int]]
+    peers: list[int]
     label: str
+    holds_first: bool
+    holds_last: bool
 
 
 def action_lists(replicas: Sequence[Sequence[Sequence[Any]]], names: Sequence[Sequence[Sequence[str]]],
                  ranks: Sequence[Sequence[Sequence[int]]], schedule: Schedule) -> list[ActionList]:
     """Every actor's action list, in world-rank order (replica, stage, tp rank). tp rank t of
     a stage exchanges tensors with tp rank t of its neighbours (their activations are identical)."""
-    last = len(schedule) - 1
+    owner = owners(schedule)
+    last = len(owner) - 1
     lists = []
     for d, stages in enumerate(replicas):
         for s, actors in enumerate(stages):
-            actions = [(a.kind, a.microbatch) for a in schedule[s]]
+            actions = [(a.kind, a.microbatch, a.stage) for a in schedule[s]]
             label = ", ".join(str(a) for a in schedule[s])
             for t, actor in enumerate(actors):
-                prev = ranks[d][s - 1][t] if s > 0 else None
-                nxt = ranks[d][s + 1][t] if s < last else None
-                lists.append(ActionList(d, s, actor, names[d][s][t], actions, prev, nxt, label))
+                peers = [ranks[d][owner[v]][t] for v in range(last + 1)]
+                lists.append(ActionList(d, s, actor, names[d][s][t], actions, peers, label,
+                                        owner[0] == s, owner[last] == s))
     return lists

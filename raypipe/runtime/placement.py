@@ -16,9 +16,11 @@ from raypipe.devices import ray_options
 from raypipe.model import tied_stages
 from raypipe.errors import PlacementError, StageError
 from raypipe.layers import LayerSpec
+from raypipe.runtime.chunks import actor_chunks, actor_plan
 from raypipe.runtime.collective import group_backend
 from raypipe.runtime.results import gather, last_line
 from raypipe.runtime.topology import Topology
+from raypipe.schedules import Schedule
 
 
 def cpus_per_actor(config: TrainConfig, actors: int) -> float:
@@ -35,25 +37,30 @@ def stage_options(config: TrainConfig, stage: int) -> dict[str, Any]:
 
 
 def start_actors(config: TrainConfig, topology: Topology, names: Sequence[str], specs: Sequence[LayerSpec],
-                 plan: Sequence[tuple[int, int]], loss_fn: Any, run_name: str, cpus: float,
+                 plan: Sequence[tuple[int, int]], schedule: Schedule, loss_fn: Any, run_name: str, cpus: float,
                  tied: Sequence[Sequence[str]] = ()) -> list[Any]:
-    """Creates every stage actor (Ray places them asynchronously; `wait_for_actors` waits)."""
+    """Creates every stage actor (Ray places them asynchronously; `wait_for_actors` waits), each
+    with the layers of the virtual stages `schedule` gives it (`plan` is per virtual stage)."""
     threads = config.threads_per_actor or max(1, int(cpus))
     remote_cls = ray.remote(StageActor)
     kinds = config.stage_kinds()
     actors = []
     for rank, name in enumerate(names):
         d, s, t = topology.place(rank)
-        start, end = plan[s]
+        held = actor_chunks(plan, schedule, s)
+        start = held[0][1]
+        layers = [spec for _, a, b in held for spec in specs[a:b]]
+        num_virtual = len(plan)
         actors.append(
             remote_cls.options(
                 name=name, namespace=f"raypipe-{run_name}", num_cpus=cpus, max_restarts=0, max_task_retries=0,
                 **stage_options(config, s),
             ).remote(
-                s, config.pp, list(specs[start:end]), start, config.seed, threads,
-                loss_fn if s == config.pp - 1 else None, name, d, config.dp, t, config.tp,
+                s, config.pp, layers, start, config.seed, threads,
+                loss_fn if any(v == num_virtual - 1 for v, _, _ in held) else None, name, d, config.dp, t, config.tp,
                 kinds[s], config.allow_cpu_fallback, list(tied), config.lora,
                 config.quantize[s] if config.quantize else None,
+                held if len(held) > 1 or held[0][0] != s else (), num_virtual,
             )
         )
     return actors
@@ -104,14 +111,14 @@ def wait_for_actors(actors: Sequence[Any], names: Sequence[str], topology: Topol
 
 
 def start_gang(config: TrainConfig, topology: Topology, names: Sequence[str], specs: Sequence[LayerSpec],
-               plan: Sequence[tuple[int, int]], loss_fn: Any, run_name: str,
+               plan: Sequence[tuple[int, int]], schedule: Schedule, loss_fn: Any, run_name: str,
                others: Callable[[], list[str]], tied: Sequence[Sequence[str]] = ()) -> list[Any]:
     """Starts every stage actor, waits until all are placed and built, and joins them into the
     trainer's world when it needs one; on any failure kills those started, then raises.
-    `tied`: the model's tied weights (`raypipe.model.Model.tied`)."""
+    `plan`: per virtual stage of `schedule`. `tied`: the model's tied weights (`raypipe.model.Model.tied`)."""
     cpus = cpus_per_actor(config, len(names))
-    actors = start_actors(config, topology, names, specs, plan, loss_fn, run_name, cpus, tied)
-    shared = [(g, stages) for g, stages in enumerate(tied_stages(tied, plan)) if len(stages) > 1]
+    actors = start_actors(config, topology, names, specs, plan, schedule, loss_fn, run_name, cpus, tied)
+    shared = [(g, stages) for g, stages in enumerate(tied_stages(tied, actor_plan(plan, schedule))) if len(stages) > 1]
     try:
         devices = wait_for_actors(actors, names, topology, plan, config, cpus, others)
         if needs_world(config) or shared:

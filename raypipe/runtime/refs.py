@@ -101,13 +101,15 @@ def run_step(target: StepTarget, data: StepInput) -> StepResult:
 def run_forward(
     stages: Sequence[Sequence[Any]],
     names: Sequence[Sequence[str]],
+    chunks: Sequence[int] | None,
     inputs: Sequence[torch.Tensor],
     targets: Sequence[Any] | None,
     timeout: float,
 ) -> list[Any]:
     """Forward-only pass of every microbatch through all stages (evaluation, inference).
 
-    `stages` holds each stage's tp ranks; every rank runs, rank 0's output goes on.
+    `stages` holds each stage's tp ranks, in virtual-stage order with model chunks (`chunks`: the
+    chunk each runs, else None); every rank runs, rank 0's output goes on.
 
     Returns:
         Per microbatch: the last stage's loss (when targets are given) or its output.
@@ -118,7 +120,8 @@ def run_forward(
         ref = x
         for s, ranks in enumerate(stages):
             target = targets[m] if targets is not None and s == len(stages) - 1 else None
-            refs = [actor.forward_only.remote(ref, target) for actor in ranks]
+            refs = [actor.forward_only.remote(ref, target, *(() if chunks is None else (chunks[s],)))
+                    for actor in ranks]
             for t, r in enumerate(refs):
                 pending[r] = (names[s][t], str(Action(s, FORWARD, m)))
             ref = refs[0]

@@ -31,8 +31,10 @@ def merged(stages: Sequence[Sequence[Any]], method: str, tp: int) -> dict[str, t
     return result
 
 
-def load_into(actors: Sequence[Any], state: dict[str, torch.Tensor], plan: Sequence[tuple[int, int]], tp: int) -> None:
-    """Loads full-model weights into every actor, each stage getting the keys of its layers.
+def load_into(actors: Sequence[Any], state: dict[str, torch.Tensor], plan: Sequence[Sequence[tuple[int, int]]],
+              tp: int) -> None:
+    """Loads full-model weights into every actor, each stage getting the keys of its layers
+    (`plan`: per stage, the layer ranges it holds, `raypipe.runtime.chunks.actor_plan`).
 
     Raises:
         KeyError: a key names no layer of the model, or a stage's key is missing.
@@ -47,7 +49,7 @@ def load_into(actors: Sequence[Any], state: dict[str, torch.Tensor], plan: Seque
         else:
             parts[stage][key] = value
     if stray:
-        layers = plan[-1][1] if plan else 0
+        layers = max(end for ranges in plan for _, end in ranges) if plan else 0
         raise KeyError(
             f"load_state_dict: keys {stray[:5]} name no layer of this {layers}-layer "
             f"model; keys look like '<layer index>.<parameter>', as state_dict() gives them."
@@ -59,9 +61,9 @@ def load_into(actors: Sequence[Any], state: dict[str, torch.Tensor], plan: Seque
         raise KeyError(str(error)) from None
 
 
-def stage_of(plan: Sequence[tuple[int, int]], layer: int) -> int | None:
-    """The stage holding global layer `layer`, or None."""
-    for s, (start, end) in enumerate(plan):
-        if start <= layer < end:
+def stage_of(plan: Sequence[Sequence[tuple[int, int]]], layer: int) -> int | None:
+    """The stage holding global layer `layer` (`plan`: per stage, its layer ranges), or None."""
+    for s, ranges in enumerate(plan):
+        if any(start <= layer < end for start, end in ranges):
             return s
     return None

@@ -51,7 +51,7 @@ def save(stages: Sequence[Sequence[Any]], specs: Sequence[LayerSpec], model: Any
 
 
 def load(actors: Sequence[Any], stages: Sequence[Sequence[Any]], specs: Sequence[LayerSpec], model: Any,
-         plan: Sequence[tuple[int, int]], directory: str) -> None:
+         plan: Sequence[Sequence[tuple[int, int]]], directory: str) -> None:
     """Loads peft-format adapters into every actor (each stage its own), replacing the adapters.
 
     Raises:
@@ -74,7 +74,8 @@ def load(actors: Sequence[Any], stages: Sequence[Sequence[Any]], specs: Sequence
         raise ConfigError(f"the adapters in {directory} do not fit this model's: missing {missing[:3]}, "
                           f"unexpected {stray[:3]} (another rank, target_modules or model?)")
     state = {key: saved[name] for key, name in names.items()}
-    parts = [{k: v for k, v in state.items() if start <= int(k.partition(".")[0]) < end} for start, end in plan]
+    parts = [{k: v for k, v in state.items() if any(a <= int(k.partition(".")[0]) < b for a, b in ranges)}
+             for ranges in plan]  # per stage, the layer ranges it holds
     # LoRA runs have tp = 1: world rank d * pp + s holds stage s of replica d
     gather([a.load_adapters.remote(parts[rank % len(plan)]) for rank, a in enumerate(actors)], "load_adapter")
 

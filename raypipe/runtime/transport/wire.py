@@ -101,11 +101,10 @@ class StepCall(NamedTuple):
 
     call_id: int
     step: int
-    actions: list  # (kind "F" or "B", microbatch), in order
-    inputs: Any  # stage 0: the replica's packed microbatches (or an ObjectRef to them)
-    targets: Any  # last stage: the packed targets (or an ObjectRef)
-    prev_rank: int | None
-    next_rank: int | None
+    actions: list  # (kind "F", "B", "I" or "W", microbatch, virtual stage), in order
+    inputs: Any  # the first virtual stage's actor: the replica's packed microbatches (or an ObjectRef to them)
+    targets: Any  # the last virtual stage's actor: the packed targets (or an ObjectRef)
+    peers: list  # the world rank holding each virtual stage, for this actor's replica and tp rank
     after: int | None = None  # the call id of the step queued ahead of this one
     varying: bool = False  # the step's microbatches differ in shape: boundary messages describe themselves
     weights: Any = None  # last stage: each microbatch's loss weight (`Executor.forward`), or None

@@ -1,0 +1,57 @@
+"""A microbatch's backward in two parts, for zero-bubble schedules: `input_gradients` (I), what
+the previous stage waits for, and later `weight_gradients` (W), what only the optimizer needs.
+
+I back-propagates from the stage's outputs to its inputs only, and keeps, for each group of
+weights, the gradients that reached the graph nodes where the weights' paths join the
+inputs' (torch.distributed.pipelining's `stage_backward_input`); W then back-propagates from
+those nodes to the weights alone (`stage_backward_weight`). Nothing is computed twice, and
+what stays alive between I and W is the part of the autograd graph the weight gradients
+need. torch keeps these two functions in a private module (`_backward`); raypipe pins torch,
+and `tests/test_zero_bubble.py` checks them against a whole backward on every schedule.
+
+Two cases do not split: a stage whose inputs need no gradient (the first stage: token ids)
+runs its whole backward at W, since nothing waits for its I; a stage with no trainable
+weights (LoRA stages without adapters) runs it at I, and W has nothing to do. A weight whose
+path never meets the inputs' (an output computed from weights alone) gets no gradient from
+the split, as in torch; such a stage should use a schedule without I/W.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+
+@dataclass
+class Deferred:
+    """What a microbatch's W needs from its I: torch's parameter groups, or the whole backward
+    (outputs and their gradients) when I could not split it."""
+
+    groups: list[dict[str, Any]] | None = None
+    whole: tuple[list[torch.Tensor], list[torch.Tensor] | None] | None = None
+
+
+def input_gradients(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor] | None,
+                    inputs: Sequence[torch.Tensor], weights: Sequence[torch.nn.Parameter]) -> Deferred:
+    """Sets `.grad` on each of `inputs` (tensors that require grad) from `outputs` and their
+    `grads` (None: `outputs` is the scaled loss); returns what `weight_gradients` needs."""
+    outputs, grads = list(outputs), None if grads is None else list(grads)
+    if not inputs:
+        return Deferred(whole=(outputs, grads))
+    if not weights:
+        torch.autograd.backward(outputs, grads, inputs=list(inputs))
+        return Deferred()
+    _, groups = stage_backward_input(outputs, grads, list(inputs), iter(weights))
+    return Deferred(groups=groups)
+
+
+def weight_gradients(deferred: Deferred, weights: Sequence[torch.nn.Parameter]) -> None:
+    """Accumulates the weights' `.grad` from what `input_gradients` kept."""
+    if deferred.whole is not None:
+        outputs, grads = deferred.whole
+        torch.autograd.backward(outputs, grads)
+    elif deferred.groups:
+        stage_backward_weight(iter(weights), deferred.groups)

@@ -1,0 +1,46 @@
+"""Model chunks on the driver: which layers each actor holds when a schedule gives actors several
+virtual stages (interleaved-1f1b, zb-v), and the order inference walks them.
+
+`plan` is always per virtual stage (one [start, end) range each, in virtual-stage order);
+without chunks virtual stage s is actor s and every function here is the identity.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from raypipe.errors import ConfigError
+from raypipe.schedules import Schedule, owners, virtual_stages
+
+
+def actor_plan(plan: Sequence[tuple[int, int]], schedule: Schedule) -> list[list[tuple[int, int]]]:
+    """Per actor, the layer ranges of the virtual stages it holds (chunk 0 first)."""
+    return [[tuple(plan[v]) for v in stages] for stages in virtual_stages(schedule)]
+
+
+def actor_chunks(plan: Sequence[tuple[int, int]], schedule: Schedule, actor: int) -> list[tuple[int, int, int]]:
+    """(virtual stage, start, end) of each chunk `actor` holds; what a StageActor is built with."""
+    return [(v, *plan[v]) for v in virtual_stages(schedule)[actor]]
+
+
+def inference_path(stages: Sequence[Any], names: Sequence[Any], schedule: Schedule
+                   ) -> tuple[list[Any], list[Any], list[int] | None]:
+    """One replica's actors (per stage, its tp ranks) and names in virtual-stage order, and the
+    virtual stage each call runs (None without chunks): the path a forward-only pass takes."""
+    owner = owners(schedule)
+    if all(owner[v] == v for v in owner):
+        return list(stages), list(names), None
+    order = [owner[v] for v in range(len(owner))]
+    return [stages[a] for a in order], [names[a] for a in order], list(range(len(owner)))
+
+
+def check_same_layout(old: Schedule, new: Schedule, name: str) -> None:
+    """A schedule change between steps must keep each actor's layers.
+
+    Raises:
+        ConfigError: the new schedule places virtual stages differently.
+    """
+    if virtual_stages(old) != virtual_stages(new):
+        raise ConfigError(f"schedule={name!r} places model chunks as {virtual_stages(new)}, but this trainer's "
+                          f"actors hold {virtual_stages(old)}: changing chunks needs a new Trainer (save a "
+                          f"checkpoint, then load it into one built with the new schedule).")
