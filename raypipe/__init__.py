@@ -20,7 +20,7 @@ from raypipe.errors import (
 )
 from raypipe.layers import LayerSpec, build_layers
 from raypipe.profile import PlanReport
-from raypipe.schedules import Action, build_schedule, format_schedule
+from raypipe.schedules import Action, bubble, build_schedule, format_schedule, peak_in_flight
 from raypipe.timeline import Timeline
 from raypipe.trainer import Trainer
 
@@ -43,8 +43,10 @@ __all__ = [
     "Timeline",
     "TrainConfig",
     "Trainer",
+    "bubble",
     "build_layers",
     "build_schedule",
     "format_schedule",
     "nn",
+    "peak_in_flight",
 ]

@@ -32,6 +32,21 @@ class _Sleep(torch.autograd.Function):
         return grad, None, None
 
 
+class _WeightPath(torch.autograd.Function):
+    """The weight gradient's share of a simulated backward: zeros forward, `weight_s` backward."""
+
+    @staticmethod
+    def forward(ctx, scale: torch.Tensor, weight_s: float) -> torch.Tensor:
+        ctx.weight_s = weight_s
+        return torch.zeros_like(scale)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        if ctx.weight_s:
+            time.sleep(ctx.weight_s)
+        return grad, None
+
+
 class SimulatedCompute(nn.Module):
     """Identity with a tiny trainable scale, whose forward and backward take fixed times.
 
@@ -42,20 +57,31 @@ class SimulatedCompute(nn.Module):
             twice as long; kinds not named run at unit speed.
         ballast: extra parameters that take no compute, so a layer can weigh more
             than another under `partition="parameters"`.
+        weight_s: makes the backward two parts, as zero-bubble schedules split it: the input
+            gradient takes `backward_s`, the weight gradient `weight_s` (a whole backward
+            both). The input path then runs on every stage, the first included, as if its
+            input needed a gradient, so every stage does the same work.
     """
 
     def __init__(self, forward_s: float, backward_s: float, features: int = 8,
-                 slowdown: dict[str, float] | None = None, ballast: int = 0) -> None:
+                 slowdown: dict[str, float] | None = None, ballast: int = 0, weight_s: float | None = None) -> None:
         super().__init__()
         self.forward_s, self.backward_s = float(forward_s), float(backward_s)
+        self.weight_s = None if weight_s is None else float(weight_s)
         self.slowdown = dict(slowdown or {})
         self.scale = nn.Parameter(torch.ones(features))
         self.ballast = nn.Parameter(torch.zeros(ballast)) if ballast else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         factor = self.slowdown.get(serving_kind() or "", 1.0)
-        return _Sleep.apply(x * self.scale, self.forward_s * factor, self.backward_s * factor)
+        if self.weight_s is None:
+            return _Sleep.apply(x * self.scale, self.forward_s * factor, self.backward_s * factor)
+        if not x.requires_grad:
+            x = x.detach().requires_grad_()
+        inputs = _Sleep.apply(x, self.forward_s * factor, self.backward_s * factor)
+        return inputs + _WeightPath.apply(self.scale, self.weight_s * factor)
 
     def extra_repr(self) -> str:
         slow = f", slowdown={self.slowdown}" if self.slowdown else ""
-        return f"forward_s={self.forward_s}, backward_s={self.backward_s}{slow}"
+        weight = f", weight_s={self.weight_s}" if self.weight_s is not None else ""
+        return f"forward_s={self.forward_s}, backward_s={self.backward_s}{weight}{slow}"

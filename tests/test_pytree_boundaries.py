@@ -20,7 +20,9 @@ def sgd(params):
 
 # engine, pp, schedule, same-node transport
 CASES = [("p2p", 2, "1f1b", "shm"), ("p2p", 3, "gpipe", "gloo"), ("refs", 3, "1f1b", "shm"),
-         ("compiled", 2, "gpipe", "shm"), ("p2p", 1, "1f1b", "shm")]
+         ("compiled", 2, "gpipe", "shm"), ("p2p", 1, "1f1b", "shm"),
+         # split backwards and model chunks: the aux loss and the integer leaves through I, W and a V
+         ("p2p", 2, "zb-v", "shm"), ("compiled", 3, "zb-h1", "shm"), ("p2p", 2, "interleaved-1f1b", "shm")]
 
 
 @pytest.mark.slow
@@ -28,8 +30,8 @@ CASES = [("p2p", 2, "1f1b", "shm"), ("p2p", 3, "gpipe", "gloo"), ("refs", 3, "1f
 def test_a_dict_boundary_trains_exactly_as_one_process(ray_session, engine, pp, schedule, transport):
     reference = reference_run(DICT_MODEL, SEED, sgd, steps=3, microbatches=2, loss_fn=dict_loss, data=dict_batch,
                               reverse=schedule == "gpipe")
-    config = TrainConfig(pp=pp, engine=engine, optimizer=SGD, seed=SEED, cpus_per_actor=0.25, threads_per_actor=1,
-                         same_node_transport=transport)
+    config = TrainConfig(pp=pp, engine=engine, schedule=schedule, microbatches=2, optimizer=SGD, seed=SEED,
+                         cpus_per_actor=0.25, threads_per_actor=1, same_node_transport=transport)
     with Trainer(DICT_MODEL, dict_loss, config) as t:
         check_sgd_parity(t, t.state_dict(), reference, schedule, 2, SGD, data=dict_batch)
 
@@ -60,11 +62,11 @@ def varying_reference(steps: int):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", ["p2p", "refs", "compiled"])
-def test_microbatches_of_different_shapes_train_exactly(ray_session, engine):
+@pytest.mark.parametrize("engine, schedule", [("p2p", "1f1b"), ("refs", "1f1b"), ("compiled", "1f1b"), ("p2p", "zb-v")])
+def test_microbatches_of_different_shapes_train_exactly(ray_session, engine, schedule):
     ref_losses, ref_grads, ref_final = varying_reference(3)
-    config = TrainConfig(pp=2, microbatches=4, engine=engine, optimizer=SGD, seed=SEED, cpus_per_actor=0.25,
-                         threads_per_actor=1)
+    config = TrainConfig(pp=2, microbatches=4, engine=engine, schedule=schedule, optimizer=SGD, seed=SEED,
+                         cpus_per_actor=0.25, threads_per_actor=1)
     with Trainer(DICT_MODEL, dict_loss, config) as t:
         losses = []
         for k in range(3):

@@ -1,0 +1,181 @@
+"""Interleaved 1F1B, ZB-H1 and ZB-V on real actors: exact parity with the reference GPT trained in
+one process (losses, first-step gradients, weights after 3 SGD-momentum steps; rtol 1e-5, atol
+4e-5) at pp 2 and 4, m 4 and 8, two chunks per actor where chunks apply, with dp 2 (and ZeRO-1)
+and tp 2; each actor's stashed microbatches as its schedule bounds them; composition with
+activation checkpointing, bf16 autocast, bf16 boundaries and the compiled engine; checkpoints
+that resume under another schedule at another pp; a failure inside a V that stops every actor."""
+
+import pytest
+import torch
+
+from helpers import assert_close_dicts, check_sgd_parity, reference_run
+from raypipe import ConfigError, StageError, TrainConfig, Trainer, build_schedule, peak_in_flight
+from raypipe.models import gpt
+
+SEED = 11
+SGD = {"name": "sgd", "lr": 0.1, "momentum": 0.9}
+GPT = gpt.GPTConfig(vocab_size=32, block_size=8, n_layer=6, n_head=2, n_embd=16)  # 8 layers: pp 4 x 2 chunks
+LAYERS = gpt.layers(GPT)
+
+
+def tokens(k: int, size: int = 16):
+    g = torch.Generator().manual_seed(900 + k)
+    seq = torch.randint(0, GPT.vocab_size, (size, GPT.block_size + 1), generator=g)
+    return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return {m: reference_run(LAYERS, SEED, sgd, steps=3, microbatches=m, loss_fn=gpt.loss_fn, data=tokens)
+            for m in (4, 8)}
+
+
+def config(**kwargs) -> TrainConfig:
+    return TrainConfig(optimizer=SGD, seed=SEED, cpus_per_actor=0.1, threads_per_actor=1, **kwargs)
+
+
+# (pp, schedule the trainer is built with, dp, tp); a trainer built for zb-h1 also runs 1f1b and gpipe
+TRAINERS = [(2, "interleaved-1f1b", 1, 1), (2, "zb-v", 1, 1), (2, "zb-h1", 1, 1), (4, "interleaved-1f1b", 1, 1),
+            (4, "zb-v", 1, 1), (4, "zb-h1", 1, 1), (2, "zb-v", 2, 1), (2, "interleaved-1f1b", 1, 2), (2, "zb-h1", 2, 2)]
+
+
+@pytest.fixture(scope="module", params=TRAINERS, ids=lambda p: f"pp{p[0]}-{p[1]}-dp{p[2]}-tp{p[3]}")
+def trainer(request, ray_session):
+    pp, schedule, dp, tp = request.param
+    t = Trainer(LAYERS, gpt.loss_fn, config(pp=pp, dp=dp, tp=tp, zero=int(dp > 1), schedule=schedule,
+                                            microbatches=4))
+    yield t
+    t.shutdown()
+
+
+@pytest.fixture(scope="module")
+def initial(trainer):
+    return trainer.state_dict()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("microbatches", [4, 8])
+def test_parity_with_one_process(trainer, initial, reference, microbatches):
+    assert set(initial) == set(reference[4][2])
+    check_sgd_parity(trainer, initial, reference[microbatches], trainer.config.schedule, microbatches, SGD,
+                     data=tokens)
+
+
+@pytest.mark.slow
+def test_each_actor_stashes_what_its_schedule_bounds(trainer, initial):
+    c = trainer.config
+    trainer.reconfigure(microbatches=8)
+    stages = trainer.step(*tokens(0))["stages"]
+    planned = [peak_in_flight(a) for a in build_schedule(c.schedule, c.pp, 8, c.chunks)]
+    assert [s["peak_stashed_microbatches"] for s in stages] == planned
+    if c.schedule == "zb-h1":
+        assert planned == [c.pp] * c.pp  # 1F1B's first stage, on every actor
+    if c.schedule == "zb-v":
+        assert planned == [2 * c.pp] * c.pp  # 2p half-stage chunks: the same memory
+    trainer.load_state_dict(initial)
+
+
+def test_the_flat_layout_switches_between_1f1b_gpipe_and_zb_h1_but_not_to_chunks(trainer):
+    if trainer.config.schedule in ("zb-h1",):
+        for schedule in ("1f1b", "gpipe", "zb-h1"):
+            trainer.reconfigure(schedule=schedule)
+    with pytest.raises(ConfigError, match="changing chunks needs a new Trainer"):
+        other = "zb-v" if trainer.config.schedule != "zb-v" else "1f1b"
+        trainer.reconfigure(schedule=other)
+    assert trainer.config.schedule in ("zb-h1", "zb-v", "interleaved-1f1b")  # unchanged after the refusal
+
+
+def test_chunks_hold_the_layers_of_their_virtual_stages(trainer):
+    c = trainer.config
+    info = trainer.stage_info()
+    replica0 = [i for i in info if i["dp_rank"] == 0 and i["tp_rank"] == 0]
+    if c.schedule == "zb-v" and c.pp == 4:
+        assert [i["virtual_stages"] for i in replica0] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+        assert [i["layers"] for i in replica0] == [[(0, 1), (7, 8)], [(1, 2), (6, 7)], [(2, 3), (5, 6)], (3, 5)]
+    if c.schedule == "interleaved-1f1b" and c.pp == 2:
+        assert [i["virtual_stages"] for i in replica0] == [[0, 2], [1, 3]]
+        assert [i["layers"] for i in replica0] == [[(0, 2), (4, 6)], [(2, 4), (6, 8)]]
+
+
+# ----- composition ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def zbv(ray_session):
+    t = Trainer(LAYERS, gpt.loss_fn, config(pp=2, schedule="zb-v", microbatches=4))
+    yield t
+    t.shutdown()
+
+
+@pytest.mark.slow
+def test_activation_checkpointing_and_bf16_compose_with_split_backwards(zbv, reference):
+    start = zbv.state_dict()
+    zbv.reconfigure(activation_checkpointing=True)
+    check_sgd_parity(zbv, start, reference[4], "zb-v", 4, SGD, data=tokens)
+    zbv.reconfigure(activation_checkpointing=False, precision="bf16")
+    bf16 = reference_run(LAYERS, SEED, sgd, steps=3, microbatches=4, loss_fn=gpt.loss_fn, data=tokens,
+                         precision="bf16")
+    zbv.reset_optimizer()
+    zbv.load_state_dict(start)
+    losses = [zbv.step(*tokens(k))["loss"] for k in range(3)]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(bf16[0]), rtol=1e-3, atol=1e-3)
+    zbv.reconfigure(precision="fp32")
+    zbv.load_state_dict(start)
+
+
+@pytest.mark.slow
+def test_bf16_boundaries_give_zb_h1_what_they_give_1f1b(ray_session):
+    with Trainer(LAYERS, gpt.loss_fn, config(pp=3, schedule="zb-h1", microbatches=4, boundary_dtype="bf16")) as t:
+        start, runs = t.state_dict(), {}
+        for schedule in ("1f1b", "zb-h1"):
+            t.reconfigure(schedule=schedule)
+            t.reset_optimizer()
+            t.load_state_dict(start)
+            runs[schedule] = ([t.step(*tokens(k))["loss"] for k in range(3)], t.state_dict())
+        torch.testing.assert_close(torch.tensor(runs["zb-h1"][0]), torch.tensor(runs["1f1b"][0]), rtol=1e-5, atol=4e-5)
+        assert_close_dicts(runs["zb-h1"][1], runs["1f1b"][1])
+
+
+@pytest.mark.slow
+def test_compiled_engine_runs_a_v(ray_session, reference):
+    with Trainer(LAYERS, gpt.loss_fn, config(pp=2, schedule="zb-v", microbatches=4, engine="compiled")) as t:
+        check_sgd_parity(t, t.state_dict(), reference[4], "zb-v", 4, SGD, data=tokens)
+
+
+def test_refs_engine_and_mismatched_chunks_are_refused_naming_the_fix():
+    with pytest.raises(ConfigError, match="engine.*p2p and compiled engines"):
+        TrainConfig(pp=2, schedule="zb-v", engine="refs")
+    with pytest.raises(ConfigError, match="chunks.*always runs 2 per actor"):
+        TrainConfig(pp=2, schedule="zb-v", chunks=3)
+    with pytest.raises(ConfigError, match="microbatches.*divisible by pp"):
+        TrainConfig(pp=4, schedule="interleaved-1f1b", microbatches=6)
+    with pytest.raises(ConfigError, match="shard_plan.*one range per virtual stage"):
+        TrainConfig(pp=2, schedule="zb-v", shard_plan=[[0, 4], [4, 8]])
+
+
+@pytest.mark.slow
+def test_a_zb_v_checkpoint_resumes_under_1f1b_at_another_pp(zbv, tmp_path):
+    zbv.reconfigure(checkpoint_dir=str(tmp_path))
+    zbv.step(*tokens(0))
+    where = zbv.save()
+    after = zbv.step(*tokens(1))["loss"]
+    saved_weights = zbv.state_dict()
+    with Trainer(LAYERS, gpt.loss_fn, config(pp=3, schedule="1f1b", microbatches=4, checkpoint_dir=str(tmp_path))) as t:
+        t.load(str(where))
+        assert t.step(*tokens(1))["loss"] == pytest.approx(after, rel=1e-5, abs=4e-5)  # momentum carried over
+        assert_close_dicts(t.state_dict(), saved_weights)
+    zbv.reconfigure(checkpoint_dir=None)
+
+
+@pytest.mark.slow
+def test_a_failure_inside_a_v_stops_every_actor_and_names_the_stage(zbv):
+    x, y = tokens(0)
+    bad = y.clone()
+    bad[0, 0] = GPT.vocab_size + 5  # the loss, on actor 0's second chunk, indexes out of range
+    with pytest.raises(StageError, match=r"stage0-dp0-tp0 failed at 3F0"):
+        zbv.step(x, bad)
+    zbv.step(x, y)  # every actor is still in step
