@@ -1,16 +1,28 @@
 """raypipe vs torch.distributed.pipelining on the same simulated stages, side by side in one run.
 
-p = 4 stages, each one `SimulatedCompute` layer (forward sleeps tf, backward tb),
-m = 16 microbatches, GPipe and 1F1B, tf = tb in {2, 10} ms. torch runs p processes
-joined by gloo on CPU (`PipelineStage` + `ScheduleGPipe` / `Schedule1F1B`, then an
-SGD step); raypipe runs its Trainer. The two alternate, configuration by
-configuration, `--rounds` times, and the report gives each median step time, the
-ratio raypipe / torch (below 1.0: raypipe is faster) and each round's ratio: for
-steps run one at a time (torch's ranks line up before and after each; raypipe's
-`Trainer.step`), and for steps run back to back as a training loop does (torch's
-ranks looping; raypipe's `Trainer.fit`, which keeps the next step queued).
+p = 4 actors (torch: 4 ranks joined by gloo on CPU), m = 16 microbatches, every schedule
+paired with torch's of the same kind:
 
-    python benchmarks/vs_torch_pipelining.py [--steps 5] [--rounds 3]
+    gpipe - ScheduleGPipe                  1f1b - Schedule1F1B
+    interleaved-1f1b - ScheduleInterleaved1F1B (2 chunks per actor)
+    zb-h1 - ScheduleInterleavedZeroBubble (one stage per rank: its ZB-H1)
+    zb-v - ScheduleZBVZeroBubble (2 chunks per actor in a V)
+
+The model is 2p `SimulatedCompute` layers whose backward is split into an input-gradient
+part and a weight-gradient part (`weight_s`), each layer sleeping t/2 in its forward, its
+input gradient and its weight gradient: a stage of one chunk (two layers) costs tf = tb =
+tw = t per microbatch, a chunk of the chunked schedules half that, so every schedule runs
+the same model. t in {10, 2} ms. The two frameworks alternate, schedule by schedule,
+`--rounds` times; the report gives the median step time of each (a step run alone, all
+torch ranks lined up before and after; raypipe's `Trainer.step`), their ratio (below 1:
+raypipe faster), each round's ratio, the same for steps back to back (torch's ranks
+looping; raypipe's `Trainer.fit`), raypipe's planned bubble and the bubble measured from
+its actors' own timestamps (idle share of the step's action span, all actors).
+
+`--classic` runs the earlier comparison instead: one layer per stage, tf = tb, no split
+backward, GPipe and 1F1B only.
+
+    python benchmarks/vs_torch_pipelining.py [--steps 5] [--rounds 3] [--only zb-v,1f1b] [--classic]
 """
 
 from __future__ import annotations
@@ -26,6 +38,9 @@ import torch
 import torch.multiprocessing as mp
 
 P, M = 4, 16
+TORCH = {"gpipe": ("ScheduleGPipe", "loop", 1), "1f1b": ("Schedule1F1B", "loop", 1),
+         "interleaved-1f1b": ("ScheduleInterleaved1F1B", "loop", 2),
+         "zb-h1": ("ScheduleInterleavedZeroBubble", "loop", 1), "zb-v": ("ScheduleZBVZeroBubble", "v", 2)}
 
 
 def _free_port() -> int:
@@ -34,30 +49,43 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _torch_rank(rank: int, port: int, schedule: str, t: float, steps: int, out) -> None:
-    import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-
+def layers(t: float, classic: bool) -> list:
+    """The model: p layers of (t, t) for the classic rows, else 2p of (t/2, t/2, weight t/2)."""
+    from raypipe import LayerSpec
     from raypipe.simulated import SimulatedCompute
+
+    if classic:
+        return [LayerSpec(SimulatedCompute, t, t) for _ in range(P)]
+    return [LayerSpec(SimulatedCompute, t / 2, t / 2, weight_s=t / 2) for _ in range(2 * P)]
+
+
+def _torch_rank(rank: int, port: int, schedule: str, t: float, steps: int, classic: bool, out) -> None:
+    import torch.distributed as dist
+    from torch.distributed import pipelining
+
+    from raypipe import build_layers
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=P)
-    module = SimulatedCompute(t, t)
-    stage = PipelineStage(module, rank, P, torch.device("cpu"))
-    cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
-    pipe = cls(stage, M, loss_fn=torch.nn.functional.mse_loss)
-    opt = torch.optim.SGD(module.parameters(), lr=1e-3)
+    name, style, chunks = TORCH[schedule]
+    model = build_layers(layers(t, classic), 0)
+    per = len(model) // (P * chunks)
+    indices = [rank] if chunks == 1 else [rank, rank + P] if style == "loop" else [rank, 2 * P - 1 - rank]
+    modules = [torch.nn.Sequential(*model[i * per:(i + 1) * per]) for i in indices]
+    stages = [pipelining.PipelineStage(mod, i, P * chunks, torch.device("cpu")) for mod, i in zip(modules, indices)]
+    cls = getattr(pipelining.schedules, name)
+    single = name in ("ScheduleGPipe", "Schedule1F1B")  # the others take a list of the rank's stages
+    pipe = cls(stages[0] if single else stages, M, loss_fn=torch.nn.functional.mse_loss)
+    params = [p for mod in modules for p in mod.parameters()]
+    opt = torch.optim.SGD(params, lr=1e-3)
     x, y = torch.randn(M, 8), torch.randn(M, 8)
+    first, last = 0 in indices, P * chunks - 1 in indices
 
     def train_step() -> None:
         opt.zero_grad()
-        if rank == 0:
-            pipe.step(x)
-        elif rank == P - 1:
-            pipe.step(target=y, losses=[])
-        else:
-            pipe.step()
+        kwargs = {"target": y, "losses": []} if last else {}
+        pipe.step(*([x] if first else []), **kwargs)
         opt.step()
 
     times = []
@@ -79,12 +107,12 @@ def _torch_rank(rank: int, port: int, schedule: str, t: float, steps: int, out) 
     dist.destroy_process_group()
 
 
-def torch_step_time(schedule: str, t: float, steps: int) -> tuple[float, float]:
+def torch_step_time(schedule: str, t: float, steps: int, classic: bool) -> tuple[float, float]:
     """(median time of a step run alone, time per step of `steps` steps back to back)."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_torch_rank, args=(r, port, schedule, t, steps, out)) for r in range(P)]
+    procs = [ctx.Process(target=_torch_rank, args=(r, port, schedule, t, steps, classic, out)) for r in range(P)]
     for proc in procs:
         proc.start()
     try:
@@ -96,40 +124,68 @@ def torch_step_time(schedule: str, t: float, steps: int) -> tuple[float, float]:
                 proc.kill()
 
 
+def raypipe_trainer(schedule: str, t: float, classic: bool, engine: str | None):
+    from raypipe import TrainConfig, Trainer
+
+    name, _, transport = (engine or TrainConfig.engine).partition(":")
+    config = TrainConfig(pp=P, schedule=schedule, microbatches=M, optimizer={"name": "sgd", "lr": 1e-3},
+                         cpus_per_actor=0.01, threads_per_actor=1, engine=name,
+                         same_node_transport=transport or TrainConfig.same_node_transport,
+                         name=f"vs-torch-{schedule}-{name}")
+    return Trainer(layers(t, classic), torch.nn.functional.mse_loss, config)
+
+
+def measured_bubble(trainer) -> float:
+    """The idle share of the last step's action span over all actors, from their timestamps."""
+    line = trainer.timeline()
+    return 1.0 - sum(line.busy()) / line.num_stages
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3,
                         help="torch and raypipe alternate this many times per configuration; medians are reported")
-    parser.add_argument("--engine", default=None, help="raypipe engine (refs, p2p or compiled; p2p:gloo for gloo between same-node stages); default: TrainConfig's")
+    parser.add_argument("--engine", default=None, help="raypipe engine (p2p or compiled; p2p:gloo for gloo between same-node stages); default: TrainConfig's")
+    parser.add_argument("--only", default=None, help="comma-separated schedules (default: all five)")
+    parser.add_argument("--classic", action="store_true", help="the earlier rows: one layer per stage, tf = tb, no split")
     args = parser.parse_args()
     import ray
-    from pipeline_efficiency import measure, simulated_trainer  # the same raypipe set-up and timing
+    from pipeline_efficiency import measure  # the same raypipe timing as the efficiency benchmark
 
+    from raypipe import bubble, build_schedule
+
+    schedules = ["gpipe", "1f1b"] if args.classic else (args.only.split(",") if args.only else list(TORCH))
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     rows = []
     for t in (0.010, 0.002):
-        with simulated_trainer(t, *([args.engine] if args.engine else [])) as trainer:
-            for schedule in ("gpipe", "1f1b"):
-                torch_rounds, raypipe_rounds, torch_loops, raypipe_loops = [], [], [], []
+        for schedule in schedules:
+            with raypipe_trainer(schedule, t, args.classic, args.engine) as trainer:
+                torch_rounds, raypipe_rounds, torch_loops, raypipe_loops, bubbles = [], [], [], [], []
                 for _ in range(args.rounds):
-                    single, loop = torch_step_time(schedule, t, args.steps)
+                    single, loop = torch_step_time(schedule, t, args.steps, args.classic)
                     torch_rounds.append(single)
                     torch_loops.append(loop)
                     result = measure(trainer, schedule, M, args.steps, t)
                     raypipe_rounds.append(result["step_s"])
                     raypipe_loops.append(result["fit_step_s"])
+                    trainer.step(torch.randn(M, 8), torch.randn(M, 8))
+                    bubbles.append(measured_bubble(trainer))
                 torch_s, raypipe_s = statistics.median(torch_rounds), statistics.median(raypipe_rounds)
                 torch_loop, raypipe_loop = statistics.median(torch_loops), statistics.median(raypipe_loops)
-                ideal = (M + P - 1) * 2 * t
-                row = {"engine": trainer.config.engine, "same_node_transport": trainer.config.same_node_transport, "schedule": schedule, "p": P, "m": M, "tf_ms": 1000 * t, "tb_ms": 1000 * t,
-                       "ideal_s": ideal, "torch_step_s": torch_s, "raypipe_step_s": raypipe_s,
-                       "torch_efficiency": ideal / torch_s, "raypipe_efficiency": ideal / raypipe_s,
+                chunk = t / TORCH[schedule][2]  # one chunk's F, I and W
+                costs = {"F": t, "B": t} if args.classic else {"F": chunk, "I": chunk, "W": chunk}
+                planned = bubble(build_schedule(schedule, P, M), costs)
+                work = M * (2 if args.classic else 3) * t  # one actor's compute per step
+                row = {"engine": trainer.config.engine, "same_node_transport": trainer.config.same_node_transport,
+                       "schedule": schedule, "torch_schedule": TORCH[schedule][0], "p": P, "m": M,
+                       "t_ms": 1000 * t, "split_backward": not args.classic,
+                       "ideal_s": work / (1 - planned), "planned_bubble": planned,
+                       "measured_bubble": statistics.median(bubbles),
+                       "torch_step_s": torch_s, "raypipe_step_s": raypipe_s,
                        "ratio_raypipe_over_torch": raypipe_s / torch_s,
                        "ratio_per_round": [r / q for r, q in zip(raypipe_rounds, torch_rounds)],
-                       # training loops: torch's ranks looping, raypipe's Trainer.fit
                        "torch_loop_step_s": torch_loop, "raypipe_fit_step_s": raypipe_loop,
-                       "torch_loop_efficiency": ideal / torch_loop, "raypipe_fit_efficiency": ideal / raypipe_loop,
                        "ratio_loop_raypipe_over_torch": raypipe_loop / torch_loop,
                        "ratio_loop_per_round": [r / q for r, q in zip(raypipe_loops, torch_loops)]}
                 rows.append(row)

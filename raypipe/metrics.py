@@ -25,6 +25,8 @@ def stage_metrics(reports: Sequence[dict[str, Any]]) -> list[dict[str, float]]:
             "bubble": max(0.0, 1.0 - busy / window) if window > 0 else 0.0,
             "peak_memory_bytes": float(report["peak_memory_bytes"]),
             "peak_stashed_microbatches": int(t.get("peak_stashed", 0)),
+            # split backwards: microbatches between their input and weight gradients at once
+            "peak_awaiting_weight_grad": int(t.get("peak_awaiting_weight", 0)),
             "sent_bytes": int(t.get("sent_bytes", 0)),
             **({"peak_stashed_bytes": float(t["peak_stashed_bytes"])} if "peak_stashed_bytes" in t else {}),
         })
@@ -61,7 +63,8 @@ class TensorBoardLogger:
     Tags: train/loss, train/lr, train/grad_norm, train/tokens_per_s (or
     train/samples_per_s), train/step_time, and per stage stage{s}/forward_s,
     stage{s}/backward_s, stage{s}/bubble_fraction, stage{s}/peak_memory_bytes,
-    stage{s}/peak_stashed_microbatches (kept for backward), stage{s}/sent_bytes
+    stage{s}/peak_stashed_microbatches (kept for backward), stage{s}/peak_awaiting_weight_grad
+    (split backwards: between input and weight gradient), stage{s}/sent_bytes
     (activations and gradients sent to the neighbouring stages) and, when measured,
     stage{s}/peak_stashed_bytes.
     """
@@ -82,6 +85,7 @@ class TensorBoardLogger:
             self.writer.add_scalar(f"stage{s}/bubble_fraction", stage["bubble"], step)
             self.writer.add_scalar(f"stage{s}/peak_memory_bytes", stage["peak_memory_bytes"], step)
             self.writer.add_scalar(f"stage{s}/peak_stashed_microbatches", stage["peak_stashed_microbatches"], step)
+            self.writer.add_scalar(f"stage{s}/peak_awaiting_weight_grad", stage["peak_awaiting_weight_grad"], step)
             self.writer.add_scalar(f"stage{s}/sent_bytes", stage["sent_bytes"], step)
             if "peak_stashed_bytes" in stage:  # with TrainConfig.measure_activations
                 self.writer.add_scalar(f"stage{s}/peak_stashed_bytes", stage["peak_stashed_bytes"], step)

@@ -125,7 +125,8 @@ class Trainer:
             `tokens` / `tokens_per_s` when `x` holds token ids, and `stages`: per
             stage `forward_s`, `backward_s`, `bubble` (idle fraction of the pipeline's
             compute window), `peak_memory_bytes`, `peak_stashed_microbatches` (kept
-            for backward), `sent_bytes` (activations and input gradients sent to the
+            for backward; a split backward's microbatch until its weight gradient),
+            `peak_awaiting_weight_grad` (between input and weight gradient), `sent_bytes` (activations and input gradients sent to the
             neighbouring stages, in `config.boundary_dtype`) and, with
             `config.measure_activations`, `peak_stashed_bytes`.
             Written to TensorBoard when `config.log_dir` is set.

@@ -72,6 +72,8 @@ def test_each_actor_stashes_what_its_schedule_bounds(trainer, initial):
     stages = trainer.step(*tokens(0))["stages"]
     planned = [peak_in_flight(a) for a in build_schedule(c.schedule, c.pp, 8, c.chunks)]
     assert [s["peak_stashed_microbatches"] for s in stages] == planned
+    awaiting = [s["peak_awaiting_weight_grad"] for s in stages]
+    assert all(0 < a <= p for a, p in zip(awaiting, planned)) if c.schedule != "interleaved-1f1b" else awaiting == [0] * c.pp
     if c.schedule == "zb-h1":
         assert planned == [c.pp] * c.pp  # 1F1B's first stage, on every actor
     if c.schedule == "zb-v":

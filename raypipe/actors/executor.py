@@ -65,7 +65,7 @@ class Executor:
             self.current_call = call_id
             self.losses_finite = True
             self.timing = {"forward_s": 0.0, "backward_s": 0.0, "first_start": math.inf, "last_end": 0.0,
-                           "peak_stashed": 0, "sent_bytes": 0}
+                           "peak_stashed": 0, "peak_awaiting_weight": 0, "sent_bytes": 0}
             if self.settings.measure_activations:
                 self.timing["peak_stashed_bytes"] = 0
             self.events = []
@@ -159,6 +159,7 @@ class Executor:
                 outputs, grads = [o for o, _ in pairs], [g for _, g in pairs]
             inputs = [] if first else [t for t in tensors(x) if t.requires_grad]
             self.deferred[(v, microbatch)] = input_gradients(outputs, grads, inputs, self.model.trainable())
+            self.timing["peak_awaiting_weight"] = max(self.timing["peak_awaiting_weight"], len(self.deferred))
             self._timed("I", started, microbatch)
             return None if first else self.send(self._input_grads(x))
         except Exception as error:
