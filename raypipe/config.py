@@ -352,9 +352,6 @@ class TrainConfig:
             raise _fail("engine", self.engine, f"schedule {self.schedule!r} runs on the p2p and compiled engines "
                                                f"(its chunks and split backwards live inside one call per step): "
                                                f"use engine='p2p'.")
-        if self.num_chunks() > 1 and self.partition == "profile" and self.shard_plan is None:
-            raise _fail("partition", self.partition, f"profiled partitioning does not split model chunks yet: use "
-                                                     f"'uniform' or 'parameters', or a shard_plan, with {self.schedule!r}.")
         try:
             build_schedule(self.schedule, self.pp, self.microbatches, self.chunks)
         except ScheduleError as error:

@@ -20,6 +20,7 @@ import torch
 from raypipe.config import TrainConfig
 from raypipe.layers import LayerSpec, as_spec, parameter_counts
 from raypipe.partition import make_plan
+from raypipe.schedules import build_schedule, owners
 
 
 @dataclass
@@ -39,6 +40,11 @@ class StageView:
     parameters: int
     actors: list[ActorView] = field(default_factory=list)
     output: str = ""  # the boundary tensor this stage sends on, e.g. "(4, 64, 128) float32"
+    on_stage: int | None = None  # with model chunks: the stage (actor) this virtual stage runs on
+
+    @property
+    def heading(self) -> str:
+        return f"stage {self.index}" if self.on_stage is None else f"virtual stage {self.index} on stage {self.on_stage}"
 
 
 @dataclass
@@ -57,13 +63,16 @@ class Architecture:
         """The architecture a Trainer would build; `sample` is one microbatch (any device, meta works)."""
         specs = [as_spec(layer, i) for i, layer in enumerate(layers)]
         counts = parameter_counts(specs)
-        plan = make_plan(len(specs), config.pp, config.partition, config.shard_plan, counts)
+        chunked = config.num_chunks() > 1  # then one box per virtual stage, in the order data flows
+        plan = make_plan(len(specs), config.pp * config.num_chunks(), config.partition, config.shard_plan, counts)
+        on = owners(build_schedule(config.schedule, config.pp, config.microbatches, config.chunks))
         shapes = _boundary_shapes(specs, plan, sample)
         stages = []
-        for s, (start, end) in enumerate(plan):
+        for v, (start, end) in enumerate(plan):
+            s = on[v]
             actors = [ActorView(f"stage{s}-dp{d}-tp{t}", d, t) for d in range(config.dp) for t in range(config.tp)]
-            stages.append(StageView(s, (start, end), _kinds(specs[start:end]), sum(counts[start:end]), actors,
-                                    shapes[s + 1]))
+            stages.append(StageView(v, (start, end), _kinds(specs[start:end]), sum(counts[start:end]), actors,
+                                    shapes[v + 1], s if chunked else None))
         return cls(title or _title(config), shapes[0], stages, config.dp, config.tp)
 
     @classmethod
@@ -88,7 +97,7 @@ class Architecture:
                '  loss [label="loss", shape=oval, style=filled, fillcolor="#eeeeee"];']
         for stage in self.stages:
             rows = [
-                f'<tr><td colspan="{self.tp + 1}" bgcolor="#4c8bd6"><font color="white"><b>stage {stage.index}</b>'
+                f'<tr><td colspan="{self.tp + 1}" bgcolor="#4c8bd6"><font color="white"><b>{stage.heading}</b>'
                 f': layers [{stage.layers[0]}, {stage.layers[1]})</font></td></tr>',
                 f'<tr><td colspan="{self.tp + 1}">{_html(stage.kinds)}<br/>{stage.parameters:,} parameters</td></tr>',
             ]
@@ -113,11 +122,12 @@ class Architecture:
         """Mermaid flowchart text of the same picture."""
         out = ["flowchart LR", f'  input(["batch {self.input}"])']
         for stage in self.stages:
-            out.append(f'  subgraph S{stage.index}["stage {stage.index}: layers [{stage.layers[0]}, {stage.layers[1]}) '
+            out.append(f'  subgraph S{stage.index}["{stage.heading}: layers [{stage.layers[0]}, {stage.layers[1]}) '
                        f'- {stage.kinds} - {stage.parameters:,} parameters"]')
             for a in stage.actors:
                 where = a.device + (f" @ node {a.node}" if a.node else "")
-                out.append(f'    {a.name.replace("-", "_")}["{a.name}<br/>{where}"]')
+                box = a.name.replace("-", "_") + ("" if stage.on_stage is None else f"_{stage.index}")  # one per chunk
+                out.append(f'    {box}["{a.name}<br/>{where}"]')
             out.append("  end")
         out.append("  input --> S0")
         for s in range(len(self.stages) - 1):

@@ -35,8 +35,9 @@ class PlanReport:
     """A speed-aware plan and what it predicts.
 
     Attributes:
-        plan: [start, end) layers per stage.
+        plan: [start, end) layers per stage (per virtual stage, with model chunks).
         kinds: each stage's accelerator kind.
+        stages: with model chunks, the stage (actor) holding each virtual stage.
         stage_seconds: predicted forward+backward seconds of one microbatch per stage.
         stage_memory_bytes, capacity_bytes: the estimate and the budget per stage.
         step_seconds: predicted step time: each stage once (the first microbatch's way
@@ -54,15 +55,18 @@ class PlanReport:
     step_seconds: float
     uniform_step_seconds: float
     profiles: dict[str, dict[str, Any]] = field(default_factory=dict)
+    stages: list[int] = field(default_factory=list)
 
     def __str__(self) -> str:
         lines = [f"speed-aware plan (partition=profile): predicted step {1000 * self.step_seconds:.1f} ms, "
                  f"uniform split {1000 * self.uniform_step_seconds:.1f} ms"]
+        chunked = bool(self.stages)
         for s, ((a, b), kind) in enumerate(zip(self.plan, self.kinds)):
             profile = self.profiles[kind]
             where = f"{kind} ({profile['model']}{', cpu fallback' if profile['cpu_fallback'] else ''})"
+            name = f"virtual stage {s} (stage {self.stages[s]})" if chunked else f"stage {s}"
             lines.append(
-                f"stage {s}: layers [{a}, {b}) on {where}: {1000 * self.stage_seconds[s]:.2f} ms per microbatch, "
+                f"{name}: layers [{a}, {b}) on {where}: {1000 * self.stage_seconds[s]:.2f} ms per microbatch, "
                 f"~{self.stage_memory_bytes[s] / 2**20:,.0f} of {self.capacity_bytes[s] / 2**20:,.0f} MiB"
             )
         return "\n".join(lines)
@@ -72,7 +76,7 @@ class PlanReport:
             "plan": [list(r) for r in self.plan], "kinds": self.kinds, "stage_seconds": self.stage_seconds,
             "stage_memory_bytes": self.stage_memory_bytes, "capacity_bytes": self.capacity_bytes,
             "step_seconds": self.step_seconds, "uniform_step_seconds": self.uniform_step_seconds,
-            "profiles": self.profiles,
+            "profiles": self.profiles, "stages": self.stages,
         }
 
 
@@ -135,14 +139,28 @@ def profiled_plan(
 def plan_from_profiles(
     profiles: dict[str, dict[str, Any]], kinds: Sequence[str], config: TrainConfig
 ) -> PlanReport:
-    """The exact speed-aware plan for stages of `kinds`, and its predictions."""
-    p, m = len(kinds), config.microbatches
+    """The exact speed-aware plan for stages of `kinds`, and its predictions.
+
+    With model chunks the plan has one range per virtual stage, each timed on its actor's kind;
+    an actor's memory budget is shared equally by its chunks, and each chunk keeps the
+    activations of as many microbatches as the schedule stashes for it at most.
+    """
+    from raypipe.schedules import SCHEDULES, build_schedule, owners, peak_in_flight
+
+    m = config.microbatches
+    schedule = build_schedule(config.schedule, config.pp, m, config.chunks)
+    owner = owners(schedule)
+    stage_of = [owner[v] for v in range(len(owner))]
+    chunks = config.num_chunks()
+    actor_kinds, kinds = list(kinds), [kinds[s] for s in stage_of]  # per actor; per virtual stage
+    p = len(kinds)
     times = [[f + b for f, b in zip(profiles[k]["forward_s"], profiles[k]["backward_s"])] for k in kinds]
     states = 2 + _optimizer_slots(config.optimizer) / (config.dp if config.zero else 1)
-    in_flight = [m if config.schedule == "gpipe" else min(m, p - s) for s in range(p)]
-    cpu_stages = max(1, sum(k == "cpu" for k in kinds))
+    in_flight = [peak_in_flight([a for a in schedule[stage_of[v]] if a.stage == v]) for v in range(p)]
+    cpu_stages = max(1, sum(k == "cpu" for k in actor_kinds))
     capacity = [
-        MEMORY_HEADROOM * profiles[k]["memory_bytes"] * (1 / cpu_stages if k == "cpu" else min(1.0, config.gpus_per_actor))
+        MEMORY_HEADROOM * profiles[k]["memory_bytes"] / chunks
+        * (1 / cpu_stages if k == "cpu" else min(1.0, config.gpus_per_actor))
         for k in kinds
     ]
 
@@ -150,18 +168,29 @@ def plan_from_profiles(
         prof = profiles[kinds[s]]
         return sum(prof["parameter_bytes"][a:b]) * states + sum(prof["activation_bytes"][a:b]) * in_flight[s]
 
-    plan = speed_aware_plan(times, lambda s, a, b: memory(s, a, b) <= capacity[s])
-    stage_seconds = [sum(times[s][a:b]) for s, (a, b) in enumerate(plan)]
+    def fits(s: int, a: int, b: int) -> bool:
+        return memory(s, a, b) <= capacity[s]
+
+    def step_seconds(split: Plan) -> float:
+        if chunks == 1 and not SCHEDULES[config.schedule].split_backward:
+            return pipeline_seconds([sum(times[s][a:b]) for s, (a, b) in enumerate(split)], m)
+        return scheduled_seconds(schedule, [profiles[k] for k in kinds], split)
+
+    plan = speed_aware_plan(times, fits)
     uniform = uniform_plan(len(times[0]), p)
+    if chunks > 1:  # an actor's load is the sum of its chunks: balancing each chunk alone is not the optimum
+        plan = min((refine(start, step_seconds, fits) for start in (plan, uniform)), key=step_seconds)
+    stage_seconds = [sum(times[s][a:b]) for s, (a, b) in enumerate(plan)]
     return PlanReport(
         plan=plan,
         kinds=list(kinds),
         stage_seconds=stage_seconds,
         stage_memory_bytes=[memory(s, a, b) for s, (a, b) in enumerate(plan)],
         capacity_bytes=capacity,
-        step_seconds=pipeline_seconds(stage_seconds, m),
-        uniform_step_seconds=pipeline_seconds([sum(times[s][a:b]) for s, (a, b) in enumerate(uniform)], m),
+        step_seconds=step_seconds(plan),
+        uniform_step_seconds=step_seconds(uniform),
         profiles=profiles,
+        stages=stage_of if chunks > 1 else [],
     )
 
 
@@ -169,6 +198,39 @@ def pipeline_seconds(stage_seconds: Sequence[float], microbatches: int) -> float
     """The step time a pipeline with these per-microbatch stage times (forward + backward) needs
     at best: the critical path through every stage once, plus m - 1 microbatches of the slowest."""
     return sum(stage_seconds) + (microbatches - 1) * max(stage_seconds)
+
+
+def refine(plan: Plan, cost: Callable[[Plan], float], fits: Callable[[int, int, int], bool]) -> Plan:
+    """Moves one boundary between neighbouring (virtual) stages by one layer at a time while that
+    lowers `cost` and the stages still `fit`: a local search over contiguous splits, for when a
+    stage's time is not what decides the step (model chunks share an actor)."""
+    best, best_cost = list(plan), cost(plan)
+    improved = True
+    while improved:
+        improved = False
+        for i in range(len(best) - 1):
+            for shift in (-1, 1):
+                cut = best[i][1] + shift
+                if not best[i][0] < cut < best[i + 1][1]:
+                    continue
+                trial = best[:i] + [(best[i][0], cut), (cut, best[i + 1][1])] + best[i + 2:]
+                if fits(i, *trial[i]) and fits(i + 1, *trial[i + 1]) and (c := cost(trial)) < best_cost - 1e-12:
+                    best, best_cost, improved = trial, c, True
+    return best
+
+
+def scheduled_seconds(schedule: Any, profiles: Sequence[dict[str, Any]], plan: Plan) -> float:
+    """The step time of `schedule` run with each virtual stage's measured forward and backward
+    (`profiles`: per virtual stage, its kind's; a split backward's I and W half each)."""
+    from raypipe.schedules import timed
+
+    def seconds(action: Any) -> float:
+        a, b = plan[action.stage]
+        prof = profiles[action.stage]
+        forward, backward = sum(prof["forward_s"][a:b]), sum(prof["backward_s"][a:b])
+        return {"F": forward, "B": backward}.get(action.kind, backward / 2)
+
+    return max(end for run in timed(schedule, seconds) for _, _, end in run)
 
 
 def _optimizer_slots(optimizer: dict) -> int:

@@ -181,3 +181,42 @@ def test_a_failure_inside_a_v_stops_every_actor_and_names_the_stage(zbv):
     with pytest.raises(StageError, match=r"stage0-dp0-tp0 failed at 3F0"):
         zbv.step(x, bad)
     zbv.step(x, y)  # every actor is still in step
+
+
+# ----- partitioning and drawing per virtual stage (no actors) ---------------------------------
+
+
+def test_profiled_plans_split_per_virtual_stage_and_predict_by_simulating_the_schedule():
+    """Eight layers, the last four three times slower, in a V of four virtual stages. Balancing each
+    chunk alone ([0,3) [3,5) [5,6) [6,8)) leaves actor 0 with 0.27 s of the 0.48 per microbatch; the
+    plan balances the actors (0.24 each) and beats both that and the uniform split, as the
+    schedule's own timed run (the prediction) says."""
+    from raypipe.profile import plan_from_profiles, scheduled_seconds
+
+    layer = [0.01] * 4 + [0.03] * 4
+    profile = {"forward_s": layer, "backward_s": [2 * t for t in layer], "parameter_bytes": [1000] * 8,
+               "activation_bytes": [100] * 8, "memory_bytes": 2**30, "model": "test cpu", "cpu_fallback": False}
+    cfg = TrainConfig(pp=2, schedule="zb-v", microbatches=4, partition="profile")
+    report = plan_from_profiles({"cpu": profile}, ["cpu", "cpu"], cfg)
+    assert report.stages == [0, 1, 1, 0] and report.kinds == ["cpu"] * 4
+    loads = [report.stage_seconds[0] + report.stage_seconds[3], report.stage_seconds[1] + report.stage_seconds[2]]
+    assert loads == pytest.approx([0.24, 0.24])
+
+    def predicted(plan):
+        return scheduled_seconds(build_schedule("zb-v", 2, 4), [profile] * 4, plan)
+
+    assert report.step_seconds == pytest.approx(predicted(report.plan))
+    assert report.step_seconds < predicted([(0, 3), (3, 5), (5, 6), (6, 8)])
+    assert report.step_seconds < report.uniform_step_seconds == pytest.approx(predicted([(0, 2), (2, 4), (4, 6), (6, 8)]))
+    assert f"virtual stage 3 (stage 0): layers [{report.plan[3][0]}, 8) on cpu" in str(report)
+
+
+def test_the_diagram_draws_each_virtual_stage_on_its_actor(dot, tmp_path):
+    from raypipe.diagram import Architecture
+
+    sample = torch.zeros(2, GPT.block_size, dtype=torch.long)
+    arch = Architecture.from_config(LAYERS, TrainConfig(pp=2, schedule="zb-v", microbatches=4), sample)
+    assert [s.heading for s in arch.stages] == ["virtual stage 0 on stage 0", "virtual stage 1 on stage 1",
+                                                "virtual stage 2 on stage 1", "virtual stage 3 on stage 0"]
+    svg = arch.save(tmp_path / "v.svg").read_text()  # Graphviz renders it
+    assert "virtual stage 3 on stage 0" in svg and "(2, 8, 16) float32" in svg

@@ -16,7 +16,7 @@ previous stage waits for) and `W` the weight gradient (which nothing waits for).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from raypipe.errors import ScheduleError
 
@@ -114,17 +114,24 @@ def simulate(schedule: Schedule, num_stages: int) -> list[list[Action | None]]:
     return grid
 
 
-def timed(schedule: Schedule, costs: Mapping[str, float] | Sequence[Mapping[str, float]]
+def timed(schedule: Schedule, costs: Mapping[str, float] | Sequence[Mapping[str, float]] | Callable[[Action], float]
           ) -> list[list[tuple[Action, float, float]]]:
     """Runs the schedule with each action taking `costs[kind]` (one mapping, or one per actor;
-    per chunk; `B` defaults to I + W) and no communication time: per actor, (action, start,
-    end) in order.
+    per chunk; `B` defaults to I + W), or `costs(action)`, and no communication time: per
+    actor, (action, start, end) in order.
 
     Raises:
         ScheduleError: on a deadlock (see `simulate`).
     """
-    per_actor = [costs] * len(schedule) if isinstance(costs, Mapping) else list(costs)
-    per_actor = [{BACKWARD: c.get(INPUT_GRAD, 0) + c.get(WEIGHT_GRAD, 0), **c} for c in per_actor]
+    if callable(costs):
+        cost = costs
+    else:
+        per_actor = [costs] * len(schedule) if isinstance(costs, Mapping) else list(costs)
+        per_actor = [{BACKWARD: c.get(INPUT_GRAD, 0) + c.get(WEIGHT_GRAD, 0), **c} for c in per_actor]
+        where = owners(schedule)
+
+        def cost(action: Action) -> float:
+            return per_actor[where[action.stage]][action.kind]
     simulate(schedule, len(schedule))  # the deadlock check, with its message
     num_virtual = len(owners(schedule))
     finished: dict[tuple[str, int, int], float] = {}
@@ -140,7 +147,7 @@ def timed(schedule: Schedule, costs: Mapping[str, float] | Sequence[Mapping[str,
                 if any(d not in finished for d in deps):
                     break
                 start = max([free[actor]] + [finished[d] for d in deps])
-                free[actor] = end = start + per_actor[actor][action.kind]
+                free[actor] = end = start + cost(action)
                 for e in events(action):
                     finished[e] = end
                 runs[actor].append((action, start, end))
