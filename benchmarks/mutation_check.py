@@ -88,6 +88,17 @@ MUTATIONS = [
              "if torch.is_tensor(o) and o.requires_grad and g is not None][:1]",
              ("tests/test_pytree_boundaries.py",),
              "only the first tensor of a pytree boundary gets its gradient back"),
+    Mutation("zb-weight-grads", "raypipe/actors/split_backward.py",
+             "        stage_backward_weight(iter(weights), deferred.groups)\n", "        pass\n",
+             ("tests/test_zero_bubble.py::test_parity_with_one_process",),
+             "a split backward's W computes no weight gradients (only the first stage's whole backward runs)"),
+    Mutation("interleaved-chunk-order", "raypipe/schedules/interleaved.py",
+             "            chunk = v - 1 - chunk\n", "",
+             ("tests/test_schedules.py",), "interleaved 1F1B walks the chunks forward in its backwards too"),
+    Mutation("v-hand-over", "raypipe/actors/executor.py",
+             "                    handed[(\"F\", v + 1, m)] = out\n", "                    handed[(\"F\", v + 1, m)] = x\n",
+             ("tests/test_zero_bubble.py::test_parity_with_one_process",),
+             "at the turn of a V the next chunk gets the chunk's input instead of its output"),
 ]
 
 

@@ -22,7 +22,7 @@ its actors' own timestamps (idle share of the step's action span, all actors).
 `--classic` runs the earlier comparison instead: one layer per stage, tf = tb, no split
 backward, GPipe and 1F1B only.
 
-    python benchmarks/vs_torch_pipelining.py [--steps 5] [--rounds 3] [--only zb-v,1f1b] [--classic]
+    python benchmarks/vs_torch_pipelining.py [--steps 5] [--rounds 3] [--only zb-v,1f1b] [--times 10,2] [--classic]
 """
 
 from __future__ import annotations
@@ -149,6 +149,7 @@ def main() -> None:
     parser.add_argument("--engine", default=None, help="raypipe engine (p2p or compiled; p2p:gloo for gloo between same-node stages); default: TrainConfig's")
     parser.add_argument("--only", default=None, help="comma-separated schedules (default: all five)")
     parser.add_argument("--classic", action="store_true", help="the earlier rows: one layer per stage, tf = tb, no split")
+    parser.add_argument("--times", default="10,2", help="t in ms, comma-separated")
     args = parser.parse_args()
     import ray
     from pipeline_efficiency import measure  # the same raypipe timing as the efficiency benchmark
@@ -158,7 +159,7 @@ def main() -> None:
     schedules = ["gpipe", "1f1b"] if args.classic else (args.only.split(",") if args.only else list(TORCH))
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     rows = []
-    for t in (0.010, 0.002):
+    for t in [float(v) / 1000 for v in args.times.split(",")]:
         for schedule in schedules:
             with raypipe_trainer(schedule, t, args.classic, args.engine) as trainer:
                 torch_rounds, raypipe_rounds, torch_loops, raypipe_loops, bubbles = [], [], [], [], []

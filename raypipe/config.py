@@ -21,7 +21,7 @@ from raypipe import lora
 from raypipe.errors import ConfigError, ScheduleError
 from raypipe.schedules import SCHEDULES, build_schedule
 
-SCHEDULE_NAMES = tuple(SCHEDULES)
+SCHEDULE_NAMES = (*SCHEDULES, "auto")  # auto: chosen from profiled layers (`raypipe.autoschedule`)
 ENGINES = ("refs", "p2p", "compiled")
 SAME_NODE_TRANSPORTS = ("shm", "gloo")
 PARTITION_NAMES = ("uniform", "parameters", "profile")
@@ -181,7 +181,10 @@ class TrainConfig:
             bubble divided by the chunks; microbatches a multiple of pp), "zb-h1" (backward split
             into input and weight gradients, the weight gradients filling the bubble, at 1F1B's
             peak memory) or "zb-v" (two chunks per actor in a V, virtual stages s and 2pp-1-s:
-            nearly no bubble). p2p and compiled engines only for the last three.
+            nearly no bubble). p2p and compiled engines only for the last three. "auto": the
+            schedule, chunks and microbatches with the least predicted step time that fit every
+            device's memory, from the layers timed on each device kind (needs `Trainer(...,
+            sample=(x, y))`; prints every candidate's prediction; `raypipe.autoschedule`).
         chunks: model chunks per actor for "interleaved-1f1b" (default 2); the other schedules
             fix their own (1, or 2 for "zb-v").
         shard_plan: explicit contiguous [start, end) layer ranges, one per stage (per virtual
@@ -340,10 +343,17 @@ class TrainConfig:
         self.quantize = lora.check_quantize(self.quantize, self.lora, self.stage_kinds())
 
     def num_chunks(self) -> int:
-        """Model chunks per actor: the schedule's own, or `chunks` where it lets the config choose."""
-        return SCHEDULES[self.schedule].chunks_for(self.chunks)
+        """Model chunks per actor: the schedule's own, or `chunks` where it lets the config choose
+        (1 for "auto" until the trainer has chosen)."""
+        return 1 if self.schedule == "auto" else SCHEDULES[self.schedule].chunks_for(self.chunks)
 
     def _check_schedule(self) -> None:
+        if self.schedule == "auto":
+            for name in ("chunks", "shard_plan"):
+                if getattr(self, name) is not None:
+                    raise _fail(name, getattr(self, name), "schedule='auto' chooses the split and chunks itself: "
+                                                           "leave it unset, or name a schedule.")
+            return
         kind = SCHEDULES[self.schedule]
         if self.chunks is not None and kind.chunks is not None and self.chunks != kind.chunks:
             raise _fail("chunks", self.chunks, f"schedule {self.schedule!r} always runs {kind.chunks} per actor: "

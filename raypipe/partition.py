@@ -172,10 +172,11 @@ def first_plan(specs: Sequence[Any], config: Any, has_sample: bool) -> tuple[Pla
     from raypipe.layers import parameter_counts
     from raypipe.nn.plan import check_stages_split, check_tensor_parallel
 
-    profiled = config.partition == "profile" and config.shard_plan is None
+    profiled = (config.partition == "profile" or config.schedule == "auto") and config.shard_plan is None
     if profiled and not has_sample:
+        what = "schedule='auto'" if config.schedule == "auto" else "partition='profile'"
         raise ConfigError(
-            "TrainConfig.partition='profile' needs a sample batch to time the layers on: pass "
+            f"TrainConfig.{what} needs a sample batch to time the layers on: pass "
             "Trainer(..., sample=(x, y)) with a batch like those you will train on, or use "
             "partition='uniform' or 'parameters'."
         )

@@ -24,7 +24,7 @@ from raypipe.metrics import RayMetrics, TensorBoardLogger
 from raypipe.model import Model, resolve
 from raypipe.nn.plan import check_stages_split
 from raypipe.partition import first_plan
-from raypipe.profile import PlanReport, profiled_plan
+from raypipe.profile import PlanReport, profile_run
 from raypipe.progress import Progress
 from raypipe.runtime import checkpoints, chunks, fitting, placement, registry, weights
 from raypipe.runtime.batches import loss_weights, split_batch
@@ -81,7 +81,6 @@ class Trainer:
         self._tensorboard: TensorBoardLogger | None = None
         self._last_events: list[list[tuple]] = []
         self._ray_metrics: RayMetrics | None = None
-        self._set_schedule()
 
         self.topology = Topology(cfg.pp, cfg.dp, cfg.tp)  # rank = (d * pp + s) * tp + t
         self.names = self.topology.names()  # "stage{s}-dp{d}-tp{t}"
@@ -92,12 +91,11 @@ class Trainer:
             + [type(a) for s in self.specs for a in (*s.args, *s.kwargs.values())]
         )
         if profiled:  # time every layer on each device kind of the run and split by those times
-            inputs, targets = self._split(*sample, cfg.dp * cfg.microbatches)
-            self.plan_report = profiled_plan(self.specs, loss_fn, inputs[0], targets[0], cfg,
-                                             placement.cpus_per_actor(cfg, len(self.names)))
+            self.config, self.plan_report = profile_run(self.specs, loss_fn, sample, cfg,
+                                                        placement.cpus_per_actor(cfg, len(self.names)), log)
             self.plan = self.plan_report.plan
-            log(str(self.plan_report))
             check_stages_split(tp_splits, self.plan, cfg.tp)
+        self._set_schedule()
         registry.replace_same_name(self)
         self._start_actors()
 

@@ -101,6 +101,11 @@ def test_chunks_hold_the_layers_of_their_virtual_stages(trainer):
     if c.schedule == "interleaved-1f1b" and c.pp == 2:
         assert [i["virtual_stages"] for i in replica0] == [[0, 2], [1, 3]]
         assert [i["layers"] for i in replica0] == [[(0, 2), (4, 6)], [(2, 4), (6, 8)]]
+    if c.dp == c.tp == 1:  # every stream between two actors on one node goes through shared memory
+        linked = {"interleaved-1f1b": [[1, c.pp - 1], [0, 2], [1, 3], [0, 2]][: c.pp] if c.pp == 4 else [[1], [0]],
+                  "zb-v": [[1], [0, 2], [1, 3], [2]][: c.pp] if c.pp == 4 else [[1], [0]]}.get(c.schedule)
+        if linked is not None:
+            assert [i["shm_peers"] for i in replica0] == linked
 
 
 # ----- composition ----------------------------------------------------------------------------

@@ -238,24 +238,23 @@ class StageActor(RefsCalls):
     def _links(self, actions: Sequence[tuple[str, int, int]], peers: Sequence[int], varying: bool) -> Any:
         """This step's streams: for each virtual stage held, from and to the actors holding its
         neighbours (`peers`: the world rank holding each virtual stage, for this replica and tp
-        rank). With model chunks every stream goes over gloo, even on one node: a shared-memory
-        link carries one stream per direction and pair, and chunks put several on one pair."""
+        rank). With model chunks two actors may exchange several streams: each is a channel of
+        their link of its own (`transport.outbox`), its messages tagged by stage and microbatch."""
         from raypipe.actors.executor import StepLinks
         from raypipe.runtime import transport
 
         held = self.executor.parts
         last = self.num_virtual - 1
-        shm = len(held) == 1
         links = StepLinks(microbatches=1 + max(m for _, m, _ in actions))
         for v in held:
             forwards = [m for kind, m, u in actions if u == v and kind == "F"]
             backwards = [m for kind, m, u in actions if u == v and kind in ("B", "I")]
             if v > 0 and v - 1 not in held:
-                links.activations[v] = transport.inbox(peers[v - 1], [links.tag(v - 1, m, "F") for m in forwards], shm)
-                links.to_prev[v] = transport.outbox(peers[v - 1], len(backwards), varying, shm)
+                links.activations[v] = transport.inbox(peers[v - 1], [links.tag(v - 1, m, "F") for m in forwards])
+                links.to_prev[v] = transport.outbox(peers[v - 1], len(backwards), varying, channel=2 * v + 1)
             if v < last and v + 1 not in held:
-                links.gradients[v] = transport.inbox(peers[v + 1], [links.tag(v + 1, m, "G") for m in backwards], shm)
-                links.to_next[v] = transport.outbox(peers[v + 1], len(forwards), varying, shm)
+                links.gradients[v] = transport.inbox(peers[v + 1], [links.tag(v + 1, m, "G") for m in backwards])
+                links.to_next[v] = transport.outbox(peers[v + 1], len(forwards), varying, channel=2 * v)
         return links
 
     def run_compiled(self, payload: dict[str, Any]) -> Any:

@@ -20,7 +20,7 @@ from raypipe.runtime.chunks import actor_chunks, actor_plan
 from raypipe.runtime.collective import group_backend
 from raypipe.runtime.results import gather, last_line
 from raypipe.runtime.topology import Topology
-from raypipe.schedules import Schedule
+from raypipe.schedules import Schedule, owners, virtual_stages
 
 
 def cpus_per_actor(config: TrainConfig, actors: int) -> float:
@@ -122,11 +122,19 @@ def start_gang(config: TrainConfig, topology: Topology, names: Sequence[str], sp
     try:
         devices = wait_for_actors(actors, names, topology, plan, config, cpus, others)
         if needs_world(config) or shared:
-            join_world(actors, names, topology, devices, config, shared)
+            join_world(actors, names, topology, devices, config, shared, linked_stages(schedule))
     except BaseException:
         kill(actors)
         raise
     return actors
+
+
+def linked_stages(schedule: Schedule) -> list[list[int]]:
+    """Per stage (actor), the stages it exchanges boundary values with: those holding the virtual
+    stages next to its own (interleaved chunks also link the last stage to the first)."""
+    owner = owners(schedule)
+    return [sorted({owner[u] for v in stages for u in (v - 1, v + 1) if u in owner and owner[u] != s})
+            for s, stages in enumerate(virtual_stages(schedule))]
 
 
 def needs_world(config: TrainConfig) -> bool:
@@ -135,13 +143,15 @@ def needs_world(config: TrainConfig) -> bool:
 
 
 def join_world(actors: Sequence[Any], names: Sequence[str], topology: Topology, devices: Sequence[str],
-               config: TrainConfig, shared: Sequence[tuple[int, list[int]]] = ()) -> None:
+               config: TrainConfig, shared: Sequence[tuple[int, list[int]]] = (),
+               linked: Sequence[Sequence[int]] | None = None) -> None:
     """Rendezvous through Ray: rank 0 publishes an address, every actor joins the world.
 
     Each actor is in one dp group (its stage and tp rank across replicas) and one tp
     group (its stage's ranks within its replica); the groups overlap in membership.
     `shared`: (tied group index, its stages) for each weight tied across stages; the
-    holders of each (replica, tp rank) get a group of their own.
+    holders of each (replica, tp rank) get a group of their own. `linked`: per stage, the stages
+    it exchanges boundaries with (`linked_stages`; default its pipeline neighbours).
     """
     pp, tp = topology.pp, topology.tp
     address, port = gather([actors[0].rendezvous_address.remote()], "rendezvous")[0]
@@ -155,7 +165,9 @@ def join_world(actors: Sequence[Any], names: Sequence[str], topology: Topology, 
         d, s, t = topology.place(r)
         joins.append(actor.join.remote(
             address, port, len(actors), r, groups, dp_groups[s * tp + t], tp_groups[d * pp + s],
-            config.step_timeout, backends, topology.neighbours(r), config.same_node_transport,
+            config.step_timeout, backends,
+            topology.neighbours(r) if linked is None else [topology.rank(d, n, t) for n in linked[s]],
+            config.same_node_transport,
             [(g, ranks) for g, ranks in tied_groups if r in ranks],
         ))
     gather(joins, "rendezvous", actors, names)

@@ -21,16 +21,17 @@ from raypipe.runtime.transport.stream import PeerFailed
 __all__ = ["PeerFailed", "inbox", "outbox"]
 
 
-def outbox(dst: int, count: int, varying: bool = False, shared_memory: bool = True) -> Any:
+def outbox(dst: int, count: int, varying: bool = False, channel: int = 0) -> Any:
     """The sending end of this step's stream to world rank `dst`, which takes `count` messages:
-    through shared memory when `dst` is linked on this node (`shm`) and `shared_memory`, else
-    over gloo. `varying`: the step's microbatches differ in shape, so each message describes itself."""
-    link = shm.link_to(dst) if shared_memory else None
-    return shm.ShmOutbox(link, count, varying) if link is not None else GlooOutbox(dst, varying)
+    through shared memory when `dst` is linked on this node (`shm`), else over gloo.
+    `varying`: the step's microbatches differ in shape, so each message describes itself.
+    `channel`: which of this step's streams to `dst` it is, when there are several (model chunks)."""
+    link = shm.link_to(dst)
+    return shm.ShmOutbox(link, count, varying, channel) if link is not None else GlooOutbox(dst, varying)
 
 
-def inbox(src: int, tags: Sequence[int], shared_memory: bool = True) -> Any:
+def inbox(src: int, tags: Sequence[int]) -> Any:
     """The receiving end of this step's stream from world rank `src`, its messages in `tags` order
-    (gloo matches each message by its tag, so several streams may share a pair of ranks)."""
-    link = shm.link_to(src) if shared_memory else None
+    (each transport picks messages out by tag, so several streams may share a pair of ranks)."""
+    link = shm.link_to(src)
     return shm.ShmInbox(link, tags) if link is not None else GlooInbox(src, tags)

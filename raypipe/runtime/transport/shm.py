@@ -9,8 +9,10 @@ record (tag, flag, file generation, slot) to a named pipe; the receiver, blocked
 that pipe, wakes and takes the value as views of the slot. One copy and two system
 calls per hop, no threads in between.
 
-Files. Each direction of a link has one data file at a time: a header (the values'
-`tree.Layout`) and slots for twice the stream's messages of one step. Steps alternate
+Files. Each direction of a link has one data file at a time per channel (one channel without
+model chunks; with chunks, one per pair of neighbouring virtual stages the two actors hold,
+whose messages the receiver picks out by tag): a header (the values' `tree.Layout`) and
+slots for twice the stream's messages of one step. Steps alternate
 between the two halves, so a step's sends never overwrite a slot the previous step's
 receiver may still hold a view of (a step ends with an all-reduce every actor joins, so
 a receiver is at most one step behind). The file is kept while the shape stays, and
@@ -48,6 +50,7 @@ RECORD = struct.Struct("<4q")  # tag, flag, generation, slot: written atomically
 SLOT_ALIGN = 64
 FILE_HEADER = HEADER_BYTES  # bytes before the first slot: the stream's `stream.header` (its layout)
 MAX_STREAM_BYTES = 1 << 30  # one direction's file; larger streams go over gloo
+MAPPED_FILES = 16  # the receiver keeps this many newest files mapped: a file per channel in use
 
 _links: dict[int, "Link"] = {}  # neighbour's world rank -> this process's link to it
 
@@ -121,27 +124,30 @@ class Link:
         self.rank, self.peer, self.peer_pid = rank, peer, peer_pid
         self.reader, self.writer, self.prefix, self.timeout = reader, writer, prefix, timeout
         self.records: deque[tuple[int, int, int, int]] = deque()
+        self.early: dict[int, tuple[int, int, int, int]] = {}  # records read while waiting for another tag
         self.partial = b""
         self.poller = select.poll()
         self.poller.register(reader, select.POLLIN)
-        # sending side: the current file and what it holds
-        self.generation = 0
-        self.out_like: tuple[Layout, int] | None = None  # the values' layout, messages per step
-        self.out_slots: list[torch.Tensor] = []
-        self.parity = 0
-        # receiving side: the newest file mapped, its slots as views
-        self.in_generation, self.in_slots, self.in_layout = -1, [], None
+        # sending side: per channel (a stream kind: one without model chunks), its file and what it holds
+        self.generation = 0  # the newest file's number, over all channels
+        self.channels: dict[int, Channel] = {}
+        # receiving side: the newest files mapped (one per channel the sender uses), their slots as views
+        self.mapped: dict[int, tuple[Layout, list]] = {}
 
     # ----- sending --------------------------------------------------------------
 
-    def begin_stream(self) -> None:
-        """A new step's stream starts: it writes the other half of the slots."""
-        self.parity ^= 1
+    def begin_stream(self, channel: int = 0) -> "Channel":
+        """A new step's stream on `channel` starts: it writes the other half of that channel's slots.
+        A link carries one channel per direction without model chunks; with chunks, one per pair of
+        neighbouring virtual stages the two actors hold (its streams' messages have their own tags)."""
+        state = self.channels.setdefault(channel, Channel())
+        state.parity ^= 1
+        return state
 
-    def prepare(self, layout: Layout, count: int) -> bool:
-        """Makes the outgoing file hold `count` messages of `layout` per half; False when it cannot."""
+    def prepare(self, layout: Layout, count: int, state: "Channel") -> bool:
+        """Makes the channel's outgoing file hold `count` messages of `layout` per half; False when it cannot."""
         like = (layout, count)
-        if like == self.out_like:
+        if like == state.out_like:
             return True
         slot_bytes = _slot_bytes(layout.nbytes)
         size = FILE_HEADER + 2 * count * slot_bytes
@@ -166,20 +172,20 @@ class Link:
         out = torch.frombuffer(mapped, dtype=torch.uint8)
         out[:FILE_HEADER].copy_(header(layout))
         self.generation += 1
-        self.out_like, self.parity = like, 0
-        self.out_slots = _slot_views(out, layout)  # they keep the mapping alive
+        state.out_like, state.parity, state.generation = like, 0, self.generation
+        state.out_slots = _slot_views(out, layout)  # they keep the mapping alive
         return True
 
-    def put(self, leaves: list[torch.Tensor | None], tag: int, index: int) -> None:
-        """Copies the stream's message `index` (a value's leaves) into its slot and announces it."""
-        slot = self.parity * self.out_like[1] + index
-        for view, leaf in zip(self.out_slots[slot], leaves):
+    def put(self, leaves: list[torch.Tensor | None], tag: int, index: int, state: "Channel") -> None:
+        """Copies the stream's message `index` (a value's leaves) into its channel's slot and announces it."""
+        slot = state.parity * state.out_like[1] + index
+        for view, leaf in zip(state.out_slots[slot], leaves):
             if view is not None:
                 view.copy_(leaf)
-        self.write(tag, OK, slot)
+        self.write(tag, OK, slot, state.generation)
 
-    def write(self, tag: int, flag: int, slot: int = 0) -> None:
-        record = RECORD.pack(tag, flag, self.generation, slot)
+    def write(self, tag: int, flag: int, slot: int = 0, generation: int = 0) -> None:
+        record = RECORD.pack(tag, flag, generation, slot)
         while True:
             try:
                 os.write(self.writer, record)
@@ -188,6 +194,17 @@ class Link:
                 self._wait(self.writer, select.POLLOUT, "make room for a message")
 
     # ----- receiving ------------------------------------------------------------
+
+    def read_tag(self, tag: int) -> tuple[int, int, int, int]:
+        """The record of message `tag` (tag, flag, generation, slot), waiting for it; records of
+        other channels' messages that arrive first are kept for their own takers."""
+        if tag in self.early:
+            return self.early.pop(tag)
+        while True:
+            record = self.read()
+            if record[0] == tag:
+                return record
+            self.early[record[0]] = record
 
     def read(self) -> tuple[int, int, int, int]:
         """The next record from the neighbour (tag, flag, generation, slot), waiting for it."""
@@ -205,17 +222,20 @@ class Link:
 
     def view(self, generation: int, slot: int) -> Any:
         """The value in `slot` of the neighbour's file `generation`, as views (no copy)."""
-        if generation != self.in_generation:
+        if generation not in self.mapped:
             path = _data(self.prefix, self.peer, self.rank, generation)
             with open(path, "r+b") as f:
                 mapped = mmap.mmap(f.fileno(), 0)
             os.unlink(path)  # the sender made it before announcing it; nobody opens it again
             inp = torch.frombuffer(mapped, dtype=torch.uint8)
-            self.in_layout = read_header(inp[:FILE_HEADER])[2]
-            self.in_slots, self.in_generation = _slot_views(inp, self.in_layout), generation
+            layout = read_header(inp[:FILE_HEADER])[2]
+            self.mapped[generation] = (layout, _slot_views(inp, layout))
+            while len(self.mapped) > MAPPED_FILES:  # the least recently read: replaced by a newer file
+                del self.mapped[next(iter(self.mapped))]
+        layout, slots = self.mapped[generation] = self.mapped.pop(generation)  # now the most recent
         # new tensor objects on the slot's memory for every message: the stage marks what it
         # receives requires_grad, and autograd would otherwise keep a .grad on the cached views
-        return self.in_layout.tree([None if v is None else v.detach() for v in self.in_slots[slot]])
+        return layout.tree([None if v is None else v.detach() for v in slots[slot]])
 
     # ----- both -----------------------------------------------------------------
 
@@ -229,18 +249,28 @@ class Link:
                 os.close(fd)
             except OSError:
                 pass
-        self.out_slots, self.in_slots = [], []
+        self.channels, self.mapped = {}, {}
+
+
+class Channel:
+    """One stream kind's sending state on a link: its file's layout and slots, the half in use."""
+
+    def __init__(self) -> None:
+        self.out_like: tuple[Layout, int] | None = None  # the values' layout, messages per step
+        self.out_slots: list = []
+        self.parity = 0
+        self.generation = 0
 
 
 class ShmOutbox:
     """The sending end of one stream to a neighbour on this node (`transport.outbox` picks it)."""
 
-    def __init__(self, link: Link, count: int, varying: bool = False) -> None:
+    def __init__(self, link: Link, count: int, varying: bool = False, channel: int = 0) -> None:
         self.link, self.count, self.varying = link, count, varying
         self.layout: Layout | None = None
         self.sent = 0
         self.gloo: GlooOutbox | None = None  # set when this step's stream does not fit, or varies
-        link.begin_stream()
+        self.state = link.begin_stream(channel)
 
     def send(self, value: Any, tag: int) -> None:
         """Sends `value` (a pytree of tensors on any device).
@@ -253,7 +283,7 @@ class ShmOutbox:
             return
         layout, leaves = flatten(value)
         if self.layout is None:
-            if self.varying or not self.link.prepare(layout, self.count):
+            if self.varying or not self.link.prepare(layout, self.count, self.state):
                 header(layout)  # a layout too large to describe is refused before the switch
                 self.link.write(tag, GLOO)
                 self.gloo = GlooOutbox(self.link.peer, self.varying)
@@ -264,7 +294,7 @@ class ShmOutbox:
             check_like(self.layout, layout)
         if self.sent >= self.count:
             raise ValueError(f"stream to world rank {self.link.peer} got more than its {self.count} messages")
-        self.link.put(leaves, tag, self.sent)
+        self.link.put(leaves, tag, self.sent, self.state)
         self.sent += 1
 
     def poison(self, tag: int) -> None:
@@ -296,9 +326,7 @@ class ShmInbox:
         """
         if self.gloo is not None:
             return self.gloo.take()
-        tag, flag, generation, slot = self.link.read()
-        if tag != self.tags[0]:
-            raise RuntimeError(f"world rank {self.link.peer} sent message {tag}, expected {self.tags[0]}")
+        tag, flag, generation, slot = self.link.read_tag(self.tags[0])
         if flag == GLOO:
             self.gloo = GlooInbox(self.link.peer, list(self.tags))
             return self.gloo.take()
