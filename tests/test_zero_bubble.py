@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from helpers import assert_close_dicts, check_sgd_parity, reference_run
-from raypipe import ConfigError, StageError, TrainConfig, Trainer, build_schedule, peak_in_flight
+from raypipe import ConfigError, LayerSpec, StageError, TrainConfig, Trainer, build_schedule, peak_in_flight
 from raypipe.models import gpt
 
 SEED = 11
@@ -225,3 +225,28 @@ def test_the_diagram_draws_each_virtual_stage_on_its_actor(dot, tmp_path):
                                                 "virtual stage 2 on stage 1", "virtual stage 3 on stage 0"]
     svg = arch.save(tmp_path / "v.svg").read_text()  # Graphviz renders it
     assert "virtual stage 3 on stage 0" in svg and "(2, 8, 16) float32" in svg
+
+
+@pytest.mark.slow
+def test_auto_picks_the_cheapest_predicted_schedule_and_the_step_takes_what_it_predicts(ray_session):
+    """schedule="auto" on eight simulated layers (F, I and W 4 ms each): every candidate is
+    predicted from the profiled layers, the cheapest runs, and its measured step is within 35 %
+    of the prediction (sleeps of 4 ms; the engine's cost per action is estimated, not measured)."""
+    from raypipe.simulated import SimulatedCompute
+
+    layers = [LayerSpec(SimulatedCompute, 0.004, 0.004, weight_s=0.004) for _ in range(8)]
+    x, y = torch.randn(16, 8), torch.randn(16, 8)
+    lines = []
+    with Trainer(layers, torch.nn.functional.mse_loss, config(pp=2, schedule="auto"),
+                 sample=(x, y), log=lines.append) as t:
+        assert t.config.schedule in ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v")
+        assert lines[0].startswith(f"schedule=auto chose {t.config.schedule}")
+        predicted = t.plan_report.step_seconds  # the chosen plan's, without the engine's per-action cost
+        for _ in range(2):
+            t.step(x, y)
+        measured = sorted(t.step(x, y)["step_time"] for _ in range(3))[1]
+    from raypipe.autoschedule import ACTION_OVERHEAD_S
+    actions = max(len(a) for a in build_schedule(t.config.schedule, 2, t.config.microbatches, t.config.chunks))
+    assert predicted + ACTION_OVERHEAD_S * actions == pytest.approx(measured, rel=0.35), (lines[0], measured)
+    ranked = [line for line in lines[0].splitlines()[1:] if line.startswith("  ") and " ms" in line]
+    assert len(ranked) >= 5 and ranked[0].strip().startswith(t.config.schedule)
