@@ -1,4 +1,5 @@
-"""`schedule="auto"`: the schedule, model chunks and microbatches that minimise the predicted step
+"""Planning a run from its profiled layers (`plan_run`: `partition="profile"` or `schedule="auto"`), and
+`schedule="auto"`: the schedule, model chunks and microbatches that minimise the predicted step
 time within every device's memory, chosen from the layers profiled on each device kind.
 
 For each microbatch count that divides the sample (from pp up to 8 pp), the layers are timed on
@@ -15,10 +16,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+import torch
+
 from raypipe.config import TrainConfig
 from raypipe.errors import ConfigError
 from raypipe.layers import LayerSpec
-from raypipe.profile import PlanReport, plan_from_profiles, profile_layers, scheduled_seconds
+from raypipe.profile import PlanReport, plan_from_profiles, profile_layers, profiled_plan, scheduled_seconds
+from raypipe.runtime.batches import split_batch
 from raypipe.schedules import SCHEDULES, build_schedule
 
 # What the p2p engine adds to an action beyond its layers' compute on a loaded 2-core machine
@@ -113,3 +117,26 @@ def _rows(x: Any) -> int:
     import torch.utils._pytree as pytree
 
     return next(t.shape[0] for t in pytree.tree_leaves(x) if hasattr(t, "shape"))
+
+
+def plan_run(specs: Sequence[LayerSpec], loss_fn: Callable[[torch.Tensor, Any], torch.Tensor], sample: tuple,
+             config: TrainConfig, cpus: float, log: Callable[[str], None]) -> tuple[TrainConfig, PlanReport]:
+    """The profiled plan of a run (`partition="profile"`), or with `schedule="auto"` the chosen
+    schedule, chunks and microbatches too (`raypipe.autoschedule`); logs what it found.
+
+    Returns:
+        (the config, with the chosen schedule under "auto"; the plan report).
+    """
+    def split(x: Any, y: Any, parts: int) -> tuple[list, list]:
+        return split_batch(x, y, parts, config.dp, max(1, parts // config.dp))
+
+    if config.schedule == "auto":
+        choice = choose(specs, loss_fn, *sample, config, cpus, split)
+        log(str(choice))
+        chosen = choice.chosen
+        return config.replace(schedule=chosen.schedule, chunks=chosen.chunks, microbatches=chosen.microbatches), \
+            choice.report
+    inputs, targets = split(*sample, config.dp * config.microbatches)
+    report = profiled_plan(specs, loss_fn, inputs[0], targets[0], config, cpus)
+    log(str(report))
+    return config, report

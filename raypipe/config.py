@@ -8,9 +8,6 @@ fields in sections (`parallel: {pp: 2}`); the field names stay the same.
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import inspect
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -18,6 +15,10 @@ from typing import Any, Iterable, Mapping
 import yaml
 
 from raypipe import lora
+from raypipe.checks import (
+    check_choice, check_devices, check_int, check_lr_schedule, check_optimizer, check_positive, check_shard_plan,
+    fail, nearest,
+)
 from raypipe.errors import ConfigError, ScheduleError
 from raypipe.schedules import SCHEDULES, build_schedule
 
@@ -26,137 +27,10 @@ ENGINES = ("refs", "p2p", "compiled")
 SAME_NODE_TRANSPORTS = ("shm", "gloo")
 PARTITION_NAMES = ("uniform", "parameters", "profile")
 PRECISIONS = ("fp32", "bf16", "fp16")
-OPTIMIZER_NAMES = ("sgd", "adam", "adamw")
-LR_SCHEDULE_NAMES = ("constant", "cosine")
-LR_SCHEDULE_KEYS = ("name", "warmup_steps", "total_steps", "min_lr")
 NONFINITE_POLICIES = ("error", "skip")
 
 # Sections of a job file that belong to the job, not to TrainConfig (see raypipe.job).
 JOB_SECTIONS = ("model", "data", "job")
-
-
-def nearest(name: str, choices: Iterable[str]) -> str:
-    """A 'did you mean' hint for a misspelt name, or an empty string."""
-    match = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.5)
-    return f" Did you mean {match[0]!r}?" if match else ""
-
-
-def invalid(label: str, value: Any, fix: str) -> ConfigError:
-    """The error for a bad value: `label=value is invalid: fix`."""
-    return ConfigError(f"{label}={value!r} is invalid: {fix}")
-
-
-def check_whole_number(label: str, value: Any, minimum: int) -> None:
-    """Raises ConfigError unless `value` is an int (not a bool) >= minimum."""
-    if not _is_int(value) or value < minimum:
-        raise invalid(label, value, f"give a whole number >= {minimum}.")
-
-
-def _fail(name: str, value: Any, fix: str) -> ConfigError:
-    return invalid(f"TrainConfig.{name}", value, fix)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    """A finite int or float (NaN and infinity pass every `<` test the wrong way)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    check_whole_number(f"TrainConfig.{name}", value, minimum)
-
-
-def _check_positive(name: str, value: Any, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if not _is_number(value) or value <= 0:
-        raise _fail(name, value, "give a finite number > 0" + (" or null." if allow_none else "."))
-
-
-def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        hint = nearest(value, choices) if isinstance(value, str) else ""
-        raise _fail(name, value, f"choose one of {', '.join(choices)}.{hint}")
-
-
-def _optimizer_class(name: str):
-    import torch
-
-    return {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[name]
-
-
-def _check_optimizer(value: Any) -> None:
-    if not isinstance(value, Mapping) or "name" not in value:
-        raise _fail(
-            "optimizer", value, "give a mapping with a name, e.g. {'name': 'adamw', 'lr': 1e-3}."
-        )
-    _check_choice("optimizer.name", value["name"], OPTIMIZER_NAMES)
-    if "lr" not in value:
-        raise _fail("optimizer", value, "give a learning rate, e.g. 'lr': 1e-3.")
-    _check_positive("optimizer.lr", value["lr"])
-    accepted = [
-        p for p in inspect.signature(_optimizer_class(value["name"])).parameters if p != "params"
-    ]
-    for key in value:
-        if key != "name" and key not in accepted:
-            raise _fail(
-                f"optimizer.{key}",
-                value[key],
-                f"torch.optim {value['name']} takes {', '.join(accepted)}.{nearest(key, accepted)}",
-            )
-
-
-def _check_lr_schedule(value: Any) -> None:
-    if not isinstance(value, Mapping) or "name" not in value:
-        raise _fail("lr_schedule", value, "give a mapping with a name, e.g. {'name': 'constant'}.")
-    _check_choice("lr_schedule.name", value["name"], LR_SCHEDULE_NAMES)
-    for key in value:
-        if key not in LR_SCHEDULE_KEYS:
-            raise _fail(
-                f"lr_schedule.{key}",
-                value[key],
-                f"lr_schedule takes {', '.join(LR_SCHEDULE_KEYS)}.{nearest(key, LR_SCHEDULE_KEYS)}",
-            )
-    _check_int("lr_schedule.warmup_steps", value.get("warmup_steps", 0), 0)
-    if value["name"] == "cosine":
-        if "total_steps" not in value:
-            raise _fail("lr_schedule", value, "cosine needs total_steps (the step it reaches min_lr).")
-        _check_int("lr_schedule.total_steps", value["total_steps"], 1)
-    min_lr = value.get("min_lr", 0.0)
-    if not _is_number(min_lr) or min_lr < 0:
-        raise _fail("lr_schedule.min_lr", min_lr, "give a number >= 0.")
-
-
-def _check_shard_plan(value: Any, pp: int, chunks: int = 1) -> None:
-    if value is None:
-        return
-    ok = isinstance(value, (list, tuple)) and all(
-        isinstance(r, (list, tuple)) and len(r) == 2 and all(_is_int(i) for i in r) for r in value
-    )
-    if not ok:
-        raise _fail("shard_plan", value, "give one [start, end) pair of layer indices per stage, e.g. [[0, 3], [3, 5]].")
-    if len(value) != pp * chunks:
-        per = f"pp={pp}: give one range per stage" if chunks == 1 else \
-            f"pp={pp} x {chunks} chunks: give one range per virtual stage (chunk c of stage s is virtual stage c*pp+s)"
-        raise _fail("shard_plan", value, f"it has {len(value)} ranges but {per}.")
-
-
-DEVICE_KINDS = ("cpu", "cuda", "rocm", "mps")
-
-
-def _check_devices(value: Any, pp: int) -> None:
-    if isinstance(value, str):
-        _check_choice("devices", value, DEVICE_KINDS)
-        return
-    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-        raise _fail("devices", value, f"give one kind of {', '.join(DEVICE_KINDS)}, or a list of them, one per stage.")
-    if len(value) != pp:
-        raise _fail("devices", value, f"it names {len(value)} kinds but pp={pp}: give one kind per stage, or one for all.")
-    for kind in value:
-        _check_choice("devices", kind, DEVICE_KINDS)
 
 
 @dataclass
@@ -287,58 +161,58 @@ class TrainConfig:
     quantize: str | list | None = None
 
     def __post_init__(self) -> None:
-        _check_int("pp", self.pp, 1)
-        _check_int("dp", self.dp, 1)
-        _check_int("tp", self.tp, 1)
+        check_int("pp", self.pp, 1)
+        check_int("dp", self.dp, 1)
+        check_int("tp", self.tp, 1)
         if self.zero not in (0, 1) or isinstance(self.zero, bool):
-            raise _fail("zero", self.zero, "give 0 (off) or 1 (shard optimizer state across dp replicas).")
-        _check_positive("dp_bucket_mb", self.dp_bucket_mb)
-        _check_int("microbatches", self.microbatches, 1)
-        _check_choice("schedule", self.schedule, SCHEDULE_NAMES)
+            raise fail("zero", self.zero, "give 0 (off) or 1 (shard optimizer state across dp replicas).")
+        check_positive("dp_bucket_mb", self.dp_bucket_mb)
+        check_int("microbatches", self.microbatches, 1)
+        check_choice("schedule", self.schedule, SCHEDULE_NAMES)
         if self.chunks is not None:
-            _check_int("chunks", self.chunks, 1)
+            check_int("chunks", self.chunks, 1)
         self._check_schedule()
-        _check_shard_plan(self.shard_plan, self.pp, self.num_chunks())
+        check_shard_plan(self.shard_plan, self.pp, self.num_chunks())
         if self.shard_plan is not None:
             self.shard_plan = [list(r) for r in self.shard_plan]
-        _check_choice("partition", self.partition, PARTITION_NAMES)
-        _check_optimizer(self.optimizer)
+        check_choice("partition", self.partition, PARTITION_NAMES)
+        check_optimizer(self.optimizer)
         self.optimizer = dict(self.optimizer)
-        _check_lr_schedule(self.lr_schedule)
+        check_lr_schedule(self.lr_schedule)
         self.lr_schedule = dict(self.lr_schedule)
-        _check_positive("grad_clip", self.grad_clip, allow_none=True)
-        _check_choice("precision", self.precision, PRECISIONS)
-        _check_choice("boundary_dtype", self.boundary_dtype, PRECISIONS)
-        _check_choice("engine", self.engine, ENGINES)
-        _check_choice("same_node_transport", self.same_node_transport, SAME_NODE_TRANSPORTS)
+        check_positive("grad_clip", self.grad_clip, allow_none=True)
+        check_choice("precision", self.precision, PRECISIONS)
+        check_choice("boundary_dtype", self.boundary_dtype, PRECISIONS)
+        check_choice("engine", self.engine, ENGINES)
+        check_choice("same_node_transport", self.same_node_transport, SAME_NODE_TRANSPORTS)
         if not isinstance(self.activation_checkpointing, bool):
-            raise _fail("activation_checkpointing", self.activation_checkpointing, "give true or false.")
+            raise fail("activation_checkpointing", self.activation_checkpointing, "give true or false.")
         if not isinstance(self.measure_activations, bool):
-            raise _fail("measure_activations", self.measure_activations, "give true or false.")
-        _check_int("seed", self.seed, 0)
-        _check_positive("cpus_per_actor", self.cpus_per_actor, allow_none=True)
+            raise fail("measure_activations", self.measure_activations, "give true or false.")
+        check_int("seed", self.seed, 0)
+        check_positive("cpus_per_actor", self.cpus_per_actor, allow_none=True)
         if self.threads_per_actor is not None:
-            _check_int("threads_per_actor", self.threads_per_actor, 1)
-        _check_positive("actor_start_timeout", self.actor_start_timeout)
-        _check_positive("step_timeout", self.step_timeout)
+            check_int("threads_per_actor", self.threads_per_actor, 1)
+        check_positive("actor_start_timeout", self.actor_start_timeout)
+        check_positive("step_timeout", self.step_timeout)
         if self.name is not None and (not isinstance(self.name, str) or not self.name):
-            raise _fail("name", self.name, "give a non-empty string or null.")
+            raise fail("name", self.name, "give a non-empty string or null.")
         if self.checkpoint_dir is not None and (not isinstance(self.checkpoint_dir, str) or not self.checkpoint_dir):
-            raise _fail("checkpoint_dir", self.checkpoint_dir, "give a directory path or null.")
-        _check_int("checkpoint_every", self.checkpoint_every, 0)
+            raise fail("checkpoint_dir", self.checkpoint_dir, "give a directory path or null.")
+        check_int("checkpoint_every", self.checkpoint_every, 0)
         if self.checkpoint_every and self.checkpoint_dir is None:
-            raise _fail("checkpoint_every", self.checkpoint_every, "set checkpoint_dir too, or use 0.")
-        _check_int("keep_checkpoints", self.keep_checkpoints, 0)
-        _check_int("max_restarts", self.max_restarts, 0)
-        _check_choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
-        _check_devices(self.devices, self.pp)
+            raise fail("checkpoint_every", self.checkpoint_every, "set checkpoint_dir too, or use 0.")
+        check_int("keep_checkpoints", self.keep_checkpoints, 0)
+        check_int("max_restarts", self.max_restarts, 0)
+        check_choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
+        check_devices(self.devices, self.pp)
         if isinstance(self.devices, (list, tuple)):
             self.devices = list(self.devices)
-        _check_positive("gpus_per_actor", self.gpus_per_actor)
+        check_positive("gpus_per_actor", self.gpus_per_actor)
         if not isinstance(self.allow_cpu_fallback, bool):
-            raise _fail("allow_cpu_fallback", self.allow_cpu_fallback, "give true or false.")
+            raise fail("allow_cpu_fallback", self.allow_cpu_fallback, "give true or false.")
         if self.log_dir is not None and (not isinstance(self.log_dir, str) or not self.log_dir):
-            raise _fail("log_dir", self.log_dir, "give a directory path or null.")
+            raise fail("log_dir", self.log_dir, "give a directory path or null.")
         self.lora = lora.check(self.lora, self.tp)
         self.quantize = lora.check_quantize(self.quantize, self.lora, self.stage_kinds())
 
@@ -351,21 +225,21 @@ class TrainConfig:
         if self.schedule == "auto":
             for name in ("chunks", "shard_plan"):
                 if getattr(self, name) is not None:
-                    raise _fail(name, getattr(self, name), "schedule='auto' chooses the split and chunks itself: "
+                    raise fail(name, getattr(self, name), "schedule='auto' chooses the split and chunks itself: "
                                                            "leave it unset, or name a schedule.")
             return
         kind = SCHEDULES[self.schedule]
         if self.chunks is not None and kind.chunks is not None and self.chunks != kind.chunks:
-            raise _fail("chunks", self.chunks, f"schedule {self.schedule!r} always runs {kind.chunks} per actor: "
+            raise fail("chunks", self.chunks, f"schedule {self.schedule!r} always runs {kind.chunks} per actor: "
                                                f"leave chunks unset, or use schedule='interleaved-1f1b'.")
         if (self.num_chunks() > 1 or kind.split_backward) and self.engine == "refs":
-            raise _fail("engine", self.engine, f"schedule {self.schedule!r} runs on the p2p and compiled engines "
+            raise fail("engine", self.engine, f"schedule {self.schedule!r} runs on the p2p and compiled engines "
                                                f"(its chunks and split backwards live inside one call per step): "
                                                f"use engine='p2p'.")
         try:
             build_schedule(self.schedule, self.pp, self.microbatches, self.chunks)
         except ScheduleError as error:
-            raise _fail("microbatches", self.microbatches, str(error)) from None
+            raise fail("microbatches", self.microbatches, str(error)) from None
 
     def stage_kinds(self) -> list[str]:
         """The accelerator kind of each stage (`devices` given once for all, or per stage)."""

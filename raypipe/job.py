@@ -19,7 +19,8 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 
 from raypipe import checkpoint as ckpt
-from raypipe.config import TrainConfig, apply_overrides, check_whole_number, load_yaml, nearest
+from raypipe.checks import check_whole_number, nearest
+from raypipe.config import TrainConfig, apply_overrides, load_yaml
 from raypipe.data import TokenDataset, stdlib_corpus
 from raypipe.errors import ConfigError, RaypipeError
 from raypipe.models.registry import JobModel, job_model

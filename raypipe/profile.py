@@ -136,33 +136,6 @@ def profiled_plan(
     return plan_from_profiles(profile_layers(specs, loss_fn, x, target, config, kinds, threads, cpus), kinds, config)
 
 
-def profile_run(specs: Sequence[LayerSpec], loss_fn: Callable[[torch.Tensor, Any], torch.Tensor], sample: tuple,
-                config: TrainConfig, cpus: float, log: Callable[[str], None]) -> tuple[TrainConfig, PlanReport]:
-    """The profiled plan of a run (`partition="profile"`), or with `schedule="auto"` the chosen
-    schedule, chunks and microbatches too (`raypipe.autoschedule`); logs what it found.
-
-    Returns:
-        (the config, with the chosen schedule under "auto"; the plan report).
-    """
-    from raypipe.runtime.batches import split_batch
-
-    def split(x: Any, y: Any, parts: int) -> tuple[list, list]:
-        return split_batch(x, y, parts, config.dp, max(1, parts // config.dp))
-
-    if config.schedule == "auto":
-        from raypipe.autoschedule import choose
-
-        choice = choose(specs, loss_fn, *sample, config, cpus, split)
-        log(str(choice))
-        chosen = choice.chosen
-        return config.replace(schedule=chosen.schedule, chunks=chosen.chunks, microbatches=chosen.microbatches), \
-            choice.report
-    inputs, targets = split(*sample, config.dp * config.microbatches)
-    report = profiled_plan(specs, loss_fn, inputs[0], targets[0], config, cpus)
-    log(str(report))
-    return config, report
-
-
 def plan_from_profiles(
     profiles: dict[str, dict[str, Any]], kinds: Sequence[str], config: TrainConfig
 ) -> PlanReport:

@@ -24,7 +24,8 @@ from raypipe.metrics import RayMetrics, TensorBoardLogger
 from raypipe.model import Model, resolve
 from raypipe.nn.plan import check_stages_split
 from raypipe.partition import first_plan
-from raypipe.profile import PlanReport, profile_run
+from raypipe.autoschedule import plan_run
+from raypipe.profile import PlanReport
 from raypipe.progress import Progress
 from raypipe.runtime import checkpoints, chunks, fitting, placement, registry, weights
 from raypipe.runtime.batches import loss_weights, split_batch
@@ -45,9 +46,9 @@ class Trainer:
         loss_fn: `loss_fn(output, target) -> scalar tensor`, a mean over the microbatch; a
             model object's own loss when omitted.
         config: how to split and train; `TrainConfig()` when omitted.
-        sample: a batch `(x, y)` like the training batches; needed by
-            `partition="profile"`, which times every layer on one of its microbatches on
-            each device kind and splits by the times (see `plan_report`).
+        sample: a batch `(x, y)` like the training batches; needed by `partition="profile"` and
+            `schedule="auto"`, which time every layer on its microbatches on each device kind
+            and split (and choose) by the times (see `plan_report`).
         log: where the profiled plan is printed.
 
     Raises:
@@ -72,16 +73,13 @@ class Trainer:
         self.plan, tp_splits, profiled = first_plan(self.specs, cfg, sample is not None)
         self.plan_report: PlanReport | None = None
         self.run_name = cfg.name or f"run-{uuid.uuid4().hex[:8]}"
-        self.step_count = 0
-        self.restarts = 0
-        self._calls = 0
+        self.step_count = self.restarts = self._calls = 0
         self._last_result_at = 0.0  # perf_counter() when the last step's result came back
         self._actors: list[Any] = []
         self._engine: Engine = make_engine(cfg.engine)
         self._tensorboard: TensorBoardLogger | None = None
         self._last_events: list[list[tuple]] = []
         self._ray_metrics: RayMetrics | None = None
-
         self.topology = Topology(cfg.pp, cfg.dp, cfg.tp)  # rank = (d * pp + s) * tp + t
         self.names = self.topology.names()  # "stage{s}-dp{d}-tp{t}"
         self._loss_fn = loss_fn
@@ -91,8 +89,8 @@ class Trainer:
             + [type(a) for s in self.specs for a in (*s.args, *s.kwargs.values())]
         )
         if profiled:  # time every layer on each device kind of the run and split by those times
-            self.config, self.plan_report = profile_run(self.specs, loss_fn, sample, cfg,
-                                                        placement.cpus_per_actor(cfg, len(self.names)), log)
+            self.config, self.plan_report = plan_run(self.specs, loss_fn, sample, cfg,
+                                                     placement.cpus_per_actor(cfg, len(self.names)), log)
             self.plan = self.plan_report.plan
             check_stages_split(tp_splits, self.plan, cfg.tp)
         self._set_schedule()
@@ -103,7 +101,7 @@ class Trainer:
 
     @property
     def num_stages(self) -> int:
-        return len(self.plan)
+        return self.config.pp
 
     @property
     def stage_names(self) -> list[str]:
@@ -282,13 +280,9 @@ class Trainer:
             ConfigError: for a field that needs a new Trainer (pp, shard_plan, ...) or a bad value.
         """
         check_reconfigurable(changes)
-        old = self.config
-        self.config = self.config.replace(**changes)
-        try:
-            self._set_schedule()
-        except ConfigError:
-            self.config = old
-            raise
+        config = self.config.replace(**changes)
+        self._set_schedule(config)  # refuses other chunks before anything changes
+        self.config = config
         self._configure_actors()
 
     def reset_optimizer(self) -> None:
@@ -329,12 +323,11 @@ class Trainer:
         """Replica 0's actors and their names, per stage and tp rank: where inference runs."""
         return self.topology.grid(self._actors)[0], self.topology.grid(self.names)[0]
 
-    def _inference_path(self) -> tuple[list, list, list[int] | None]:
-        """Replica 0's actors in virtual-stage order, and the chunk each call runs (`chunks`)."""
+    def _inference_path(self) -> tuple[list, list, list[int] | None]:  # replica 0 in virtual-stage order
         return chunks.inference_path(*self._replica0(), self._schedule)
 
-    def _set_schedule(self) -> None:
-        c = self.config
+    def _set_schedule(self, config: TrainConfig | None = None) -> None:
+        c = config or self.config
         schedule = build_schedule(c.schedule, c.pp, c.microbatches, c.chunks)
         if self._actors:
             chunks.check_same_layout(self._schedule, schedule, c.schedule)

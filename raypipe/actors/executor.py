@@ -1,18 +1,14 @@
-"""Where an action runs: one stage's forward and backward per microbatch, against a stash
-that keeps each microbatch's activations exactly until its backward, and a whole step's
-action list with its neighbours' links handed in (the p2p and compiled engines).
-
-Plain Python and torch: the links are anything with `send`/`take`/`refill`/`wait`
-(`raypipe.runtime.transport`), so a test can drive an Executor with queues.
-"""
+"""Where an action runs: one stage's forward and backward (whole, or split into input and weight
+gradients) per microbatch and model chunk, against a stash that keeps each microbatch's
+activations exactly until its backward is done; inference and generation through a chunk.
+A whole step's list runs in `step_list`. Plain Python and torch, no Ray."""
 
 from __future__ import annotations
 
 import contextlib
 import math
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -77,7 +73,7 @@ class Executor:
         self.stash_bytes.clear()
         self.deferred.clear()
 
-    def _part(self, v: int | None) -> tuple[int, nn.Module, bool, bool]:
+    def part(self, v: int | None) -> tuple[int, nn.Module, bool, bool]:
         """(virtual stage, its module, first?, last?) for `v`, or this actor's only chunk when None."""
         v = self.only if v is None else v
         module, first, last = self.parts[v]
@@ -98,7 +94,7 @@ class Executor:
             microbatch's unscaled loss as a float.
         """
         started = time.time()
-        v, module, first, last = self._part(v)
+        v, module, first, last = self.part(v)
         try:
             x = self.received(x)
             if not first:
@@ -129,7 +125,7 @@ class Executor:
         for the previous stage: the input's tree with each leaf's gradient, None where a leaf
         has none (integer tensors, or on the first stage)."""
         started = time.time()
-        v, _, first, last = self._part(v)
+        v, _, first, last = self.part(v)
         try:
             x, out = self.stash.pop((v, microbatch))
             self.stash_bytes.pop((v, microbatch), None)
@@ -149,7 +145,7 @@ class Executor:
         """The first half of a split backward (I): only the input gradient, returned as
         `backward` returns it; what the weight gradient needs is kept for `backward_weight`."""
         started = time.time()
-        v, _, first, last = self._part(v)
+        v, _, first, last = self.part(v)
         try:
             x, out = self.stash[(v, microbatch)]
             if last:
@@ -168,7 +164,7 @@ class Executor:
     def backward_weight(self, microbatch: int, v: int | None = None) -> None:
         """The second half of a split backward (W): the weight gradients; frees the microbatch."""
         started = time.time()
-        v = self._part(v)[0]
+        v = self.part(v)[0]
         try:
             deferred = self.deferred.pop((v, microbatch))
             weight_gradients(deferred, self.model.trainable())
@@ -188,70 +184,11 @@ class Executor:
     def _input_grads(x: Any) -> Any:
         return map_tensors(lambda t: t.grad if t.requires_grad else None, x)
 
-    def run_list(self, actions: Sequence[tuple[str, int, int]], inputs: Any, targets: Any, links: "StepLinks",
-                 weights: Sequence[float] | None = None) -> tuple[list[Any], Exception | None]:
-        """Runs a step's action list, (kind, microbatch, virtual stage) in order, taking boundaries
-        from `links`' inboxes and sending results to its outboxes; a boundary between two virtual
-        stages this actor holds (the turn of a V) is handed over in place. After a failure it
-        still makes every send and receive of the list, sending poison, so no neighbour waits
-        forever.
-
-        Returns:
-            (the last stage's microbatch losses, else []; the first failure or None).
-
-        `weights`: where the last virtual stage is held, each microbatch's loss weight (`forward`).
-        """
-        losses, failure = [], None
-        handed: dict[tuple[str, int, int], Any] = {}  # hand-overs inside this actor
-        for kind, m, v in actions:
-            _, _, first, last = self._part(v)
-            if kind == "F":
-                out, box = None, links.activations.get(v)
-                try:
-                    x = inputs[m] if first else box.take() if box is not None else handed.pop(("F", v, m))
-                    if failure is None:
-                        out = self.forward(m, x, targets[m] if last else None,
-                                           weights[m] if weights is not None and last else 1.0, v)
-                except Exception as error:  # noqa: BLE001 - kept, raised after the list is done
-                    failure = failure or error
-                if last:
-                    losses.append(out)
-                elif v + 1 in self.parts:
-                    handed[("F", v + 1, m)] = out
-                else:
-                    failure = send_or_poison(links.to_next[v], out, links.tag(v, m, "F"), failure)
-                if box is not None:
-                    box.refill()
-            elif kind in ("B", "I"):
-                grad_in, box = None, links.gradients.get(v)
-                try:
-                    grad = None if last else box.take() if box is not None else handed.pop(("G", v, m))
-                    if failure is None:
-                        grad_in = (self.backward if kind == "B" else self.backward_input)(m, grad, v)
-                except Exception as error:  # noqa: BLE001
-                    failure = failure or error
-                if first:
-                    pass
-                elif v - 1 in self.parts:
-                    handed[("G", v - 1, m)] = grad_in
-                else:
-                    failure = send_or_poison(links.to_prev[v], grad_in, links.tag(v, m, "G"), failure)
-                if box is not None:
-                    box.refill()
-            elif failure is None:  # W: nothing crosses to another actor
-                try:
-                    self.backward_weight(m, v)
-                except Exception as error:  # noqa: BLE001
-                    failure = error
-        for box in (*links.to_next.values(), *links.to_prev.values()):
-            box.wait()
-        return losses, failure
-
     @torch.no_grad()
     def forward_only(self, x: Any, target: Any = None, v: int | None = None) -> Any:
         """Inference through this stage's chunk `v` (eval mode, nothing stashed): the output, or on
         the last stage the loss as a float when a target is given."""
-        v, module, _, last = self._part(v)
+        v, module, _, last = self.part(v)
         self.module.eval()
         try:
             with self.autocast():
@@ -269,7 +206,7 @@ class Executor:
         """One generation forward through chunk `v` (eval mode, nothing stashed): the output, or on
         the last stage the logits of the last position. `start` begins a new sequence; with
         `cached`, the chunk's layers that keep a KV cache (`begin_cache`) share a fresh one."""
-        v, module, _, last = self._part(v)
+        v, module, _, last = self.part(v)
         if start:
             shared: dict[str, Any] = {}
             for layer in module:
@@ -350,35 +287,3 @@ class Executor:
         self.timing["forward_s" if kind == "F" else "backward_s"] += ended - started
         self.timing["first_start"] = min(self.timing["first_start"], started)
         self.timing["last_end"] = ended
-
-
-@dataclass
-class StepLinks:
-    """One step's streams to other actors, per virtual stage held: where its activations come
-    from and go to, where its gradients come from and go to (absent: the first or last stage,
-    or a neighbour held by this actor)."""
-
-    activations: dict[int, Any] = field(default_factory=dict)
-    gradients: dict[int, Any] = field(default_factory=dict)
-    to_next: dict[int, Any] = field(default_factory=dict)
-    to_prev: dict[int, Any] = field(default_factory=dict)
-    microbatches: int = 1
-
-    def tag(self, v: int, m: int, what: str) -> int:
-        """The tag of the message virtual stage v sends for microbatch m: "F" its activation,
-        "G" its input gradient (one tag per message of the step; both ends compute it)."""
-        return 2 * (v * self.microbatches + m) + (what == "G")
-
-
-def send_or_poison(box: Any, value: Any, tag: int, failure: Exception | None) -> Exception | None:
-    """Sends `value`, or poison once this step failed (also when `value` cannot be sent);
-    returns the failure."""
-    if failure is None:
-        try:
-            box.send(value, tag)
-            return None
-        except ValueError as error:  # checked before anything went out
-            failure = error
-    box.poison(tag)
-    return failure
-

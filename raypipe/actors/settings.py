@@ -75,7 +75,8 @@ RECONFIGURABLE = (
 
 def check_reconfigurable(changes: dict[str, Any]) -> None:
     """Raises ConfigError for a field that needs a new Trainer, or one TrainConfig lacks."""
-    from raypipe.config import TrainConfig, nearest
+    from raypipe.checks import nearest
+    from raypipe.config import TrainConfig
     from raypipe.errors import ConfigError
 
     fixed = [k for k in changes if k not in RECONFIGURABLE]

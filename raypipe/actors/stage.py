@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from raypipe.actors import checkpoint_io
+from raypipe.actors import checkpoint_io, step_list
 from raypipe.actors.executor import Executor
 from raypipe.actors.memory import max_rss_bytes
 from raypipe.actors.model import StageModel, resolve_device
@@ -230,32 +230,10 @@ class StageActor(RefsCalls):
         # stored once for several tp ranks: Ray resolves only top-level references
         inputs, targets = (ray.get(v) if isinstance(v, ray.ObjectRef) else v for v in (inputs, targets))
         inputs, targets = unpack(inputs), unpack(targets)
-        links = self._links(actions, peers, varying)
-        losses, failure = self.executor.run_list(actions, inputs, targets, links, weights=weights)
+        links = step_list.links_for(self.executor, actions, peers, varying, self.num_virtual)
+        losses, failure = step_list.run_list(self.executor, actions, inputs, targets, links, weights=weights)
         report = self._finish_step(step, failure)
         return (losses if self.is_last and self.tp.rank == 0 else None), report
-
-    def _links(self, actions: Sequence[tuple[str, int, int]], peers: Sequence[int], varying: bool) -> Any:
-        """This step's streams: for each virtual stage held, from and to the actors holding its
-        neighbours (`peers`: the world rank holding each virtual stage, for this replica and tp
-        rank). With model chunks two actors may exchange several streams: each is a channel of
-        their link of its own (`transport.outbox`), its messages tagged by stage and microbatch."""
-        from raypipe.actors.executor import StepLinks
-        from raypipe.runtime import transport
-
-        held = self.executor.parts
-        last = self.num_virtual - 1
-        links = StepLinks(microbatches=1 + max(m for _, m, _ in actions))
-        for v in held:
-            forwards = [m for kind, m, u in actions if u == v and kind == "F"]
-            backwards = [m for kind, m, u in actions if u == v and kind in ("B", "I")]
-            if v > 0 and v - 1 not in held:
-                links.activations[v] = transport.inbox(peers[v - 1], [links.tag(v - 1, m, "F") for m in forwards])
-                links.to_prev[v] = transport.outbox(peers[v - 1], len(backwards), varying, channel=2 * v + 1)
-            if v < last and v + 1 not in held:
-                links.gradients[v] = transport.inbox(peers[v + 1], [links.tag(v + 1, m, "G") for m in backwards])
-                links.to_next[v] = transport.outbox(peers[v + 1], len(forwards), varying, channel=2 * v)
-        return links
 
     def run_compiled(self, payload: dict[str, Any]) -> Any:
         """`run_actions` as a node of the trainer's compiled graph ("compiled" engine):

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from raypipe.config import check_whole_number
+from raypipe.checks import check_whole_number
 from raypipe.errors import ConfigError
 from raypipe.layers import LayerSpec
 from raypipe.nn import ColumnParallel, RowParallel, VocabParallel

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 import torch
 
-from raypipe.config import check_whole_number, nearest
+from raypipe.checks import check_whole_number, nearest
 from raypipe.errors import ConfigError
 from raypipe.model import Model
 from raypipe.models import gpt
