@@ -24,13 +24,6 @@ def fake_accelerator() -> str | None:
     return os.environ.get("RAYPIPE_FAKE_ACCELERATOR") or None
 
 
-def fill_with_weight_grads() -> bool:
-    """RAYPIPE_FILL_WEIGHT_GRADS=0: run split backwards' weight gradients exactly where the schedule
-    puts them, never earlier while a stage waits for a message (`actors/step_list.py`); for
-    measuring what the early ones buy. Default 1."""
-    return os.environ.get("RAYPIPE_FILL_WEIGHT_GRADS", "1") != "0"
-
-
 def trace_path() -> str | None:
     """RAYPIPE_TRACE=PATH: the engines append every call they issue there, as JSON lines
     (`raypipe.runtime.trace`). Unset (the default): no trace."""

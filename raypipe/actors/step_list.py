@@ -8,12 +8,10 @@ Plain Python and torch: the links are anything with `send`/`poison`/`take`/`refi
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from raypipe.actors.executor import Executor
-from raypipe.env import fill_with_weight_grads
 
 
 @dataclass
@@ -61,11 +59,9 @@ def run_list(executor: Executor, actions: Sequence[tuple[str, int, int]], inputs
              weights: Sequence[float] | None = None) -> tuple[list[Any], Exception | None]:
     """Runs a step's action list, (kind, microbatch, virtual stage) in order, taking boundaries
     from `links`' inboxes and sending results to its outboxes; a boundary between two virtual
-    stages this actor holds (the turn of a V) is handed over in place. While an action waits
-    for its message, the list's next weight gradient runs instead if it can (`fill`): a
-    static schedule's W slots assume every hop takes no time, and this fills the waits real
-    hops add. After a failure it still makes every send and receive of the list, sending
-    poison, so no neighbour waits forever.
+    stages this actor holds (the turn of a V) is handed over in place. After a failure it
+    still makes every send and receive of the list, sending poison, so no neighbour waits
+    forever.
 
     Returns:
         (the last stage's microbatch losses, else []; the first failure or None).
@@ -74,29 +70,10 @@ def run_list(executor: Executor, actions: Sequence[tuple[str, int, int]], inputs
     """
     losses, failure = [], None
     handed: dict[tuple[str, int, int], Any] = {}  # hand-overs inside this actor
-    weight_grads = deque(i for i, action in enumerate(actions) if action[0] == "W" and fill_with_weight_grads())
-    ran_early: set[int] = set()
-
-    def fill(box: Any) -> None:
-        """While the message `box` holds next is on its way, runs the next weight gradient of the
-        list if its input gradient is done. Weight gradients keep their order, the only one in
-        which they touch `.grad`, so the step's numbers do not change, only when Ws run."""
-        nonlocal failure
-        while weight_grads and failure is None and box is not None and not box.ready():
-            _, mw, vw = actions[weight_grads[0]]
-            if (vw, mw) not in executor.deferred:
-                return
-            ran_early.add(weight_grads.popleft())
-            try:
-                executor.backward_weight(mw, vw)
-            except Exception as error:  # noqa: BLE001
-                failure = error
-
-    for i, (kind, m, v) in enumerate(actions):
+    for kind, m, v in actions:
         _, _, first, last = executor.part(v)
         if kind == "F":
             out, box = None, links.activations.get(v)
-            fill(box)
             try:
                 x = inputs[m] if first else box.take() if box is not None else handed.pop(("F", v, m))
                 if failure is None:
@@ -114,7 +91,6 @@ def run_list(executor: Executor, actions: Sequence[tuple[str, int, int]], inputs
                 box.refill()
         elif kind in ("B", "I"):
             grad_in, box = None, links.gradients.get(v)
-            fill(box)
             try:
                 grad = None if last else box.take() if box is not None else handed.pop(("G", v, m))
                 if failure is None:
@@ -129,14 +105,11 @@ def run_list(executor: Executor, actions: Sequence[tuple[str, int, int]], inputs
                 failure = send_or_poison(links.to_prev[v], grad_in, links.tag(v, m, "G"), failure)
             if box is not None:
                 box.refill()
-        elif i not in ran_early:  # W: nothing crosses to another actor
-            if weight_grads:
-                weight_grads.popleft()  # this one: every W before it has run
-            if failure is None:
-                try:
-                    executor.backward_weight(m, v)
-                except Exception as error:  # noqa: BLE001
-                    failure = error
+        elif failure is None:  # W: nothing crosses to another actor
+            try:
+                executor.backward_weight(m, v)
+            except Exception as error:  # noqa: BLE001
+                failure = error
     for box in (*links.to_next.values(), *links.to_prev.values()):
         box.wait()
     return losses, failure

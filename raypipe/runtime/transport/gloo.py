@@ -125,12 +125,6 @@ class GlooInbox:
             raise PeerFailed(f"world rank {self.src} failed earlier in this step")
         return self.layout.tree(self.layout.views(buffer[FLAG_BYTES:]))
 
-    def ready(self) -> bool:
-        """Whether the next message has arrived (`take` would not wait)."""
-        if not self.started:
-            return self.header_work is not None and self.header_work.is_completed()
-        return bool(self.posted) and self.posted[0][1].is_completed()
-
     def refill(self) -> None:
         """Posts receives for the next messages, up to `LOOKAHEAD` ahead. The stage calls it
         after the action that took a message has sent its own result: posting a receive

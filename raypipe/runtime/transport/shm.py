@@ -209,26 +209,16 @@ class Link:
     def read(self) -> tuple[int, int, int, int]:
         """The next record from the neighbour (tag, flag, generation, slot), waiting for it."""
         while not self.records:
-            if not self._read_available():
+            try:
+                data = os.read(self.reader, 1 << 16)
+            except BlockingIOError:
                 self._wait(self.reader, select.POLLIN, "send a message")
+                continue
+            data = self.partial + data
+            whole = len(data) - len(data) % RECORD.size
+            self.records.extend(RECORD.iter_unpack(data[:whole]))
+            self.partial = data[whole:]
         return self.records.popleft()
-
-    def has(self, tag: int) -> bool:
-        """Whether the record of message `tag` has arrived; never waits."""
-        self._read_available()
-        return tag in self.early or any(record[0] == tag for record in self.records)
-
-    def _read_available(self) -> bool:
-        """Parses what the pipe holds into `records`; False when it held nothing."""
-        try:
-            data = os.read(self.reader, 1 << 16)
-        except BlockingIOError:
-            return False
-        data = self.partial + data
-        whole = len(data) - len(data) % RECORD.size
-        self.records.extend(RECORD.iter_unpack(data[:whole]))
-        self.partial = data[whole:]
-        return True
 
     def view(self, generation: int, slot: int) -> Any:
         """The value in `slot` of the neighbour's file `generation`, as views (no copy)."""
@@ -344,10 +334,6 @@ class ShmInbox:
         if flag == POISON:
             raise PeerFailed(f"world rank {self.link.peer} failed earlier in this step")
         return self.link.view(generation, slot)
-
-    def ready(self) -> bool:
-        """Whether the next message has arrived (`take` would not wait)."""
-        return self.gloo.ready() if self.gloo is not None else self.link.has(self.tags[0])
 
     def refill(self) -> None:
         if self.gloo is not None:
