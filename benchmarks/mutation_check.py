@@ -93,7 +93,7 @@ MUTATIONS = [
              ("tests/test_zero_bubble.py::test_parity_with_one_process",),
              "a split backward's W computes no weight gradients (only the first stage's whole backward runs)"),
     Mutation("interleaved-chunk-order", "raypipe/schedules/interleaved.py",
-             "            chunk = v - 1 - chunk\n", "",
+             "            chunk = v - 1 - chunk\n", "            pass\n",
              ("tests/test_schedules.py",), "interleaved 1F1B walks the chunks forward in its backwards too"),
     Mutation("v-hand-over", "raypipe/actors/step_list.py",
              "                    handed[(\"F\", v + 1, m)] = out\n", "                    handed[(\"F\", v + 1, m)] = x\n",
