@@ -96,7 +96,7 @@ MUTATIONS = [
              "            chunk = v - 1 - chunk\n", "            pass\n",
              ("tests/test_schedules.py",), "interleaved 1F1B walks the chunks forward in its backwards too"),
     Mutation("v-hand-over", "raypipe/actors/step_list.py",
-             "                    handed[(\"F\", v + 1, m)] = out\n", "                    handed[(\"F\", v + 1, m)] = x\n",
+             "                handed[(\"F\", v + 1, m)] = out\n", "                handed[(\"F\", v + 1, m)] = x\n",
              ("tests/test_zero_bubble.py::test_parity_with_one_process",),
              "at the turn of a V the next chunk gets the chunk's input instead of its output"),
 ]
