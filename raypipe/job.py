@@ -209,7 +209,10 @@ def run(
 
     profile_batch = batch(train_set, 0, train.seed) if train.partition == "profile" else None
     with Trainer(model.build(), config=train, sample=profile_batch, log=log) as trainer:
-        log(f"stages: {', '.join(f'{n} layers [{a}, {b})' for n, (a, b) in zip(trainer.stage_names, trainer.plan))}")
+        lead = [i for i in trainer.stage_info() if i["dp_rank"] == 0 and i["tp_rank"] == 0]
+        held = [i["layers"] if isinstance(i["layers"], list) else [i["layers"]] for i in lead]  # ranges: model chunks
+        log("stages: " + ", ".join(f"{i['name']} layers " + " + ".join(f"[{a}, {b})" for a, b in ranges)
+                                    for i, ranges in zip(lead, held)))
         if len(trainer.names) > trainer.num_stages:
             log(f"actors: {len(trainer.names)} = pp {train.pp} x dp {train.dp} x tp {train.tp}: {', '.join(trainer.names)}")
         if resume or resume_step is not None:
