@@ -21,6 +21,13 @@ MLP7 = [
 ]
 
 
+def lm_tokens(config, k: int, size: int, seed: int):
+    """Batch k of random token sequences for a GPT `config`: inputs and next-token targets."""
+    g = torch.Generator().manual_seed(seed + k)
+    seq = torch.randint(0, config.vocab_size, (size, config.block_size + 1), generator=g)
+    return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+
+
 def batch(k: int, size: int = 16, features: int = 6, outputs: int = 3):
     g = torch.Generator().manual_seed(1000 + k)
     return torch.randn(size, features, generator=g), torch.randn(size, outputs, generator=g)

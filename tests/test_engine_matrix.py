@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import MLP7, batch, check_sgd_parity, reference_run
+from helpers import MLP7, batch, check_sgd_parity, lm_tokens, reference_run
 from raypipe import TrainConfig, Trainer
 from raypipe.models import gpt
 
@@ -21,8 +21,7 @@ def sgd(params):
 
 
 def tokens(k: int, size: int = 8):
-    seq = torch.randint(0, GPT.vocab_size, (size, GPT.block_size + 1), generator=torch.Generator().manual_seed(900 + k))
-    return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+    return lm_tokens(GPT, k, size, seed=900)
 
 
 # engine, pp, dp, tp: dp cases on the MLP (ZeRO 0 and 1), tp cases on the GPT (its layers have plans)

@@ -7,7 +7,7 @@ import ray
 import torch
 from torch import nn
 
-from helpers import check_sgd_parity, reference_run
+from helpers import check_sgd_parity, lm_tokens, reference_run
 from raypipe import checkpoint as ckpt
 from raypipe import ConfigError, LayerSpec, TrainConfig, Trainer
 from raypipe.models import gpt
@@ -19,9 +19,7 @@ LAYERS = gpt.layers(GPT)
 
 
 def tokens(k: int, size: int = 8):
-    g = torch.Generator().manual_seed(500 + k)
-    seq = torch.randint(0, GPT.vocab_size, (size, GPT.block_size + 1), generator=g)
-    return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+    return lm_tokens(GPT, k, size, seed=500)
 
 
 def sgd(params):

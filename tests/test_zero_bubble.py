@@ -8,7 +8,7 @@ that resume under another schedule at another pp; a failure inside a V that stop
 import pytest
 import torch
 
-from helpers import assert_close_dicts, check_sgd_parity, reference_run
+from helpers import assert_close_dicts, check_sgd_parity, lm_tokens, reference_run
 from raypipe import ConfigError, LayerSpec, StageError, TrainConfig, Trainer, build_schedule, peak_in_flight
 from raypipe.models import gpt
 
@@ -19,9 +19,7 @@ LAYERS = gpt.layers(GPT)
 
 
 def tokens(k: int, size: int = 16):
-    g = torch.Generator().manual_seed(900 + k)
-    seq = torch.randint(0, GPT.vocab_size, (size, GPT.block_size + 1), generator=g)
-    return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+    return lm_tokens(GPT, k, size, seed=900)
 
 
 def sgd(params):
