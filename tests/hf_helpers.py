@@ -84,10 +84,11 @@ def hf_reference(directory: str, steps: int = 3, lr: float = 0.05, momentum: flo
 
 
 def run_schedules(trainer, start: dict, steps: int = 3, data=lm_batch):
-    """Per schedule (1F1B, GPipe), from the weights `start` with fresh optimizer state: the losses of
-    `steps` steps, the first step's gradients and the final state dict."""
+    """Per schedule (1F1B, GPipe, and ZB-H1's split backward through the model's own layers and
+    adapters), from the weights `start` with fresh optimizer state: the losses of `steps` steps,
+    the first step's gradients and the final state dict."""
     out = {}
-    for schedule in ("1f1b", "gpipe"):
+    for schedule in ("1f1b", "gpipe", "zb-h1"):
         trainer.reconfigure(schedule=schedule)
         trainer.reset_optimizer()
         trainer.load_state_dict(start)

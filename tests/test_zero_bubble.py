@@ -38,7 +38,8 @@ def config(**kwargs) -> TrainConfig:
 
 # (pp, schedule the trainer is built with, dp, tp); a trainer built for zb-h1 also runs 1f1b and gpipe
 TRAINERS = [(2, "interleaved-1f1b", 1, 1), (2, "zb-v", 1, 1), (2, "zb-h1", 1, 1), (4, "interleaved-1f1b", 1, 1),
-            (4, "zb-v", 1, 1), (4, "zb-h1", 1, 1), (2, "zb-v", 2, 1), (2, "interleaved-1f1b", 1, 2), (2, "zb-h1", 2, 2)]
+            (4, "zb-v", 1, 1), (4, "zb-h1", 1, 1), (2, "zb-v", 2, 1), (2, "interleaved-1f1b", 1, 2), (2, "zb-h1", 2, 2),
+            (2, "zb-v", 1, 2)]
 
 
 @pytest.fixture(scope="module", params=TRAINERS, ids=lambda p: f"pp{p[0]}-{p[1]}-dp{p[2]}-tp{p[3]}")
