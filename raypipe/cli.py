@@ -59,6 +59,7 @@ def _plan(args: argparse.Namespace) -> int:
     from raypipe.job import JobConfig
     from raypipe.layers import parameter_counts
     from raypipe.partition import make_plan
+    from raypipe.schedules import build_schedule, owners
 
     config = JobConfig.from_yaml(args.config, args.set)
     specs = config.model.build().layers
@@ -66,15 +67,16 @@ def _plan(args: argparse.Namespace) -> int:
     train = config.train
     how = "shard_plan" if train.shard_plan is not None else f"partition={train.partition}"
     print(f"{len(specs)} layers, {sum(counts):,} parameters, pp={train.pp} ({how})")
-    if train.partition == "profile" and train.shard_plan is None:
-        report = _profiled_plan(config, specs)
-        print(report)
+    if (train.partition == "profile" or train.schedule == "auto") and train.shard_plan is None:
+        train, report = _profiled_plan(config, specs)  # prints what it found; "auto" also picks the schedule
         plan = report.plan
     else:
-        plan = make_plan(len(specs), train.pp, train.partition, train.shard_plan, counts)
+        plan = make_plan(len(specs), train.pp * train.num_chunks(), train.partition, train.shard_plan, counts)
         report = None
-    for stage, (start, end) in enumerate(plan):
-        print(f"stage {stage}: layers [{start}, {end})  {sum(counts[start:end]):>12,} parameters")
+    on = owners(build_schedule(train.schedule, train.pp, train.microbatches, train.chunks))
+    for v, (start, end) in enumerate(plan):
+        name = f"stage {v}" if train.num_chunks() == 1 else f"virtual stage {v} (stage {on[v]})"
+        print(f"{name}: layers [{start}, {end})  {sum(counts[start:end]):>12,} parameters")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report.to_dict() if report else {"plan": [list(r) for r in plan]}, f, indent=1)
@@ -83,18 +85,18 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _profiled_plan(config, specs):
-    """Times each layer on every device kind of the job (on the cluster it connects to) and splits by it."""
+    """Times each layer on every device kind of the job (on the cluster it connects to) and splits by
+    it, choosing the schedule too under `schedule="auto"`; returns (the train config, the report)."""
     from raypipe import runtime
-    from raypipe.profile import profiled_plan
+    from raypipe.autoschedule import plan_run
 
     train, job = config.train, config.job
     x, y = config.data.dataset(config.model.block_size).batch(0, job.batch_size, seed=train.seed)
     y = config.model.targets(x, y)
-    rows = job.batch_size // (train.dp * train.microbatches)  # one microbatch
     loss_fn = config.model.build().loss_fn
     runtime.connect()
     runtime.ship_user_code([loss_fn] + [s.factory for s in specs])
-    return profiled_plan(specs, loss_fn, x[:rows], y[:rows], train, train.cpus_per_actor or 1.0)
+    return plan_run(specs, loss_fn, (x, y), train, train.cpus_per_actor or 1.0, print)
 
 
 def _node_resources(args: argparse.Namespace) -> int:

@@ -44,6 +44,9 @@ def test_plan_and_schedule_commands(clean_env):
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[0].startswith("stage 0: 0F0 0F1 0F2")
     assert "peak (chunk) microbatches in flight per actor: [3, 2, 1]" in result.stdout
+    result = run(RAYPIPE + ["plan", "examples/configs/gpt_pp2.yaml", "--set", "schedule=zb-v"], clean_env)
+    assert result.returncode == 0, result.stderr
+    assert "virtual stage 3 (stage 0): layers [" in result.stdout and "virtual stage 1 (stage 1)" in result.stdout
     result = run(RAYPIPE + ["schedule", "zb-v", "--pp", "2", "-m", "4"], clean_env)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[0].startswith("stage 0: 0F0 0F1 0F2 3F0 3I0 3W0")
