@@ -205,11 +205,11 @@ def validate(schedule: Schedule, num_stages: int, num_microbatches: int) -> None
                     k for k, vv, mm in seen if (vv, mm) == (v, m)}:
                 raise ScheduleError(f"{where}: mixes a whole backward with a split one")
             seen.add((kind, v, m))
-        for v in virtual_stages([actions])[0]:
+        for v in {a.stage for a in actions}:
             for m in range(num_microbatches):
-                missing = [k for k in ((FORWARD,) + ((INPUT_GRAD, WEIGHT_GRAD) if (INPUT_GRAD, v, m) in seen
-                                                      or (WEIGHT_GRAD, v, m) in seen else (BACKWARD,)))
-                           if (k, v, m) not in seen]
+                split = (INPUT_GRAD, v, m) in seen or (WEIGHT_GRAD, v, m) in seen
+                needed = (FORWARD, INPUT_GRAD, WEIGHT_GRAD) if split else (FORWARD, BACKWARD)
+                missing = [k for k in needed if (k, v, m) not in seen]
                 if missing:
                     raise ScheduleError(f"actor {actor} never runs {', '.join(f'{v}{k}{m}' for k in missing)}")
     simulate(schedule, num_stages)
