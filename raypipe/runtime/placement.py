@@ -143,15 +143,15 @@ def needs_world(config: TrainConfig) -> bool:
 
 
 def join_world(actors: Sequence[Any], names: Sequence[str], topology: Topology, devices: Sequence[str],
-               config: TrainConfig, shared: Sequence[tuple[int, list[int]]] = (),
-               linked: Sequence[Sequence[int]] | None = None) -> None:
+               config: TrainConfig, shared: Sequence[tuple[int, list[int]]],
+               linked: Sequence[Sequence[int]]) -> None:
     """Rendezvous through Ray: rank 0 publishes an address, every actor joins the world.
 
     Each actor is in one dp group (its stage and tp rank across replicas) and one tp
     group (its stage's ranks within its replica); the groups overlap in membership.
     `shared`: (tied group index, its stages) for each weight tied across stages; the
     holders of each (replica, tp rank) get a group of their own. `linked`: per stage, the stages
-    it exchanges boundaries with (`linked_stages`; default its pipeline neighbours).
+    it exchanges boundaries with (`linked_stages`).
     """
     pp, tp = topology.pp, topology.tp
     address, port = gather([actors[0].rendezvous_address.remote()], "rendezvous")[0]
@@ -166,7 +166,7 @@ def join_world(actors: Sequence[Any], names: Sequence[str], topology: Topology, 
         joins.append(actor.join.remote(
             address, port, len(actors), r, groups, dp_groups[s * tp + t], tp_groups[d * pp + s],
             config.step_timeout, backends,
-            topology.neighbours(r) if linked is None else [topology.rank(d, n, t) for n in linked[s]],
+            [topology.rank(d, n, t) for n in linked[s]],
             config.same_node_transport,
             [(g, ranks) for g, ranks in tied_groups if r in ranks],
         ))

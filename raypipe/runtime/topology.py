@@ -51,8 +51,3 @@ class Topology:
     def across_stages(self, stages: Sequence[int], d: int, t: int) -> list[int]:
         """The world ranks of replica d's tp rank t on each of `stages` (a tied weight's holders)."""
         return [self.rank(d, s, t) for s in stages]
-
-    def neighbours(self, rank: int) -> list[int]:
-        """The world ranks of the previous and next stage of the same replica and tp rank."""
-        d, s, t = self.place(rank)
-        return [self.rank(d, n, t) for n in (s - 1, s + 1) if 0 <= n < self.pp]
