@@ -44,6 +44,10 @@ class TrainConfig:
         tp: tensor-parallel ranks per stage: layers that declare a `tp_plan` (the
             reference GPT does) are split across tp actors joined by collectives; layers
             without one are replicated on every tp rank.
+        ep: expert-parallel ranks, carved out of the dp replicas (ep divides dp, as in Megatron
+            and DeepSpeed): each MoE layer's experts (`raypipe.nn.MoE`) are split across ep
+            replicas, tokens travel to their experts and back by all-to-all, and expert
+            gradients are averaged only among the replicas holding the same experts.
         zero: 1 shards optimizer state across the dp replicas (ZeRO stage 1): each replica
             steps its share of the parameters and sends the result to the others; 0 off.
             Reconfigurable: switching it re-shards the optimizer state, nothing is lost.
@@ -126,6 +130,7 @@ class TrainConfig:
     pp: int = 1
     dp: int = 1
     tp: int = 1
+    ep: int = 1
     zero: int = 0
     dp_bucket_mb: float = 25.0
     microbatches: int = 1
@@ -164,6 +169,14 @@ class TrainConfig:
         check_int("pp", self.pp, 1)
         check_int("dp", self.dp, 1)
         check_int("tp", self.tp, 1)
+        check_int("ep", self.ep, 1)
+        if self.dp % self.ep:
+            raise fail("ep", self.ep, f"expert-parallel ranks are carved out of the dp={self.dp} replicas: use an ep "
+                                      f"that divides dp (e.g. ep={self.dp}), or raise dp to a multiple of {self.ep}.")
+        if self.ep > 1 and self.engine == "refs":
+            raise fail("engine", self.engine, "ep > 1 runs on the p2p and compiled engines (a MoE layer's all-to-all "
+                                               "needs every replica of its ep group inside one step call): use "
+                                               "engine='p2p'.")
         if self.zero not in (0, 1) or isinstance(self.zero, bool):
             raise fail("zero", self.zero, "give 0 (off) or 1 (shard optimizer state across dp replicas).")
         check_positive("dp_bucket_mb", self.dp_bucket_mb)

@@ -29,6 +29,10 @@ def stage_metrics(reports: Sequence[dict[str, Any]]) -> list[dict[str, float]]:
             "peak_awaiting_weight_grad": int(t.get("peak_awaiting_weight", 0)),
             "sent_bytes": int(t.get("sent_bytes", 0)),
             **({"peak_stashed_bytes": float(t["peak_stashed_bytes"])} if "peak_stashed_bytes" in t else {}),
+            # MoE layers: seconds in all-to-all, bytes it sent, and per layer the assignments each
+            # expert received and those dropped over capacity (as this actor routed them)
+            **({"all_to_all_s": t.get("all_to_all_s", 0.0), "all_to_all_bytes": int(t["all_to_all_bytes"]),
+                "experts": t["experts"]} if "experts" in t else {}),
         })
     return result
 
@@ -66,7 +70,9 @@ class TensorBoardLogger:
     stage{s}/peak_stashed_microbatches (kept for backward), stage{s}/peak_awaiting_weight_grad
     (split backwards: between input and weight gradient), stage{s}/sent_bytes
     (activations and gradients sent to the neighbouring stages) and, when measured,
-    stage{s}/peak_stashed_bytes.
+    stage{s}/peak_stashed_bytes. A model with MoE layers adds stage{s}/all_to_all_s and
+    stage{s}/all_to_all_bytes, and per MoE layer (keyed by its global layer index)
+    moe/layer{l}/expert{e}_tokens and moe/layer{l}/dropped_tokens.
     """
 
     def __init__(self, log_dir: str) -> None:
@@ -86,6 +92,13 @@ class TensorBoardLogger:
             self.writer.add_scalar(f"stage{s}/peak_memory_bytes", stage["peak_memory_bytes"], step)
             self.writer.add_scalar(f"stage{s}/peak_stashed_microbatches", stage["peak_stashed_microbatches"], step)
             self.writer.add_scalar(f"stage{s}/peak_awaiting_weight_grad", stage["peak_awaiting_weight_grad"], step)
+            if "experts" in stage:
+                self.writer.add_scalar(f"stage{s}/all_to_all_s", stage["all_to_all_s"], step)
+                self.writer.add_scalar(f"stage{s}/all_to_all_bytes", stage["all_to_all_bytes"], step)
+                for layer, routed in stage["experts"].items():
+                    for e, count in enumerate(routed["routed"]):
+                        self.writer.add_scalar(f"moe/layer{layer}/expert{e}_tokens", count, step)
+                    self.writer.add_scalar(f"moe/layer{layer}/dropped_tokens", routed["dropped"], step)
             self.writer.add_scalar(f"stage{s}/sent_bytes", stage["sent_bytes"], step)
             if "peak_stashed_bytes" in stage:  # with TrainConfig.measure_activations
                 self.writer.add_scalar(f"stage{s}/peak_stashed_bytes", stage["peak_stashed_bytes"], step)

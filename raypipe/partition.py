@@ -170,6 +170,7 @@ def first_plan(specs: Sequence[Any], config: Any, has_sample: bool) -> tuple[Pla
             that does not split them, or a stage whose layers have no tp plan.
     """
     from raypipe.layers import parameter_counts
+    from raypipe.nn.moe import check_expert_parallel
     from raypipe.nn.plan import check_stages_split, check_tensor_parallel
 
     profiled = (config.partition == "profile" or config.schedule == "auto") and config.shard_plan is None
@@ -185,6 +186,7 @@ def first_plan(specs: Sequence[Any], config: Any, has_sample: bool) -> tuple[Pla
     plan = make_plan(len(specs), config.pp * config.num_chunks(), "uniform" if profiled else config.partition,
                      config.shard_plan, counts)
     tp_splits = check_tensor_parallel(specs, config.tp)
+    check_expert_parallel(specs, config.ep)
     if not profiled:
         check_stages_split(tp_splits, plan, config.tp)
     return plan, tp_splits, profiled

@@ -23,7 +23,8 @@ from raypipe.schedules import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, Schedu
 from raypipe.schedules.actions import timed
 
 # forward blue, backward orange; a split backward's input gradient orange, its weight gradient green
-COLOURS = {"F": "#4c8bd6", "B": "#f0a43a", "I": "#f0a43a", "W": "#59a14f"}
+COLOURS = {"F": "#4c8bd6", "B": "#f0a43a", "I": "#f0a43a", "W": "#59a14f", "A": "#d62728"}
+ALL_TO_ALL = "A"  # a MoE layer's all-to-all inside an action: drawn as a thin bar over it, not busy time
 ROW, LEFT, WIDTH, TOP = 30, 150, 900, 40  # svg layout in pixels
 
 
@@ -130,7 +131,8 @@ class Timeline:
     def busy(self) -> list[float]:
         """Per stage, the share of the makespan it spent running actions."""
         total = self.makespan or 1.0
-        return [sum(s.end - s.start for s in self.spans if s.stage == st) / total for st in range(self.num_stages)]
+        return [sum(s.end - s.start for s in self.spans if s.stage == st and s.kind != ALL_TO_ALL) / total
+                for st in range(self.num_stages)]
 
     def bubble(self) -> list[float]:
         """Per stage, the idle share of the makespan: 1 - busy."""
@@ -158,6 +160,10 @@ class Timeline:
         for span in self.spans:
             x, w = LEFT + (span.start - origin) * scale, max(1.0, (span.end - span.start) * scale)
             y = TOP + ROW * span.stage
+            if span.kind == ALL_TO_ALL:
+                out.append(f'<rect x="{x:.2f}" y="{y + ROW - 12}" width="{w:.2f}" height="6" fill="{COLOURS[span.kind]}">'
+                           f'<title>all-to-all in {span.microbatch}: {span.start:.2f}-{span.end:.2f} {self.unit}</title></rect>')
+                continue
             out.append(
                 f'<rect x="{x:.2f}" y="{y}" width="{w:.2f}" height="{ROW - 6}" fill="{COLOURS[span.kind]}" '
                 f'stroke="white" stroke-width="0.5"><title>{span.label}: {span.start:.2f}-{span.end:.2f} '
@@ -175,6 +181,9 @@ class Timeline:
                    f'<text x="{LEFT + 16}" y="{axis_y + 19}">forward</text>'
                    f'<rect x="{LEFT + 80}" y="{axis_y + 10}" width="12" height="10" fill="{COLOURS["B"]}"/>'
                    f'<text x="{LEFT + 96}" y="{axis_y + 19}">backward (number: microbatch)</text>')
+        if any(span.kind == ALL_TO_ALL for span in self.spans):
+            out.append(f'<rect x="{LEFT + 330}" y="{axis_y + 14}" width="12" height="6" fill="{COLOURS[ALL_TO_ALL]}"/>'
+                       f'<text x="{LEFT + 346}" y="{axis_y + 19}">all-to-all (MoE)</text>')
         out.append("</svg>")
         return "\n".join(out)
 
@@ -191,6 +200,8 @@ class Timeline:
             lines.append(f'  label{st} [shape=plaintext, style="", label="{self._stage_label(st)}", '
                          f'pos="{LEFT / 2},{y}!", width={LEFT / 72:.2f}, height={(ROW - 6) / 72:.2f}];')
         for i, span in enumerate(self.spans):
+            if span.kind == ALL_TO_ALL:
+                continue
             w = max(1.0, (span.end - span.start) * scale)
             x = LEFT + (span.start - origin) * scale + w / 2
             y = ROW * (self.num_stages - span.stage - 1) + ROW / 2
@@ -206,7 +217,8 @@ class Timeline:
                   for st in range(self.num_stages)]
         for span in self.spans:
             events.append({
-                "name": span.label, "cat": {FORWARD: "forward", WEIGHT_GRAD: "weight gradient"}.get(span.kind, "backward"), "ph": "X",
+                "name": span.label, "ph": "X",
+                "cat": {FORWARD: "forward", WEIGHT_GRAD: "weight gradient", ALL_TO_ALL: "all-to-all"}.get(span.kind, "backward"),
                 "pid": 1, "tid": span.stage, "ts": span.start * factor, "dur": (span.end - span.start) * factor,
                 "args": {"stage": span.stage, "microbatch": span.microbatch},
             })

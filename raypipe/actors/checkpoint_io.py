@@ -20,9 +20,10 @@ from raypipe.nn import merge, shard
 
 
 def save_stage(model: StageModel, optim: OptimizerState, directory: str, stage: int, name: str,
-               tp_ranks: list[int]) -> dict[str, Any]:
+               tp_ranks: list[int], ep_ranks: list[int] = ()) -> dict[str, Any]:
     """Writes this stage's layers, their optimizer state and its RNG state (a collective of the
-    stage's dp and tp groups: every replica and rank calls it).
+    stage's dp and tp groups: every replica and rank calls it; under expert parallelism replicas
+    1..ep-1 send replica 0 their experts, so each layer's file holds all of them).
 
     Returns:
         {"files": relative path -> {"sha256", "bytes"}, "loss_scaler": {...}}; files is empty
@@ -39,9 +40,14 @@ def save_stage(model: StageModel, optim: OptimizerState, directory: str, stage: 
                 for index, state in share.items():
                     states[index].update(state)
     nothing = {"files": {}, "loss_scaler": optim.scaler_state()}
-    if optim.dp_rank != 0:  # replicas hold the same weights; replica 0 writes them
+    holds_experts = model.ep.size > 1 and optim.dp_rank < model.ep.size
+    if optim.dp_rank != 0 and not holds_experts:  # replicas hold the same weights; replica 0 writes them
         return nothing
     models = {index: _saved(layer.state_dict(), model.lora) for index, layer in zip(model.layers, model.module)}
+    if holds_experts:
+        models, states = _gather_experts(model, models, states, list(ep_ranks))
+        if optim.dp_rank != 0:
+            return nothing
     if model.tp.size > 1:  # tp rank 0 merges the shards: checkpoints hold whole tensors
         models, states = _merge_tp_shards(model, models, states, tp_ranks)
         if model.tp.rank != 0:
@@ -77,7 +83,7 @@ def load_stage(model: StageModel, optim: OptimizerState, directory: str, stage: 
         for j, (index, layer) in enumerate(zip(model.layers, model.module)):
             weights = ckpt.load_tensors(root / ckpt.layer_file("model", index))
             local = model.shard_state({f"{j}.{k}": v for k, v in weights.items()})
-            _load_layer(layer, {k[len(f"{j}.") :]: v for k, v in local.items()}, model.lora)
+            _load_layer(layer, {k[len(f"{j}.") :]: v for k, v in local.items() if k not in model.foreign}, model.lora)
             state = ckpt.load_tensors(root / ckpt.layer_file("optim", index))
             if optimizer is not None:
                 stepped = {p for group in optimizer.param_groups for p in group["params"]}
@@ -120,6 +126,21 @@ def _load_layer(layer: torch.nn.Module, state: dict[str, torch.Tensor], lora: bo
     if set(state) != expected:
         raise StageError(f"the checkpoint's adapters {sorted(state)[:2]} are not this layer's {sorted(expected)[:2]}")
     layer.load_state_dict(state, strict=False)
+
+
+def _gather_experts(model: StageModel, models: dict[int, dict], states: dict[int, dict],
+                    ep_ranks: list[int]) -> tuple[dict, dict]:
+    """Gathers the experts (weights and optimizer state) of ep ranks 1..ep-1 into ep rank 0's dicts."""
+    import torch.distributed as dist
+
+    parts = [None] * model.ep.size if model.ep.rank == 0 else None
+    dist.gather_object((models, states), parts, dst=ep_ranks[0], group=model.ep.group)
+    if model.ep.rank == 0:
+        for other_models, other_states in parts[1:]:
+            for index in models:
+                models[index].update(other_models[index])
+                states[index].update(other_states[index])
+    return models, states
 
 
 def _merge_tp_shards(model: StageModel, models: dict[int, dict], states: dict[int, dict],

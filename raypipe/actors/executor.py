@@ -19,6 +19,7 @@ from raypipe.actors.model import StageModel
 from raypipe.actors.settings import StageSettings
 from raypipe.actors.split_backward import Deferred, input_gradients, weight_gradients
 from raypipe.errors import StageError
+from raypipe.nn.moe import RECORDER, reset_recorder
 from raypipe.runtime.transport.tree import leaves, map_tensors, tensors
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -61,10 +62,11 @@ class Executor:
             self.current_call = call_id
             self.losses_finite = True
             self.timing = {"forward_s": 0.0, "backward_s": 0.0, "first_start": math.inf, "last_end": 0.0,
-                           "peak_stashed": 0, "peak_awaiting_weight": 0, "sent_bytes": 0}
+                           "peak_stashed": 0, "peak_awaiting_weight": 0, "sent_bytes": 0, "all_to_all_s": 0.0}
             if self.settings.measure_activations:
                 self.timing["peak_stashed_bytes"] = 0
             self.events = []
+            reset_recorder()  # all-to-all of inference since the last step is not this step's
             self.clear_stash()
             self.model.zero_grad()
 
@@ -281,9 +283,12 @@ class Executor:
     def _timed(self, kind: str, started: float, microbatch: int) -> None:
         """Records one action: its duration in this step's totals (a split backward's I and W
         both count as backward), and (kind, microbatch, start, end) in wall-clock seconds since
-        the epoch for the step's timeline."""
+        the epoch for the step's timeline, followed by an "A" event for each all-to-all inside it."""
         ended = time.time()
         self.events.append((kind, microbatch, started, ended))
+        for a, b in RECORDER.take_intervals():  # a MoE layer's all-to-all inside this action
+            self.events.append(("A", microbatch, a, b))
+            self.timing["all_to_all_s"] += b - a
         self.timing["forward_s" if kind == "F" else "backward_s"] += ended - started
         self.timing["first_start"] = min(self.timing["first_start"], started)
         self.timing["last_end"] = ended

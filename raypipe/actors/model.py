@@ -17,11 +17,13 @@ from raypipe.errors import StageError
 from raypipe.layers import LayerSpec, build_layer, layer_seed
 from raypipe.nn import TensorParallelGroup, parallelize, shard, shard_specs
 from raypipe.nn.group import building
+from raypipe.nn.moe import ExpertParallelGroup, expert_parameters, shard_experts
 
 
 class StageModel:
     """Layers [start, start + len(specs)) on `device`, each built whole under its seed and cut
-    to this tp rank's shard (layers with a `tp_plan`; the others are replicated).
+    to this tp rank's shard (layers with a `tp_plan`; the others are replicated) and, in its
+    MoE layers, to this ep rank's experts.
 
     Attributes:
         module: the layers as an nn.Sequential (local keys `"<j>.<name>"`, j from 0).
@@ -30,16 +32,22 @@ class StageModel:
             time); they stay the same objects for the actor's life: loading copies into them.
         norm_params: those counted in the global gradient norm: a split parameter's shards
             each count, a replicated one counts once, on tp rank 0.
+        foreign: local keys of the model's tensors this rank does not hold (other ep ranks' experts).
+        expert_params: ids of the parameters of the experts held here (shared only with the
+            replicas holding the same experts).
     """
 
     def __init__(self, specs: Sequence[LayerSpec], start: int | Sequence[int], seed: int, device: torch.device,
                  tp: TensorParallelGroup, tied: Sequence[Sequence[str]] = (), lora: dict | None = None,
-                 quantize: str | None = None) -> None:
+                 quantize: str | None = None, ep: ExpertParallelGroup | None = None) -> None:
         # `start`: the first layer's global index, or every layer's (model chunks hold several ranges)
         self.indices = list(range(start, start + len(specs))) if isinstance(start, int) else list(start)
         self.local = {index: j for j, index in enumerate(self.indices)}
-        self.device, self.tp = device, tp
-        self.module = nn.Sequential(*[self._build(spec, seed, index) for spec, index in zip(specs, self.indices)])
+        self.device, self.tp, self.ep = device, tp, ep or ExpertParallelGroup()
+        self.foreign: set[str] = set()
+        self.foreign_specs: dict[str, Any] = {}  # how the experts held elsewhere split across tp ranks
+        self.module = nn.Sequential(*[self._build(spec, seed, index, j)
+                                      for j, (spec, index) in enumerate(zip(specs, self.indices))])
         self.lora = lora is not None
         if lora is not None:  # adapters under a seed per layer, then everything else frozen
             from raypipe import lora as lora_
@@ -47,9 +55,10 @@ class StageModel:
             lora_.apply(self.module, lora, [layer_seed(seed, index) + 1 for index in self.indices], quantize)
         self.tied = self._tie(tied)
         self.module.to(device)
-        self.shard_specs = shard_specs(self.module)
+        self.shard_specs = {**self.foreign_specs, **shard_specs(self.module)}
         self.sharded_params = {id(p) for k, p in self.module.named_parameters() if k in self.shard_specs}
         self.params = list(self.module.parameters())
+        self.expert_params = expert_parameters(self.module) if self.ep.size > 1 else set()
         self.norm_params = [p for p in self.params if tp.rank == 0 or id(p) in self.sharded_params]
 
     @property
@@ -108,6 +117,7 @@ class StageModel:
             StageError: a key of the stage is missing, or one is not the stage's (`name` says whose).
         """
         local = self.shard_state({self.local_key(k): v for k, v in state.items()})
+        local = {k: v for k, v in local.items() if k not in self.foreign}
         result = self.module.load_state_dict(local, strict=False)
         if result.missing_keys or result.unexpected_keys:
             missing = [self.global_key(k) for k in result.missing_keys]
@@ -173,11 +183,18 @@ class StageModel:
         return {k: shard(v, self.shard_specs[k], self.tp.rank, self.tp.size) if k in self.shard_specs else v
                 for k, v in local.items()}
 
-    def _build(self, spec: LayerSpec, seed: int, index: int) -> nn.Module:
-        """Builds the whole layer under its seed, then keeps this tp rank's shard of it."""
+    def _build(self, spec: LayerSpec, seed: int, index: int, j: int) -> nn.Module:
+        """Builds the whole layer under its seed, then keeps this tp rank's shard of it (and this ep
+        rank's experts)."""
         try:
             with building(self.tp):
-                return parallelize(build_layer(spec, seed, index), self.tp)
+                layer = parallelize(build_layer(spec, seed, index), self.tp)
+            if self.ep.size > 1:
+                specs = shard_specs(layer)
+                dropped = shard_experts(layer, self.ep)
+                self.foreign |= {f"{j}.{k}" for k in dropped}
+                self.foreign_specs.update({f"{j}.{k}": specs[k] for k in dropped if k in specs})
+            return layer
         except Exception as error:
             raise StageError(f"layer {index} {spec!r} failed to build: {type(error).__name__}: {error}") from error
 

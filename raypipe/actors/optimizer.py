@@ -28,6 +28,10 @@ class OptimizerState:
     Attributes:
         dp_rank, dp_size: this actor's place among its stage's data-parallel replicas;
             dp_group, dp_ranks: their process group and world ranks (set when the world is joined).
+        ep_size: the expert-parallel ranks carved out of the replicas (replica d is ep rank
+            d % ep_size); expert_group, expert_ranks: the replicas holding the same experts as
+            this one (d, d + ep, ...), among which alone expert gradients are summed and
+            expert optimizer state is sharded (None and [] when they are all of them).
     """
 
     def __init__(self, model: StageModel, dp_rank: int, dp_size: int) -> None:
@@ -35,6 +39,9 @@ class OptimizerState:
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.dp_group: Any = None
         self.dp_ranks: list[int] = [0]
+        self.ep_size = 1
+        self.expert_group: Any = None
+        self.expert_ranks: list[int] = []
         self.settings: StageSettings | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.scaler = LossScaler()
@@ -105,7 +112,27 @@ class OptimizerState:
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        all_reduce_mean([p.grad for p in params], self.dp_group, self.dp_size, self.settings.dp_bucket_bytes)
+        shared, experts = self.split_experts(params)
+        all_reduce_mean([p.grad for p in shared], self.dp_group, self.dp_size, self.settings.dp_bucket_bytes)
+        if experts:
+            # an expert's gradient already sums the tokens its ep group routed to it: summed over the
+            # replicas holding it, it covers the whole batch, which the mean divides by dp
+            grads = [p.grad for p in experts]
+            if len(self.expert_ranks) > 1:
+                all_reduce_mean(grads, self.expert_group, self.dp_size, self.settings.dp_bucket_bytes)
+            else:
+                torch._foreach_div_(grads, self.dp_size)
+
+    def split_experts(self, params: list[nn.Parameter]) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+        """(the parameters every replica holds, the experts only some hold) of `params`."""
+        experts = self.model.expert_params
+        return [p for p in params if id(p) not in experts], [p for p in params if id(p) in experts]
+
+    def norm_share(self) -> list[nn.Parameter]:
+        """The parameters whose gradients this actor counts in the global norm: replica 0 counts
+        those every replica holds, and each of replicas 0..ep-1 the experts it holds."""
+        shared, experts = self.split_experts(self.model.norm_params)
+        return (shared if self.dp_rank == 0 else []) + (experts if self.dp_rank < self.ep_size else [])
 
     def reduce_tied(self) -> None:
         """Sums the gradients of each weight tied across stages over its holders (a collective of
@@ -120,11 +147,13 @@ class OptimizerState:
             dist.all_reduce(param.grad, group=group)
 
     def grad_stats(self, losses_finite: bool) -> tuple[float, bool]:
-        """Unscales fp16 gradients; returns (this actor's share of the squared global norm, all finite)."""
+        """Unscales fp16 gradients; returns (this actor's share of the squared global norm, all finite).
+        The share is `norm_share`'s: summed over every actor, each gradient counts once (so a
+        non-finite gradient anywhere shows in some actor's share)."""
         grads = self.model.grads()
         if self.settings.precision == "fp16" and grads:
             torch._foreach_div_(grads, self.scaler.scale)
-        sq = sum_of_squares([p.grad.detach() for p in self.model.norm_params if p.grad is not None])
+        sq = sum_of_squares([p.grad.detach() for p in self.norm_share() if p.grad is not None])
         return sq, math.isfinite(sq) and losses_finite
 
     def apply_step(self, step: int, total_norm: float, finite: bool) -> dict[str, Any]:
@@ -172,15 +201,22 @@ class OptimizerState:
         return bool(self.settings and self.settings.zero) and self.dp_size > 1
 
     def owned_params(self) -> list[nn.Parameter]:
-        """The parameters this actor's optimizer steps: all of them, or its ZeRO-1 share."""
+        """The parameters this actor's optimizer steps: all of them, or its ZeRO-1 share (of the
+        shared ones among all replicas, of its experts among the replicas holding them)."""
         params = self.model.trainable()
         if not self.zero_active():
             return params
-        return [p for p, owner in zip(params, zero.owners(params, self.dp_size)) if owner == self.dp_rank]
+        shared, experts = self.split_experts(params)
+        mine = [p for p, owner in zip(shared, zero.owners(shared, self.dp_size)) if owner == self.dp_rank]
+        holders = self.dp_size // self.ep_size
+        return mine + [p for p, owner in zip(experts, zero.owners(experts, holders)) if owner == self.dp_rank // self.ep_size]
 
     def broadcast_owned(self) -> None:
-        params = self.model.trainable()
-        zero.broadcast_from_owners(params, zero.owners(params, self.dp_size), self.dp_ranks, self.dp_group)
+        shared, experts = self.split_experts(self.model.trainable())
+        zero.broadcast_from_owners(shared, zero.owners(shared, self.dp_size), self.dp_ranks, self.dp_group)
+        if experts and len(self.expert_ranks) > 1:
+            holders = len(self.expert_ranks)
+            zero.broadcast_from_owners(experts, zero.owners(experts, holders), self.expert_ranks, self.expert_group)
 
     def state_by_param(self) -> dict[str, dict]:
         """Module parameter name -> optimizer state, for the parameters this actor steps."""

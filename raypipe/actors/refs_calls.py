@@ -65,8 +65,8 @@ class RefsCalls:
         update on every stage alike; under fp16 they also halve the loss scale.
         """
         finite = all(s[1] for s in stats)  # every actor of every replica
-        # replicas hold the same (reduced) gradients: the norm comes from the first one's stages
-        total_norm = math.sqrt(sum(s[0] for s in stats[: self.num_stages * self.tp.size])) if finite else math.nan
+        # each actor's share counts every gradient once (`OptimizerState.norm_share`)
+        total_norm = math.sqrt(sum(s[0] for s in stats)) if finite else math.nan
         return self._apply_step(step, total_norm, finite)
 
     def forward_only(self, x: Any, target: Any = None, v: int | None = None) -> Any:

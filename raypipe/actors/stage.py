@@ -31,6 +31,7 @@ from raypipe.devices import SERVING_ENV
 from raypipe.errors import StageError
 from raypipe.layers import LayerSpec
 from raypipe.nn import TensorParallelGroup
+from raypipe.nn.moe import ExpertParallelGroup, take_step_report
 from raypipe.runtime.transport import PeerFailed, agree
 from raypipe.runtime.transport.wire import StepCall, pack, unpack
 
@@ -56,6 +57,9 @@ class StageActor(RefsCalls):
         tied: the model's groups of tied weights' keys (`raypipe.model.Model.tied`).
         lora: `TrainConfig.lora`: adapters injected into its layers, the rest frozen; quantize:
             this stage's `TrainConfig.quantize` ("nf4", "int8": the frozen linears in fewer bits).
+        chunks, num_virtual: the (virtual stage, start, end) ranges it holds, of how many.
+        ep_size: `TrainConfig.ep`: replica d is expert-parallel rank d % ep_size and holds that
+            share of every MoE layer's experts.
     """
 
     def __init__(
@@ -79,6 +83,7 @@ class StageActor(RefsCalls):
         quantize: str | None = None,
         chunks: Sequence[tuple[int, int, int]] = (),
         num_virtual: int | None = None,
+        ep_size: int = 1,
     ) -> None:
         torch.set_num_threads(threads)
         self.stage, self.num_stages, self.name = stage, num_stages, name
@@ -91,13 +96,16 @@ class StageActor(RefsCalls):
         os.environ[SERVING_ENV] = device_kind
         self.tp = TensorParallelGroup(tp_rank, tp_size)
         self.tp_ranks: list[int] = [0]
+        self.ep_ranks: list[int] = []
         self.shm_peers: list[int] = []  # neighbours' world ranks linked through shared memory (`join`)
         self.agrees_through_pipes = False  # the step's closing all-reduce: pipes on one node, else gloo (`join`)
         device, self.fallback = resolve_device(name, device_kind, allow_cpu_fallback)
         indices = [i for _, a, b in self.chunks for i in range(a, b)]
-        self.model = StageModel(specs, indices, seed, device, self.tp, tied, lora, quantize)
+        self.ep = ExpertParallelGroup(dp_rank % ep_size, ep_size)
+        self.model = StageModel(specs, indices, seed, device, self.tp, tied, lora, quantize, self.ep)
         torch.manual_seed(seed * 7919 + stage)  # dropout and other in-forward randomness
         self.optim = OptimizerState(self.model, dp_rank, dp_size)
+        self.optim.ep_size = ep_size
         local, positions = 0, {}
         for v, a, b in self.chunks:
             positions[v] = (local, local + b - a)
@@ -151,14 +159,16 @@ class StageActor(RefsCalls):
     def join(self, address: str, port: int, world_size: int, rank: int,
              groups: list[list[int]], dp_group: list[int], tp_group: list[int], timeout: float,
              backends: list[str] | None = None, neighbours: Sequence[int] = (),
-             same_node_transport: str = "shm", tied_groups: Sequence[tuple[int, list[int]]] = ()) -> list[int]:
+             same_node_transport: str = "shm", tied_groups: Sequence[tuple[int, list[int]]] = (),
+             ep_group: Sequence[int] = (), expert_group: Sequence[int] = ()) -> list[int]:
         """Joins the trainer's torch.distributed world, keeps its dp and tp groups, and links
         to its pipeline `neighbours` (world ranks) on this node through shared memory
         (`raypipe.runtime.transport.shm`) unless `same_node_transport` is "gloo"; with "shm"
         and the whole world on this node, the step's closing agreement goes through pipes
         (`transport.agree`). `tied_groups`: (tied group index, the world ranks of its holders,
         lowest stage first) for each weight this actor shares with other stages; the copies
-        start from the first holder's values.
+        start from the first holder's values. `ep_group`: the ranks its MoE layers exchange
+        tokens with; `expert_group`: the replicas holding the same experts (ep > 1 only).
 
         Returns:
             The neighbours linked through shared memory (the others use gloo).
@@ -169,6 +179,8 @@ class StageActor(RefsCalls):
         mine = join_world(address, port, world_size, rank, groups, timeout, backends)
         self.optim.dp_group, self.optim.dp_ranks = mine.get(tuple(dp_group)), list(dp_group)
         self.tp.group, self.tp_ranks = mine.get(tuple(tp_group)), list(tp_group)
+        self.ep.group, self.ep_ranks = mine.get(tuple(ep_group)), list(ep_group)
+        self.optim.expert_group, self.optim.expert_ranks = mine.get(tuple(expert_group)), list(expert_group)
         self._join_tied(rank, tied_groups, mine)
         self.shm_peers = shm.connect(rank, neighbours, timeout, enabled=same_node_transport == "shm")
         self.agrees_through_pipes = agree.connect(rank, timeout, enabled=same_node_transport == "shm")
@@ -264,8 +276,8 @@ class StageActor(RefsCalls):
         if optim.dp_size > 1:
             optim.reduce_gradients()
         sq, finite = optim.grad_stats(self.executor.losses_finite) if failure is None else (0.0, True)
-        # replicas hold the same reduced gradients: the norm counts replica 0's
-        votes = torch.tensor([sq if optim.dp_rank == 0 else 0.0, float(not finite), float(failure is not None)],
+        # each actor's share counts every gradient once (`OptimizerState.norm_share`)
+        votes = torch.tensor([sq, float(not finite), float(failure is not None)],
                              dtype=torch.float64)
         if dist.is_initialized():  # a lone actor (pp = dp = tp = 1) has no world to agree with
             votes = agree.all_sum(votes)
@@ -286,7 +298,8 @@ class StageActor(RefsCalls):
         report = self.optim.apply_step(step, total_norm, finite)
         executor = self.executor
         executor.clear_stash()
-        return {**report, "timing": dict(executor.timing), "events": list(executor.events),
+        routed = take_step_report(zip(self.model.layers, self.model.module))  # MoE layers' routing, all-to-all
+        return {**report, "timing": {**executor.timing, **routed}, "events": list(executor.events),
                 "peak_memory_bytes": _peak_memory_bytes(self.model.device)}
 
     # ----- inference, weights, checkpoints ------------------------------------------
@@ -336,7 +349,8 @@ class StageActor(RefsCalls):
 
     def save_checkpoint(self, directory: str) -> dict[str, Any]:
         """Writes this stage's layers, their optimizer state and its RNG state (`checkpoint_io`)."""
-        return checkpoint_io.save_stage(self.model, self.optim, directory, self.stage, self.name, self.tp_ranks)
+        return checkpoint_io.save_stage(self.model, self.optim, directory, self.stage, self.name, self.tp_ranks,
+                                        self.ep_ranks)
 
     def load_checkpoint(self, directory: str, loss_scaler: dict, restore_rng: bool) -> None:
         """Loads this stage's layers and optimizer state from a verified checkpoint."""

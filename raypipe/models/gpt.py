@@ -8,6 +8,14 @@ The layers are plain PyTorch. Each declares a `tp_plan` for tensor parallelism
 (Megatron style): the token embedding splits its vocabulary, attention splits its
 heads (q, k and v alike) and the MLP its hidden features, and the head splits the
 vocabulary of its logits, gathering them for the loss.
+
+With `num_experts` set, every `moe_every`-th block's MLP is a mixture of experts
+(`raypipe.nn.MoE`, top-k routing, experts split across ep ranks under expert
+parallelism). The layers then hand on `(hidden, aux)`: the sum of the MoE layers'
+auxiliary losses so far travels with the activations to the head, whose output
+`(logits, aux)` the loss adds up, so the total loss and every gradient are the
+one-process model's however the blocks are split (in eval mode the head returns the
+logits alone, and the loss is the cross-entropy).
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from raypipe.checks import check_whole_number
 from raypipe.errors import ConfigError
 from raypipe.layers import LayerSpec
 from raypipe.nn import ColumnParallel, RowParallel, VocabParallel
+from raypipe.nn.moe import MoE, ExpertMLP, check_moe
 
 
 @dataclass(frozen=True)
@@ -36,6 +45,19 @@ class GPTConfig:
     n_embd: int = 128
     dropout: float = 0.0
     bias: bool = True
+    num_experts: int = 0  # 0: dense; else experts per MoE layer
+    moe_every: int = 1  # with num_experts: block i is a MoE block when (i + 1) % moe_every == 0
+    top_k: int = 2
+    capacity_factor: float | None = None  # None: dropless
+    aux_loss_coef: float = 0.01
+    z_loss_coef: float = 0.0
+
+    @property
+    def moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_moe_block(self, i: int) -> bool:
+        return self.moe and (i + 1) % self.moe_every == 0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -47,13 +69,20 @@ class GPTConfig:
             )
         if not isinstance(self.dropout, (int, float)) or not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout={self.dropout!r} is invalid: give a number in [0, 1).")
+        check_whole_number("model.num_experts", self.num_experts, 0)
+        if self.moe:
+            check_whole_number("model.moe_every", self.moe_every, 1)
+            check_moe(self.num_experts, self.top_k, self.capacity_factor, self.aux_loss_coef, self.z_loss_coef, "model.")
 
     @property
     def parameters(self) -> int:
         c, v, t, n = self.n_embd, self.vocab_size, self.block_size, self.n_layer
         norm = c + (c if self.bias else 0)  # LayerNorm weight (+ bias)
-        per_block = 12 * c * c + (9 * c if self.bias else 0) + 2 * norm  # attn, mlp, two norms
-        return v * c + t * c + n * per_block + norm + c * v  # embeddings, blocks, ln_f, head
+        mlp = 8 * c * c + (5 * c if self.bias else 0)
+        per_block = 4 * c * c + (4 * c if self.bias else 0) + mlp + 2 * norm  # attn, mlp, two norms
+        moe_blocks = sum(self.is_moe_block(i) for i in range(n))
+        extra = moe_blocks * ((self.num_experts - 1) * mlp + c * self.num_experts)  # experts beyond one, router
+        return v * c + t * c + n * per_block + extra + norm + c * v  # embeddings, blocks, ln_f, head
 
 
 def _init(module: nn.Module, n_layer: int) -> None:
@@ -72,7 +101,7 @@ class Embedding(nn.Module):
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.block_size = cfg.block_size
+        self.block_size, self.moe = cfg.block_size, cfg.moe
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
@@ -86,7 +115,8 @@ class Embedding(nn.Module):
         if t > self.block_size:
             raise ValueError(f"sequence length {t} exceeds model.block_size={self.block_size}")
         pos = torch.arange(t, device=idx.device)
-        return self.drop(self.wte(idx) + self.wpe(pos))
+        h = self.drop(self.wte(idx) + self.wpe(pos))
+        return (h, h.new_zeros((), dtype=torch.float32)) if self.moe else h
 
 
 class CausalSelfAttention(nn.Module):
@@ -145,9 +175,35 @@ class Block(nn.Module):
             "mlp.c_proj": RowParallel(),
         }
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | tuple) -> torch.Tensor | tuple:
+        if isinstance(x, tuple):  # a MoE model's (hidden, aux loss so far)
+            return self.forward(x[0]), x[1]
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
+
+
+class MoEBlock(Block):
+    """A block whose MLP is a mixture of experts: (hidden, aux) -> (hidden, aux + this layer's)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__(cfg)
+        self.mlp = MoE(cfg.n_embd, cfg.num_experts, cfg.top_k, lambda: ExpertMLP(cfg.n_embd, 4 * cfg.n_embd, cfg.bias),
+                       cfg.capacity_factor, cfg.aux_loss_coef, cfg.z_loss_coef)
+        _init(self, cfg.n_layer)
+        self.num_experts = cfg.num_experts
+
+    def tp_plan(self, tp_size: int) -> dict:
+        plan = {k: v for k, v in super().tp_plan(tp_size).items() if not k.startswith("mlp.")}
+        for e in range(self.num_experts):  # each expert's MLP split like the dense one
+            plan[f"mlp.experts.{e}.c_fc"] = ColumnParallel()
+            plan[f"mlp.experts.{e}.c_proj"] = RowParallel()
+        return plan
+
+    def forward(self, x: tuple) -> tuple:
+        h, aux = x
+        h = h + self.attn(self.ln_1(h))
+        y, layer_aux = self.mlp(self.ln_2(h))
+        return h + y, aux + layer_aux
 
 
 class Head(nn.Module):
@@ -158,21 +214,27 @@ class Head(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         _init(self, cfg.n_layer)
+        self.moe = cfg.moe
 
     def tp_plan(self, tp_size: int) -> dict:
         return {"lm_head": ColumnParallel(gather_output=True)}  # the loss sees whole logits
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | tuple) -> torch.Tensor | tuple:
+        if isinstance(x, tuple):  # a MoE model's (hidden, aux): the loss adds aux in training
+            logits = self.forward(x[0])
+            return (logits, x[1]) if self.training else logits
         return self.lm_head(self.ln_f(x))
 
 
 def layers(cfg: GPTConfig) -> list[LayerSpec]:
-    """The GPT as pipeline layers: embedding, n_layer blocks, head."""
-    return [LayerSpec(Embedding, cfg)] + [LayerSpec(Block, cfg) for _ in range(cfg.n_layer)] + [
-        LayerSpec(Head, cfg)
-    ]
+    """The GPT as pipeline layers: embedding, n_layer blocks (MoE ones where `cfg` says), head."""
+    blocks = [LayerSpec(MoEBlock if cfg.is_moe_block(i) else Block, cfg) for i in range(cfg.n_layer)]
+    return [LayerSpec(Embedding, cfg)] + blocks + [LayerSpec(Head, cfg)]
 
 
-def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over every position of the microbatch."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+def loss_fn(output: torch.Tensor | tuple, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over every position of the microbatch (plus a MoE model's
+    auxiliary loss, which its head hands on beside the logits in training)."""
+    logits, aux = output if isinstance(output, tuple) else (output, None)
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+    return loss if aux is None else loss + aux

@@ -59,6 +59,9 @@ class GPT2Exporter:
         if not c.bias:
             raise ConfigError("a GPT with model.bias=False has no GPT-2 twin (GPT-2's layers have biases): "
                               "save it with Trainer.save() or state_dict() instead.")
+        if c.moe:
+            raise ConfigError(f"a GPT with model.num_experts={c.num_experts} has no GPT-2 twin (GPT-2 has no mixture "
+                              f"of experts): save it with Trainer.save() or state_dict() instead.")
         names = self.names(specs)
         dtype = save_shards(stages, names, directory, tp, [k for k in names if k.endswith(CONV1D)], merge)
         config = GPT2Config(vocab_size=c.vocab_size, n_positions=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer,

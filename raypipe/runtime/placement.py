@@ -60,7 +60,7 @@ def start_actors(config: TrainConfig, topology: Topology, names: Sequence[str], 
                 loss_fn if any(v == num_virtual - 1 for v, _, _ in held) else None, name, d, config.dp, t, config.tp,
                 kinds[s], config.allow_cpu_fallback, list(tied), config.lora,
                 config.quantize[s] if config.quantize else None,
-                held if len(held) > 1 or held[0][0] != s else (), num_virtual,
+                held if len(held) > 1 or held[0][0] != s else (), num_virtual, config.ep,
             )
         )
     return actors
@@ -159,6 +159,7 @@ def join_world(actors: Sequence[Any], names: Sequence[str], topology: Topology, 
     tied_groups = [(g, topology.across_stages(stages, d, t)) for g, stages in shared
                    for d in range(topology.dp) for t in range(tp)]
     groups = [g for g in dp_groups + tp_groups if len(g) > 1] + [ranks for _, ranks in tied_groups]
+    groups += [list(g) for g in topology.expert_groups() if len(g) > 1 and list(g) not in groups]
     backends = [group_backend([devices[r] for r in g]) for g in groups]
     joins = []
     for r, actor in enumerate(actors):
@@ -169,6 +170,7 @@ def join_world(actors: Sequence[Any], names: Sequence[str], topology: Topology, 
             [topology.rank(d, n, t) for n in linked[s]],
             config.same_node_transport,
             [(g, ranks) for g, ranks in tied_groups if r in ranks],
+            *((topology.ep_group(d, s, t), topology.expert_group(d, s, t)) if topology.ep > 1 else ()),
         ))
     gather(joins, "rendezvous", actors, names)
 

@@ -4,6 +4,10 @@ names, neighbours and process groups, in one place.
 Actors are laid out replica-major, then stage, then tp rank: rank = (d * pp + s) * tp + t,
 named `stage{s}-dp{d}-tp{t}`. The actor list, the torch.distributed world and every
 per-actor list the driver keeps use this one order.
+
+Expert parallelism is carved out of the replicas, as Megatron and DeepSpeed do: replicas
+b*ep .. b*ep+ep-1 form an ep group (they exchange tokens, each holding 1/ep of the experts),
+and replica d holds the same experts as d +- ep, d +- 2ep, ... (its expert-data group).
 """
 
 from __future__ import annotations
@@ -14,11 +18,12 @@ from typing import Any, Sequence
 
 @dataclass(frozen=True)
 class Topology:
-    """pp stages x dp replicas x tp ranks."""
+    """pp stages x dp replicas x tp ranks; ep (dividing dp) expert-parallel ranks among the replicas."""
 
     pp: int
     dp: int
     tp: int
+    ep: int = 1
 
     def rank(self, d: int, s: int, t: int) -> int:
         """The world rank of replica d, stage s, tp rank t."""
@@ -51,3 +56,20 @@ class Topology:
     def across_stages(self, stages: Sequence[int], d: int, t: int) -> list[int]:
         """The world ranks of replica d's tp rank t on each of `stages` (a tied weight's holders)."""
         return [self.rank(d, s, t) for s in stages]
+
+    def ep_group(self, d: int, s: int, t: int) -> list[int]:
+        """The world ranks replica d's (stage s, tp rank t) exchanges tokens with, itself included."""
+        first = d - d % self.ep
+        return [self.rank(e, s, t) for e in range(first, first + self.ep)]
+
+    def expert_group(self, d: int, s: int, t: int) -> list[int]:
+        """The world ranks holding the same experts as replica d's (stage s, tp rank t)."""
+        return [self.rank(e, s, t) for e in range(d % self.ep, self.dp, self.ep)]
+
+    def expert_groups(self) -> list[list[int]]:
+        """Every ep group, then every expert-data group, each once (none when ep is 1)."""
+        if self.ep == 1:
+            return []
+        places = [(d, s, t) for s in range(self.pp) for t in range(self.tp) for d in range(self.dp)]
+        groups = [self.ep_group(*p) for p in places] + [self.expert_group(*p) for p in places]
+        return list(dict.fromkeys(tuple(g) for g in groups))
