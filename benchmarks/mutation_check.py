@@ -99,6 +99,31 @@ MUTATIONS = [
              "                handed[(\"F\", v + 1, m)] = out\n", "                handed[(\"F\", v + 1, m)] = x\n",
              ("tests/test_zero_bubble.py::test_parity_with_one_process",),
              "at the turn of a V the next chunk gets the chunk's input instead of its output"),
+    Mutation("moe-capacity-priority", "raypipe/nn/moe.py",
+             "        expert = chosen.t().reshape(-1)\n        token = torch.arange(n, device=x.device).repeat(self.top_k)\n"
+             "        gate = gates.t().reshape(-1)\n",
+             "        expert = chosen.reshape(-1)\n        token = torch.arange(n, device=x.device).repeat_interleave(self.top_k)\n"
+             "        gate = gates.reshape(-1)\n",
+             ("tests/test_moe.py::test_capacity_keeps_first_choices_first_and_counts_drops",),
+             "capacity keeps a token's second choice before later tokens' first choices"),
+    Mutation("moe-expert-grad-mean", "raypipe/actors/optimizer.py",
+             "                torch._foreach_div_(grads, self.dp_size)\n", "                pass\n",
+             ("tests/test_moe.py::test_parity_with_the_one_process_model",),
+             "expert gradients (summed over the ep group's tokens) are not divided by dp when ep = dp"),
+    Mutation("moe-expert-holders", "raypipe/actors/optimizer.py",
+             "all_reduce_mean(grads, self.expert_group, self.dp_size, self.settings.dp_bucket_bytes)",
+             "all_reduce_mean(grads, self.expert_group, len(self.expert_ranks), self.settings.dp_bucket_bytes)",
+             ("tests/test_moe.py::test_parity_with_the_one_process_model",),
+             "expert gradients averaged over their holders instead of divided by dp (too large by ep)"),
+    Mutation("moe-norm-share", "raypipe/actors/optimizer.py",
+             "(experts if self.dp_rank < self.ep_size else [])", "(experts if self.dp_rank == 0 else [])",
+             ("tests/test_moe.py::test_parity_with_the_one_process_model",),
+             "the global gradient norm counts only replica 0's experts"),
+    Mutation("moe-a2a-backward", "raypipe/nn/moe.py",
+             "        return _exchange(grad, ctx.recv, ctx.send, ctx.group), None, None, None",
+             "        return _exchange(grad, ctx.recv, ctx.send, ctx.group) * 0, None, None, None",
+             ("tests/test_moe.py::test_parity_with_the_one_process_model",),
+             "tokens' gradients never come back from their experts (all-to-all backward drops them)"),
 ]
 
 

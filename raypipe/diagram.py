@@ -41,6 +41,7 @@ class StageView:
     actors: list[ActorView] = field(default_factory=list)
     output: str = ""  # the boundary tensor this stage sends on, e.g. "(4, 64, 128) float32"
     on_stage: int | None = None  # with model chunks: the stage (actor) this virtual stage runs on
+    experts: int = 0  # experts per MoE layer among its layers (0: none)
 
     @property
     def heading(self) -> str:
@@ -54,6 +55,7 @@ class Architecture:
     stages: list[StageView]
     dp: int = 1
     tp: int = 1
+    ep: int = 1
 
     # ----- building -------------------------------------------------------------------
 
@@ -72,8 +74,8 @@ class Architecture:
             s = on[v]
             actors = [ActorView(f"stage{s}-dp{d}-tp{t}", d, t) for d in range(config.dp) for t in range(config.tp)]
             stages.append(StageView(v, (start, end), _kinds(specs[start:end]), sum(counts[start:end]), actors,
-                                    shapes[v + 1], s if chunked else None))
-        return cls(title or _title(config), shapes[0], stages, config.dp, config.tp)
+                                    shapes[v + 1], s if chunked else None, _experts(specs[start:end])))
+        return cls(title or _title(config), shapes[0], stages, config.dp, config.tp, config.ep)
 
     @classmethod
     def from_trainer(cls, trainer: Any, sample: torch.Tensor | None = None, title: str = "") -> "Architecture":
@@ -99,15 +101,18 @@ class Architecture:
             rows = [
                 f'<tr><td colspan="{self.tp + 1}" bgcolor="#4c8bd6"><font color="white"><b>{stage.heading}</b>'
                 f': layers [{stage.layers[0]}, {stage.layers[1]})</font></td></tr>',
-                f'<tr><td colspan="{self.tp + 1}">{_html(stage.kinds)}<br/>{stage.parameters:,} parameters</td></tr>',
+                f'<tr><td colspan="{self.tp + 1}">{_html(stage.kinds)}<br/>{stage.parameters:,} parameters'
+                f'{self._moe_line(stage)}</td></tr>',
             ]
             for d in range(self.dp):
                 cells = "".join(
                     f'<td bgcolor="#e8f0fb">{a.name}<br/><font point-size="9">{_html(a.device)}'
-                    f'{" @ node " + _html(a.node) if a.node else ""}</font></td>'
+                    f'{" @ node " + _html(a.node) if a.node else ""}{self._held(stage, d)}</font></td>'
                     for a in stage.actors if a.dp == d
                 )
                 group = f"dp {d}" + (f"<br/>tp group of {self.tp}" if self.tp > 1 else "")
+                if stage.experts and self.ep > 1:
+                    group += f"<br/>ep group {d // self.ep}, rank {d % self.ep}"
                 rows.append(f'<tr><td><font point-size="9">{group}</font></td>{cells}</tr>')
             table = f'<table border="0" cellborder="1" cellspacing="0" cellpadding="6">{"".join(rows)}</table>'
             out.append(f"  stage{stage.index} [shape=plain, label=<{table}>];")
@@ -117,6 +122,20 @@ class Architecture:
         out.append(f'  stage{len(self.stages) - 1} -> loss [label="{_q(self.stages[-1].output)}"];')
         out.append("}")
         return "\n".join(out)
+
+    def _moe_line(self, stage: StageView) -> str:
+        if not stage.experts:
+            return ""
+        split = f", split over ep={self.ep} replicas (all-to-all within each ep group)" if self.ep > 1 else ""
+        return f"<br/>MoE: {stage.experts} experts per layer{split}"
+
+    def _held(self, stage: StageView, d: int) -> str:
+        """The experts replica d's actors hold (under expert parallelism)."""
+        if not stage.experts or self.ep == 1:
+            return ""
+        per = stage.experts // self.ep
+        first = (d % self.ep) * per
+        return f"<br/>experts {first}-{first + per - 1}"
 
     def to_mermaid(self) -> str:
         """Mermaid flowchart text of the same picture."""
@@ -194,8 +213,23 @@ def _kinds(specs: Sequence[LayerSpec]) -> str:
     return ", ".join(n if c == 1 else f"{n} x{c}" for n, c in out)
 
 
+def _experts(specs: Sequence[LayerSpec]) -> int:
+    """The most experts of any MoE layer among `specs` (built on the meta device), 0 if none."""
+    from raypipe.nn.moe import moe_layers
+
+    most = 0
+    for spec in specs:
+        try:
+            with torch.device("meta"):
+                most = max([most] + [m.num_experts for _, m in moe_layers(spec.build())])
+        except Exception:  # a layer that cannot be built on the meta device holds no experts we can show
+            continue
+    return most
+
+
 def _title(config: TrainConfig) -> str:
-    return (f"pp={config.pp} x dp={config.dp} x tp={config.tp}, {config.schedule}, "
+    ep = f" (ep={config.ep})" if config.ep > 1 else ""
+    return (f"pp={config.pp} x dp={config.dp}{ep} x tp={config.tp}, {config.schedule}, "
             f"{config.microbatches} microbatches")
 
 

@@ -254,9 +254,8 @@ class Trainer:
                         self.config.step_timeout, attention_mask, eos_token_id, seed)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The full model's weights, keyed as `nn.Sequential(*layers).state_dict()`, tp shards merged
-        (and, under expert parallelism, every ep rank's experts)."""
-        return self._merged("state_dict")
+        """The full model's weights, keyed as `nn.Sequential(*layers).state_dict()`, tp shards and ep experts merged."""
+        return weights.merged_replicas(self.topology.grid(self._actors), "state_dict", self.config.tp, self.config.ep)
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Loads full-model weights (keys as `state_dict()` gives them) into every stage.
@@ -268,7 +267,7 @@ class Trainer:
 
     def gradients(self) -> dict[str, torch.Tensor]:
         """The last step's gradients, keyed like `state_dict()` (as the optimizer used them)."""
-        return self._merged("gradients")
+        return weights.merged_replicas(self.topology.grid(self._actors), "gradients", self.config.tp, self.config.ep)
 
     def reconfigure(self, **changes: Any) -> None:
         """Changes training settings between steps, keeping the actors and weights.
@@ -324,20 +323,8 @@ class Trainer:
         """Replica 0's actors and their names, per stage and tp rank: where inference runs."""
         return self.topology.grid(self._actors)[0], self.topology.grid(self.names)[0]
 
-    def _merged(self, method: str) -> dict[str, torch.Tensor]:
-        """`weights.merged` of replica 0, with the experts of replicas 1..ep-1 (each holds its share)."""
-        grid, result = self.topology.grid(self._actors), {}
-        for d in range(self.config.ep):
-            result.update(weights.merged(grid[d], method, self.config.tp))
-        return result
-
     def _inference_path(self) -> tuple[list, list, list[int] | None]:
-        """Replica 0 in virtual-stage order; under expert parallelism each stage's actors in replicas
-        1..ep-1 run the same calls beside it, since its MoE layers route tokens through all of them."""
-        grid, names, ep = self.topology.grid(self._actors), self.topology.grid(self.names), self.config.ep
-        stages = [[a for d in range(ep) for a in grid[d][s]] for s in range(self.config.pp)]
-        labels = [[n for d in range(ep) for n in names[d][s]] for s in range(self.config.pp)]
-        return chunks.inference_path(stages, labels, self._schedule)
+        return chunks.inference_path(*chunks.inference_group(self.topology, self._actors, self.names), self._schedule)
 
     def _set_schedule(self, config: TrainConfig | None = None) -> None:
         c = config or self.config

@@ -31,7 +31,7 @@ from raypipe.devices import SERVING_ENV
 from raypipe.errors import StageError
 from raypipe.layers import LayerSpec
 from raypipe.nn import TensorParallelGroup
-from raypipe.nn.moe import ExpertParallelGroup, take_step_report
+from raypipe.nn.moe import ExpertParallelGroup, moe_layers, take_step_report
 from raypipe.runtime.transport import PeerFailed, agree
 from raypipe.runtime.transport.wire import StepCall, pack, unpack
 
@@ -145,6 +145,9 @@ class StageActor(RefsCalls):
             "shm_peers": list(self.shm_peers),
             "agrees_through_pipes": self.agrees_through_pipes,
             "parameter_bytes": self.model.parameter_bytes(),
+            # MoE layers (global layer index and module) -> the experts this actor holds
+            "experts": {f"{i}.{n}": m.held_experts() for i, layer in zip(self.model.layers, self.model.module)
+                        for n, m in moe_layers(layer)},
             "trainable_parameters": sum(p.numel() for p in self.model.trainable()),
             "gradient_bytes": sum(g.numel() * g.element_size() for g in self.model.grads()),
             "optimizer_state_bytes": self.optim.state_bytes(),

@@ -23,6 +23,15 @@ def actor_chunks(plan: Sequence[tuple[int, int]], schedule: Schedule, actor: int
     return [(v, *plan[v]) for v in virtual_stages(schedule)[actor]]
 
 
+def inference_group(topology: Any, actors: Sequence[Any], names: Sequence[str]) -> tuple[list[list[Any]], list[list[str]]]:
+    """Per stage, the actors (and names) a forward-only pass calls: replica 0's tp ranks, and under
+    expert parallelism those of replicas 1..ep-1 beside them with the same inputs, since their MoE
+    layers route tokens through all of them (rank 0's output goes on). `topology`: a `Topology`."""
+    grid, labels = topology.grid(actors), topology.grid(names)
+    return ([[a for d in range(topology.ep) for a in grid[d][s]] for s in range(topology.pp)],
+            [[n for d in range(topology.ep) for n in labels[d][s]] for s in range(topology.pp)])
+
+
 def inference_path(stages: Sequence[Any], names: Sequence[Any], schedule: Schedule
                    ) -> tuple[list[Any], list[Any], list[int] | None]:
     """One replica's actors (per stage, its tp ranks) and names in virtual-stage order, and the

@@ -31,6 +31,15 @@ def merged(stages: Sequence[Sequence[Any]], method: str, tp: int) -> dict[str, t
     return result
 
 
+def merged_replicas(grid: Sequence[Sequence[Sequence[Any]]], method: str, tp: int, ep: int) -> dict[str, torch.Tensor]:
+    """`merged` of replica 0 (`grid`: [replica][stage][tp rank]), with the experts replicas 1..ep-1
+    hold under expert parallelism (each holds its share of every MoE layer's)."""
+    result: dict[str, torch.Tensor] = {}
+    for d in range(ep):
+        result.update(merged(grid[d], method, tp))
+    return result
+
+
 def load_into(actors: Sequence[Any], state: dict[str, torch.Tensor], plan: Sequence[Sequence[tuple[int, int]]],
               tp: int) -> None:
     """Loads full-model weights into every actor, each stage getting the keys of its layers
