@@ -178,9 +178,10 @@ def test_the_same_tokens_are_dropped_as_in_one_process(trainer, initial):
     assert all(stage["all_to_all_bytes"] > 0 and stage["all_to_all_s"] > 0 for stage in metrics["stages"])
 
 
-def test_zero_bubble_and_evaluation_under_expert_parallelism(trainer, initial, reference):
+def test_zero_bubble_evaluation_and_generation_under_expert_parallelism(trainer, initial, reference):
     """ZB-H1 splits a MoE stage's backward (the all-to-all runs in the input-gradient half); a
-    forward-only pass runs on replica 0 with its ep group beside it and gives the one-process loss."""
+    forward-only pass runs on replica 0 with its ep group beside it and gives the one-process loss
+    and the one-process model's greedy tokens."""
     check_sgd_parity(trainer, initial, reference[trainer.config.dp], "zb-h1", M, SGD, data=tokens)
     model = nn.Sequential(*build_layers(LAYERS, SEED)).eval()
     model.load_state_dict(trainer.state_dict())
@@ -188,6 +189,11 @@ def test_zero_bubble_and_evaluation_under_expert_parallelism(trainer, initial, r
     with torch.no_grad():
         expected = sum(gpt.loss_fn(model(a), b).item() for a, b in zip(x.chunk(M), y.chunk(M))) / M
     assert abs(trainer.evaluate(x, y) - expected) < 1e-5
+    prompt, ids = x[:2, :3], x[:2, :3]
+    with torch.no_grad():  # greedy decoding in one process, a whole forward per token
+        for _ in range(4):
+            ids = torch.cat([ids, model(ids)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(trainer.generate(prompt, max_new_tokens=4), ids)
 
 
 # ----- checkpoints, reports ---------------------------------------------------------------

@@ -120,13 +120,21 @@ class MoE(nn.Module):
             function of the seed alone); default `ExpertMLP(dim, 4 * dim)`.
         capacity_factor: None for dropless, else each expert's share of the call's assignments.
         aux_loss_coef, z_loss_coef: the load-balancing loss's and the router z-loss's weights.
+        renormalize: scale the chosen gates to sum to one (None: when top_k > 1; Mixtral always does).
+
+    Attributes:
+        router_logits: the last forward's router logits (tokens, experts), for a loss computed
+            across layers (transformers' Mixtral balances all layers' routing at once).
     """
 
     def __init__(self, dim: int, num_experts: int, top_k: int = 2, make_expert: Callable[[], nn.Module] | None = None,
-                 capacity_factor: float | None = None, aux_loss_coef: float = 0.01, z_loss_coef: float = 0.0) -> None:
+                 capacity_factor: float | None = None, aux_loss_coef: float = 0.01, z_loss_coef: float = 0.0,
+                 renormalize: bool | None = None) -> None:
         super().__init__()
         check_moe(num_experts, top_k, capacity_factor, aux_loss_coef, z_loss_coef)
         self.num_experts, self.top_k, self.capacity_factor = num_experts, top_k, capacity_factor
+        self.renormalize = top_k > 1 if renormalize is None else renormalize
+        self.router_logits: torch.Tensor | None = None
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
         self.router = nn.Linear(dim, num_experts, bias=False)
         make_expert = make_expert or (lambda: ExpertMLP(dim, 4 * dim))
@@ -169,10 +177,11 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         n, experts = x.shape[0], self.num_experts
-        logits = self.router(x).float()
+        self.router_logits = self.router(x)
+        logits = self.router_logits.float()
         probs = logits.softmax(dim=-1)
         gates, chosen = probs.topk(self.top_k, dim=-1)  # (n, k)
-        if self.top_k > 1:
+        if self.renormalize:
             gates = gates / gates.sum(dim=-1, keepdim=True)
         # assignments in priority order: every token's first choice, then every second choice
         expert = chosen.t().reshape(-1)
