@@ -222,10 +222,10 @@ class Trainer:
         return Timeline.of_run(self._schedule, self._last_events, title, self.stage_names, planned)
 
     def save_pretrained(self, directory: str, merge_adapters: bool = False) -> Path:
-        """Writes the model in its library's format (`raypipe.model.Model.save_pretrained`): for
-        transformers models, and the reference GPT, a directory transformers loads; LoRA adapters
-        folded into the weights with `merge_adapters` (else the base alone)."""
-        self.model.save_pretrained(self._replica0()[0], self.specs, str(directory), self.config.tp, merge_adapters)
+        """Writes the model in its library's format (`Model.save_pretrained`: a directory transformers
+        loads, for its models and the reference GPT), LoRA adapters folded in with `merge_adapters`."""
+        stages = chunks.inference_group(self.topology, self._actors, self.names)[0]  # with the ep ranks' experts
+        self.model.save_pretrained(stages, self.specs, str(directory), self.config.tp, merge_adapters)
         return Path(directory)
 
     def save_adapter(self, directory: str) -> Path:

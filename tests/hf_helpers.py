@@ -103,3 +103,43 @@ def run_schedules(trainer, start: dict, steps: int = 3, data=lm_batch):
 def by_hf_name(values: dict, names: dict) -> dict:
     """raypipe-keyed tensors under transformers' names (keys a tied head repeats are dropped)."""
     return {names[k]: v for k, v in values.items() if names.get(k)}
+
+
+def tiny_mixtral(**overrides):
+    """A Mixtral of 4 experts per layer (top 2), routing loss on with a coefficient large enough to
+    matter, grouped-query attention."""
+    from transformers import MixtralConfig
+
+    return MixtralConfig(**{**dict(hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=32,
+                                   num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+                                   router_aux_loss_coef=0.05, bos_token_id=0, eos_token_id=None, pad_token_id=None),
+                            **overrides})
+
+
+def hf_microbatch_reference(directory: str, parts: int, steps: int = 3, lr: float = 0.05, momentum: float = 0.9,
+                            data=lm_batch):
+    """The transformers model trained in one process with gradient accumulation over `parts` equal
+    microbatches, each loss (transformers' own, with a MoE's routing loss for that forward call)
+    weighted by its share of the batch's counted tokens, as raypipe weighs microbatches. Returns
+    (losses, first-step gradients, final state dict) under transformers' names."""
+    model = load(directory)
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    losses, grads = [], None
+    for k in range(steps):
+        x, labels = data(k)
+        inputs = [{key: v.chunk(parts)[i] for key, v in x.items()} for i in range(parts)]
+        targets = labels.chunk(parts)
+        counts = [int((t[..., 1:] != -100).sum()) for t in targets]
+        model.zero_grad()
+        total = 0.0
+        for xi, ti, count in zip(inputs, targets, counts):
+            loss = model(**xi, labels=ti).loss * (count / sum(counts))
+            loss.backward()
+            total += loss.item()
+        losses.append(total)
+        if grads is None:
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        opt.step()
+    return losses, grads, model.state_dict()

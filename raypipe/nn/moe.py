@@ -228,7 +228,7 @@ class MoE(nn.Module):
     # ----- what it routed -------------------------------------------------------------
 
     def reset_stats(self) -> None:
-        self.routed = torch.zeros(self.num_experts, dtype=torch.long)
+        self.routed = torch.zeros(self.num_experts, dtype=torch.long, device="cpu")  # host counts, never meta
         self.dropped = 0
 
     def _count(self, routed: torch.Tensor, dropped: int) -> None:

@@ -9,7 +9,8 @@
 The model becomes layers: the embeddings, each decoder layer, the final norm with the
 head (`layers`). The driver reads only `config.json`; every stage actor builds its own
 layers and reads only their tensors from the directory's safetensors files. Tested
-architectures: GPT-2, and the Llama family (Llama, Mistral, Qwen2); another `model_type`
+architectures: GPT-2, the Llama family (Llama, Mistral, Qwen2) and Mixtral, whose experts split
+across expert-parallel ranks (`moe.py`); another `model_type`
 gets an error naming it (`families`). Nothing of transformers is imported until a model
 from it is made.
 """
@@ -97,7 +98,9 @@ def _model(config: Any, source: str | None, dtype: str, attn_implementation: str
              + [LayerSpec(build, "head", ref, None, source, dtype)])
     tied = ([(f"0.{family.token_embedding}.weight", f"{n + 1}.lm_head.weight")]
             if getattr(config, "tie_word_embeddings", False) else [])
-    model = HFModel(specs, CausalLMLoss(config.vocab_size), tied, kv_cache=True)
+    loss = CausalLMLoss(config.vocab_size, getattr(config, "num_local_experts", 0) or 0,
+                        getattr(config, "router_aux_loss_coef", 0.0))
+    model = HFModel(specs, loss, tied, kv_cache=True)
     model.config, model.source, model.dtype = config, source, dtype
     from raypipe.models.hf.export import HFExporter
 

@@ -59,7 +59,8 @@ def save_shards(stages: Sequence[Sequence[Any]], names: dict[str, str | None], d
                 transpose: Sequence[str] = (), merge: bool = False) -> torch.dtype:
     """Writes one replica's weights as one safetensors shard per stage under `names` (raypipe key
     -> checkpoint key), with their index; returns the weights' dtype. With tp = 1 each stage's
-    actor writes its own shard; tp shards are merged through the driver one stage at a time.
+    actor writes its own shard; tp shards are merged through the driver one stage at a time, and
+    so are the experts of a stage whose list holds the actors of several ep ranks (tp each).
     `transpose`: raypipe keys stored transposed in the checkpoint (GPT-2's Conv1D weights)."""
     from raypipe.actors.checkpoint_io import save_tensors
     from raypipe.runtime.results import gather
@@ -68,12 +69,16 @@ def save_shards(stages: Sequence[Sequence[Any]], names: dict[str, str | None], d
     os.makedirs(directory, exist_ok=True)
     files = [shard_name(s, len(stages)) for s in range(len(stages))]
     paths = [os.path.join(directory, f) for f in files]
-    if tp == 1:
+    if all(len(stage) == tp == 1 for stage in stages):
         written = gather([stage[0].save_tensors.remote(path, names, list(transpose), merge)
                           for stage, path in zip(stages, paths)], "save_pretrained")
     else:
-        written = [save_tensors(merged([stage], "state_dict", tp), names, path, transpose)
-                   for stage, path in zip(stages, paths)]
+        written = []
+        for stage, path in zip(stages, paths):
+            state: dict[str, torch.Tensor] = {}
+            for first in range(0, len(stage), tp):  # each ep rank's actors: its experts
+                state.update(merged([stage[first : first + tp]], "state_dict", tp))
+            written.append(save_tensors(state, names, path, transpose))
     write_index(directory, list(zip(files, written)))
     return getattr(torch, gather([stages[0][0].info.remote()], "save_pretrained")[0]["dtype"])
 

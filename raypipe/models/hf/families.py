@@ -2,8 +2,8 @@
 differs between them: where its weights live in the checkpoint, which classes build its
 embedding, decoder layer, final norm and rotary embedding, and how it embeds tokens.
 
-GPT-2 and the Llama family (Llama, Mistral, Qwen2: the same shape, their own classes)
-are tested; another `model_type` gets an error naming it and these.
+GPT-2 and the Llama family (Llama, Mistral, Qwen2, and Mixtral, whose MLP is a mixture of
+experts: the same shape, their own classes) are tested; another `model_type` gets an error naming it and these.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ GPT2 = Family("transformers.models.gpt2.modeling_gpt2", "GPT2Block", "", "transf
 LLAMA_SHAPED = {
     name: Family(f"transformers.models.{name}.modeling_{name}", f"{prefix}DecoderLayer", f"{prefix}RotaryEmbedding",
                  "model.", ("embed_tokens",), "layers", "norm", f"{prefix}RMSNorm", "embed_tokens")
-    for name, prefix in (("llama", "Llama"), ("mistral", "Mistral"), ("qwen2", "Qwen2"))
+    for name, prefix in (("llama", "Llama"), ("mistral", "Mistral"), ("qwen2", "Qwen2"), ("mixtral", "Mixtral"))
 }
 FAMILIES = {"gpt2": GPT2, **LLAMA_SHAPED}
 

@@ -3,7 +3,8 @@ norm with the head, each a module holding transformers' own classes under transf
 attribute names, so their weights map one to one onto the checkpoint's keys.
 
 What one layer hands the next is a dict: `hidden_states`, the 2-D `attention_mask` (or None)
-and `position_ids` (integers, so they get no gradient). Every decoder layer makes its mask
+and `position_ids` (integers, so they get no gradient); in a Mixtral-shaped model trained with
+`output_router_logits`, also `router_stats`, the routing sums its loss balances (`moe.py`). Every decoder layer makes its mask
 and rotary embedding from them with transformers' own functions, exactly as the whole model
 does once for all of its layers.
 
@@ -22,6 +23,7 @@ from torch import nn
 
 from raypipe.models.hf import weights
 from raypipe.models.hf.families import family_of
+from raypipe.models.hf.moe import SparseMoeBlock, add_stats, is_moe, routing_stats
 
 
 class HFEmbedding(nn.Module):
@@ -65,6 +67,12 @@ class HFDecoderLayer(nn.Module):
         classes = family.classes()
         self.block = getattr(classes, family.decoder)(config, layer_idx=index)
         self.prefixes = [("block.", family.decoder_prefix(index))]
+        moe = SparseMoeBlock(config) if is_moe(config) else None
+        object.__setattr__(self, "moe", moe)  # a second name for block.mlp, not a second submodule
+        if moe is not None:  # experts one by one, under the checkpoint's names (`moe.py`)
+            self.block.mlp = moe
+            moe_prefix = f"{family.decoder_prefix(index)}block_sparse_moe."
+            self.prefixes = [("block.mlp.router.", moe_prefix + "gate."), ("block.mlp.", moe_prefix)] + self.prefixes
         # not a submodule: its buffers are computed, never stored, so they stay out of the state
         # dict and survive materialisation from the meta device
         with torch.device("cpu"):
@@ -82,12 +90,15 @@ class HFDecoderLayer(nn.Module):
         plan = {}
         for pattern, style in (getattr(self.config, "base_model_tp_plan", None) or {}).items():
             prefix = f"{family_of(self.config).layers}.*."
-            if not pattern.startswith(prefix):
+            if not pattern.startswith(prefix) or (self.moe is not None and ".mlp." in pattern):
                 continue
             if style not in styles:
                 raise ConfigError(f"{self.config.model_type}'s tp plan splits {pattern} as {style!r}; raypipe "
                                   f"supports {sorted(styles)}: use tp=1 for this model.")
             plan["block." + pattern[len(prefix):]] = styles[style]
+        for e in range(self.moe.num_experts if self.moe is not None else 0):  # each expert as a SwiGLU MLP
+            plan.update({f"block.mlp.experts.{e}.w1": ColumnParallel(), f"block.mlp.experts.{e}.w3": ColumnParallel(),
+                         f"block.mlp.experts.{e}.w2": RowParallel()})
         if not plan:
             raise ConfigError(f"{self.config.model_type} declares no base_model_tp_plan for its layers: use tp=1.")
         return plan
@@ -112,6 +123,9 @@ class HFDecoderLayer(nn.Module):
         extra = {"position_embeddings": self.rotary(hidden, position_ids=positions)} if self.rotary else {}
         hidden = self.block(hidden, attention_mask=mask, position_ids=positions, past_key_values=self.cache,
                             use_cache=self.cache is not None, **extra)
+        if self.moe is not None and self.training and getattr(self.config, "output_router_logits", False):
+            stats = add_stats(x.get("router_stats"), routing_stats(self.moe, x["attention_mask"]))
+            return {**x, "hidden_states": hidden, "router_stats": stats}
         return {**x, "hidden_states": hidden}
 
 
@@ -128,9 +142,12 @@ class HFHead(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.prefixes = [("lm_head.", "lm_head."), ("", family.base)]
 
-    def forward(self, x: Any) -> torch.Tensor:
+    def forward(self, x: Any) -> Any:
         hidden = x["hidden_states"] if isinstance(x, dict) else x
-        return self.lm_head(getattr(self, self.norm_name)(hidden))
+        logits = self.lm_head(getattr(self, self.norm_name)(hidden))
+        if isinstance(x, dict) and "router_stats" in x:  # training a Mixtral: the loss balances the routing
+            return logits, x["router_stats"]
+        return logits
 
 
 def checkpoint_key(prefixes: list[tuple[str, str]], local: str) -> str:
@@ -216,5 +233,5 @@ def _is_sliding(config: Any, index: int) -> bool:
     types = getattr(config, "layer_types", None)
     if types:
         return types[index] == "sliding_attention"
-    return config.model_type == "mistral" and getattr(config, "sliding_window", None) is not None
+    return config.model_type in ("mistral", "mixtral") and getattr(config, "sliding_window", None) is not None
 

@@ -19,19 +19,30 @@ class CausalLMLoss:
     gradients are the mean over every counted token of the batch, whatever the split.
     """
 
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(self, vocab_size: int, num_experts: int = 0, router_aux_loss_coef: float = 0.0) -> None:
         self.vocab_size = vocab_size
+        self.num_experts, self.router_aux_loss_coef = num_experts, router_aux_loss_coef
 
-    def __call__(self, logits: torch.Tensor, labels: Any) -> torch.Tensor:
+    def __call__(self, output: Any, labels: Any) -> torch.Tensor:
+        """`output`: the logits, or a Mixtral's (logits, routing sums), whose balancing loss is added
+        times `router_aux_loss_coef`, as transformers adds it with `output_router_logits`."""
         from transformers.loss.loss_utils import ForCausalLMLoss
 
+        logits, stats = output if isinstance(output, tuple) else (output, None)
         if self.count(labels) == 0:  # all ignored: nothing to learn from, and a mean over none is NaN
-            return logits.float().sum() * 0.0
-        return ForCausalLMLoss(logits, labels.to(logits.device), self.vocab_size)
+            loss = logits.float().sum() * 0.0
+        else:
+            loss = ForCausalLMLoss(logits, labels.to(logits.device), self.vocab_size)
+        if stats is not None:
+            from raypipe.models.hf.moe import balancing_loss
+
+            loss = loss + self.router_aux_loss_coef * balancing_loss(stats, self.num_experts).to(loss.device)
+        return loss
 
     @staticmethod
     def count(labels: torch.Tensor) -> int:
         return int((labels[..., 1:] != IGNORE).sum())
 
     def __repr__(self) -> str:
-        return f"CausalLMLoss(vocab_size={self.vocab_size})"
+        aux = f", num_experts={self.num_experts}" if self.num_experts else ""
+        return f"CausalLMLoss(vocab_size={self.vocab_size}{aux})"
