@@ -49,7 +49,7 @@ def _diagram(args: argparse.Namespace) -> int:
     sample = torch.zeros(rows, model.block_size, dtype=torch.long, device="meta")  # one microbatch
     arch = Architecture.from_config(model.build().layers, train, sample,
                                     title=f"{args.config}: {model.describe()}, "
-                                          f"pp={train.pp} x dp={train.dp} x tp={train.tp}, {train.schedule}, "
+                                          f"pp={train.pp} x dp={train.dp}{f' (ep={train.ep})' if train.ep > 1 else ''} x tp={train.tp}, {train.schedule}, "
                                           f"{train.microbatches} microbatches of {rows}")
     print(f"wrote {arch.save(args.output)}")
     return 0

@@ -185,7 +185,7 @@ def run(
 
     log(
         f"raypipe: {model.describe()}; "
-        f"{len(train_set):,} training tokens; pp={train.pp}, dp={train.dp}, tp={train.tp}, schedule={train.schedule}, "
+        f"{len(train_set):,} training tokens; pp={train.pp}, dp={train.dp}{f' (ep={train.ep})' if train.ep > 1 else ''}, tp={train.tp}, schedule={train.schedule}, "
         f"microbatches={train.microbatches}, batch {job.batch_size} x {model.block_size} tokens"
     )
     losses: list[float] = []
@@ -214,7 +214,8 @@ def run(
         log("stages: " + ", ".join(f"{i['name']} layers " + " + ".join(f"[{a}, {b})" for a, b in ranges)
                                     for i, ranges in zip(lead, held)))
         if len(trainer.names) > trainer.num_stages:
-            log(f"actors: {len(trainer.names)} = pp {train.pp} x dp {train.dp} x tp {train.tp}: {', '.join(trainer.names)}")
+            ep = f" (ep {train.ep}: each MoE layer's experts split over {train.ep} replicas)" if train.ep > 1 else ""
+            log(f"actors: {len(trainer.names)} = pp {train.pp} x dp {train.dp} x tp {train.tp}{ep}: {', '.join(trainer.names)}")
         if resume or resume_step is not None:
             where = trainer.load(train.checkpoint_dir, step=resume_step, log=log)
             log(f"resumed from {where} at step {trainer.step_count}")

@@ -129,7 +129,7 @@ def test_a_model_from_config_trains_with_its_tied_copies_equal(ray_session):
 def test_an_unsupported_model_type_is_named_with_what_is_supported():
     from transformers import BertConfig
 
-    with pytest.raises(ConfigError, match=r"'bert'.*\['gpt2', 'llama', 'mistral', 'qwen2'\]"):
+    with pytest.raises(ConfigError, match=r"'bert'.*\['gpt2', 'llama', 'mistral', 'mixtral', 'qwen2'\]"):
         hf.from_config(BertConfig())
     with pytest.raises(ConfigError, match="no such directory"):
         hf.from_pretrained("/nonexistent/model")

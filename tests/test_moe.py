@@ -245,3 +245,37 @@ def test_reports_tensorboard_timeline_and_diagram(ray_session, tmp_path):
         assert f"moe/layer{layer}/dropped_tokens" in tags and "stage1/all_to_all_bytes" in tags
     finally:
         t.shutdown()
+
+
+def test_narrow_boundaries_keep_scalars_and_routing_counts_exact():
+    """boundary_dtype="bf16" narrows activations only: the aux loss a MoE model carries and
+    Mixtral's routing counts (exact integers that bf16 would round above 256) keep float32."""
+    from raypipe.actors.executor import Executor
+    from raypipe.actors.model import StageModel
+    from raypipe.actors.settings import StageSettings
+    from raypipe.nn import TensorParallelGroup
+
+    model = StageModel(LAYERS[:2], 0, SEED, torch.device("cpu"), TensorParallelGroup())
+    executor = Executor(model, 0, False, None, lambda: 1.0, "stage0")
+    executor.settings = StageSettings(microbatches=1, optimizer={"name": "sgd", "lr": 0.1}, boundary_dtype="bf16")
+    executor.begin(0)
+    hidden, aux, counts = torch.randn(2, 8, 16), torch.tensor(0.123456789), torch.tensor([257.0, 1023.0])
+    sent = executor.send((hidden, aux, counts))
+    assert sent[0].dtype == torch.bfloat16 and sent[1].dtype == sent[2].dtype == torch.float32
+    assert torch.equal(sent[2], counts) and sent[1].item() == aux.item()
+
+
+def test_the_moe_job_file_trains(ray_session, tmp_path):
+    """examples/configs/moe_gpt_ep2.yaml as `raypipe train` runs it, a few steps: the loss falls,
+    evaluation and sampling run through the ep group, and its summary names the experts."""
+    from raypipe.job import JobConfig, run
+
+    overrides = ["job.steps=6", "job.eval_every=6", "job.eval_batches=1", "job.batch_size=8", "job.sample_tokens=8",
+                 "job.log_every=3", "data.max_bytes=200000", f"log_dir={tmp_path / 'tb'}", "job.progress=false",
+                 "cpus_per_actor=0.1", "threads_per_actor=1", "optimizer={name: adamw, lr: 0.01}",
+                 "lr_schedule={name: constant}"]
+    lines = []
+    summary = run(JobConfig.from_yaml("examples/configs/moe_gpt_ep2.yaml", overrides), log=lines.append)
+    assert summary["losses"][-1] < summary["losses"][0]
+    assert any("val loss" in line for line in lines) and any(line.startswith("sample:") for line in lines), lines
+    assert "2 MoE blocks of 8 experts, top 2" in lines[0] and "dp=2 (ep=2)" in lines[0], lines[0]

@@ -233,15 +233,17 @@ class Executor:
                 layer.end_cache()
 
     def send(self, value: Any) -> Any:
-        """A boundary value as it leaves for another stage: its tensors detached, floating ones in
-        `boundary_dtype`, counted in this step's `sent_bytes`. They stay on this stage's device:
-        the p2p engine copies them straight into its host message buffer, the refs engine
-        moves them to host."""
+        """A boundary value as it leaves for another stage: its tensors detached, floating
+        activations (2 dimensions or more) in `boundary_dtype`, counted in this step's
+        `sent_bytes`. Scalars and vectors keep their dtype: they are few bytes, and a loss carried
+        along or a MoE's routing counts (exact integers up to 2^24 in float32, 256 in bf16)
+        must not round. They stay on this stage's device: the p2p engine copies them straight
+        into its host message buffer, the refs engine moves them to host."""
         dtype = AUTOCAST_DTYPES.get(self.settings.boundary_dtype)
 
         def leaving(t: torch.Tensor) -> torch.Tensor:
             t = t.detach()
-            if dtype is not None and t.is_floating_point():
+            if dtype is not None and t.is_floating_point() and t.dim() >= 2:
                 t = t.to(dtype)
             self.timing["sent_bytes"] = self.timing.get("sent_bytes", 0) + t.numel() * t.element_size()
             return t

@@ -65,7 +65,9 @@ class GPTModel(JobModel):
 
     def describe(self) -> str:
         c = self.config
-        return f"GPT {c.parameters / 1e6:.2f}M parameters ({c.n_layer} blocks, n_embd {c.n_embd})"
+        moe = (f", {sum(map(c.is_moe_block, range(c.n_layer)))} MoE blocks of {c.num_experts} experts, top {c.top_k}"
+               if c.moe else "")
+        return f"GPT {c.parameters / 1e6:.2f}M parameters ({c.n_layer} blocks, n_embd {c.n_embd}{moe})"
 
 
 @dataclass(frozen=True)
