@@ -150,6 +150,7 @@ def initial(trainer):
 def test_state_dict_holds_every_expert_and_actors_hold_their_share(trainer, initial):
     dense = nn.Sequential(*build_layers(LAYERS, SEED)).state_dict()
     assert set(initial) == set(dense) and all(torch.equal(initial[k], dense[k]) for k in dense)
+    assert sum(v.numel() for v in dense.values()) == gpt.GPTConfig(**BASE).parameters  # 4 MoE blocks
     for info in trainer.stage_info():
         rank = info["dp_rank"] % trainer.config.ep
         for layer, held in info["experts"].items():
@@ -164,10 +165,12 @@ def test_parity_with_the_one_process_model(trainer, initial, reference, schedule
         check_sgd_parity(trainer, initial, ref, schedule, M, SGD, data=tokens)
 
 
-def test_the_same_tokens_are_dropped_as_in_one_process(trainer, initial):
+@pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recomputed"])
+def test_the_same_tokens_are_dropped_as_in_one_process(trainer, initial, recompute):
     """Routing and capacity per microbatch: replica 0 routes and drops exactly what the
-    one-process model does on its microbatches, counted per expert, in every MoE layer."""
-    trainer.reconfigure(schedule="1f1b", zero=0)
+    one-process model does on its microbatches, counted per expert, in every MoE layer (once,
+    when activation checkpointing recomputes the forward and its all-to-alls in backward)."""
+    trainer.reconfigure(schedule="1f1b", zero=0, activation_checkpointing=recompute)
     trainer.reset_optimizer()
     trainer.load_state_dict(initial)
     metrics = trainer.step(*tokens(0))
@@ -176,6 +179,7 @@ def test_the_same_tokens_are_dropped_as_in_one_process(trainer, initial):
     assert reported == expected
     assert sum(d for _, d in expected.values()) > 0  # the capacity layers really drop tokens
     assert all(stage["all_to_all_bytes"] > 0 and stage["all_to_all_s"] > 0 for stage in metrics["stages"])
+    trainer.reconfigure(activation_checkpointing=False)
 
 
 def test_zero_bubble_evaluation_and_generation_under_expert_parallelism(trainer, initial, reference):
@@ -221,13 +225,16 @@ def test_checkpoint_at_ep2_resumes_at_ep1_and_back(ray_session, tmp_path):
         plain.shutdown()
 
 
-def test_reports_tensorboard_timeline_and_diagram(ray_session, tmp_path):
+def test_compiled_engine_reports_tensorboard_timeline_and_diagram(ray_session, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     t = Trainer(LAYERS, gpt.loss_fn, TrainConfig(pp=2, dp=2, ep=2, optimizer=SGD, seed=SEED, microbatches=M,
-                                                 cpus_per_actor=0.1, threads_per_actor=1, log_dir=str(tmp_path / "tb")))
+                                                 cpus_per_actor=0.1, threads_per_actor=1, log_dir=str(tmp_path / "tb"),
+                                                 engine="compiled"))
     try:
-        metrics = t.step(*tokens(0))
+        metrics = t.step(*tokens(0))  # through a Ray compiled graph: the same first loss as one process
+        ref_losses, _, _ = reference_run(LAYERS, SEED, sgd, steps=1, microbatches=2 * M, loss_fn=gpt.loss_fn, data=tokens)
+        assert abs(metrics["loss"] - ref_losses[0]) < 4e-5
         line = t.timeline()
         assert any(span.kind == "A" for span in line.spans)
         assert "all-to-all (MoE)" in line.to_svg()

@@ -232,7 +232,8 @@ class MoE(nn.Module):
         self.dropped = 0
 
     def _count(self, routed: torch.Tensor, dropped: int) -> None:
-        if self.training:
+        # not when activation checkpointing recomputes the forward inside backward: counted once
+        if self.training and torch._C._current_graph_task_id() == -1:
             self.routed += routed.detach().cpu()
             self.dropped += int(dropped)
 
