@@ -2,24 +2,29 @@
 
 Layout of one checkpoint, `<root>/step-00000120/`:
 
-    model/layer-00003.pt   layer 3's state_dict (its own keys, e.g. "weight")
-    optim/layer-00003.pt   optimizer state of layer 3's parameters, by parameter name
-    rng/stage-1.pt         stage 1's torch RNG state (restored when pp matches)
-    trainer.json           step, data position, config, plan, loss scaler
-    MANIFEST.json          sha256 and size of every file above; written last
+    model/layer-00003.safetensors   layer 3's state_dict (its own keys, e.g. "weight")
+    optim/layer-00003.safetensors   optimizer state of layer 3's parameters, by parameter name
+    rng/stage-1.safetensors         stage 1's torch RNG state (restored when pp matches)
+    trainer.json                    step, data position, config, plan, loss scaler
+    MANIFEST.json                   sha256 and size of every file above; written last
 
 Every file is keyed by global layer index, never by stage, so a checkpoint saved at
 one pp loads at any other. Each actor writes its own layers (a multi-node run needs
 a directory every node sees), each file atomically (temporary file, fsync, rename);
 the checkpoint is written as `step-N.partial` and renamed to `step-N` after the
 manifest, so a directory named `step-N` is always complete. Loading verifies every
-checksum first and reads tensors with `torch.load(weights_only=True)`.
+checksum first.
+
+The tensor files are safetensors: nothing is unpickled on load. A file holds any tree of
+dicts, lists, tensors and plain values (an optimizer's state: tensors and step counts): the
+tensors under their path in the tree ("weight", "bias/exp_avg"), the tree itself with its
+plain values as JSON in the file's metadata. Checkpoints written before (`.pt` files, from
+`torch.save`) still load, through `torch.load(weights_only=True)`.
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import re
@@ -45,8 +50,22 @@ def checkpoint_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
+TENSORS = ".safetensors"
+LEGACY = ".pt"  # checkpoints written before safetensors: torch.save pickles
+
+
 def layer_file(kind: str, index: int) -> str:
-    return f"{kind}/layer-{index:05d}.pt"
+    return f"{kind}/layer-{index:05d}{TENSORS}"
+
+
+def rng_file(stage: int) -> str:
+    return f"rng/stage-{stage}{TENSORS}"
+
+
+def existing(path: Path) -> Path:
+    """`path`, or its legacy `.pt` twin when only that exists (a checkpoint from before safetensors)."""
+    legacy = path.with_suffix(LEGACY)
+    return legacy if not path.exists() and legacy.exists() else path
 
 
 def sha256_file(path: Path) -> str:
@@ -70,15 +89,61 @@ def write_atomic(path: Path, data: bytes) -> dict[str, Any]:
 
 
 def save_tensors(path: Path, obj: Any) -> dict[str, Any]:
-    """torch.save to bytes, then an atomic write."""
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return write_atomic(path, buffer.getvalue())
+    """`obj` (dicts, lists, tensors, plain values) as a safetensors file, written atomically."""
+    from safetensors.torch import save
+
+    tensors: dict[str, torch.Tensor] = {}
+    tree = _flatten(obj, "", tensors, set())
+    return write_atomic(path, save(tensors, metadata={"raypipe.tree": json.dumps(tree)}))
 
 
 def load_tensors(path: Path) -> Any:
-    """torch.load that refuses anything but tensors and plain containers."""
-    return torch.load(path, map_location="cpu", weights_only=True)
+    """What `save_tensors` wrote (a safetensors file: nothing unpickled), or a legacy `.pt` file
+    through torch.load that refuses anything but tensors and plain containers."""
+    path = Path(path)
+    if path.suffix == LEGACY:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        metadata = f.metadata() or {}
+        if "raypipe.tree" not in metadata:  # a plain safetensors file: its tensors by name
+            return {key: f.get_tensor(key) for key in f.keys()}
+        return _unflatten(json.loads(metadata["raypipe.tree"]), f)
+
+
+def _flatten(obj: Any, path: str, tensors: dict[str, torch.Tensor], storages: set[int]) -> Any:
+    """The JSON tree of `obj`, its tensors moved into `tensors` under their path (copied where
+    they share storage with another or view part of one: safetensors stores whole storages)."""
+    if torch.is_tensor(obj):
+        key, t = path or ".", obj.detach().cpu().contiguous()
+        storage = t.untyped_storage()
+        if storage.data_ptr() in storages or storage.nbytes() != t.numel() * t.element_size():
+            t = t.clone()
+        storages.add(t.untyped_storage().data_ptr())
+        tensors[key] = t
+        return {"tensor": key}
+    if isinstance(obj, dict):
+        return {"dict": [[k, _flatten(v, f"{path}/{k}" if path else str(k), tensors, storages)] for k, v in obj.items()]}
+    if isinstance(obj, (list, tuple)):
+        return {"tuple" if isinstance(obj, tuple) else "list":
+                [_flatten(v, f"{path}/{i}" if path else str(i), tensors, storages) for i, v in enumerate(obj)]}
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return {"value": obj}
+    raise CheckpointError(f"cannot store a {type(obj).__name__} at {path!r} in a checkpoint: only tensors, "
+                          f"numbers, strings, None, and dicts and lists of them")
+
+
+def _unflatten(tree: dict[str, Any], f: Any) -> Any:
+    (kind, value), = tree.items()
+    if kind == "tensor":
+        return f.get_tensor(value)
+    if kind == "dict":
+        return {k: _unflatten(v, f) for k, v in value}
+    if kind in ("list", "tuple"):
+        items = [_unflatten(v, f) for v in value]
+        return items if kind == "list" else tuple(items)
+    return value
 
 
 def partial_dir(root: Path, step: int) -> Path:

@@ -48,10 +48,14 @@ def test_checkpoints_are_complete_verified_and_keyed_by_layer(uninterrupted):
     meta = verify(path)
     assert meta["step"] == 4 and meta["data_position"] == 4 and meta["pp"] == 2
     manifest = json.loads((path / "MANIFEST.json").read_text())
-    expected = {f"{kind}/layer-{i:05d}.pt" for kind in ("model", "optim") for i in range(7)}
-    assert expected | {"rng/stage-0.pt", "rng/stage-1.pt", "trainer.json"} == set(manifest["files"])
-    assert set(load_tensors(path / "model/layer-00002.pt")) == {"weight", "bias"}
-    assert set(load_tensors(path / "optim/layer-00002.pt")["weight"]) == {"step", "exp_avg", "exp_avg_sq"}
+    expected = {f"{kind}/layer-{i:05d}.safetensors" for kind in ("model", "optim") for i in range(7)}
+    assert expected | {"rng/stage-0.safetensors", "rng/stage-1.safetensors", "trainer.json"} == set(manifest["files"])
+    assert set(load_tensors(path / "model/layer-00002.safetensors")) == {"weight", "bias"}
+    assert set(load_tensors(path / "optim/layer-00002.safetensors")["weight"]) == {"step", "exp_avg", "exp_avg_sq"}
+    from safetensors import safe_open  # plain safetensors files: any safetensors reader opens them
+
+    with safe_open(str(path / "optim/layer-00002.safetensors"), framework="pt") as f:
+        assert set(f.keys()) == {f"{p}/{k}" for p in ("weight", "bias") for k in ("step", "exp_avg", "exp_avg_sq")}
 
 
 def test_keep_prunes_to_the_newest(ray_session, tmp_path):
@@ -75,16 +79,16 @@ def test_corrupt_checkpoints_fall_back_to_the_previous_valid_one(uninterrupted, 
     _, original = uninterrupted
     root = tmp_path / "copy"
     shutil.copytree(original, root)
-    layer = root / "step-00000006" / "model" / "layer-00004.pt"
+    layer = root / "step-00000006" / "model" / "layer-00004.safetensors"
     data = bytearray(layer.read_bytes())
     data[len(data) // 2] ^= 0xFF
     layer.write_bytes(bytes(data))
-    (root / "step-00000004" / "optim" / "layer-00000.pt").write_bytes(b"trunc")
+    (root / "step-00000004" / "optim" / "layer-00000.safetensors").write_bytes(b"trunc")
     warnings = []
     path, meta = find_valid(root, warn=warnings.append)
     assert path.name == "step-00000002" and meta["step"] == 2
-    assert "layer-00004.pt: sha256 does not match" in warnings[0]
-    assert "layer-00000.pt" in warnings[1] and "truncated" in warnings[1]
+    assert "layer-00004.safetensors: sha256 does not match" in warnings[0]
+    assert "layer-00000.safetensors" in warnings[1] and "truncated" in warnings[1]
     (root / "step-00000002" / "MANIFEST.json").unlink()
     with pytest.raises(CheckpointError, match="no valid checkpoint"):
         find_valid(root, warn=warnings.append)
@@ -224,3 +228,38 @@ def test_a_checkpoint_saved_under_zero1_resumes_without_it(ray_session, tmp_path
         t.load(str(tmp_path), step=2)
         resumed = [m["loss"] for m in t.fit(batch, 4)]
     torch.testing.assert_close(torch.tensor(resumed), torch.tensor(sharded[2:]), rtol=1e-6, atol=1e-6)
+
+
+def test_loading_unpickles_nothing_and_pickle_checkpoints_still_load(uninterrupted, tmp_path, monkeypatch):
+    """A checkpoint's tensors load without torch.load (so without unpickling); one written before
+    safetensors (`.pt` files from torch.save) resumes exactly as well, through weights_only."""
+    import hashlib
+
+    losses, original = uninterrupted
+    path = original / "step-00000002"
+    state = load_tensors(path / "optim/layer-00002.safetensors")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("torch.load called")
+
+    monkeypatch.setattr(torch, "load", refuse)
+    assert torch.equal(load_tensors(path / "optim/layer-00002.safetensors")["weight"]["exp_avg"], state["weight"]["exp_avg"])
+    monkeypatch.undo()
+    legacy = tmp_path / "legacy" / "step-00000002"  # the same checkpoint as the old format wrote it
+    shutil.copytree(path, legacy)
+    manifest = json.loads((legacy / "MANIFEST.json").read_text())
+    files = {}
+    for name, entry in manifest["files"].items():
+        if name.endswith(".safetensors"):
+            old = legacy / name
+            torch.save(load_tensors(old), old.with_suffix(".pt"))
+            old.unlink()
+            name = name.removesuffix(".safetensors") + ".pt"
+            data = (legacy / name).read_bytes()
+            entry = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+        files[name] = entry
+    (legacy / "MANIFEST.json").write_text(json.dumps({**manifest, "files": files}))
+    with Trainer(MLP7, nn.functional.mse_loss, config()) as t:
+        t.load(str(legacy))
+        resumed = [m["loss"] for m in t.fit(batch, STEPS, log=lambda _: None)]
+    torch.testing.assert_close(torch.tensor(resumed), torch.tensor(losses[2:]), rtol=1e-6, atol=1e-6)

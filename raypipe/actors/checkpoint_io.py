@@ -1,5 +1,6 @@
-"""One stage's part of a checkpoint: its layers' weights and optimizer state, one file per
-global layer (whole tensors: tp shards merged, ZeRO shares united), and its RNG state.
+"""One stage's part of a checkpoint: its layers' weights and optimizer state, one safetensors
+file per global layer (whole tensors: tp shards merged, ZeRO shares united, every ep rank's
+experts), and its RNG state.
 
 The trainer (`raypipe.trainer`) orchestrates a save or load across the actors and writes
 the manifest; `raypipe.checkpoint` owns the file format. Here is what each actor does.
@@ -64,7 +65,7 @@ def save_stage(model: StageModel, optim: OptimizerState, directory: str, stage: 
     for index in model.layers:
         files[ckpt.layer_file("model", index)] = ckpt.save_tensors(root / ckpt.layer_file("model", index), models[index])
         files[ckpt.layer_file("optim", index)] = ckpt.save_tensors(root / ckpt.layer_file("optim", index), states[index])
-    rng = f"rng/stage-{stage}.pt"
+    rng = ckpt.rng_file(stage)
     files[rng] = ckpt.save_tensors(root / rng, {"torch": torch.get_rng_state()})
     return {"files": files, "loss_scaler": optim.scaler_state()}
 
@@ -81,10 +82,10 @@ def load_stage(model: StageModel, optim: OptimizerState, directory: str, stage: 
     tp, optimizer = model.tp, optim.optimizer
     try:
         for j, (index, layer) in enumerate(zip(model.layers, model.module)):
-            weights = ckpt.load_tensors(root / ckpt.layer_file("model", index))
+            weights = ckpt.load_tensors(ckpt.existing(root / ckpt.layer_file("model", index)))
             local = model.shard_state({f"{j}.{k}": v for k, v in weights.items()})
             _load_layer(layer, {k[len(f"{j}.") :]: v for k, v in local.items() if k not in model.foreign}, model.lora)
-            state = ckpt.load_tensors(root / ckpt.layer_file("optim", index))
+            state = ckpt.load_tensors(ckpt.existing(root / ckpt.layer_file("optim", index)))
             if optimizer is not None:
                 stepped = {p for group in optimizer.param_groups for p in group["params"]}
                 for param_name, p in layer.named_parameters():
@@ -98,7 +99,7 @@ def load_stage(model: StageModel, optim: OptimizerState, directory: str, stage: 
                     else:
                         optimizer.state.pop(optim.stepped(p), None)
         if restore_rng:
-            torch.set_rng_state(ckpt.load_tensors(root / f"rng/stage-{stage}.pt")["torch"])
+            torch.set_rng_state(ckpt.load_tensors(ckpt.existing(root / ckpt.rng_file(stage)))["torch"])
     except StageError:
         raise
     except Exception as error:
