@@ -28,6 +28,7 @@ SAME_NODE_TRANSPORTS = ("shm", "gloo")
 PARTITION_NAMES = ("uniform", "parameters", "profile")
 PRECISIONS = ("fp32", "bf16", "fp16")
 NONFINITE_POLICIES = ("error", "skip")
+PLACEMENTS = ("pack", "spread", "strict_spread")  # raypipe.runtime.gang.STRATEGIES
 
 # Sections of a job file that belong to the job, not to TrainConfig (see raypipe.job).
 JOB_SECTIONS = ("model", "data", "job")
@@ -101,6 +102,10 @@ class TrainConfig:
             cluster's CPUs (at most 1 each).
         threads_per_actor: torch intra-op threads per actor; None derives it from cpus_per_actor.
         actor_start_timeout: seconds to wait for every actor to be placed and built.
+        placement: how the actors are reserved, all or nothing, in one Ray placement group:
+            "pack" (as few nodes as possible), "spread" (across nodes where possible) or
+            "strict_spread" (one actor per node). A trainer that does not fit holds nothing
+            while it waits, so two trainers on one cluster never each hold half.
         step_timeout: seconds a step may go without any action finishing before it is abandoned
             (under engine="compiled", where a step is one call per actor: seconds for the whole step).
         name: run name, used in actor names and logs; None picks a unique one.
@@ -151,6 +156,7 @@ class TrainConfig:
     cpus_per_actor: float | None = None
     threads_per_actor: int | None = None
     actor_start_timeout: float = 60.0
+    placement: str = "pack"
     step_timeout: float = 300.0
     name: str | None = None
     checkpoint_dir: str | None = None
@@ -207,6 +213,7 @@ class TrainConfig:
         if self.threads_per_actor is not None:
             check_int("threads_per_actor", self.threads_per_actor, 1)
         check_positive("actor_start_timeout", self.actor_start_timeout)
+        check_choice("placement", self.placement, PLACEMENTS)
         check_positive("step_timeout", self.step_timeout)
         if self.name is not None and (not isinstance(self.name, str) or not self.name):
             raise fail("name", self.name, "give a non-empty string or null.")

@@ -163,6 +163,9 @@ def test_training_survives_a_stage_dying_mid_step(killable_baseline, tmp_path, h
         started = time.monotonic()
         history = t.fit(batch, STEPS, on_step=on_step, log=messages.append)
         assert t.restarts == 1
+        # the recovery reserved a fresh placement group and removed the old one
+        groups = [g["state"] for g in ray.util.placement_group_table().values() if g["name"] == f"raypipe-{t.run_name}"]
+        assert sorted(groups) == ["CREATED", "REMOVED"], groups
     assert time.monotonic() - started < 60
     assert any(re.search(r"stage1-dp\d-tp0 died during step 4", m) for m in messages), messages
     assert any("resumed at step 2 from" in m for m in messages), messages

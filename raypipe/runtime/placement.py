@@ -1,6 +1,7 @@
 """Starting a trainer's stage actors: resources and label selectors per accelerator kind,
-a bounded wait that turns an unplaceable actor into an error saying why, and the
-rendezvous that joins them into one torch.distributed world with their dp and tp groups.
+reserved all or nothing in one placement group (`gang.py`), a bounded wait that turns an
+unplaceable actor into an error saying why, and the rendezvous that joins them into one
+torch.distributed world with their dp, tp and ep groups.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from raypipe.model import tied_stages
 from raypipe.errors import PlacementError, StageError
 from raypipe.layers import LayerSpec
 from raypipe.runtime.chunks import actor_chunks, actor_plan
+from raypipe.runtime import gang
 from raypipe.runtime.collective import group_backend
 from raypipe.runtime.results import gather, last_line
 from raypipe.runtime.topology import Topology
@@ -38,9 +40,10 @@ def stage_options(config: TrainConfig, stage: int) -> dict[str, Any]:
 
 def start_actors(config: TrainConfig, topology: Topology, names: Sequence[str], specs: Sequence[LayerSpec],
                  plan: Sequence[tuple[int, int]], schedule: Schedule, loss_fn: Any, run_name: str, cpus: float,
-                 tied: Sequence[Sequence[str]] = ()) -> list[Any]:
+                 tied: Sequence[Sequence[str]] = (), group: Any = None) -> list[Any]:
     """Creates every stage actor (Ray places them asynchronously; `wait_for_actors` waits), each
-    with the layers of the virtual stages `schedule` gives it (`plan` is per virtual stage)."""
+    with the layers of the virtual stages `schedule` gives it (`plan` is per virtual stage), in
+    its bundle of the placement `group` that reserved them (`gang.reserve`)."""
     threads = config.threads_per_actor or max(1, int(cpus))
     remote_cls = ray.remote(StageActor)
     kinds = config.stage_kinds()
@@ -54,7 +57,8 @@ def start_actors(config: TrainConfig, topology: Topology, names: Sequence[str], 
         actors.append(
             remote_cls.options(
                 name=name, namespace=f"raypipe-{run_name}", num_cpus=cpus, max_restarts=0, max_task_retries=0,
-                **stage_options(config, s),
+                **(gang.in_bundle(group, rank, stage_options(config, s)) if group is not None
+                   else stage_options(config, s)),
             ).remote(
                 s, config.pp, layers, start, config.seed, threads,
                 loss_fn if any(v == num_virtual - 1 for v, _, _ in held) else None, name, d, config.dp, t, config.tp,
@@ -117,7 +121,17 @@ def start_gang(config: TrainConfig, topology: Topology, names: Sequence[str], sp
     trainer's world when it needs one; on any failure kills those started, then raises.
     `plan`: per virtual stage of `schedule`. `tied`: the model's tied weights (`raypipe.model.Model.tied`)."""
     cpus = cpus_per_actor(config, len(names))
-    actors = start_actors(config, topology, names, specs, plan, schedule, loss_fn, run_name, cpus, tied)
+    stages = [topology.place(r)[1] for r in range(len(names))]
+    bundles = [gang.bundle(cpus, stage_options(config, s)) for s in stages]
+    asks = [f"{n} (stage {s}) asked for { {'CPU': cpus, **stage_options(config, s)} }" for n, s in zip(names, stages)]
+    group = gang.reserve(bundles, config.placement, f"raypipe-{run_name}", config.actor_start_timeout, asks,
+                         cluster_offer, others)
+    try:
+        actors = start_actors(config, topology, names, specs, plan, schedule, loss_fn, run_name, cpus, tied, group)
+    except BaseException:
+        gang.release_group(group)
+        raise
+    gang.remember(actors, group)
     shared = [(g, stages) for g, stages in enumerate(tied_stages(tied, actor_plan(plan, schedule))) if len(stages) > 1]
     try:
         devices = wait_for_actors(actors, names, topology, plan, config, cpus, others)
@@ -188,8 +202,10 @@ def cluster_offer() -> str:
 
 
 def kill(actors: Sequence[Any]) -> None:
+    """Kills the actors, then frees the placement group that reserved them."""
     for actor in actors:
         try:
             ray.kill(actor, no_restart=True)
         except Exception:  # already dead, or Ray already shut down
             pass
+    gang.release(actors)

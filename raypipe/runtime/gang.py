@@ -1,0 +1,113 @@
+"""All-or-nothing placement: a trainer's actors reserved together in one Ray placement group.
+
+Without it, two trainers started at once on a cluster that fits one could each be given
+half their actors and wait for the other half forever. With it, Ray reserves every actor's
+bundle (its CPUs, its accelerator kind's resources, its node labels) at once or none of them:
+a trainer that does not fit holds nothing while it waits, and gets a `PlacementError` after
+`actor_start_timeout` naming what it asked for. Each actor is then started in its own bundle.
+The group is removed with the actors (`release`), so nothing leaks; a recovery reserves a
+fresh one.
+
+`TrainConfig.placement` picks Ray's strategy: "pack" (as few nodes as possible, so stages
+share memory links), "spread" (across nodes where it can) or "strict_spread" (one actor per
+node, else it fails).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from raypipe.errors import PlacementError
+
+STRATEGIES = {"pack": "PACK", "spread": "SPREAD", "strict_spread": "STRICT_SPREAD"}
+
+# actor id -> the placement group it was started in (removed when its actors are killed)
+_GROUPS: dict[str, Any] = {}
+
+
+def bundle(cpus: float, options: dict[str, Any]) -> tuple[dict[str, float], dict[str, str]]:
+    """One actor's bundle and its label selector, from its Ray actor options (`devices.ray_options`)."""
+    resources = {"CPU": cpus, **options.get("resources", {})}
+    if options.get("num_gpus"):
+        resources["GPU"] = options["num_gpus"]
+    return resources, dict(options.get("label_selector", {}))
+
+
+def reserve(bundles: Sequence[tuple[dict[str, float], dict[str, str]]], strategy: str, name: str, timeout: float,
+            asks: Sequence[str], offer: Callable[[], str], others: Callable[[], list[str]]) -> Any:
+    """Reserves every bundle at once and waits up to `timeout` seconds for all of them.
+
+    Args:
+        asks: per bundle, what its actor asks for in words ("stage0-dp0-tp0 (stage 0) asked for ...").
+
+    Raises:
+        PlacementError: not every bundle fits within `timeout`: names the actors' asks, the
+            strategy, what the cluster offers and other trainers of this process holding actors.
+            The group is removed first, so a refused trainer holds nothing.
+    """
+    selectors = [s for _, s in bundles]
+    group = placement_group([b for b, _ in bundles], strategy=STRATEGIES[strategy], name=name,
+                            bundle_label_selector=selectors if any(selectors) else None)
+    ready, _ = ray.wait([group.ready()], timeout=timeout)
+    if not ready:
+        remove_placement_group(group)
+        held = others()
+        hint = (f" Other trainers of this process still hold actors: {'; '.join(held)}; call .shutdown() on "
+                f"those you are done with." if held else "")
+        nowhere = [ask for (b, sel), ask in zip(bundles, asks) if not _fits_some_node(b, sel)]
+        nodes = sum(1 for node in ray.nodes() if node.get("Alive"))
+        if nowhere:
+            why = f"no node can ever hold {'; '.join(nowhere[:6])}"
+        elif strategy == "strict_spread" and len(bundles) > nodes:
+            why = f"strict_spread puts each of the {len(bundles)} actors on a node of its own, and {nodes} are alive"
+        else:
+            why = f"each fits some node, but not all at once now: {'; '.join(asks[:6])}{' ...' if len(asks) > 6 else ''}"
+        raise PlacementError(
+            f"the {len(bundles)} actors could not be reserved together within {timeout:.0f} s "
+            f"(TrainConfig.actor_start_timeout; placement={strategy!r}, all or nothing): {why}. The cluster offers: {offer()}; {ray.available_resources()} "
+            f"free in all. Free resources (another trainer may hold them), lower cpus_per_actor or gpus_per_actor, "
+            f"add a node of the missing kind (`ray start ... $(raypipe node-resources)`), change "
+            f"TrainConfig.devices, or use placement='pack'.{hint}"
+        )
+    return group
+
+
+def _fits_some_node(resources: dict[str, float], selector: dict[str, str]) -> bool:
+    """Whether an alive node has (in total, free or not) the resources and labels of a bundle."""
+    for node in ray.nodes():
+        labels, total = node.get("Labels") or {}, node.get("Resources", {})
+        if node.get("Alive") and all(labels.get(k) == v for k, v in selector.items()) \
+                and all(total.get(k, 0.0) >= v for k, v in resources.items()):
+            return True
+    return False
+
+
+def in_bundle(group: Any, index: int, options: dict[str, Any]) -> dict[str, Any]:
+    """Ray actor options starting an actor in bundle `index` of `group` (its label selector is
+    the bundle's)."""
+    options = {k: v for k, v in options.items() if k != "label_selector"}
+    return {**options, "scheduling_strategy": PlacementGroupSchedulingStrategy(
+        group, placement_group_bundle_index=index, placement_group_capture_child_tasks=False)}
+
+
+def remember(actors: Sequence[Any], group: Any) -> None:
+    for actor in actors:
+        _GROUPS[actor._actor_id.hex()] = group
+
+
+def release(actors: Sequence[Any]) -> None:
+    """Removes the placement group the actors were started in (once), after they are killed."""
+    groups = {id(g): g for g in (_GROUPS.pop(a._actor_id.hex(), None) for a in actors) if g is not None}
+    for group in groups.values():
+        release_group(group)
+
+
+def release_group(group: Any) -> None:
+    try:
+        remove_placement_group(group)
+    except Exception:  # already removed, or Ray already shut down
+        pass

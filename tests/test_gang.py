@@ -1,0 +1,81 @@
+"""Gang placement: a trainer's actors are reserved all or nothing in one Ray placement group, so two
+trainers on a cluster that fits one never each hold half; the refused one holds nothing, fails in
+time, and nothing leaks."""
+
+import threading
+import time
+
+import pytest
+import ray
+from torch import nn
+
+from helpers import MLP7, batch
+from raypipe import ConfigError, PlacementError, TrainConfig, Trainer
+
+SGD = {"name": "sgd", "lr": 0.05}
+
+
+def groups(run_name: str) -> list[str]:
+    return [g["state"] for g in ray.util.placement_group_table().values() if g["name"] == f"raypipe-{run_name}"]
+
+
+def free_cpus() -> float:
+    return ray.available_resources().get("CPU", 0.0)
+
+
+def test_two_trainers_that_do_not_both_fit_start_at_once_and_one_trains(ray_session):
+    """The local Ray has 2 CPUs; each trainer asks for 2 x 0.75. Started together, one gets both
+    of its actors, the other none: it fails within its start timeout, naming the other trainer."""
+    before = free_cpus()
+    results: dict[str, object] = {}
+
+    def start(name: str) -> None:
+        try:
+            results[name] = Trainer(MLP7, nn.functional.mse_loss, TrainConfig(
+                pp=2, cpus_per_actor=0.75, actor_start_timeout=4, optimizer=SGD, name=name))
+        except PlacementError as error:
+            results[name] = error
+
+    threads = [threading.Thread(target=start, args=(name,)) for name in ("gang-a", "gang-b")]
+    started = time.monotonic()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert time.monotonic() - started < 30
+    trainers = [r for r in results.values() if isinstance(r, Trainer)]
+    errors = [r for r in results.values() if isinstance(r, PlacementError)]
+    assert len(trainers) == 1 and len(errors) == 1, results
+    winner, error = trainers[0], str(errors[0])
+    try:
+        assert "all or nothing" in error and "not all at once now" in error and "'CPU': 0.75" in error
+        assert free_cpus() == pytest.approx(before - 1.5)  # the refused trainer holds nothing
+        loser = ({"gang-a", "gang-b"} - {winner.run_name}).pop()
+        assert groups(loser) == ["REMOVED"] and groups(winner.run_name) == ["CREATED"]
+        winner.step(*batch(0))
+    finally:
+        winner.shutdown()
+    assert groups(winner.run_name) == ["REMOVED"]
+    deadline = time.monotonic() + 10
+    while free_cpus() != before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert free_cpus() == before  # nothing leaked: the loser can train now
+    with Trainer(MLP7, nn.functional.mse_loss, TrainConfig(pp=2, cpus_per_actor=0.75, optimizer=SGD, name=loser)) as t:
+        assert t.step(*batch(0))["loss"] > 0
+
+
+def test_a_waiting_trainer_holds_nothing_and_strict_spread_needs_a_node_per_actor(ray_session):
+    with Trainer(MLP7, nn.functional.mse_loss, TrainConfig(pp=2, cpus_per_actor=0.75, optimizer=SGD)) as holder:
+        seen = []
+        watcher = threading.Thread(target=lambda: [seen.append(free_cpus()) or time.sleep(0.2) for _ in range(10)])
+        watcher.start()
+        with pytest.raises(PlacementError, match=r"still hold actors: " + r"Trainer\(run='" + holder.run_name):
+            Trainer(MLP7, nn.functional.mse_loss, TrainConfig(pp=2, cpus_per_actor=0.75, actor_start_timeout=2))
+        watcher.join(timeout=10)
+        assert seen and all(cpus == pytest.approx(0.5) for cpus in seen), seen  # never one actor of two
+    with pytest.raises(PlacementError, match=r"placement='strict_spread'.*each of the 2 actors on a node of its own, "
+                                             r"and 1 are alive"):
+        Trainer(MLP7, nn.functional.mse_loss, TrainConfig(pp=2, cpus_per_actor=0.25, actor_start_timeout=2,
+                                                          placement="strict_spread"))
+    with pytest.raises(ConfigError, match=r"TrainConfig.placement='scatter'"):
+        TrainConfig(placement="scatter")
