@@ -23,10 +23,21 @@ def free_cpus() -> float:
     return ray.available_resources().get("CPU", 0.0)
 
 
+def all_cpus_free(timeout: float = 20.0) -> float:
+    """Waits until every CPU of the local Ray is free (killed actors of earlier tests release theirs
+    asynchronously); returns their count."""
+    total = ray.cluster_resources().get("CPU", 0.0)
+    deadline = time.monotonic() + timeout
+    while free_cpus() != total and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert free_cpus() == total, f"{free_cpus()} of {total} CPUs free: an earlier test still holds some"
+    return total
+
+
 def test_two_trainers_that_do_not_both_fit_start_at_once_and_one_trains(ray_session):
     """The local Ray has 2 CPUs; each trainer asks for 2 x 0.75. Started together, one gets both
     of its actors, the other none: it fails within its start timeout, naming the other trainer."""
-    before = free_cpus()
+    before = all_cpus_free()
     results: dict[str, object] = {}
 
     def start(name: str) -> None:
@@ -65,6 +76,7 @@ def test_two_trainers_that_do_not_both_fit_start_at_once_and_one_trains(ray_sess
 
 
 def test_a_waiting_trainer_holds_nothing_and_strict_spread_needs_a_node_per_actor(ray_session):
+    all_cpus_free()
     with Trainer(MLP7, nn.functional.mse_loss, TrainConfig(pp=2, cpus_per_actor=0.75, optimizer=SGD)) as holder:
         seen = []
         watcher = threading.Thread(target=lambda: [seen.append(free_cpus()) or time.sleep(0.2) for _ in range(10)])
