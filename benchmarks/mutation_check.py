@@ -124,6 +124,14 @@ MUTATIONS = [
              "        return _exchange(grad, ctx.recv, ctx.send, ctx.group) * 0, None, None, None",
              ("tests/test_moe.py::test_parity_with_the_one_process_model",),
              "tokens' gradients never come back from their experts (all-to-all backward drops them)"),
+    Mutation("gang-placement", "raypipe/runtime/placement.py",
+             "    group = gang.reserve(", "    group = None and gang.reserve(",
+             ("tests/test_gang.py::test_a_waiting_trainer_holds_nothing_and_strict_spread_needs_a_node_per_actor",),
+             "actors are started one by one outside their reserved group (a trainer can hold half a cluster)"),
+    Mutation("safetensors-pickle", "raypipe/checkpoint.py",
+             "    if path.suffix == LEGACY:\n", "    if True:\n",
+             ("tests/test_checkpoint.py::test_loading_unpickles_nothing_and_pickle_checkpoints_still_load",),
+             "checkpoint tensors are read through torch.load (unpickling)"),
 ]
 
 
