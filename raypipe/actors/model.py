@@ -17,7 +17,7 @@ from raypipe.errors import StageError
 from raypipe.layers import LayerSpec, build_layer, layer_seed
 from raypipe.nn import TensorParallelGroup, parallelize, shard, shard_specs
 from raypipe.nn.group import building
-from raypipe.nn.moe import ExpertParallelGroup, expert_parameters, shard_experts
+from raypipe.nn.moe import ExpertParallelGroup, expert_parameters, keyed_moe_layers, shard_experts
 
 
 class StageModel:
@@ -35,6 +35,7 @@ class StageModel:
         foreign: local keys of the model's tensors this rank does not hold (other ep ranks' experts).
         expert_params: ids of the parameters of the experts held here (shared only with the
             replicas holding the same experts).
+        moes: its MoE layers under "<global layer index>.<module name>", found once.
     """
 
     def __init__(self, specs: Sequence[LayerSpec], start: int | Sequence[int], seed: int, device: torch.device,
@@ -59,6 +60,7 @@ class StageModel:
         self.sharded_params = {id(p) for k, p in self.module.named_parameters() if k in self.shard_specs}
         self.params = list(self.module.parameters())
         self.expert_params = expert_parameters(self.module) if self.ep.size > 1 else set()
+        self.moes = keyed_moe_layers(zip(self.indices, self.module))
         self.norm_params = [p for p in self.params if tp.rank == 0 or id(p) in self.sharded_params]
 
     @property

@@ -34,12 +34,12 @@ class OptimizerState:
             expert optimizer state is sharded (None and [] when they are all of them).
     """
 
-    def __init__(self, model: StageModel, dp_rank: int, dp_size: int) -> None:
+    def __init__(self, model: StageModel, dp_rank: int, dp_size: int, ep_size: int = 1) -> None:
         self.model = model
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.dp_group: Any = None
         self.dp_ranks: list[int] = [0]
-        self.ep_size = 1
+        self.ep_size = ep_size
         self.expert_group: Any = None
         self.expert_ranks: list[int] = []
         self.settings: StageSettings | None = None

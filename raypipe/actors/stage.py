@@ -31,7 +31,7 @@ from raypipe.devices import SERVING_ENV
 from raypipe.errors import StageError
 from raypipe.layers import LayerSpec
 from raypipe.nn import TensorParallelGroup
-from raypipe.nn.moe import ExpertParallelGroup, moe_layers, take_step_report
+from raypipe.nn.moe import ExpertParallelGroup, take_step_report
 from raypipe.runtime.transport import PeerFailed, agree
 from raypipe.runtime.transport.wire import StepCall, pack, unpack
 
@@ -104,8 +104,7 @@ class StageActor(RefsCalls):
         self.ep = ExpertParallelGroup(dp_rank % ep_size, ep_size)
         self.model = StageModel(specs, indices, seed, device, self.tp, tied, lora, quantize, self.ep)
         torch.manual_seed(seed * 7919 + stage)  # dropout and other in-forward randomness
-        self.optim = OptimizerState(self.model, dp_rank, dp_size)
-        self.optim.ep_size = ep_size
+        self.optim = OptimizerState(self.model, dp_rank, dp_size, ep_size)
         local, positions = 0, {}
         for v, a, b in self.chunks:
             positions[v] = (local, local + b - a)
@@ -146,8 +145,7 @@ class StageActor(RefsCalls):
             "agrees_through_pipes": self.agrees_through_pipes,
             "parameter_bytes": self.model.parameter_bytes(),
             # MoE layers (global layer index and module) -> the experts this actor holds
-            "experts": {f"{i}.{n}": m.held_experts() for i, layer in zip(self.model.layers, self.model.module)
-                        for n, m in moe_layers(layer)},
+            "experts": {key: moe.held_experts() for key, moe in self.model.moes.items()},
             "trainable_parameters": sum(p.numel() for p in self.model.trainable()),
             "gradient_bytes": sum(g.numel() * g.element_size() for g in self.model.grads()),
             "optimizer_state_bytes": self.optim.state_bytes(),
@@ -301,7 +299,7 @@ class StageActor(RefsCalls):
         report = self.optim.apply_step(step, total_norm, finite)
         executor = self.executor
         executor.clear_stash()
-        routed = take_step_report(zip(self.model.layers, self.model.module))  # MoE layers' routing, all-to-all
+        routed = take_step_report(self.model.moes)  # MoE layers' routing, all-to-all
         return {**report, "timing": {**executor.timing, **routed}, "events": list(executor.events),
                 "peak_memory_bytes": _peak_memory_bytes(self.model.device)}
 

@@ -270,15 +270,18 @@ def expert_parameters(module: nn.Module) -> set[int]:
     return {id(p) for _, moe in moe_layers(module) for p in moe.experts.parameters()}
 
 
-def take_step_report(layers: Iterable[tuple[int, nn.Module]]) -> dict[str, Any]:
-    """Per global layer index, the assignments each expert received and the drops since the last
-    report (then reset), and the all-to-all bytes sent: what a step report carries."""
+def keyed_moe_layers(layers: Iterable[tuple[int, nn.Module]]) -> dict[str, MoE]:
+    """Every MoE among `layers` ((global index, layer) pairs) under "<index>.<module name>"."""
+    return {f"{index}.{name}" if name else str(index): moe for index, layer in layers for name, moe in moe_layers(layer)}
+
+
+def take_step_report(moes: dict[str, MoE]) -> dict[str, Any]:
+    """Per MoE layer (`keyed_moe_layers`), the assignments each expert received and the drops since
+    the last report (then reset), and the all-to-all bytes sent: what a step report carries."""
     experts = {}
-    for index, layer in layers:
-        for name, moe in moe_layers(layer):
-            key = f"{index}.{name}" if name else str(index)
-            experts[key] = {"routed": moe.routed.tolist(), "dropped": moe.dropped}
-            moe.reset_stats()
+    for key, moe in moes.items():
+        experts[key] = {"routed": moe.routed.tolist(), "dropped": moe.dropped}
+        moe.reset_stats()
     report = {"experts": experts, "all_to_all_bytes": RECORDER.bytes} if experts else {}
     RECORDER.bytes = 0
     return report
