@@ -15,6 +15,7 @@ from typing import Any, Iterable, Mapping
 import yaml
 
 from raypipe import lora
+from raypipe.loggers import check_loggers
 from raypipe.checks import (
     check_choice, check_devices, check_int, check_lr_schedule, check_optimizer, check_positive, check_shard_plan,
     fail, nearest,
@@ -119,6 +120,9 @@ class TrainConfig:
             error naming the step, "skip" skips that update and goes on. Weights are
             never updated from non-finite gradients.
         log_dir: write TensorBoard scalars here (per step and per stage); None: off.
+        loggers: where each step's scalars go (`raypipe.loggers`): "tensorboard" (to `log_dir`),
+            "mlflow", "wandb", each a name or `{name: {option: value}}`, e.g.
+            `[tensorboard, {mlflow: {tracking_uri: "sqlite:///runs.db"}}]`.
         devices: the accelerator kind of every stage ("cpu", "cuda", "rocm", "mps"), or a
             list with one kind per stage. A cuda/rocm/mps stage asks Ray for that custom
             resource (and `num_gpus` for cuda/rocm) on a node labelled with the kind.
@@ -165,6 +169,7 @@ class TrainConfig:
     max_restarts: int = 0
     nonfinite: str = "error"
     log_dir: str | None = None
+    loggers: list = field(default_factory=lambda: ["tensorboard"])
     devices: str | list[str] = "cpu"
     gpus_per_actor: float = 1.0
     allow_cpu_fallback: bool = False
@@ -233,6 +238,7 @@ class TrainConfig:
             raise fail("allow_cpu_fallback", self.allow_cpu_fallback, "give true or false.")
         if self.log_dir is not None and (not isinstance(self.log_dir, str) or not self.log_dir):
             raise fail("log_dir", self.log_dir, "give a directory path or null.")
+        self.loggers = check_loggers(self.loggers)
         self.lora = lora.check(self.lora, self.tp)
         self.quantize = lora.check_quantize(self.quantize, self.lora, self.stage_kinds())
 

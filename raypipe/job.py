@@ -209,6 +209,8 @@ def run(
 
     profile_batch = batch(train_set, 0, train.seed) if train.partition == "profile" else None
     with Trainer(model.build(), config=train, sample=profile_batch, log=log) as trainer:
+        trainer.loggers.add_params({"model": model.describe(), "data": dataclasses.asdict(config.data),
+                                    "job": dataclasses.asdict(job)})
         lead = [i for i in trainer.stage_info() if i["dp_rank"] == 0 and i["tp_rank"] == 0]
         held = [i["layers"] if isinstance(i["layers"], list) else [i["layers"]] for i in lead]  # ranges: model chunks
         log("stages: " + ", ".join(f"{i['name']} layers " + " + ".join(f"[{a}, {b})" for a, b in ranges)
@@ -267,9 +269,11 @@ def run(
 
 def _validation_loss(trainer: Any, batches: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
                      job: JobSettings) -> float:
-    """Mean loss over fixed validation batches, computed through the pipeline."""
+    """Mean loss over fixed validation batches, computed through the pipeline, and logged as val/loss."""
     losses = [trainer.evaluate(*batches(k)) for k in range(job.eval_batches)]
-    return sum(losses) / len(losses)
+    mean = sum(losses) / len(losses)
+    trainer.log({"val/loss": mean})  # to config.loggers, at the step it was taken after
+    return mean
 
 
 def _sample(trainer: Any, config: JobConfig) -> str:

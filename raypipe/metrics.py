@@ -1,4 +1,5 @@
-"""Training metrics: per-stage timing from the actors' own timestamps, and TensorBoard."""
+"""Training metrics: per-stage timing from the actors' own timestamps, and the Ray dashboard's series
+(the experiment loggers, TensorBoard among them, are `raypipe.loggers`)."""
 
 from __future__ import annotations
 
@@ -59,53 +60,6 @@ def step_metrics(step: int, losses: Sequence[float], seconds: float, samples: in
     if fp16:
         metrics["loss_scale"] = report["loss_scale"]
     return metrics
-
-
-class TensorBoardLogger:
-    """Writes each step's metrics as TensorBoard scalars under `log_dir`.
-
-    Tags: train/loss, train/lr, train/grad_norm, train/tokens_per_s (or
-    train/samples_per_s), train/step_time, and per stage stage{s}/forward_s,
-    stage{s}/backward_s, stage{s}/bubble_fraction, stage{s}/peak_memory_bytes,
-    stage{s}/peak_stashed_microbatches (kept for backward), stage{s}/peak_awaiting_weight_grad
-    (split backwards: between input and weight gradient), stage{s}/sent_bytes
-    (activations and gradients sent to the neighbouring stages) and, when measured,
-    stage{s}/peak_stashed_bytes. A model with MoE layers adds stage{s}/all_to_all_s and
-    stage{s}/all_to_all_bytes, and per MoE layer (keyed by its global layer index)
-    moe/layer{l}/expert{e}_tokens and moe/layer{l}/dropped_tokens.
-    """
-
-    def __init__(self, log_dir: str) -> None:
-        from torch.utils.tensorboard import SummaryWriter
-
-        self.writer = SummaryWriter(log_dir=log_dir)
-
-    def log(self, metrics: dict[str, Any]) -> None:
-        step = metrics["step"]
-        rate = "tokens_per_s" if "tokens_per_s" in metrics else "samples_per_s"
-        for key in ("loss", "lr", "grad_norm", rate, "step_time"):
-            self.writer.add_scalar(f"train/{key}", metrics[key], step)
-        for s, stage in enumerate(metrics.get("stages", [])):
-            self.writer.add_scalar(f"stage{s}/forward_s", stage["forward_s"], step)
-            self.writer.add_scalar(f"stage{s}/backward_s", stage["backward_s"], step)
-            self.writer.add_scalar(f"stage{s}/bubble_fraction", stage["bubble"], step)
-            self.writer.add_scalar(f"stage{s}/peak_memory_bytes", stage["peak_memory_bytes"], step)
-            self.writer.add_scalar(f"stage{s}/peak_stashed_microbatches", stage["peak_stashed_microbatches"], step)
-            self.writer.add_scalar(f"stage{s}/peak_awaiting_weight_grad", stage["peak_awaiting_weight_grad"], step)
-            if "experts" in stage:
-                self.writer.add_scalar(f"stage{s}/all_to_all_s", stage["all_to_all_s"], step)
-                self.writer.add_scalar(f"stage{s}/all_to_all_bytes", stage["all_to_all_bytes"], step)
-                for layer, routed in stage["experts"].items():
-                    for e, count in enumerate(routed["routed"]):
-                        self.writer.add_scalar(f"moe/layer{layer}/expert{e}_tokens", count, step)
-                    self.writer.add_scalar(f"moe/layer{layer}/dropped_tokens", routed["dropped"], step)
-            self.writer.add_scalar(f"stage{s}/sent_bytes", stage["sent_bytes"], step)
-            if "peak_stashed_bytes" in stage:  # with TrainConfig.measure_activations
-                self.writer.add_scalar(f"stage{s}/peak_stashed_bytes", stage["peak_stashed_bytes"], step)
-
-    def close(self) -> None:
-        self.writer.flush()
-        self.writer.close()
 
 
 class RayMetrics:

@@ -20,7 +20,8 @@ from raypipe.actors.settings import StageSettings, check_reconfigurable
 from raypipe.config import TrainConfig
 from raypipe.errors import ConfigError
 from raypipe.layers import LayerSpec
-from raypipe.metrics import RayMetrics, TensorBoardLogger
+from raypipe.loggers import Loggers, run_params
+from raypipe.metrics import RayMetrics
 from raypipe.model import Model, resolve
 from raypipe.nn.plan import check_stages_split
 from raypipe.partition import first_plan
@@ -77,7 +78,7 @@ class Trainer:
         self._last_result_at = 0.0  # perf_counter() when the last step's result came back
         self._actors: list[Any] = []
         self._engine: Engine = make_engine(cfg.engine)
-        self._tensorboard: TensorBoardLogger | None = None
+        self.loggers = Loggers(cfg, self.run_name, lambda: run_params(self.config, self.run_name, self.plan))
         self._last_events: list[list[tuple]] = []
         self._ray_metrics: RayMetrics | None = None
         self.topology = Topology(cfg.pp, cfg.dp, cfg.tp, cfg.ep)  # rank = (d * pp + s) * tp + t
@@ -124,8 +125,7 @@ class Trainer:
             for backward; a split backward's microbatch until its weight gradient),
             `peak_awaiting_weight_grad` (between input and weight gradient), `sent_bytes` (activations and input gradients sent to the
             neighbouring stages, in `config.boundary_dtype`) and, with
-            `config.measure_activations`, `peak_stashed_bytes`.
-            Written to TensorBoard when `config.log_dir` is set.
+            `config.measure_activations`, `peak_stashed_bytes`. Recorded by `config.loggers`.
 
         Raises:
             BatchError: the batch cannot be split into dp x microbatches equal parts.
@@ -174,6 +174,10 @@ class Trainer:
         finally:
             if bar is not progress:
                 bar.close()
+
+    def log(self, values: dict[str, float], step: int | None = None) -> None:
+        """Records your own scalars (`{"val/loss": 1.2}`) with `config.loggers` at `step` (default: steps taken)."""
+        self.loggers.log(self.step_count if step is None else step, {k: float(v) for k, v in values.items()})
 
     def save(self, path: str | None = None) -> Path:
         """Saves weights, optimizer state, step and RNG state, all actors in lock-step, under
@@ -298,9 +302,7 @@ class Trainer:
         self._engine.close()
         placement.kill(self._actors)
         self._actors = []
-        if getattr(self, "_tensorboard", None) is not None:
-            self._tensorboard.close()
-            self._tensorboard = None
+        self.loggers.close()
         registry.discard(self)
         if hasattr(self, "_finalizer"):
             self._finalizer.detach()
@@ -353,6 +355,5 @@ class Trainer:
         self._finalizer.atexit = False  # at exit Ray ends the actors with the driver
         registry.add(self)
 
-    def _split(self, x: torch.Tensor, y: Any, parts: int) -> tuple[list[torch.Tensor], list[Any]]:
-        """Splits a batch into `parts` equal chunks (dp replicas x microbatches for a step)."""
+    def _split(self, x: torch.Tensor, y: Any, parts: int) -> tuple[list[torch.Tensor], list[Any]]:  # dp x m parts
         return split_batch(x, y, parts, self.config.dp, self.config.microbatches)

@@ -36,16 +36,19 @@ def head(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def submitted(head, tmp_path_factory):
-    """Runs `ray job submit` (waiting for the end) with a working directory holding the job."""
+    """Runs `ray job submit` (waiting for the end) with a working directory holding the job, logging
+    to MLflow (a sqlite store outside the working directory, which Ray copies) besides TensorBoard."""
     work = tmp_path_factory.mktemp("job")
+    tracking = f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'runs.db'}"
     shutil.copy(ROOT / "examples" / "train.py", work / "train.py")
     shutil.copy(ROOT / "examples" / "configs" / "tiny.yaml", work / "job.yaml")
     result = subprocess.run(
         [RAY, "job", "submit", "--address", head["url"], "--working-dir", str(work), "--",
          sys.executable, "train.py", "--config", "job.yaml", "--set", f"name={RUN}", "--set", "job.steps=20",
-         "--set", "job.sample_tokens=0"],
+         "--set", "job.sample_tokens=0", "--set", f"loggers=[tensorboard, {{mlflow: {{tracking_uri: '{tracking}'}}}}]"],
         env=head["env"], capture_output=True, text=True, timeout=300,
     )
+    result.tracking = tracking
     return result
 
 
@@ -60,6 +63,24 @@ def test_ray_job_submit_trains_and_succeeds(head, submitted):
     losses = [float(v) for v in re.findall(r"\| loss (\d+\.\d+)", out)]
     assert len(losses) >= 4 and losses[-1] < losses[0] - 0.5, losses
     assert "step/s" not in out and "s/step" not in out  # no progress bar in a job's log: plain lines
+
+
+def test_the_jobs_losses_and_validation_reach_mlflow(submitted):
+    """The run the job logged to MLflow holds the losses it printed and its validation losses."""
+    from mlflow.tracking import MlflowClient
+
+    assert submitted.returncode == 0, submitted.stderr[-3000:]
+    client = MlflowClient(submitted.tracking)
+    (run,) = client.search_runs([client.get_experiment_by_name("raypipe").experiment_id])
+    assert run.info.run_name == RUN and run.info.status == "FINISHED" and run.data.params["job.steps"] == "20"
+    logged = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "train/loss")}
+    assert sorted(logged) == list(range(1, 21))
+    printed = {int(s): float(v) for s, v in re.findall(r"step +(\d+) \| loss (\d+\.\d+)", submitted.stdout)}
+    assert len(printed) >= 4 and all(abs(logged[s] - v) < 6e-5 for s, v in printed.items()), (printed, logged)
+    validation = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "val/loss")}
+    val_printed = {int(s): float(v) for s, v in re.findall(r"step +(\d+) \| val loss (\d+\.\d+)", submitted.stdout)}
+    assert set(validation) == set(val_printed) == {0, 20}
+    assert all(abs(validation[s] - v) < 6e-5 for s, v in val_printed.items())
 
 
 def test_state_api_lists_every_stage_by_name_and_repr(head, submitted):

@@ -13,7 +13,8 @@ import torch
 
 from raypipe.actors.settings import stops_on_nonfinite
 from raypipe.errors import ActorDiedError, NonFiniteError, RaypipeError, StepTimeoutError
-from raypipe.metrics import RayMetrics, TensorBoardLogger, step_metrics
+from raypipe.loggers import scalars
+from raypipe.metrics import RayMetrics, step_metrics
 from raypipe.progress import Progress
 from raypipe.runtime.batches import is_varying, loss_weights, samples_and_tokens
 from raypipe.runtime.engines import StepInput, StepTarget, Wait
@@ -85,10 +86,7 @@ def complete(trainer: Any, submitted: Submitted) -> dict[str, Any] | None:
     if trainer._ray_metrics is None:
         trainer._ray_metrics = RayMetrics(trainer.run_name)
     trainer._ray_metrics.log(metrics, trainer.topology.lead_ranks())
-    if trainer.config.log_dir is not None:
-        if trainer._tensorboard is None:
-            trainer._tensorboard = TensorBoardLogger(trainer.config.log_dir)
-        trainer._tensorboard.log(metrics)
+    trainer.loggers.log(trainer.step_count, scalars(metrics))
     every = trainer.config.checkpoint_every
     if every and trainer.step_count % every == 0:
         metrics["checkpoint"] = str(trainer.save())
