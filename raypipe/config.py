@@ -8,6 +8,7 @@ fields in sections (`parallel: {pp: 2}`); the field names stay the same.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -335,31 +336,47 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist.")
-    data = yaml.safe_load(path.read_text()) or {}
+    data = parse_yaml(path.read_text()) or {}
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(path)!r} must hold a mapping, got {type(data).__name__}.")
     return data
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML 1.1's safe loader, reading `3e-4` as the float YAML 1.2 (and everyone) means, not a string."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?|\.[0-9_]+(?:[eE][-+]?[0-9]+)?"
+               r"|[0-9][0-9_]*[eE][-+]?[0-9]+|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+    list("-+0123456789."))
+
+
+def parse_yaml(text: str) -> Any:
+    """A config file's (or an override's) YAML, numbers like `1e-5` read as floats."""
+    return yaml.load(text, Loader=_Loader)
 
 
 def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
     """Applies command-line overrides like `microbatches=8` or `model.n_layer=2`.
 
     The value is parsed as YAML (so `8` is an int, `[[0,2],[2,4]]` a list). A dotted
-    key sets a key inside a section or mapping field; a plain key that names a field
-    living inside a section of the file is set there.
+    key sets a key inside a section or mapping field; a key whose first part names a field
+    living inside a section of the file is set there (`optimizer.lr=3e-4` with `optim: {optimizer: ...}`).
     """
     data = dict(data)
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like key=value, e.g. microbatches=8.")
         key, raw = item.split("=", 1)
-        value = yaml.safe_load(raw)
+        value = parse_yaml(raw)
         parts = key.strip().split(".")
         target = data
-        if len(parts) == 1 and parts[0] not in data:
+        if parts[0] not in data:  # a field kept in a section: `lr` of `optim: {optimizer: {...}}` too
             for name, section in data.items():
                 if isinstance(section, dict) and parts[0] in section:
-                    parts = [name, parts[0]]
+                    parts = [name, *parts]
                     break
         for part in parts[:-1]:
             nxt = target.get(part)

@@ -128,3 +128,14 @@ def test_fuzzed_configs_are_valid_or_config_errors(data):
         return
     assert cfg.pp >= 1 and cfg.microbatches >= 1
     assert cfg.grad_clip is None or (cfg.grad_clip > 0 and not math.isnan(cfg.grad_clip))
+
+
+def test_scientific_numbers_in_yaml_and_overrides_are_floats_and_dotted_keys_find_their_section(tmp_path):
+    """PyYAML reads `3e-4` as a string (YAML 1.1 wants `3.0e-4`); a learning rate written so is a float
+    here, in the file and in `--set`; and `optimizer.lr=...` reaches the optimizer kept in an `optim` section."""
+    path = tmp_path / "job.yaml"
+    path.write_text("optim:\n  optimizer: {name: adamw, lr: 3e-4}\n  grad_clip: 1e0\nparallel: {pp: 2}\n")
+    assert TrainConfig.from_yaml(path).optimizer == {"name": "adamw", "lr": 3e-4}
+    cfg = TrainConfig.from_yaml(path, ["optimizer.lr=1e-5", "grad_clip=2E+0"])
+    assert cfg.optimizer == {"name": "adamw", "lr": 1e-5} and cfg.grad_clip == 2.0 and cfg.pp == 2
+    assert apply_overrides({"a": {"b": 1}}, ["b=1_000", "name=1e", "c=.5"]) == {"a": {"b": 1000}, "name": "1e", "c": 0.5}

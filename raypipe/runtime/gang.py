@@ -8,6 +8,10 @@ a trainer that does not fit holds nothing while it waits, and gets a `PlacementE
 The group is removed with the actors (`release`), so nothing leaks; a recovery reserves a
 fresh one.
 
+A trainer built inside a placement group that captures its children (a Ray Tune trial's, reserved
+with `raypipe.tune.resources`) does not reserve another: its actors go into that group's bundles
+after the first (the trial's own), which the trial reserved for them (`enclosing`).
+
 `TrainConfig.placement` picks Ray's strategy: "pack" (as few nodes as possible, so stages
 share memory links), "spread" (across nodes where it can) or "strict_spread" (one actor per
 node, else it fails).
@@ -76,6 +80,28 @@ def reserve(bundles: Sequence[tuple[dict[str, float], dict[str, str]]], strategy
     return group
 
 
+def enclosing(bundles: Sequence[tuple[dict[str, float], dict[str, str]]]) -> Any:
+    """The placement group this process runs in, when it captures the tasks and actors started
+    here (a Tune trial's); its bundles 1.. hold the actors. None outside one.
+
+    Raises:
+        PlacementError: the group has no bundle, or too small a one, for some actor.
+    """
+    group = ray.util.get_current_placement_group()
+    if group is None:
+        return None
+    specs = group.bundle_specs
+    short = [f"actor {i} asks for {b}, bundle {i + 1} holds {specs[i + 1] if i + 1 < len(specs) else 'nothing'}"
+             for i, (b, _) in enumerate(bundles)
+             if i + 1 >= len(specs) or any(specs[i + 1].get(k, 0.0) < v - 1e-9 for k, v in b.items())]
+    if short:
+        raise PlacementError(
+            f"this trainer runs inside a placement group (a Ray Tune trial's) of {len(specs)} bundles, which "
+            f"does not hold its {len(bundles)} actors beside the trial's own bundle: {'; '.join(short[:4])}. "
+            f"Reserve them with the trial: tune.with_resources(train_fn, raypipe.tune.resources(config)).")
+    return group
+
+
 def _fits_some_node(resources: dict[str, float], selector: dict[str, str]) -> bool:
     """Whether an alive node has (in total, free or not) the resources and labels of a bundle."""
     for node in ray.nodes():
@@ -88,7 +114,8 @@ def _fits_some_node(resources: dict[str, float], selector: dict[str, str]) -> bo
 
 def in_bundle(group: Any, index: int, options: dict[str, Any]) -> dict[str, Any]:
     """Ray actor options starting an actor in bundle `index` of `group` (its label selector is
-    the bundle's)."""
+    the bundle's; a trial's group, which Tune reserves without selectors, relies on the kind's
+    resource alone)."""
     options = {k: v for k, v in options.items() if k != "label_selector"}
     return {**options, "scheduling_strategy": PlacementGroupSchedulingStrategy(
         group, placement_group_bundle_index=index, placement_group_capture_child_tasks=False)}

@@ -38,12 +38,17 @@ def stage_options(config: TrainConfig, stage: int) -> dict[str, Any]:
     return ray_options(config.stage_kinds()[stage], config.gpus_per_actor)
 
 
+def actor_bundles(config: TrainConfig, topology: Topology, cpus: float) -> list[tuple[dict[str, float], dict[str, str]]]:
+    """Each actor's bundle (rank by rank) and label selector: `cpus` and its stage's accelerator kind."""
+    return [gang.bundle(cpus, stage_options(config, topology.place(r)[1])) for r in range(len(topology.names()))]
+
+
 def start_actors(config: TrainConfig, topology: Topology, names: Sequence[str], specs: Sequence[LayerSpec],
                  plan: Sequence[tuple[int, int]], schedule: Schedule, loss_fn: Any, run_name: str, cpus: float,
-                 tied: Sequence[Sequence[str]] = (), group: Any = None) -> list[Any]:
+                 tied: Sequence[Sequence[str]] = (), group: Any = None, first: int = 0) -> list[Any]:
     """Creates every stage actor (Ray places them asynchronously; `wait_for_actors` waits), each
     with the layers of the virtual stages `schedule` gives it (`plan` is per virtual stage), in
-    its bundle of the placement `group` that reserved them (`gang.reserve`)."""
+    its bundle (`first` + rank) of the placement `group` that reserved them (`gang.reserve`)."""
     threads = config.threads_per_actor or max(1, int(cpus))
     remote_cls = ray.remote(StageActor)
     kinds = config.stage_kinds()
@@ -57,7 +62,7 @@ def start_actors(config: TrainConfig, topology: Topology, names: Sequence[str], 
         actors.append(
             remote_cls.options(
                 name=name, namespace=f"raypipe-{run_name}", num_cpus=cpus, max_restarts=0, max_task_retries=0,
-                **(gang.in_bundle(group, rank, stage_options(config, s)) if group is not None
+                **(gang.in_bundle(group, first + rank, stage_options(config, s)) if group is not None
                    else stage_options(config, s)),
             ).remote(
                 s, config.pp, layers, start, config.seed, threads,
@@ -122,16 +127,22 @@ def start_gang(config: TrainConfig, topology: Topology, names: Sequence[str], sp
     `plan`: per virtual stage of `schedule`. `tied`: the model's tied weights (`raypipe.model.Model.tied`)."""
     cpus = cpus_per_actor(config, len(names))
     stages = [topology.place(r)[1] for r in range(len(names))]
-    bundles = [gang.bundle(cpus, stage_options(config, s)) for s in stages]
-    asks = [f"{n} (stage {s}) asked for { {'CPU': cpus, **stage_options(config, s)} }" for n, s in zip(names, stages)]
-    group = gang.reserve(bundles, config.placement, f"raypipe-{run_name}", config.actor_start_timeout, asks,
-                         cluster_offer, others)
+    group, first = gang.enclosing(actor_bundles(config, topology, config.cpus_per_actor or 0.01)), 1
+    if group is not None:  # a Tune trial's group: its bundles 1.. were reserved for the actors
+        cpus = min(b.get("CPU", 0.0) for b in group.bundle_specs[1:len(names) + 1]) or cpus
+    else:
+        asks = [f"{n} (stage {s}) asked for { {'CPU': cpus, **stage_options(config, s)} }" for n, s in zip(names, stages)]
+        group, first = gang.reserve(actor_bundles(config, topology, cpus), config.placement, f"raypipe-{run_name}",
+                                    config.actor_start_timeout, asks, cluster_offer, others), 0
     try:
-        actors = start_actors(config, topology, names, specs, plan, schedule, loss_fn, run_name, cpus, tied, group)
+        actors = start_actors(config, topology, names, specs, plan, schedule, loss_fn, run_name, cpus, tied, group,
+                              first)
     except BaseException:
-        gang.release_group(group)
+        if not first:
+            gang.release_group(group)
         raise
-    gang.remember(actors, group)
+    if not first:  # the trainer's own group goes with its actors; a trial's stays with the trial
+        gang.remember(actors, group)
     shared = [(g, stages) for g, stages in enumerate(tied_stages(tied, actor_plan(plan, schedule))) if len(stages) > 1]
     try:
         devices = wait_for_actors(actors, names, topology, plan, config, cpus, others)
