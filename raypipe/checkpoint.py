@@ -9,11 +9,14 @@ Layout of one checkpoint, `<root>/step-00000120/`:
     MANIFEST.json                   sha256 and size of every file above; written last
 
 Every file is keyed by global layer index, never by stage, so a checkpoint saved at
-one pp loads at any other. Each actor writes its own layers (a multi-node run needs
-a directory every node sees), each file atomically (temporary file, fsync, rename);
-the checkpoint is written as `step-N.partial` and renamed to `step-N` after the
-manifest, so a directory named `step-N` is always complete. Loading verifies every
-checksum first.
+one pp loads at any other. Each actor writes its own layers straight to the root: a
+directory every node sees, or a URI (`s3://bucket/run`, anything `pyarrow.fs` resolves;
+`raypipe.storage`). In a directory each file is written atomically (temporary file,
+fsync, rename), the checkpoint as `step-N.partial`, renamed to `step-N` after the
+manifest, so a directory named `step-N` is always complete. An object store has no
+rename: there the manifest, written last, is the commit marker, and a `step-N` without
+one (a save cut short) is skipped by readers and pruned. Loading verifies every checksum
+first, and falls back past invalid checkpoints to the newest valid one.
 
 The tensor files are safetensors: nothing is unpickled on load. A file holds any tree of
 dicts, lists, tensors and plain values (an optimizer's state: tensors and step counts): the
@@ -35,6 +38,7 @@ from typing import Any, Callable
 import torch
 
 from raypipe.errors import RaypipeError
+from raypipe.storage import StoragePath, location
 
 FORMAT = 1
 MANIFEST = "MANIFEST.json"
@@ -68,7 +72,9 @@ def existing(path: Path) -> Path:
     return legacy if not path.exists() and legacy.exists() else path
 
 
-def sha256_file(path: Path) -> str:
+def sha256_file(path: Path | StoragePath) -> str:
+    if isinstance(path, StoragePath):
+        return hashlib.sha256(path.read_bytes()).hexdigest()
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -76,8 +82,12 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def write_atomic(path: Path, data: bytes) -> dict[str, Any]:
-    """Writes bytes via a temporary file, fsync and rename. Returns its sha256 and size."""
+def write_atomic(path: Path | StoragePath, data: bytes) -> dict[str, Any]:
+    """Writes bytes via a temporary file, fsync and rename (an object: in one put). Returns its
+    sha256 and size."""
+    if isinstance(path, StoragePath):
+        path.write_bytes(data)
+        return {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     with open(tmp, "wb") as f:
@@ -88,7 +98,7 @@ def write_atomic(path: Path, data: bytes) -> dict[str, Any]:
     return {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
 
 
-def save_tensors(path: Path, obj: Any) -> dict[str, Any]:
+def save_tensors(path: Path | StoragePath, obj: Any) -> dict[str, Any]:
     """`obj` (dicts, lists, tensors, plain values) as a safetensors file, written atomically."""
     from safetensors.torch import save
 
@@ -97,10 +107,12 @@ def save_tensors(path: Path, obj: Any) -> dict[str, Any]:
     return write_atomic(path, save(tensors, metadata={"raypipe.tree": json.dumps(tree)}))
 
 
-def load_tensors(path: Path) -> Any:
+def load_tensors(path: str | Path | StoragePath) -> Any:
     """What `save_tensors` wrote (a safetensors file: nothing unpickled), or a legacy `.pt` file
     through torch.load that refuses anything but tensors and plain containers."""
-    path = Path(path)
+    path = location(path)
+    if isinstance(path, StoragePath):
+        return _load_bytes(path.read_bytes(), path.suffix == LEGACY)
     if path.suffix == LEGACY:
         return torch.load(path, map_location="cpu", weights_only=True)
     from safetensors import safe_open
@@ -110,6 +122,20 @@ def load_tensors(path: Path) -> Any:
         if "raypipe.tree" not in metadata:  # a plain safetensors file: its tensors by name
             return {key: f.get_tensor(key) for key in f.keys()}
         return _unflatten(json.loads(metadata["raypipe.tree"]), f)
+
+
+def _load_bytes(data: bytes, legacy: bool) -> Any:
+    """`load_tensors` of a file read whole (from an object store)."""
+    if legacy:
+        import io
+
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    from safetensors.torch import load
+
+    header = json.loads(data[8:8 + int.from_bytes(data[:8], "little")])
+    tensors = load(data)
+    tree = (header.get("__metadata__") or {}).get("raypipe.tree")
+    return tensors if tree is None else _unflatten(json.loads(tree), tensors)
 
 
 def _flatten(obj: Any, path: str, tensors: dict[str, torch.Tensor], storages: set[int]) -> Any:
@@ -135,9 +161,10 @@ def _flatten(obj: Any, path: str, tensors: dict[str, torch.Tensor], storages: se
 
 
 def _unflatten(tree: dict[str, Any], f: Any) -> Any:
+    """The object `_flatten` described, its tensors from `f` (a safetensors file, or a dict of them)."""
     (kind, value), = tree.items()
     if kind == "tensor":
-        return f.get_tensor(value)
+        return f[value] if isinstance(f, dict) else f.get_tensor(value)
     if kind == "dict":
         return {k: _unflatten(v, f) for k, v in value}
     if kind in ("list", "tuple"):
@@ -150,17 +177,28 @@ def partial_dir(root: Path, step: int) -> Path:
     return Path(root) / f"{checkpoint_name(step)}.partial"
 
 
-def begin(root: str | Path, step: int) -> Path:
-    """Creates an empty `step-N.partial` directory for the actors to write into."""
-    path = partial_dir(Path(root), step)
-    if path.exists():
-        shutil.rmtree(path)
+def begin(root: str | Path, step: int) -> Path | StoragePath:
+    """Where the actors write checkpoint `step`: an empty `step-N.partial` directory; in an object
+    store `step-N` itself, cleared of anything an earlier save left there."""
+    root = location(root)
+    path = root / checkpoint_name(step) if isinstance(root, StoragePath) else partial_dir(root, step)
+    remove(path)
     path.mkdir(parents=True)
     return path
 
 
-def commit(partial: Path, files: dict[str, dict[str, Any]], meta: dict[str, Any], keep: int) -> Path:
-    """Writes trainer.json and the manifest, renames the directory into place, prunes old ones.
+def remove(path: Path | StoragePath) -> None:
+    """Deletes a checkpoint directory (nothing when it is absent)."""
+    if isinstance(path, StoragePath):
+        path.rmtree()
+    elif path.exists():
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def commit(partial: Path | StoragePath, files: dict[str, dict[str, Any]], meta: dict[str, Any],
+           keep: int) -> Path | StoragePath:
+    """Writes trainer.json and the manifest, renames the directory into place (in an object store
+    the manifest is the commit), prunes old ones.
 
     Args:
         partial: the directory `begin` returned, with the actors' files in it.
@@ -173,22 +211,27 @@ def commit(partial: Path, files: dict[str, dict[str, Any]], meta: dict[str, Any]
     manifest = {"format": FORMAT, "step": meta["step"], "files": files}
     write_atomic(partial / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True).encode())
     final = partial.with_name(checkpoint_name(meta["step"]))
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(partial, final)
-    _fsync_dir(final.parent)
+    if not isinstance(partial, StoragePath):
+        remove(final)
+        os.replace(partial, final)
+        _fsync_dir(final.parent)
     if keep:
-        for old in list_checkpoints(final.parent)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        found = list_checkpoints(final.parent)
+        complete = [p for p in found if not isinstance(p, StoragePath) or (p / MANIFEST).exists()]
+        newest = int(_NAME.match(final.name).group(1))
+        cut_short = [p for p in found if p not in complete and int(_NAME.match(p.name).group(1)) < newest]
+        for old in complete[:-keep] + cut_short:
+            remove(old)
     return final
 
 
-def list_checkpoints(root: str | Path) -> list[Path]:
-    """Complete checkpoint directories under root, oldest first."""
-    root = Path(root)
+def list_checkpoints(root: str | Path) -> list[Path | StoragePath]:
+    """Checkpoint directories under root, oldest first: complete ones (in an object store also
+    those a save left without a manifest, which `verify` refuses)."""
+    root = location(root)
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and _NAME.match(p.name)]
+    found = [p for p in root.iterdir() if _NAME.match(p.name) and p.is_dir()]
     return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))
 
 
@@ -198,7 +241,7 @@ def verify(path: str | Path) -> dict[str, Any]:
     Raises:
         CheckpointError: naming the first missing, truncated or altered file.
     """
-    path = Path(path)
+    path = location(path)
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
         raise CheckpointError(f"{path}: no {MANIFEST} (the checkpoint was not completed)")
@@ -213,8 +256,9 @@ def verify(path: str | Path) -> dict[str, Any]:
         file = path / name
         if not file.is_file():
             raise CheckpointError(f"{file}: missing")
-        if file.stat().st_size != entry["bytes"]:
-            raise CheckpointError(f"{file}: {file.stat().st_size} bytes, the manifest says {entry['bytes']} (truncated?)")
+        size = file.size() if isinstance(file, StoragePath) else file.stat().st_size
+        if size != entry["bytes"]:
+            raise CheckpointError(f"{file}: {size} bytes, the manifest says {entry['bytes']} (truncated?)")
         if sha256_file(file) != entry["sha256"]:
             raise CheckpointError(f"{file}: sha256 does not match the manifest (corrupt)")
     return json.loads((path / META).read_text())
@@ -247,7 +291,7 @@ def find_valid(
 
 def resolve(path: str | Path, warn: Callable[[str], None] = print) -> tuple[Path, dict[str, Any]]:
     """A checkpoint directory as given, or the newest valid one when given their root."""
-    path = Path(path)
+    path = location(path)
     if (path / MANIFEST).exists() or _NAME.match(path.name):
         return path, verify(path)
     return find_valid(path, warn=warn)

@@ -17,6 +17,7 @@ import yaml
 
 from raypipe import lora
 from raypipe.loggers import check_loggers
+from raypipe.storage import check_available, is_uri
 from raypipe.checks import (
     check_choice, check_devices, check_int, check_lr_schedule, check_optimizer, check_positive, check_shard_plan,
     fail, nearest,
@@ -111,8 +112,8 @@ class TrainConfig:
         step_timeout: seconds a step may go without any action finishing before it is abandoned
             (under engine="compiled", where a step is one call per actor: seconds for the whole step).
         name: run name, used in actor names and logs; None picks a unique one.
-        checkpoint_dir: where checkpoints go (`<dir>/step-N/`); shared by all nodes in a
-            multi-node run. None disables automatic checkpoints.
+        checkpoint_dir: where checkpoints go (`<dir>/step-N/`): a directory (shared by all nodes in
+            a multi-node run) or a URI `pyarrow.fs` opens (`s3://bucket/run`; `raypipe.storage`). None disables automatic checkpoints.
         checkpoint_every: save every this many steps (0: only on `Trainer.save`).
         keep_checkpoints: how many of the newest checkpoints to keep (0: all).
         max_restarts: how many times `Trainer.fit` rebuilds the actors after one dies,
@@ -224,7 +225,9 @@ class TrainConfig:
         if self.name is not None and (not isinstance(self.name, str) or not self.name):
             raise fail("name", self.name, "give a non-empty string or null.")
         if self.checkpoint_dir is not None and (not isinstance(self.checkpoint_dir, str) or not self.checkpoint_dir):
-            raise fail("checkpoint_dir", self.checkpoint_dir, "give a directory path or null.")
+            raise fail("checkpoint_dir", self.checkpoint_dir, "give a directory path, a URI (s3://bucket/run) or null.")
+        if is_uri(self.checkpoint_dir):
+            check_available(self.checkpoint_dir, "checkpoint_dir")
         check_int("checkpoint_every", self.checkpoint_every, 0)
         if self.checkpoint_every and self.checkpoint_dir is None:
             raise fail("checkpoint_every", self.checkpoint_every, "set checkpoint_dir too, or use 0.")

@@ -181,7 +181,7 @@ class Trainer:
 
     def save(self, path: str | None = None) -> Path:
         """Saves weights, optimizer state, step and RNG state, all actors in lock-step, under
-        `path` (`config.checkpoint_dir` when omitted); returns the directory, `<root>/step-<N>`."""
+        `path` (`config.checkpoint_dir` when omitted; a directory or a URI); returns `<root>/step-<N>`."""
         root = path or self.config.checkpoint_dir
         if root is None:
             raise ConfigError("Trainer.save needs a path, or TrainConfig.checkpoint_dir set.")

@@ -18,6 +18,7 @@ from raypipe.actors.model import StageModel
 from raypipe.actors.optimizer import OptimizerState
 from raypipe.errors import StageError
 from raypipe.nn import merge, shard
+from raypipe.storage import location
 
 
 def save_stage(model: StageModel, optim: OptimizerState, directory: str, stage: int, name: str,
@@ -53,13 +54,14 @@ def save_stage(model: StageModel, optim: OptimizerState, directory: str, stage: 
         models, states = _merge_tp_shards(model, models, states, tp_ranks)
         if model.tp.rank != 0:
             return nothing
-    root = Path(directory)
-    if not root.is_dir():
+    root = location(directory)  # a local directory, or a URI every actor writes to (raypipe.storage)
+    if isinstance(root, Path) and not root.is_dir():
         import ray
 
         raise StageError(
             f"{name} on node {ray.get_runtime_context().get_node_id()[:12]} cannot see the "
-            f"checkpoint directory {directory}: multi-node runs need a directory every node shares."
+            f"checkpoint directory {directory}: multi-node runs need a directory every node shares, or a "
+            f"URI of storage every node reaches (checkpoint_dir='s3://bucket/run', raypipe.storage)."
         )
     files = {}
     for index in model.layers:
@@ -78,7 +80,7 @@ def load_stage(model: StageModel, optim: OptimizerState, directory: str, stage: 
     Raises:
         StageError: a file is missing or does not fit the stage, naming the actor and the directory.
     """
-    root = Path(directory)
+    root = location(directory)
     tp, optimizer = model.tp, optim.optimizer
     try:
         for j, (index, layer) in enumerate(zip(model.layers, model.module)):

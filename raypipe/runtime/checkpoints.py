@@ -5,7 +5,6 @@ commits a save and picks the checkpoint a load or a recovery restores
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -36,9 +35,9 @@ def save(actors: Sequence[Any], names: Sequence[str], root: str, step: int, meta
     partial = ckpt.begin(root, step)
     try:
         # every actor takes part: under ZeRO-1 each replica holds a share of the optimizer state
-        parts = gather([a.save_checkpoint.remote(str(partial)) for a in actors], "save", actors, names)
+        parts = gather([a.save_checkpoint.remote(address(partial)) for a in actors], "save", actors, names)
     except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
+        ckpt.remove(partial)
         raise
     files = {name: entry for part in parts for name, entry in part["files"].items()}
     return ckpt.commit(partial, files, {**meta, "loss_scaler": parts[0]["loss_scaler"]}, keep)
@@ -68,9 +67,14 @@ def load(actors: Sequence[Any], names: Sequence[str], path: str, step: int | Non
             f"checkpoint does not load into a LoRA run). Load it with that base model and TrainConfig.lora."
         )
     same_split = meta["plan"] == [list(r) for r in plan]
-    gather([a.load_checkpoint.remote(str(where), meta["loss_scaler"], same_split) for a in actors],
+    gather([a.load_checkpoint.remote(address(where), meta["loss_scaler"], same_split) for a in actors],
            "load", actors, names)
     return where, meta["step"]
+
+
+def address(path: Any) -> str:
+    """What an actor opens a checkpoint location by: a local path, or the full URI (`StoragePath.uri`)."""
+    return getattr(path, "uri", None) or str(path)
 
 
 def last_valid(checkpoint_dir: str | None) -> Path | None:

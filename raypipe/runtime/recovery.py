@@ -33,7 +33,7 @@ def recover(trainer: Any, error: ActorDiedError, log: Callable[[str], None]) -> 
     trainer._start_actors()
     where = last_valid(config.checkpoint_dir)
     if where is not None:
-        trainer.load(str(where), log=log)
+        trainer.load(where, log=log)
     else:
         trainer.step_count = 0  # new actors start from the initial weights
     log(f"raypipe: resumed at step {trainer.step_count} from {where or 'the initial weights'} "

@@ -1,0 +1,154 @@
+"""Checkpoints in object storage: a real S3-compatible server (moto's server mode) on 127.0.0.1,
+every actor writing its own files straight to `s3://...`, the manifest written last as the commit
+marker; exact resume from the bucket, a corrupt object and a save cut short by a killed actor."""
+
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from helpers import MLP7, KillOnSave, batch
+from raypipe import ConfigError, LayerSpec, TrainConfig, Trainer
+from raypipe.checkpoint import MANIFEST, find_valid, list_checkpoints, verify
+from raypipe.storage import StoragePath
+
+ADAMW = {"name": "adamw", "lr": 1e-2, "weight_decay": 0.1}
+STEPS = 6
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    """moto's S3 server on a free local port, stopped by its pid at the end; yields a function
+    giving the URI of a fresh prefix in its bucket (credentials and endpoint in the URI, which
+    the actors open as they are)."""
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("moto") / "server.log", "w")
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    pytest.fail(f"moto's server did not start on port {port}")
+                time.sleep(0.2)
+        query = f"endpoint_override=127.0.0.1:{port}&scheme=http&region=us-east-1&allow_bucket_creation=true"
+        StoragePath(f"s3://key:secret@ckpt?{query}").mkdir()  # the bucket
+        names = iter(range(1000))
+        yield lambda: f"s3://key:secret@ckpt/run{next(names)}?{query}"
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait(timeout=20)
+        log.close()
+
+
+def config(root=None, **changes):
+    base = dict(pp=2, microbatches=2, optimizer=ADAMW, seed=5, checkpoint_dir=root,
+                checkpoint_every=2 if root else 0, keep_checkpoints=0)
+    base.update(changes)
+    return TrainConfig(**base)
+
+
+@pytest.fixture(scope="module")
+def in_bucket(ray_session, s3):
+    root = s3()
+    with Trainer(MLP7, nn.functional.mse_loss, config(root)) as t:
+        history = t.fit(batch, STEPS, log=lambda _: None)
+    return [m["loss"] for m in history], root
+
+
+def test_every_actor_writes_to_the_bucket_and_the_manifest_commits(in_bucket):
+    _, root = in_bucket
+    found = list_checkpoints(root)
+    assert [p.name for p in found] == ["step-00000002", "step-00000004", "step-00000006"]
+    meta = verify(found[1])  # every object's size and sha256, read back from the server
+    assert meta["step"] == 4 and meta["pp"] == 2
+    assert {p.name for p in (found[1] / "model").iterdir()} == {f"layer-{i:05d}.safetensors" for i in range(7)}
+    assert "secret" not in str(found[1]) and "key:***@" in str(found[1])  # messages never show the secret
+
+
+def test_resume_from_the_bucket_continues_exactly(in_bucket):
+    losses, root = in_bucket
+    with Trainer(MLP7, nn.functional.mse_loss, config(pp=1)) as t:
+        where = t.load(root, step=2)
+        assert where.name == "step-00000002" and t.step_count == 2
+        resumed = [m["loss"] for m in t.fit(batch, STEPS)]
+    torch.testing.assert_close(torch.tensor(resumed), torch.tensor(losses[2:]), rtol=1e-6, atol=1e-6)
+
+
+def test_a_corrupt_object_and_a_step_without_manifest_fall_back_to_the_newest_valid(in_bucket):
+    losses, root = in_bucket
+    base = StoragePath(root)
+    layer = base / "step-00000006" / "model" / "layer-00004.safetensors"
+    data = bytearray(layer.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    layer.write_bytes(bytes(data))
+    (base / "step-00000008" / "model" / "layer-00000.safetensors").write_bytes(b"a save cut short")
+    warnings = []
+    path, meta = find_valid(root, warn=warnings.append)
+    assert path.name == "step-00000004" and meta["step"] == 4
+    assert "step-00000008: no MANIFEST.json" in warnings[0]
+    assert "layer-00004.safetensors: sha256 does not match" in warnings[1]
+    with Trainer(MLP7, nn.functional.mse_loss, config()) as t:
+        assert t.load(root, log=lambda _: None).name == "step-00000004"
+        resumed = [m["loss"] for m in t.fit(batch, STEPS)]
+    torch.testing.assert_close(torch.tensor(resumed), torch.tensor(losses[4:]), rtol=1e-6, atol=1e-6)
+
+
+def test_an_actor_killed_mid_save_leaves_no_checkpoint_and_training_continues_exactly(ray_session, s3, tmp_path):
+    """Stage 1's actor dies while the step-4 checkpoint is written (stage 0's objects may already be
+    in the bucket): step 4 has no manifest, so recovery restores step 2, replays, and saves step 4
+    again; the losses are the uninterrupted run's and pruning leaves the newest two."""
+    flag = tmp_path / "kill-on-save"
+    layers = MLP7[:4] + [LayerSpec(KillOnSave, str(flag))] + MLP7[4:]
+
+    def run(root, arm):
+        messages = []
+
+        def on_step(metrics):
+            if arm and metrics["step"] == 2 and not (tmp_path / "armed").exists():
+                (tmp_path / "armed").touch()
+                flag.touch()  # the next save (step 4) kills stage 1
+
+        with Trainer(layers, nn.functional.mse_loss, config(root, max_restarts=1, keep_checkpoints=2)) as t:
+            history = t.fit(batch, STEPS, on_step=on_step, log=messages.append)
+        return {m["step"]: m["loss"] for m in history}, messages
+
+    expected, _ = run(s3(), arm=False)
+    root = s3()
+    got, messages = run(root, arm=True)
+    assert not flag.exists(), "the kill never happened"
+    assert any("resumed at step 2 from" in m for m in messages), messages
+    assert got == pytest.approx(expected, rel=1e-6, abs=1e-6)
+    kept = list_checkpoints(root)
+    assert [p.name for p in kept] == ["step-00000004", "step-00000006"]
+    assert all((p / MANIFEST).exists() for p in kept) and verify(kept[0])["step"] == 4
+
+
+def test_keep_prunes_the_bucket_to_the_newest(ray_session, s3):
+    root = s3()
+    with Trainer(MLP7, nn.functional.mse_loss, config(root, checkpoint_every=1, keep_checkpoints=2)) as t:
+        t.fit(batch, 4, log=lambda _: None)
+    assert [p.name for p in list_checkpoints(root)] == ["step-00000003", "step-00000004"]
+
+
+def test_a_uri_that_cannot_be_opened_is_a_config_error():
+    with pytest.raises(ConfigError, match="cannot be opened"):
+        StoragePath("nosuchscheme://bucket/run")
