@@ -7,7 +7,12 @@ from typing import Any, Sequence
 
 
 def stage_metrics(reports: Sequence[dict[str, Any]]) -> list[dict[str, float]]:
-    """Per stage: forward and backward seconds, idle (bubble) fraction and peak memory.
+    """Per stage: `forward_s`, `backward_s`, `bubble` (idle fraction of the pipeline's compute
+    window), `peak_memory_bytes`, `peak_stashed_microbatches` (kept for backward; a split
+    backward's microbatch until its weight gradient), `peak_awaiting_weight_grad` (between input
+    and weight gradient), `sent_bytes` (activations and input gradients sent to the neighbouring
+    stages, in `boundary_dtype`), with `measure_activations` `peak_stashed_bytes`, and in a model
+    with MoE layers `all_to_all_s`, `all_to_all_bytes` and `experts` (routed and dropped).
 
     The bubble of a stage is the share of the pipeline's compute window (first action
     start to last action end, over all stages) in which that stage ran nothing. The

@@ -11,7 +11,7 @@ from __future__ import annotations
 import uuid
 import weakref
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -31,6 +31,7 @@ from raypipe.progress import Progress
 from raypipe.runtime import checkpoints, chunks, fitting, placement, registry, weights
 from raypipe.runtime.batches import loss_weights, split_batch
 from raypipe.runtime.engines import Engine, make_engine
+from raypipe.runtime.feeds import make_feed
 from raypipe.runtime.refs import run_forward, submission_order
 from raypipe.runtime.results import gather
 from raypipe.runtime.topology import Topology
@@ -117,15 +118,10 @@ class Trainer:
         shapes may differ) with a list `y` of their targets.
 
         Returns:
-            A dict with `loss` (mean of the microbatch losses), `lr`, `grad_norm`
-            (global, before clipping), `step_time` (s), `samples`, `samples_per_s`,
-            `tokens` / `tokens_per_s` when `x` holds token ids, and `stages`: per
-            stage `forward_s`, `backward_s`, `bubble` (idle fraction of the pipeline's
-            compute window), `peak_memory_bytes`, `peak_stashed_microbatches` (kept
-            for backward; a split backward's microbatch until its weight gradient),
-            `peak_awaiting_weight_grad` (between input and weight gradient), `sent_bytes` (activations and input gradients sent to the
-            neighbouring stages, in `config.boundary_dtype`) and, with
-            `config.measure_activations`, `peak_stashed_bytes`. Recorded by `config.loggers`.
+            A dict with `loss` (mean of the microbatch losses), `lr`, `grad_norm` (global,
+            before clipping), `step_time` (s), `samples`, `samples_per_s`, `tokens` /
+            `tokens_per_s` when `x` holds token ids, and `stages`: per stage its timings, bubble,
+            memory and bytes sent (`raypipe.metrics.stage_metrics`). Recorded by `config.loggers`.
 
         Raises:
             BatchError: the batch cannot be split into dp x microbatches equal parts.
@@ -136,29 +132,32 @@ class Trainer:
 
     def fit(
         self,
-        batches: Callable[[int], tuple[torch.Tensor, Any]],
+        batches: Callable[[int], tuple[torch.Tensor, Any]] | Iterable[tuple[torch.Tensor, Any]] | Any,
         steps: int,
         on_step: Callable[[dict[str, Any]], None] | None = None,
         log: Callable[[str], None] = print,
         progress: bool | Progress = False,
         overlap: bool | None = None,
+        batch_size: int | None = None,
+        collate: Callable[[dict[str, Any]], tuple[Any, Any]] | None = None,
     ) -> list[dict[str, Any]]:
         """Trains until `step_count == steps`, surviving actor deaths.
 
         Args:
-            batches: `batches(step) -> (x, y)`, the batch of a 0-based step. It must be a
-                function of the step alone, so steps replayed after a recovery see the
-                same data.
+            batches: `batches(step) -> (x, y)`, the batch of a 0-based step, a function of the step
+                alone (steps replayed after a recovery see the same data); or an iterable of
+                `(x, y)`, batch k for step k; or a `ray.data.Dataset` read `batch_size` rows a step,
+                in order, beside the actors: its batches never pass through the driver
+                (`raypipe.runtime.feeds`; `collate(numpy columns) -> (x, y)`, by default columns
+                x and y, or input_ids and labels, or input_ids alone as next-token sequences).
             steps: the step count to reach.
             on_step: called with each step's metrics.
             log: where recovery messages go.
             progress: show a tqdm bar (terminal or notebook) with loss and tokens/s; or a
                 `raypipe.progress.Progress` the caller made (and closes).
-            overlap: keep the next step queued at the actors while the driver waits for
-                the current one (engine "p2p"). The default (None) overlaps when there is
-                no `on_step`, which would otherwise see a step's metrics while the next one
-                runs (pass True when it only reads them). Results are the same either way
-                (`raypipe.runtime.fitting.fit`).
+            overlap: keep the next step queued at the actors while the driver waits for the current
+                one (engine "p2p"; the same results). None: when there is no `on_step`, which would
+                otherwise see a step's metrics while the next one runs (True if it only reads them).
 
         Returns:
             The metrics of every step run by this call (replayed steps appear again).
@@ -169,9 +168,11 @@ class Trainer:
         """
         overlap = (on_step is None if overlap is None else overlap) and self.config.engine == "p2p"
         bar = progress if isinstance(progress, Progress) else Progress(steps, self.step_count, bool(progress))
+        feed = make_feed(self, batches, batch_size, collate)
         try:
-            return fitting.fit(self, batches, steps, on_step, bar.writer(log), bar, overlap)
+            return fitting.fit(self, feed, steps, on_step, bar.writer(log), bar, overlap)
         finally:
+            feed.close()
             if bar is not progress:
                 bar.close()
 

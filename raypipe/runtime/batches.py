@@ -5,6 +5,7 @@ a loss that counts items (tokens) rather than samples."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -119,3 +120,29 @@ def _chunks(value: Any, parts: int, batch: int) -> list[Any]:
     leaves, spec = pytree.tree_flatten(value)
     cut = [[c.clone() for c in t.split(batch // parts)] if torch.is_tensor(t) else [t] * parts for t in leaves]
     return [pytree.tree_unflatten([c[i] for c in cut], spec) for i in range(parts)]
+
+
+@dataclass
+class Prepared:
+    """A step's batch cut for the actors, wherever it was cut (the driver, or a dataset reader):
+    per replica its microbatch inputs and targets (`inputs`/`targets`), or both already packed and
+    stored in Ray's object store (`packed`: per replica a reference to the packed inputs and one to
+    the packed targets, which the actors fetch themselves); the loss weights, the samples and token
+    ids it holds, and whether the microbatches differ in shape."""
+
+    inputs: list[list[Any]] | None
+    targets: list[list[Any]] | None
+    weights: list[list[float]] | None
+    samples: int
+    tokens: int | None
+    varying: bool
+    packed: list[tuple[Any, Any]] | None = None
+
+
+def prepare(x: Any, y: Any, dp: int, microbatches: int, loss_fn: Any) -> Prepared:
+    """Cuts a batch `(x, y)` into dp replicas x `microbatches` parts (`split_batch`)."""
+    inputs, targets = split_batch(x, y, dp * microbatches, dp, microbatches)
+    per_replica = [targets[d * microbatches:(d + 1) * microbatches] for d in range(dp)]
+    samples, tokens = samples_and_tokens(inputs)
+    return Prepared([inputs[d * microbatches:(d + 1) * microbatches] for d in range(dp)], per_replica,
+                    loss_weights(loss_fn, per_replica), samples, tokens, is_varying(inputs))

@@ -26,7 +26,6 @@ from raypipe.runtime.p2p import ActionList
 from raypipe.runtime.step import StepInput
 from raypipe.runtime.results import cause_message, root_failure
 from raypipe.errors import ActorDiedError, StageError, StepTimeoutError
-from raypipe.runtime.transport.wire import pack_microbatches
 
 
 class CompiledStep:
@@ -47,14 +46,15 @@ class CompiledStep:
             StageError: a stage failed (the root cause, not the neighbours it stopped).
             ActorDiedError: an actor died; StepTimeoutError: a call did not end in `timeout` s.
         """
+        packed = data.packed_batches()
         payload = {
             "call_id": data.call_id,
             "step": data.step,
             "lists": {lst.name: (lst.actions, lst.peers) for lst in lists},
-            "inputs": [pack_microbatches(list(x)) for x in data.inputs],
-            "targets": [pack_microbatches(list(y)) for y in data.targets],
+            "inputs": [x for x, _ in packed],
+            "targets": [y for _, y in packed],
             "varying": data.varying,
-            "weights": data.weights or [None] * len(data.inputs),
+            "weights": data.weights or [None] * len(packed),
         }
         timeout = data.timeout
         refs = self.graph.execute(payload)

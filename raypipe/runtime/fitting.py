@@ -16,7 +16,7 @@ from raypipe.errors import ActorDiedError, NonFiniteError, RaypipeError, StepTim
 from raypipe.loggers import scalars
 from raypipe.metrics import RayMetrics, step_metrics
 from raypipe.progress import Progress
-from raypipe.runtime.batches import is_varying, loss_weights, samples_and_tokens
+from raypipe.runtime.batches import Prepared, prepare
 from raypipe.runtime.engines import StepInput, StepTarget, Wait
 from raypipe.runtime.recovery import recover
 
@@ -37,22 +37,22 @@ def submit(trainer: Any, x: torch.Tensor, y: Any, index: int, after: int | None 
     """Sends `trainer`'s step of 0-based index `index` on `(x, y)` (p2p engine) and returns while
     the actors run it; the other engines run it when it is waited for. `after`: the
     call id of the step queued before it."""
+    return send(trainer, prepare(x, y, trainer.config.dp, trainer.config.microbatches, trainer._loss_fn), index, after)
+
+
+def send(trainer: Any, batch: Prepared, index: int, after: int | None = None) -> Submitted:
+    """`submit` of a batch already cut for the actors (by the driver, or by a dataset reader)."""
     if not trainer._actors:
         raise RaypipeError(f"{trainer!r} has no actors; build a new Trainer or call load() after a failure.")
-    dp, m = trainer.config.dp, trainer.config.microbatches
-    inputs, targets = trainer._split(x, y, dp * m)
     trainer._calls += 1
     grid = trainer.topology.grid
     target = StepTarget(grid(trainer._actors), grid(trainer.names), grid(range(len(trainer._actors))),
                         trainer._schedule, trainer._order)
-    per_replica = [targets[d * m : (d + 1) * m] for d in range(dp)]
-    weights = loss_weights(trainer._loss_fn, per_replica)
-    data = StepInput([inputs[d * m : (d + 1) * m] for d in range(dp)], per_replica, trainer._calls, index,
-                     trainer.config.step_timeout, weights, is_varying(inputs))
-    samples, tokens = samples_and_tokens(inputs)
-    return Submitted(trainer._calls, samples, tokens, trainer._engine.submit(target, data, after),
+    data = StepInput(batch.inputs, batch.targets, trainer._calls, index, trainer.config.step_timeout, batch.weights,
+                     batch.varying, batch.packed)
+    weights = batch.weights
+    return Submitted(trainer._calls, batch.samples, batch.tokens, trainer._engine.submit(target, data, after),
                      [w for replica in weights for w in replica] if weights is not None else None)
-
 
 
 def complete(trainer: Any, submitted: Submitted) -> dict[str, Any] | None:
@@ -93,20 +93,21 @@ def complete(trainer: Any, submitted: Submitted) -> dict[str, Any] | None:
     return metrics
 
 
-def fit(trainer: Any, batches: Callable[[int], tuple[torch.Tensor, Any]], steps: int,
-        on_step: Callable[[dict[str, Any]], None] | None, log: Callable[[str], None], bar: Progress,
-        overlap: bool) -> list[dict[str, Any]]:
-    """Steps `trainer` until its step count is `steps` (see `Trainer.fit`); returns every
-    step's metrics, replayed steps again after a recovery."""
+def fit(trainer: Any, feed: Any, steps: int, on_step: Callable[[dict[str, Any]], None] | None,
+        log: Callable[[str], None], bar: Progress, overlap: bool) -> list[dict[str, Any]]:
+    """Steps `trainer` until its step count is `steps` (see `Trainer.fit`), each step's batch from
+    `feed` (`raypipe.runtime.feeds`); returns every step's metrics, replayed steps again after a
+    recovery."""
     history = []
     queue: list[Submitted] = []  # submitted, not yet booked; the first is the oldest
+    restored = trainer.step_count  # the oldest step a recovery may replay from (the last checkpoint)
     try:
         while trainer.step_count < steps:
             if not queue:
-                queue.append(submit(trainer, *batches(trainer.step_count), trainer.step_count))
+                queue.append(send(trainer, feed.get(trainer.step_count), trainer.step_count))
             ahead, every = trainer.step_count + len(queue), trainer.config.checkpoint_every
             if overlap and ahead < steps and not (every and ahead % every == 0):
-                queue.append(submit(trainer, *batches(ahead), ahead, after=queue[-1].call_id))
+                queue.append(send(trainer, feed.get(ahead), ahead, after=queue[-1].call_id))
             try:
                 metrics = complete(trainer, queue[0])
                 queue.pop(0)
@@ -118,6 +119,9 @@ def fit(trainer: Any, batches: Callable[[int], tuple[torch.Tensor, Any]], steps:
             if metrics is None:
                 raise RaypipeError(f"step {trainer.step_count + 1} was halted by the actors, but the step "
                                    f"before it succeeded: please report this as a raypipe bug")
+            if "checkpoint" in metrics:
+                restored = metrics["step"]
+            feed.kept_from(restored if trainer.config.max_restarts else trainer.step_count)
             history.append(metrics)
             bar.update(metrics)
             if on_step is not None:

@@ -14,7 +14,7 @@ from raypipe.errors import ActorDiedError, StageError
 from raypipe.runtime.results import StepResult, gather, raise_if_died, root_failure, wait_for_progress
 from raypipe.runtime.step import StepInput, StepTarget
 from raypipe.runtime.trace import trace_lists
-from raypipe.runtime.transport.wire import StepCall, pack_microbatches
+from raypipe.runtime.transport.wire import StepCall
 from raypipe.schedules import Schedule, owners
 
 
@@ -42,7 +42,7 @@ def submit_step_p2p(target: StepTarget, data: StepInput, after: int | None = Non
     """
     started = time.perf_counter()
     replicas, names, schedule = target.replicas, target.names, target.schedule
-    inputs, targets, call_id, step, timeout = data.inputs, data.targets, data.call_id, data.step, data.timeout
+    call_id, step, timeout = data.call_id, data.step, data.timeout
     lists = action_lists(replicas, names, target.ranks, schedule)
     trace_lists(step, schedule, names)
     what = f"step {step + 1}"
@@ -50,10 +50,9 @@ def submit_step_p2p(target: StepTarget, data: StepInput, after: int | None = Non
         values = compiled.run(lists, data, what)
         return SubmittedStep([], what, timeout, started, values)
     batches = []
-    for d, stages in enumerate(replicas):
+    for (batch, labels), stages in zip(data.packed_batches(), replicas):
         # by value (Ray inlines small arguments), or stored once when several tp ranks read it
-        batch, labels = pack_microbatches(list(inputs[d])), pack_microbatches(list(targets[d]))
-        if len(stages[0]) > 1:
+        if len(stages[0]) > 1 and not isinstance(batch, ray.ObjectRef):
             batch, labels = ray.put(batch), ray.put(labels)
         batches.append((batch, labels))
     runs = []

@@ -38,3 +38,15 @@ class StepInput:
     timeout: float
     weights: Sequence[Sequence[float]] | None = None
     varying: bool = False
+    # instead of inputs and targets: per replica, references to its packed inputs and targets in
+    # Ray's object store (a dataset reader stored them; the actors fetch them, the driver never does)
+    packed: Sequence[tuple[Any, Any]] | None = None
+
+    def packed_batches(self) -> list[tuple[Any, Any]]:
+        """Per replica (packed inputs, packed targets) as they travel to the actors: stored ones as
+        references, else packed here (`pack_microbatches`)."""
+        from raypipe.runtime.transport.wire import pack_microbatches
+
+        if self.packed is not None:
+            return list(self.packed)
+        return [(pack_microbatches(list(x)), pack_microbatches(list(y))) for x, y in zip(self.inputs, self.targets)]

@@ -1,0 +1,129 @@
+"""Where `Trainer.fit` gets each step's batch: a function of the step, any iterable of batches,
+or a Ray Dataset read beside the actors so that its batches never pass through the driver.
+
+Each feed answers `get(step)` with the step's batch cut for the actors (`Prepared`), for any
+step again after a recovery or a resume: the data position of a run is its step.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Iterator
+
+from raypipe.errors import BatchError, ConfigError
+from raypipe.runtime.batches import Prepared, prepare
+
+
+class FunctionFeed:
+    """`batches(step) -> (x, y)`, cut on the driver."""
+
+    def __init__(self, trainer: Any, batches: Callable[[int], tuple[Any, Any]]) -> None:
+        self.trainer, self.batches = trainer, batches
+
+    def get(self, step: int) -> Prepared:
+        c = self.trainer.config
+        return prepare(*self.batches(step), c.dp, c.microbatches, self.trainer._loss_fn)
+
+    def kept_from(self, step: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class IterableFeed(FunctionFeed):
+    """Batches `(x, y)` from an iterable (a DataLoader, a generator), batch k for step k: a run
+    that starts at step N skips the first N. The batches from the last checkpoint on are kept,
+    for the steps a recovery replays."""
+
+    def __init__(self, trainer: Any, iterable: Iterable[tuple[Any, Any]]) -> None:
+        super().__init__(trainer, self._batch)
+        self.items: Iterator[tuple[Any, Any]] = iter(iterable)
+        self.kept: dict[int, tuple[Any, Any]] = {}
+        self.read = 0  # batches taken from the iterable so far
+        self.oldest = 0  # no step before this one can be asked for again
+
+    def _batch(self, step: int) -> tuple[Any, Any]:
+        if step < self.oldest or (step < self.read and step not in self.kept):
+            raise BatchError(f"step {step + 1}'s batch was read from the iterable and dropped: an iterable is read "
+                             f"once, and only batches from the last checkpoint on are kept; give batches(step) -> "
+                             f"(x, y) or a ray.data.Dataset to replay any step")
+        while self.read <= step:
+            try:
+                item = next(self.items)
+            except StopIteration:
+                raise BatchError(f"the iterable of batches ended after {self.read} batches; step {step + 1} needs "
+                                 f"batch {step + 1}") from None
+            if self.read >= self.oldest:
+                self.kept[self.read] = item
+            self.read += 1
+        return self.kept[step]
+
+    def kept_from(self, step: int) -> None:
+        """No step before `step` will be replayed (it is checkpointed, or nothing restores earlier)."""
+        self.oldest = max(self.oldest, step)
+        for old in [k for k in self.kept if k < self.oldest]:
+            del self.kept[old]
+
+
+class DatasetFeed:
+    """A `ray.data.Dataset` read by a `DatasetReader` actor (`raypipe.actors.reader`), which cuts
+    each batch for the stage actors and stores the parts; the driver holds references only. The
+    next step's batch is read while the current one trains."""
+
+    def __init__(self, trainer: Any, dataset: Any, batch_size: int, collate: Callable | None = None) -> None:
+        import ray
+
+        from raypipe.actors.reader import DatasetReader
+
+        c = trainer.config
+        if c.engine == "refs":
+            raise ConfigError("TrainConfig.engine='refs' is invalid with a ray.data.Dataset: its calls carry each "
+                              "microbatch from the driver; use engine='p2p' (the default) or 'compiled'.")
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+            raise ConfigError(f"batch_size={batch_size!r} is invalid: a ray.data.Dataset is read batch_size rows per "
+                              f"step; give fit(dataset, steps, batch_size=N), N a multiple of dp x microbatches.")
+        self.reader = ray.remote(DatasetReader).options(num_cpus=0, max_restarts=0).remote(
+            dataset, batch_size, collate, c.dp, c.microbatches, trainer._loss_fn)
+        self.asked: dict[int, Any] = {}
+
+    def get(self, step: int) -> Prepared:
+        import ray
+
+        for ahead in (step, step + 1):  # the reader answers in order: the next batch is read meanwhile
+            if ahead not in self.asked:
+                self.asked[ahead] = self.reader.batch.remote(ahead)
+        try:
+            return ray.get(self.asked.pop(step))
+        except ray.exceptions.RayTaskError as error:
+            if isinstance(error.cause, (BatchError, ConfigError)):  # the dataset's fault: said plainly
+                raise error.cause from None
+            raise
+
+    def kept_from(self, step: int) -> None:
+        pass
+
+    def close(self) -> None:
+        import ray
+
+        self.asked.clear()
+        ray.kill(self.reader)
+
+
+def make_feed(trainer: Any, batches: Any, batch_size: int | None, collate: Callable | None) -> Any:
+    """The feed for what `Trainer.fit` was given."""
+    if _is_dataset(batches):
+        return DatasetFeed(trainer, batches, batch_size, collate)
+    if callable(batches):
+        return FunctionFeed(trainer, batches)
+    if isinstance(batches, Iterable) and not isinstance(batches, (str, bytes)):
+        return IterableFeed(trainer, batches)
+    raise TypeError(f"fit takes batches(step) -> (x, y), an iterable of (x, y), or a ray.data.Dataset; "
+                    f"got {type(batches).__name__}")
+
+
+def _is_dataset(value: Any) -> bool:
+    try:
+        from ray.data import Dataset
+    except ImportError:
+        return False
+    return isinstance(value, Dataset)

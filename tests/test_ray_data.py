@@ -1,0 +1,127 @@
+"""Ray Data input: `fit(dataset, steps, batch_size=...)` reads the dataset in a reader actor beside
+the stages, so its batches never pass through the driver; the same losses as the same batches fed
+by a function; exact continuation across a resume, an epoch boundary and an actor's death; and
+iterables of batches."""
+
+import os
+
+import numpy as np
+import pytest
+import ray
+import torch
+from torch import nn
+
+from helpers import MLP7, KillOnce
+from raypipe import BatchError, ConfigError, LayerSpec, TrainConfig, Trainer
+from raypipe.checkpoint import list_checkpoints
+
+BATCH, EPOCH_BATCHES, STEPS = 16, 3, 7  # 7 steps over 3 batches an epoch: two epoch boundaries
+ADAMW = {"name": "adamw", "lr": 1e-2, "weight_decay": 0.1}
+generator = torch.Generator().manual_seed(7)
+X = torch.randn(BATCH * EPOCH_BATCHES, 6, generator=generator)
+Y = torch.randn(BATCH * EPOCH_BATCHES, 3, generator=generator)
+
+
+def batches(step):
+    """The same batches as the dataset gives, step by step: rows in order, epoch after epoch."""
+    k = step % EPOCH_BATCHES
+    return X[k * BATCH:(k + 1) * BATCH], Y[k * BATCH:(k + 1) * BATCH]
+
+
+def dataset():
+    return ray.data.from_items([{"x": X[i].numpy(), "y": Y[i].numpy()} for i in range(len(X))], override_num_blocks=4)
+
+
+def config(**changes):
+    base = dict(pp=2, dp=2, microbatches=2, optimizer=ADAMW, seed=3, cpus_per_actor=0.25, threads_per_actor=1)
+    base.update(changes)
+    return TrainConfig(**base)
+
+
+@pytest.fixture(scope="module")
+def fed_by_function(ray_session):
+    with Trainer(MLP7, nn.functional.mse_loss, config()) as t:
+        return [m["loss"] for m in t.fit(batches, STEPS)]
+
+
+def test_dataset_losses_equal_the_same_batches_fed_by_a_function(fed_by_function, monkeypatch):
+    """...and the driver never cuts a batch: `prepare` fails if the driver process calls it."""
+    import raypipe.runtime.feeds as feeds
+
+    def driver_cut(*args, **kwargs):
+        raise AssertionError("the driver cut a batch of the dataset")
+
+    monkeypatch.setattr(feeds, "prepare", driver_cut)
+    with Trainer(MLP7, nn.functional.mse_loss, config()) as t:
+        history = t.fit(dataset(), STEPS, batch_size=BATCH)
+    assert [m["loss"] for m in history] == pytest.approx(fed_by_function, rel=1e-6, abs=1e-7)
+    assert [m["samples"] for m in history] == [BATCH] * STEPS
+
+
+def test_an_iterable_of_batches_gives_the_same_losses(fed_by_function):
+    with Trainer(MLP7, nn.functional.mse_loss, config(engine="compiled")) as t:
+        history = t.fit((batches(k) for k in range(STEPS)), STEPS)
+    assert [m["loss"] for m in history] == pytest.approx(fed_by_function, rel=1e-6, abs=1e-7)
+
+
+def test_a_resumed_run_reads_on_from_its_step_across_the_epoch_boundary(fed_by_function, tmp_path):
+    with Trainer(MLP7, nn.functional.mse_loss, config(checkpoint_dir=str(tmp_path), checkpoint_every=2)) as t:
+        t.fit(dataset(), 4, batch_size=BATCH)
+    with Trainer(MLP7, nn.functional.mse_loss, config(pp=1, dp=1)) as t:  # another topology reads the same batches
+        t.load(str(tmp_path))
+        resumed = [m["loss"] for m in t.fit(dataset(), STEPS, batch_size=BATCH)]
+    assert t.step_count == STEPS
+    assert resumed == pytest.approx(fed_by_function[4:], rel=1e-5, abs=1e-6)
+
+
+def killable(flag):
+    return MLP7[:4] + [LayerSpec(KillOnce, str(flag))] + MLP7[4:]  # stage 1 holds the KillOnce layer
+
+
+@pytest.fixture(scope="module")
+def killable_by_function(ray_session, tmp_path_factory):
+    with Trainer(killable(tmp_path_factory.mktemp("never") / "flag"), nn.functional.mse_loss, config()) as t:
+        return [m["loss"] for m in t.fit(batches, STEPS)]
+
+
+@pytest.mark.parametrize("source", ["dataset", "iterable"])
+def test_a_stage_death_replays_the_same_batches(killable_by_function, tmp_path, source):
+    """Stage 1 dies in step 5; the recovery restores step 4's checkpoint and the feed gives steps 5..7
+    again: a Ray Dataset re-read from its start, an iterable from the batches it kept."""
+    flag = tmp_path / "kill-now"
+    layers = killable(flag)
+    messages = []
+    cfg = config(checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=2, max_restarts=1)
+    with Trainer(layers, nn.functional.mse_loss, cfg) as t:
+        def on_step(metrics):
+            if metrics["step"] == 4 and t.restarts == 0:
+                flag.touch()  # stage 1 kills its own process in step 5's first forward
+
+        data = dataset() if source == "dataset" else (batches(k) for k in range(STEPS))
+        history = t.fit(data, STEPS, batch_size=BATCH, on_step=on_step, log=messages.append)
+        assert t.restarts == 1
+    assert any("resumed at step 4 from" in m for m in messages), messages
+    losses = {m["step"]: m["loss"] for m in history}
+    assert [losses[s] for s in range(1, STEPS + 1)] == pytest.approx(killable_by_function, rel=1e-6, abs=1e-7)
+    assert [p.name for p in list_checkpoints(tmp_path / "ck")][-1] == "step-00000006"
+
+
+def test_bad_datasets_and_arguments_are_refused_plainly(ray_session):
+    with Trainer(MLP7, nn.functional.mse_loss, config(dp=1)) as t:
+        renamed = ray.data.from_items([{"features": X[i].numpy(), "target": Y[i].numpy()} for i in range(32)])
+        with pytest.raises(BatchError, match=r"columns are \['features', 'target'\].*collate="):
+            t.fit(renamed, 1, batch_size=8)
+        with pytest.raises(ConfigError, match="batch_size=None is invalid"):
+            t.fit(dataset(), 1)
+        with pytest.raises(BatchError, match="fewer than batch_size=64 rows"):
+            t.fit(ray.data.from_items([{"x": X[i].numpy(), "y": Y[i].numpy()} for i in range(10)]), 1, batch_size=64)
+        with pytest.raises(BatchError, match="ended after 2 batches"):
+            t.fit(iter([batches(0), batches(1)]), 3)
+        # a collate of your own maps any columns to (x, y)
+        history = t.fit(renamed, t.step_count + 1, batch_size=8,
+                        collate=lambda b: (torch.from_numpy(b["features"]), torch.from_numpy(b["target"])))
+        assert history[0]["samples"] == 8 and np.isfinite(history[0]["loss"])
+    with Trainer(MLP7, nn.functional.mse_loss, config(dp=1, engine="refs")) as t:
+        with pytest.raises(ConfigError, match="engine='refs' is invalid with a ray.data.Dataset"):
+            t.fit(dataset(), 1, batch_size=BATCH)
+    assert os.getpid()  # the refused fits left the trainers usable until shutdown
