@@ -27,6 +27,7 @@ from raypipe.models.registry import JobModel, job_model
 from raypipe.progress import Progress
 
 DATA_SOURCES = ("stdlib", "bin", "text", "sft")
+DATA_READERS = ("auto", "driver", "ray_data")
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,10 @@ class DataConfig:
         path: the token file for source "bin".
         paths: text files for source "text".
         val_fraction: the tail of the tokens held out for validation loss.
+        reader: how training batches reach the stages: "driver" (made and cut by the job's
+            process), "ray_data" (a Ray Dataset made in Ray Data's tasks and cut beside the
+            actors: `raypipe.data.ray_source`; the same batches), or "auto": ray_data on a
+            cluster (RAY_ADDRESS set, as under `ray job submit`), driver on the embedded Ray.
     """
 
     source: str = "stdlib"
@@ -51,6 +56,7 @@ class DataConfig:
     paths: tuple[str, ...] = ()
     val_fraction: float = 0.05
     pack: bool = False
+    reader: str = "auto"
 
     def __post_init__(self) -> None:
         if self.source not in DATA_SOURCES:
@@ -64,7 +70,21 @@ class DataConfig:
             raise ConfigError("data.paths is missing: source 'text' needs a list of text files.")
         if not 0.0 <= self.val_fraction < 1.0:
             raise ConfigError(f"data.val_fraction={self.val_fraction!r} is invalid: give a number in [0, 1).")
+        if self.reader not in DATA_READERS:
+            raise ConfigError(f"data.reader={self.reader!r} is invalid: choose one of {', '.join(DATA_READERS)}."
+                              f"{nearest(str(self.reader), DATA_READERS)}")
+        if self.reader == "ray_data" and self.source == "sft":
+            raise ConfigError("data.reader='ray_data' is invalid with source 'sft' (its examples are cut on the "
+                              "driver): use reader 'driver' or 'auto'.")
         object.__setattr__(self, "paths", tuple(self.paths))
+
+    def uses_ray_data(self) -> bool:
+        """Whether training batches go through Ray Data (`reader`, "auto" resolved)."""
+        from raypipe.env import ray_address
+
+        if self.reader == "auto":
+            return self.source != "sft" and ray_address() is not None
+        return self.reader == "ray_data"
 
     def dataset(self, block_size: int, tokenizer: Any = None) -> Any:
         if self.source == "sft":
@@ -207,6 +227,8 @@ def run(
         if "checkpoint" in metrics:
             log(f"step {step:4d} | saved {metrics['checkpoint']}")
 
+    if config.data.uses_ray_data() and train.cpus_per_actor is None:
+        train = _leave_a_cpu_for_ray_data(train)
     profile_batch = batch(train_set, 0, train.seed) if train.partition == "profile" else None
     with Trainer(model.build(), config=train, sample=profile_batch, log=log) as trainer:
         trainer.loggers.add_params({"model": model.describe(), "data": dataclasses.asdict(config.data),
@@ -227,6 +249,13 @@ def run(
             log("sample before training:\n" + _sample(trainer, config))
         if first_val is not None:
             log(f"step {trainer.step_count:4d} | val loss {first_val:.4f}")
+        source = lambda step: batch(train_set, step, train.seed)  # noqa: E731 - made and cut on the driver
+        if config.data.uses_ray_data():
+            from raypipe.data.ray_source import token_batches
+
+            x, y = train_set.batch(0, 1, train.seed)
+            source = token_batches(train_set, job.batch_size, train.seed, job.steps, model.targets(x, y) is x)
+            log(f"data: {job.steps} batches through Ray Data, cut beside the actors (data.reader={config.data.reader})")
         started = time.perf_counter()
         bar = Progress(job.steps, trainer.step_count, job.progress)
         plain_log, log = log, bar.writer(log)
@@ -237,8 +266,7 @@ def run(
             for stop in [*evals, job.steps]:
                 if trainer.step_count >= stop:
                     continue
-                trainer.fit(lambda step: batch(train_set, step, train.seed), stop, on_step,
-                            log, progress=bar, overlap=True)
+                trainer.fit(source, stop, on_step, log, progress=bar, overlap=True, batch_size=job.batch_size)
                 if stop < job.steps:
                     log(f"step {stop:4d} | val loss {validation():.4f}")
         finally:
@@ -265,6 +293,19 @@ def run(
     if sample is not None:
         log("sample:\n" + sample)
     return {"losses": losses, "val_first": first_val, "val_last": last_val, "tokens_per_s": rates}
+
+
+def _leave_a_cpu_for_ray_data(train: TrainConfig) -> TrainConfig:
+    """The config with the actors fitted into the cluster's CPUs but one, which Ray Data's tasks
+    need to make the dataset's blocks (the default fits them into all)."""
+    import ray
+
+    from raypipe.runtime import connect
+
+    connect()
+    actors = train.pp * train.dp * train.tp
+    spare = ray.cluster_resources().get("CPU", 1.0) - 1.0
+    return train.replace(cpus_per_actor=max(0.01, min(1.0, int(100 * spare / actors) / 100)))
 
 
 def _validation_loss(trainer: Any, batches: Callable[[int], tuple[torch.Tensor, torch.Tensor]],

@@ -125,3 +125,20 @@ def test_bad_datasets_and_arguments_are_refused_plainly(ray_session):
         with pytest.raises(ConfigError, match="engine='refs' is invalid with a ray.data.Dataset"):
             t.fit(dataset(), 1, batch_size=BATCH)
     assert os.getpid()  # the refused fits left the trainers usable until shutdown
+
+
+def test_the_job_reads_the_same_batches_through_ray_data(ray_session):
+    """The main job with `data.reader: ray_data` (its path on a cluster) trains on exactly the batches
+    the driver would make: the same losses, step by step."""
+    from pathlib import Path
+
+    from raypipe.job import JobConfig, run
+
+    tiny = Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny.yaml"
+    common = ["job.steps=6", "job.sample_tokens=0", "job.progress=false", "data.val_fraction=0", "dp=2",
+              "cpus_per_actor=0.25", "threads_per_actor=1"]
+    lines = []
+    driver = run(JobConfig.from_yaml(tiny, [*common, "data.reader=driver"]), log=lambda _: None)
+    through = run(JobConfig.from_yaml(tiny, [*common, "data.reader=ray_data"]), log=lines.append)
+    assert any("6 batches through Ray Data" in line for line in lines), lines
+    assert through["losses"] == pytest.approx(driver["losses"], rel=1e-6, abs=1e-7)

@@ -63,6 +63,7 @@ def test_ray_job_submit_trains_and_succeeds(head, submitted):
     losses = [float(v) for v in re.findall(r"\| loss (\d+\.\d+)", out)]
     assert len(losses) >= 4 and losses[-1] < losses[0] - 0.5, losses
     assert "step/s" not in out and "s/step" not in out  # no progress bar in a job's log: plain lines
+    assert "data: 20 batches through Ray Data" in out  # on a cluster the job reads its data through Ray Data
 
 
 def test_the_jobs_losses_and_validation_reach_mlflow(submitted):

@@ -7,6 +7,7 @@ step again after a recovery or a resume: the data position of a run is its step.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Iterable, Iterator
 
 from raypipe.errors import BatchError, ConfigError
@@ -74,6 +75,7 @@ class DatasetFeed:
         import ray
 
         from raypipe.actors.reader import DatasetReader
+        from raypipe.runtime.placement import cpus_per_actor
 
         c = trainer.config
         if c.engine == "refs":
@@ -82,9 +84,16 @@ class DatasetFeed:
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise ConfigError(f"batch_size={batch_size!r} is invalid: a ray.data.Dataset is read batch_size rows per "
                               f"step; give fit(dataset, steps, batch_size=N), N a multiple of dp x microbatches.")
+        free = ray.available_resources().get("CPU", 0.0)
+        if free < 1:
+            warnings.warn(f"raypipe: {free:g} CPUs of the cluster are free beside the trainer's actors, and Ray Data's "
+                          f"tasks each need one to make the dataset's blocks: lower TrainConfig.cpus_per_actor "
+                          f"(now {cpus_per_actor(c, len(trainer.names)):g}) or add a node, else the first batch never comes.",
+                          stacklevel=3)
         self.reader = ray.remote(DatasetReader).options(num_cpus=0, max_restarts=0).remote(
             dataset, batch_size, collate, c.dp, c.microbatches, trainer._loss_fn)
         self.asked: dict[int, Any] = {}
+        self.timeout = c.step_timeout
 
     def get(self, step: int) -> Prepared:
         import ray
@@ -93,7 +102,11 @@ class DatasetFeed:
             if ahead not in self.asked:
                 self.asked[ahead] = self.reader.batch.remote(ahead)
         try:
-            return ray.get(self.asked.pop(step))
+            return ray.get(self.asked.pop(step), timeout=self.timeout)
+        except ray.exceptions.GetTimeoutError:
+            raise BatchError(f"the dataset gave no batch for step {step + 1} within {self.timeout:.0f} s "
+                             f"(TrainConfig.step_timeout); {ray.available_resources().get('CPU', 0.0):g} CPUs are "
+                             f"free for Ray Data's tasks") from None
         except ray.exceptions.RayTaskError as error:
             if isinstance(error.cause, (BatchError, ConfigError)):  # the dataset's fault: said plainly
                 raise error.cause from None
