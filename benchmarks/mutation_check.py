@@ -132,6 +132,23 @@ MUTATIONS = [
              "    if path.suffix == LEGACY:\n", "    if True:\n",
              ("tests/test_checkpoint.py::test_loading_unpickles_nothing_and_pickle_checkpoints_still_load",),
              "checkpoint tensors are read through torch.load (unpickling)"),
+    Mutation("reader-seek", "raypipe/actors/reader.py",
+             "        if self.rows is None or step < self.position:\n", "        if self.rows is None:\n",
+             ("tests/test_ray_data.py::test_a_stage_death_replays_the_same_batches",),
+             "the dataset reader does not go back for the steps a recovery replays"),
+    Mutation("iterable-replay", "raypipe/runtime/fitting.py",
+             "feed.kept_from(restored if trainer.config.max_restarts else trainer.step_count)",
+             "feed.kept_from(trainer.step_count)",
+             ("tests/test_ray_data.py::test_a_stage_death_replays_the_same_batches",),
+             "an iterable's batches since the last checkpoint are dropped, so a recovery cannot replay them"),
+    Mutation("storage-prune", "raypipe/checkpoint.py",
+             "cut_short = [p for p in found if p not in complete and ", "cut_short = [p for p in found if ",
+             ("tests/test_object_storage.py",),
+             "pruning an object store also deletes complete checkpoints older than the newest"),
+    Mutation("logger-step", "raypipe/runtime/fitting.py",
+             "trainer.loggers.log(trainer.step_count, scalars(metrics))",
+             "trainer.loggers.log(trainer.step_count - 1, scalars(metrics))",
+             ("tests/test_loggers.py",), "the loggers record each step's scalars one step early"),
 ]
 
 
