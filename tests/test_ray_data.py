@@ -86,16 +86,17 @@ def killable_by_function(ray_session, tmp_path_factory):
 
 @pytest.mark.parametrize("source", ["dataset", "iterable"])
 def test_a_stage_death_replays_the_same_batches(killable_by_function, tmp_path, source):
-    """Stage 1 dies in step 5; the recovery restores step 4's checkpoint and the feed gives steps 5..7
-    again: a Ray Dataset re-read from its start, an iterable from the batches it kept."""
+    """Stage 1 dies in step 6; the recovery restores step 4's checkpoint and the feed gives steps 5..7
+    again (step 5 ran already): a Ray Dataset re-read from its start, an iterable from the batches it
+    kept since the checkpoint."""
     flag = tmp_path / "kill-now"
     layers = killable(flag)
     messages = []
     cfg = config(checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=2, max_restarts=1)
     with Trainer(layers, nn.functional.mse_loss, cfg) as t:
         def on_step(metrics):
-            if metrics["step"] == 4 and t.restarts == 0:
-                flag.touch()  # stage 1 kills its own process in step 5's first forward
+            if metrics["step"] == 5 and t.restarts == 0:
+                flag.touch()  # stage 1 kills its own process in step 6's first forward
 
         data = dataset() if source == "dataset" else (batches(k) for k in range(STEPS))
         history = t.fit(data, STEPS, batch_size=BATCH, on_step=on_step, log=messages.append)

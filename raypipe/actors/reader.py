@@ -25,7 +25,7 @@ def default_collate(batch: dict[str, np.ndarray]) -> tuple[Any, Any]:
     `input_ids` alone as language-model sequences (inputs all but the last token, targets all
     but the first)."""
     columns = set(batch)
-    tensor = lambda name: torch.from_numpy(np.ascontiguousarray(batch[name]))  # noqa: E731
+    tensor = lambda name: torch.from_numpy(np.require(batch[name], requirements=["C", "W"]))  # noqa: E731
     if {"x", "y"} <= columns:
         return tensor("x"), tensor("y")
     if {"input_ids", "labels"} <= columns:

@@ -116,9 +116,13 @@ class DatasetFeed:
         pass
 
     def close(self) -> None:
+        """Stops the reader, after the batch it may still be reading ahead (at most `timeout` s), so
+        that it does not die in the middle of Ray Data's work and report that."""
         import ray
 
-        self.asked.clear()
+        pending, self.asked = list(self.asked.values()), {}
+        if pending:
+            ray.wait(pending, num_returns=len(pending), timeout=min(self.timeout, 30.0))
         ray.kill(self.reader)
 
 
