@@ -15,7 +15,9 @@ from helpers import MLP7, KillOnce
 from raypipe import BatchError, ConfigError, LayerSpec, TrainConfig, Trainer
 from raypipe.checkpoint import list_checkpoints
 
-BATCH, EPOCH_BATCHES, STEPS = 16, 3, 7  # 7 steps over 3 batches an epoch: two epoch boundaries
+# 7 steps over 4 batches an epoch: step 5 starts the second epoch (and a replay that read ahead by a
+# whole epoch would not look right by chance)
+BATCH, EPOCH_BATCHES, STEPS = 16, 4, 7
 ADAMW = {"name": "adamw", "lr": 1e-2, "weight_decay": 0.1}
 generator = torch.Generator().manual_seed(7)
 X = torch.randn(BATCH * EPOCH_BATCHES, 6, generator=generator)
