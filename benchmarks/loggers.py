@@ -4,7 +4,8 @@ local sqlite store) and W&B (offline run files), recording a real pp = 2 step's 
 One trainer takes one step to get real metrics (`raypipe.loggers.scalars`: 25 scalars at pp = 2
 for the MLP below); then each logger records them for `--steps` steps in turn, in rounds, and the
 driver's wall and CPU time per record is reported (median over rounds), beside the step time of
-that trainer for scale. Opening a run (and closing it) is timed once per logger.
+that trainer for scale. Opening a run and closing it (MLflow's close waits for its asynchronous
+writes of every step) are timed too.
 
     python benchmarks/loggers.py [--steps 200] [--rounds 3] [--out loggers.json]
 """
@@ -47,7 +48,7 @@ def main() -> None:
         "mlflow": lambda r: MLflowLogger("bench", params, f"sqlite:///{root}/mlflow.db", f"bench{r}"),
         "wandb": lambda r: WandbLogger("bench", params, project="bench", mode="offline", dir=root),
     }
-    per_record: dict[str, dict[str, list[float]]] = {k: {"wall_ms": [], "cpu_ms": [], "open_s": []} for k in makers}
+    per_record: dict[str, dict[str, list[float]]] = {k: {"wall_ms": [], "cpu_ms": [], "open_s": [], "close_s": []} for k in makers}
     for r in range(args.rounds):
         for name, make in makers.items():
             opened = time.perf_counter()
@@ -58,14 +59,17 @@ def main() -> None:
                 logger.log(step, values)
             per_record[name]["wall_ms"].append(1000 * (time.perf_counter() - wall) / args.steps)
             per_record[name]["cpu_ms"].append(1000 * (time.process_time() - cpu) / args.steps)
-            logger.close()
+            closing = time.perf_counter()
+            logger.close()  # MLflow: waits for its async writes of every step
+            per_record[name]["close_s"].append(time.perf_counter() - closing)
     step_ms = 1000 * statistics.median(step_times)
     result = {"config": vars(args) | {"scalars_per_step": len(values), "cpus": os.cpu_count()},
               "step_ms": step_ms,
               "loggers": {name: {"wall_ms_per_step": statistics.median(m["wall_ms"]),
                                  "cpu_ms_per_step": statistics.median(m["cpu_ms"]),
                                  "share_of_step": statistics.median(m["wall_ms"]) / step_ms,
-                                 "open_s": statistics.median(m["open_s"])}
+                                 "open_s": statistics.median(m["open_s"]),
+                                 "close_s": statistics.median(m["close_s"])}
                           for name, m in per_record.items()}}
     print(json.dumps(result, indent=2))
     with open(args.out, "w") as f:

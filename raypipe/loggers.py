@@ -132,7 +132,8 @@ class MLflowLogger:
     """Logs to an MLflow run: the active run of the process when there is one (so a script's own
     `mlflow.start_run()` holds the training), else a new run named after the trainer in
     `experiment`, ended when the trainer shuts down. `tracking_uri` defaults to MLflow's own
-    (`MLFLOW_TRACKING_URI`)."""
+    (`MLFLOW_TRACKING_URI`). Steps are written by MLflow's async logging thread, off the training
+    loop's path (`benchmarks/loggers.py`), and waited for when the trainer shuts down."""
 
     def __init__(self, run_name: str, params: dict[str, Any], tracking_uri: str | None = None,
                  experiment: str = "raypipe") -> None:
@@ -149,6 +150,7 @@ class MLflowLogger:
             self.run_id = self.client.create_run(experiment_id, run_name=run_name, tags={"raypipe.run": run_name}).info.run_id
         else:
             self.run_id = active.info.run_id
+        self.pending: list[Any] = []
         values = [Param(k, v[:6000]) for k, v in flat(params).items()]
         for i in range(0, len(values), 100):  # MLflow takes at most 100 parameters per batch
             self.client.log_batch(self.run_id, params=values[i:i + 100])
@@ -158,10 +160,13 @@ class MLflowLogger:
 
         now = int(time.time() * 1000)
         metrics = [Metric(tag, value, now, step) for tag, value in values.items()]
-        for i in range(0, len(metrics), 1000):  # and at most 1000 metrics
-            self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
+        for i in range(0, len(metrics), 1000):  # and at most 1000 metrics; written by MLflow's own thread
+            self.pending.append(self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000], synchronous=False))
 
     def close(self) -> None:
+        pending, self.pending = self.pending, []
+        for operation in pending:  # every step is in the store before the run ends
+            operation.wait()
         if self.owned:
             self.client.set_terminated(self.run_id)
 
