@@ -244,3 +244,11 @@ class KillOnSave(nn.Module):
             os.remove(self.flag)
             os.kill(os.getpid(), signal.SIGKILL)
         return super().state_dict(*args, **kwargs)
+
+
+def flip_a_byte(path) -> None:
+    """Corrupts a checkpoint file in place (a local `Path` or a `raypipe.storage.StoragePath`): one
+    byte in the middle inverted, the size unchanged, so only its checksum can tell."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))

@@ -12,7 +12,7 @@ import ray
 import torch
 from torch import nn
 
-from helpers import MLP7, KillOnce, batch
+from helpers import MLP7, KillOnce, batch, flip_a_byte
 from raypipe import ActorDiedError, NonFiniteError, TrainConfig, Trainer
 from raypipe.checkpoint import CheckpointError, find_valid, list_checkpoints, load_tensors, verify
 
@@ -79,10 +79,7 @@ def test_corrupt_checkpoints_fall_back_to_the_previous_valid_one(uninterrupted, 
     _, original = uninterrupted
     root = tmp_path / "copy"
     shutil.copytree(original, root)
-    layer = root / "step-00000006" / "model" / "layer-00004.safetensors"
-    data = bytearray(layer.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    layer.write_bytes(bytes(data))
+    flip_a_byte(root / "step-00000006" / "model" / "layer-00004.safetensors")
     (root / "step-00000004" / "optim" / "layer-00000.safetensors").write_bytes(b"trunc")
     warnings = []
     path, meta = find_valid(root, warn=warnings.append)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import MLP7, KillOnSave, batch
+from helpers import MLP7, KillOnSave, batch, flip_a_byte
 from raypipe import ConfigError, LayerSpec, TrainConfig, Trainer
 from raypipe.checkpoint import MANIFEST, find_valid, list_checkpoints, verify
 from raypipe.storage import StoragePath
@@ -96,10 +96,7 @@ def test_resume_from_the_bucket_continues_exactly(in_bucket):
 def test_a_corrupt_object_and_a_step_without_manifest_fall_back_to_the_newest_valid(in_bucket):
     losses, root = in_bucket
     base = StoragePath(root)
-    layer = base / "step-00000006" / "model" / "layer-00004.safetensors"
-    data = bytearray(layer.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    layer.write_bytes(bytes(data))
+    flip_a_byte(base / "step-00000006" / "model" / "layer-00004.safetensors")
     (base / "step-00000008" / "model" / "layer-00000.safetensors").write_bytes(b"a save cut short")
     warnings = []
     path, meta = find_valid(root, warn=warnings.append)
