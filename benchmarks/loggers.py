@@ -48,7 +48,8 @@ def main() -> None:
         "mlflow": lambda r: MLflowLogger("bench", params, f"sqlite:///{root}/mlflow.db", f"bench{r}"),
         "wandb": lambda r: WandbLogger("bench", params, project="bench", mode="offline", dir=root),
     }
-    per_record: dict[str, dict[str, list[float]]] = {k: {"wall_ms": [], "cpu_ms": [], "open_s": [], "close_s": []} for k in makers}
+    per_record: dict[str, dict[str, list[float]]] = {k: {"wall_ms": [], "cpu_ms": [], "open_s": [], "close_s": []}
+                                                     for k in makers}
     for r in range(args.rounds):
         for name, make in makers.items():
             opened = time.perf_counter()

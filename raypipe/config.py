@@ -113,7 +113,8 @@ class TrainConfig:
             (under engine="compiled", where a step is one call per actor: seconds for the whole step).
         name: run name, used in actor names and logs; None picks a unique one.
         checkpoint_dir: where checkpoints go (`<dir>/step-N/`): a directory (shared by all nodes in
-            a multi-node run) or a URI `pyarrow.fs` opens (`s3://bucket/run`; `raypipe.storage`). None disables automatic checkpoints.
+            a multi-node run) or a URI `pyarrow.fs` opens (`s3://bucket/run`; `raypipe.storage`).
+            None disables automatic checkpoints.
         checkpoint_every: save every this many steps (0: only on `Trainer.save`).
         keep_checkpoints: how many of the newest checkpoints to keep (0: all).
         max_restarts: how many times `Trainer.fit` rebuilds the actors after one dies,

@@ -147,7 +147,8 @@ class MLflowLogger:
         if self.owned:
             found = self.client.get_experiment_by_name(experiment)
             experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
-            self.run_id = self.client.create_run(experiment_id, run_name=run_name, tags={"raypipe.run": run_name}).info.run_id
+            run = self.client.create_run(experiment_id, run_name=run_name, tags={"raypipe.run": run_name})
+            self.run_id = run.info.run_id
         else:
             self.run_id = active.info.run_id
         self.pending: list[Any] = []

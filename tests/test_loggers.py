@@ -128,7 +128,8 @@ def test_bad_loggers_are_refused_naming_the_fix(loggers, message):
 
 def test_a_logger_that_is_not_installed_names_the_extra(monkeypatch):
     monkeypatch.setitem(loggers_module.LOGGERS, "wandb", ("raypipe_no_such_module", "wandb", ("mode",)))
-    with pytest.raises(ConfigError, match=r"needs the raypipe_no_such_module package.*pip install 'raypipe-train\[wandb\]'"):
+    with pytest.raises(ConfigError,
+                       match=r"needs the raypipe_no_such_module package.*pip install 'raypipe-train\[wandb\]'"):
         TrainConfig(loggers=["tensorboard", "wandb"])
 
 

@@ -86,10 +86,10 @@ class DatasetFeed:
                               f"step; give fit(dataset, steps, batch_size=N), N a multiple of dp x microbatches.")
         free = ray.available_resources().get("CPU", 0.0)
         if free < 1:
-            warnings.warn(f"raypipe: {free:g} CPUs of the cluster are free beside the trainer's actors, and Ray Data's "
-                          f"tasks each need one to make the dataset's blocks: lower TrainConfig.cpus_per_actor "
-                          f"(now {cpus_per_actor(c, len(trainer.names)):g}) or add a node, else the first batch never comes.",
-                          stacklevel=3)
+            warnings.warn(f"raypipe: {free:g} CPUs of the cluster are free beside the trainer's actors, and Ray "
+                          f"Data's tasks each need one to make the dataset's blocks: lower TrainConfig.cpus_per_actor "
+                          f"(now {cpus_per_actor(c, len(trainer.names)):g}) or add a node, else the first batch "
+                          f"never comes.", stacklevel=3)
         self.reader = ray.remote(DatasetReader).options(num_cpus=0, max_restarts=0).remote(
             dataset, batch_size, collate, c.dp, c.microbatches, trainer._loss_fn)
         self.asked: dict[int, Any] = {}

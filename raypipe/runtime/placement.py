@@ -38,7 +38,8 @@ def stage_options(config: TrainConfig, stage: int) -> dict[str, Any]:
     return ray_options(config.stage_kinds()[stage], config.gpus_per_actor)
 
 
-def actor_bundles(config: TrainConfig, topology: Topology, cpus: float) -> list[tuple[dict[str, float], dict[str, str]]]:
+def actor_bundles(config: TrainConfig, topology: Topology,
+                  cpus: float) -> list[tuple[dict[str, float], dict[str, str]]]:
     """Each actor's bundle (rank by rank) and label selector: `cpus` and its stage's accelerator kind."""
     return [gang.bundle(cpus, stage_options(config, topology.place(r)[1])) for r in range(len(topology.names()))]
 
