@@ -187,6 +187,14 @@ def begin(root: str | Path, step: int) -> Path | StoragePath:
     return path
 
 
+def remove_file(path: Path | StoragePath) -> None:
+    """Deletes one file or object (nothing when it is absent)."""
+    try:
+        path.delete() if isinstance(path, StoragePath) else path.unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
 def remove(path: Path | StoragePath) -> None:
     """Deletes a checkpoint directory (nothing when it is absent)."""
     if isinstance(path, StoragePath):

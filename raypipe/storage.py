@@ -53,6 +53,15 @@ def redact(uri: str) -> str:
     return parts._replace(netloc=netloc).geturl()
 
 
+def read_text(path: str) -> str | None:
+    """The text of a file (a local path or a URI) as this process's node sees it; None if it cannot
+    (missing, not mounted on this node, no credentials here)."""
+    try:
+        return location(path).read_text()
+    except Exception:  # noqa: BLE001 - every reason is "cannot read" to the caller
+        return None
+
+
 class StoragePath:
     """A file or directory on a `pyarrow.fs` filesystem, named by URI."""
 
@@ -154,6 +163,10 @@ class StoragePath:
 
     def mkdir(self, parents: bool = False, exist_ok: bool = False) -> None:
         self._fs.create_dir(self._path, recursive=True)
+
+    def delete(self) -> None:
+        """Deletes this file (object)."""
+        self._fs.delete_file(self._path)
 
     def rmtree(self) -> None:
         """Deletes the directory and everything under it (nothing when it is absent)."""

@@ -17,9 +17,12 @@ from raypipe import PlacementError, TrainConfig  # noqa: E402
 def results(ray_session, tmp_path_factory):
     import tune_lr
 
-    return tune_lr.sweep(str(ROOT / "examples" / "configs" / "tiny.yaml"), [0.01, 1e-5], steps=12,
+    earlier = set(ray.util.placement_group_table())  # groups of the session's earlier tests
+    grid = tune_lr.sweep(str(ROOT / "examples" / "configs" / "tiny.yaml"), [0.01, 1e-5], steps=12,
                          storage=str(tmp_path_factory.mktemp("tune")), trial_cpus=0.25,
                          overrides=("cpus_per_actor=0.25", "threads_per_actor=1", "data.val_fraction=0"))
+    grid.groups = [g for pid, g in ray.util.placement_group_table().items() if pid not in earlier]
+    return grid
 
 
 def test_both_trials_train_and_report_every_step(results):
@@ -47,7 +50,8 @@ def test_the_trainers_reserved_no_group_of_their_own_and_left_nothing(results):
     ended the trials every CPU is free again (no actor or group left)."""
     import time
 
-    assert not [g for g in ray.util.placement_group_table().values() if g["name"].startswith("raypipe-")]
+    assert len(results.groups) == 2  # the two trials' own
+    assert not [g["name"] for g in results.groups if g["name"].startswith("raypipe-")]
     deadline = time.monotonic() + 60
     while ray.available_resources().get("CPU", 0.0) < ray.cluster_resources()["CPU"] and time.monotonic() < deadline:
         time.sleep(0.5)

@@ -20,6 +20,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from raypipe import storage
 from raypipe.actors import checkpoint_io, step_list
 from raypipe.actors.executor import Executor
 from raypipe.actors.memory import max_rss_bytes
@@ -234,7 +235,6 @@ class StageActor(RefsCalls):
         """
         import ray
 
-
         call_id, step, actions, inputs, targets, peers, after, varying, weights = call
         if after is not None and after == self.unapplied_call:
             self.unapplied_call = call_id  # and so on down the queue
@@ -352,6 +352,9 @@ class StageActor(RefsCalls):
         """Writes this stage's layers, their optimizer state and its RNG state (`checkpoint_io`)."""
         return checkpoint_io.save_stage(self.model, self.optim, directory, self.stage, self.name, self.tp_ranks,
                                         self.ep_ranks)
+
+    def read_text(self, path: str) -> str | None:  # does this node see checkpoint_dir? (checkpoints.check_reachable)
+        return storage.read_text(path)
 
     def load_checkpoint(self, directory: str, loss_scaler: dict, restore_rng: bool) -> None:
         """Loads this stage's layers and optimizer state from a verified checkpoint."""

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from raypipe import checkpoint as ckpt
+from raypipe.storage import location
 from raypipe.runtime.results import gather
 
 
@@ -70,6 +71,38 @@ def load(actors: Sequence[Any], names: Sequence[str], path: str, step: int | Non
     gather([a.load_checkpoint.remote(address(where), meta["loss_scaler"], same_split) for a in actors],
            "load", actors, names)
     return where, meta["step"]
+
+
+def check_reachable(actors: Sequence[Any], names: Sequence[str], root: str) -> None:
+    """Before training: every actor reads a marker the driver wrote under `root` (the driver commits
+    what the actors write there). A local directory some node does not share, or a bucket its
+    credentials do not reach, is an error now rather than at the first save.
+
+    Raises:
+        CheckpointError: naming the actors (and their nodes) that cannot read it, and the fixes.
+    """
+    import uuid
+
+    import ray
+
+    marker, token = location(root) / f".raypipe-reachable-{uuid.uuid4().hex[:12]}", uuid.uuid4().hex
+    try:
+        ckpt.write_atomic(marker, token.encode())
+    except OSError as error:
+        raise ckpt.CheckpointError(f"the driver cannot write to checkpoint_dir {root}: {error}") from None
+    try:
+        seen = gather([a.read_text.remote(address(marker)) for a in actors], "checkpoint_dir check", actors, names)
+    finally:
+        ckpt.remove_file(marker)
+    blind = [(a, n) for a, n, text in zip(actors, names, seen) if text != token]
+    if blind:
+        infos = gather([a.info.remote() for a, _ in blind[:6]], "stage_info")
+        who = ", ".join(f"{name} (node {info['node_id'][:12]})" for (_, name), info in zip(blind, infos))
+        here = ray.get_runtime_context().get_node_id()[:12]
+        raise ckpt.CheckpointError(
+            f"{who} cannot read checkpoint_dir {root}, which the driver (node {here}) writes to: nodes that do not share a filesystem need one mounted at the same path on every node, or "
+            f"checkpoint_dir a URI of storage every node reaches (s3://bucket/run, with credentials on every node). "
+            f"Found before training: nothing was lost.")
 
 
 def address(path: Any) -> str:

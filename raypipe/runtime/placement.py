@@ -19,6 +19,7 @@ from raypipe.errors import PlacementError, StageError
 from raypipe.layers import LayerSpec
 from raypipe.runtime.chunks import actor_chunks, actor_plan
 from raypipe.runtime import gang
+from raypipe.runtime.checkpoints import check_reachable
 from raypipe.runtime.collective import group_backend
 from raypipe.runtime.results import gather, last_line
 from raypipe.runtime.topology import Topology
@@ -149,6 +150,8 @@ def start_gang(config: TrainConfig, topology: Topology, names: Sequence[str], sp
         devices = wait_for_actors(actors, names, topology, plan, config, cpus, others)
         if needs_world(config) or shared:
             join_world(actors, names, topology, devices, config, shared, linked_stages(schedule))
+        if config.checkpoint_dir is not None:
+            check_reachable(actors, names, config.checkpoint_dir)
     except BaseException:
         kill(actors)
         raise
