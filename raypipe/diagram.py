@@ -42,6 +42,7 @@ class StageView:
     output: str = ""  # the boundary tensor this stage sends on, e.g. "(4, 64, 128) float32"
     on_stage: int | None = None  # with model chunks: the stage (actor) this virtual stage runs on
     experts: int = 0  # experts per MoE layer among its layers (0: none)
+    link: str = ""  # the transport its output goes on to the next stage ("shm", "gloo"); running trainers only
 
     @property
     def heading(self) -> str:
@@ -79,13 +80,18 @@ class Architecture:
 
     @classmethod
     def from_trainer(cls, trainer: Any, sample: torch.Tensor | None = None, title: str = "") -> "Architecture":
-        """A running trainer's architecture, with each actor's real node and device."""
+        """A running trainer's architecture, with each actor's real node and device, and the
+        transport of each link between stages."""
         arch = cls.from_config(trainer.specs, trainer.config, sample, title)
         by_name = {i["name"]: i for i in trainer.stage_info()}
         for stage in arch.stages:
             for actor in stage.actors:
                 info = by_name[actor.name]
                 actor.device, actor.node = info["device"], info["node_id"][:8]
+        for stage, after in zip(arch.stages, arch.stages[1:]):
+            hows = {by_name[a.name]["links"].get(b.name) for a in stage.actors for b in after.actors
+                    if (a.dp, a.tp) == (b.dp, b.tp)}
+            stage.link = " + ".join(sorted(h for h in hows if h))
         return arch
 
     # ----- drawing --------------------------------------------------------------------
@@ -118,7 +124,7 @@ class Architecture:
             out.append(f"  stage{stage.index} [shape=plain, label=<{table}>];")
         out.append("  input -> stage0;")
         for s in range(len(self.stages) - 1):
-            out.append(f'  stage{s} -> stage{s + 1} [label="{_q(self.stages[s].output)}"];')
+            out.append(f'  stage{s} -> stage{s + 1} [label="{_q(self.stages[s].output + _over(self.stages[s]))}"];')
         out.append(f'  stage{len(self.stages) - 1} -> loss [label="{_q(self.stages[-1].output)}"];')
         out.append("}")
         return "\n".join(out)
@@ -150,7 +156,7 @@ class Architecture:
             out.append("  end")
         out.append("  input --> S0")
         for s in range(len(self.stages) - 1):
-            out.append(f'  S{s} -- "{self.stages[s].output}" --> S{s + 1}')
+            out.append(f'  S{s} -- "{self.stages[s].output}{_over(self.stages[s])}" --> S{s + 1}')
         out.append(f'  S{len(self.stages) - 1} -- "{self.stages[-1].output}" --> loss(["loss"])')
         return "\n".join(out) + "\n"
 
@@ -193,6 +199,11 @@ def _boundary_shapes(specs: Sequence[LayerSpec], plan: Sequence[tuple[int, int]]
     except Exception:  # a layer the meta device cannot run: leave the shapes unknown
         shapes += ["?"] * (len(plan) + 1 - len(shapes))
     return shapes
+
+
+def _over(stage: StageView) -> str:
+    """The edge label's transport part, e.g. " over shm"; empty when drawn from the config alone."""
+    return f" over {stage.link}" if stage.link else ""
 
 
 def _describe(x: Any) -> str:

@@ -295,8 +295,8 @@ class Trainer:
         self._configure_actors(reset_optimizer=True)
 
     def stage_info(self) -> list[dict[str, Any]]:
-        """Per actor (replica by replica): name, layer range, parameters, node id, pid, device, threads."""
-        return gather([a.info.remote() for a in self._actors], "stage_info")
+        """Per actor: name, layers, parameters, node, pid, device, threads, `links` (neighbour -> transport)."""
+        return placement.name_links(gather([a.info.remote() for a in self._actors], "stage_info"), self.names)
 
     def shutdown(self) -> None:
         """Stops every actor this trainer started. Safe to call twice."""

@@ -62,6 +62,8 @@ def test_from_a_running_trainer_shows_real_nodes(ray_session, tmp_path):
     assert all(a.node == node and a.device == "cpu" for s in arch.stages for a in s.actors)
     assert [s.output for s in arch.stages] == ["(2, 16) float32", "(2, 3) float32"]  # after layers [0,3) and [3,7)
     assert f"cpu @ node {node}" in arch.to_mermaid()
+    assert [s.link for s in arch.stages] == ["shm", ""]  # neighbours on one node: shared memory
+    assert '-- "(2, 16) float32 over shm" -->' in arch.to_mermaid() and 'float32 over shm"' in arch.to_dot()
 
 
 def test_cli_draws_diagrams_and_timelines(tmp_path, capsys):

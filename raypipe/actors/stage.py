@@ -87,18 +87,16 @@ class StageActor(RefsCalls):
         ep_size: int = 1,
     ) -> None:
         torch.set_num_threads(threads)
-        self.stage, self.num_stages, self.name = stage, num_stages, name
+        self.stage, self.num_stages, self.name, self.device_kind = stage, num_stages, name, device_kind
         # model chunks: (virtual stage, start, end) per range of layers held; one without chunks
         self.chunks = list(chunks) or [(stage, start, start + len(specs))]
         self.num_virtual = num_virtual or num_stages
         held = {v for v, _, _ in self.chunks}
         self.holds_first, self.is_last = 0 in held, self.num_virtual - 1 in held
-        self.device_kind = device_kind
         os.environ[SERVING_ENV] = device_kind
         self.tp = TensorParallelGroup(tp_rank, tp_size)
-        self.tp_ranks: list[int] = [0]
-        self.ep_ranks: list[int] = []
-        self.shm_peers: list[int] = []  # neighbours' world ranks linked through shared memory (`join`)
+        self.tp_ranks, self.ep_ranks = [0], []  # world ranks of its tp and ep groups (`join`)
+        self.links: dict[int, str] = {}  # each pipeline neighbour's world rank -> "shm" or "gloo" (`join`)
         self.agrees_through_pipes = False  # the step's closing all-reduce: pipes on one node, else gloo (`join`)
         device, self.fallback = resolve_device(name, device_kind, allow_cpu_fallback)
         indices = [i for _, a, b in self.chunks for i in range(a, b)]
@@ -142,7 +140,8 @@ class StageActor(RefsCalls):
             "dtype": str(self.model.params[0].dtype).removeprefix("torch.") if self.model.params else "float32",
             # checkpoint tensors its layers read when built (key -> bytes), for pretrained models
             "weights_read": {k: v for layer in self.model.module for k, v in getattr(layer, "read_keys", {}).items()},
-            "shm_peers": list(self.shm_peers),
+            "shm_peers": [n for n, how in self.links.items() if how == "shm"],
+            "links": dict(self.links),  # neighbour's world rank -> the transport of that link
             "agrees_through_pipes": self.agrees_through_pipes,
             "parameter_bytes": self.model.parameter_bytes(),
             # MoE layers (global layer index and module) -> the experts this actor holds
@@ -184,9 +183,10 @@ class StageActor(RefsCalls):
         self.ep.group, self.ep_ranks = mine.get(tuple(ep_group)), list(ep_group)
         self.optim.expert_group, self.optim.expert_ranks = mine.get(tuple(expert_group)), list(expert_group)
         self._join_tied(rank, tied_groups, mine)
-        self.shm_peers = shm.connect(rank, neighbours, timeout, enabled=same_node_transport == "shm")
+        shm_peers = shm.connect(rank, neighbours, timeout, enabled=same_node_transport == "shm")
+        self.links = {n: "shm" if n in shm_peers else "gloo" for n in neighbours}
         self.agrees_through_pipes = agree.connect(rank, timeout, enabled=same_node_transport == "shm")
-        return self.shm_peers
+        return shm_peers
 
     def _join_tied(self, rank: int, tied_groups: Sequence[tuple[int, list[int]]], mine: dict) -> None:
         """Keeps each cross-stage tied weight's group, copies the first holder's values, and counts

@@ -13,6 +13,7 @@ its members' tensors: gloo for cpu and mps, nccl (rccl on ROCm) for cuda.
 from __future__ import annotations
 
 import datetime
+import os
 import socket
 from typing import Sequence
 
@@ -39,6 +40,21 @@ def group_backend(devices: Sequence[str]) -> str:
     return "nccl" if devices and all(d.startswith("cuda") for d in devices) else "gloo"
 
 
+def gloo_interface(ip: str) -> str | None:
+    """The network interface holding `ip`, this node's Ray address, for gloo to bind to.
+
+    Without GLOO_SOCKET_IFNAME gloo binds to the address this host's name resolves to, which
+    on many hosts (Debian's /etc/hosts, most containers) is 127.0.x.x: every rank would then
+    advertise a loopback address to the others and ranks on other nodes could not connect.
+    """
+    import psutil
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address == ip for a in addresses):
+            return name
+    return None
+
+
 def join_world(
     address: str, port: int, world_size: int, rank: int, groups: Sequence[Sequence[int]], timeout: float,
     backends: Sequence[str] | None = None,
@@ -50,6 +66,12 @@ def join_world(
         timeout: seconds a collective may wait for its peers before failing.
         backends: each group's backend (`group_backend` of its members' devices); gloo if omitted.
     """
+    if "GLOO_SOCKET_IFNAME" not in os.environ:  # the user's choice wins
+        import ray
+
+        interface = gloo_interface(ray.util.get_node_ip_address())
+        if interface is not None:
+            os.environ["GLOO_SOCKET_IFNAME"] = interface
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://{address}:{port}",

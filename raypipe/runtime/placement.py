@@ -18,7 +18,7 @@ from raypipe.model import tied_stages
 from raypipe.errors import PlacementError, StageError
 from raypipe.layers import LayerSpec
 from raypipe.runtime.chunks import actor_chunks, actor_plan
-from raypipe.runtime import gang
+from raypipe.runtime import gang, nodes
 from raypipe.runtime.checkpoints import check_reachable
 from raypipe.runtime.collective import group_backend
 from raypipe.runtime.results import gather, last_line
@@ -95,7 +95,9 @@ def wait_for_actors(actors: Sequence[Any], names: Sequence[str], topology: Topol
         for ref in ready:
             rank = refs.index(ref)
             try:
-                devices[rank] = ray.get(ref)["device"]
+                info = ray.get(ref)
+                devices[rank] = info["device"]
+                nodes.note(actors[rank], info["node_id"])
             except ray.exceptions.RayActorError as error:
                 raise StageError(f"{names[rank]} (layers {plan[topology.place(rank)[1]]}) could not start: "
                                  f"{last_line(error)}") from None
@@ -204,6 +206,11 @@ def join_world(actors: Sequence[Any], names: Sequence[str], topology: Topology, 
     gather(joins, "rendezvous", actors, names)
 
 
+def name_links(infos: Sequence[dict[str, Any]], names: Sequence[str]) -> list[dict[str, Any]]:
+    """The actors' `info()` with each link keyed by the neighbour's name instead of its world rank."""
+    return [{**i, "links": {names[r]: how for r, how in i["links"].items()}} for i in infos]
+
+
 def cluster_offer() -> str:
     """Each alive node's CPUs, GPUs, accelerator resources and raypipe labels, for placement errors."""
     parts = []
@@ -224,3 +231,4 @@ def kill(actors: Sequence[Any]) -> None:
         except Exception:  # already dead, or Ray already shut down
             pass
     gang.release(actors)
+    nodes.forget(actors)

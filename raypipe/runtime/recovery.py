@@ -7,7 +7,8 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-from raypipe.errors import ActorDiedError
+from raypipe.errors import ActorDiedError, PlacementError
+from raypipe.runtime import nodes
 from raypipe.runtime.checkpoints import last_valid
 
 
@@ -17,6 +18,8 @@ def recover(trainer: Any, error: ActorDiedError, log: Callable[[str], None]) -> 
     Raises:
         ActorDiedError: the restarts are used up; says which actor died, why, and where the
             last checkpoint is.
+        PlacementError: the actors cannot be placed again within `actor_start_timeout` (their
+            node was lost and no other can hold them); names the lost nodes and what they held.
     """
     config = trainer.config
     if trainer.restarts >= config.max_restarts:
@@ -29,8 +32,18 @@ def recover(trainer: Any, error: ActorDiedError, log: Callable[[str], None]) -> 
     trainer.restarts += 1
     started = time.monotonic()
     log(f"raypipe: {error}; restart {trainer.restarts} of {config.max_restarts}")
+    placed = nodes.held(trainer._actors, trainer.names)
     trainer.shutdown()
-    trainer._start_actors()
+    gone = nodes.unreachable(placed)
+    if gone:
+        log(f"raypipe: lost {nodes.describe(placed, gone)}; placing its actors on other nodes")
+    try:
+        trainer._start_actors()
+    except PlacementError as failure:
+        if not gone:
+            raise
+        raise PlacementError(f"{error.actor} died with its node ({nodes.describe(placed, gone)}), and no node "
+                             f"left can take its place: {failure}") from None
     where = last_valid(config.checkpoint_dir)
     if where is not None:
         trainer.load(where, log=log)

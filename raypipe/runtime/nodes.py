@@ -1,0 +1,56 @@
+"""Which node each stage actor runs on, noted when it starts, so that after a whole node is lost
+the trainer can say which node went and which stages it held (the actors themselves can no
+longer be asked)."""
+
+from __future__ import annotations
+
+import socket
+from typing import Any, Sequence
+
+import ray
+
+_NODES: dict[str, str] = {}  # actor id -> the id of the node it runs on
+
+
+def note(actor: Any, node_id: str) -> None:
+    _NODES[actor._actor_id.hex()] = node_id
+
+
+def forget(actors: Sequence[Any]) -> None:
+    for actor in actors:
+        _NODES.pop(actor._actor_id.hex(), None)
+
+
+def held(actors: Sequence[Any], names: Sequence[str]) -> dict[str, str]:
+    """Actor name -> node id, for the actors whose node was noted."""
+    return {name: _NODES[a._actor_id.hex()] for a, name in zip(actors, names) if a._actor_id.hex() in _NODES}
+
+
+def unreachable(placed: dict[str, str], timeout: float = 1.0) -> set[str]:
+    """The nodes of `placed` (name -> node id) that are gone: Ray marked them dead, or their raylet
+    no longer accepts a connection (Ray marks a node dead only after its health checks have failed
+    for a while, ~15-20 s by default, and the trainer says at once which node it lost)."""
+    alive = {n["NodeID"]: n for n in ray.nodes()}
+    gone = set()
+    for node in set(placed.values()):
+        info = alive.get(node, {})
+        if not info.get("Alive", False):
+            gone.add(node)
+            continue
+        try:
+            socket.create_connection((info["NodeManagerAddress"], info["NodeManagerPort"]), timeout=timeout).close()
+        except OSError:
+            gone.add(node)
+    return gone
+
+
+def describe(placed: dict[str, str], gone: set[str]) -> str:
+    """Each node of `gone` with the actors of `placed` it held, e.g. "node 10.0.0.2 (id 3f2a9c1e)
+    held stage1-dp0-tp0"; "" when `gone` is empty."""
+    address = {n["NodeID"]: n.get("NodeManagerAddress", "?") for n in ray.nodes()}
+    held: dict[str, list[str]] = {}
+    for name, node in placed.items():
+        if node in gone:
+            held.setdefault(node, []).append(name)
+    return "; ".join(f"node {address.get(node, '?')} (id {node[:8]}) held {', '.join(names)}"
+                     for node, names in held.items())
