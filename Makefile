@@ -17,6 +17,12 @@ $(STAMP): pyproject.toml constraints.txt
 	  { apt-get install -y -qq graphviz >/dev/null 2>&1 || \
 	    { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq graphviz >/dev/null 2>&1; }; }; } || \
 	  echo "note: Graphviz's dot is not installed (apt-get install graphviz / brew install graphviz); PNG/PDF renderings are skipped"
+	@# sshd and rsync let the tests run `ray up cluster.yaml` against hosts in network namespaces
+	@{ command -v sshd >/dev/null || [ -x /usr/sbin/sshd ]; } && command -v rsync >/dev/null || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  { apt-get install -y -qq openssh-server rsync >/dev/null 2>&1 || \
+	    { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq openssh-server rsync >/dev/null 2>&1; }; }; } || \
+	  echo "note: sshd or rsync is not installed (apt-get install openssh-server rsync); the ray up test is skipped"
 	@# Debian and Ubuntu ship Python without venv's ensurepip until python3-venv is installed
 	@test -x $(BIN)/python || $(PYTHON) -c "import venv, ensurepip" 2>/dev/null || { \
 	  echo "error: $(PYTHON) cannot make a virtual environment (no venv/ensurepip): run 'sudo apt-get install python3-venv' (Debian/Ubuntu; python3.X-venv for another version), then make again" >&2; exit 1; }

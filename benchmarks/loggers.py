@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -63,6 +64,7 @@ def main() -> None:
             closing = time.perf_counter()
             logger.close()  # MLflow: waits for its async writes of every step
             per_record[name]["close_s"].append(time.perf_counter() - closing)
+    shutil.rmtree(root, ignore_errors=True)  # the runs' files are not the result
     step_ms = 1000 * statistics.median(step_times)
     result = {"config": vars(args) | {"scalars_per_step": len(values), "cpus": os.cpu_count()},
               "step_ms": step_ms,

@@ -49,3 +49,13 @@ def test_cloud_node_types_declare_the_resource_and_label_stages_ask_for():
         assert all(node_type["resources"].get(r, 0) >= n for r, n in asked["resources"].items())
         assert node_type["resources"].get("GPU", 0) >= asked["num_gpus"]
         assert all(node_type["labels"].get(k) == v for k, v in asked["label_selector"].items())
+
+
+def test_every_host_gets_the_token_and_the_head_runs_the_autoscaler_that_starts_every_worker():
+    """What `tests/test_ray_up.py` found against real hosts: workers without the head's token and
+    auth mode cannot join, and Ray 2.60's autoscaler v2 counts the head among min_workers."""
+    config = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    assert config["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
+    assert any("export RAY_AUTH_MODE=token' >> ~/.bashrc" in c for c in config["setup_commands"])
+    assert "export RAY_enable_autoscaler_v2=0;" in config["head_start_ray_commands"][-1]
+    assert config["min_workers"] == config["max_workers"] == len(config["provider"]["worker_ips"])
