@@ -28,8 +28,8 @@ def held(actors: Sequence[Any], names: Sequence[str]) -> dict[str, str]:
 
 def unreachable(placed: dict[str, str], timeout: float = 1.0) -> set[str]:
     """The nodes of `placed` (name -> node id) that are gone: Ray marked them dead, or their raylet
-    no longer accepts a connection (Ray marks a node dead only after its health checks have failed
-    for a while, ~15-20 s by default, and the trainer says at once which node it lost)."""
+    no longer accepts a connection. Ray marks a node dead only after its health checks have failed
+    for ~15-20 s; the probe lets the trainer say at once which node it lost."""
     alive = {n["NodeID"]: n for n in ray.nodes()}
     gone = set()
     for node in set(placed.values()):
@@ -48,9 +48,9 @@ def describe(placed: dict[str, str], gone: set[str]) -> str:
     """Each node of `gone` with the actors of `placed` it held, e.g. "node 10.0.0.2 (id 3f2a9c1e)
     held stage1-dp0-tp0"; "" when `gone` is empty."""
     address = {n["NodeID"]: n.get("NodeManagerAddress", "?") for n in ray.nodes()}
-    held: dict[str, list[str]] = {}
+    by_node: dict[str, list[str]] = {}
     for name, node in placed.items():
         if node in gone:
-            held.setdefault(node, []).append(name)
+            by_node.setdefault(node, []).append(name)
     return "; ".join(f"node {address.get(node, '?')} (id {node[:8]}) held {', '.join(names)}"
-                     for node, names in held.items())
+                     for node, names in by_node.items())
