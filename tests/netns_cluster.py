@@ -159,15 +159,6 @@ class NetnsCluster:
         return subprocess.run(["ip", "netns", "exec", head.name, sys.executable, "-c", code],
                               env={**self.env, **(env or {})}, capture_output=True, text=True, timeout=timeout)
 
-    def pids(self, name: str) -> list[int]:
-        """Every process in node `name`'s namespace (its raylet, agents and actors)."""
-        out = subprocess.run(["ip", "netns", "pids", self.nodes[name].name], capture_output=True, text=True)
-        return [int(p) for p in out.stdout.split()]
-
-    def kill_node(self, name: str) -> None:
-        """Kills every process of node `name` at once, as a machine losing power would."""
-        self._kill_namespace(self.nodes[name].name)
-
     def close(self) -> None:
         """Kills every process in the namespaces made, deletes them and the bridge; removes the temp dir."""
         for ns in self.namespaces:

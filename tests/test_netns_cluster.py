@@ -25,7 +25,7 @@ TESTS = Path(__file__).parent
 MPS = "mps:1:Apple M3 Max"
 
 PRELUDE = """
-import json, subprocess, sys, tempfile, time
+import json, subprocess, tempfile, time
 import ray, torch
 from torch import nn
 from helpers import MLP7, batch, reference_run
@@ -54,7 +54,7 @@ print("RESULT " + json.dumps(out))
 """
 
 LOSS_RUN = """
-def kill_node(ip):
+def kill_node(ip):  # every process of the node's namespace at once, as a machine losing power
     subprocess.run(f"ip netns pids {{NAMESPACES[ip]}} | xargs -r kill -9", shell=True, check=True, timeout=30)
 
 def run(steps, kill_after, timeout):
