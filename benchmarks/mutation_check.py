@@ -149,6 +149,16 @@ MUTATIONS = [
              "trainer.loggers.log(trainer.step_count, scalars(metrics))",
              "trainer.loggers.log(trainer.step_count - 1, scalars(metrics))",
              ("tests/test_loggers.py",), "the loggers record each step's scalars one step early"),
+    Mutation("ordered-poison", "raypipe/runtime/transport/ordered.py",
+             "        message[:FLAG_BYTES].view(torch.int64).fill_(POISON)\n        self._post(message)\n",
+             "        message[:FLAG_BYTES].view(torch.int64).fill_(POISON)\n",
+             ("tests/test_device_links.py::test_a_failed_step_leaves_every_stream_in_step",),
+             "a failed stage's NCCL stream skips the poison, so the receiver takes the next message in its place"),
+    Mutation("nccl-shared-gpu", "raypipe/runtime/links.py",
+             'return "nccl" if all(cuda) and not shares_gpu(infos, [a, b]) else None',
+             'return "nccl" if all(cuda) else None',
+             ("tests/test_device_links.py",),
+             "two stages sharing a GPU are linked over NCCL, which refuses two ranks on one device"),
 ]
 
 

@@ -28,6 +28,7 @@ from raypipe.schedules import SCHEDULES, build_schedule
 SCHEDULE_NAMES = (*SCHEDULES, "auto")  # auto: chosen from profiled layers (`raypipe.autoschedule`)
 ENGINES = ("refs", "p2p", "compiled")
 SAME_NODE_TRANSPORTS = ("shm", "gloo")
+DEVICE_LINKS = ("auto", "nccl", "host")  # raypipe.runtime.links
 PARTITION_NAMES = ("uniform", "parameters", "profile")
 PRECISIONS = ("fp32", "bf16", "fp16")
 NONFINITE_POLICIES = ("error", "skip")
@@ -91,6 +92,13 @@ class TrainConfig:
             large for /dev/shm fall back to gloo) or "gloo" (loopback TCP). Stages on
             different nodes always use gloo. With "shm" the step's closing agreement (global
             norm, failures) also goes through pipes when every actor is on one node.
+        device_links: how p2p and compiled move boundary tensors between two CUDA (or ROCm)
+            stages: "auto" keeps them on the device, over NCCL (RCCL), when the two stages hold
+            different GPUs (on one node or not), and goes through host memory otherwise
+            (NCCL refuses two ranks on one GPU); "host" always goes through host memory
+            (`same_node_transport`, gloo between nodes); "nccl" puts every link on NCCL's
+            in-order streams, an error where two linked stages share a GPU (on CPU and MPS
+            stages those streams run over gloo: how the tests check them without a GPU).
         precision: "fp32", "bf16" (autocast) or "fp16" (autocast with dynamic loss scaling).
         boundary_dtype: the dtype activations and their gradients travel in between
             stages: "fp32" (as computed), or "bf16" / "fp16" to halve the bytes sent; the
@@ -155,6 +163,7 @@ class TrainConfig:
     grad_clip: float | None = None
     engine: str = "p2p"
     same_node_transport: str = "shm"
+    device_links: str = "auto"
     precision: str = "fp32"
     boundary_dtype: str = "fp32"
     activation_checkpointing: bool = False
@@ -212,6 +221,7 @@ class TrainConfig:
         check_choice("boundary_dtype", self.boundary_dtype, PRECISIONS)
         check_choice("engine", self.engine, ENGINES)
         check_choice("same_node_transport", self.same_node_transport, SAME_NODE_TRANSPORTS)
+        check_choice("device_links", self.device_links, DEVICE_LINKS)
         if not isinstance(self.activation_checkpointing, bool):
             raise fail("activation_checkpointing", self.activation_checkpointing, "give true or false.")
         if not isinstance(self.measure_activations, bool):

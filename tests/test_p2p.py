@@ -1,6 +1,7 @@
-"""The p2p engine's wire protocol between two real processes, over both transports that
-`raypipe.runtime.transport` picks from: shared memory between neighbours on one node (`shm`)
-and gloo. Every boundary dtype arrives exactly, poison arrives where it was sent, a shape
+"""The p2p engine's wire protocol between two real processes, over every transport that
+`raypipe.runtime.transport` picks from: shared memory between neighbours on one node (`shm`),
+gloo, and a stream on a group of its own matched in order (`ordered`: NCCL's device path,
+here over gloo on the CPU). Every boundary dtype arrives exactly, poison arrives where it was sent, a shape
 change within a step is refused before anything goes out, a stream too large for shared
 memory goes over gloo, nothing is left in /dev/shm, and a receiver whose neighbour exited
 fails instead of waiting."""
@@ -27,9 +28,15 @@ class Peer:
         return rendezvous_address()
 
     def join(self, address, port, rank, transport):
-        from raypipe.runtime.transport import shm
+        from raypipe.runtime.transport import ordered, shm
         from raypipe.runtime.collective import join_world
 
+        self.stream = None  # (group, device) of the ordered stream
+        if transport == "ordered":
+            group = join_world(address, port, 2, rank, [[0, 1]], timeout=30)[0]
+            ordered.warm_up([(0, group, [0, 1])], rank, torch.device("cpu"))
+            self.stream = (group, torch.device("cpu"))
+            return []
         join_world(address, port, 2, rank, [], timeout=30)
         return shm.connect(rank, [1 - rank], timeout=30, enabled=transport == "shm")
 
@@ -42,7 +49,7 @@ class Peer:
 
         default, shm.MAX_STREAM_BYTES = shm.MAX_STREAM_BYTES, limit or shm.MAX_STREAM_BYTES
         try:
-            box, refused = p2p.outbox(1, len(tensors), varying), []
+            box, refused = p2p.outbox(1, len(tensors), varying, stream=self.stream), []
             for t, tag in zip(tensors, tags):
                 if t is None:
                     box.poison(tag)
@@ -64,7 +71,7 @@ class Peer:
 
         from raypipe.runtime.transport.tree import map_tensors, tensors
 
-        box, got, self.kept = inbox(0, tags), [], []
+        box, got, self.kept = inbox(0, tags, stream=self.stream), [], []
         for _ in tags:
             try:
                 value = box.take()
@@ -102,7 +109,7 @@ def connect(transport):
     return sender, receiver, linked
 
 
-@pytest.fixture(scope="module", params=["shm", "gloo"])
+@pytest.fixture(scope="module", params=["shm", "gloo", "ordered"])
 def peers(ray_session, request):
     sender, receiver, linked = connect(request.param)
     assert linked == ([[1], [0]] if request.param == "shm" else [[], []])

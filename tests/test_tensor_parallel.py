@@ -154,9 +154,13 @@ def test_tp_on_a_stage_whose_layers_have_no_plan_is_refused_before_any_actor_sta
 
 
 def test_each_group_takes_the_backend_of_its_members_tensors():
-    from raypipe.runtime.collective import group_backend
+    from raypipe.runtime.links import group_backend
 
-    assert group_backend(["cpu", "cpu"]) == "gloo"
-    assert group_backend(["cuda:0", "cuda:0"]) == "nccl"  # ROCm's torch uses the cuda device type too
-    assert group_backend(["cuda:0", "mps"]) == "gloo"
-    assert group_backend(["mps", "mps"]) == "gloo"
+    def infos(*devices):  # each on a GPU of its own where on cuda
+        return [{"device": d, "node_id": "n", "gpu": f"GPU-{i}" if d.startswith("cuda") else None}
+                for i, d in enumerate(devices)]
+
+    assert group_backend(infos("cpu", "cpu"), [0, 1]) == "gloo"
+    assert group_backend(infos("cuda:0", "cuda:0"), [0, 1]) == "nccl"  # ROCm's torch uses the cuda device type too
+    assert group_backend(infos("cuda:0", "mps"), [0, 1]) == "gloo"
+    assert group_backend(infos("mps", "mps"), [0, 1]) == "gloo"

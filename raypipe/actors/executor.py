@@ -256,7 +256,10 @@ class Executor:
         narrow = AUTOCAST_DTYPES.get(self.settings.boundary_dtype)
 
         def arriving(t: torch.Tensor) -> torch.Tensor:
-            t = t.to(self.device)
+            # to a GPU, torch returns once a pageable source is staged (the buffer may be reused)
+            # and the copy to the device runs behind the host; MPS copies only blocking (its
+            # non-blocking copies from host memory have read freed buffers)
+            t = t.to(self.device, non_blocking=self.device.type == "cuda")
             return t.float() if narrow is not None and t.dtype == narrow else t
 
         return map_tensors(arriving, x)

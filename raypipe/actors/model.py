@@ -226,3 +226,16 @@ def resolve_device(name: str, kind: str, allow_cpu_fallback: bool) -> tuple[torc
         f"Install a {kind} build of torch on that node, fix the node's advertised resources "
         f"(`raypipe node-resources`), or set TrainConfig.allow_cpu_fallback=True for a test."
     )
+
+
+def gpu_identity(device: torch.device) -> str | None:
+    """Which physical GPU `device` is (its UUID, else its PCI bus id), so the driver can tell
+    actors that share one (NCCL refuses two ranks on a GPU); None off CUDA. Every actor sees its
+    GPU as cuda:0 (Ray sets the visible devices), so the index says nothing."""
+    if device.type != "cuda":
+        return None
+    props = torch.cuda.get_device_properties(device)
+    uuid = getattr(props, "uuid", None)
+    if uuid is not None:
+        return str(uuid)
+    return f"pci {props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}"

@@ -24,7 +24,7 @@ from raypipe import storage
 from raypipe.actors import checkpoint_io, step_list
 from raypipe.actors.executor import Executor
 from raypipe.actors.memory import max_rss_bytes
-from raypipe.actors.model import StageModel, resolve_device
+from raypipe.actors.model import StageModel, gpu_identity, resolve_device
 from raypipe.actors.optimizer import OptimizerState
 from raypipe.actors.refs_calls import RefsCalls, to_host
 from raypipe.actors.settings import StageSettings
@@ -96,7 +96,8 @@ class StageActor(RefsCalls):
         os.environ[SERVING_ENV] = device_kind
         self.tp = TensorParallelGroup(tp_rank, tp_size)
         self.tp_ranks, self.ep_ranks = [0], []  # world ranks of its tp and ep groups (`join`)
-        self.links: dict[int, str] = {}  # each pipeline neighbour's world rank -> "shm" or "gloo" (`join`)
+        self.links: dict[int, str] = {}  # each pipeline neighbour's world rank -> "shm", "gloo" or "nccl" (`join`)
+        self.streams: dict[tuple[int, str], Any] = {}  # device link streams: (v, "F"/"G") -> (group, device)
         self.agrees_through_pipes = False  # the step's closing all-reduce: pipes on one node, else gloo (`join`)
         device, self.fallback = resolve_device(name, device_kind, allow_cpu_fallback)
         indices = [i for _, a, b in self.chunks for i in range(a, b)]
@@ -134,6 +135,7 @@ class StageActor(RefsCalls):
             "node_id": ray.get_runtime_context().get_node_id(),
             "pid": os.getpid(),
             "device": str(self.model.device),
+            "gpu": gpu_identity(self.model.device),  # which physical GPU, to keep NCCL off a shared one
             "device_kind": self.device_kind,
             "cpu_fallback": self.fallback,
             "threads": torch.get_num_threads(),
@@ -161,7 +163,8 @@ class StageActor(RefsCalls):
              groups: list[list[int]], dp_group: list[int], tp_group: list[int], timeout: float,
              backends: list[str] | None = None, neighbours: Sequence[int] = (),
              same_node_transport: str = "shm", tied_groups: Sequence[tuple[int, list[int]]] = (),
-             ep_group: Sequence[int] = (), expert_group: Sequence[int] = ()) -> list[int]:
+             ep_group: Sequence[int] = (), expert_group: Sequence[int] = (),
+             streams: Sequence[tuple[int, int, int, int, str]] = ()) -> list[int]:
         """Joins the trainer's torch.distributed world, keeps its dp and tp groups, and links
         to its pipeline `neighbours` (world ranks) on this node through shared memory
         (`raypipe.runtime.transport.shm`) unless `same_node_transport` is "gloo"; with "shm"
@@ -170,38 +173,28 @@ class StageActor(RefsCalls):
         lowest stage first) for each weight this actor shares with other stages; the copies
         start from the first holder's values. `ep_group`: the ranks its MoE layers exchange
         tokens with; `expert_group`: the replicas holding the same experts (ep > 1 only).
+        `streams`: (index in `groups`, sender, receiver, sending virtual stage, "F" or "G") for
+        each device link stream this actor is in (`raypipe.runtime.links`): those neighbours
+        are linked on the device, not through host memory.
 
         Returns:
-            The neighbours linked through shared memory (the others use gloo).
+            The neighbours linked through shared memory (the others use gloo or the device).
         """
+        from raypipe.actors import world
         from raypipe.runtime.collective import join_world
-        from raypipe.runtime.transport import shm
 
-        mine = join_world(address, port, world_size, rank, groups, timeout, backends)
-        self.optim.dp_group, self.optim.dp_ranks = mine.get(tuple(dp_group)), list(dp_group)
-        self.tp.group, self.tp_ranks = mine.get(tuple(tp_group)), list(tp_group)
-        self.ep.group, self.ep_ranks = mine.get(tuple(ep_group)), list(ep_group)
-        self.optim.expert_group, self.optim.expert_ranks = mine.get(tuple(expert_group)), list(expert_group)
-        self._join_tied(rank, tied_groups, mine)
-        shm_peers = shm.connect(rank, neighbours, timeout, enabled=same_node_transport == "shm")
-        self.links = {n: "shm" if n in shm_peers else "gloo" for n in neighbours}
-        self.agrees_through_pipes = agree.connect(rank, timeout, enabled=same_node_transport == "shm")
-        return shm_peers
-
-    def _join_tied(self, rank: int, tied_groups: Sequence[tuple[int, list[int]]], mine: dict) -> None:
-        """Keeps each cross-stage tied weight's group, copies the first holder's values, and counts
-        the weight once in the gradient norm (on its first holder)."""
-        import torch.distributed as dist
-
-        copies = set()
-        for g, ranks in tied_groups:
-            param, group = self.model.tied[g], mine[tuple(ranks)]
-            with torch.no_grad():
-                dist.broadcast(param.data, src=ranks[0], group=group)
-            self.optim.tied.append((param, group))
-            if rank != ranks[0]:
-                copies.add(id(param))
-        self.model.norm_params = [p for p in self.model.norm_params if id(p) not in copies]
+        joined = join_world(address, port, world_size, rank, groups, timeout, backends)
+        mine = world.by_members(groups, joined)
+        self.optim.dp_group, self.optim.dp_ranks = mine.get(tuple(sorted(dp_group))), list(dp_group)
+        self.tp.group, self.tp_ranks = mine.get(tuple(sorted(tp_group))), list(tp_group)
+        self.ep.group, self.ep_ranks = mine.get(tuple(sorted(ep_group))), list(ep_group)
+        self.optim.expert_group, self.optim.expert_ranks = (mine.get(tuple(sorted(expert_group))),
+                                                            list(expert_group))
+        world.join_tied(self.model, self.optim, rank, tied_groups, mine)
+        linked = world.connect(rank, neighbours, streams, joined, backends or [], self.model.device,
+                               same_node_transport, timeout)
+        self.links, self.streams, self.agrees_through_pipes = linked.links, linked.streams, linked.agrees_through_pipes
+        return linked.shm_peers
 
     def configure(self, settings: StageSettings, reset_optimizer: bool = False) -> None:
         """Applies new settings; keeps optimizer state unless the optimizer kind changes."""
@@ -243,7 +236,7 @@ class StageActor(RefsCalls):
         # stored once for several tp ranks: Ray resolves only top-level references
         inputs, targets = (ray.get(v) if isinstance(v, ray.ObjectRef) else v for v in (inputs, targets))
         inputs, targets = unpack(inputs), unpack(targets)
-        links = step_list.links_for(self.executor, actions, peers, varying, self.num_virtual)
+        links = step_list.links_for(self.executor, actions, peers, varying, self.num_virtual, self.streams)
         losses, failure = step_list.run_list(self.executor, actions, inputs, targets, links, weights=weights)
         report = self._finish_step(step, failure)
         return (losses if self.is_last and self.tp.rank == 0 else None), report

@@ -33,25 +33,29 @@ class StepLinks:
 
 
 def links_for(executor: Executor, actions: Sequence[tuple[str, int, int]], peers: Sequence[int], varying: bool,
-              num_virtual: int) -> "StepLinks":
+              num_virtual: int, streams: dict[tuple[int, str], Any] | None = None) -> "StepLinks":
     """This step's streams: for each virtual stage held, from and to the actors holding its
     neighbours (`peers`: the world rank holding each virtual stage, for this replica and tp
     rank). With model chunks two actors may exchange several streams: each is a channel of
-    their link of its own (`transport.outbox`), its messages tagged by stage and microbatch."""
+    their link of its own (`transport.outbox`), its messages tagged by stage and microbatch.
+    `streams`: (sending virtual stage, "F" or "G") -> (group, device) for streams on a group of
+    their own (device links, `transport.ordered`); the others go through host memory."""
     from raypipe.runtime import transport
 
-    held = executor.parts
+    held, streams = executor.parts, streams or {}
     last = num_virtual - 1
     links = StepLinks(microbatches=1 + max(m for _, m, _ in actions))
     for v in held:
         forwards = [m for kind, m, u in actions if u == v and kind == "F"]
         backwards = [m for kind, m, u in actions if u == v and kind in ("B", "I")]
         if v > 0 and v - 1 not in held:
-            links.activations[v] = transport.inbox(peers[v - 1], [links.tag(v - 1, m, "F") for m in forwards])
-            links.to_prev[v] = transport.outbox(peers[v - 1], len(backwards), varying, channel=2 * v + 1)
+            links.activations[v] = transport.inbox(peers[v - 1], [links.tag(v - 1, m, "F") for m in forwards],
+                                                   streams.get((v - 1, "F")))
+            links.to_prev[v] = transport.outbox(peers[v - 1], len(backwards), varying, 2 * v + 1, streams.get((v, "G")))
         if v < last and v + 1 not in held:
-            links.gradients[v] = transport.inbox(peers[v + 1], [links.tag(v + 1, m, "G") for m in backwards])
-            links.to_next[v] = transport.outbox(peers[v + 1], len(forwards), varying, channel=2 * v)
+            links.gradients[v] = transport.inbox(peers[v + 1], [links.tag(v + 1, m, "G") for m in backwards],
+                                                 streams.get((v + 1, "G")))
+            links.to_next[v] = transport.outbox(peers[v + 1], len(forwards), varying, 2 * v, streams.get((v, "F")))
     return links
 
 

@@ -7,7 +7,8 @@ every rank makes for every group, in the same order). `ray.util.collective`
 would put an actor in one group only; subgroups of one world let an actor be in a
 dp group and a tp group at once. The world itself is gloo (it carries control
 traffic such as gathering checkpoint shards); each subgroup takes the backend of
-its members' tensors: gloo for cpu and mps, nccl (rccl on ROCm) for cuda.
+its members' tensors: gloo for cpu and mps, nccl (rccl on ROCm) for cuda (`links.group_backend`).
+Device links between GPU stages are subgroups too: two ranks, one per stream (`links`).
 """
 
 from __future__ import annotations
@@ -35,11 +36,6 @@ def rendezvous_address() -> tuple[str, int]:
         return host, s.getsockname()[1]
 
 
-def group_backend(devices: Sequence[str]) -> str:
-    """nccl when every member holds cuda tensors (NVIDIA or ROCm), gloo otherwise."""
-    return "nccl" if devices and all(d.startswith("cuda") for d in devices) else "gloo"
-
-
 def gloo_interface(ip: str) -> str | None:
     """The network interface holding `ip`, this node's Ray address, for gloo to bind to.
 
@@ -58,13 +54,14 @@ def gloo_interface(ip: str) -> str | None:
 def join_world(
     address: str, port: int, world_size: int, rank: int, groups: Sequence[Sequence[int]], timeout: float,
     backends: Sequence[str] | None = None,
-) -> dict[tuple[int, ...], dist.ProcessGroup]:
-    """Joins the trainer's world and creates every subgroup; returns those this rank is in.
+) -> list[dist.ProcessGroup | None]:
+    """Joins the trainer's world and creates every subgroup; returns, per subgroup, the group
+    where this rank is in it, else None.
 
     Args:
         groups: every subgroup of the world (each a list of ranks), in one agreed order.
         timeout: seconds a collective may wait for its peers before failing.
-        backends: each group's backend (`group_backend` of its members' devices); gloo if omitted.
+        backends: each group's backend (`links.group_backend`); gloo if omitted.
     """
     if "GLOO_SOCKET_IFNAME" not in os.environ:  # the user's choice wins
         import ray
@@ -79,11 +76,10 @@ def join_world(
         rank=rank,
         timeout=datetime.timedelta(seconds=timeout),
     )
-    mine = {}
+    mine: list[dist.ProcessGroup | None] = []
     for ranks, backend in zip(groups, backends or ["gloo"] * len(groups)):
-        group = dist.new_group(list(ranks), backend=backend)
-        if rank in ranks:
-            mine[tuple(ranks)] = group
+        group = dist.new_group(sorted(ranks), backend=backend)
+        mine.append(group if rank in ranks else None)
     return mine
 
 

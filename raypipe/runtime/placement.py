@@ -18,9 +18,8 @@ from raypipe.model import tied_stages
 from raypipe.errors import PlacementError, StageError
 from raypipe.layers import LayerSpec
 from raypipe.runtime.chunks import actor_chunks, actor_plan
-from raypipe.runtime import gang, nodes
+from raypipe.runtime import gang, links, nodes
 from raypipe.runtime.checkpoints import check_reachable
-from raypipe.runtime.collective import group_backend
 from raypipe.runtime.results import gather, last_line
 from raypipe.runtime.topology import Topology
 from raypipe.schedules import Schedule, owners, virtual_stages
@@ -78,8 +77,8 @@ def start_actors(config: TrainConfig, topology: Topology, names: Sequence[str], 
 
 
 def wait_for_actors(actors: Sequence[Any], names: Sequence[str], topology: Topology, plan: Sequence[tuple[int, int]],
-                    config: TrainConfig, cpus: float, others: Callable[[], list[str]]) -> list[str]:
-    """Waits until every actor has built its layers; returns each one's torch device.
+                    config: TrainConfig, cpus: float, others: Callable[[], list[str]]) -> list[dict[str, Any]]:
+    """Waits until every actor has built its layers; returns each one's `info()` (where it runs).
 
     Raises:
         StageError: an actor failed to start (its layers did not build, say).
@@ -89,14 +88,13 @@ def wait_for_actors(actors: Sequence[Any], names: Sequence[str], topology: Topol
     refs = [a.info.remote() for a in actors]
     deadline = time.monotonic() + config.actor_start_timeout
     pending = list(refs)
-    devices: list[str] = [""] * len(refs)
+    infos: list[dict[str, Any]] = [{}] * len(refs)
     while pending:
         ready, pending = ray.wait(pending, num_returns=len(pending), timeout=max(0.0, deadline - time.monotonic()))
         for ref in ready:
             rank = refs.index(ref)
             try:
-                info = ray.get(ref)
-                devices[rank] = info["device"]
+                infos[rank] = info = ray.get(ref)
                 nodes.note(actors[rank], info["node_id"])
             except ray.exceptions.RayActorError as error:
                 raise StageError(f"{names[rank]} (layers {plan[topology.place(rank)[1]]}) could not start: "
@@ -120,7 +118,7 @@ def wait_for_actors(actors: Sequence[Any], names: Sequence[str], topology: Topol
                 f"gpus_per_actor, add a node of the missing kind (`ray start ... $(raypipe node-resources)`), "
                 f"or change TrainConfig.devices.{hint}"
             )
-    return devices
+    return infos
 
 
 def start_gang(config: TrainConfig, topology: Topology, names: Sequence[str], specs: Sequence[LayerSpec],
@@ -149,9 +147,9 @@ def start_gang(config: TrainConfig, topology: Topology, names: Sequence[str], sp
         gang.remember(actors, group)
     shared = [(g, stages) for g, stages in enumerate(tied_stages(tied, actor_plan(plan, schedule))) if len(stages) > 1]
     try:
-        devices = wait_for_actors(actors, names, topology, plan, config, cpus, others)
+        infos = wait_for_actors(actors, names, topology, plan, config, cpus, others)
         if needs_world(config) or shared:
-            join_world(actors, names, topology, devices, config, shared, linked_stages(schedule))
+            join_world(actors, names, topology, infos, config, shared, schedule)
         if config.checkpoint_dir is not None:
             check_reachable(actors, names, config.checkpoint_dir)
     except BaseException:
@@ -173,25 +171,29 @@ def needs_world(config: TrainConfig) -> bool:
     return config.dp > 1 or config.tp > 1 or (config.engine != "refs" and config.pp > 1)
 
 
-def join_world(actors: Sequence[Any], names: Sequence[str], topology: Topology, devices: Sequence[str],
-               config: TrainConfig, shared: Sequence[tuple[int, list[int]]],
-               linked: Sequence[Sequence[int]]) -> None:
+def join_world(actors: Sequence[Any], names: Sequence[str], topology: Topology, infos: Sequence[dict[str, Any]],
+               config: TrainConfig, shared: Sequence[tuple[int, list[int]]], schedule: Schedule) -> None:
     """Rendezvous through Ray: rank 0 publishes an address, every actor joins the world.
 
     Each actor is in one dp group (its stage and tp rank across replicas) and one tp
     group (its stage's ranks within its replica); the groups overlap in membership.
     `shared`: (tied group index, its stages) for each weight tied across stages; the
-    holders of each (replica, tp rank) get a group of their own. `linked`: per stage, the stages
-    it exchanges boundaries with (`linked_stages`).
+    holders of each (replica, tp rank) get a group of their own. Device links (`links.plan_links`)
+    get a two-rank group per stream, after all the others. `infos`: each actor's `info()`.
     """
     pp, tp = topology.pp, topology.tp
+    linked = linked_stages(schedule)
     address, port = gather([actors[0].rendezvous_address.remote()], "rendezvous")[0]
     dp_groups, tp_groups = topology.dp_groups(), topology.tp_groups()
     tied_groups = [(g, topology.across_stages(stages, d, t)) for g, stages in shared
                    for d in range(topology.dp) for t in range(tp)]
     groups = [g for g in dp_groups + tp_groups if len(g) > 1] + [ranks for _, ranks in tied_groups]
     groups += [list(g) for g in topology.expert_groups() if len(g) > 1 and list(g) not in groups]
-    backends = [group_backend([devices[r] for r in g]) for g in groups]
+    backends = [links.group_backend(infos, g) for g in groups]
+    device_links = links.plan_links(topology, schedule, infos, names, config.device_links) if pp > 1 else links.LinkPlan()
+    first_stream = len(groups)
+    groups += [s.ranks for s in device_links.streams]
+    backends += [s.backend for s in device_links.streams]
     joins = []
     for r, actor in enumerate(actors):
         d, s, t = topology.place(r)
@@ -201,7 +203,8 @@ def join_world(actors: Sequence[Any], names: Sequence[str], topology: Topology, 
             [topology.rank(d, n, t) for n in linked[s]],
             config.same_node_transport,
             [(g, ranks) for g, ranks in tied_groups if r in ranks],
-            *((topology.ep_group(d, s, t), topology.expert_group(d, s, t)) if topology.ep > 1 else ()),
+            *((topology.ep_group(d, s, t), topology.expert_group(d, s, t)) if topology.ep > 1 else ((), ())),
+            [(first_stream + i, st.sender, st.receiver, st.v, st.what) for i, st in device_links.of(r)],
         ))
     gather(joins, "rendezvous", actors, names)
 

@@ -96,11 +96,13 @@ def flatten(value: Any) -> tuple[Layout, list[torch.Tensor | None]]:
     return Layout(spec, tuple(None if t is None else (t.dtype, tuple(t.shape)) for t in leaves)), leaves
 
 
-def pack_into(payload: torch.Tensor, layout: Layout, leaves: list[torch.Tensor | None]) -> None:
-    """Copies `leaves` (on any device) into `payload` at `layout`'s offsets."""
+def pack_into(payload: torch.Tensor, layout: Layout, leaves: list[torch.Tensor | None],
+              non_blocking: bool = False) -> None:
+    """Copies `leaves` (on any device) into `payload` at `layout`'s offsets; `non_blocking`: from
+    a GPU into pinned memory, the copies are only queued (the caller waits before reading)."""
     for view, leaf in zip(layout.views(payload), leaves):
         if view is not None:
-            view.copy_(leaf)
+            view.copy_(leaf, non_blocking=non_blocking)
 
 
 def leaves(value: Any) -> list[Any]:
