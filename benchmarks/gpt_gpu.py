@@ -11,7 +11,13 @@ peak (H100/H200: 989 TFLOPS; others: `--peak-tflops`).
 
 `--device cpu --size tiny` runs the same code small, to check the script itself.
 
+`--links` (two GPUs or more) instead compares pp = 2 with each stage on a GPU of its own, linked
+over NCCL (`device_links="auto"`) or through host memory (`"host"`): the two trainers cannot
+hold both GPUs at once, so each round builds one, times its steps, shuts it down, then the
+other; reports step seconds per round and the ratio host / NCCL of the medians.
+
     python benchmarks/gpt_gpu.py [--rounds 3 --steps 10 --batch-size 8 --microbatches 4]
+    python benchmarks/gpt_gpu.py --links [--rounds 3 --steps 10]
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--peak-tflops", type=float, default=None, help="the device's bf16 dense peak")
+    parser.add_argument("--links", action="store_true", help="pp = 2 on two GPUs: NCCL vs the host path")
     args = parser.parse_args()
     cfg = SIZES[args.size or ("124m" if args.device == "cuda" else "tiny")]
     precision = "bf16" if args.device == "cuda" else "fp32"
@@ -63,6 +70,10 @@ def main() -> None:
         return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
 
     optimizer = {"name": "adamw", "lr": 3e-4}
+    if args.links:
+        print(json.dumps(compare_links(cfg, args, precision, optimizer, batch), indent=1))
+        ray.shutdown()
+        return
     plain = torch.nn.Sequential(*build_layers(gpt.layers(cfg))).to(device)
     plain_opt = torch.optim.AdamW(plain.parameters(), lr=3e-4)
 
@@ -117,6 +128,38 @@ def main() -> None:
         "mfu": {k: flops_per_token * v / (peak * 1e12) for k, v in rate.items()} if peak else None,
         "peak_tflops": peak,
     }, indent=1))
+
+
+def compare_links(cfg: gpt.GPTConfig, args: argparse.Namespace, precision: str, optimizer: dict, batch) -> dict:
+    """pp = 2 with a GPU per stage, over NCCL and through host memory, one trainer at a time in
+    alternating rounds (both need both GPUs)."""
+    import time
+
+    if args.device != "cuda" or torch.cuda.device_count() < 2:
+        raise SystemExit("--links needs two GPUs or more on this node: a stage per GPU")
+    seconds: dict[str, list[float]] = {"nccl": [], "host": []}
+    links: dict[str, list] = {}
+    for _ in range(args.rounds):
+        for mode in ("nccl", "host"):
+            config = TrainConfig(pp=2, microbatches=args.microbatches, optimizer=optimizer, precision=precision,
+                                 devices="cuda", gpus_per_actor=1, device_links="auto" if mode == "nccl" else "host",
+                                 name=f"gpt-links-{mode}")
+            with Trainer(gpt.layers(cfg), gpt.loss_fn, config) as trainer:
+                links[mode] = [i["links"] for i in trainer.stage_info()]
+                for step in range(2):  # warm-up: allocator, NCCL's buffers
+                    trainer.step(*batch(step))
+                for step in range(args.steps):
+                    started = time.perf_counter()
+                    trainer.step(*batch(2 + step))
+                    seconds[mode].append(time.perf_counter() - started)
+    median = {mode: statistics.median(v) for mode, v in seconds.items()}
+    return {
+        "benchmark": "gpt_gpu_links", "device": torch.cuda.get_device_name(0), "precision": precision,
+        "batch_size": args.batch_size, "microbatches": args.microbatches, "rounds": args.rounds,
+        "links": links, "step_seconds": seconds, "step_seconds_median": median,
+        "tokens_per_s": {mode: args.batch_size * cfg.block_size / s for mode, s in median.items()},
+        "host_over_nccl_step_time": median["host"] / median["nccl"],
+    }
 
 
 if __name__ == "__main__":

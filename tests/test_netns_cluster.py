@@ -3,7 +3,8 @@ namespace of its own with its own /dev/shm (`netns_cluster`), two of them advert
 through the fake-accelerator override, as cluster.yaml's start commands would on Macs.
 
 - Pipelines span the nodes (pp = 3, and pp = 2 x dp = 2), every boundary between nodes goes
-  over gloo through the veth network, and the losses are plain PyTorch's in one process.
+  over gloo through the veth network, and the losses are plain PyTorch's in one process; so do
+  NCCL's in-order device streams (`device_links="nccl"`, over gloo on these CPU stages).
 - A whole node is lost mid-`fit` (every process in its namespace SIGKILLed): training goes on
   from the last checkpoint on the spare node of the same kind with the uninterrupted losses;
   once no spare is left, the trainer fails within `actor_start_timeout` naming the lost node
@@ -41,13 +42,13 @@ def where(trainer):
 
 SPANNING = PRELUDE + """
 out = {{}}
-for pp, dp in ((3, 1), (2, 2)):
+for pp, dp, device_links in ((3, 1, "auto"), (2, 2, "auto"), (3, 1, "nccl")):
     config = TrainConfig(pp=pp, dp=dp, microbatches=2, placement="strict_spread", cpus_per_actor=0.25,
-                         optimizer=SGD, actor_start_timeout=90, name=f"span{{pp}}x{{dp}}")
+                         optimizer=SGD, actor_start_timeout=90, name=f"span{{pp}}x{{dp}}", device_links=device_links)
     with Trainer(MLP7, nn.functional.mse_loss, config) as t:
         losses = [t.step(*batch(k))["loss"] for k in range(3)]
         info = t.stage_info()
-        out[f"{{pp}}x{{dp}}"] = {{"losses": losses, "where": where(t), "links": {{i["name"]: i["links"] for i in info}},
+        out[f"{{pp}}x{{dp}}" + ("-ordered" if device_links == "nccl" else "")] = {{"losses": losses, "where": where(t), "links": {{i["name"]: i["links"] for i in info}},
                                  "diagram": Architecture.from_trainer(t, torch.zeros(8, 6)).to_mermaid()}}
 out["reference"] = reference_run(MLP7, 0, PLAIN_SGD, 3, microbatches=2)[0]
 print("RESULT " + json.dumps(out))
@@ -121,6 +122,11 @@ def test_pipelines_span_real_nodes_over_gloo_with_one_process_losses(cluster, tm
         assert sum(len(links) for links in run["links"].values()) == 2 * (actors - 1 if shape == "3x1" else 2)
         assert run["diagram"].count(' float32 over gloo" -->') == (2 if shape == "3x1" else 1), run["diagram"]
         assert run["losses"] == pytest.approx(out["reference"], rel=1e-5, abs=1e-6), shape
+    # NCCL's in-order streams (here over gloo: CPU stages) between nodes, as between GPU hosts
+    run = out["3x1-ordered"]
+    assert len(set(run["where"].values())) == 3
+    assert all(how == "gloo (ordered)" for links in run["links"].values() for how in links.values()), run["links"]
+    assert run["losses"] == pytest.approx(out["reference"], rel=1e-5, abs=1e-6)
 
 
 def test_a_lost_node_fails_over_to_a_spare_and_without_one_the_error_names_it(cluster, tmp_path):
