@@ -3,15 +3,16 @@ the path two CUDA stages on different GPUs take over NCCL. On this CPU machine
 `device_links="nccl"` runs the same streams over gloo, so every part but the device copies is
 checked here: parity with one process under interleaved 1F1B (six streams between two actors,
 two of them the same way at once), ZB-H1, 1F1B and GPipe at dp 2, and the compiled engine; a
-failed step that leaves every stream in step for the next; the links reported and drawn. The
+failed step that leaves every stream in step for the next; a stage killed mid-step, whose
+recovery makes new streams and replays the uninterrupted losses; the links reported and drawn. The
 choice of link from where actors run (GPUs shared or not, mixed kinds) is checked without Ray."""
 
 import pytest
 import torch
 from torch import nn
 
-from helpers import MLP7, check_sgd_parity, lm_tokens, reference_run
-from raypipe import PlacementError, StageError, TrainConfig, Trainer
+from helpers import MLP7, KillOnce, batch, check_sgd_parity, lm_tokens, reference_run
+from raypipe import LayerSpec, PlacementError, StageError, TrainConfig, Trainer
 from raypipe.diagram import Architecture
 from raypipe.models import gpt
 from raypipe.runtime import links
@@ -95,6 +96,30 @@ def test_the_compiled_engine_runs_ordered_streams(ray_session):
     reference = reference_run(MLP7, SEED, sgd, steps=3, microbatches=4)
     with Trainer(MLP7, nn.functional.mse_loss, config(pp=3, engine="compiled", microbatches=4)) as trainer:
         check_sgd_parity(trainer, trainer.state_dict(), reference, "1f1b", 4, SGD)
+
+
+@pytest.mark.slow
+def test_a_recovery_makes_new_streams_and_replays_the_uninterrupted_losses(ray_session, tmp_path):
+    flag = tmp_path / "kill-now"
+    layers = MLP7[:4] + [LayerSpec(KillOnce, str(flag))] + MLP7[4:]  # in stage 1
+
+    def run(root, on_step=None):
+        cfg = config(pp=2, microbatches=2, checkpoint_dir=str(root), checkpoint_every=2, max_restarts=1)
+        with Trainer(layers, nn.functional.mse_loss, cfg) as t:
+            history = t.fit(batch, 6, on_step=on_step and (lambda m: on_step(t, m)), log=lambda _: None)
+            return t.restarts, history, [i["links"] for i in t.stage_info()]
+
+    def kill_in_step_4(trainer, metrics):
+        if metrics["step"] == 3 and trainer.restarts == 0:
+            flag.touch()  # stage 1 SIGKILLs itself in step 4's first forward, its streams half used
+
+    _, uninterrupted, _ = run(tmp_path / "a")
+    restarts, history, linked = run(tmp_path / "b", kill_in_step_4)
+    assert restarts == 1
+    assert linked == [{"stage1-dp0-tp0": "gloo (ordered)"}, {"stage0-dp0-tp0": "gloo (ordered)"}]
+    replayed = [loss for _, loss in sorted({m["step"]: m["loss"] for m in history}.items())]
+    torch.testing.assert_close(torch.tensor(replayed), torch.tensor([m["loss"] for m in uninterrupted]),
+                               rtol=1e-6, atol=1e-6)
 
 
 # ----- which links go on the device (no Ray) ----------------------------------------------------
