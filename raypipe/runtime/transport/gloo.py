@@ -25,67 +25,30 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from raypipe.runtime.transport.stream import (
-    FLAG_BYTES, HEADER_BYTES, OK, POISON, PeerFailed, check_like, header, read_header,
-)
-from raypipe.runtime.transport.tree import Layout, flatten, pack_into
+from raypipe.runtime.transport.stream import FLAG_BYTES, HEADER_BYTES, POISON, Outbox, PeerFailed, read_header
+from raypipe.runtime.transport.tree import Layout
 
 LOOKAHEAD = 3  # receives posted per stream; refilled after each action, so two stay posted while it computes
 PAYLOAD_TAG = 1 << 24  # added to a message's tag for a varying stream's payload
 
 
-class GlooOutbox:
-    """The sending end of one gloo stream: a header before the first message, then flagged messages."""
+class GlooOutbox(Outbox):
+    """The sending end of one gloo stream (`stream.Outbox`): messages in host memory, each on its tag."""
 
     def __init__(self, dst: int, varying: bool = False) -> None:
-        self.dst, self.varying = dst, varying
-        self.layout: Layout | None = None  # a fixed stream's layout, from its first message
-        self.started = False  # the stream's header went out (poison before it goes as poison headers)
-        self.handles: list[tuple[Any, torch.Tensor]] = []  # (work, the buffer it sends), until waited
+        super().__init__(varying)
+        self.dst = dst
 
-    def send(self, value: Any, tag: int) -> None:
-        """Starts sending `value` (a pytree of tensors on any device).
+    def _buffer(self, nbytes: int, leaves: list[torch.Tensor | None]) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=_on_gpu(leaves) is not None)
 
-        Raises:
-            ValueError: `value` cannot be sent in this stream (nothing went out).
-        """
-        layout, leaves = flatten(value)
-        if not self.started:
-            self._post(header(None, varying=True) if self.varying else header(layout), tag)
-            self.layout, self.started = layout, True
-        elif not self.varying:
-            check_like(self.layout, layout)
-        if self.varying:
-            self._post(header(layout), tag)
-            if layout.nbytes:
-                payload = torch.empty(layout.nbytes, dtype=torch.uint8)
-                pack_into(payload, layout, leaves)
-                self._post(payload, tag + PAYLOAD_TAG)
-            return
-        on_gpu = next((t.device for t in leaves if t is not None and t.is_cuda), None)
-        message = _message(layout, pinned=on_gpu is not None)
-        message[:FLAG_BYTES].view(torch.int64).fill_(OK)
-        pack_into(message[FLAG_BYTES:], layout, leaves, non_blocking=on_gpu is not None)
-        if on_gpu is not None:  # gloo reads the buffer at once: the copies out of the GPU must be done
-            torch.cuda.current_stream(on_gpu).synchronize()
-        self._post(message, tag)
+    def _ready(self, buffer: torch.Tensor, leaves: list[torch.Tensor | None]) -> None:
+        device = _on_gpu(leaves)
+        if device is not None:  # gloo reads the buffer at once: the copies out of the GPU must be done
+            torch.cuda.current_stream(device).synchronize()
 
-    def poison(self, tag: int) -> None:
-        """Tells the receiver this stage failed, in place of the message on `tag`."""
-        if not self.started or self.varying:
-            self._post(header(None), tag)
-            return
-        message = _message(self.layout)
-        message[:FLAG_BYTES].view(torch.int64).fill_(POISON)
-        self._post(message, tag)
-
-    def wait(self) -> None:
-        for work, _ in self.handles:
-            work.wait()
-        self.handles.clear()
-
-    def _post(self, buffer: torch.Tensor, tag: int) -> None:
-        self.handles.append((dist.isend(buffer, self.dst, tag=tag), buffer))
+    def _post(self, buffer: torch.Tensor, tag: int, payload: bool = False) -> None:
+        self.handles.append((dist.isend(buffer, self.dst, tag=tag + PAYLOAD_TAG * payload), buffer))
 
 
 class GlooInbox:
@@ -143,7 +106,12 @@ class GlooInbox:
             self.posted.append((buffer, dist.irecv(buffer, self.src, tag=tag), tag))
 
 
-def _message(layout: Layout, pinned: bool = False) -> torch.Tensor:
-    """An uninitialised message buffer for a fixed stream: the flag, then the payload; in pinned
-    memory for a value on a GPU, so its copy out runs at full speed and in one wait."""
-    return torch.empty(FLAG_BYTES + layout.nbytes, dtype=torch.uint8, pin_memory=pinned)
+def _message(layout: Layout) -> torch.Tensor:
+    """An uninitialised message buffer for a fixed stream: the flag, then the payload."""
+    return torch.empty(FLAG_BYTES + layout.nbytes, dtype=torch.uint8)
+
+
+def _on_gpu(leaves: list[torch.Tensor | None]) -> torch.device | None:
+    """The GPU a value's leaves are on, if any: its message then goes through pinned memory, so
+    the copies out run at full speed and are waited for once."""
+    return next((t.device for t in leaves if t is not None and t.is_cuda), None)

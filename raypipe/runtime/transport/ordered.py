@@ -36,69 +36,30 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from raypipe.runtime.transport.stream import (
-    FLAG_BYTES, HEADER_BYTES, OK, POISON, PeerFailed, check_like, header, read_header,
-)
-from raypipe.runtime.transport.tree import Layout, flatten, pack_into
+from raypipe.runtime.transport.stream import FLAG_BYTES, HEADER_BYTES, POISON, Outbox, PeerFailed, read_header
+from raypipe.runtime.transport.tree import Layout
 
 LOOKAHEAD = 3  # receives posted ahead per stream (each holds a message's buffer until taken)
 
 _side: dict[torch.device, Any] = {}  # per CUDA device, the stream that copies arrived flags to the host
 
 
-class OrderedOutbox:
-    """The sending end of one stream on its own group; `device`: where its messages are built
-    (the stage's GPU under NCCL, the CPU under gloo)."""
+class OrderedOutbox(Outbox):
+    """The sending end of one stream on its own group (`stream.Outbox`); `device`: where its
+    messages are built (the stage's GPU under NCCL, the CPU under gloo). Order is the match:
+    tags are not sent."""
 
     def __init__(self, dst: int, group: Any, device: torch.device, varying: bool = False) -> None:
-        self.dst, self.group, self.device, self.varying = dst, group, device, varying
-        self.layout: Layout | None = None
-        self.started = False
-        self.handles: list[tuple[Any, torch.Tensor]] = []  # (work, the buffer it sends), until `wait`
+        super().__init__(varying)
+        self.dst, self.group, self.device = dst, group, device
 
-    def send(self, value: Any, tag: int = 0) -> None:
-        """Starts sending `value` (a pytree of tensors); `tag` is unused: order is the match.
+    def _buffer(self, nbytes: int, leaves: list[torch.Tensor | None]) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
-        Raises:
-            ValueError: `value` cannot be sent in this stream (nothing went out).
-        """
-        layout, leaves = flatten(value)
-        if not self.started:
-            self._post(self._on_device(header(None, varying=True) if self.varying else header(layout)))
-            self.layout, self.started = layout, True
-        elif not self.varying:
-            check_like(self.layout, layout)
-        if self.varying:
-            self._post(self._on_device(header(layout)))
-            if layout.nbytes:
-                payload = torch.empty(layout.nbytes, dtype=torch.uint8, device=self.device)
-                pack_into(payload, layout, leaves)
-                self._post(payload)
-            return
-        message = torch.empty(FLAG_BYTES + layout.nbytes, dtype=torch.uint8, device=self.device)
-        message[:FLAG_BYTES].view(torch.int64).fill_(OK)
-        pack_into(message[FLAG_BYTES:], layout, leaves)
-        self._post(message)
-
-    def poison(self, tag: int = 0) -> None:
-        """Tells the receiver this stage failed, in place of the next message."""
-        if not self.started or self.varying:
-            self._post(self._on_device(header(None)))
-            return
-        message = torch.empty(FLAG_BYTES + self.layout.nbytes, dtype=torch.uint8, device=self.device)
-        message[:FLAG_BYTES].view(torch.int64).fill_(POISON)
-        self._post(message)
-
-    def wait(self) -> None:
-        """Orders this stage's later work after its sends (on a GPU, without blocking the host)."""
-        for work, _ in self.handles:
-            work.wait()
-        self.handles.clear()
-
-    def _on_device(self, data: torch.Tensor) -> torch.Tensor:
+    def _header(self, data: torch.Tensor) -> torch.Tensor:
         return data.to(self.device)
 
-    def _post(self, buffer: torch.Tensor) -> None:
+    def _post(self, buffer: torch.Tensor, tag: int, payload: bool = False) -> None:
         self.handles.append((dist.isend(buffer, self.dst, group=self.group), buffer))
 
 

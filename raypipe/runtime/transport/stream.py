@@ -17,9 +17,11 @@ neighbour that receives poison fails the same way (`PeerFailed`).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from raypipe.runtime.transport.tree import Layout
+from raypipe.runtime.transport.tree import Layout, flatten, pack_into
 
 HEADER_BYTES = 2048  # flag, varying, layout length (int64s), then the pickled layout
 OK, POISON = 0, -1
@@ -73,3 +75,75 @@ def check_like(stream: Layout, message: Layout) -> None:
 
 def _describe(layout: Layout) -> str:
     return "[" + ", ".join("None" if m is None else f"{tuple(m[1])} {m[0]}" for m in layout.leaves) + "]"
+
+
+class Outbox:
+    """The sending end of one stream in this format, for a transport that moves one byte buffer
+    per message: a header before the stream's first message, then flagged messages; a varying
+    stream sends each message's header, then its payload. A transport says where buffers live
+    (`_buffer`, `_header`), when one may go (`_ready`), and how it goes (`_post`)."""
+
+    def __init__(self, varying: bool = False) -> None:
+        self.varying = varying
+        self.layout: Layout | None = None  # a fixed stream's layout, from its first message
+        self.started = False  # the stream's header went out (poison before it goes as poison headers)
+        self.handles: list[tuple[Any, torch.Tensor]] = []  # (work, the buffer it sends), until `wait`
+
+    def send(self, value: Any, tag: int = 0) -> None:
+        """Starts sending `value` (a pytree of tensors on any device), as the message on `tag`.
+
+        Raises:
+            ValueError: `value` cannot be sent in this stream (nothing went out).
+        """
+        layout, leaves = flatten(value)
+        if not self.started:
+            self._post(self._header(header(None, varying=True) if self.varying else header(layout)), tag)
+            self.layout, self.started = layout, True
+        elif not self.varying:
+            check_like(self.layout, layout)
+        if self.varying:
+            self._post(self._header(header(layout)), tag)
+            if layout.nbytes:
+                self._post(self._packed(layout, leaves, None), tag, payload=True)
+            return
+        self._post(self._packed(layout, leaves, OK), tag)
+
+    def poison(self, tag: int = 0) -> None:
+        """Tells the receiver this stage failed, in place of the message on `tag`."""
+        if not self.started or self.varying:
+            self._post(self._header(header(None)), tag)
+            return
+        message = self._buffer(FLAG_BYTES + self.layout.nbytes, [])
+        message[:FLAG_BYTES].view(torch.int64).fill_(POISON)
+        self._post(message, tag)
+
+    def wait(self) -> None:
+        """Waits for (on a GPU transport: orders later work after) every send of the step."""
+        for work, _ in self.handles:
+            work.wait()
+        self.handles.clear()
+
+    def _packed(self, layout: Layout, leaves: list[torch.Tensor | None], flag: int | None) -> torch.Tensor:
+        """A message holding `leaves`: the flag, then the payload (the payload alone for None)."""
+        at = 0 if flag is None else FLAG_BYTES
+        buffer = self._buffer(at + layout.nbytes, leaves)
+        if flag is not None:
+            buffer[:FLAG_BYTES].view(torch.int64).fill_(flag)
+        pack_into(buffer[at:], layout, leaves, non_blocking=buffer.is_pinned())
+        self._ready(buffer, leaves)
+        return buffer
+
+    def _buffer(self, nbytes: int, leaves: list[torch.Tensor | None]) -> torch.Tensor:
+        """An uninitialised buffer of `nbytes` for a message of `leaves`."""
+        raise NotImplementedError
+
+    def _header(self, data: torch.Tensor) -> torch.Tensor:
+        """A header's bytes (made in host memory) where this transport sends from."""
+        return data
+
+    def _ready(self, buffer: torch.Tensor, leaves: list[torch.Tensor | None]) -> None:
+        """Waits, where the transport reads `buffer` at once, for the copies into it."""
+
+    def _post(self, buffer: torch.Tensor, tag: int, payload: bool = False) -> None:
+        """Starts sending `buffer`, keeping it in `handles` until `wait`."""
+        raise NotImplementedError
