@@ -46,9 +46,6 @@ class LinkPlan:
         """(index among the plan's streams, stream) for each stream `rank` sends or receives."""
         return [(i, s) for i, s in enumerate(self.streams) if rank in (s.sender, s.receiver)]
 
-    def peers(self, rank: int) -> set[int]:
-        return {s.receiver if s.sender == rank else s.sender for _, s in self.of(rank)}
-
 
 def gpu_of(info: dict[str, Any]) -> tuple[str, str] | None:
     """The physical GPU an actor holds: (node, GPU id), None off CUDA."""

@@ -190,7 +190,7 @@ def join_world(actors: Sequence[Any], names: Sequence[str], topology: Topology, 
     groups = [g for g in dp_groups + tp_groups if len(g) > 1] + [ranks for _, ranks in tied_groups]
     groups += [list(g) for g in topology.expert_groups() if len(g) > 1 and list(g) not in groups]
     backends = [links.group_backend(infos, g) for g in groups]
-    device_links = links.plan_links(topology, schedule, infos, names, config.device_links) if pp > 1 else links.LinkPlan()
+    device_links = links.plan_links(topology, schedule, infos, names, config.device_links)
     first_stream = len(groups)
     groups += [s.ranks for s in device_links.streams]
     backends += [s.backend for s in device_links.streams]
