@@ -258,7 +258,7 @@ class Executor:
         def arriving(t: torch.Tensor) -> torch.Tensor:
             # to a GPU, torch returns once a pageable source is staged (the buffer may be reused)
             # and the copy to the device runs behind the host; MPS copies only blocking (its
-            # non-blocking copies from host memory have read freed buffers)
+            # non-blocking copies from host memory can read freed buffers: pytorch#189690)
             t = t.to(self.device, non_blocking=self.device.type == "cuda")
             return t.float() if narrow is not None and t.dtype == narrow else t
 
