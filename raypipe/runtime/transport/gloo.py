@@ -40,12 +40,7 @@ class GlooOutbox(Outbox):
         self.dst = dst
 
     def _buffer(self, nbytes: int, leaves: list[torch.Tensor | None]) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=_on_gpu(leaves) is not None)
-
-    def _ready(self, buffer: torch.Tensor, leaves: list[torch.Tensor | None]) -> None:
-        device = _on_gpu(leaves)
-        if device is not None:  # gloo reads the buffer at once: the copies out of the GPU must be done
-            torch.cuda.current_stream(device).synchronize()
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=_on_gpu(leaves))
 
     def _post(self, buffer: torch.Tensor, tag: int, payload: bool = False) -> None:
         self.handles.append((dist.isend(buffer, self.dst, tag=tag + PAYLOAD_TAG * payload), buffer))
@@ -111,7 +106,7 @@ def _message(layout: Layout) -> torch.Tensor:
     return torch.empty(FLAG_BYTES + layout.nbytes, dtype=torch.uint8)
 
 
-def _on_gpu(leaves: list[torch.Tensor | None]) -> torch.device | None:
-    """The GPU a value's leaves are on, if any: its message then goes through pinned memory, so
-    the copies out run at full speed and are waited for once."""
-    return next((t.device for t in leaves if t is not None and t.is_cuda), None)
+def _on_gpu(leaves: list[torch.Tensor | None]) -> bool:
+    """Whether a value has leaves on a GPU: its message then goes through pinned memory, so the
+    copies out run at full speed and are waited for once (`stream.Outbox`)."""
+    return any(t is not None and t.is_cuda for t in leaves)

@@ -81,7 +81,7 @@ class Outbox:
     """The sending end of one stream in this format, for a transport that moves one byte buffer
     per message: a header before the stream's first message, then flagged messages; a varying
     stream sends each message's header, then its payload. A transport says where buffers live
-    (`_buffer`, `_header`), when one may go (`_ready`), and how it goes (`_post`)."""
+    (`_buffer`, `_header`) and how they go (`_post`)."""
 
     def __init__(self, varying: bool = False) -> None:
         self.varying = varying
@@ -129,8 +129,10 @@ class Outbox:
         buffer = self._buffer(at + layout.nbytes, leaves)
         if flag is not None:
             buffer[:FLAG_BYTES].view(torch.int64).fill_(flag)
-        pack_into(buffer[at:], layout, leaves, non_blocking=buffer.is_pinned())
-        self._ready(buffer, leaves)
+        pinned = buffer.is_pinned()  # a GPU value bound for host memory: copied out without waiting per leaf
+        pack_into(buffer[at:], layout, leaves, non_blocking=pinned)
+        if pinned:  # a transport may read the buffer at once: the copies out of the GPU must be done
+            torch.cuda.current_stream().synchronize()
         return buffer
 
     def _buffer(self, nbytes: int, leaves: list[torch.Tensor | None]) -> torch.Tensor:
@@ -140,9 +142,6 @@ class Outbox:
     def _header(self, data: torch.Tensor) -> torch.Tensor:
         """A header's bytes (made in host memory) where this transport sends from."""
         return data
-
-    def _ready(self, buffer: torch.Tensor, leaves: list[torch.Tensor | None]) -> None:
-        """Waits, where the transport reads `buffer` at once, for the copies into it."""
 
     def _post(self, buffer: torch.Tensor, tag: int, payload: bool = False) -> None:
         """Starts sending `buffer`, keeping it in `handles` until `wait`."""
