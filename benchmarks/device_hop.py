@@ -62,39 +62,32 @@ class End:
     def run(self, link: str, nbytes: int, messages: int) -> list[float]:
         """One round: `messages` round trips of a float32 tensor of `nbytes` over `link`; rank 0
         returns each round trip's seconds."""
-        from raypipe.runtime.transport import inbox, outbox, shm
+        from raypipe.runtime.transport import inbox, outbox
+        from raypipe.runtime.transport.gloo import GlooInbox, GlooOutbox
 
-        ordered = link.endswith("(ordered)")
-        mine, theirs = ("to1", "to0") if self.rank == 0 else ("to0", "to1")
-        stream_out, stream_in = (self.streams[mine], self.streams[theirs]) if ordered else (None, None)
         peer = 1 - self.rank
-        default = shm.link_to(peer)
-        if link == "gloo" and default is not None:
-            shm._links.pop(peer)  # this round goes over gloo though the shared-memory link is open
-        try:
-            out = outbox(peer, messages, stream=stream_out)
-            box = inbox(peer, list(range(messages)), stream=stream_in)
-            value = torch.randn(nbytes // 4, device=self.device)
-            times = []
-            for i in range(messages):
-                started = time.perf_counter()
-                if self.rank == 0:
-                    out.send(value, i)
-                    got = box.take()
-                else:
-                    got = box.take()
-                got = got.to(self.device)  # a stage computes on its device (a no-op on the device link)
-                if self.rank == 1:
-                    out.send(got, i)
-                box.refill()
-                if self.device.type == "cuda":
-                    torch.cuda.current_stream().synchronize()  # the value is usable: its copies are done
-                times.append(time.perf_counter() - started)
-            out.wait()
-            return times
-        finally:
-            if default is not None:
-                shm._links[peer] = default
+        if link == "gloo":  # gloo itself, though the shared-memory link is open
+            out, box = GlooOutbox(peer), GlooInbox(peer, list(range(messages)))
+        else:
+            ordered = link.endswith("(ordered)")
+            mine, theirs = ("to1", "to0") if self.rank == 0 else ("to0", "to1")
+            out = outbox(peer, messages, stream=self.streams[mine] if ordered else None)
+            box = inbox(peer, list(range(messages)), stream=self.streams[theirs] if ordered else None)
+        value = torch.randn(nbytes // 4, device=self.device)
+        times = []
+        for i in range(messages):
+            started = time.perf_counter()
+            if self.rank == 0:
+                out.send(value, i)
+            got = box.take().to(self.device)  # a stage computes on its device (a no-op on the device link)
+            if self.rank == 1:
+                out.send(got, i)
+            box.refill()
+            if self.device.type == "cuda":
+                torch.cuda.current_stream().synchronize()  # the value is usable: its copies are done
+            times.append(time.perf_counter() - started)
+        out.wait()
+        return times
 
 
 def main() -> None:
