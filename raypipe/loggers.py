@@ -9,7 +9,6 @@ configuration, and closes it when the trainer shuts down.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import time
 from typing import Any, Callable, Mapping
@@ -96,7 +95,7 @@ def run_params(config: Any, run_name: str, plan: Any) -> dict[str, Any]:
     """What a logger records once about the run: the TrainConfig's fields, the run name and the split."""
     from raypipe import __version__
 
-    return {**dataclasses.asdict(config), "run_name": run_name, "plan": [list(p) for p in plan],
+    return {**config.to_dict(), "run_name": run_name, "plan": [list(p) for p in plan],
             "raypipe_version": __version__}
 
 
@@ -123,7 +122,7 @@ class TensorBoardLogger:
         for tag, value in values.items():
             self.writer.add_scalar(tag, value, step)
 
-    def close(self) -> None:
+    def close(self, status: str = "FINISHED") -> None:
         self.writer.flush()
         self.writer.close()
 
@@ -164,12 +163,12 @@ class MLflowLogger:
         for i in range(0, len(metrics), 1000):  # and at most 1000 metrics; written by MLflow's own thread
             self.pending.append(self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000], synchronous=False))
 
-    def close(self) -> None:
+    def close(self, status: str = "FINISHED") -> None:
         pending, self.pending = self.pending, []
         for operation in pending:  # every step is in the store before the run ends
             operation.wait()
         if self.owned:
-            self.client.set_terminated(self.run_id)
+            self.client.set_terminated(self.run_id, status=status)
 
 
 class WandbLogger:
@@ -190,8 +189,8 @@ class WandbLogger:
             self.run.log(dict(values), step=step)
             self.last = step
 
-    def close(self) -> None:
-        self.run.finish()
+    def close(self, status: str = "FINISHED") -> None:
+        self.run.finish(exit_code=0 if status == "FINISHED" else 1)
 
 
 class Loggers:
@@ -210,6 +209,8 @@ class Loggers:
                     continue
             self.wanted.append((name, options))
         self.run_name, self.params, self.extra, self.open, self.opened = run_name, params, {}, [], False
+        self.status = "FINISHED"  # how the run ends for the loggers: FAILED or KILLED when fit did not finish
+        self.broken: set[int] = set()  # loggers that raised; reported once, then skipped
 
     def add_params(self, params: Mapping[str, Any]) -> None:
         """Adds to what each logger records once about the run (a job adds its model, data and job
@@ -222,12 +223,66 @@ class Loggers:
     def log(self, step: int, values: Mapping[str, float]) -> None:
         if not self.opened:
             self.opened, params = True, {**self.params(), **self.extra}
-            for name, options in self.wanted:  # those opened before one fails are closed at shutdown
-                self.open.append(self.KINDS[name](self.run_name, params, **options))
+            for name, options in self.wanted:  # one that cannot open (its server down) is reported, not fatal
+                try:
+                    self.open.append(self.KINDS[name](self.run_name, params, **options))
+                except Exception as error:  # noqa: BLE001
+                    self._report(name, "open", error)
         for logger in self.open:
-            logger.log(step, values)
+            self._guarded(logger, "log", step, values)
+
+    def ended(self, error: BaseException | None) -> None:
+        """Records how a `fit` ended, for the loggers' run status at close: FINISHED, or KILLED
+        (an interrupt, a SIGTERM) or FAILED (an error); a failed run is never reported finished."""
+        if error is None:
+            self.status = "FINISHED"
+        else:
+            self.status = "KILLED" if isinstance(error, (KeyboardInterrupt, SystemExit)) else "FAILED"
 
     def close(self) -> None:
+        """Ends every logger's run with `status`, each waited for at most RAYPIPE_CALL_TIMEOUT s (a
+        tracking server that stopped answering must not hang the shutdown)."""
+        from raypipe.env import call_timeout
+
         loggers, self.open, self.opened = self.open, [], False
         for logger in loggers:
-            logger.close()
+            self._guarded(logger, "close", self.status, timeout=call_timeout())
+
+    def _guarded(self, logger: Any, method: str, *args: Any, timeout: float | None = None) -> None:
+        """Calls a logger; one that raises (an MLflow server down) is reported once on stderr and
+        skipped from then on, so it never stops training or a due checkpoint. With `timeout`, the
+        call runs in a thread of its own and is given up after that many seconds."""
+        if id(logger) in self.broken:
+            return
+        if timeout is not None:
+            import threading
+
+            outcome: list[BaseException | None] = []
+
+            def call() -> None:
+                try:
+                    getattr(logger, method)(*args)
+                    outcome.append(None)
+                except Exception as error:  # noqa: BLE001
+                    outcome.append(error)
+
+            worker = threading.Thread(target=call, name=f"raypipe-logger-{method}", daemon=True)
+            worker.start()
+            worker.join(timeout)
+            error = outcome[0] if outcome else TimeoutError(f"no answer within {timeout:.0f} s (RAYPIPE_CALL_TIMEOUT)")
+            if error is not None:
+                self.broken.add(id(logger))
+                self._report(type(logger).__name__, method, error)
+            return
+        try:
+            getattr(logger, method)(*args)
+        except Exception as error:  # noqa: BLE001 - any logger failure: training goes on
+            self.broken.add(id(logger))
+            self._report(type(logger).__name__, method, error)
+
+    @staticmethod
+    def _report(name: str, method: str, error: Exception) -> None:
+        import sys
+
+        print(f"raypipe: logger {name}.{method} failed ({type(error).__name__}: {error}); it records nothing "
+              f"more this run, training goes on", file=sys.stderr)

@@ -15,8 +15,10 @@ out the secret and the options, and `uri` keeps both for the actors, which open 
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass, replace
 from typing import Any, Iterator
-from urllib.parse import urlsplit
+from urllib.parse import quote, unquote
 
 from raypipe.errors import ConfigError
 
@@ -44,13 +46,112 @@ def check_available(uri: str, field: str) -> None:
                           f"(pip install 'raypipe-train[storage]'), or give a directory path.")
 
 
-def redact(uri: str) -> str:
-    """The URI with the secret of `user:secret@` left out, for messages."""
-    parts = urlsplit(uri)
-    if parts.password is None:
-        return uri
-    netloc = f"{parts.username}:***@{parts.hostname}{f':{parts.port}' if parts.port else ''}"
-    return parts._replace(netloc=netloc).geturl()
+@dataclass(frozen=True)
+class UriParts:
+    """A location URI cut into its parts: `scheme://[user[:secret]@]rest[?query]`.
+
+    `rest` is the host (or bucket) and the path. The userinfo is everything before the *last*
+    `@` after `://`, so a secret may hold `/`, `+`, `=`, `?`, `#` and `@` (AWS secrets often hold
+    `/`); such a part is taken as userinfo only when it has a `:` or no `/` (a path may hold `@`).
+    `%XX` escapes in the user and secret are decoded.
+    """
+
+    scheme: str
+    user: str | None
+    secret: str | None
+    rest: str
+    query: str
+
+    @property
+    def has_credentials(self) -> bool:
+        return self.user is not None
+
+    def shown(self, query: bool = True) -> str:
+        """The URI for messages and records: the secret (a lone user too) as `***`, secret-looking
+        query options too."""
+        who = "" if self.user is None else (f"{self.user}:***@" if self.secret is not None else "***@")
+        options = "&".join(_shown_option(o) for o in self.query.split("&") if o) if query else ""
+        return f"{self.scheme}://{who}{self.rest}{f'?{options}' if options else ''}"
+
+    def opened(self) -> str:
+        """The URI as a URI parser reads it: the user and secret %-escaped."""
+        who = "" if self.user is None else quote(self.user, safe="") + (
+            "" if self.secret is None else ":" + quote(self.secret, safe="")) + "@"
+        return f"{self.scheme}://{who}{self.rest}{f'?{self.query}' if self.query else ''}"
+
+    def secrets(self) -> list[str]:
+        """Every form in which the secret could appear in a message (raw and %-escaped)."""
+        values = [v for v in (self.secret, None if self.secret is not None else self.user) if v]
+        return sorted({form for v in values for form in (v, quote(v, safe=""), quote(v))}, key=len, reverse=True)
+
+
+_SECRET_OPTION = re.compile(r"secret|password|token|credential|session|access_key|key$", re.IGNORECASE)
+
+
+def _shown_option(option: str) -> str:
+    name, _, value = option.partition("=")
+    return f"{name}=***" if value and _SECRET_OPTION.search(name) else option
+
+
+def split_uri(text: str) -> UriParts:
+    """`text` cut into `UriParts` (see there for the rules).
+
+    Raises:
+        ConfigError: `text` has no `scheme://` or no location after its credentials; the message
+            shows no secret.
+    """
+    scheme, sep, after = text.partition("://")
+    if not sep or not scheme:
+        raise ConfigError(f"{_blind(text)!r} is not a URI (scheme://location)")
+    user = secret = None
+    if "@" in after:
+        userinfo, rest = after.rsplit("@", 1)
+        if ":" in userinfo or "/" not in userinfo:
+            user, colon, secret = userinfo.partition(":")
+            user, secret = unquote(user), (unquote(secret) if colon else None)
+            after = rest
+    rest, _, query = after.partition("?")
+    if not rest.strip("/"):
+        shown = UriParts(scheme, user, secret, "", "").shown()
+        raise ConfigError(f"{shown!r} names no bucket or host after its credentials: write scheme://KEY:SECRET@bucket/path")
+    return UriParts(scheme, user, secret, rest, query)
+
+
+def _blind(text: str) -> str:
+    """A string that failed to parse as a URI, with anything that may be a secret hidden."""
+    return re.sub(r"(?<=://)[^@]*@", "***@", text) if "@" in text else text
+
+
+def redact(text: str) -> str:
+    """A location as it may be shown or stored: a URI's secret (and secret query options) as `***`;
+    a local path unchanged. Every message, record and logger parameter goes through this."""
+    if not is_uri(text):
+        return text
+    try:
+        return split_uri(text).shown()
+    except ConfigError:
+        return _blind(text)
+
+
+def scrub(message: str, uri: str) -> str:
+    """`message` (e.g. a library's error text about `uri`) with `uri`'s secret replaced by `***`."""
+    try:
+        parts = split_uri(uri)
+    except ConfigError:
+        return _blind(message)
+    for form in parts.secrets():
+        message = message.replace(form, "***")
+    return message
+
+
+def redact_values(value: Any) -> Any:
+    """`value` (a dict, list or scalar, e.g. a config's fields) with `redact` applied to every URI
+    string in it: for trainer.json, logger parameters and printed configs."""
+    if isinstance(value, dict):
+        return {k: redact_values(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(redact_values(v) for v in value)
+    return redact(value) if is_uri(value) else value
 
 
 def read_text(path: str) -> str | None:
@@ -66,25 +167,31 @@ class StoragePath:
     """A file or directory on a `pyarrow.fs` filesystem, named by URI."""
 
     def __init__(self, uri: str, _fs: Any = None, _path: str | None = None) -> None:
-        parts = urlsplit(uri)
-        self._base, self._query = f"{parts.scheme}://{parts.netloc}", parts.query
-        self._key = parts.path.rstrip("/")
+        parts = split_uri(uri)
+        host, slash, key = parts.rest.partition("/")
+        self._parts = replace(parts, rest=host)  # scheme, credentials, bucket, options: all but the key
+        self._key = f"/{key}".rstrip("/") if slash else ""
         if _fs is None:
             from pyarrow import fs
 
             try:
-                _fs, _path = fs.FileSystem.from_uri(uri)
-            except Exception as error:
-                raise ConfigError(f"checkpoint location {redact(uri)!r} cannot be opened: {error}") from None
+                _fs, _path = fs.FileSystem.from_uri(self.uri)
+            except Exception as error:  # noqa: BLE001 - pyarrow's message may quote the URI: scrubbed
+                raise ConfigError(f"checkpoint location {str(self)!r} cannot be opened: "
+                                  f"{scrub(str(error), uri)}") from None
         self._fs, self._path = _fs, _path.rstrip("/")
+
+    def _at(self, key: str) -> UriParts:
+        return replace(self._parts, rest=f"{self._parts.rest}{key}")
 
     @property
     def uri(self) -> str:
-        """The full URI (credentials included): what another process opens the same location by."""
-        return f"{self._base}{self._key}{f'?{self._query}' if self._query else ''}"
+        """The full URI (credentials %-escaped, options kept): what another process opens the same
+        location by. Never shown: `str()` is what messages use."""
+        return self._at(self._key).opened()
 
     def __str__(self) -> str:  # for messages: no secret, no connection options
-        return redact(f"{self._base}{self._key}")
+        return self._at(self._key).shown(query=False)
 
     def __repr__(self) -> str:
         return f"StoragePath({str(self)!r})"
@@ -97,8 +204,7 @@ class StoragePath:
 
     def __truediv__(self, rel: str) -> "StoragePath":
         rel = str(rel).strip("/")
-        return StoragePath(f"{self._base}{self._key}/{rel}{f'?{self._query}' if self._query else ''}",
-                           self._fs, f"{self._path}/{rel}")
+        return StoragePath(self._at(f"{self._key}/{rel}").opened(), self._fs, f"{self._path}/{rel}")
 
     @property
     def name(self) -> str:
@@ -107,7 +213,7 @@ class StoragePath:
     @property
     def parent(self) -> "StoragePath":
         key, path = self._key.rsplit("/", 1)[0], self._path.rsplit("/", 1)[0]
-        return StoragePath(f"{self._base}{key}{f'?{self._query}' if self._query else ''}", self._fs, path)
+        return StoragePath(self._at(key).opened(), self._fs, path)
 
     def with_name(self, name: str) -> "StoragePath":
         return self.parent / name
@@ -151,6 +257,11 @@ class StoragePath:
         with self._fs.open_input_stream(self._path) as f:
             return f.read()
 
+    def read_range(self, offset: int, size: int) -> bytes:
+        """`size` bytes from `offset` (a file's header without reading the file)."""
+        with self._fs.open_input_file(self._path) as f:
+            return f.read_at(size, offset)
+
     def read_text(self) -> str:
         return self.read_bytes().decode()
 
@@ -163,6 +274,17 @@ class StoragePath:
 
     def mkdir(self, parents: bool = False, exist_ok: bool = False) -> None:
         self._fs.create_dir(self._path, recursive=True)
+
+    def files(self) -> list[str]:
+        """The paths, relative to this directory, of every file under it."""
+        from pyarrow.fs import FileSelector, FileType
+
+        infos = self._fs.get_file_info(FileSelector(self._path, recursive=True, allow_not_found=True))
+        return [i.path[len(self._path) + 1 :] for i in infos if i.type == FileType.File]
+
+    def move(self, target: "StoragePath") -> None:
+        """Moves this file to `target` on the same filesystem (in an object store a copy, then a delete)."""
+        self._fs.move(self._path, target._path)
 
     def delete(self) -> None:
         """Deletes this file (object)."""
