@@ -5,8 +5,9 @@ Layout of one checkpoint, `<root>/step-00000120/`:
     model/layer-00003.safetensors   layer 3's state_dict (its own keys, e.g. "weight")
     optim/layer-00003.safetensors   optimizer state of layer 3's parameters, by parameter name
     rng/stage-1.safetensors         stage 1's torch RNG state (restored when pp matches)
-    trainer.json                    step, data position, config, plan, loss scaler
-    MANIFEST.json                   sha256 and size of every file above; written last
+    trainer.json                    step, data position, run id, config (secrets redacted), plan, loss scaler
+    RUN                             the id of the run that wrote it (written first)
+    MANIFEST.json                   run id, sha256 and size of every file above; written last
 
 Every file is keyed by global layer index, never by stage, so a checkpoint saved at
 one pp loads at any other. Each actor writes its own layers straight to the root: a
@@ -18,16 +19,15 @@ rename: there the manifest, written last, is the commit marker, and a `step-N` w
 one (a save cut short) is skipped by readers and pruned. Loading verifies every checksum
 first, and falls back past invalid checkpoints to the newest valid one.
 
-The tensor files are safetensors: nothing is unpickled on load. A file holds any tree of
-dicts, lists, tensors and plain values (an optimizer's state: tensors and step counts): the
-tensors under their path in the tree ("weight", "bias/exp_avg"), the tree itself with its
-plain values as JSON in the file's metadata. Checkpoints written before (`.pt` files, from
-`torch.save`) still load, through `torch.load(weights_only=True)`.
+A checkpoint belongs to the run that wrote it (`run_id`: made when a run starts, kept when it
+is resumed): pruning (`keep`) and recovery see only the run's own, so two runs that share a
+directory can never delete or restore each other's (and a new run refuses a used directory:
+`raypipe.runtime.checkpoints.check_new_run`). Files are written readable by their owner only.
+The tensor files' format is `raypipe.checkpoint_files`'.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -35,27 +35,31 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
-
-from raypipe.errors import RaypipeError
-from raypipe.storage import StoragePath, location
+from raypipe.checkpoint_files import (  # noqa: F401 - the file format's names, re-exported
+    LEGACY,
+    PRIVATE_DIR,
+    PRIVATE_FILE,
+    TENSORS,
+    CheckpointError,
+    load_tensors,
+    make_private_dir,
+    save_tensors,
+    sha256_file,
+    tensor_shapes,
+    write_atomic,
+)
+from raypipe.storage import StoragePath, location, redact  # noqa: F401 - location: for callers
 
 FORMAT = 1
 MANIFEST = "MANIFEST.json"
 META = "trainer.json"
+RUN = "RUN"  # in a checkpoint being written: the id of the run writing it, before any other file
 _NAME = re.compile(r"^step-(\d{8})$")
-
-
-class CheckpointError(RaypipeError):
-    """A checkpoint is missing, incomplete, corrupt, or cannot be written."""
+_PARTIAL = re.compile(r"^step-(\d{8})\.partial$")
 
 
 def checkpoint_name(step: int) -> str:
     return f"step-{step:08d}"
-
-
-TENSORS = ".safetensors"
-LEGACY = ".pt"  # checkpoints written before safetensors: torch.save pickles
 
 
 def layer_file(kind: str, index: int) -> str:
@@ -72,118 +76,30 @@ def existing(path: Path) -> Path:
     return legacy if not path.exists() and legacy.exists() else path
 
 
-def sha256_file(path: Path | StoragePath) -> str:
-    if isinstance(path, StoragePath):
-        return hashlib.sha256(path.read_bytes()).hexdigest()
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def write_atomic(path: Path | StoragePath, data: bytes) -> dict[str, Any]:
-    """Writes bytes via a temporary file, fsync and rename (an object: in one put). Returns its
-    sha256 and size."""
-    if isinstance(path, StoragePath):
-        path.write_bytes(data)
-        return {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
-
-
-def save_tensors(path: Path | StoragePath, obj: Any) -> dict[str, Any]:
-    """`obj` (dicts, lists, tensors, plain values) as a safetensors file, written atomically."""
-    from safetensors.torch import save
-
-    tensors: dict[str, torch.Tensor] = {}
-    tree = _flatten(obj, "", tensors, set())
-    return write_atomic(path, save(tensors, metadata={"raypipe.tree": json.dumps(tree)}))
-
-
-def load_tensors(path: str | Path | StoragePath) -> Any:
-    """What `save_tensors` wrote (a safetensors file: nothing unpickled), or a legacy `.pt` file
-    through torch.load that refuses anything but tensors and plain containers."""
-    path = location(path)
-    if isinstance(path, StoragePath):
-        return _load_bytes(path.read_bytes(), path.suffix == LEGACY)
-    if path.suffix == LEGACY:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt", device="cpu") as f:
-        metadata = f.metadata() or {}
-        if "raypipe.tree" not in metadata:  # a plain safetensors file: its tensors by name
-            return {key: f.get_tensor(key) for key in f.keys()}
-        return _unflatten(json.loads(metadata["raypipe.tree"]), f)
-
-
-def _load_bytes(data: bytes, legacy: bool) -> Any:
-    """`load_tensors` of a file read whole (from an object store)."""
-    if legacy:
-        import io
-
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    from safetensors.torch import load
-
-    header = json.loads(data[8:8 + int.from_bytes(data[:8], "little")])
-    tensors = load(data)
-    tree = (header.get("__metadata__") or {}).get("raypipe.tree")
-    return tensors if tree is None else _unflatten(json.loads(tree), tensors)
-
-
-def _flatten(obj: Any, path: str, tensors: dict[str, torch.Tensor], storages: set[int]) -> Any:
-    """The JSON tree of `obj`, its tensors moved into `tensors` under their path (copied where
-    they share storage with another or view part of one: safetensors stores whole storages)."""
-    if torch.is_tensor(obj):
-        key, t = path or ".", obj.detach().cpu().contiguous()
-        storage = t.untyped_storage()
-        if storage.data_ptr() in storages or storage.nbytes() != t.numel() * t.element_size():
-            t = t.clone()
-        storages.add(t.untyped_storage().data_ptr())
-        tensors[key] = t
-        return {"tensor": key}
-    if isinstance(obj, dict):
-        return {"dict": [[k, _flatten(v, f"{path}/{k}" if path else str(k), tensors, storages)] for k, v in obj.items()]}
-    if isinstance(obj, (list, tuple)):
-        return {"tuple" if isinstance(obj, tuple) else "list":
-                [_flatten(v, f"{path}/{i}" if path else str(i), tensors, storages) for i, v in enumerate(obj)]}
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return {"value": obj}
-    raise CheckpointError(f"cannot store a {type(obj).__name__} at {path!r} in a checkpoint: only tensors, "
-                          f"numbers, strings, None, and dicts and lists of them")
-
-
-def _unflatten(tree: dict[str, Any], f: Any) -> Any:
-    """The object `_flatten` described, its tensors from `f` (a safetensors file, or a dict of them)."""
-    (kind, value), = tree.items()
-    if kind == "tensor":
-        return f[value] if isinstance(f, dict) else f.get_tensor(value)
-    if kind == "dict":
-        return {k: _unflatten(v, f) for k, v in value}
-    if kind in ("list", "tuple"):
-        items = [_unflatten(v, f) for v in value]
-        return items if kind == "list" else tuple(items)
-    return value
-
-
 def partial_dir(root: Path, step: int) -> Path:
     return Path(root) / f"{checkpoint_name(step)}.partial"
 
 
-def begin(root: str | Path, step: int) -> Path | StoragePath:
-    """Where the actors write checkpoint `step`: an empty `step-N.partial` directory; in an object
-    store `step-N` itself, cleared of anything an earlier save left there."""
+def begin(root: str | Path, step: int, run_id: str) -> Path | StoragePath:
+    """Where the actors write checkpoint `step` of run `run_id`: an empty `step-N.partial` directory;
+    in an object store `step-N` itself, cleared of what a save cut short left there. Its first file
+    names the run, so that pruning and clean-up touch only the run's own debris.
+
+    Raises:
+        CheckpointError: `step-N` is a complete checkpoint in an object store (where a replacement
+            cannot be written beside it): `save` returns that one instead of calling this.
+    """
     root = location(root)
-    path = root / checkpoint_name(step) if isinstance(root, StoragePath) else partial_dir(root, step)
+    if isinstance(root, StoragePath):
+        path = root / checkpoint_name(step)
+        if (path / MANIFEST).exists():
+            raise CheckpointError(f"{path} is complete; an object store cannot replace it atomically")
+    else:
+        make_private_dir(root)
+        path = partial_dir(root, step)
     remove(path)
-    path.mkdir(parents=True)
+    path.mkdir(parents=True, exist_ok=True) if isinstance(path, StoragePath) else make_private_dir(path)
+    write_atomic(path / RUN, run_id.encode())
     return path
 
 
@@ -205,32 +121,121 @@ def remove(path: Path | StoragePath) -> None:
 
 def commit(partial: Path | StoragePath, files: dict[str, dict[str, Any]], meta: dict[str, Any],
            keep: int) -> Path | StoragePath:
-    """Writes trainer.json and the manifest, renames the directory into place (in an object store
-    the manifest is the commit), prunes old ones.
+    """Writes trainer.json and the manifest, moves the directory into place (in an object store
+    the manifest is the commit), prunes the run's old ones.
+
+    A complete checkpoint of the same step is replaced only once the new one is complete (moved
+    aside, the new one renamed in, then deleted), so a failure at any point leaves one of them.
 
     Args:
         partial: the directory `begin` returned, with the actors' files in it.
         files: relative path -> {"sha256", "bytes"} for every file the actors wrote.
-        meta: what trainer.json holds.
-        keep: how many complete checkpoints to keep (newest first); 0 keeps all.
+        meta: what trainer.json holds; its `run_id` is the run's, which pruning keeps to.
+        keep: how many complete checkpoints of the run to keep (newest first); 0 keeps all.
     """
     files = dict(files)
     files[META] = write_atomic(partial / META, json.dumps(meta, indent=2, sort_keys=True).encode())
-    manifest = {"format": FORMAT, "step": meta["step"], "files": files}
+    manifest = {"format": FORMAT, "step": meta["step"], "run_id": meta["run_id"], "files": files}
     write_atomic(partial / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True).encode())
     final = partial.with_name(checkpoint_name(meta["step"]))
     if not isinstance(partial, StoragePath):
-        remove(final)
+        replaced = final.with_name(f".{final.name}.replaced-{os.getpid()}")
+        if final.exists():
+            os.replace(final, replaced)
         os.replace(partial, final)
         _fsync_dir(final.parent)
+        remove(replaced)
     if keep:
-        found = list_checkpoints(final.parent)
-        complete = [p for p in found if not isinstance(p, StoragePath) or (p / MANIFEST).exists()]
-        newest = int(_NAME.match(final.name).group(1))
-        cut_short = [p for p in found if p not in complete and int(_NAME.match(p.name).group(1)) < newest]
-        for old in complete[:-keep] + cut_short:
-            remove(old)
+        prune(final, meta["run_id"], keep)
     return final
+
+
+def prune(newest: Path | StoragePath, run_id: str, keep: int) -> None:
+    """Deletes run `run_id`'s complete checkpoints beyond the `keep` newest (never `newest`, the
+    one just written), and its saves cut short before `newest`. Other runs' checkpoints stay."""
+    own = [p for p in list_checkpoints(newest.parent) if run_of(p) == run_id]
+    complete = [p for p in own if p != newest and manifest_of(p) is not None]
+    cut_short = [p for p in own if manifest_of(p) is None and step_of(p) < step_of(newest)]
+    for old in complete[: max(0, len(complete) - (keep - 1))] + cut_short:
+        remove(old)
+
+
+def clean_partials(root: str | Path, run_id: str, but: int | None = None) -> list[str]:
+    """Deletes the `step-N.partial` directories of run `run_id` (and those a save killed before it
+    named its run) that a killed driver left in a local `root`, but the one of step `but`.
+    Returns their names."""
+    root = location(root)
+    if isinstance(root, StoragePath) or not root.is_dir():
+        return []
+    removed = []
+    for path in root.iterdir():
+        match = _PARTIAL.match(path.name)
+        if match and int(match.group(1)) != but and run_of(path) in (run_id, None):
+            remove(path)
+            removed.append(path.name)
+    return removed
+
+
+def step_of(path: Path | StoragePath) -> int:
+    return int(_NAME.match(path.name).group(1))
+
+
+def run_of(path: Path | StoragePath) -> str | None:
+    """The run that wrote a checkpoint (complete or being written): its manifest's run id, else
+    its RUN file; None when neither says (a checkpoint from before run ids, or a save killed at once)."""
+    manifest = manifest_of(path)
+    if manifest is not None and isinstance(manifest.get("run_id"), str):
+        return manifest["run_id"]
+    try:
+        return (path / RUN).read_text().strip() or None
+    except Exception:  # noqa: BLE001 - missing or unreadable: nobody's
+        return None
+
+
+def manifest_of(path: Path | StoragePath) -> dict[str, Any] | None:
+    """A checkpoint's manifest if it has a readable one (not verified), else None."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except Exception:  # noqa: BLE001 - absent, unreadable, not JSON: no manifest
+        return None
+    return manifest if isinstance(manifest, dict) else None
+
+
+def runs_in(root: str | Path) -> dict[str, int]:
+    """Run id -> newest step of every run with a complete checkpoint under root ("unknown" for
+    checkpoints written before run ids)."""
+    runs: dict[str, int] = {}
+    for path in list_checkpoints(root):
+        if manifest_of(path) is not None:
+            runs[run_of(path) or "unknown"] = step_of(path)
+    return runs
+
+
+def set_aside(root: str | Path, run_id: str, after: int) -> list[str]:
+    """Moves run `run_id`'s checkpoints of steps after `after` (the future a resume from `after`
+    abandons) into `<root>/set-aside/<time>/`, where no reader looks: a later recovery of the run
+    cannot restore them, and nothing is deleted. Returns the names moved."""
+    import time
+
+    later = [p for p in list_checkpoints(root) if step_of(p) > after and run_of(p) == run_id]
+    if not later:
+        return []
+    shelf = location(root) / "set-aside" / time.strftime("%Y%m%d-%H%M%S")
+    for path in later:
+        _move(path, shelf / path.name)
+    return [p.name for p in later]
+
+
+def _move(source: Path | StoragePath, target: Path | StoragePath) -> None:
+    """Moves a checkpoint directory; in an object store object by object, its manifest first (so
+    the source stops being a checkpoint before any of its files goes)."""
+    if not isinstance(source, StoragePath):
+        make_private_dir(target.parent)
+        os.replace(source, target)
+        return
+    for name in sorted(source.files(), key=lambda n: n != MANIFEST):
+        (source / name).move(target / name)
+    source.rmtree()
 
 
 def list_checkpoints(root: str | Path) -> list[Path | StoragePath]:
@@ -247,7 +252,8 @@ def verify(path: str | Path) -> dict[str, Any]:
     """Checks the manifest and every file's size and sha256; returns trainer.json's content.
 
     Raises:
-        CheckpointError: naming the first missing, truncated or altered file.
+        CheckpointError: naming the first missing, truncated or altered file, or a manifest or
+            trainer.json of any wrong shape (missing fields, wrong types, not JSON).
     """
     path = location(path)
     manifest_path = path / MANIFEST
@@ -256,26 +262,40 @@ def verify(path: str | Path) -> dict[str, Any]:
     try:
         manifest = json.loads(manifest_path.read_text())
         files = manifest["files"]
-    except (ValueError, KeyError, TypeError) as error:
-        raise CheckpointError(f"{manifest_path}: unreadable manifest ({error})") from None
+        entries = sorted((str(name), int(entry["bytes"]), str(entry["sha256"])) for name, entry in files.items())
+    except Exception as error:  # noqa: BLE001 - any shape but the right one
+        raise CheckpointError(f"{manifest_path}: unreadable manifest ({type(error).__name__}: {error})") from None
     if manifest.get("format") != FORMAT:
         raise CheckpointError(f"{path}: format {manifest.get('format')!r}, this raypipe reads format {FORMAT}")
-    for name, entry in sorted(files.items()):
+    if META not in files:
+        raise CheckpointError(f"{manifest_path}: lists no {META}")
+    for name, size_expected, sha in entries:
         file = path / name
         if not file.is_file():
             raise CheckpointError(f"{file}: missing")
         size = file.size() if isinstance(file, StoragePath) else file.stat().st_size
-        if size != entry["bytes"]:
-            raise CheckpointError(f"{file}: {size} bytes, the manifest says {entry['bytes']} (truncated?)")
-        if sha256_file(file) != entry["sha256"]:
+        if size != size_expected:
+            raise CheckpointError(f"{file}: {size} bytes, the manifest says {size_expected} (truncated?)")
+        if sha256_file(file) != sha:
             raise CheckpointError(f"{file}: sha256 does not match the manifest (corrupt)")
-    return json.loads((path / META).read_text())
+    try:
+        meta = json.loads((path / META).read_text())
+        missing = [k for k in META_FIELDS if k not in meta]
+    except Exception as error:  # noqa: BLE001
+        raise CheckpointError(f"{path / META}: unreadable ({type(error).__name__}: {error})") from None
+    if missing or not isinstance(meta.get("step"), int) or not isinstance(meta.get("plan"), list):
+        raise CheckpointError(f"{path / META}: lacks {missing or 'a whole step and plan'}")
+    return meta
+
+
+META_FIELDS = ("step", "num_layers", "plan", "loss_scaler")  # what a load reads from trainer.json
 
 
 def find_valid(
-    root: str | Path, step: int | None = None, warn: Callable[[str], None] = print
+    root: str | Path, step: int | None = None, warn: Callable[[str], None] = print, run_id: str | None = None
 ) -> tuple[Path, dict[str, Any]]:
-    """The newest checkpoint under root that verifies (or the one of `step`).
+    """The newest checkpoint under root that verifies (or the one of `step`); with `run_id`, the
+    newest of that run only (a recovery never restores another run's).
 
     Invalid checkpoints met on the way are reported through `warn` and skipped.
 
@@ -283,10 +303,12 @@ def find_valid(
         CheckpointError: no valid checkpoint (or the asked-for step is invalid or absent).
     """
     candidates = list_checkpoints(root)
+    if run_id is not None:
+        candidates = [p for p in candidates if run_of(p) == run_id]
     if step is not None:
         candidates = [p for p in candidates if p.name == checkpoint_name(step)]
         if not candidates:
-            raise CheckpointError(f"no checkpoint for step {step} under {root}")
+            raise CheckpointError(f"no checkpoint for step {step} under {redact(str(root))}")
     for path in reversed(candidates):
         try:
             return path, verify(path)
@@ -294,7 +316,7 @@ def find_valid(
             if step is not None:
                 raise
             warn(f"raypipe: skipping invalid checkpoint: {error}")
-    raise CheckpointError(f"no valid checkpoint under {root}")
+    raise CheckpointError(f"no valid checkpoint under {redact(str(root))}{f' of run {run_id}' if run_id else ''}")
 
 
 def resolve(path: str | Path, warn: Callable[[str], None] = print) -> tuple[Path, dict[str, Any]]:

@@ -17,7 +17,7 @@ import yaml
 
 from raypipe import lora
 from raypipe.loggers import check_loggers
-from raypipe.storage import check_available, is_uri
+from raypipe.storage import check_available, is_uri, redact_values, split_uri
 from raypipe.checks import (
     check_choice, check_devices, check_int, check_lr_schedule, check_optimizer, check_positive, check_shard_plan,
     fail, nearest,
@@ -124,7 +124,9 @@ class TrainConfig:
             a multi-node run) or a URI `pyarrow.fs` opens (`s3://bucket/run`; `raypipe.storage`).
             None disables automatic checkpoints.
         checkpoint_every: save every this many steps (0: only on `Trainer.save`).
-        keep_checkpoints: how many of the newest checkpoints to keep (0: all).
+        keep_checkpoints: how many of the run's newest checkpoints to keep (0: all; never another run's).
+        resume: continue the run in `checkpoint_dir` from its newest valid checkpoint (true) or
+            step N's (an int); false (a new run) refuses a directory holding another run's.
         max_restarts: how many times `Trainer.fit` rebuilds the actors after one dies,
             restoring the last checkpoint, before it gives up.
         nonfinite: what a NaN or infinite loss or gradient does: "error" stops with an
@@ -178,6 +180,7 @@ class TrainConfig:
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
     keep_checkpoints: int = 3
+    resume: bool | int = False
     max_restarts: int = 0
     nonfinite: str = "error"
     log_dir: str | None = None
@@ -238,11 +241,16 @@ class TrainConfig:
         if self.checkpoint_dir is not None and (not isinstance(self.checkpoint_dir, str) or not self.checkpoint_dir):
             raise fail("checkpoint_dir", self.checkpoint_dir, "give a directory path, a URI (s3://bucket/run) or null.")
         if is_uri(self.checkpoint_dir):
+            split_uri(self.checkpoint_dir)  # a URI it cannot read is refused here, its secret unshown
             check_available(self.checkpoint_dir, "checkpoint_dir")
         check_int("checkpoint_every", self.checkpoint_every, 0)
         if self.checkpoint_every and self.checkpoint_dir is None:
             raise fail("checkpoint_every", self.checkpoint_every, "set checkpoint_dir too, or use 0.")
         check_int("keep_checkpoints", self.keep_checkpoints, 0)
+        if not isinstance(self.resume, bool) and not (isinstance(self.resume, int) and self.resume >= 0):
+            raise fail("resume", self.resume, "give true (the newest checkpoint), a step number, or false (a new run).")
+        if self.resume is not False and self.checkpoint_dir is None:
+            raise fail("resume", self.resume, "resuming needs checkpoint_dir (the run's checkpoints); set it.")
         check_int("max_restarts", self.max_restarts, 0)
         check_choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
         check_devices(self.devices, self.pp)
@@ -332,7 +340,9 @@ class TrainConfig:
         return cls.from_dict(apply_overrides(load_yaml(path), overrides))
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The fields as plain values, for records and display: a URI's secret shows as `***`
+        (`raypipe.storage.redact`), so this never leaks one into trainer.json, a logger or a print."""
+        return redact_values(dataclasses.asdict(self))
 
     def replace(self, **changes: Any) -> "TrainConfig":
         """A copy with some fields changed, validated like a new config."""

@@ -16,6 +16,12 @@ def ray_address() -> str | None:
     return os.environ.get("RAY_ADDRESS") or None
 
 
+def call_timeout() -> float:
+    """RAYPIPE_CALL_TIMEOUT=SECONDS: how long the driver waits for its actors to finish a call that
+    is not a training step (save, load, configure, stage_info, state_dict, export) before it names
+    the actors still at it and gives up (default 600; steps use TrainConfig.step_timeout)."""
+    return float(os.environ.get("RAYPIPE_CALL_TIMEOUT") or 600.0)
+
 
 def fake_accelerator() -> str | None:
     """RAYPIPE_FAKE_ACCELERATOR=KIND:COUNT:MODEL (e.g. `cuda:2:NVIDIA-H100`): makes `detect()` report

@@ -25,6 +25,7 @@ from raypipe.data import TokenDataset, stdlib_corpus
 from raypipe.errors import ConfigError, RaypipeError
 from raypipe.models.registry import JobModel, job_model
 from raypipe.progress import Progress
+from raypipe.storage import redact_values
 
 DATA_SOURCES = ("stdlib", "bin", "text", "sft")
 DATA_READERS = ("auto", "driver", "ray_data")
@@ -194,8 +195,10 @@ def run(
     model, job, train = config.model, config.job, config.train
     if (resume or resume_step is not None) and train.checkpoint_dir is None:
         raise ConfigError("resuming needs checkpoint_dir in the config (or --set checkpoint_dir=PATH).")
-    if resume or resume_step is not None:  # fail before any actor starts
-        ckpt.find_valid(train.checkpoint_dir, step=resume_step, warn=lambda _: None)
+    if resume or resume_step is not None:
+        train = train.replace(resume=True if resume_step is None else resume_step)
+    if train.resume is not False:  # fail before any actor starts
+        ckpt.find_valid(train.checkpoint_dir, step=None if train.resume is True else train.resume, warn=lambda _: None)
     dataset = config.data.dataset(model.block_size, model.tokenizer() if config.data.source == "sft" else None)
     train_set, val_set = dataset.split(config.data.val_fraction) if config.data.val_fraction else (dataset, None)
 
@@ -231,7 +234,7 @@ def run(
         train = _leave_a_cpu_for_ray_data(train)
     profile_batch = batch(train_set, 0, train.seed) if train.partition == "profile" else None
     with Trainer(model.build(), config=train, sample=profile_batch, log=log) as trainer:
-        trainer.loggers.add_params({"model": model.describe(), "data": dataclasses.asdict(config.data),
+        trainer.loggers.add_params({"model": model.describe(), "data": redact_values(dataclasses.asdict(config.data)),
                                     "job": dataclasses.asdict(job)})
         lead = [i for i in trainer.stage_info() if i["dp_rank"] == 0 and i["tp_rank"] == 0]
         held = [i["layers"] if isinstance(i["layers"], list) else [i["layers"]] for i in lead]  # ranges: model chunks
@@ -240,9 +243,8 @@ def run(
         if len(trainer.names) > trainer.num_stages:
             ep = f" (ep {train.ep}: each MoE layer's experts split over {train.ep} replicas)" if train.ep > 1 else ""
             log(f"actors: {len(trainer.names)} = pp {train.pp} x dp {train.dp} x tp {train.tp}{ep}: {', '.join(trainer.names)}")
-        if resume or resume_step is not None:
-            where = trainer.load(train.checkpoint_dir, step=resume_step, log=log)
-            log(f"resumed from {where} at step {trainer.step_count}")
+        if trainer.restored_from is not None:  # TrainConfig.resume: the trainer restored it as it started
+            log(f"resumed from {trainer.restored_from[0]} at step {trainer.step_count}")
         validation = (lambda: _validation_loss(trainer, lambda k: batch(val_set, k, 12345), job)) if val_set else None
         first_val = validation() if validation else None
         if job.sample_before and job.sample_tokens:

@@ -72,9 +72,12 @@ class Trainer:
             raise TypeError(f"config must be a TrainConfig, got {type(self.config).__name__}")
         self.model, loss_fn, self.specs, self.config = resolve(layers, loss_fn, self.config)
         cfg = self.config
+        checkpoints.check_new_run(cfg.checkpoint_dir, cfg.resume)  # before any actor (the profiler's too) starts
         self.plan, tp_splits, profiled = first_plan(self.specs, cfg, sample is not None)
         self.plan_report: PlanReport | None = None
         self.run_name = cfg.name or f"run-{uuid.uuid4().hex[:8]}"
+        self.run_id = uuid.uuid4().hex  # the run's identity in its checkpoints; a resume takes the resumed run's
+        self.restored_from: tuple[Path, int] | None = None  # the checkpoint last loaded, and its step
         self.step_count = self.restarts = self._calls = 0
         self._last_result_at = 0.0  # perf_counter() when the last step's result came back
         self._actors: list[Any] = []
@@ -98,6 +101,12 @@ class Trainer:
         self._set_schedule()
         registry.replace_same_name(self)
         self._start_actors()
+        if cfg.resume is not False:
+            try:
+                self.load(cfg.checkpoint_dir, step=None if cfg.resume is True else cfg.resume, log=log)
+            except BaseException:
+                self.shutdown()
+                raise
 
     # ----- public API -------------------------------------------------------------
 
@@ -186,8 +195,8 @@ class Trainer:
         root = path or self.config.checkpoint_dir
         if root is None:
             raise ConfigError("Trainer.save needs a path, or TrainConfig.checkpoint_dir set.")
-        meta = checkpoints.run_meta(self.step_count, len(self.specs), self.plan, self.run_name, self.config,
-                                    self.model.identity() if self.config.lora else None)
+        meta = checkpoints.run_meta(self.step_count, len(self.specs), self.plan, self.run_name, self.run_id,
+                                    self.config, self.model.identity() if self.config.lora else None)
         return checkpoints.save(self._actors, self.names, root, self.step_count, meta, self.config.keep_checkpoints)
 
     def load(self, path: str, step: int | None = None, log: Callable[[str], None] = print) -> Path:
@@ -196,11 +205,19 @@ class Trainer:
         `path` is a checkpoint directory (`.../step-N`) or a root holding several: the newest
         valid one (or `step`'s) is restored, invalid ones are reported. Returns the directory.
 
+        It continues the run that saved it (its run id; `checkpoints.set_aside_future`).
+
         Raises:
-            CheckpointError: nothing valid to restore (missing, truncated, altered files).
+            CheckpointError: nothing valid to restore (missing, truncated, altered files), or a
+                checkpoint that does not fit the model (then nothing was loaded: all or nothing).
         """
-        where, self.step_count = checkpoints.load(self._actors, self.names, path, step, len(self.specs), self.plan, log,
-                                                  self.model.identity() if self.config.lora else None)
+        where, meta = checkpoints.load(self._actors, self.names, path, step, len(self.specs), self.plan, log,
+                                       self.model.identity() if self.config.lora else None,
+                                       self.config.optimizer.get("name"))
+        self.step_count = meta["step"]
+        self.run_id = meta.get("run_id") or self.run_id  # checkpoints from before run ids: this run goes on
+        self.restored_from = (where, self.step_count)
+        checkpoints.set_aside_future(self.config.checkpoint_dir, self.run_id, self.step_count, log)
         return where
 
     def evaluate(self, x: torch.Tensor, y: Any) -> float:
@@ -312,6 +329,8 @@ class Trainer:
         return self
 
     def __exit__(self, *exc: Any) -> None:  # `with Trainer(...) as t:` shuts down on leaving
+        if exc[1] is not None:  # the loggers record a run that ended in an error as such
+            self.loggers.ended(exc[1])
         self.shutdown()
 
     def __repr__(self) -> str:

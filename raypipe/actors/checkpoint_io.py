@@ -18,7 +18,7 @@ from raypipe.actors.model import StageModel
 from raypipe.actors.optimizer import OptimizerState
 from raypipe.errors import StageError
 from raypipe.nn import merge, shard
-from raypipe.storage import location
+from raypipe.storage import location, redact, scrub
 
 
 def save_stage(model: StageModel, optim: OptimizerState, directory: str, stage: int, name: str,
@@ -60,7 +60,7 @@ def save_stage(model: StageModel, optim: OptimizerState, directory: str, stage: 
 
         raise StageError(
             f"{name} on node {ray.get_runtime_context().get_node_id()[:12]} cannot see the "
-            f"checkpoint directory {directory}: multi-node runs need a directory every node shares, or a "
+            f"checkpoint directory {redact(directory)}: multi-node runs need a directory every node shares, or a "
             f"URI of storage every node reaches (checkpoint_dir='s3://bucket/run', raypipe.storage)."
         )
     files = {}
@@ -72,10 +72,75 @@ def save_stage(model: StageModel, optim: OptimizerState, directory: str, stage: 
     return {"files": files, "loss_scaler": optim.scaler_state()}
 
 
+Shapes = dict[str, tuple[tuple[int, ...], bool]]  # key -> (full shape, floating point?)
+
+
+def expected_tensors(model: StageModel, j: int, layer: torch.nn.Module) -> tuple[Shapes, set[str]]:
+    """What a checkpoint file or a state dict must hold for local layer `j`: every tensor of its
+    state (in a LoRA run its adapters) with its full shape (tp shards put back together), and the
+    names of the experts other ep ranks hold (present, not checked)."""
+    from raypipe.lora import is_adapter
+
+    expected = {}
+    for key, value in layer.state_dict().items():
+        if model.lora and not is_adapter(key):
+            continue
+        shape = list(value.shape)
+        spec = model.shard_specs.get(f"{j}.{key}")
+        if spec is not None and model.tp.size > 1:
+            shape[spec.dim] *= model.tp.size
+        expected[key] = (tuple(shape), value.is_floating_point())
+    foreign = {k.partition(".")[2] for k in model.foreign if k.partition(".")[0] == str(j)}
+    return expected, foreign
+
+
+def mismatches(what: str, expected: Shapes, foreign: set[str], got: Shapes) -> list[str]:
+    """How `got` (key -> full shape, floating?) fails to fit `expected`, each problem in words."""
+    problems = [f"{what}: missing {k}" for k in sorted(set(expected) - set(got))]
+    problems += [f"{what}: unexpected {k}" for k in sorted(set(got) - set(expected) - foreign)]
+    for key in sorted(set(expected) & set(got)):
+        (shape, floating), (found, found_floating) = expected[key], got[key]
+        if shape != found:
+            problems.append(f"{what}: {key} has shape {list(found)}, the model's is {list(shape)}")
+        elif floating != found_floating:
+            kinds = ("an integer", "a floating-point")
+            problems.append(f"{what}: {key} is {kinds[found_floating]} tensor, the model's is {kinds[floating]} one")
+    return problems
+
+
+def check_stage(model: StageModel, directory: str, name: str) -> list[str]:
+    """What keeps this stage from loading a checkpoint (its files' keys, shapes and kinds of dtype
+    against its layers), read from the files' headers; empty when it fits. Nothing changes here:
+    the driver loads only when every actor's list is empty, so a load is all or nothing."""
+    root = location(directory)
+    problems = []
+    for j, (index, layer) in enumerate(zip(model.layers, model.module)):
+        path = ckpt.existing(root / ckpt.layer_file("model", index))
+        try:
+            got = ckpt.tensor_shapes(path)
+        except Exception as error:  # noqa: BLE001 - missing or unreadable: a problem to report
+            problems.append(f"{name}: cannot read {ckpt.layer_file('model', index)}: {type(error).__name__}: "
+                            f"{scrub(str(error), directory)}")
+            continue
+        problems += mismatches(f"layer {index}", *expected_tensors(model, j, layer), got)
+    return problems
+
+
+def check_state(model: StageModel, state: dict[str, torch.Tensor]) -> list[str]:
+    """What keeps this stage from loading `state` (global keys, full tensors): as `check_stage`."""
+    problems = []
+    for j, (index, layer) in enumerate(zip(model.layers, model.module)):
+        prefix = f"{index}."
+        got = {k[len(prefix):]: (tuple(v.shape), v.is_floating_point()) for k, v in state.items() if k.startswith(prefix)}
+        problems += mismatches(f"layer {index}", *expected_tensors(model, j, layer), got)
+    return problems
+
+
 def load_stage(model: StageModel, optim: OptimizerState, directory: str, stage: int, name: str,
-               loss_scaler: dict, restore_rng: bool) -> None:
+               loss_scaler: dict, restore_rng: bool, optimizer_state: bool = True) -> None:
     """Loads this stage's layers and optimizer state from a verified checkpoint, cut to this
-    actor's tp shard and (under ZeRO) its share of the optimizer state.
+    actor's tp shard and (under ZeRO) its share of the optimizer state; `optimizer_state=False`
+    (a checkpoint of another optimizer) starts the optimizer afresh instead.
 
     Raises:
         StageError: a file is missing or does not fit the stage, naming the actor and the directory.
@@ -87,7 +152,7 @@ def load_stage(model: StageModel, optim: OptimizerState, directory: str, stage: 
             weights = ckpt.load_tensors(ckpt.existing(root / ckpt.layer_file("model", index)))
             local = model.shard_state({f"{j}.{k}": v for k, v in weights.items()})
             _load_layer(layer, {k[len(f"{j}.") :]: v for k, v in local.items() if k not in model.foreign}, model.lora)
-            state = ckpt.load_tensors(ckpt.existing(root / ckpt.layer_file("optim", index)))
+            state = ckpt.load_tensors(ckpt.existing(root / ckpt.layer_file("optim", index))) if optimizer_state else {}
             if optimizer is not None:
                 stepped = {p for group in optimizer.param_groups for p in group["params"]}
                 for param_name, p in layer.named_parameters():
@@ -105,7 +170,8 @@ def load_stage(model: StageModel, optim: OptimizerState, directory: str, stage: 
     except StageError:
         raise
     except Exception as error:
-        raise StageError(f"{name} could not load {directory}: {type(error).__name__}: {error}") from error
+        raise StageError(f"{name} could not load {redact(directory)}: {type(error).__name__}: "
+                         f"{scrub(str(error), directory)}") from error
     optim.restore_scaler(loss_scaler)
     optim.sync_masters()  # bf16 weights' masters restart from the saved (bf16) weights
 

@@ -349,9 +349,16 @@ class StageActor(RefsCalls):
     def read_text(self, path: str) -> str | None:  # does this node see checkpoint_dir? (checkpoints.check_reachable)
         return storage.read_text(path)
 
-    def load_checkpoint(self, directory: str, loss_scaler: dict, restore_rng: bool) -> None:
-        """Loads this stage's layers and optimizer state from a verified checkpoint."""
-        checkpoint_io.load_stage(self.model, self.optim, directory, self.stage, self.name, loss_scaler, restore_rng)
+    def check_checkpoint(self, directory: str) -> list[str]:  # why it cannot load (checkpoint_io.check_stage)
+        return checkpoint_io.check_stage(self.model, directory, self.name)
+
+    def check_state_dict(self, state: dict[str, torch.Tensor]) -> list[str]:  # likewise for load_state_dict
+        return checkpoint_io.check_state(self.model, state)
+
+    def load_checkpoint(self, directory: str, loss_scaler: dict, restore_rng: bool, optimizer_state: bool = True) -> None:
+        """Loads this stage's layers and optimizer state (or starts the optimizer afresh) from a checkpoint."""
+        checkpoint_io.load_stage(self.model, self.optim, directory, self.stage, self.name, loss_scaler, restore_rng,
+                                 optimizer_state)
 
 
 def _peak_memory_bytes(device: torch.device) -> int:

@@ -9,14 +9,15 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from raypipe import checkpoint as ckpt
-from raypipe.storage import location
+from raypipe.storage import StoragePath, location, redact, scrub
 from raypipe.runtime.results import gather
 
 
-def run_meta(step: int, num_layers: int, plan: Sequence[Sequence[int]], run: str, config: Any,
+def run_meta(step: int, num_layers: int, plan: Sequence[Sequence[int]], run: str, run_id: str, config: Any,
              base: Any = None) -> dict[str, Any]:
-    """What a checkpoint's manifest says about the run beside the files; `base`: in a LoRA run,
-    the identity of the frozen base model its adapters belong to (`raypipe.model.Model.identity`)."""
+    """What a checkpoint's manifest says about the run beside the files; `run_id`: the run's
+    identity (kept across its resumes), which pruning and recovery keep to; `base`: in a LoRA
+    run, the identity of the frozen base model its adapters belong to (`raypipe.model.Model.identity`)."""
     return {
         "base": base,
         "step": step,
@@ -25,35 +26,57 @@ def run_meta(step: int, num_layers: int, plan: Sequence[Sequence[int]], run: str
         "pp": config.pp,
         "plan": [list(r) for r in plan],
         "run": run,
-        "config": config.to_dict(),
+        "run_id": run_id,
+        "optimizer": config.optimizer.get("name"),
+        "config": config.to_dict(),  # secrets redacted
     }
 
 
 def save(actors: Sequence[Any], names: Sequence[str], root: str, step: int, meta: dict[str, Any],
          keep: int) -> Path:
     """Saves checkpoint `<root>/step-<step>`: every actor writes its files, then the manifest
-    (with `meta`, the loss scaler and every file's checksum) commits it; `keep` newest stay."""
-    partial = ckpt.begin(root, step)
+    (with `meta`, the loss scaler and every file's checksum) commits it; the run's `keep` newest
+    stay. A failure at any point leaves no partial checkpoint and every complete one intact.
+
+    Raises:
+        CheckpointError: `step-<step>` is another run's complete checkpoint.
+    """
+    run_id = meta["run_id"]
+    final = location(root) / ckpt.checkpoint_name(step)
+    if ckpt.manifest_of(final) is not None:
+        owner = ckpt.run_of(final)
+        if owner != run_id:
+            raise ckpt.CheckpointError(
+                f"{final} belongs to run {owner or 'unknown (written before run ids)'}; this is run {run_id}, "
+                f"which never replaces another run's checkpoint: save to a directory of its own.")
+        if isinstance(final, StoragePath):  # the run's own step N again: the same state, already safe
+            return final
+    ckpt.clean_partials(root, run_id, but=step)  # debris of this run's saves a killed driver left
+    partial = ckpt.begin(root, step, run_id)
     try:
         # every actor takes part: under ZeRO-1 each replica holds a share of the optimizer state
         parts = gather([a.save_checkpoint.remote(address(partial)) for a in actors], "save", actors, names)
+        files = {name: entry for part in parts for name, entry in part["files"].items()}
+        return ckpt.commit(partial, files, {**meta, "loss_scaler": parts[0]["loss_scaler"]}, keep)
     except BaseException:
-        ckpt.remove(partial)
+        if isinstance(partial, StoragePath) or partial.exists():  # not yet moved into place
+            if not (isinstance(partial, StoragePath) and ckpt.manifest_of(partial) is not None):
+                ckpt.remove(partial)
         raise
-    files = {name: entry for part in parts for name, entry in part["files"].items()}
-    return ckpt.commit(partial, files, {**meta, "loss_scaler": parts[0]["loss_scaler"]}, keep)
 
 
 def load(actors: Sequence[Any], names: Sequence[str], path: str, step: int | None, num_layers: int,
-         plan: Sequence[tuple[int, int]], log: Callable[[str], None], base: Any = None) -> tuple[Path, int]:
-    """Restores a checkpoint saved by any topology into every actor.
+         plan: Sequence[tuple[int, int]], log: Callable[[str], None], base: Any = None,
+         optimizer: str | None = None) -> tuple[Path, dict[str, Any]]:
+    """Restores a checkpoint saved by any topology into every actor, all or nothing: every actor
+    checks its files' keys and shapes first, and none loads unless all fit.
 
     Returns:
-        (the checkpoint directory, the step it holds).
+        (the checkpoint directory, its trainer.json: step, run_id, ...).
 
     Raises:
-        CheckpointError: nothing valid to restore, a model of another size, or (`base`: a LoRA
-            run's base identity) adapters that belong to another base, or none where some are due.
+        CheckpointError: nothing valid to restore, a model of another size or shape, or (`base`: a
+            LoRA run's base identity) adapters that belong to another base, or none where some are due.
     """
     if step is not None:
         where, meta = ckpt.find_valid(path, step=step, warn=log)
@@ -67,10 +90,50 @@ def load(actors: Sequence[Any], names: Sequence[str], path: str, step: int | Non
             f"checkpoint holds adapters only, which fit only the base they were trained on (and a full "
             f"checkpoint does not load into a LoRA run). Load it with that base model and TrainConfig.lora."
         )
+    problems = sorted({p for found in gather([a.check_checkpoint.remote(address(where)) for a in actors],
+                                             "load check", actors, names) for p in found})
+    if problems:
+        raise ckpt.CheckpointError(
+            f"{where} does not fit this model, nothing was loaded (the trainer keeps its weights): "
+            f"{'; '.join(problems[:6])}{f'; and {len(problems) - 6} more' if len(problems) > 6 else ''}")
+    saved_with = meta.get("optimizer", (meta.get("config") or {}).get("optimizer", {}).get("name"))
+    same_optimizer = saved_with is None or optimizer is None or saved_with == optimizer
+    if not same_optimizer:
+        log(f"raypipe: {where} holds {saved_with} optimizer state; this run uses {optimizer}: its weights are "
+            f"loaded and the optimizer starts afresh")
     same_split = meta["plan"] == [list(r) for r in plan]
-    gather([a.load_checkpoint.remote(address(where), meta["loss_scaler"], same_split) for a in actors],
+    gather([a.load_checkpoint.remote(address(where), meta["loss_scaler"], same_split, same_optimizer) for a in actors],
            "load", actors, names)
-    return where, meta["step"]
+    return where, meta
+
+
+def set_aside_future(checkpoint_dir: str | None, run_id: str, step: int, log: Callable[[str], None]) -> None:
+    """After a run is resumed at `step`: its checkpoints in `checkpoint_dir` after that step (a
+    future now abandoned) move under `set-aside/`, where no recovery restores them."""
+    moved = ckpt.set_aside(checkpoint_dir, run_id, step) if checkpoint_dir is not None else []
+    if moved:
+        log(f"raypipe: resumed at step {step}; set aside the run's later checkpoints {', '.join(moved)} "
+            f"under set-aside/ (not restored, not deleted)")
+
+
+def check_new_run(root: str | None, resume: bool | int) -> None:
+    """Before any actor starts: a new run (not `resume`) refuses a checkpoint_dir holding another
+    run's complete checkpoints, which it would mix with its own.
+
+    Raises:
+        CheckpointError: naming the run found there, its newest step, and the two fixes.
+    """
+    if root is None or resume is not False:
+        return
+    runs = ckpt.runs_in(root)
+    if runs:
+        run_id, newest = max(runs.items(), key=lambda r: r[1])
+        others = f" (and {len(runs) - 1} other runs)" if len(runs) > 1 else ""
+        raise ckpt.CheckpointError(
+            f"checkpoint_dir {redact(root)} holds run {run_id}'s checkpoints up to step {newest}{others}. A new run "
+            f"there would mix its checkpoints with them: give this run a checkpoint_dir of its own, or continue "
+            f"that run with TrainConfig(resume=True) (raypipe train --resume; resume=N or --resume-step N for "
+            f"step N). Nothing was started.")
 
 
 def check_reachable(actors: Sequence[Any], names: Sequence[str], root: str) -> None:
@@ -89,7 +152,8 @@ def check_reachable(actors: Sequence[Any], names: Sequence[str], root: str) -> N
     try:
         ckpt.write_atomic(marker, token.encode())
     except OSError as error:
-        raise ckpt.CheckpointError(f"the driver cannot write to checkpoint_dir {root}: {error}") from None
+        raise ckpt.CheckpointError(f"the driver cannot write to checkpoint_dir {redact(root)}: "
+                                   f"{scrub(str(error), root)}") from None
     try:
         seen = gather([a.read_text.remote(address(marker)) for a in actors], "checkpoint_dir check", actors, names)
     finally:
@@ -100,7 +164,7 @@ def check_reachable(actors: Sequence[Any], names: Sequence[str], root: str) -> N
         who = ", ".join(f"{name} (node {info['node_id'][:12]})" for (_, name), info in zip(blind, infos))
         here = ray.get_runtime_context().get_node_id()[:12]
         raise ckpt.CheckpointError(
-            f"{who} cannot read checkpoint_dir {root}, which the driver (node {here}) writes to: nodes that do not share a filesystem need one mounted at the same path on every node, or "
+            f"{who} cannot read checkpoint_dir {redact(root)}, which the driver (node {here}) writes to: nodes that do not share a filesystem need one mounted at the same path on every node, or "
             f"checkpoint_dir a URI of storage every node reaches (s3://bucket/run, with credentials on every node). "
             f"Found before training: nothing was lost.")
 
@@ -110,11 +174,13 @@ def address(path: Any) -> str:
     return getattr(path, "uri", None) or str(path)
 
 
-def last_valid(checkpoint_dir: str | None) -> Path | None:
-    """The newest valid checkpoint under `checkpoint_dir`, or None."""
+def last_valid(checkpoint_dir: str | None, run_id: str) -> tuple[Path, int] | None:
+    """The newest valid checkpoint of run `run_id` under `checkpoint_dir` and its step, or None:
+    what a recovery restores (never another run's)."""
     if checkpoint_dir is None:
         return None
     try:
-        return ckpt.find_valid(checkpoint_dir, warn=lambda _: None)[0]
+        where, meta = ckpt.find_valid(checkpoint_dir, warn=lambda _: None, run_id=run_id)
     except ckpt.CheckpointError:
         return None
+    return where, meta["step"]

@@ -12,12 +12,15 @@ from typing import Any, Callable
 import torch
 
 from raypipe.actors.settings import stops_on_nonfinite
+from raypipe import checkpoint as ckpt
+from raypipe.checkpoint import CheckpointError
 from raypipe.errors import ActorDiedError, NonFiniteError, RaypipeError, StepTimeoutError
 from raypipe.loggers import scalars
 from raypipe.metrics import RayMetrics, step_metrics
 from raypipe.progress import Progress
 from raypipe.runtime.batches import Prepared, prepare
 from raypipe.runtime.engines import StepInput, StepTarget, Wait
+from raypipe.runtime.interrupts import Terminated, sigterm_as_interrupt
 from raypipe.runtime.recovery import recover
 
 
@@ -37,7 +40,8 @@ def submit(trainer: Any, x: torch.Tensor, y: Any, index: int, after: int | None 
     """Sends `trainer`'s step of 0-based index `index` on `(x, y)` (p2p engine) and returns while
     the actors run it; the other engines run it when it is waited for. `after`: the
     call id of the step queued before it."""
-    return send(trainer, prepare(x, y, trainer.config.dp, trainer.config.microbatches, trainer._loss_fn), index, after)
+    batch = prepare(x, y, trainer.config.dp, trainer.config.microbatches, trainer._loss_fn, trainer.model.vocab_size)
+    return send(trainer, batch, index, after)
 
 
 def send(trainer: Any, batch: Prepared, index: int, after: int | None = None) -> Submitted:
@@ -86,11 +90,46 @@ def complete(trainer: Any, submitted: Submitted) -> dict[str, Any] | None:
     if trainer._ray_metrics is None:
         trainer._ray_metrics = RayMetrics(trainer.run_name)
     trainer._ray_metrics.log(metrics, trainer.topology.lead_ranks())
-    trainer.loggers.log(trainer.step_count, scalars(metrics))
     every = trainer.config.checkpoint_every
-    if every and trainer.step_count % every == 0:
-        metrics["checkpoint"] = str(trainer.save())
+    if every and trainer.step_count % every == 0:  # before the loggers: a logger never costs a checkpoint
+        try:
+            metrics["checkpoint"] = str(trainer.save())
+        except (ActorDiedError, KeyboardInterrupt):
+            raise
+        except Exception as error:  # noqa: BLE001 - disk full, a bucket error: the step itself stands
+            raise SaveFailed(f"step {trainer.step_count}'s checkpoint could not be written: "
+                             f"{type(error).__name__}: {error}", metrics) from error
+    trainer.loggers.log(trainer.step_count, scalars(metrics))
     return metrics
+
+
+class SaveFailed(CheckpointError):
+    """A due checkpoint could not be written; the step it follows ran and counts (`metrics`)."""
+
+    def __init__(self, message: str, metrics: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.metrics = metrics
+
+
+def retry_save(trainer: Any, failure: SaveFailed, log: Callable[[str], None]) -> str:
+    """Writes the checkpoint a failed save left due, spending `max_restarts` as a step failure does.
+
+    Raises:
+        SaveFailed: the restarts are used up.
+    """
+    while trainer.restarts < trainer.config.max_restarts:
+        trainer.restarts += 1
+        log(f"raypipe: {failure}; retrying the save (restart {trainer.restarts} of {trainer.config.max_restarts})")
+        try:
+            return str(trainer.save())
+        except (ActorDiedError, KeyboardInterrupt):
+            raise
+        except Exception as error:  # noqa: BLE001
+            failure = SaveFailed(f"step {trainer.step_count}'s checkpoint could not be written: "
+                                 f"{type(error).__name__}: {error}", failure.metrics)
+    raise SaveFailed(f"{failure} -- after {trainer.restarts} restarts (TrainConfig.max_restarts="
+                     f"{trainer.config.max_restarts}); the weights of step {trainer.step_count} are intact in "
+                     f"the actors: free the space and call Trainer.save()", failure.metrics) from None
 
 
 def fit(trainer: Any, feed: Any, steps: int, on_step: Callable[[dict[str, Any]], None] | None,
@@ -101,34 +140,67 @@ def fit(trainer: Any, feed: Any, steps: int, on_step: Callable[[dict[str, Any]],
     history = []
     queue: list[Submitted] = []  # submitted, not yet booked; the first is the oldest
     restored = trainer.step_count  # the oldest step a recovery may replay from (the last checkpoint)
+    stopped_by: BaseException | None = None
     try:
-        while trainer.step_count < steps:
-            if not queue:
-                queue.append(send(trainer, feed.get(trainer.step_count), trainer.step_count))
-            ahead, every = trainer.step_count + len(queue), trainer.config.checkpoint_every
-            if overlap and ahead < steps and not (every and ahead % every == 0):
-                queue.append(send(trainer, feed.get(ahead), ahead, after=queue[-1].call_id))
-            try:
-                metrics = complete(trainer, queue[0])
-                queue.pop(0)
-            except ActorDiedError as error:
-                queue.clear()  # their calls end with the actors being replaced
-                recover(trainer, error, log)
-                bar.moved_to(trainer.step_count)
-                continue
-            if metrics is None:
-                raise RaypipeError(f"step {trainer.step_count + 1} was halted by the actors, but the step "
-                                   f"before it succeeded: please report this as a raypipe bug")
-            if "checkpoint" in metrics:
-                restored = metrics["step"]
-            feed.kept_from(restored if trainer.config.max_restarts else trainer.step_count)
-            history.append(metrics)
-            bar.update(metrics)
-            if on_step is not None:
-                on_step(metrics)
+        with sigterm_as_interrupt():
+            while trainer.step_count < steps:
+                if not queue:
+                    queue.append(send(trainer, feed.get(trainer.step_count), trainer.step_count))
+                ahead, every = trainer.step_count + len(queue), trainer.config.checkpoint_every
+                if overlap and ahead < steps and not (every and ahead % every == 0):
+                    queue.append(send(trainer, feed.get(ahead), ahead, after=queue[-1].call_id))
+                try:
+                    metrics = complete(trainer, queue[0])
+                    queue.pop(0)
+                except ActorDiedError as error:
+                    queue.clear()  # their calls end with the actors being replaced
+                    recover(trainer, error, log)
+                    bar.moved_to(trainer.step_count)
+                    continue
+                except SaveFailed as failure:
+                    queue.pop(0)
+                    metrics = failure.metrics
+                    metrics["checkpoint"] = retry_save(trainer, failure, log)
+                    trainer.loggers.log(trainer.step_count, scalars(metrics))
+                if metrics is None:
+                    raise RaypipeError(f"step {trainer.step_count + 1} was halted by the actors, but the step "
+                                       f"before it succeeded: please report this as a raypipe bug")
+                if "checkpoint" in metrics:
+                    restored = metrics["step"]
+                feed.kept_from(restored if trainer.config.max_restarts else trainer.step_count)
+                history.append(metrics)
+                bar.update(metrics)
+                if on_step is not None:
+                    on_step(metrics)
+    except BaseException as error:
+        stopped_by = error
+        raise
     finally:
         settle(trainer, queue)
+        trainer.loggers.ended(stopped_by)
+        if isinstance(stopped_by, KeyboardInterrupt):
+            interrupted(trainer, stopped_by, log)
     return history
+
+
+def interrupted(trainer: Any, error: KeyboardInterrupt, log: Callable[[str], None]) -> None:
+    """After Ctrl-C or SIGTERM stopped `fit` (its queued steps booked): a checkpoint of the last
+    completed step where checkpoint_dir is set; on SIGTERM the trainer shuts down (its loggers
+    closed as KILLED, its placement group released) since the process is being stopped. A Ctrl-C
+    keeps the actors: a notebook goes on from here."""
+    cause = "SIGTERM" if isinstance(error, Terminated) else "an interrupt"
+    root = trainer.config.checkpoint_dir
+    done = ckpt.location(root) / ckpt.checkpoint_name(trainer.step_count) if root is not None else None
+    if done is not None and ckpt.manifest_of(done) is not None and ckpt.run_of(done) == trainer.run_id:
+        log(f"raypipe: stopped by {cause} after step {trainer.step_count}, whose checkpoint {done} is complete")
+    elif root is not None and trainer._actors and trainer.step_count > 0:
+        try:
+            log(f"raypipe: stopped by {cause} after step {trainer.step_count}; saved {trainer.save()}")
+        except BaseException as failure:  # noqa: BLE001 - the interrupt is what fit re-raises
+            log(f"raypipe: stopped by {cause} after step {trainer.step_count}; its checkpoint could not be "
+                f"written: {type(failure).__name__}: {failure}")
+    if isinstance(error, Terminated):
+        trainer.shutdown()
 
 
 def settle(trainer: Any, queue: list[Submitted]) -> None:

@@ -56,7 +56,11 @@ def reserve(bundles: Sequence[tuple[dict[str, float], dict[str, str]]], strategy
     selectors = [s for _, s in bundles]
     group = placement_group([b for b, _ in bundles], strategy=STRATEGIES[strategy], name=name,
                             bundle_label_selector=selectors if any(selectors) else None)
-    ready, _ = ray.wait([group.ready()], timeout=timeout)
+    try:
+        ready, _ = ray.wait([group.ready()], timeout=timeout)
+    except BaseException:  # Ctrl-C or SIGTERM while waiting: a pending group would take the resources later
+        remove_placement_group(group)
+        raise
     if not ready:
         remove_placement_group(group)
         held = others()

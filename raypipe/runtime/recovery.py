@@ -23,10 +23,10 @@ def recover(trainer: Any, error: ActorDiedError, log: Callable[[str], None]) -> 
     """
     config = trainer.config
     if trainer.restarts >= config.max_restarts:
-        where = last_valid(config.checkpoint_dir)
+        where = restore_point(trainer)
         raise ActorDiedError(
             f"{error} -- after {trainer.restarts} restarts (TrainConfig.max_restarts="
-            f"{config.max_restarts}); last checkpoint: {where or 'none'}",
+            f"{config.max_restarts}); last checkpoint: {where[0] if where else 'none'}",
             actor=error.actor, cause=error.cause,
         ) from None
     trainer.restarts += 1
@@ -44,10 +44,18 @@ def recover(trainer: Any, error: ActorDiedError, log: Callable[[str], None]) -> 
             raise
         raise PlacementError(f"{error.actor} died with its node ({nodes.describe(placed, gone)}), and no node "
                              f"left can take its place: {failure}") from None
-    where = last_valid(config.checkpoint_dir)
+    where = restore_point(trainer)
     if where is not None:
-        trainer.load(where, log=log)
+        trainer.load(where[0], log=log)
     else:
         trainer.step_count = 0  # new actors start from the initial weights
-    log(f"raypipe: resumed at step {trainer.step_count} from {where or 'the initial weights'} "
+    log(f"raypipe: resumed at step {trainer.step_count} from {where[0] if where else 'the initial weights'} "
         f"in {time.monotonic() - started:.1f} s")
+
+
+def restore_point(trainer: Any) -> tuple[Any, int] | None:
+    """What a recovery restores: the newest of the run's own valid checkpoints in checkpoint_dir and
+    the checkpoint the trainer was last loaded from (a resume from elsewhere), or None (the initial
+    weights). Never another run's checkpoint, whatever its step."""
+    found = [p for p in (last_valid(trainer.config.checkpoint_dir, trainer.run_id), trainer.restored_from) if p]
+    return max(found, key=lambda p: p[1]) if found else None

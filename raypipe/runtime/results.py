@@ -10,6 +10,7 @@ from typing import Any, Sequence
 
 import ray
 
+from raypipe.env import call_timeout
 from raypipe.errors import ActorDiedError, StageError, StepTimeoutError
 
 PEER_STOPPED = "stopped: world rank"  # how run_actions words a failure caused by a neighbour's
@@ -31,15 +32,30 @@ def root_failure(errors: Sequence[Exception]) -> Exception:
 
 
 def gather(
-    refs: Sequence[ray.ObjectRef], what: str, actors: Sequence[Any] = (), names: Sequence[str] = ()
+    refs: Sequence[ray.ObjectRef], what: str, actors: Sequence[Any] = (), names: Sequence[str] = (),
+    timeout: float | None = None,
 ) -> list[Any]:
     """ray.get that turns actor-side failures into a StageError carrying the stage's own message.
 
     A dead actor becomes an ActorDiedError naming it (from `actors` and `names`) and
-    Ray's account of why it died.
+    Ray's account of why it died; a call still running after `timeout` seconds (a hung mount, a
+    stalled bucket) a StepTimeoutError naming the actors still at it and the operation.
     """
+    refs = list(refs)
+    timeout = call_timeout() if timeout is None else timeout
     try:
-        return ray.get(list(refs))
+        return ray.get(refs, timeout=timeout)
+    except ray.exceptions.GetTimeoutError:
+        _, pending = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
+        late = set(pending)
+        who = [n for r, n in zip(refs, names or [f"call {i}" for i in range(len(refs))]) if r in late]
+        for ref in pending:
+            ray.cancel(ref, force=False)
+        raise StepTimeoutError(
+            f"{what} did not finish within {timeout:.0f} s (RAYPIPE_CALL_TIMEOUT): still waiting on "
+            f"{', '.join(who[:8])}{' ...' if len(who) > 8 else ''}. A hung filesystem or bucket, or a stuck "
+            f"actor: check it, then build a new Trainer (or raise RAYPIPE_CALL_TIMEOUT)."
+        ) from None
     except StageError as error:  # raised by an actor; Ray re-raises it as this type
         raise StageError(cause_message(error)) from None
     except ray.exceptions.RayActorError as error:

@@ -63,9 +63,17 @@ def load_into(actors: Sequence[Any], state: dict[str, torch.Tensor], plan: Seque
             f"load_state_dict: keys {stray[:5]} name no layer of this {layers}-layer "
             f"model; keys look like '<layer index>.<parameter>', as state_dict() gives them."
         )
+    import ray
+
+    refs = [ray.put(part) for part in parts]  # sent once, read by the check and the load
+    per_actor = [refs[(i // tp) % len(plan)] for i in range(len(actors))]
+    problems = sorted({p for found in gather([a.check_state_dict.remote(r) for a, r in zip(actors, per_actor)],
+                                             "load_state_dict check", actors) for p in found})
+    if problems:  # all or nothing: no actor has changed a weight yet
+        raise KeyError(f"load_state_dict: the weights do not fit this model, nothing was loaded: "
+                       f"{'; '.join(problems[:8])}{f'; and {len(problems) - 8} more' if len(problems) > 8 else ''}")
     try:
-        gather([a.load_state_dict.remote(parts[(i // tp) % len(plan)]) for i, a in enumerate(actors)],
-               "load_state_dict")
+        gather([a.load_state_dict.remote(r) for a, r in zip(actors, per_actor)], "load_state_dict")
     except StageError as error:
         raise KeyError(str(error)) from None
 

@@ -1,0 +1,35 @@
+"""What stops a `fit` from outside: SIGTERM (`ray job stop`, a preempted node, a batch scheduler)
+becomes an interrupt in the driver's main thread while `fit` runs, so one path handles it and
+Ctrl-C (a terminal, a notebook's stop button): the queued steps are booked, a checkpoint is
+written at the last completed step, and the loggers mark the run KILLED."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from contextlib import contextmanager
+from typing import Iterator
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM arrived while `fit` ran: the process is being stopped, so the trainer shuts down."""
+
+
+@contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Within the block, SIGTERM raises `Terminated` in the main thread (elsewhere: unchanged, since
+    only the main thread may set handlers). The previous handler is back on leaving, so a second
+    SIGTERM during the clean-up after the block ends the process as it would have."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        raise Terminated(f"signal {signal.Signals(signum).name}")
+
+    previous = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
