@@ -93,6 +93,9 @@ class Peer:
         """Whether the held tensors still hold what they did when taken."""
         return all(torch.equal(t, copy) for t, copy in self.held)
 
+    def pid(self):
+        return os.getpid()
+
     def shm_files(self):
         """Files of this process's links still in the shared-memory directory."""
         from raypipe.runtime.transport import shm
@@ -114,6 +117,26 @@ def peers(ray_session, request):
     sender, receiver, linked = connect(request.param)
     assert linked == ([[1], [0]] if request.param == "shm" else [[], []])
     yield sender, receiver
+    for actor in (sender, receiver):
+        ray.kill(actor)
+
+
+def test_a_message_whose_receiver_died_leaves_no_file_past_the_next_world_on_the_node(ray_session):
+    """A killed actor runs no clean-up: the file a sender made for a receiver that died before
+    mapping it outlives both. Every name carries its maker's pid, and the next world that
+    connects on the node sweeps what dead processes left (a live process's files stay)."""
+    from raypipe.runtime.transport.pipes import directory
+
+    sender, receiver, _ = connect("shm")
+    pid = ray.get(sender.pid.remote(), timeout=30)
+    ray.get(sender.send.remote([torch.ones(4)], [0]), timeout=30)  # announced, never taken
+    ray.kill(receiver)
+    ray.kill(sender)
+    left = [f for f in os.listdir(directory()) if f".pid{pid}." in f]
+    assert len(left) == 1 and left[0].endswith(".data"), left
+    sender, receiver, _ = connect("shm")
+    assert not [f for f in os.listdir(directory()) if f".pid{pid}." in f]
+    assert ray.get(sender.shm_files.remote(), timeout=30) == []  # the new pipes: opened, unlinked
     for actor in (sender, receiver):
         ray.kill(actor)
 

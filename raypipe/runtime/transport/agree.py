@@ -25,7 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from raypipe.runtime.transport.pipes import directory, poller, wait_alive
+from raypipe.runtime.transport.pipes import owned, poller, sweep_stale, wait_alive
+from raypipe.runtime.transport.pipes import prefix as link_prefix
 
 VALUES = 3  # numbers each rank contributes
 RECORD = struct.Struct(f"<2q{VALUES}d")  # rank, round, values: written atomically (< PIPE_BUF)
@@ -48,8 +49,9 @@ def connect(rank: int, timeout: float, enabled: bool = True) -> bool:
     dist.all_gather_object(everyone, (node, os.getpid(), uuid.uuid4().hex[:16], enabled))
     if not all(e[3] and e[0] == node for e in everyone):
         return False
-    prefix = os.path.join(directory(), f"raypipe-agree-{everyone[0][2]}")
-    own = f"{prefix}-{rank}.pipe"
+    sweep_stale(node)
+    prefix = link_prefix("agree", node, everyone[0][2])
+    own = owned(f"{prefix}-{rank}.pipe", os.getpid())
     fds: dict[int, int] = {}
     try:
         os.mkfifo(own, 0o600)
@@ -61,7 +63,7 @@ def connect(rank: int, timeout: float, enabled: bool = True) -> bool:
     if ok:
         try:  # O_RDWR: opening never waits for the other end, and a write never fails for lack of a reader
             for r in range(size):
-                fds[r] = os.open(own if r == rank else f"{prefix}-{r}.pipe", os.O_RDWR | os.O_NONBLOCK)
+                fds[r] = os.open(own if r == rank else owned(f"{prefix}-{r}.pipe", everyone[r][1]), os.O_RDWR | os.O_NONBLOCK)
         except OSError:
             ok = False
     votes: list[Any] = [None] * size

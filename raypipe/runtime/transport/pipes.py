@@ -7,6 +7,7 @@ closing agreement among every rank)."""
 from __future__ import annotations
 
 import os
+import re
 import select
 import tempfile
 import time
@@ -41,3 +42,45 @@ def poller(fd: int, event: int) -> select.poll:
 def directory() -> str:
     """/dev/shm where it exists (Linux); the temporary directory otherwise (macOS)."""
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def owned(path: str, pid: int) -> str:
+    """`path` (`<prefix>-....pipe` or `.data`) marked with the pid of the process that makes it,
+    so that a later sweep can tell whose it was."""
+    stem, dot, suffix = path.rpartition(".")
+    return f"{stem}.pid{pid}.{suffix}"
+
+
+def prefix(kind: str, node_id: str, world: str) -> str:
+    """The start of every file name of one world's links on this node: `raypipe-<kind>-<node>-<world>`.
+    The node's Ray id keeps a sweep to files of this node's processes (one pid namespace)."""
+    return os.path.join(directory(), f"raypipe-{kind}-{node_id[:12]}-{world}")
+
+
+_OWNED = re.compile(r"^raypipe-\w+-([0-9a-f]{12})-\w+-.*\.pid(\d+)\.(?:pipe|data)$")
+
+
+def sweep_stale(node_id: str) -> list[str]:
+    """Deletes the pipes and shared-memory files this node's raypipe processes made and left when
+    they died (a SIGKILLed or Ray-killed actor runs no clean-up; a receiver that died before it
+    mapped a file never unlinked it). A live process's files stay. Returns the names deleted."""
+    removed = []
+    for name in os.listdir(directory()):
+        match = _OWNED.match(name)
+        if match and match.group(1) == node_id[:12] and not alive(int(match.group(2))):
+            try:
+                os.unlink(os.path.join(directory(), name))
+                removed.append(name)
+            except OSError:  # another sweep was first
+                pass
+    return removed
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True

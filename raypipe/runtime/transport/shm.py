@@ -18,7 +18,9 @@ receiver may still hold a view of (a step ends with an all-reduce every actor jo
 a receiver is at most one step behind). The file is kept while the shape stays, and
 replaced (the next generation) when the layout or count changes; the receiver
 unlinks each file as soon as it has mapped it, and the pipes are unlinked once both ends
-have opened them, so a killed actor leaves nothing behind in /dev/shm.
+have opened them. Every name carries its maker's pid: a sender unlinks at `close` the files
+no receiver mapped, and each new world sweeps away what dead processes of its node left
+(`pipes.sweep_stale`: a killed actor runs no clean-up), so nothing outlives its trainer for long.
 
 Fallback. A stream whose slots would not fit (`MAX_STREAM_BYTES`, or /dev/shm full, as
 in a container with a 64 MB /dev/shm) goes over gloo for that step: its first record
@@ -41,7 +43,8 @@ import torch
 import torch.distributed as dist
 
 from raypipe.runtime.transport.gloo import GlooInbox, GlooOutbox
-from raypipe.runtime.transport.pipes import directory, poller, wait_alive
+from raypipe.runtime.transport.pipes import directory, owned, poller, sweep_stale, wait_alive
+from raypipe.runtime.transport.pipes import prefix as link_prefix
 from raypipe.runtime.transport.stream import HEADER_BYTES, POISON, PeerFailed, check_like, header, read_header
 from raypipe.runtime.transport.tree import Layout, flatten
 
@@ -72,12 +75,13 @@ def connect(rank: int, neighbours: Sequence[int], timeout: float, enabled: bool 
     node = ray.get_runtime_context().get_node_id()
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (node, os.getpid(), uuid.uuid4().hex[:16], sorted(neighbours) if enabled else []))
-    prefix = os.path.join(directory(), f"raypipe-{everyone[0][2]}")
+    sweep_stale(node)  # what dead actors of earlier trainers left on this node
+    prefix = link_prefix("shm", node, everyone[0][2])
     local = [n for n in neighbours if enabled and everyone[n][0] == node and rank in everyone[n][3]]
     made = []
     for n in local:  # each end makes the pipe it writes to
         try:
-            os.mkfifo(_pipe(prefix, rank, n), 0o600)
+            os.mkfifo(_pipe(prefix, rank, n, os.getpid()), 0o600)
             made.append(n)
         except OSError:
             pass
@@ -86,8 +90,8 @@ def connect(rank: int, neighbours: Sequence[int], timeout: float, enabled: bool 
     for n in made:
         fds = []
         try:  # O_RDWR: opening never waits for the other end, and a write never fails for lack of a reader
-            fds.append(os.open(_pipe(prefix, n, rank), os.O_RDWR | os.O_NONBLOCK))
-            fds.append(os.open(_pipe(prefix, rank, n), os.O_RDWR | os.O_NONBLOCK))
+            fds.append(os.open(_pipe(prefix, n, rank, everyone[n][1]), os.O_RDWR | os.O_NONBLOCK))
+            fds.append(os.open(_pipe(prefix, rank, n, os.getpid()), os.O_RDWR | os.O_NONBLOCK))
             opened[n] = (fds[0], fds[1])
         except OSError:
             for fd in fds:
@@ -95,7 +99,7 @@ def connect(rank: int, neighbours: Sequence[int], timeout: float, enabled: bool 
     agreed: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(agreed, sorted(opened))  # also: every end has opened its pipes by now
     for n in made:
-        os.unlink(_pipe(prefix, rank, n))
+        os.unlink(_pipe(prefix, rank, n, os.getpid()))
     for n, (reader, writer) in opened.items():
         if rank in agreed[n]:
             _links[n] = Link(rank, n, everyone[n][1], reader, writer, prefix, timeout)
@@ -133,6 +137,7 @@ class Link:
         self.channels: dict[int, Channel] = {}
         # receiving side: the newest files mapped (one per channel the sender uses), their slots as views
         self.mapped: dict[int, tuple[Layout, list]] = {}
+        self.made: set[str] = set()  # the data files this end made
 
     # ----- sending --------------------------------------------------------------
 
@@ -153,7 +158,7 @@ class Link:
         size = FILE_HEADER + 2 * count * slot_bytes
         if size > MAX_STREAM_BYTES:
             return False
-        path = _data(self.prefix, self.rank, self.peer, self.generation + 1)
+        path = _data(self.prefix, self.rank, self.peer, self.generation + 1, os.getpid())
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         except OSError:
@@ -169,6 +174,7 @@ class Link:
             return False
         finally:
             os.close(fd)
+        self.made.add(path)  # unlinked by the receiver when it maps it; by `close` if it never does
         out = torch.frombuffer(mapped, dtype=torch.uint8)
         out[:FILE_HEADER].copy_(header(layout))
         self.generation += 1
@@ -223,7 +229,7 @@ class Link:
     def view(self, generation: int, slot: int) -> Any:
         """The value in `slot` of the neighbour's file `generation`, as views (no copy)."""
         if generation not in self.mapped:
-            path = _data(self.prefix, self.peer, self.rank, generation)
+            path = _data(self.prefix, self.peer, self.rank, generation, self.peer_pid)
             with open(path, "r+b") as f:
                 mapped = mmap.mmap(f.fileno(), 0)
             os.unlink(path)  # the sender made it before announcing it; nobody opens it again
@@ -249,7 +255,12 @@ class Link:
                 os.close(fd)
             except OSError:
                 pass
-        self.channels, self.mapped = {}, {}
+        for path in self.made:  # files a receiver never mapped (it died first, or the stream changed)
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        self.channels, self.mapped, self.made = {}, {}, set()
 
 
 class Channel:
@@ -354,9 +365,9 @@ def _slot_bytes(nbytes: int) -> int:
     return max(SLOT_ALIGN, -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN)
 
 
-def _pipe(prefix: str, src: int, dst: int) -> str:
-    return f"{prefix}-{src}-{dst}.pipe"
+def _pipe(prefix: str, src: int, dst: int, pid: int) -> str:
+    return owned(f"{prefix}-{src}-{dst}.pipe", pid)
 
 
-def _data(prefix: str, src: int, dst: int, generation: int) -> str:
-    return f"{prefix}-{src}-{dst}-{generation}.data"
+def _data(prefix: str, src: int, dst: int, generation: int, pid: int) -> str:
+    return owned(f"{prefix}-{src}-{dst}-{generation}.data", pid)
