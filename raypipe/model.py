@@ -32,6 +32,8 @@ class Model:
         exporter: writes the model in another library's format (`Trainer.save_pretrained`).
         shard_plan: the stages' [start, end) layer ranges the model was split into (its
             split points), used when `TrainConfig.shard_plan` is not set.
+        vocab_size: the token ids the first layer embeds, [0, vocab_size), checked on the driver
+            before a step runs; found from the first layer when None (`token_vocab`).
     """
 
     layers: Sequence[LayerSpec]
@@ -40,6 +42,7 @@ class Model:
     kv_cache: bool = False
     exporter: Any = None
     shard_plan: list[list[int]] | None = None
+    vocab_size: int | None = None
 
     def identity(self) -> dict[str, Any]:
         """What identifies the model's weights before training (the base a LoRA run's adapters
@@ -92,6 +95,8 @@ def resolve(layers: Any, loss_fn: Any, config: Any) -> tuple[Model, Callable, li
     specs = [as_spec(layer, i) for i, layer in enumerate(model.layers)]
     if not specs:
         raise ConfigError("the model has no layers: pass at least one LayerSpec.")
+    if model.vocab_size is None:
+        model.vocab_size = token_vocab(specs[0])
     if model.shard_plan is not None and config.shard_plan is None:
         if len(model.shard_plan) != config.pp:
             raise ConfigError(
@@ -110,3 +115,22 @@ def tied_stages(tied: Sequence[Sequence[str]], plan: Sequence[Sequence[tuple[int
         return next(s for s, ranges in enumerate(plan) for start, end in ranges if start <= layer < end)
 
     return [sorted({stage_of(k) for k in group}) for group in tied]
+
+
+def token_vocab(first: LayerSpec) -> int | None:
+    """The vocabulary a first layer embeds token ids from: an `nn.Embedding` spec's size, or the
+    `vocab_size` of the config an embedding layer (a class named `...Embedding`, as the reference
+    GPT's) is built from; None for a layer that takes anything else (transformers' models say
+    theirs: `raypipe.models.hf`)."""
+    from torch import nn
+
+    if first.factory is nn.Embedding:
+        size = first.args[0] if first.args else first.kwargs.get("num_embeddings")
+        return size if isinstance(size, int) else None
+    if not getattr(first.factory, "__name__", "").endswith("Embedding"):
+        return None
+    for arg in (*first.args, *first.kwargs.values()):
+        size = getattr(arg, "vocab_size", None)
+        if isinstance(size, int) and not isinstance(size, bool):
+            return size
+    return None

@@ -226,3 +226,27 @@ def test_tensor_parallelism_without_a_plan_is_refused_naming_the_layer(ray_sessi
     with pytest.raises(ConfigError, match=r"layer 1 \(LayerSpec\(build, 'decoder', gpt2\(hidden_size=16.*no "
                                           r"base_model_tp_plan .* use tp=1"):
         Trainer(hf.from_pretrained(directory), config=TrainConfig(pp=1, tp=2, **CONFIG))
+
+
+def test_a_malformed_or_truncated_model_directory_is_named_before_any_actor_starts(tmp_path):
+    """Bad model files are a ConfigError naming the file, from the driver: not a traceback in an actor."""
+    import shutil
+
+    good = save_tiny("llama", str(tmp_path / "good"))
+    assert hf.from_pretrained(good).vocab_size == VOCAB  # the driver checks token ids against it
+    broken = tmp_path / "config"
+    shutil.copytree(good, broken)
+    (broken / "config.json").write_text('{"model_type": "llama", "hidden_size": ')
+    with pytest.raises(ConfigError, match=r"config.json cannot be read as a transformers config"):
+        hf.from_pretrained(str(broken))
+    truncated = tmp_path / "truncated"
+    shutil.copytree(good, truncated)
+    weights_file = truncated / "model.safetensors"
+    weights_file.write_bytes(weights_file.read_bytes()[:-100])
+    with pytest.raises(ConfigError, match=r"model.safetensors is truncated: its header promises \d+ bytes"):
+        hf.from_pretrained(str(truncated))
+    garbage = tmp_path / "garbage"
+    shutil.copytree(good, garbage)
+    (garbage / "model.safetensors").write_bytes(b"\xff" * 64)
+    with pytest.raises(ConfigError, match=r"model.safetensors is not a readable safetensors file"):
+        hf.from_pretrained(str(garbage))

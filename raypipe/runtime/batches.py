@@ -14,6 +14,35 @@ import torch.utils._pytree as pytree
 from raypipe.errors import BatchError
 
 
+def check_token_ids(x: Any, vocab: int | None) -> None:
+    """Refuses token ids a model cannot embed, before any stage runs: `x` (a tensor, the first of a
+    tuple, `x["input_ids"]`, or each microbatch of a list) must hold integers in [0, vocab).
+
+    Raises:
+        BatchError: naming the tensor, its dtype or the first id out of range and where it is.
+    """
+    if vocab is None:
+        return
+    if isinstance(x, list):
+        for i, part in enumerate(x):
+            check_token_ids(part, vocab) if not torch.is_tensor(part) else _check_ids(part, f"x[{i}]", vocab)
+        return
+    name, ids = ("x['input_ids']", x.get("input_ids")) if isinstance(x, dict) else \
+        ("x[0]", x[0]) if isinstance(x, tuple) and x else ("x", x)
+    if torch.is_tensor(ids):
+        _check_ids(ids, name, vocab)
+
+
+def _check_ids(ids: torch.Tensor, name: str, vocab: int) -> None:
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise BatchError(f"{name} is a {ids.dtype} tensor, but the model's first layer embeds token ids from a "
+                         f"vocabulary of {vocab}: give integer ids (torch.long).")
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        bad = ((ids < 0) | (ids >= vocab)).nonzero()[0].tolist()
+        raise BatchError(f"{name}{bad} = {int(ids[tuple(bad)])} is not a token id of the model's vocabulary of "
+                         f"{vocab} (ids 0..{vocab - 1}): nothing was run. Check the tokenizer matches the model.")
+
+
 def split_batch(x: Any, y: Any, parts: int, dp: int, microbatches: int) -> tuple[list[Any], list[Any]]:
     """Splits `(x, y)` into `parts` equal chunks along dim 0; `y=None` (inference) takes any
     split that divides the batch.
@@ -139,8 +168,10 @@ class Prepared:
     packed: list[tuple[Any, Any]] | None = None
 
 
-def prepare(x: Any, y: Any, dp: int, microbatches: int, loss_fn: Any) -> Prepared:
-    """Cuts a batch `(x, y)` into dp replicas x `microbatches` parts (`split_batch`)."""
+def prepare(x: Any, y: Any, dp: int, microbatches: int, loss_fn: Any, vocab: int | None = None) -> Prepared:
+    """Cuts a batch `(x, y)` into dp replicas x `microbatches` parts (`split_batch`), its token ids
+    checked against `vocab` first (`check_token_ids`)."""
+    check_token_ids(x, vocab)
     inputs, targets = split_batch(x, y, dp * microbatches, dp, microbatches)
     per_replica = [targets[d * microbatches:(d + 1) * microbatches] for d in range(dp)]
     samples, tokens = samples_and_tokens(inputs)

@@ -40,6 +40,41 @@ def files_by_key(directory: str) -> dict[str, str]:
         return {key: single for key in f.keys()}
 
 
+def check_files(directory: str) -> None:
+    """Every safetensors file of a model directory is whole: its header parses and its tensors'
+    bytes are all there. Read from the headers alone, on the driver, before any actor starts.
+
+    Raises:
+        ConfigError: naming the first malformed or truncated file (or a malformed index).
+    """
+    from raypipe.errors import ConfigError
+
+    index = os.path.join(directory, INDEX)
+    try:
+        if os.path.exists(index):
+            with open(index) as f:
+                paths = sorted({os.path.join(directory, name) for name in json.load(f)["weight_map"].values()})
+        else:
+            paths = [os.path.join(directory, SINGLE)] if os.path.exists(os.path.join(directory, SINGLE)) else []
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise ConfigError(f"{index} is malformed ({type(error).__name__}: {error}): save the model again") from None
+    for path in paths:
+        try:
+            size = os.path.getsize(path)
+            with open(path, "rb") as f:
+                length = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(length)) if 0 < length <= size - 8 else None
+            if not isinstance(header, dict):
+                raise ValueError("no safetensors header")
+            end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+        except (OSError, ValueError, KeyError, TypeError, IndexError) as error:
+            raise ConfigError(f"{path} is not a readable safetensors file ({type(error).__name__}: {error}): "
+                              f"save the model again") from None
+        if 8 + length + end > size:
+            raise ConfigError(f"{path} is truncated: its header promises {8 + length + end} bytes, the file has "
+                              f"{size}. Copy or save the model again.")
+
+
 def read(directory: str, keys: Iterable[str]) -> dict[str, torch.Tensor]:
     """The tensors under `keys`, read from their files and nothing else (`last_read` says what).
 
