@@ -59,3 +59,14 @@ def test_every_host_gets_the_token_and_the_head_runs_the_autoscaler_that_starts_
     assert any("export RAY_AUTH_MODE=token' >> ~/.bashrc" in c for c in config["setup_commands"])
     assert "export RAY_enable_autoscaler_v2=0;" in config["head_start_ray_commands"][-1]
     assert config["min_workers"] == config["max_workers"] == len(config["provider"]["worker_ips"])
+
+
+@pytest.mark.parametrize("path", ["cluster.yaml", "examples/clusters/aws-nvidia-amd.yaml"])
+def test_every_cluster_file_carries_the_token_and_the_pinned_versions(path):
+    """Both shipped cluster files: the token on every host, token mode in every shell, and the
+    pinned versions (a node of another Ray cannot join; an unpinned torch pulls what it likes)."""
+    config = yaml.safe_load((ROOT / path).read_text())
+    assert config["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
+    assert any("export RAY_AUTH_MODE=token' >> ~/.bashrc" in c for c in config["setup_commands"])
+    installs = [c for c in config["setup_commands"] if "pip install" in c]
+    assert installs and all("-c ~/raypipe/constraints.txt" in c for c in installs)

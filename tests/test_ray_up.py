@@ -152,3 +152,17 @@ def test_the_main_job_submitted_on_the_cluster_trains_across_the_nvidia_and_amd_
     assert "data: 12 batches through Ray Data" in out  # on a cluster the job reads through Ray Data
     losses = [float(v) for v in re.findall(r"\| loss (\d+\.\d+)", out)]
     assert len(losses) >= 2 and losses[-1] < losses[0], losses
+
+
+def test_the_head_refuses_a_job_submitted_without_the_token(launched):
+    """Token authentication is on at the `ray up` head: the job API answers a request without the
+    cluster's token with 401, and runs nothing (the same request with it is what `ray job submit` makes)."""
+    probe = ("python3 -c \"import urllib.request, urllib.error, json; "
+             "req = urllib.request.Request('http://127.0.0.1:8265/api/jobs/', method='POST', "
+             "data=json.dumps({'entrypoint': 'touch /tmp/unauthenticated-job-ran'}).encode(), "
+             "headers={'Content-Type': 'application/json'})\n"
+             "try:\n    print('STATUS', urllib.request.urlopen(req, timeout=30).status)\n"
+             "except urllib.error.HTTPError as e:\n    print('STATUS', e.code)\"")
+    run = launcher(launched["work"], "exec", str(launched["config"]), probe, timeout=120)
+    statuses = re.findall(r"STATUS (\d+)", run.stdout + run.stderr)
+    assert statuses == ["401"], run.stdout[-3000:] + run.stderr[-3000:]
