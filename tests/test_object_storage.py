@@ -149,3 +149,18 @@ def test_keep_prunes_the_bucket_to_the_newest(ray_session, s3):
 def test_a_uri_that_cannot_be_opened_is_a_config_error():
     with pytest.raises(ConfigError, match="cannot be opened"):
         StoragePath("nosuchscheme://bucket/run")
+
+
+def test_a_secret_holding_slashes_opens_the_bucket_and_is_recorded_nowhere(ray_session, s3):
+    """The URI's secret holds `/`, `+`, `=` and `@` (as AWS secrets do): the actors open the bucket with
+    it, and neither trainer.json, the manifest nor the checkpoint's name shows it."""
+    secret = "wJal/rXUt+nFEMI=K7@RfiCY"
+    root = s3().replace("key:secret@", f"key:{secret}@")
+    with Trainer(MLP7, nn.functional.mse_loss, config(root, checkpoint_every=1)) as t:
+        saved = t.fit(batch, 1, log=lambda _: None)[-1]["checkpoint"]
+    assert "wJal" not in saved and "key:***@ckpt/" in saved
+    path = list_checkpoints(root)[0]
+    for name in ("trainer.json", MANIFEST):
+        text = (path / name).read_text()
+        assert "wJal" not in text and "RfiCY" not in text, name
+    assert verify(path)["step"] == 1
