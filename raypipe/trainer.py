@@ -137,7 +137,7 @@ class Trainer:
             StageError: an action failed on a stage (its message names stage and action).
             StepTimeoutError: no action finished for `config.step_timeout` seconds.
         """
-        return fitting.complete(self, fitting.submit(self, x, y, self.step_count))
+        return fitting.step(self, x, y)
 
     def fit(
         self,

@@ -16,7 +16,7 @@ import ray
 import torch
 from torch import nn
 
-from helpers import MLP7, batch
+from helpers import MLP7, Sleep, batch
 from raypipe import BatchError, ConfigError, LayerSpec, StepTimeoutError, TrainConfig, Trainer
 from raypipe.checkpoint import CheckpointError, find_valid, list_checkpoints, run_of, verify
 from raypipe.storage import StoragePath, redact, split_uri
@@ -333,3 +333,18 @@ def test_ctrl_c_while_waiting_for_resources_leaves_no_reservation(ray_session):
     assert time.monotonic() - started < 10
     groups = [g["state"] for g in ray.util.placement_group_table().values() if g["name"] == "raypipe-never-placed"]
     assert groups == ["REMOVED"], groups
+
+
+def test_an_interrupted_step_is_booked_so_the_step_count_matches_the_weights(ray_session):
+    import _thread
+    import threading
+
+    slow = MLP7[:3] + [LayerSpec(Sleep, 0.4)] + MLP7[3:]
+    with Trainer(slow, nn.functional.mse_loss, config()) as t:
+        before = t.state_dict()
+        threading.Timer(0.3, _thread.interrupt_main).start()  # while the driver waits for the step
+        with pytest.raises(KeyboardInterrupt):
+            t.step(*batch(0))
+        assert t.step_count == 1  # the actors finished the step and applied it: it counts
+        assert any(not torch.equal(before[k], v) for k, v in t.state_dict().items())
+        assert t.step(*batch(1))["step"] == 2

@@ -59,6 +59,17 @@ def send(trainer: Any, batch: Prepared, index: int, after: int | None = None) ->
                      [w for replica in weights for w in replica] if weights is not None else None)
 
 
+def step(trainer: Any, x: Any, y: Any) -> dict[str, Any] | None:
+    """`Trainer.step`: one step submitted and booked. An interrupt while it runs lets the actors
+    finish it and books it before re-raising, so `step_count` always matches the weights."""
+    submitted = submit(trainer, x, y, trainer.step_count)
+    try:
+        return complete(trainer, submitted)
+    except KeyboardInterrupt:
+        settle(trainer, [submitted])
+        raise
+
+
 def complete(trainer: Any, submitted: Submitted) -> dict[str, Any] | None:
     """Waits for a submitted step and books it on `trainer`: the step count, metrics, logs and a
     checkpoint when one is due. None when the actors halted it (a step queued behind
