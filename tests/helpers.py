@@ -246,6 +246,27 @@ class KillOnSave(nn.Module):
         return super().state_dict(*args, **kwargs)
 
 
+class FailOnSave(nn.Module):
+    """Identity whose checkpoint write fails (an OSError, as a full disk or an object store's 503
+    would raise) when its weights are saved while `flag` exists, removing it first: one actor's
+    save breaks after the others may have written their files."""
+
+    def __init__(self, flag: str) -> None:
+        super().__init__()
+        self.flag = flag
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def state_dict(self, *args, **kwargs):
+        import os
+
+        if os.path.exists(self.flag):
+            os.remove(self.flag)
+            raise OSError(f"simulated storage error writing {self.flag}")
+        return super().state_dict(*args, **kwargs)
+
+
 def flip_a_byte(path) -> None:
     """Corrupts a checkpoint file in place (a local `Path` or a `raypipe.storage.StoragePath`): one
     byte in the middle inverted, the size unchanged, so only its checksum can tell."""

@@ -16,7 +16,7 @@ import ray
 import torch
 from torch import nn
 
-from helpers import MLP7, Sleep, batch
+from helpers import MLP7, FailOnSave, Sleep, batch
 from raypipe import BatchError, ConfigError, LayerSpec, StepTimeoutError, TrainConfig, Trainer
 from raypipe.checkpoint import CheckpointError, find_valid, list_checkpoints, run_of, verify
 from raypipe.storage import StoragePath, redact, split_uri
@@ -121,9 +121,11 @@ def test_a_secret_with_every_awkward_character_is_parsed_and_never_shown():
 
     for shown in (str(cfg), json.dumps(cfg.to_dict()), json.dumps(run_params(cfg, "r", [[0, 7]]))):
         assert "wJal" not in shown and "RfiCY" not in shown and "***" in shown
-    with pytest.raises(ConfigError) as info:  # pyarrow's own error text quotes the location: scrubbed
-        StoragePath(f"s3://AKIAEXAMPLE:{SECRET}@bucket/run?scheme=gopher")
-    assert "wJal" not in str(info.value) and "RfiCY" not in str(info.value) and "AKIAEXAMPLE:***@bucket" in str(info.value)
+    with pytest.raises(ConfigError) as info:  # pyarrow's "Cannot parse URI" quotes it, secret %-escaped: scrubbed
+        StoragePath(f"s3://AKIAEXAMPLE:{SECRET}@bucket:notaport/run")
+    message = str(info.value)
+    assert "Cannot parse URI" in message and "AKIAEXAMPLE:***@bucket" in message
+    assert "wJal" not in message and "RfiCY" not in message, message
     with pytest.raises(ConfigError) as info:
         TrainConfig(checkpoint_dir=f"s3://AKIAEXAMPLE:{SECRET}@")
     assert "wJal" not in str(info.value) and "names no bucket" in str(info.value)
@@ -233,6 +235,23 @@ def test_a_full_disk_mid_save_leaves_no_debris_and_keeps_the_last_checkpoint(ray
         assert verify(root / "step-00000002")["step"] == 2
         shutil.rmtree(root / "step-00000002")  # space freed: the same trainer saves step 4
         assert t.save().name == "step-00000004" and verify(root / "step-00000004")["step"] == 4
+
+
+def test_a_failed_save_inside_fit_is_retried_within_max_restarts(ray_session, tmp_path):
+    flag, root = tmp_path / "fail-once", tmp_path / "ck"
+    layers = MLP7[:4] + [LayerSpec(FailOnSave, str(flag))] + MLP7[4:]
+    messages = []
+    with Trainer(layers, nn.functional.mse_loss, config(root, max_restarts=1)) as t:
+        def on_step(metrics):
+            if metrics["step"] == 3:
+                flag.touch()  # step 4's save fails once, in stage 1, after stage 0 wrote its files
+
+        history = t.fit(batch, 4, on_step=on_step, log=messages.append)
+        assert t.restarts == 1 and [m["step"] for m in history] == [1, 2, 3, 4]
+    assert history[-1]["checkpoint"].endswith("step-00000004")
+    assert any("retrying the save (restart 1 of 1)" in m and "simulated storage error" in m for m in messages)
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000002", "step-00000004"]
+    assert verify(root / "step-00000004")["step"] == 4
 
 
 def test_a_broken_logger_never_costs_a_checkpoint(ray_session, tmp_path, capfd):

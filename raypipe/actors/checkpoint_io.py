@@ -75,15 +75,19 @@ def save_stage(model: StageModel, optim: OptimizerState, directory: str, stage: 
 Shapes = dict[str, tuple[tuple[int, ...], bool]]  # key -> (full shape, floating point?)
 
 
-def expected_tensors(model: StageModel, j: int, layer: torch.nn.Module) -> tuple[Shapes, set[str]]:
-    """What a checkpoint file or a state dict must hold for local layer `j`: every tensor of its
-    state (in a LoRA run its adapters) with its full shape (tp shards put back together), and the
-    names of the experts other ep ranks hold (present, not checked)."""
+def expected_tensors(model: StageModel, j: int, layer: torch.nn.Module, adapters_only: bool) -> tuple[Shapes, set[str]]:
+    """What a checkpoint file (`adapters_only` in a LoRA run: a checkpoint holds the adapters) or a
+    state dict must hold for local layer `j`: every tensor of its state with its full shape (tp
+    shards put back together; None for a quantized base's packed storage, whose shape is not the
+    weight's), and the names of the experts other ep ranks hold (present, not checked)."""
     from raypipe.lora import is_adapter
 
     expected = {}
     for key, value in layer.state_dict().items():
-        if model.lora and not is_adapter(key):
+        if adapters_only and not is_adapter(key):
+            continue
+        if not value.is_floating_point():  # packed 4-bit weights, quantization state, counters
+            expected[key] = None
             continue
         shape = list(value.shape)
         spec = model.shard_specs.get(f"{j}.{key}")
@@ -98,7 +102,7 @@ def mismatches(what: str, expected: Shapes, foreign: set[str], got: Shapes) -> l
     """How `got` (key -> full shape, floating?) fails to fit `expected`, each problem in words."""
     problems = [f"{what}: missing {k}" for k in sorted(set(expected) - set(got))]
     problems += [f"{what}: unexpected {k}" for k in sorted(set(got) - set(expected) - foreign)]
-    for key in sorted(set(expected) & set(got)):
+    for key in sorted(k for k in set(expected) & set(got) if expected[k] is not None):
         (shape, floating), (found, found_floating) = expected[key], got[key]
         if shape != found:
             problems.append(f"{what}: {key} has shape {list(found)}, the model's is {list(shape)}")
@@ -122,7 +126,7 @@ def check_stage(model: StageModel, directory: str, name: str) -> list[str]:
             problems.append(f"{name}: cannot read {ckpt.layer_file('model', index)}: {type(error).__name__}: "
                             f"{scrub(str(error), directory)}")
             continue
-        problems += mismatches(f"layer {index}", *expected_tensors(model, j, layer), got)
+        problems += mismatches(f"layer {index}", *expected_tensors(model, j, layer, model.lora), got)
     return problems
 
 
@@ -132,7 +136,7 @@ def check_state(model: StageModel, state: dict[str, torch.Tensor]) -> list[str]:
     for j, (index, layer) in enumerate(zip(model.layers, model.module)):
         prefix = f"{index}."
         got = {k[len(prefix):]: (tuple(v.shape), v.is_floating_point()) for k, v in state.items() if k.startswith(prefix)}
-        problems += mismatches(f"layer {index}", *expected_tensors(model, j, layer), got)
+        problems += mismatches(f"layer {index}", *expected_tensors(model, j, layer, False), got)
     return problems
 
 
