@@ -231,6 +231,7 @@ def test_a_full_disk_mid_save_leaves_no_debris_and_keeps_the_last_checkpoint(ray
         with pytest.raises(CheckpointError, match="step 4's checkpoint could not be written.*No space left"):
             t.fit(batch, 4, **QUIET)
         assert t.step_count == 4  # the step ran; only its checkpoint is missing
+        assert t.loggers.status == "FAILED"  # what the loggers will record: never FINISHED
         assert sorted(p.name for p in root.iterdir()) == ["step-00000002"]  # no .partial, no temporary file
         assert verify(root / "step-00000002")["step"] == 2
         shutil.rmtree(root / "step-00000002")  # space freed: the same trainer saves step 4
