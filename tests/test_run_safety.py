@@ -126,6 +126,10 @@ def test_a_secret_with_every_awkward_character_is_parsed_and_never_shown():
     message = str(info.value)
     assert "Cannot parse URI" in message and "AKIAEXAMPLE:***@bucket" in message
     assert "wJal" not in message and "RfiCY" not in message, message
+    unreachable = f"s3://AKIAEXAMPLE:{SECRET}@bucket/run?endpoint_override=127.0.0.1:1&scheme=http&region=us-east-1"
+    with pytest.raises(CheckpointError, match="cannot be listed") as info:  # the unreachable bucket
+        Trainer(MLP7, nn.functional.mse_loss, TrainConfig(checkpoint_dir=unreachable))
+    assert "wJal" not in str(info.value) and "AKIAEXAMPLE:***@bucket" in str(info.value)
     with pytest.raises(ConfigError) as info:
         TrainConfig(checkpoint_dir=f"s3://AKIAEXAMPLE:{SECRET}@")
     assert "wJal" not in str(info.value) and "names no bucket" in str(info.value)

@@ -125,7 +125,11 @@ def check_new_run(root: str | None, resume: bool | int) -> None:
     """
     if root is None or resume is not False:
         return
-    runs = ckpt.runs_in(root)
+    try:
+        runs = ckpt.runs_in(root)
+    except Exception as error:  # noqa: BLE001 - a bucket it cannot list: named, its secret unshown
+        raise ckpt.CheckpointError(f"checkpoint_dir {redact(root)} cannot be listed: "
+                                   f"{type(error).__name__}: {scrub(str(error), root)}") from None
     if runs:
         run_id, newest = max(runs.items(), key=lambda r: r[1])
         others = f" (and {len(runs) - 1} other runs)" if len(runs) > 1 else ""
