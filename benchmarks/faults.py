@@ -28,10 +28,10 @@ import torch
 from torch import nn
 
 from raypipe import CheckpointError, LayerSpec, TrainConfig, Trainer
-from raypipe.checkpoint import find_valid, verify
+from raypipe.checkpoint import find_valid, list_checkpoints, verify
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from helpers import FailOnSave, KillOnSave  # noqa: E402 - the tests' layers that die or fail as they save
+from helpers import FailOnSave, KillOnSave, moto_s3  # noqa: E402 - the tests' layers that die or fail as they save
 
 LAYERS = [LayerSpec(nn.Linear, 6, 16), LayerSpec(nn.Tanh), LayerSpec(nn.Linear, 16, 16), LayerSpec(nn.GELU),
           LayerSpec(nn.Linear, 16, 12), LayerSpec(nn.Tanh), LayerSpec(nn.Linear, 12, 3)]
@@ -132,27 +132,7 @@ def actor_killed_mid_save(work: Path) -> dict:
 def object_store_error_mid_save(work: Path) -> dict:
     """moto's S3 server on 127.0.0.1: step 4's save breaks in stage 1 (an OSError, as a 503 would
     raise) after stage 0 wrote its objects; fit retries the save within max_restarts."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        from raypipe.storage import StoragePath
-
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    return {"survived": None, "data_lost": None, "recover_s": None, "detail": "moto did not start"}
-                time.sleep(0.2)
-        query = f"endpoint_override=127.0.0.1:{port}&scheme=http&region=us-east-1&allow_bucket_creation=true"
-        StoragePath(f"s3://key:secret@faults?{query}").mkdir()
+    with moto_s3("faults") as query:
         root, flag, events = f"s3://key:secret@faults/run?{query}", work / "fail-once", {}
         layers = LAYERS[:4] + [LayerSpec(FailOnSave, str(flag))] + LAYERS[4:]
 
@@ -168,8 +148,6 @@ def object_store_error_mid_save(work: Path) -> dict:
 
         with Trainer(layers, nn.functional.mse_loss, config(root, max_restarts=1)) as t:
             history = t.fit(batch, 6, on_step=on_step, log=log)
-        from raypipe.checkpoint import list_checkpoints
-
         names = [p.name for p in list_checkpoints(root)]
         lost = "none" if names == ["step-00000002", "step-00000004", "step-00000006"] else f"found {names}"
         for path in list_checkpoints(root):
@@ -177,9 +155,6 @@ def object_store_error_mid_save(work: Path) -> dict:
         return {"survived": "failed" in events and [m["step"] for m in history] == [1, 2, 3, 4, 5, 6],
                 "data_lost": lost, "recover_s": events["saved"] - events["failed"] if "failed" in events else None,
                 "detail": "the save of step 4 failed mid-write and was retried in place; steps 2, 4, 6 verify"}
-    finally:
-        server.terminate()
-        server.wait(timeout=20)
 
 
 def sigterm_mid_step(work: Path) -> dict:

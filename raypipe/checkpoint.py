@@ -76,31 +76,30 @@ def existing(path: Path) -> Path:
     return legacy if not path.exists() and legacy.exists() else path
 
 
-def partial_dir(root: Path, step: int) -> Path:
-    return Path(root) / f"{checkpoint_name(step)}.partial"
+def partial_dir(root: Path | StoragePath, step: int) -> Path | StoragePath:
+    return root / f"{checkpoint_name(step)}.partial"
 
 
 def begin(root: str | Path, step: int, run_id: str) -> Path | StoragePath:
     """Where the actors write checkpoint `step` of run `run_id`: an empty `step-N.partial` directory;
-    in an object store `step-N` itself, cleared of what a save cut short left there. Its first file
-    names the run, so that pruning and clean-up touch only the run's own debris.
-
-    Raises:
-        CheckpointError: `step-N` is a complete checkpoint in an object store (where a replacement
-            cannot be written beside it): `save` returns that one instead of calling this.
-    """
+    in an object store `step-N` itself, cleared of what a save cut short left there, or
+    `step-N.partial` when `step-N` is complete (`commit` swaps it in once the new one is complete).
+    Its first file names the run, so that pruning and clean-up touch only the run's own debris."""
     root = location(root)
-    if isinstance(root, StoragePath):
+    path = partial_dir(root, step)
+    if isinstance(root, StoragePath) and not (root / checkpoint_name(step) / MANIFEST).exists():
         path = root / checkpoint_name(step)
-        if (path / MANIFEST).exists():
-            raise CheckpointError(f"{path} is complete; an object store cannot replace it atomically")
-    else:
-        make_private_dir(root)
-        path = partial_dir(root, step)
     remove(path)
     path.mkdir(parents=True, exist_ok=True) if isinstance(path, StoragePath) else make_private_dir(path)
     write_atomic(path / RUN, run_id.encode())
     return path
+
+
+def abort(partial: Path | StoragePath) -> None:
+    """Deletes a save that did not commit (`begin`'s directory without a manifest). A partial with
+    a manifest is a complete checkpoint: kept (a local one is swept by the run's next save)."""
+    if manifest_of(partial) is None:
+        remove(partial)
 
 
 def remove_file(path: Path | StoragePath) -> None:
@@ -124,8 +123,9 @@ def commit(partial: Path | StoragePath, files: dict[str, dict[str, Any]], meta: 
     """Writes trainer.json and the manifest, moves the directory into place (in an object store
     the manifest is the commit), prunes the run's old ones.
 
-    A complete checkpoint of the same step is replaced only once the new one is complete (moved
-    aside, the new one renamed in, then deleted), so a failure at any point leaves one of them.
+    A complete checkpoint of the same step is replaced only once the new one is complete (locally:
+    moved aside, the new one renamed in, then deleted; in an object store: deleted, then the new
+    one's objects moved in, its manifest last, so until then `step-N.partial` holds it whole).
 
     Args:
         partial: the directory `begin` returned, with the actors' files in it.
@@ -145,6 +145,9 @@ def commit(partial: Path | StoragePath, files: dict[str, dict[str, Any]], meta: 
         os.replace(partial, final)
         _fsync_dir(final.parent)
         remove(replaced)
+    elif partial != final:  # the new one is complete beside the old: the old goes, the new moves in
+        remove(final)
+        _move(partial, final, manifest_first=False)
     if keep:
         prune(final, meta["run_id"], keep)
     return final
@@ -153,9 +156,9 @@ def commit(partial: Path | StoragePath, files: dict[str, dict[str, Any]], meta: 
 def prune(newest: Path | StoragePath, run_id: str, keep: int) -> None:
     """Deletes run `run_id`'s complete checkpoints beyond the `keep` newest (never `newest`, the
     one just written), and its saves cut short before `newest`. Other runs' checkpoints stay."""
-    own = [p for p in list_checkpoints(newest.parent) if run_of(p) == run_id]
-    complete = [p for p in own if p != newest and manifest_of(p) is not None]
-    cut_short = [p for p in own if manifest_of(p) is None and step_of(p) < step_of(newest)]
+    own = [(p, manifest) for p, manifest, run in inventory(newest.parent) if run == run_id]
+    complete = [p for p, manifest in own if p != newest and manifest is not None]
+    cut_short = [p for p, manifest in own if manifest is None and step_of(p) < step_of(newest)]
     for old in complete[: max(0, len(complete) - (keep - 1))] + cut_short:
         remove(old)
 
@@ -180,10 +183,21 @@ def step_of(path: Path | StoragePath) -> int:
     return int(_NAME.match(path.name).group(1))
 
 
-def run_of(path: Path | StoragePath) -> str | None:
-    """The run that wrote a checkpoint (complete or being written): its manifest's run id, else
-    its RUN file; None when neither says (a checkpoint from before run ids, or a save killed at once)."""
-    manifest = manifest_of(path)
+def inventory(root: str | Path) -> list[tuple[Path | StoragePath, dict[str, Any] | None, str | None]]:
+    """Every checkpoint directory under root, oldest first, with its manifest (None: none readable)
+    and the run that wrote it: each manifest read once."""
+    found = []
+    for path in list_checkpoints(root):
+        manifest = manifest_of(path)
+        found.append((path, manifest, run_of(path, manifest)))
+    return found
+
+
+def run_of(path: Path | StoragePath, manifest: dict[str, Any] | None = None) -> str | None:
+    """The run that wrote a checkpoint (complete or being written): its manifest's run id (pass the
+    manifest when read already), else its RUN file; None when neither says (a checkpoint from
+    before run ids, or a save killed at once)."""
+    manifest = manifest if manifest is not None else manifest_of(path)
     if manifest is not None and isinstance(manifest.get("run_id"), str):
         return manifest["run_id"]
     try:
@@ -204,11 +218,7 @@ def manifest_of(path: Path | StoragePath) -> dict[str, Any] | None:
 def runs_in(root: str | Path) -> dict[str, int]:
     """Run id -> newest step of every run with a complete checkpoint under root ("unknown" for
     checkpoints written before run ids)."""
-    runs: dict[str, int] = {}
-    for path in list_checkpoints(root):
-        if manifest_of(path) is not None:
-            runs[run_of(path) or "unknown"] = step_of(path)
-    return runs
+    return {run or "unknown": step_of(path) for path, manifest, run in inventory(root) if manifest is not None}
 
 
 def set_aside(root: str | Path, run_id: str, after: int) -> list[str]:
@@ -217,23 +227,24 @@ def set_aside(root: str | Path, run_id: str, after: int) -> list[str]:
     cannot restore them, and nothing is deleted. Returns the names moved."""
     import time
 
-    later = [p for p in list_checkpoints(root) if step_of(p) > after and run_of(p) == run_id]
+    later = [p for p, _, run in inventory(root) if step_of(p) > after and run == run_id]
     if not later:
         return []
     shelf = location(root) / "set-aside" / time.strftime("%Y%m%d-%H%M%S")
     for path in later:
-        _move(path, shelf / path.name)
+        _move(path, shelf / path.name, manifest_first=True)
     return [p.name for p in later]
 
 
-def _move(source: Path | StoragePath, target: Path | StoragePath) -> None:
-    """Moves a checkpoint directory; in an object store object by object, its manifest first (so
-    the source stops being a checkpoint before any of its files goes)."""
+def _move(source: Path | StoragePath, target: Path | StoragePath, manifest_first: bool) -> None:
+    """Moves a checkpoint directory; in an object store object by object, its manifest first (the
+    source stops being a checkpoint before any of its files goes) or last (the target becomes one
+    only when all its files are there)."""
     if not isinstance(source, StoragePath):
         make_private_dir(target.parent)
         os.replace(source, target)
         return
-    for name in sorted(source.files(), key=lambda n: n != MANIFEST):
+    for name in sorted(source.files(), key=lambda n: (n == MANIFEST) != manifest_first):
         (source / name).move(target / name)
     source.rmtree()
 
@@ -302,9 +313,7 @@ def find_valid(
     Raises:
         CheckpointError: no valid checkpoint (or the asked-for step is invalid or absent).
     """
-    candidates = list_checkpoints(root)
-    if run_id is not None:
-        candidates = [p for p in candidates if run_of(p) == run_id]
+    candidates = list_checkpoints(root) if run_id is None else [p for p, _, run in inventory(root) if run == run_id]
     if step is not None:
         candidates = [p for p in candidates if p.name == checkpoint_name(step)]
         if not candidates:

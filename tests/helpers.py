@@ -3,6 +3,8 @@ trainer must ship it to the actors by value: using it tests that too."""
 
 from __future__ import annotations
 
+import contextlib
+import subprocess
 import time
 
 import torch
@@ -238,33 +240,66 @@ class KillOnSave(nn.Module):
 
     def state_dict(self, *args, **kwargs):
         import os
+
+        if os.path.exists(self.flag):
+            os.remove(self.flag)
+            self.break_save()
+        return super().state_dict(*args, **kwargs)
+
+    def break_save(self) -> None:
+        import os
         import signal
 
-        if os.path.exists(self.flag):
-            os.remove(self.flag)
-            os.kill(os.getpid(), signal.SIGKILL)
-        return super().state_dict(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
-class FailOnSave(nn.Module):
-    """Identity whose checkpoint write fails (an OSError, as a full disk or an object store's 503
-    would raise) when its weights are saved while `flag` exists, removing it first: one actor's
-    save breaks after the others may have written their files."""
+class FailOnSave(KillOnSave):
+    """As KillOnSave, but the write fails (an OSError, as a full disk or an object store's 503
+    would raise) and the actor lives: one actor's save breaks after the others may have written."""
 
-    def __init__(self, flag: str) -> None:
-        super().__init__()
-        self.flag = flag
+    def break_save(self) -> None:
+        raise OSError(f"simulated storage error writing {self.flag}")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x
 
-    def state_dict(self, *args, **kwargs):
-        import os
+@contextlib.contextmanager
+def moto_s3(bucket: str, log=subprocess.DEVNULL):
+    """moto's S3 server on a free port of 127.0.0.1 with `bucket` made, stopped by its pid on
+    leaving; yields the URI query that reaches it (`s3://KEY:SECRET@bucket/prefix?<query>`: moto
+    takes any credentials).
 
-        if os.path.exists(self.flag):
-            os.remove(self.flag)
-            raise OSError(f"simulated storage error writing {self.flag}")
-        return super().state_dict(*args, **kwargs)
+    Raises:
+        RuntimeError: the server did not start within 60 s.
+    """
+    import socket
+    import sys
+
+    from raypipe.storage import StoragePath
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    raise RuntimeError(f"moto's server did not start on port {port}") from None
+                time.sleep(0.2)
+        query = f"endpoint_override=127.0.0.1:{port}&scheme=http&region=us-east-1&allow_bucket_creation=true"
+        StoragePath(f"s3://key:secret@{bucket}?{query}").mkdir()
+        yield query
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait(timeout=20)
 
 
 def flip_a_byte(path) -> None:

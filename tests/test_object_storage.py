@@ -2,16 +2,11 @@
 every actor writing its own files straight to `s3://...`, the manifest written last as the commit
 marker; exact resume from the bucket, a corrupt object and a save cut short by a killed actor."""
 
-import socket
-import subprocess
-import sys
-import time
-
 import pytest
 import torch
 from torch import nn
 
-from helpers import MLP7, KillOnSave, batch, flip_a_byte
+from helpers import MLP7, KillOnSave, batch, flip_a_byte, moto_s3
 from raypipe import ConfigError, LayerSpec, TrainConfig, Trainer
 from raypipe.checkpoint import MANIFEST, find_valid, list_checkpoints, verify
 from raypipe.storage import StoragePath
@@ -20,43 +15,13 @@ ADAMW = {"name": "adamw", "lr": 1e-2, "weight_decay": 0.1}
 STEPS = 6
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory):
-    """moto's S3 server on a free local port, stopped by its pid at the end; yields a function
-    giving the URI of a fresh prefix in its bucket (credentials and endpoint in the URI, which
-    the actors open as they are)."""
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("moto") / "server.log", "w")
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline or server.poll() is not None:
-                    pytest.fail(f"moto's server did not start on port {port}")
-                time.sleep(0.2)
-        query = f"endpoint_override=127.0.0.1:{port}&scheme=http&region=us-east-1&allow_bucket_creation=true"
-        StoragePath(f"s3://key:secret@ckpt?{query}").mkdir()  # the bucket
+    """moto's S3 server (`helpers.moto_s3`); yields a function giving the URI of a fresh prefix in
+    its bucket (credentials and endpoint in the URI, which the actors open as they are)."""
+    with open(tmp_path_factory.mktemp("moto") / "server.log", "w") as log, moto_s3("ckpt", log) as query:
         names = iter(range(1000))
         yield lambda: f"s3://key:secret@ckpt/run{next(names)}?{query}"
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait(timeout=20)
-        log.close()
 
 
 def config(root=None, **changes):
@@ -164,3 +129,20 @@ def test_a_secret_holding_slashes_opens_the_bucket_and_is_recorded_nowhere(ray_s
         text = (path / name).read_text()
         assert "wJal" not in text and "RfiCY" not in text, name
     assert verify(path)["step"] == 1
+
+
+def test_a_step_saved_again_in_the_bucket_is_replaced_only_once_the_new_one_is_complete(ray_session, s3):
+    """No rename in an object store: the new step-N is written whole beside the old one
+    (`step-N.partial`), then swapped in, its manifest last. It holds the new state, not the old."""
+    root = s3()
+    with Trainer(MLP7, nn.functional.mse_loss, config(root)) as t:
+        t.step(*batch(0))
+        first = t.save()
+        state = {k: v + 1 for k, v in t.state_dict().items()}
+        t.load_state_dict(state)  # the same step, other weights
+        assert t.save() == first
+    assert [p.name for p in StoragePath(root).iterdir() if p.name.startswith("step-")] == ["step-00000001"]
+    assert verify(first)["step"] == 1
+    from raypipe.checkpoint import load_tensors
+
+    assert torch.equal(load_tensors(first / "model" / "layer-00000.safetensors")["weight"], state["0.weight"])

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from raypipe import checkpoint as ckpt
-from raypipe.storage import StoragePath, location, redact, scrub
+from raypipe.storage import location, redact, scrub
 from raypipe.runtime.results import gather
 
 
@@ -27,7 +27,6 @@ def run_meta(step: int, num_layers: int, plan: Sequence[Sequence[int]], run: str
         "plan": [list(r) for r in plan],
         "run": run,
         "run_id": run_id,
-        "optimizer": config.optimizer.get("name"),
         "config": config.to_dict(),  # secrets redacted
     }
 
@@ -43,14 +42,12 @@ def save(actors: Sequence[Any], names: Sequence[str], root: str, step: int, meta
     """
     run_id = meta["run_id"]
     final = location(root) / ckpt.checkpoint_name(step)
-    if ckpt.manifest_of(final) is not None:
-        owner = ckpt.run_of(final)
-        if owner != run_id:
-            raise ckpt.CheckpointError(
-                f"{final} belongs to run {owner or 'unknown (written before run ids)'}; this is run {run_id}, "
-                f"which never replaces another run's checkpoint: save to a directory of its own.")
-        if isinstance(final, StoragePath):  # the run's own step N again: the same state, already safe
-            return final
+    manifest = ckpt.manifest_of(final)
+    owner = ckpt.run_of(final, manifest) if manifest is not None else run_id
+    if owner != run_id:
+        raise ckpt.CheckpointError(
+            f"{final} belongs to run {owner or 'unknown (written before run ids)'}; this is run {run_id}, "
+            f"which never replaces another run's checkpoint: save to a directory of its own.")
     ckpt.clean_partials(root, run_id, but=step)  # debris of this run's saves a killed driver left
     partial = ckpt.begin(root, step, run_id)
     try:
@@ -59,9 +56,7 @@ def save(actors: Sequence[Any], names: Sequence[str], root: str, step: int, meta
         files = {name: entry for part in parts for name, entry in part["files"].items()}
         return ckpt.commit(partial, files, {**meta, "loss_scaler": parts[0]["loss_scaler"]}, keep)
     except BaseException:
-        if isinstance(partial, StoragePath) or partial.exists():  # not yet moved into place
-            if not (isinstance(partial, StoragePath) and ckpt.manifest_of(partial) is not None):
-                ckpt.remove(partial)
+        ckpt.abort(partial)
         raise
 
 
@@ -96,7 +91,7 @@ def load(actors: Sequence[Any], names: Sequence[str], path: str, step: int | Non
         raise ckpt.CheckpointError(
             f"{where} does not fit this model, nothing was loaded (the trainer keeps its weights): "
             f"{'; '.join(problems[:6])}{f'; and {len(problems) - 6} more' if len(problems) > 6 else ''}")
-    saved_with = meta.get("optimizer", (meta.get("config") or {}).get("optimizer", {}).get("name"))
+    saved_with = (meta.get("config") or {}).get("optimizer", {}).get("name")
     same_optimizer = saved_with is None or optimizer is None or saved_with == optimizer
     if not same_optimizer:
         log(f"raypipe: {where} holds {saved_with} optimizer state; this run uses {optimizer}: its weights are "
