@@ -62,10 +62,6 @@ class UriParts:
     rest: str
     query: str
 
-    @property
-    def has_credentials(self) -> bool:
-        return self.user is not None
-
     def shown(self, query: bool = True) -> str:
         """The URI for messages and records: the secret (a lone user too) as `***`, secret-looking
         query options too."""

@@ -75,11 +75,13 @@ def save_stage(model: StageModel, optim: OptimizerState, directory: str, stage: 
 Shapes = dict[str, tuple[tuple[int, ...], bool]]  # key -> (full shape, floating point?)
 
 
-def expected_tensors(model: StageModel, j: int, layer: torch.nn.Module, adapters_only: bool) -> tuple[Shapes, set[str]]:
+def expected_tensors(model: StageModel, j: int, layer: torch.nn.Module,
+                     adapters_only: bool) -> tuple[dict[str, tuple[int, ...] | None], set[str]]:
     """What a checkpoint file (`adapters_only` in a LoRA run: a checkpoint holds the adapters) or a
     state dict must hold for local layer `j`: every tensor of its state with its full shape (tp
-    shards put back together; None for a quantized base's packed storage, whose shape is not the
-    weight's), and the names of the experts other ep ranks hold (present, not checked)."""
+    shards put back together), a floating-point one; None for what is not floating point (a
+    quantized base's packed storage, whose shape is not the weight's: its presence is checked);
+    and the names of the experts other ep ranks hold (present, not checked)."""
     from raypipe.lora import is_adapter
 
     expected = {}
@@ -93,22 +95,22 @@ def expected_tensors(model: StageModel, j: int, layer: torch.nn.Module, adapters
         spec = model.shard_specs.get(f"{j}.{key}")
         if spec is not None and model.tp.size > 1:
             shape[spec.dim] *= model.tp.size
-        expected[key] = (tuple(shape), value.is_floating_point())
+        expected[key] = tuple(shape)
     foreign = {k.partition(".")[2] for k in model.foreign if k.partition(".")[0] == str(j)}
     return expected, foreign
 
 
-def mismatches(what: str, expected: Shapes, foreign: set[str], got: Shapes) -> list[str]:
-    """How `got` (key -> full shape, floating?) fails to fit `expected`, each problem in words."""
+def mismatches(what: str, expected: dict[str, tuple[int, ...] | None], foreign: set[str], got: Shapes) -> list[str]:
+    """How `got` (key -> full shape, floating?) fails to fit `expected` (`expected_tensors`), each
+    problem in words."""
     problems = [f"{what}: missing {k}" for k in sorted(set(expected) - set(got))]
     problems += [f"{what}: unexpected {k}" for k in sorted(set(got) - set(expected) - foreign)]
     for key in sorted(k for k in set(expected) & set(got) if expected[k] is not None):
-        (shape, floating), (found, found_floating) = expected[key], got[key]
+        shape, (found, floating) = expected[key], got[key]
         if shape != found:
             problems.append(f"{what}: {key} has shape {list(found)}, the model's is {list(shape)}")
-        elif floating != found_floating:
-            kinds = ("an integer", "a floating-point")
-            problems.append(f"{what}: {key} is {kinds[found_floating]} tensor, the model's is {kinds[floating]} one")
+        elif not floating:
+            problems.append(f"{what}: {key} is an integer tensor, the model's is a floating-point one")
     return problems
 
 

@@ -37,7 +37,8 @@ def _check_ids(ids: torch.Tensor, name: str, vocab: int) -> None:
     if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
         raise BatchError(f"{name} is a {ids.dtype} tensor, but the model's first layer embeds token ids from a "
                          f"vocabulary of {vocab}: give integer ids (torch.long).")
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+    low, high = torch.aminmax(ids) if ids.numel() else (0, 0)  # one pass over the ids
+    if int(low) < 0 or int(high) >= vocab:
         bad = ((ids < 0) | (ids >= vocab)).nonzero()[0].tolist()
         raise BatchError(f"{name}{bad} = {int(ids[tuple(bad)])} is not a token id of the model's vocabulary of "
                          f"{vocab} (ids 0..{vocab - 1}): nothing was run. Check the tokenizer matches the model.")

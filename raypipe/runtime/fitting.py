@@ -103,15 +103,25 @@ def complete(trainer: Any, submitted: Submitted) -> dict[str, Any] | None:
     trainer._ray_metrics.log(metrics, trainer.topology.lead_ranks())
     every = trainer.config.checkpoint_every
     if every and trainer.step_count % every == 0:  # before the loggers: a logger never costs a checkpoint
-        try:
-            metrics["checkpoint"] = str(trainer.save())
-        except (ActorDiedError, KeyboardInterrupt):
-            raise
-        except Exception as error:  # noqa: BLE001 - disk full, a bucket error: the step itself stands
-            raise SaveFailed(f"step {trainer.step_count}'s checkpoint could not be written: "
-                             f"{type(error).__name__}: {error}", metrics) from error
+        metrics["checkpoint"] = save_due(trainer, metrics)
     trainer.loggers.log(trainer.step_count, scalars(metrics))
     return metrics
+
+
+def save_due(trainer: Any, metrics: dict[str, Any]) -> str:
+    """Writes the checkpoint due after the step of `metrics`; returns where.
+
+    Raises:
+        SaveFailed: the save failed (disk full, a bucket error); the step itself stands.
+        ActorDiedError: an actor died while saving (a recovery's matter).
+    """
+    try:
+        return str(trainer.save())
+    except (ActorDiedError, KeyboardInterrupt):
+        raise
+    except Exception as error:  # noqa: BLE001
+        raise SaveFailed(f"step {trainer.step_count}'s checkpoint could not be written: "
+                         f"{type(error).__name__}: {error}", metrics) from error
 
 
 class SaveFailed(CheckpointError):
@@ -132,12 +142,9 @@ def retry_save(trainer: Any, failure: SaveFailed, log: Callable[[str], None]) ->
         trainer.restarts += 1
         log(f"raypipe: {failure}; retrying the save (restart {trainer.restarts} of {trainer.config.max_restarts})")
         try:
-            return str(trainer.save())
-        except (ActorDiedError, KeyboardInterrupt):
-            raise
-        except Exception as error:  # noqa: BLE001
-            failure = SaveFailed(f"step {trainer.step_count}'s checkpoint could not be written: "
-                                 f"{type(error).__name__}: {error}", failure.metrics)
+            return save_due(trainer, failure.metrics)
+        except SaveFailed as again:
+            failure = again
     raise SaveFailed(f"{failure} -- after {trainer.restarts} restarts (TrainConfig.max_restarts="
                      f"{trainer.config.max_restarts}); the weights of step {trainer.step_count} are intact in "
                      f"the actors: free the space and call Trainer.save()", failure.metrics) from None
