@@ -18,7 +18,7 @@ import time
 import ray
 import torch
 
-from raypipe.runtime.transport.wire import StepCall, pack_microbatches
+from raypipe.transport.wire import StepCall, pack_microbatches
 
 
 @ray.remote(num_cpus=0.01)

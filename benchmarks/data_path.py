@@ -68,7 +68,7 @@ def main() -> None:
     measured: dict[str, dict[str, list[float]]] = {p: {"cpu_s": [], "step_s": [], "samples_per_s": []}
                                                    for p in ("driver", "ray_data")}
     sent: dict[str, list[int]] = {"driver": [], "ray_data": []}
-    import raypipe.runtime.feeds as feeds
+    import raypipe.driver.feeds as feeds
 
     original_get = feeds.DatasetFeed.get
 

@@ -25,7 +25,7 @@ import time
 import ray
 import torch
 
-from raypipe import runtime
+from raypipe import driver
 
 
 @ray.remote
@@ -37,7 +37,7 @@ class End:
         self.address = None
 
     def rendezvous(self):
-        from raypipe.runtime.collective import rendezvous_address
+        from raypipe.transport.collective import rendezvous_address
 
         return rendezvous_address()
 
@@ -48,8 +48,8 @@ class End:
                 "node_id": ray.get_runtime_context().get_node_id()}
 
     def join(self, address: str, port: int, rank: int, backend: str) -> list[str]:
-        from raypipe.runtime.collective import join_world
-        from raypipe.runtime.transport import ordered, shm
+        from raypipe.transport.collective import join_world
+        from raypipe.transport import ordered, shm
 
         self.rank = rank
         forward, back = join_world(address, port, 2, rank, [[0, 1], [0, 1]], timeout=120, backends=[backend] * 2)
@@ -62,8 +62,8 @@ class End:
     def run(self, link: str, nbytes: int, messages: int) -> list[float]:
         """One round: `messages` round trips of a float32 tensor of `nbytes` over `link`; rank 0
         returns each round trip's seconds."""
-        from raypipe.runtime.transport import inbox, outbox
-        from raypipe.runtime.transport.gloo import GlooInbox, GlooOutbox
+        from raypipe.transport import inbox, outbox
+        from raypipe.transport.gloo import GlooInbox, GlooOutbox
 
         peer = 1 - self.rank
         if link == "gloo":  # gloo itself, though the shared-memory link is open
@@ -96,7 +96,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--messages", type=int, default=20, help="round trips per round")
     args = parser.parse_args()
-    runtime.connect()
+    driver.connect()
     gpus = torch.cuda.device_count()
     device = "cuda:0" if gpus else "cpu"
     per_actor = 1 if gpus >= 2 else 0.5 if gpus else 0

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from raypipe import CheckpointError, LayerSpec, TrainConfig, Trainer
-from raypipe.checkpoint import find_valid, list_checkpoints, verify
+from raypipe.checkpoint.layout import find_valid, list_checkpoints, verify
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from helpers import FailOnSave, KillOnSave, moto_s3  # noqa: E402 - the tests' layers that die or fail as they save

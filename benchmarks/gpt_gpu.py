@@ -31,7 +31,7 @@ import torch
 
 from rounds import interleaved, paired_ratio, plain_twin, round_means
 
-from raypipe import TrainConfig, Trainer, build_layers, runtime
+from raypipe import TrainConfig, Trainer, build_layers, driver
 from raypipe.models import gpt
 
 SIZES = {
@@ -62,7 +62,7 @@ def main() -> None:
     cfg = SIZES[args.size or ("124m" if args.device == "cuda" else "tiny")]
     precision = "bf16" if args.device == "cuda" else "fp32"
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
-    runtime.connect()  # a local Ray advertising this machine's accelerators, as raypipe node-resources would
+    driver.connect()  # a local Ray advertising this machine's accelerators, as raypipe node-resources would
 
     def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(step)

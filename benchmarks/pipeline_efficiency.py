@@ -29,7 +29,7 @@ import ray
 import torch
 
 from raypipe import LayerSpec, TrainConfig, Trainer
-from raypipe.simulated import SimulatedCompute
+from simulated import SimulatedCompute
 
 P = 4
 

@@ -5,7 +5,7 @@ submodules may change.
 """
 
 from raypipe import nn
-from raypipe.checkpoint import CheckpointError
+from raypipe.checkpoint.layout import CheckpointError
 from raypipe.config import TrainConfig
 from raypipe.errors import (
     ActorDiedError,
@@ -19,7 +19,7 @@ from raypipe.errors import (
     StepTimeoutError,
 )
 from raypipe.layers import LayerSpec, build_layers
-from raypipe.profile import PlanReport
+from raypipe.planning.profiling import PlanReport
 from raypipe.schedules import Action, bubble, build_schedule, format_schedule, peak_in_flight
 from raypipe.timeline import Timeline
 from raypipe.trainer import Trainer

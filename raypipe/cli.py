@@ -58,7 +58,7 @@ def _diagram(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     from raypipe.job import JobConfig
     from raypipe.layers import parameter_counts
-    from raypipe.partition import make_plan
+    from raypipe.planning.partition import make_plan
     from raypipe.schedules import build_schedule, owners
 
     config = JobConfig.from_yaml(args.config, args.set)
@@ -87,15 +87,15 @@ def _plan(args: argparse.Namespace) -> int:
 def _profiled_plan(config, specs):
     """Times each layer on every device kind of the job (on the cluster it connects to) and splits by
     it, choosing the schedule too under `schedule="auto"`; returns (the train config, the report)."""
-    from raypipe import runtime
-    from raypipe.autoschedule import plan_run
+    from raypipe import driver
+    from raypipe.planning.autoschedule import plan_run
 
     train, job = config.train, config.job
     x, y = config.data.dataset(config.model.block_size).batch(0, job.batch_size, seed=train.seed)
     y = config.model.targets(x, y)
     loss_fn = config.model.build().loss_fn
-    runtime.connect()
-    runtime.ship_user_code([loss_fn] + [s.factory for s in specs])
+    driver.connect()
+    driver.ship_user_code([loss_fn] + [s.factory for s in specs])
     return plan_run(specs, loss_fn, (x, y), train, train.cpus_per_actor or 1.0, print)
 
 

@@ -17,22 +17,29 @@ import yaml
 
 from raypipe import lora
 from raypipe.loggers import check_loggers
-from raypipe.storage import check_available, is_uri, redact_values, split_uri
+from raypipe.checkpoint.storage import check_available, is_uri, redact_values, split_uri
 from raypipe.checks import (
-    check_choice, check_devices, check_int, check_lr_schedule, check_optimizer, check_positive, check_shard_plan,
-    fail, nearest,
+    check_choice,
+    check_devices,
+    check_int,
+    check_lr_schedule,
+    check_optimizer,
+    check_positive,
+    check_shard_plan,
+    fail,
+    nearest,
 )
 from raypipe.errors import ConfigError, ScheduleError
 from raypipe.schedules import SCHEDULES, build_schedule
 
-SCHEDULE_NAMES = (*SCHEDULES, "auto")  # auto: chosen from profiled layers (`raypipe.autoschedule`)
+SCHEDULE_NAMES = (*SCHEDULES, "auto")  # auto: chosen from profiled layers (`raypipe.planning.autoschedule`)
 ENGINES = ("refs", "p2p", "compiled")
 SAME_NODE_TRANSPORTS = ("shm", "gloo")
-DEVICE_LINKS = ("auto", "nccl", "host")  # raypipe.runtime.links
+DEVICE_LINKS = ("auto", "nccl", "host")  # raypipe.driver.links
 PARTITION_NAMES = ("uniform", "parameters", "profile")
 PRECISIONS = ("fp32", "bf16", "fp16")
 NONFINITE_POLICIES = ("error", "skip")
-PLACEMENTS = ("pack", "spread", "strict_spread")  # raypipe.runtime.gang.STRATEGIES
+PLACEMENTS = ("pack", "spread", "strict_spread")  # raypipe.driver.gang.STRATEGIES
 
 # Sections of a job file that belong to the job, not to TrainConfig (see raypipe.job).
 JOB_SECTIONS = ("model", "data", "job")
@@ -67,7 +74,7 @@ class TrainConfig:
             nearly no bubble). p2p and compiled engines only for the last three. "auto": the
             schedule, chunks and microbatches with the least predicted step time that fit every
             device's memory, from the layers timed on each device kind (needs `Trainer(...,
-            sample=(x, y))`; prints every candidate's prediction; `raypipe.autoschedule`).
+            sample=(x, y))`; prints every candidate's prediction; `raypipe.planning.autoschedule`).
         chunks: model chunks per actor for "interleaved-1f1b" (default 2); the other schedules
             fix their own (1, or 2 for "zb-v").
         shard_plan: explicit contiguous [start, end) layer ranges, one per stage (per virtual
@@ -121,7 +128,7 @@ class TrainConfig:
             (under engine="compiled", where a step is one call per actor: seconds for the whole step).
         name: run name, used in actor names and logs; None picks a unique one.
         checkpoint_dir: where checkpoints go (`<dir>/step-N/`): a directory (shared by all nodes in
-            a multi-node run) or a URI `pyarrow.fs` opens (`s3://bucket/run`; `raypipe.storage`).
+            a multi-node run) or a URI `pyarrow.fs` opens (`s3://bucket/run`; `raypipe.checkpoint.storage`).
             None disables automatic checkpoints.
         checkpoint_every: save every this many steps (0: only on `Trainer.save`).
         keep_checkpoints: how many of the run's newest checkpoints to keep (0: all; never another run's).
@@ -341,7 +348,7 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as plain values, for records and display: a URI's secret shows as `***`
-        (`raypipe.storage.redact`), so this never leaks one into trainer.json, a logger or a print."""
+        (`raypipe.checkpoint.storage.redact`), so this never leaks one into trainer.json, a logger or a print."""
         return redact_values(dataclasses.asdict(self))
 
     def replace(self, **changes: Any) -> "TrainConfig":

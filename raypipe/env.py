@@ -32,7 +32,7 @@ def fake_accelerator() -> str | None:
 
 def trace_path() -> str | None:
     """RAYPIPE_TRACE=PATH: the engines append every call they issue there, as JSON lines
-    (`raypipe.runtime.trace`). Unset (the default): no trace."""
+    (`raypipe.driver.trace`). Unset (the default): no trace."""
     return os.environ.get("RAYPIPE_TRACE") or None
 
 

@@ -18,14 +18,14 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
-from raypipe import checkpoint as ckpt
+from raypipe.checkpoint import layout as ckpt
 from raypipe.checks import check_whole_number, nearest
 from raypipe.config import TrainConfig, apply_overrides, load_yaml
 from raypipe.data import TokenDataset, stdlib_corpus
 from raypipe.errors import ConfigError, RaypipeError
 from raypipe.models.registry import JobModel, job_model
 from raypipe.progress import Progress
-from raypipe.storage import redact_values
+from raypipe.checkpoint.storage import redact_values
 
 DATA_SOURCES = ("stdlib", "bin", "text", "sft")
 DATA_READERS = ("auto", "driver", "ray_data")
@@ -302,7 +302,7 @@ def _leave_a_cpu_for_ray_data(train: TrainConfig) -> TrainConfig:
     need to make the dataset's blocks (the default fits them into all)."""
     import ray
 
-    from raypipe.runtime import connect
+    from raypipe.driver import connect
 
     connect()
     actors = train.pp * train.dp * train.tp

@@ -109,7 +109,7 @@ def resolve(layers: Any, loss_fn: Any, config: Any) -> tuple[Model, Callable, li
 
 def tied_stages(tied: Sequence[Sequence[str]], plan: Sequence[Sequence[tuple[int, int]]]) -> list[list[int]]:
     """For each tied group, the stages (actors) holding its keys, in stage order without repeats;
-    `plan`: per actor, the layer ranges it holds (`raypipe.runtime.chunks.actor_plan`)."""
+    `plan`: per actor, the layer ranges it holds (`raypipe.driver.chunks.actor_plan`)."""
     def stage_of(key: str) -> int:
         layer = int(key.partition(".")[0])
         return next(s for s, ranges in enumerate(plan) for start, end in ranges if start <= layer < end)

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from raypipe import runtime
+from raypipe import driver
 from raypipe.actors.settings import StageSettings, check_reconfigurable
 from raypipe.config import TrainConfig
 from raypipe.errors import ConfigError
@@ -24,17 +24,17 @@ from raypipe.loggers import Loggers, run_params
 from raypipe.metrics import RayMetrics
 from raypipe.model import Model, resolve
 from raypipe.nn.plan import check_stages_split
-from raypipe.partition import first_plan
-from raypipe.autoschedule import plan_run
-from raypipe.profile import PlanReport
+from raypipe.planning.partition import first_plan
+from raypipe.planning.autoschedule import plan_run
+from raypipe.planning.profiling import PlanReport
 from raypipe.progress import Progress
-from raypipe.runtime import checkpoints, chunks, fitting, placement, registry, weights
-from raypipe.runtime.batches import loss_weights, split_batch
-from raypipe.runtime.engines import Engine, make_engine
-from raypipe.runtime.feeds import make_feed
-from raypipe.runtime.refs import run_forward, submission_order
-from raypipe.runtime.results import gather
-from raypipe.runtime.topology import Topology
+from raypipe.driver import checkpoints, chunks, fitting, placement, registry, weights
+from raypipe.data.batches import loss_weights, split_batch
+from raypipe.driver.engines import Engine, make_engine
+from raypipe.driver.feeds import make_feed
+from raypipe.driver.engines.refs import run_forward, submission_order
+from raypipe.driver.results import gather
+from raypipe.driver.topology import Topology
 from raypipe.schedules import build_schedule
 from raypipe.timeline import Timeline
 
@@ -88,8 +88,8 @@ class Trainer:
         self.topology = Topology(cfg.pp, cfg.dp, cfg.tp, cfg.ep)  # rank = (d * pp + s) * tp + t
         self.names = self.topology.names()  # "stage{s}-dp{d}-tp{t}"
         self._loss_fn = loss_fn
-        runtime.connect()
-        runtime.ship_user_code(
+        driver.connect()
+        driver.ship_user_code(
             [loss_fn] + [s.factory for s in self.specs]
             + [type(a) for s in self.specs for a in (*s.args, *s.kwargs.values())]
         )
@@ -157,7 +157,7 @@ class Trainer:
                 alone (steps replayed after a recovery see the same data); or an iterable of
                 `(x, y)`, batch k for step k; or a `ray.data.Dataset` read `batch_size` rows a step,
                 in order, beside the actors: its batches never pass through the driver
-                (`raypipe.runtime.feeds`; `collate(numpy columns) -> (x, y)`, by default columns
+                (`raypipe.driver.feeds`; `collate(numpy columns) -> (x, y)`, by default columns
                 x and y, or input_ids and labels, or input_ids alone as next-token sequences).
             steps: the step count to reach.
             on_step: called with each step's metrics.
@@ -269,8 +269,8 @@ class Trainer:
                  eos_token_id: int | None = None, seed: int | None = None) -> torch.Tensor:
         """The prompt `input_ids` followed by up to `max_new_tokens` tokens generated through the
         pipeline: greedy by default, else sampled at `temperature` from the `top_k` most likely
-        (`raypipe.runtime.generation`). The model's output must be logits (batch, sequence, vocab)."""
-        from raypipe.runtime.generation import generate
+        (`raypipe.driver.generation`). The model's output must be logits (batch, sequence, vocab)."""
+        from raypipe.driver.generation import generate
 
         return generate(*self._inference_path(), input_ids, max_new_tokens, temperature, top_k, self.model.kv_cache,
                         self.config.step_timeout, attention_mask, eos_token_id, seed)

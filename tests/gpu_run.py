@@ -18,7 +18,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from helpers import MLP7, batch, reference_run  # noqa: E402
-from raypipe import PlacementError, TrainConfig, Trainer, runtime  # noqa: E402
+from raypipe import PlacementError, TrainConfig, Trainer, driver  # noqa: E402
 from raypipe.devices import detect  # noqa: E402
 
 SEED = 5
@@ -43,7 +43,7 @@ def run(kind: str, name: str, microbatches: int = 4, **kwargs) -> dict:
 
 def main() -> None:
     kind = detect().kind
-    runtime.connect()
+    driver.connect()
     out = {"kind": kind, "gpus": torch.cuda.device_count(), "runs": {}}
     try:
         for engine in ("p2p", "refs"):

@@ -273,7 +273,7 @@ def moto_s3(bucket: str, log=subprocess.DEVNULL):
     import socket
     import sys
 
-    from raypipe.storage import StoragePath
+    from raypipe.checkpoint.storage import StoragePath
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -303,7 +303,7 @@ def moto_s3(bucket: str, log=subprocess.DEVNULL):
 
 
 def flip_a_byte(path) -> None:
-    """Corrupts a checkpoint file in place (a local `Path` or a `raypipe.storage.StoragePath`): one
+    """Corrupts a checkpoint file in place (a local `Path` or a `raypipe.checkpoint.storage.StoragePath`): one
     byte in the middle inverted, the size unchanged, so only its checksum can tell."""
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))  # simulated.py
 
 import ray  # noqa: E402
 import torch  # noqa: E402
@@ -17,7 +18,7 @@ from torch import nn  # noqa: E402
 from helpers import MLP7, batch, reference_run  # noqa: E402
 from raypipe import LayerSpec, PlacementError, StageError, TrainConfig, Trainer  # noqa: E402
 from raypipe.devices import LABEL_KIND  # noqa: E402
-from raypipe.simulated import SimulatedCompute  # noqa: E402
+from simulated import SimulatedCompute  # noqa: E402
 
 SEED, SGD = 5, {"name": "sgd", "lr": 0.05, "momentum": 0.9}
 

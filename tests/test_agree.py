@@ -1,4 +1,4 @@
-"""The end-of-step agreement (`raypipe.runtime.transport.agree`) between real processes sharing a node:
+"""The end-of-step agreement (`raypipe.transport.agree`) between real processes sharing a node:
 through pipes, the same sums, to the bit, on every rank, round after round; nothing left
 in shared memory; and a rank whose peer exited fails instead of waiting. (Worlds told to
 use gloo agree through gloo's all-reduce: `tests/test_parity.py` runs them.)"""
@@ -16,13 +16,13 @@ SIZE = 3
 @ray.remote(num_cpus=0)
 class Rank:
     def address(self):
-        from raypipe.runtime.collective import rendezvous_address
+        from raypipe.transport.collective import rendezvous_address
 
         return rendezvous_address()
 
     def join(self, address, port, rank, enabled):
-        from raypipe.runtime.transport import agree
-        from raypipe.runtime.collective import join_world
+        from raypipe.transport import agree
+        from raypipe.transport.collective import join_world
 
         join_world(address, port, SIZE, rank, [], timeout=30)
         self.rank = rank
@@ -30,7 +30,7 @@ class Rank:
 
     def sums(self, rows, delays=None):
         """all_sum of `rows[round][rank]` for each round; `delays[round]` s of sleep first (this rank)."""
-        from raypipe.runtime.transport import agree
+        from raypipe.transport import agree
 
         out = []
         for i, row in enumerate(rows):
@@ -41,7 +41,7 @@ class Rank:
 
     def leftovers(self):
         """Files of the agreement left in the shared-memory directory."""
-        from raypipe.runtime.transport.pipes import directory as _directory
+        from raypipe.transport.pipes import directory as _directory
 
         return [f for f in os.listdir(_directory()) if f.startswith("raypipe-agree-")]
 

@@ -14,7 +14,7 @@ from torch import nn
 
 from helpers import MLP7, KillOnce, batch, flip_a_byte
 from raypipe import ActorDiedError, NonFiniteError, TrainConfig, Trainer
-from raypipe.checkpoint import CheckpointError, find_valid, list_checkpoints, load_tensors, verify
+from raypipe.checkpoint.layout import CheckpointError, find_valid, list_checkpoints, load_tensors, verify
 
 ADAMW = {"name": "adamw", "lr": 1e-2, "weight_decay": 0.1}
 STEPS = 6

@@ -15,8 +15,8 @@ from helpers import MLP7, KillOnce, batch, check_sgd_parity, lm_tokens, referenc
 from raypipe import LayerSpec, PlacementError, StageError, TrainConfig, Trainer
 from raypipe.diagram import Architecture
 from raypipe.models import gpt
-from raypipe.runtime import links
-from raypipe.runtime.topology import Topology
+from raypipe.driver import links
+from raypipe.driver.topology import Topology
 from raypipe.schedules import build_schedule
 
 SEED = 11

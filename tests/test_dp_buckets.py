@@ -29,7 +29,7 @@ class Float64Linear(nn.Module):
 def test_gradients_spanning_many_buckets_of_two_dtypes_average_exactly(ray_session):
     """dp_bucket_mb far below the gradients' size: each bucket is flattened, reduced and copied back
     on its own, and a dtype change closes a bucket; the result is still the full batch's gradient."""
-    from raypipe.runtime.collective import bucket_plan
+    from raypipe.transport.collective import bucket_plan
 
     layers = [LayerSpec(nn.Linear, 6, 16), LayerSpec(nn.Tanh), LayerSpec(Float64Linear, 16),
               LayerSpec(nn.Linear, 16, 3)]

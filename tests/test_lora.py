@@ -127,7 +127,7 @@ def test_a_lora_checkpoint_holds_adapters_only_and_resumes_at_another_pp(ray_ses
         for k in range(2):
             t.step(*lm_batch(k))
         where = t.save(str(tmp_path / "ckpt"))
-    from raypipe import checkpoint as ckpt
+    from raypipe.checkpoint import layout as ckpt
 
     meta = json.loads((where / ckpt.META).read_text())
     assert meta["base"]["path"] == directory and len(meta["base"]["hash"]) == 16

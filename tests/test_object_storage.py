@@ -8,8 +8,8 @@ from torch import nn
 
 from helpers import MLP7, KillOnSave, batch, flip_a_byte, moto_s3
 from raypipe import ConfigError, LayerSpec, TrainConfig, Trainer
-from raypipe.checkpoint import MANIFEST, find_valid, list_checkpoints, verify
-from raypipe.storage import StoragePath
+from raypipe.checkpoint.layout import MANIFEST, find_valid, list_checkpoints, verify
+from raypipe.checkpoint.storage import StoragePath
 
 ADAMW = {"name": "adamw", "lr": 1e-2, "weight_decay": 0.1}
 STEPS = 6
@@ -143,6 +143,6 @@ def test_a_step_saved_again_in_the_bucket_is_replaced_only_once_the_new_one_is_c
         assert t.save() == first
     assert [p.name for p in StoragePath(root).iterdir() if p.name.startswith("step-")] == ["step-00000001"]
     assert verify(first)["step"] == 1
-    from raypipe.checkpoint import load_tensors
+    from raypipe.checkpoint.layout import load_tensors
 
     assert torch.equal(load_tensors(first / "model" / "layer-00000.safetensors")["weight"], state["0.weight"])

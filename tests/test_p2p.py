@@ -1,5 +1,5 @@
 """The p2p engine's wire protocol between two real processes, over every transport that
-`raypipe.runtime.transport` picks from: shared memory between neighbours on one node (`shm`),
+`raypipe.transport` picks from: shared memory between neighbours on one node (`shm`),
 gloo, and a stream on a group of its own matched in order (`ordered`: NCCL's device path,
 here over gloo on the CPU). Every boundary dtype arrives exactly, poison arrives where it was sent, a shape
 change within a step is refused before anything goes out, a stream too large for shared
@@ -23,13 +23,13 @@ class Peer:
     """One end of a two-rank world: rank 0 sends a stream, rank 1 takes it."""
 
     def address(self):
-        from raypipe.runtime.collective import rendezvous_address
+        from raypipe.transport.collective import rendezvous_address
 
         return rendezvous_address()
 
     def join(self, address, port, rank, transport):
-        from raypipe.runtime.transport import ordered, shm
-        from raypipe.runtime.collective import join_world
+        from raypipe.transport import ordered, shm
+        from raypipe.transport.collective import join_world
 
         self.stream = None  # (group, device) of the ordered stream
         if transport == "ordered":
@@ -44,8 +44,8 @@ class Peer:
         """Sends each value (None: poison) as the stage does; returns the refusals.
         `limit`: the largest stream (bytes) shared memory may carry this time; `varying`:
         the step's microbatches differ in shape."""
-        from raypipe.runtime import transport as p2p
-        from raypipe.runtime.transport import shm
+        from raypipe import transport as p2p
+        from raypipe.transport import shm
 
         default, shm.MAX_STREAM_BYTES = shm.MAX_STREAM_BYTES, limit or shm.MAX_STREAM_BYTES
         try:
@@ -67,9 +67,9 @@ class Peer:
     def take(self, tags):
         """Takes every message; writes into each taken tensor (a layer may) and keeps a copy,
         and the taken tensors themselves (`kept`)."""
-        from raypipe.runtime.transport import PeerFailed, inbox
+        from raypipe.transport import PeerFailed, inbox
 
-        from raypipe.runtime.transport.tree import map_tensors, tensors
+        from raypipe.transport.tree import map_tensors, tensors
 
         box, got, self.kept = inbox(0, tags, stream=self.stream), [], []
         for _ in tags:
@@ -98,7 +98,7 @@ class Peer:
 
     def shm_files(self):
         """Files of this process's links still in the shared-memory directory."""
-        from raypipe.runtime.transport import shm
+        from raypipe.transport import shm
 
         names = {os.path.basename(link.prefix) for link in shm._links.values()}
         return [f for f in os.listdir(shm.directory()) if any(f.startswith(n) for n in names)]
@@ -125,7 +125,7 @@ def test_a_message_whose_receiver_died_leaves_no_file_past_the_next_world_on_the
     """A killed actor runs no clean-up: the file a sender made for a receiver that died before
     mapping it outlives both. Every name carries its maker's pid, and the next world that
     connects on the node sweeps what dead processes left (a live process's files stay)."""
-    from raypipe.runtime.transport.pipes import directory
+    from raypipe.transport.pipes import directory
 
     sender, receiver, _ = connect("shm")
     pid = ray.get(sender.pid.remote(), timeout=30)

@@ -8,7 +8,7 @@ from torch import nn
 
 from raypipe import ConfigError, LayerSpec
 from raypipe.layers import parameter_counts
-from raypipe.partition import balanced_plan, check_plan, make_plan, speed_aware_plan, uniform_plan
+from raypipe.planning.partition import balanced_plan, check_plan, make_plan, speed_aware_plan, uniform_plan
 
 
 def test_uniform_spreads_the_remainder_over_the_last_stages():
@@ -118,7 +118,7 @@ def test_profile_partition_balances_measured_layer_times(ray_session):
     import torch
 
     from raypipe import TrainConfig, Trainer
-    from raypipe.simulated import SimulatedCompute
+    from simulated import SimulatedCompute
 
     layers = [LayerSpec(SimulatedCompute, t, t) for t in (0.01, 0.01, 0.01, 0.01, 0.03, 0.03)]
     config = TrainConfig(pp=2, microbatches=4, partition="profile", optimizer={"name": "sgd", "lr": 0.01},

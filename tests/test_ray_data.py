@@ -13,7 +13,7 @@ from torch import nn
 
 from helpers import MLP7, KillOnce
 from raypipe import BatchError, ConfigError, LayerSpec, TrainConfig, Trainer
-from raypipe.checkpoint import list_checkpoints
+from raypipe.checkpoint.layout import list_checkpoints
 
 # 7 steps over 4 batches an epoch: step 5 starts the second epoch (and a replay that read ahead by a
 # whole epoch would not look right by chance)
@@ -48,7 +48,7 @@ def fed_by_function(ray_session):
 
 def test_dataset_losses_equal_the_same_batches_fed_by_a_function(fed_by_function, monkeypatch):
     """...and the driver never cuts a batch: `prepare` fails if the driver process calls it."""
-    import raypipe.runtime.feeds as feeds
+    import raypipe.driver.feeds as feeds
 
     def driver_cut(*args, **kwargs):
         raise AssertionError("the driver cut a batch of the dataset")

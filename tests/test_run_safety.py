@@ -18,8 +18,8 @@ from torch import nn
 
 from helpers import MLP7, FailOnSave, Sleep, batch
 from raypipe import BatchError, ConfigError, LayerSpec, StepTimeoutError, TrainConfig, Trainer
-from raypipe.checkpoint import CheckpointError, find_valid, list_checkpoints, run_of, verify
-from raypipe.storage import StoragePath, redact, split_uri
+from raypipe.checkpoint.layout import CheckpointError, find_valid, list_checkpoints, run_of, verify
+from raypipe.checkpoint.storage import StoragePath, redact, split_uri
 from test_checkpoint import killable_layers, losses_by_step
 
 ADAMW = {"name": "adamw", "lr": 1e-2, "weight_decay": 0.1}
@@ -204,7 +204,7 @@ def test_a_trainer_json_without_its_fields_is_skipped(run_a, tmp_path):
     root = tmp_path / "copy"
     for name in ("step-00000002", "step-00000004"):
         shutil.copytree(original / name, root / name)
-    from raypipe.checkpoint import write_atomic
+    from raypipe.checkpoint.layout import write_atomic
 
     path = root / "step-00000004"
     manifest = json.loads((path / "MANIFEST.json").read_text())
@@ -270,7 +270,7 @@ def test_a_broken_logger_never_costs_a_checkpoint(ray_session, tmp_path, capfd):
 
 
 def test_every_driver_wait_is_bounded(ray_session):
-    from raypipe.runtime.results import gather
+    from raypipe.driver.results import gather
 
     @ray.remote(num_cpus=0)
     class Stuck:

@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-from raypipe.simulated import SimulatedCompute
+from simulated import SimulatedCompute
 
 
 def test_gradients_are_those_of_a_scale():

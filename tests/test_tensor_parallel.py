@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from helpers import check_sgd_parity, lm_tokens, reference_run
-from raypipe import checkpoint as ckpt
+from raypipe.checkpoint import layout as ckpt
 from raypipe import ConfigError, LayerSpec, TrainConfig, Trainer
 from raypipe.models import gpt
 
@@ -154,7 +154,7 @@ def test_tp_on_a_stage_whose_layers_have_no_plan_is_refused_before_any_actor_sta
 
 
 def test_each_group_takes_the_backend_of_its_members_tensors():
-    from raypipe.runtime.links import group_backend
+    from raypipe.driver.links import group_backend
 
     def infos(*devices):  # each on a GPU of its own where on cuda
         return [{"device": d, "node_id": "n", "gpu": f"GPU-{i}" if d.startswith("cuda") else None}

@@ -10,7 +10,7 @@ from torch import nn
 
 from helpers import MLP7, Sleep, batch
 from raypipe import LayerSpec, Timeline, TrainConfig, Trainer, build_schedule
-from raypipe.runtime.refs import submission_order
+from raypipe.driver.engines.refs import submission_order
 
 
 

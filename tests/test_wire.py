@@ -1,4 +1,4 @@
-"""Batches travel to the actors as numpy arrays (`raypipe.runtime.transport.wire`): exact round trips,
+"""Batches travel to the actors as numpy arrays (`raypipe.transport.wire`): exact round trips,
 tensors the receiver owns, and everything else untouched."""
 
 from collections import namedtuple
@@ -7,7 +7,7 @@ import numpy as np
 import ray
 import torch
 
-from raypipe.runtime.transport.wire import Packed, pack, pack_microbatches, unpack
+from raypipe.transport.wire import Packed, pack, pack_microbatches, unpack
 
 Pair = namedtuple("Pair", "x y")
 

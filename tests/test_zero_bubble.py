@@ -213,7 +213,7 @@ def test_profiled_plans_split_per_virtual_stage_and_predict_by_simulating_the_sc
     chunk alone ([0,3) [3,5) [5,6) [6,8)) leaves actor 0 with 0.27 s of the 0.48 per microbatch; the
     plan balances the actors (0.24 each) and beats both that and the uniform split, as the
     schedule's own timed run (the prediction) says."""
-    from raypipe.profile import plan_from_profiles, scheduled_seconds
+    from raypipe.planning.profiling import plan_from_profiles, scheduled_seconds
 
     layer = [0.01] * 4 + [0.03] * 4
     profile = {"forward_s": layer, "backward_s": [2 * t for t in layer], "parameter_bytes": [1000] * 8,
@@ -249,7 +249,7 @@ def test_auto_picks_the_cheapest_predicted_schedule_and_the_step_takes_what_it_p
     """schedule="auto" on eight simulated layers (F, I and W 4 ms each): every candidate is
     predicted from the profiled layers, the cheapest runs, and its measured step is within 35 %
     of the prediction (sleeps of 4 ms; the engine's cost per action is estimated, not measured)."""
-    from raypipe.simulated import SimulatedCompute
+    from simulated import SimulatedCompute
 
     layers = [LayerSpec(SimulatedCompute, 0.004, 0.004, weight_s=0.004) for _ in range(8)]
     x, y = torch.randn(16, 8), torch.randn(16, 8)
@@ -262,7 +262,7 @@ def test_auto_picks_the_cheapest_predicted_schedule_and_the_step_takes_what_it_p
         for _ in range(2):
             t.step(x, y)
         measured = sorted(t.step(x, y)["step_time"] for _ in range(3))[1]
-    from raypipe.autoschedule import ACTION_OVERHEAD_S
+    from raypipe.planning.autoschedule import ACTION_OVERHEAD_S
     actions = max(len(a) for a in build_schedule(t.config.schedule, 2, t.config.microbatches, t.config.chunks))
     assert predicted + ACTION_OVERHEAD_S * actions == pytest.approx(measured, rel=0.35), (lines[0], measured)
     ranked = [line for line in lines[0].splitlines()[1:] if line.startswith("  ") and " ms" in line]

@@ -3,7 +3,7 @@ file per global layer (whole tensors: tp shards merged, ZeRO shares united, ever
 experts), and its RNG state.
 
 The trainer (`raypipe.trainer`) orchestrates a save or load across the actors and writes
-the manifest; `raypipe.checkpoint` owns the file format. Here is what each actor does.
+the manifest; `raypipe.checkpoint.layout` owns the file format. Here is what each actor does.
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from typing import Any
 
 import torch
 
-from raypipe import checkpoint as ckpt
+from raypipe.checkpoint import layout as ckpt
 from raypipe.actors.model import StageModel
 from raypipe.actors.optimizer import OptimizerState
 from raypipe.errors import StageError
 from raypipe.nn import merge, shard
-from raypipe.storage import location, redact, scrub
+from raypipe.checkpoint.storage import location, redact, scrub
 
 
 def save_stage(model: StageModel, optim: OptimizerState, directory: str, stage: int, name: str,
@@ -54,14 +54,14 @@ def save_stage(model: StageModel, optim: OptimizerState, directory: str, stage: 
         models, states = _merge_tp_shards(model, models, states, tp_ranks)
         if model.tp.rank != 0:
             return nothing
-    root = location(directory)  # a local directory, or a URI every actor writes to (raypipe.storage)
+    root = location(directory)  # a local directory, or a URI every actor writes to (raypipe.checkpoint.storage)
     if isinstance(root, Path) and not root.is_dir():
         import ray
 
         raise StageError(
             f"{name} on node {ray.get_runtime_context().get_node_id()[:12]} cannot see the "
             f"checkpoint directory {redact(directory)}: multi-node runs need a directory every node shares, or a "
-            f"URI of storage every node reaches (checkpoint_dir='s3://bucket/run', raypipe.storage)."
+            f"URI of storage every node reaches (checkpoint_dir='s3://bucket/run', raypipe.checkpoint.storage)."
         )
     files = {}
     for index in model.layers:

@@ -20,7 +20,7 @@ from raypipe.actors.settings import StageSettings
 from raypipe.actors.split_backward import Deferred, input_gradients, weight_gradients
 from raypipe.errors import StageError
 from raypipe.nn.moe import RECORDER, reset_recorder
-from raypipe.runtime.transport.tree import leaves, map_tensors, tensors
+from raypipe.transport.tree import leaves, map_tensors, tensors
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -106,7 +106,7 @@ class OptimizerState:
 
     def reduce_gradients(self) -> None:
         """Averages this stage's gradients over its data-parallel replicas, in buckets."""
-        from raypipe.runtime.collective import all_reduce_mean
+        from raypipe.transport.collective import all_reduce_mean
 
         params = self.model.trainable()
         for p in params:

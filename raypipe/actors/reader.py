@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from raypipe.errors import BatchError
-from raypipe.runtime.batches import Prepared, prepare
+from raypipe.data.batches import Prepared, prepare
 
 
 def default_collate(batch: dict[str, np.ndarray]) -> tuple[Any, Any]:
@@ -39,7 +39,7 @@ def default_collate(batch: dict[str, np.ndarray]) -> tuple[Any, Any]:
 
 class DatasetReader:
     """Reads `dataset` in order, `batch_size` rows per step, each batch `collate`d into `(x, y)`
-    and cut for `dp` replicas x `microbatches` (`raypipe.runtime.batches.prepare`)."""
+    and cut for `dp` replicas x `microbatches` (`raypipe.data.batches.prepare`)."""
 
     def __init__(self, dataset: Any, batch_size: int, collate: Callable[[dict], tuple[Any, Any]] | None, dp: int,
                  microbatches: int, loss_fn: Any) -> None:
@@ -65,7 +65,7 @@ class DatasetReader:
         """Step `step`'s batch, cut and stored: `Prepared.packed` holds the references."""
         import ray
 
-        from raypipe.runtime.transport.wire import pack_microbatches
+        from raypipe.transport.wire import pack_microbatches
 
         if self.rows is None or step < self.position:
             self.rows, self.position = self._epochs(), 0

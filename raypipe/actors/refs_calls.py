@@ -9,8 +9,8 @@ import math
 from typing import Any
 
 
-from raypipe.runtime.transport.tree import map_tensors
-from raypipe.runtime.transport.wire import pack, unpack
+from raypipe.transport.tree import map_tensors
+from raypipe.transport.wire import pack, unpack
 
 
 class RefsCalls:

@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from raypipe import storage
+from raypipe.checkpoint import storage
 from raypipe.actors import checkpoint_io, step_list
 from raypipe.actors.executor import Executor
 from raypipe.actors.memory import max_rss_bytes
@@ -33,8 +33,8 @@ from raypipe.errors import StageError
 from raypipe.layers import LayerSpec
 from raypipe.nn import TensorParallelGroup
 from raypipe.nn.moe import ExpertParallelGroup, take_step_report
-from raypipe.runtime.transport import PeerFailed, agree
-from raypipe.runtime.transport.wire import StepCall, pack, unpack
+from raypipe.transport import PeerFailed, agree
+from raypipe.transport.wire import StepCall, pack, unpack
 
 __all__ = ["StageActor", "StageSettings"]
 
@@ -155,7 +155,7 @@ class StageActor(RefsCalls):
 
     def rendezvous_address(self) -> tuple[str, int]:
         """Rank 0's address and a free port, which every actor then joins."""
-        from raypipe.runtime.collective import rendezvous_address
+        from raypipe.transport.collective import rendezvous_address
 
         return rendezvous_address()
 
@@ -167,21 +167,21 @@ class StageActor(RefsCalls):
              streams: Sequence[tuple[int, int, int, int, str]] = ()) -> list[int]:
         """Joins the trainer's torch.distributed world, keeps its dp and tp groups, and links
         to its pipeline `neighbours` (world ranks) on this node through shared memory
-        (`raypipe.runtime.transport.shm`) unless `same_node_transport` is "gloo"; with "shm"
+        (`raypipe.transport.shm`) unless `same_node_transport` is "gloo"; with "shm"
         and the whole world on this node, the step's closing agreement goes through pipes
         (`transport.agree`). `tied_groups`: (tied group index, the world ranks of its holders,
         lowest stage first) for each weight this actor shares with other stages; the copies
         start from the first holder's values. `ep_group`: the ranks its MoE layers exchange
         tokens with; `expert_group`: the replicas holding the same experts (ep > 1 only).
         `streams`: (index in `groups`, sender, receiver, sending virtual stage, "F" or "G") for
-        each device link stream this actor is in (`raypipe.runtime.links`): those neighbours
+        each device link stream this actor is in (`raypipe.driver.links`): those neighbours
         are linked on the device, not through host memory.
 
         Returns:
             The neighbours linked through shared memory (the others use gloo or the device).
         """
         from raypipe.actors import world
-        from raypipe.runtime.collective import join_world
+        from raypipe.transport.collective import join_world
 
         joined = join_world(address, port, world_size, rank, groups, timeout, backends)
         mine = world.by_members(groups, joined)
@@ -210,7 +210,7 @@ class StageActor(RefsCalls):
 
         Activations come from the actor holding the previous virtual stage (`call.peers`) and
         go to the next one's, gradients the other way, through shared memory on one node and
-        gloo between nodes (`raypipe.runtime.transport`); the actor holding the first virtual
+        gloo between nodes (`raypipe.transport`); the actor holding the first virtual
         stage takes `call.inputs[m]`, the one holding the last `call.targets[m]`. After a failure the actor still
         makes every send and receive of its list (sending poison), so no neighbour
         hangs; then every actor learns through one all-reduce that the step failed, none
@@ -299,7 +299,7 @@ class StageActor(RefsCalls):
     # ----- inference, weights, checkpoints ------------------------------------------
 
     def generate_forward(self, x: Any, start: bool, cached: bool, v: int | None = None) -> Any:
-        """One forward of generation through chunk `v` (`raypipe.runtime.generation`): the output
+        """One forward of generation through chunk `v` (`raypipe.driver.generation`): the output
         (rank 0 of tp only), or on the last stage the last position's logits."""
         out = self.executor.generate(unpack(x), start, cached, v)
         return pack(to_host(out)) if self.tp.rank == 0 else None

@@ -3,7 +3,7 @@ actors holding the neighbouring virtual stages (`links_for`), and the list run a
 (`run_list`), sending poison after a failure so no neighbour waits forever.
 
 Plain Python and torch: the links are anything with `send`/`poison`/`take`/`refill`/`wait`
-(`raypipe.runtime.transport`), so a test can drive an Executor with queues.
+(`raypipe.transport`), so a test can drive an Executor with queues.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def links_for(executor: Executor, actions: Sequence[tuple[str, int, int]], peers
     their link of its own (`transport.outbox`), its messages tagged by stage and microbatch.
     `streams`: (sending virtual stage, "F" or "G") -> (group, device) for streams on a group of
     their own (device links, `transport.ordered`); the others go through host memory."""
-    from raypipe.runtime import transport
+    from raypipe import transport
 
     held, streams = executor.parts, streams or {}
     last = num_virtual - 1

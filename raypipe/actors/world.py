@@ -1,6 +1,6 @@
 """What a stage actor sets up once it has joined the trainer's world: the groups it is in (by
 members), its tied weights' groups, and its links to its pipeline neighbours: device streams on
-groups of their own where the driver planned them (`raypipe.runtime.links`), shared memory to
+groups of their own where the driver planned them (`raypipe.driver.links`), shared memory to
 neighbours on this node, gloo to the others."""
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def connect(rank: int, neighbours: Sequence[int], streams: Sequence[tuple[int, i
     """Links to every neighbour: `streams` ((group index, sender, receiver, sending virtual stage,
     "F" or "G")) on their groups, warmed up now; the other neighbours through shared memory on
     this node (unless `same_node_transport` is "gloo") or gloo."""
-    from raypipe.runtime.transport import agree, ordered, shm
+    from raypipe.transport import agree, ordered, shm
 
     out = Neighbours()
     for index, sender, receiver, v, what in streams:

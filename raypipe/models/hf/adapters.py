@@ -14,7 +14,7 @@ from raypipe.errors import ConfigError
 from raypipe.layers import LayerSpec
 from raypipe.lora import ADAPTER, peft_config
 from raypipe.models.hf.layers import checkpoint_key
-from raypipe.runtime.results import gather
+from raypipe.driver.results import gather
 
 WEIGHTS, CONFIG = "adapter_model.safetensors", "adapter_config.json"
 PREFIX = "base_model.model."

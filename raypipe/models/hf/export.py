@@ -63,8 +63,8 @@ def save_shards(stages: Sequence[Sequence[Any]], names: dict[str, str | None], d
     so are the experts of a stage whose list holds the actors of several ep ranks (tp each).
     `transpose`: raypipe keys stored transposed in the checkpoint (GPT-2's Conv1D weights)."""
     from raypipe.actors.checkpoint_io import save_tensors
-    from raypipe.runtime.results import gather
-    from raypipe.runtime.weights import merged
+    from raypipe.driver.results import gather
+    from raypipe.driver.weights import merged
 
     os.makedirs(directory, exist_ok=True)
     files = [shard_name(s, len(stages)) for s in range(len(stages))]

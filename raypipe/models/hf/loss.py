@@ -15,7 +15,7 @@ class CausalLMLoss:
     """`CausalLMLoss(vocab_size)(logits, labels)`: transformers' `ForCausalLMLoss` on one microbatch.
 
     `count(labels)` is the number of tokens its mean is over; the trainer weighs each
-    microbatch by it (`raypipe.runtime.batches.loss_weights`), so the step's loss and
+    microbatch by it (`raypipe.data.batches.loss_weights`), so the step's loss and
     gradients are the mean over every counted token of the batch, whatever the split.
     """
 

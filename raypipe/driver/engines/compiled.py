@@ -6,7 +6,7 @@ The graph is compiled once per set of actors: its input goes to every actor's
 actors are already waiting on, instead of one `.remote()` task per actor.
 Everything else is the p2p engine's: each actor runs its stage's action list,
 activations and gradients go actor to actor over torch.distributed
-(`raypipe.runtime.transport`), and the call ends with the agreed optimizer step. The action
+(`raypipe.transport`), and the call ends with the agreed optimizer step. The action
 lists travel in the payload, so changing microbatches or schedule needs no new
 graph.
 
@@ -22,9 +22,9 @@ from typing import Any, Sequence
 
 import ray
 
-from raypipe.runtime.p2p import ActionList
-from raypipe.runtime.step import StepInput
-from raypipe.runtime.results import cause_message, root_failure
+from raypipe.driver.engines.p2p import ActionList
+from raypipe.driver.engines.step import StepInput
+from raypipe.driver.results import cause_message, root_failure
 from raypipe.errors import ActorDiedError, StageError, StepTimeoutError
 
 

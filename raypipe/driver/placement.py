@@ -17,11 +17,11 @@ from raypipe.devices import ray_options
 from raypipe.model import tied_stages
 from raypipe.errors import PlacementError, StageError
 from raypipe.layers import LayerSpec
-from raypipe.runtime.chunks import actor_chunks, actor_plan
-from raypipe.runtime import gang, links, nodes
-from raypipe.runtime.checkpoints import check_reachable
-from raypipe.runtime.results import gather, last_line
-from raypipe.runtime.topology import Topology
+from raypipe.driver.chunks import actor_chunks, actor_plan
+from raypipe.driver import gang, links, nodes
+from raypipe.driver.checkpoints import check_reachable
+from raypipe.driver.results import gather, last_line
+from raypipe.driver.topology import Topology
 from raypipe.schedules import Schedule, owners, virtual_stages
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from raypipe.errors import RaypipeError
-from raypipe.storage import StoragePath, location
+from raypipe.checkpoint.storage import StoragePath, location
 
 TENSORS = ".safetensors"
 LEGACY = ".pt"  # checkpoints written before safetensors: torch.save pickles

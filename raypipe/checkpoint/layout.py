@@ -12,7 +12,7 @@ Layout of one checkpoint, `<root>/step-00000120/`:
 Every file is keyed by global layer index, never by stage, so a checkpoint saved at
 one pp loads at any other. Each actor writes its own layers straight to the root: a
 directory every node sees, or a URI (`s3://bucket/run`, anything `pyarrow.fs` resolves;
-`raypipe.storage`). In a directory each file is written atomically (temporary file,
+`raypipe.checkpoint.storage`). In a directory each file is written atomically (temporary file,
 fsync, rename), the checkpoint as `step-N.partial`, renamed to `step-N` after the
 manifest, so a directory named `step-N` is always complete. An object store has no
 rename: there the manifest, written last, is the commit marker, and a `step-N` without
@@ -22,8 +22,8 @@ first, and falls back past invalid checkpoints to the newest valid one.
 A checkpoint belongs to the run that wrote it (`run_id`: made when a run starts, kept when it
 is resumed): pruning (`keep`) and recovery see only the run's own, so two runs that share a
 directory can never delete or restore each other's (and a new run refuses a used directory:
-`raypipe.runtime.checkpoints.check_new_run`). Files are written readable by their owner only.
-The tensor files' format is `raypipe.checkpoint_files`'.
+`raypipe.driver.checkpoints.check_new_run`). Files are written readable by their owner only.
+The tensor files' format is `raypipe.checkpoint.files`'.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable
 
-from raypipe.checkpoint_files import (  # noqa: F401 - the file format's names, re-exported
+from raypipe.checkpoint.files import (  # noqa: F401 - the file format's names, re-exported
     LEGACY,
     PRIVATE_DIR,
     PRIVATE_FILE,
@@ -48,7 +48,7 @@ from raypipe.checkpoint_files import (  # noqa: F401 - the file format's names, 
     tensor_shapes,
     write_atomic,
 )
-from raypipe.storage import StoragePath, location, redact  # noqa: F401 - location: for callers
+from raypipe.checkpoint.storage import StoragePath, location, redact  # noqa: F401 - location: for callers
 
 FORMAT = 1
 MANIFEST = "MANIFEST.json"

@@ -12,16 +12,16 @@ from typing import Any, Callable
 import torch
 
 from raypipe.actors.settings import stops_on_nonfinite
-from raypipe import checkpoint as ckpt
-from raypipe.checkpoint import CheckpointError
+from raypipe.checkpoint import layout as ckpt
+from raypipe.checkpoint.layout import CheckpointError
 from raypipe.errors import ActorDiedError, NonFiniteError, RaypipeError, StepTimeoutError
 from raypipe.loggers import scalars
 from raypipe.metrics import RayMetrics, step_metrics
 from raypipe.progress import Progress
-from raypipe.runtime.batches import Prepared, prepare
-from raypipe.runtime.engines import StepInput, StepTarget, Wait
-from raypipe.runtime.interrupts import Terminated, sigterm_as_interrupt
-from raypipe.runtime.recovery import recover
+from raypipe.data.batches import Prepared, prepare
+from raypipe.driver.engines import StepInput, StepTarget, Wait
+from raypipe.driver.interrupts import Terminated, sigterm_as_interrupt
+from raypipe.driver.recovery import recover
 
 
 @dataclass
@@ -153,7 +153,7 @@ def retry_save(trainer: Any, failure: SaveFailed, log: Callable[[str], None]) ->
 def fit(trainer: Any, feed: Any, steps: int, on_step: Callable[[dict[str, Any]], None] | None,
         log: Callable[[str], None], bar: Progress, overlap: bool) -> list[dict[str, Any]]:
     """Steps `trainer` until its step count is `steps` (see `Trainer.fit`), each step's batch from
-    `feed` (`raypipe.runtime.feeds`); returns every step's metrics, replayed steps again after a
+    `feed` (`raypipe.driver.feeds`); returns every step's metrics, replayed steps again after a
     recovery."""
     history = []
     queue: list[Submitted] = []  # submitted, not yet booked; the first is the oldest

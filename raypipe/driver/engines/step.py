@@ -27,7 +27,7 @@ class StepInput:
     """One step's data and identity: per replica, one input and one target per microbatch.
 
     `weights`: per replica and microbatch, its loss weight relative to an equal share (a
-    loss that counts tokens, `raypipe.runtime.batches.loss_weights`), or None for equal shares.
+    loss that counts tokens, `raypipe.data.batches.loss_weights`), or None for equal shares.
     `varying`: the microbatches differ in shape, so boundary messages describe themselves.
     """
 
@@ -45,7 +45,7 @@ class StepInput:
     def packed_batches(self) -> list[tuple[Any, Any]]:
         """Per replica (packed inputs, packed targets) as they travel to the actors: stored ones as
         references, else packed here (`pack_microbatches`)."""
-        from raypipe.runtime.transport.wire import pack_microbatches
+        from raypipe.transport.wire import pack_microbatches
 
         if self.packed is not None:
             return list(self.packed)

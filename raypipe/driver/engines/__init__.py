@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from typing import Callable
 
-from raypipe.runtime.compiled import CompiledStep
-from raypipe.runtime.p2p import submit_step_p2p
-from raypipe.runtime.refs import run_step
-from raypipe.runtime.results import StepResult
-from raypipe.runtime.step import StepInput, StepTarget
+from raypipe.driver.engines.compiled import CompiledStep
+from raypipe.driver.engines.p2p import submit_step_p2p
+from raypipe.driver.engines.refs import run_step
+from raypipe.driver.results import StepResult
+from raypipe.driver.engines.step import StepInput, StepTarget
 
 __all__ = ["ENGINES", "Engine", "StepInput", "StepTarget", "Wait", "make_engine"]
 

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from raypipe.runtime.transport.pipes import owned, poller, sweep_stale, wait_alive
-from raypipe.runtime.transport.pipes import prefix as link_prefix
+from raypipe.transport.pipes import owned, poller, sweep_stale, wait_alive
+from raypipe.transport.pipes import prefix as link_prefix
 
 VALUES = 3  # numbers each rank contributes
 RECORD = struct.Struct(f"<2q{VALUES}d")  # rank, round, values: written atomically (< PIPE_BUF)

@@ -11,7 +11,7 @@ import warnings
 from typing import Any, Callable, Iterable, Iterator
 
 from raypipe.errors import BatchError, ConfigError
-from raypipe.runtime.batches import Prepared, prepare
+from raypipe.data.batches import Prepared, prepare
 
 
 class FunctionFeed:
@@ -75,7 +75,7 @@ class DatasetFeed:
         import ray
 
         from raypipe.actors.reader import DatasetReader
-        from raypipe.runtime.placement import cpus_per_actor
+        from raypipe.driver.placement import cpus_per_actor
 
         c = trainer.config
         if c.engine == "refs":

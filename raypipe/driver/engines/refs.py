@@ -21,10 +21,10 @@ import ray
 import torch
 
 from raypipe import env
-from raypipe.runtime.results import StepResult, gather, wait_for_progress
-from raypipe.runtime.step import StepInput, StepTarget
-from raypipe.runtime.trace import write_trace
-from raypipe.runtime.transport.wire import pack, unpack
+from raypipe.driver.results import StepResult, gather, wait_for_progress
+from raypipe.driver.engines.step import StepInput, StepTarget
+from raypipe.driver.trace import write_trace
+from raypipe.transport.wire import pack, unpack
 from raypipe.schedules import BACKWARD, FORWARD, Action, Schedule, simulate
 
 

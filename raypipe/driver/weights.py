@@ -10,7 +10,7 @@ import torch
 
 from raypipe.errors import StageError
 from raypipe.nn import ShardSpec, merge
-from raypipe.runtime.results import gather
+from raypipe.driver.results import gather
 
 
 def merged(stages: Sequence[Sequence[Any]], method: str, tp: int) -> dict[str, torch.Tensor]:
@@ -43,7 +43,7 @@ def merged_replicas(grid: Sequence[Sequence[Sequence[Any]]], method: str, tp: in
 def load_into(actors: Sequence[Any], state: dict[str, torch.Tensor], plan: Sequence[Sequence[tuple[int, int]]],
               tp: int) -> None:
     """Loads full-model weights into every actor, each stage getting the keys of its layers
-    (`plan`: per stage, the layer ranges it holds, `raypipe.runtime.chunks.actor_plan`).
+    (`plan`: per stage, the layer ranges it holds, `raypipe.driver.chunks.actor_plan`).
 
     Raises:
         KeyError: a key names no layer of the model, or a stage's key is missing.

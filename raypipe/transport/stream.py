@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from raypipe.runtime.transport.tree import Layout, flatten, pack_into
+from raypipe.transport.tree import Layout, flatten, pack_into
 
 HEADER_BYTES = 2048  # flag, varying, layout length (int64s), then the pickled layout
 OK, POISON = 0, -1

@@ -7,18 +7,19 @@ a process group of the stream's own, matched in order, where the driver made one
 NCCL between GPUs, device to device), else through host memory: shared memory between
 neighbours on one node (`shm`), gloo point to point otherwise (`gloo`). Every transport speaks the stream format of `stream` (a header, then flagged
 messages; poison when a stage failed). Also here: the step's closing agreement
-(`agree`), the pipes both shm and agree use (`pipes`), and the wire format of the
-batches and step calls the driver sends (`wire`).
+(`agree`), the pipes both shm and agree use (`pipes`), the packing of the tensors the
+driver sends (`wire`), and the trainer's torch.distributed world with its dp and tp groups
+(`collective`). Everything here runs inside the actors; nothing here imports the driver.
 """
 
 from __future__ import annotations
 
 from typing import Any, Sequence
 
-from raypipe.runtime.transport import shm
-from raypipe.runtime.transport.gloo import GlooInbox, GlooOutbox
-from raypipe.runtime.transport.ordered import OrderedInbox, OrderedOutbox
-from raypipe.runtime.transport.stream import PeerFailed
+from raypipe.transport import shm
+from raypipe.transport.gloo import GlooInbox, GlooOutbox
+from raypipe.transport.ordered import OrderedInbox, OrderedOutbox
+from raypipe.transport.stream import PeerFailed
 
 __all__ = ["PeerFailed", "inbox", "outbox"]
 

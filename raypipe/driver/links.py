@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from raypipe.errors import PlacementError
-from raypipe.runtime.topology import Topology
+from raypipe.driver.topology import Topology
 from raypipe.schedules.actions import Schedule, owners
 
 

@@ -25,7 +25,7 @@ from raypipe.config import TrainConfig
 from raypipe.devices import ray_options
 from raypipe.errors import PlacementError, StageError
 from raypipe.layers import LayerSpec
-from raypipe.partition import Plan, speed_aware_plan, uniform_plan
+from raypipe.planning.partition import Plan, speed_aware_plan, uniform_plan
 
 MEMORY_HEADROOM = 0.9
 

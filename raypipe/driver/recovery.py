@@ -8,8 +8,8 @@ import time
 from typing import Any, Callable
 
 from raypipe.errors import ActorDiedError, PlacementError
-from raypipe.runtime import nodes
-from raypipe.runtime.checkpoints import last_valid
+from raypipe.driver import nodes
+from raypipe.driver.checkpoints import last_valid
 
 
 def recover(trainer: Any, error: ActorDiedError, log: Callable[[str], None]) -> None:

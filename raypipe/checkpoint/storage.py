@@ -5,7 +5,7 @@ gs://, hdfs://, abfs://, file://).
 StoragePath carries the part of `Path`'s API that checkpoints use (`/`, `name`, `parent`,
 `exists`, `read_bytes`, `iterdir`, ...) plus `write_bytes` and `rmtree`, so the checkpoint code
 reads the same for both. Object stores have no rename: a file is written straight to its place,
-and `raypipe.checkpoint` makes the manifest, written last, the commit marker.
+and `raypipe.checkpoint.layout` makes the manifest, written last, the commit marker.
 
 Credentials come from the filesystem's usual sources on every node (AWS_* variables, an
 instance role, gcloud's), or from the URI itself (`s3://KEY:SECRET@bucket/ck?endpoint_override=

@@ -1,16 +1,16 @@
 """Checkpoint orchestration across a trainer's actors: every actor saves or loads its own
 layers in lock-step (`raypipe.actors.checkpoint_io`), the driver writes the manifest that
 commits a save and picks the checkpoint a load or a recovery restores
-(`raypipe.checkpoint` owns the format)."""
+(`raypipe.checkpoint.layout` owns the format)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from raypipe import checkpoint as ckpt
-from raypipe.storage import location, redact, scrub
-from raypipe.runtime.results import gather
+from raypipe.checkpoint import layout as ckpt
+from raypipe.checkpoint.storage import location, redact, scrub
+from raypipe.driver.results import gather
 
 
 def run_meta(step: int, num_layers: int, plan: Sequence[Sequence[int]], run: str, run_id: str, config: Any,

@@ -36,8 +36,8 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from raypipe.runtime.transport.stream import FLAG_BYTES, HEADER_BYTES, POISON, Outbox, PeerFailed, read_header
-from raypipe.runtime.transport.tree import Layout
+from raypipe.transport.stream import FLAG_BYTES, HEADER_BYTES, POISON, Outbox, PeerFailed, read_header
+from raypipe.transport.tree import Layout
 
 LOOKAHEAD = 3  # receives posted ahead per stream (each holds a message's buffer until taken)
 

@@ -3,7 +3,7 @@
 time within every device's memory, chosen from the layers profiled on each device kind.
 
 For each microbatch count that divides the sample (from pp up to 8 pp), the layers are timed on
-one microbatch of that size on every kind of the run (`raypipe.profile`); each schedule is then
+one microbatch of that size on every kind of the run (`raypipe.planning.profiling`); each schedule is then
 partitioned for those times (`plan_from_profiles`: per virtual stage, memory checked) and
 predicted by running its action lists with the measured durations (`raypipe.schedules.timed`),
 plus a fixed engine cost per action. The cheapest candidate wins; every candidate and why the
@@ -21,8 +21,8 @@ import torch
 from raypipe.config import TrainConfig
 from raypipe.errors import ConfigError
 from raypipe.layers import LayerSpec
-from raypipe.profile import PlanReport, plan_from_profiles, profile_layers, profiled_plan, scheduled_seconds
-from raypipe.runtime.batches import split_batch
+from raypipe.planning.profiling import PlanReport, plan_from_profiles, profile_layers, profiled_plan, scheduled_seconds
+from raypipe.data.batches import split_batch
 from raypipe.schedules import SCHEDULES, build_schedule
 
 # What the p2p engine adds to an action beyond its layers' compute on a loaded 2-core machine
@@ -122,7 +122,7 @@ def _rows(x: Any) -> int:
 def plan_run(specs: Sequence[LayerSpec], loss_fn: Callable[[torch.Tensor, Any], torch.Tensor], sample: tuple,
              config: TrainConfig, cpus: float, log: Callable[[str], None]) -> tuple[TrainConfig, PlanReport]:
     """The profiled plan of a run (`partition="profile"`), or with `schedule="auto"` the chosen
-    schedule, chunks and microbatches too (`raypipe.autoschedule`); logs what it found.
+    schedule, chunks and microbatches too (`raypipe.planning.autoschedule`); logs what it found.
 
     Returns:
         (the config, with the chosen schedule under "auto"; the plan report).

@@ -13,8 +13,8 @@ from typing import Any, Sequence
 
 import torch
 
-from raypipe.runtime.results import gather, wait_for_progress
-from raypipe.runtime.transport.wire import pack, unpack
+from raypipe.driver.results import gather, wait_for_progress
+from raypipe.transport.wire import pack, unpack
 
 
 def pick(logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None) -> torch.Tensor:

@@ -25,8 +25,8 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from raypipe.runtime.transport.stream import FLAG_BYTES, HEADER_BYTES, POISON, Outbox, PeerFailed, read_header
-from raypipe.runtime.transport.tree import Layout
+from raypipe.transport.stream import FLAG_BYTES, HEADER_BYTES, POISON, Outbox, PeerFailed, read_header
+from raypipe.transport.tree import Layout
 
 LOOKAHEAD = 3  # receives posted per stream; refilled after each action, so two stay posted while it computes
 PAYLOAD_TAG = 1 << 24  # added to a message's tag for a varying stream's payload

@@ -1,5 +1,5 @@
 """The "p2p" engine on the driver: one call per actor per step carrying its whole action list;
-boundary tensors then go actor to actor (`raypipe.runtime.transport`), never through the driver.
+boundary tensors then go actor to actor (`raypipe.transport`), never through the driver.
 `compiled` issues the same calls through a Ray Compiled Graph."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from typing import Any, Sequence
 import ray
 
 from raypipe.errors import ActorDiedError, StageError
-from raypipe.runtime.results import StepResult, gather, raise_if_died, root_failure, wait_for_progress
-from raypipe.runtime.step import StepInput, StepTarget
-from raypipe.runtime.trace import trace_lists
-from raypipe.runtime.transport.wire import StepCall
+from raypipe.driver.results import StepResult, gather, raise_if_died, root_failure, wait_for_progress
+from raypipe.driver.engines.step import StepInput, StepTarget
+from raypipe.driver.trace import trace_lists
+from raypipe.transport.wire import StepCall
 from raypipe.schedules import Schedule, owners
 
 
@@ -24,7 +24,7 @@ def submit_step_p2p(target: StepTarget, data: StepInput, after: int | None = Non
     without waiting for it; `result()` waits.
 
     Each actor gets its stage's whole action list (`StageActor.run_actions`) and
-    exchanges activations and gradients directly with its neighbours (`raypipe.runtime.transport`),
+    exchanges activations and gradients directly with its neighbours (`raypipe.transport`),
     so no boundary tensor and no per-action call goes through the driver. tp rank t
     of a stage talks to tp rank t of the next (their activations are identical).
     The gradient reduction and the optimizer step end the same call: the actors agree
@@ -37,7 +37,7 @@ def submit_step_p2p(target: StepTarget, data: StepInput, after: int | None = Non
     makes every actor answer the steps queued behind it with `{"halted": True}`
     instead, so a failure leaves the weights of the last good step.
 
-    `compiled`: a `raypipe.runtime.compiled.CompiledStep` over the same actors, to issue the
+    `compiled`: a `raypipe.driver.engines.compiled.CompiledStep` over the same actors, to issue the
     calls through it ("compiled" engine); that step is run in full before this returns.
     """
     started = time.perf_counter()

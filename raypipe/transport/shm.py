@@ -42,11 +42,11 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from raypipe.runtime.transport.gloo import GlooInbox, GlooOutbox
-from raypipe.runtime.transport.pipes import directory, owned, poller, sweep_stale, wait_alive
-from raypipe.runtime.transport.pipes import prefix as link_prefix
-from raypipe.runtime.transport.stream import HEADER_BYTES, POISON, PeerFailed, check_like, header, read_header
-from raypipe.runtime.transport.tree import Layout, flatten
+from raypipe.transport.gloo import GlooInbox, GlooOutbox
+from raypipe.transport.pipes import directory, owned, poller, sweep_stale, wait_alive
+from raypipe.transport.pipes import prefix as link_prefix
+from raypipe.transport.stream import HEADER_BYTES, POISON, PeerFailed, check_like, header, read_header
+from raypipe.transport.tree import Layout, flatten
 
 OK, GLOO = 0, 1  # record flags besides POISON: a tensor in a slot; this stream goes over gloo this step
 RECORD = struct.Struct("<4q")  # tag, flag, generation, slot: written atomically (< PIPE_BUF)
