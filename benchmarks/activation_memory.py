@@ -27,17 +27,21 @@ def main() -> None:
     model = gpt.GPTConfig(n_layer=6, n_head=4, n_embd=128, block_size=64)  # 8 layers: 2 per stage
     data = TokenDataset(np.arange(200_000, dtype=np.uint16) % 256, model.block_size)
     x, y = data.batch(0, 2 * M)
-    config = TrainConfig(pp=P, microbatches=M, optimizer={"name": "adamw", "lr": 1e-3}, cpus_per_actor=0.5,
-                         measure_activations=True)
+    config = TrainConfig(
+        pp=P, microbatches=M, optimizer={"name": "adamw", "lr": 1e-3}, cpus_per_actor=0.5, measure_activations=True
+    )
     result = {"benchmark": "activation_memory", "p": P, "m": M, "microbatch": [2, model.block_size], "schedules": {}}
     with Trainer(gpt.layers(model), gpt.loss_fn, config) as trainer:
         for schedule in ("gpipe", "1f1b"):
             trainer.reconfigure(schedule=schedule)
             stages = trainer.step(x, y)["stages"]
             result["schedules"][schedule] = [
-                {"stage": s, "peak_stashed_microbatches": st["peak_stashed_microbatches"],
-                 "peak_stashed_mib": round(st["peak_stashed_bytes"] / 2**20, 2),
-                 "bound": M if schedule == "gpipe" else P - s}
+                {
+                    "stage": s,
+                    "peak_stashed_microbatches": st["peak_stashed_microbatches"],
+                    "peak_stashed_mib": round(st["peak_stashed_bytes"] / 2**20, 2),
+                    "bound": M if schedule == "gpipe" else P - s,
+                }
                 for s, st in enumerate(stages)
             ]
     ray.shutdown()

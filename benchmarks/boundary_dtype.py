@@ -31,24 +31,39 @@ def main() -> None:
     runs = {}
     try:
         for dtype in ("fp32", "bf16"):
-            config = JobConfig.from_yaml(CONFIG, [
-                f"boundary_dtype={dtype}", f"job.steps={args.steps}", f"optim.lr_schedule.total_steps={args.steps}",
-                "log_dir=null", "job.sample_tokens=0", "job.progress=false", f"name=boundary-{dtype}",
-            ])
+            config = JobConfig.from_yaml(
+                CONFIG,
+                [
+                    f"boundary_dtype={dtype}",
+                    f"job.steps={args.steps}",
+                    f"optim.lr_schedule.total_steps={args.steps}",
+                    "log_dir=null",
+                    "job.sample_tokens=0",
+                    "job.progress=false",
+                    f"name=boundary-{dtype}",
+                ],
+            )
             sent = []
-            summary = run(config, log=lambda line: None, on_metrics=lambda m: sent.append(
-                sum(s["sent_bytes"] for s in m["stages"])))
+            summary = run(
+                config,
+                log=lambda line: None,
+                on_metrics=lambda m: sent.append(sum(s["sent_bytes"] for s in m["stages"])),
+            )
             losses = summary["losses"]
             runs[dtype] = {
-                "loss_first10": sum(losses[:10]) / 10, "loss_last10": sum(losses[-10:]) / 10,
-                "val_last": summary["val_last"], "sent_bytes_per_step": sent[-1],
-                "tokens_per_s": sum(summary["tokens_per_s"]) / len(summary["tokens_per_s"]), "losses": losses,
+                "loss_first10": sum(losses[:10]) / 10,
+                "loss_last10": sum(losses[-10:]) / 10,
+                "val_last": summary["val_last"],
+                "sent_bytes_per_step": sent[-1],
+                "tokens_per_s": sum(summary["tokens_per_s"]) / len(summary["tokens_per_s"]),
+                "losses": losses,
             }
     finally:
         ray.shutdown()
     diffs = [abs(a - b) for a, b in zip(runs["fp32"]["losses"], runs["bf16"]["losses"])]
     result = {
-        "config": str(CONFIG.name), "steps": args.steps,
+        "config": str(CONFIG.name),
+        "steps": args.steps,
         "runs": {k: {kk: vv for kk, vv in v.items() if kk != "losses"} for k, v in runs.items()},
         "max_step_loss_diff": max(diffs),
         "val_loss_diff": runs["bf16"]["val_last"] - runs["fp32"]["val_last"],

@@ -51,10 +51,21 @@ def main() -> None:
                 seconds[kind].append(time.perf_counter() - started)
     ray.shutdown()
     ms = {name: 1000 * statistics.median(v) for name, v in seconds.items()}
-    print(json.dumps({"benchmark": "call_arguments", "calls": args.calls,
-                      "median_ms": {"round_trip_separate": ms["separate"], "round_trip_one": ms["one"],
-                                    "submit_separate": ms["separate_submit"], "submit_one": ms["one_submit"]}},
-                     indent=2))
+    print(
+        json.dumps(
+            {
+                "benchmark": "call_arguments",
+                "calls": args.calls,
+                "median_ms": {
+                    "round_trip_separate": ms["separate"],
+                    "round_trip_one": ms["one"],
+                    "submit_separate": ms["separate_submit"],
+                    "submit_one": ms["one_submit"],
+                },
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -68,12 +68,22 @@ def main() -> None:
     compiled.teardown()
     ray.shutdown()
     calls = M * P
-    print(json.dumps({
-        "benchmark": "compiled_graph_hops", "p": P, "m": M, "calls": calls,
-        "plain_step_ms": 1000 * plain_s, "compiled_step_ms": 1000 * compiled_s,
-        "plain_us_per_call": 1e6 * plain_s / calls, "compiled_us_per_call": 1e6 * compiled_s / calls,
-        "compiled_over_plain": compiled_s / plain_s,
-    }, indent=1))
+    print(
+        json.dumps(
+            {
+                "benchmark": "compiled_graph_hops",
+                "p": P,
+                "m": M,
+                "calls": calls,
+                "plain_step_ms": 1000 * plain_s,
+                "compiled_step_ms": 1000 * compiled_s,
+                "plain_us_per_call": 1e6 * plain_s / calls,
+                "compiled_us_per_call": 1e6 * compiled_s / calls,
+                "compiled_over_plain": compiled_s / plain_s,
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

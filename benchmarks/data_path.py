@@ -43,17 +43,22 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--features", type=int, default=4096)
-    parser.add_argument("--materialize", action="store_true",
-                        help="generate the dataset's rows before training (Ray Data's tasks then compete for no CPU)")
+    parser.add_argument(
+        "--materialize",
+        action="store_true",
+        help="generate the dataset's rows before training (Ray Data's tasks then compete for no CPU)",
+    )
     parser.add_argument("--out", default="data_path.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, logging_level="ERROR",
-             log_to_driver=False)
+    ray.init(
+        address="local", num_cpus=os.cpu_count(), include_dashboard=False, logging_level="ERROR", log_to_driver=False
+    )
     batch, features = args.batch_size, args.features
     total = batch * args.steps * args.rounds * 2
     dataset = ray.data.range(total, override_num_blocks=total // batch).map_batches(
-        lambda b: rows(b["id"], features), batch_size=batch, batch_format="numpy")
+        lambda b: rows(b["id"], features), batch_size=batch, batch_format="numpy"
+    )
     if args.materialize:
         dataset = dataset.materialize()
 
@@ -61,12 +66,25 @@ def main() -> None:
         made = rows(np.arange(step * batch, (step + 1) * batch), features)
         return torch.from_numpy(made["x"]), torch.from_numpy(made["y"])
 
-    layers = [LayerSpec(nn.Linear, features, 64), LayerSpec(nn.Tanh), LayerSpec(nn.Linear, 64, 64),
-              LayerSpec(nn.Tanh), LayerSpec(nn.Linear, 64, 1)]
-    config = TrainConfig(pp=2, dp=2, microbatches=4, cpus_per_actor=0.01, threads_per_actor=1,
-                         optimizer={"name": "adamw", "lr": 1e-3}, name="data-path")
-    measured: dict[str, dict[str, list[float]]] = {p: {"cpu_s": [], "step_s": [], "samples_per_s": []}
-                                                   for p in ("driver", "ray_data")}
+    layers = [
+        LayerSpec(nn.Linear, features, 64),
+        LayerSpec(nn.Tanh),
+        LayerSpec(nn.Linear, 64, 64),
+        LayerSpec(nn.Tanh),
+        LayerSpec(nn.Linear, 64, 1),
+    ]
+    config = TrainConfig(
+        pp=2,
+        dp=2,
+        microbatches=4,
+        cpus_per_actor=0.01,
+        threads_per_actor=1,
+        optimizer={"name": "adamw", "lr": 1e-3},
+        name="data-path",
+    )
+    measured: dict[str, dict[str, list[float]]] = {
+        p: {"cpu_s": [], "step_s": [], "samples_per_s": []} for p in ("driver", "ray_data")
+    }
     sent: dict[str, list[int]] = {"driver": [], "ray_data": []}
     import raypipe.driver.feeds as feeds
 
@@ -97,18 +115,26 @@ def main() -> None:
                     trainer.fit(batches, end, on_step=on_step, overlap=True)
                 else:
                     trainer.fit(dataset, end, batch_size=batch, on_step=on_step, overlap=True)
-    result = {"config": vars(args) | {"pp": 2, "dp": 2, "microbatches": 4, "cpus": os.cpu_count(),
-                                      "batch_bytes": batch * (features + 1) * 4},
-              "paths": {p: {"driver_cpu_ms_per_step": 1000 * statistics.median(m["cpu_s"]),
-                            "driver_data_bytes_per_step": statistics.median(sent[p]),
-                            "step_ms": 1000 * statistics.median(m["step_s"]),
-                            "samples_per_s": statistics.median(m["samples_per_s"]),
-                            "steps_measured": len(m["cpu_s"])}
-                        for p, m in measured.items()}}
+    result = {
+        "config": vars(args)
+        | {"pp": 2, "dp": 2, "microbatches": 4, "cpus": os.cpu_count(), "batch_bytes": batch * (features + 1) * 4},
+        "paths": {
+            p: {
+                "driver_cpu_ms_per_step": 1000 * statistics.median(m["cpu_s"]),
+                "driver_data_bytes_per_step": statistics.median(sent[p]),
+                "step_ms": 1000 * statistics.median(m["step_s"]),
+                "samples_per_s": statistics.median(m["samples_per_s"]),
+                "steps_measured": len(m["cpu_s"]),
+            }
+            for p, m in measured.items()
+        },
+    }
     d, r = result["paths"]["driver"], result["paths"]["ray_data"]
-    result["ray_data_vs_driver"] = {"driver_cpu": r["driver_cpu_ms_per_step"] / d["driver_cpu_ms_per_step"],
-                                    "driver_bytes": r["driver_data_bytes_per_step"] / d["driver_data_bytes_per_step"],
-                                    "step_time": r["step_ms"] / d["step_ms"]}
+    result["ray_data_vs_driver"] = {
+        "driver_cpu": r["driver_cpu_ms_per_step"] / d["driver_cpu_ms_per_step"],
+        "driver_bytes": r["driver_data_bytes_per_step"] / d["driver_data_bytes_per_step"],
+        "step_time": r["step_ms"] / d["step_ms"],
+    }
     print(json.dumps(result, indent=2))
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)

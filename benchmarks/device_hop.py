@@ -44,12 +44,15 @@ class End:
     def info(self):
         from raypipe.actors.model import gpu_identity
 
-        return {"device": str(self.device), "gpu": gpu_identity(self.device),
-                "node_id": ray.get_runtime_context().get_node_id()}
+        return {
+            "device": str(self.device),
+            "gpu": gpu_identity(self.device),
+            "node_id": ray.get_runtime_context().get_node_id(),
+        }
 
     def join(self, address: str, port: int, rank: int, backend: str) -> list[str]:
-        from raypipe.transport.collective import join_world
         from raypipe.transport import ordered, shm
+        from raypipe.transport.collective import join_world
 
         self.rank = rank
         forward, back = join_world(address, port, 2, rank, [[0, 1], [0, 1]], timeout=120, backends=[backend] * 2)
@@ -104,8 +107,9 @@ def main() -> None:
     infos = ray.get([e.info.remote() for e in ends], timeout=120)
     own_gpus = gpus >= 2 and infos[0]["gpu"] != infos[1]["gpu"]
     address, port = ray.get(ends[0].rendezvous.remote(), timeout=60)
-    links = ray.get([e.join.remote(address, port, r, "nccl" if own_gpus else "gloo") for r, e in enumerate(ends)],
-                    timeout=300)[0]
+    links = ray.get(
+        [e.join.remote(address, port, r, "nccl" if own_gpus else "gloo") for r, e in enumerate(ends)], timeout=300
+    )[0]
     hops: dict[str, dict[str, list[float]]] = {link: {} for link in links}
     for mb in args.sizes_mb:
         nbytes = int(mb * 2**20) // 4 * 4
@@ -114,13 +118,23 @@ def main() -> None:
                 times, _ = ray.get([e.run.remote(link, nbytes, args.messages) for e in ends], timeout=600)
                 hops[link].setdefault(f"{mb:g}MB", []).extend(t / 2 for t in times[1:])  # the first warms up
     ray.shutdown()
-    print(json.dumps({
-        "benchmark": "device_hop",
-        "device": torch.cuda.get_device_name(0) if gpus else "cpu",
-        "actors_hold_own_gpus": own_gpus, "gpus": gpus, "rounds": args.rounds, "messages": args.messages,
-        "hop_ms_median": {link: {size: round(1e3 * statistics.median(v), 4) for size, v in sizes.items()}
-                          for link, sizes in hops.items()},
-    }, indent=1))
+    print(
+        json.dumps(
+            {
+                "benchmark": "device_hop",
+                "device": torch.cuda.get_device_name(0) if gpus else "cpu",
+                "actors_hold_own_gpus": own_gpus,
+                "gpus": gpus,
+                "rounds": args.rounds,
+                "messages": args.messages,
+                "hop_ms_median": {
+                    link: {size: round(1e3 * statistics.median(v), 4) for size, v in sizes.items()}
+                    for link, sizes in hops.items()
+                },
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

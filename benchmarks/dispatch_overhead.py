@@ -29,8 +29,9 @@ def main() -> None:
     rows = []
     for pp, m in [(1, 1), (1, 4), (1, 16), (2, 16), (4, 16)]:
         for engine in args.engines.split(","):
-            config = TrainConfig(pp=pp, microbatches=m, cpus_per_actor=0.5, engine=engine,
-                                 optimizer={"name": "sgd", "lr": 0.01})
+            config = TrainConfig(
+                pp=pp, microbatches=m, cpus_per_actor=0.5, engine=engine, optimizer={"name": "sgd", "lr": 0.01}
+            )
             with Trainer([LayerSpec(nn.Linear, 4, 4)] * pp, nn.functional.mse_loss, config) as trainer:
                 x, y = torch.randn(16, 4), torch.randn(16, 4)
                 for _ in range(5):
@@ -40,8 +41,16 @@ def main() -> None:
                     trainer.step(x, y)
                 step = (time.perf_counter() - started) / args.steps
             actions = 2 * pp * m + pp  # forwards and backwards, then an optimizer step per stage
-            rows.append({"pp": pp, "microbatches": m, "engine": engine, "actions_per_step": actions,
-                         "step_ms": 1e3 * step, "us_per_action": 1e6 * step / actions})
+            rows.append(
+                {
+                    "pp": pp,
+                    "microbatches": m,
+                    "engine": engine,
+                    "actions_per_step": actions,
+                    "step_ms": 1e3 * step,
+                    "us_per_action": 1e6 * step / actions,
+                }
+            )
     ray.shutdown()
     print(json.dumps({"benchmark": "dispatch_overhead", "cpus": 2, "ray": ray.__version__, "rows": rows}, indent=2))
 

@@ -33,8 +33,15 @@ from raypipe.checkpoint.layout import find_valid, list_checkpoints, verify
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from helpers import FailOnSave, KillOnSave, moto_s3  # noqa: E402 - the tests' layers that die or fail as they save
 
-LAYERS = [LayerSpec(nn.Linear, 6, 16), LayerSpec(nn.Tanh), LayerSpec(nn.Linear, 16, 16), LayerSpec(nn.GELU),
-          LayerSpec(nn.Linear, 16, 12), LayerSpec(nn.Tanh), LayerSpec(nn.Linear, 12, 3)]
+LAYERS = [
+    LayerSpec(nn.Linear, 6, 16),
+    LayerSpec(nn.Tanh),
+    LayerSpec(nn.Linear, 16, 16),
+    LayerSpec(nn.GELU),
+    LayerSpec(nn.Linear, 16, 12),
+    LayerSpec(nn.Tanh),
+    LayerSpec(nn.Linear, 12, 3),
+]
 QUIET = dict(log=lambda _: None)
 
 
@@ -44,8 +51,15 @@ def batch(k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def config(root: Path | str | None = None, **changes) -> TrainConfig:
-    base = dict(pp=2, microbatches=2, optimizer={"name": "adamw", "lr": 1e-2}, seed=5,
-                checkpoint_dir=str(root) if root else None, checkpoint_every=2 if root else 0, keep_checkpoints=0)
+    base = dict(
+        pp=2,
+        microbatches=2,
+        optimizer={"name": "adamw", "lr": 1e-2},
+        seed=5,
+        checkpoint_dir=str(root) if root else None,
+        checkpoint_every=2 if root else 0,
+        keep_checkpoints=0,
+    )
     return TrainConfig(**{**base, **changes})
 
 
@@ -72,8 +86,12 @@ def rerun_into_used_directory(work: Path) -> dict:
         refused = time.monotonic() - started
     with Trainer(LAYERS, nn.functional.mse_loss, config(root, resume=True)) as t:
         t.fit(batch, 6, **QUIET)
-    return {"survived": True, "data_lost": intact(root, [2, 4, 6]), "recover_s": refused,
-            "detail": "refused before any actor started; resume=True continued the run to step 6"}
+    return {
+        "survived": True,
+        "data_lost": intact(root, [2, 4, 6]),
+        "recover_s": refused,
+        "detail": "refused before any actor started; resume=True continued the run to step 6",
+    }
 
 
 def disk_full_mid_save(work: Path) -> dict:
@@ -99,9 +117,12 @@ def disk_full_mid_save(work: Path) -> dict:
             (mount / "junk").unlink()  # space freed: the same trainer saves the step it reached
             saved = t.save()
             recover = time.monotonic() - started
-        return {"survived": not debris and lost == "none" and saved.name == "step-00000004",
-                "data_lost": lost if not debris else f"debris left: {debris}", "recover_s": recover,
-                "detail": "step 4 ran; its save failed with ENOSPC; step 2 intact; saved once space was free"}
+        return {
+            "survived": not debris and lost == "none" and saved.name == "step-00000004",
+            "data_lost": lost if not debris else f"debris left: {debris}",
+            "recover_s": recover,
+            "detail": "step 4 ran; its save failed with ENOSPC; step 2 intact; saved once space was free",
+        }
     finally:
         subprocess.run(["umount", "-l", str(mount)], check=False, timeout=30)
 
@@ -124,9 +145,12 @@ def actor_killed_mid_save(work: Path) -> dict:
         history = t.fit(batch, 6, on_step=on_step, log=log)
     steps = sorted({m["step"] for m in history})
     end = time.monotonic()
-    return {"survived": steps == [1, 2, 3, 4, 5, 6] and "died" in events, "data_lost": intact(root, [2, 4, 6]),
-            "recover_s": end - events["died"] if "died" in events else None,
-            "detail": "recovered from step 2, replayed, step 4 saved again (recover_s: death to the run's end)"}
+    return {
+        "survived": steps == [1, 2, 3, 4, 5, 6] and "died" in events,
+        "data_lost": intact(root, [2, 4, 6]),
+        "recover_s": end - events["died"] if "died" in events else None,
+        "detail": "recovered from step 2, replayed, step 4 saved again (recover_s: death to the run's end)",
+    }
 
 
 def object_store_error_mid_save(work: Path) -> dict:
@@ -152,9 +176,12 @@ def object_store_error_mid_save(work: Path) -> dict:
         lost = "none" if names == ["step-00000002", "step-00000004", "step-00000006"] else f"found {names}"
         for path in list_checkpoints(root):
             verify(path)
-        return {"survived": "failed" in events and [m["step"] for m in history] == [1, 2, 3, 4, 5, 6],
-                "data_lost": lost, "recover_s": events["saved"] - events["failed"] if "failed" in events else None,
-                "detail": "the save of step 4 failed mid-write and was retried in place; steps 2, 4, 6 verify"}
+        return {
+            "survived": "failed" in events and [m["step"] for m in history] == [1, 2, 3, 4, 5, 6],
+            "data_lost": lost,
+            "recover_s": events["saved"] - events["failed"] if "failed" in events else None,
+            "detail": "the save of step 4 failed mid-write and was retried in place; steps 2, 4, 6 verify",
+        }
 
 
 def sigterm_mid_step(work: Path) -> dict:
@@ -172,9 +199,12 @@ def sigterm_mid_step(work: Path) -> dict:
         events["out"] = time.monotonic()
     step = t.step_count
     released = [g["state"] for g in ray.util.placement_group_table().values() if g["name"] == "raypipe-sigterm"]
-    return {"survived": "out" in events and not t._actors and released == ["REMOVED"],
-            "data_lost": intact(root, [step]), "recover_s": events.get("out", 0) - events["sent"],
-            "detail": f"stopped after step {step}, checkpoint of step {step} written, placement group released"}
+    return {
+        "survived": "out" in events and not t._actors and released == ["REMOVED"],
+        "data_lost": intact(root, [step]),
+        "recover_s": events.get("out", 0) - events["sent"],
+        "detail": f"stopped after step {step}, checkpoint of step {step} written, placement group released",
+    }
 
 
 def ctrl_c_waiting_for_resources(work: Path) -> dict:
@@ -187,13 +217,23 @@ def ctrl_c_waiting_for_resources(work: Path) -> dict:
         pass
     took = time.monotonic() - started - 1.0
     groups = [g["state"] for g in ray.util.placement_group_table().values() if g["name"] == "raypipe-unplaceable"]
-    return {"survived": groups == ["REMOVED"], "data_lost": "none", "recover_s": took,
-            "detail": f"placement group {groups}: nothing left reserved or pending"}
+    return {
+        "survived": groups == ["REMOVED"],
+        "data_lost": "none",
+        "recover_s": took,
+        "detail": f"placement group {groups}: nothing left reserved or pending",
+    }
 
 
 def corrupt_manifests(work: Path, source: Path) -> dict:
-    variants = [[], {"format": 1}, {"format": 1, "files": []}, {"format": 1, "files": {"trainer.json": 3}},
-                {"format": 1, "files": {"trainer.json": {"bytes": "x", "sha256": None}}}, {"format": 1, "files": {}}]
+    variants = [
+        [],
+        {"format": 1},
+        {"format": 1, "files": []},
+        {"format": 1, "files": {"trainer.json": 3}},
+        {"format": 1, "files": {"trainer.json": {"bytes": "x", "sha256": None}}},
+        {"format": 1, "files": {}},
+    ]
     fell_back, started = 0, time.monotonic()
     for i, manifest in enumerate(variants):
         root = work / f"v{i}"
@@ -201,9 +241,12 @@ def corrupt_manifests(work: Path, source: Path) -> dict:
             shutil.copytree(source / name, root / name)
         (root / "step-00000004" / "MANIFEST.json").write_text(json.dumps(manifest))
         fell_back += find_valid(root, warn=lambda _: None)[0].name == "step-00000002"
-    return {"survived": fell_back == len(variants), "data_lost": "none (the corrupt step only)",
-            "recover_s": (time.monotonic() - started) / len(variants),
-            "detail": f"{fell_back} of {len(variants)} manifest shapes fell back to the previous checkpoint"}
+    return {
+        "survived": fell_back == len(variants),
+        "data_lost": "none (the corrupt step only)",
+        "recover_s": (time.monotonic() - started) / len(variants),
+        "detail": f"{fell_back} of {len(variants)} manifest shapes fell back to the previous checkpoint",
+    }
 
 
 def mismatched_load(work: Path, source: Path) -> dict:
@@ -219,8 +262,12 @@ def mismatched_load(work: Path, source: Path) -> dict:
         took = time.monotonic() - started
         unchanged = all(torch.equal(before[k], v) for k, v in t.state_dict().items())
         usable = t.step(*batch(0))["step"] == 1
-    return {"survived": refused and unchanged and usable, "data_lost": "none" if unchanged else "weights changed",
-            "recover_s": took, "detail": "refused before any actor changed a weight; the trainer trained on"}
+    return {
+        "survived": refused and unchanged and usable,
+        "data_lost": "none" if unchanged else "weights changed",
+        "recover_s": took,
+        "detail": "refused before any actor changed a weight; the trainer trained on",
+    }
 
 
 def main() -> None:

@@ -25,7 +25,6 @@ import statistics
 
 import ray
 import torch
-
 from rounds import interleaved, paired_ratio, plain_twin, round_means
 
 from raypipe import TrainConfig, Trainer, build_layers
@@ -55,8 +54,10 @@ def main() -> None:
     # the loop a user writes (torch's default AdamW: a per-tensor loop on CPU), and the same
     # loop with the fused AdamW that raypipe's CPU stages use, to separate the engine's cost
     plain = {flavour: torch.nn.Sequential(*build_layers(gpt.layers(model_cfg))) for flavour in ("torch", "fused")}
-    plain_opt = {"torch": torch.optim.AdamW(plain["torch"].parameters(), lr=1e-3),
-                 "fused": torch.optim.AdamW(plain["fused"].parameters(), lr=1e-3, fused=True)}
+    plain_opt = {
+        "torch": torch.optim.AdamW(plain["torch"].parameters(), lr=1e-3),
+        "fused": torch.optim.AdamW(plain["fused"].parameters(), lr=1e-3, fused=True),
+    }
 
     def plain_steps(turn: int, microbatches: int = 1, flavour: str = "torch") -> None:
         for step in range(turn * args.block, (turn + 1) * args.block):
@@ -77,23 +78,32 @@ def main() -> None:
 
     m = args.microbatches
     flavours = ("torch", "fused")
-    runners = {f"plain_{flavour}_m{mb}": (lambda turn, mb=mb, flavour=flavour: plain_steps(turn, mb, flavour))
-               for flavour in flavours for mb in (1, m)}
+    runners = {
+        f"plain_{flavour}_m{mb}": (lambda turn, mb=mb, flavour=flavour: plain_steps(turn, mb, flavour))
+        for flavour in flavours
+        for mb in (1, m)
+    }
     shapes = {f"raypipe_pp{pp}_m{mb}": (pp, mb) for pp, mb in ((1, 1), (1, m), (2, m))}
-    fit_name = (lambda name: name.replace("raypipe_", "raypipe_fit_"))
+    fit_name = lambda name: name.replace("raypipe_", "raypipe_fit_")
     every = [*runners, *shapes, *map(fit_name, shapes)]
     only = [name for name in args.only.split(",") if name]
     if set(only) - set(every):
         parser.error(f"--only: unknown runner(s) {sorted(set(only) - set(every))}; choose from {every}")
-    wanted = set(only) | {plain_twin(n, f) for n in only if n.startswith("raypipe") for f in flavours} if only \
+    wanted = (
+        set(only) | {plain_twin(n, f) for n in only if n.startswith("raypipe") for f in flavours}
+        if only
         else set(every)
+    )
     trainers = {
         name: Trainer(
-            gpt.layers(model_cfg), gpt.loss_fn,
-            TrainConfig(pp=pp, microbatches=mb, optimizer=optimizer, cpus_per_actor=0.5, threads_per_actor=1,
-                        engine=args.engine),
+            gpt.layers(model_cfg),
+            gpt.loss_fn,
+            TrainConfig(
+                pp=pp, microbatches=mb, optimizer=optimizer, cpus_per_actor=0.5, threads_per_actor=1, engine=args.engine
+            ),
         )
-        for name, (pp, mb) in shapes.items() if name in wanted or fit_name(name) in wanted
+        for name, (pp, mb) in shapes.items()
+        if name in wanted or fit_name(name) in wanted
     }
     runners.update({name: (lambda turn, t=t: raypipe_steps(t, turn)) for name, t in trainers.items()})
     runners.update({fit_name(name): (lambda turn, t=t: raypipe_fit(t, turn)) for name, t in trainers.items()})
@@ -112,7 +122,9 @@ def main() -> None:
         "machine": {"cpus": 2, "python": platform.python_version(), "torch": torch.__version__, "ray": ray.__version__},
         "model": {"parameters": model_cfg.parameters, "n_layer": 4, "n_embd": 128, "block_size": 64},
         "engine": args.engine,
-        "batch_size": args.batch_size, "microbatches": args.microbatches, "turns_per_round": args.steps,
+        "batch_size": args.batch_size,
+        "microbatches": args.microbatches,
+        "turns_per_round": args.steps,
         "steps_per_turn": args.block,
         "rounds": args.rounds,
         "step_seconds_per_round": seconds,
@@ -129,8 +141,9 @@ def main() -> None:
         "ratio_vs_plain_fused_same_microbatches_median_of_steps": {
             k: paired_ratio(per_step, plain_twin(k, "fused"), k) for k in seconds if k.startswith("raypipe")
         },
-        "ratio_vs_plain_m1": {k: best["plain_torch_m1"] / v for k, v in best.items()
-                              if k != "plain_torch_m1" and "plain_torch_m1" in best},
+        "ratio_vs_plain_m1": {
+            k: best["plain_torch_m1"] / v for k, v in best.items() if k != "plain_torch_m1" and "plain_torch_m1" in best
+        },
     }
     print(json.dumps(result, indent=2))
 

@@ -28,7 +28,6 @@ import statistics
 
 import ray
 import torch
-
 from rounds import interleaved, paired_ratio, plain_twin, round_means
 
 from raypipe import TrainConfig, Trainer, build_layers, driver
@@ -91,14 +90,25 @@ def main() -> None:
     m = args.microbatches
     trainers = {
         f"raypipe_pp{pp}_m{mb}": Trainer(
-            gpt.layers(cfg), gpt.loss_fn,
-            TrainConfig(pp=pp, microbatches=mb, optimizer=optimizer, precision=precision, devices=args.device,
-                        gpus_per_actor=0.25, name=f"gpt-bench-pp{pp}-m{mb}",
-                        **({"cpus_per_actor": 0.5, "threads_per_actor": 1} if args.device == "cpu" else {})),
+            gpt.layers(cfg),
+            gpt.loss_fn,
+            TrainConfig(
+                pp=pp,
+                microbatches=mb,
+                optimizer=optimizer,
+                precision=precision,
+                devices=args.device,
+                gpus_per_actor=0.25,
+                name=f"gpt-bench-pp{pp}-m{mb}",
+                **({"cpus_per_actor": 0.5, "threads_per_actor": 1} if args.device == "cpu" else {}),
+            ),
         )
         for pp, mb in ((1, 1), (1, m), (2, m))
     }
-    runners = {"plain_torch_m1": lambda step: plain_step(step, 1), f"plain_torch_m{m}": lambda step: plain_step(step, m)}
+    runners = {
+        "plain_torch_m1": lambda step: plain_step(step, 1),
+        f"plain_torch_m{m}": lambda step: plain_step(step, m),
+    }
     runners.update({name: (lambda step, t=t: t.step(*batch(step))) for name, t in trainers.items()})
     per_step = interleaved(runners, args.rounds, args.steps)
     seconds = round_means(per_step)
@@ -111,23 +121,38 @@ def main() -> None:
     rate = {name: tokens / s for name, s in best.items()}
     flops_per_token = 6 * cfg.parameters + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
     peak = peak_tflops(args.device, args.peak_tflops)
-    print(json.dumps({
-        "benchmark": "gpt_gpu", "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
-        "model": {"parameters": cfg.parameters, "n_layer": cfg.n_layer, "n_embd": cfg.n_embd,
-                  "block_size": cfg.block_size, "vocab_size": cfg.vocab_size},
-        "precision": precision, "batch_size": args.batch_size, "microbatches": m, "rounds": args.rounds,
-        "steps_per_round": args.steps, "step_seconds_per_round": seconds,
-        "step_seconds_median": {k: statistics.median(t for r in v for t in r) for k, v in per_step.items()},
-        "tokens_per_s_best": rate,
-        "ratio_vs_plain_same_microbatches": {
-            k: best[plain_twin(k)] / v for k, v in best.items() if k.startswith("raypipe")
-        },
-        "ratio_vs_plain_same_microbatches_median_of_steps": {
-            k: paired_ratio(per_step, plain_twin(k), k) for k in seconds if k.startswith("raypipe")
-        },
-        "mfu": {k: flops_per_token * v / (peak * 1e12) for k, v in rate.items()} if peak else None,
-        "peak_tflops": peak,
-    }, indent=1))
+    print(
+        json.dumps(
+            {
+                "benchmark": "gpt_gpu",
+                "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
+                "model": {
+                    "parameters": cfg.parameters,
+                    "n_layer": cfg.n_layer,
+                    "n_embd": cfg.n_embd,
+                    "block_size": cfg.block_size,
+                    "vocab_size": cfg.vocab_size,
+                },
+                "precision": precision,
+                "batch_size": args.batch_size,
+                "microbatches": m,
+                "rounds": args.rounds,
+                "steps_per_round": args.steps,
+                "step_seconds_per_round": seconds,
+                "step_seconds_median": {k: statistics.median(t for r in v for t in r) for k, v in per_step.items()},
+                "tokens_per_s_best": rate,
+                "ratio_vs_plain_same_microbatches": {
+                    k: best[plain_twin(k)] / v for k, v in best.items() if k.startswith("raypipe")
+                },
+                "ratio_vs_plain_same_microbatches_median_of_steps": {
+                    k: paired_ratio(per_step, plain_twin(k), k) for k in seconds if k.startswith("raypipe")
+                },
+                "mfu": {k: flops_per_token * v / (peak * 1e12) for k, v in rate.items()} if peak else None,
+                "peak_tflops": peak,
+            },
+            indent=1,
+        )
+    )
 
 
 def compare_links(cfg: gpt.GPTConfig, args: argparse.Namespace, precision: str, optimizer: dict, batch) -> dict:
@@ -141,9 +166,16 @@ def compare_links(cfg: gpt.GPTConfig, args: argparse.Namespace, precision: str, 
     links: dict[str, list] = {}
     for _ in range(args.rounds):
         for mode in ("nccl", "host"):
-            config = TrainConfig(pp=2, microbatches=args.microbatches, optimizer=optimizer, precision=precision,
-                                 devices="cuda", gpus_per_actor=1, device_links="auto" if mode == "nccl" else "host",
-                                 name=f"gpt-links-{mode}")
+            config = TrainConfig(
+                pp=2,
+                microbatches=args.microbatches,
+                optimizer=optimizer,
+                precision=precision,
+                devices="cuda",
+                gpus_per_actor=1,
+                device_links="auto" if mode == "nccl" else "host",
+                name=f"gpt-links-{mode}",
+            )
             with Trainer(gpt.layers(cfg), gpt.loss_fn, config) as trainer:
                 links[mode] = [i["links"] for i in trainer.stage_info()]
                 for step in range(2):  # warm-up: allocator, NCCL's buffers
@@ -154,9 +186,15 @@ def compare_links(cfg: gpt.GPTConfig, args: argparse.Namespace, precision: str, 
                     seconds[mode].append(time.perf_counter() - started)
     median = {mode: statistics.median(v) for mode, v in seconds.items()}
     return {
-        "benchmark": "gpt_gpu_links", "device": torch.cuda.get_device_name(0), "precision": precision,
-        "batch_size": args.batch_size, "microbatches": args.microbatches, "rounds": args.rounds,
-        "links": links, "step_seconds": seconds, "step_seconds_median": median,
+        "benchmark": "gpt_gpu_links",
+        "device": torch.cuda.get_device_name(0),
+        "precision": precision,
+        "batch_size": args.batch_size,
+        "microbatches": args.microbatches,
+        "rounds": args.rounds,
+        "links": links,
+        "step_seconds": seconds,
+        "step_seconds_median": median,
         "tokens_per_s": {mode: args.batch_size * cfg.block_size / s for mode, s in median.items()},
         "host_over_nccl_step_time": median["host"] / median["nccl"],
     }

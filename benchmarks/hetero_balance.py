@@ -28,6 +28,7 @@ from ray.cluster_utils import Cluster
 from raypipe import LayerSpec, TrainConfig, Trainer
 from raypipe.devices import LABEL_KIND
 from raypipe.planning.profiling import pipeline_seconds
+
 from simulated import SimulatedCompute
 
 MS = [5, 5, 10, 10, 20, 20, 10, 10]  # forward (= backward) time of each layer on the fast kind
@@ -54,11 +55,20 @@ def main() -> None:
         x = torch.randn(4 * m, 8)
         trainers = {}
         for partition in PARTITIONS:
-            config = TrainConfig(pp=p, devices=["cuda", "rocm"], allow_cpu_fallback=True, cpus_per_actor=0.25,
-                                 gpus_per_actor=0.3, microbatches=m, partition=partition,
-                                 optimizer={"name": "sgd", "lr": 1e-3}, name=f"balance-{partition}")
-            trainers[partition] = Trainer(layers(), torch.nn.functional.mse_loss, config, sample=(x, x),
-                                          log=lambda _: None)
+            config = TrainConfig(
+                pp=p,
+                devices=["cuda", "rocm"],
+                allow_cpu_fallback=True,
+                cpus_per_actor=0.25,
+                gpus_per_actor=0.3,
+                microbatches=m,
+                partition=partition,
+                optimizer={"name": "sgd", "lr": 1e-3},
+                name=f"balance-{partition}",
+            )
+            trainers[partition] = Trainer(
+                layers(), torch.nn.functional.mse_loss, config, sample=(x, x), log=lambda _: None
+            )
         times = {k: [] for k in PARTITIONS}
         for _ in range(args.rounds):
             for partition, trainer in trainers.items():
@@ -79,7 +89,11 @@ def main() -> None:
             trainer.shutdown()
         best = min(pipeline_seconds([sum(fast[:k]), SLOWDOWN["rocm"] * sum(fast[k:])], m) for k in range(1, len(MS)))
         result = {
-            "layers_ms": MS, "slowdown": SLOWDOWN, "pp": p, "microbatches": m, "schedule": "1f1b",
+            "layers_ms": MS,
+            "slowdown": SLOWDOWN,
+            "pp": p,
+            "microbatches": m,
+            "schedule": "1f1b",
             "ideal_balanced_s": (m + p - 1) * per_microbatch,  # if layers could be cut anywhere
             "best_split_bound_s": best,  # the best of all contiguous splits, found by trying each
             "partitions": rows,

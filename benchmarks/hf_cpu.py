@@ -26,7 +26,6 @@ import warnings
 
 import ray
 import torch
-
 from rounds import interleaved, paired_ratio, round_means
 
 from raypipe import TrainConfig, Trainer
@@ -47,8 +46,18 @@ def main() -> None:
 
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(1)
-    config = GPT2Config(n_embd=256, n_layer=4, n_head=4, vocab_size=4096, n_positions=args.seq, embd_pdrop=0.0,
-                        attn_pdrop=0.0, resid_pdrop=0.0, bos_token_id=0, eos_token_id=None)
+    config = GPT2Config(
+        n_embd=256,
+        n_layer=4,
+        n_head=4,
+        vocab_size=4096,
+        n_positions=args.seq,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        resid_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=None,
+    )
     directory = tempfile.mkdtemp(prefix="hf_cpu-")
     torch.manual_seed(0)
     with warnings.catch_warnings():
@@ -61,7 +70,9 @@ def main() -> None:
     total_bytes = sum(p.numel() * p.element_size() for p in plain.parameters())
 
     def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        ids = torch.randint(0, config.vocab_size, (args.batch_size, args.seq), generator=torch.Generator().manual_seed(step))
+        ids = torch.randint(
+            0, config.vocab_size, (args.batch_size, args.seq), generator=torch.Generator().manual_seed(step)
+        )
         return ids, ids
 
     def plain_steps(turn: int) -> None:
@@ -80,8 +91,9 @@ def main() -> None:
         for step in range(turn * args.block, (turn + 1) * args.block):
             pp1.step(*batch(step))
 
-    per_turn = interleaved({"plain_transformers": plain_steps, "raypipe_pp1": raypipe_steps}, args.rounds,
-                           args.steps, warmup=1)
+    per_turn = interleaved(
+        {"plain_transformers": plain_steps, "raypipe_pp1": raypipe_steps}, args.rounds, args.steps, warmup=1
+    )
     per_step = {name: [[s / args.block for s in r] for r in rounds] for name, rounds in per_turn.items()}
     pp1.shutdown()
     with Trainer(hf.from_pretrained(directory), config=TrainConfig(pp=2, microbatches=2, **common)) as pp2:
@@ -93,11 +105,26 @@ def main() -> None:
     seconds = round_means(per_step)
     result = {
         "benchmark": "hf_cpu",
-        "machine": {"cpus": 2, "python": platform.python_version(), "torch": torch.__version__, "ray": ray.__version__,
-                    "transformers": transformers.__version__},
-        "model": {"type": "gpt2", "parameters": parameters, "n_layer": config.n_layer, "n_embd": config.n_embd,
-                  "vocab_size": config.vocab_size, "seq": args.seq, "tied_head": True},
-        "batch_size": args.batch_size, "rounds": args.rounds, "turns_per_round": args.steps, "steps_per_turn": args.block,
+        "machine": {
+            "cpus": 2,
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "ray": ray.__version__,
+            "transformers": transformers.__version__,
+        },
+        "model": {
+            "type": "gpt2",
+            "parameters": parameters,
+            "n_layer": config.n_layer,
+            "n_embd": config.n_embd,
+            "vocab_size": config.vocab_size,
+            "seq": args.seq,
+            "tied_head": True,
+        },
+        "batch_size": args.batch_size,
+        "rounds": args.rounds,
+        "turns_per_round": args.steps,
+        "steps_per_turn": args.block,
         "step_seconds_per_round": seconds,
         "tokens_per_s_median": {k: tokens / statistics.median(t for r in v for t in r) for k, v in per_step.items()},
         "ratio_raypipe_pp1_vs_plain_median_of_steps": paired_ratio(per_step, "plain_transformers", "raypipe_pp1"),

@@ -35,8 +35,9 @@ def main() -> None:
     parser.add_argument("--out", default="loggers.json")
     args = parser.parse_args()
     os.environ.setdefault("WANDB_SILENT", "true")
-    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, logging_level="ERROR",
-             log_to_driver=False)
+    ray.init(
+        address="local", num_cpus=os.cpu_count(), include_dashboard=False, logging_level="ERROR", log_to_driver=False
+    )
     layers = [LayerSpec(nn.Linear, 64, 64), LayerSpec(nn.Tanh), LayerSpec(nn.Linear, 64, 8)]
     with Trainer(layers, nn.functional.mse_loss, TrainConfig(pp=2, microbatches=4, cpus_per_actor=0.5)) as trainer:
         step_times = [trainer.step(torch.randn(64, 64), torch.randn(64, 8))["step_time"] for _ in range(6)][1:]
@@ -49,8 +50,9 @@ def main() -> None:
         "mlflow": lambda r: MLflowLogger("bench", params, f"sqlite:///{root}/mlflow.db", f"bench{r}"),
         "wandb": lambda r: WandbLogger("bench", params, project="bench", mode="offline", dir=root),
     }
-    per_record: dict[str, dict[str, list[float]]] = {k: {"wall_ms": [], "cpu_ms": [], "open_s": [], "close_s": []}
-                                                     for k in makers}
+    per_record: dict[str, dict[str, list[float]]] = {
+        k: {"wall_ms": [], "cpu_ms": [], "open_s": [], "close_s": []} for k in makers
+    }
     for r in range(args.rounds):
         for name, make in makers.items():
             opened = time.perf_counter()
@@ -66,14 +68,20 @@ def main() -> None:
             per_record[name]["close_s"].append(time.perf_counter() - closing)
     shutil.rmtree(root, ignore_errors=True)  # the runs' files are not the result
     step_ms = 1000 * statistics.median(step_times)
-    result = {"config": vars(args) | {"scalars_per_step": len(values), "cpus": os.cpu_count()},
-              "step_ms": step_ms,
-              "loggers": {name: {"wall_ms_per_step": statistics.median(m["wall_ms"]),
-                                 "cpu_ms_per_step": statistics.median(m["cpu_ms"]),
-                                 "share_of_step": statistics.median(m["wall_ms"]) / step_ms,
-                                 "open_s": statistics.median(m["open_s"]),
-                                 "close_s": statistics.median(m["close_s"])}
-                          for name, m in per_record.items()}}
+    result = {
+        "config": vars(args) | {"scalars_per_step": len(values), "cpus": os.cpu_count()},
+        "step_ms": step_ms,
+        "loggers": {
+            name: {
+                "wall_ms_per_step": statistics.median(m["wall_ms"]),
+                "cpu_ms_per_step": statistics.median(m["cpu_ms"]),
+                "share_of_step": statistics.median(m["wall_ms"]) / step_ms,
+                "open_s": statistics.median(m["open_s"]),
+                "close_s": statistics.median(m["close_s"]),
+            }
+            for name, m in per_record.items()
+        },
+    }
     print(json.dumps(result, indent=2))
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)

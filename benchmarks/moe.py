@@ -36,15 +36,36 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    cfg = gpt.GPTConfig(vocab_size=256, n_layer=2, n_head=4, n_embd=128, block_size=64, num_experts=args.experts,
-                        top_k=args.top_k, capacity_factor=args.capacity)
-    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, logging_level="ERROR",
-             log_to_driver=False)
-    trainers = {ep: Trainer(gpt.layers(cfg), gpt.loss_fn,
-                            TrainConfig(pp=args.pp, dp=2, ep=ep, microbatches=args.microbatches, cpus_per_actor=0.01,
-                                        threads_per_actor=1, optimizer={"name": "adamw", "lr": 1e-3},
-                                        name=f"moe-ep{ep}"))
-                for ep in (1, 2)}
+    cfg = gpt.GPTConfig(
+        vocab_size=256,
+        n_layer=2,
+        n_head=4,
+        n_embd=128,
+        block_size=64,
+        num_experts=args.experts,
+        top_k=args.top_k,
+        capacity_factor=args.capacity,
+    )
+    ray.init(
+        address="local", num_cpus=os.cpu_count(), include_dashboard=False, logging_level="ERROR", log_to_driver=False
+    )
+    trainers = {
+        ep: Trainer(
+            gpt.layers(cfg),
+            gpt.loss_fn,
+            TrainConfig(
+                pp=args.pp,
+                dp=2,
+                ep=ep,
+                microbatches=args.microbatches,
+                cpus_per_actor=0.01,
+                threads_per_actor=1,
+                optimizer={"name": "adamw", "lr": 1e-3},
+                name=f"moe-ep{ep}",
+            ),
+        )
+        for ep in (1, 2)
+    }
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, 256, (args.batch_size, cfg.block_size + 1), generator=g) for _ in range(4)]
     times = {ep: [] for ep in trainers}
@@ -75,24 +96,38 @@ def main() -> None:
     rows = []
     for ep in trainers:
         step = statistics.median(times[ep])
-        rows.append({
-            "ep": ep,
-            "step_s": step,
-            "tokens_per_s": tokens / step,
-            "all_to_all_bytes_per_step": statistics.median(moved[ep]),
-            "all_to_all_s_per_step": statistics.median(a2a_s[ep]),
-            "expert_load_max_over_mean": {layer: max(c) / (sum(c) / len(c)) for layer, c in load[ep].items()},
-            "assignments_per_expert": load[ep],
-            "dropped_assignments": dropped[ep],
-            "parameter_bytes_per_actor": max(i["parameter_bytes"] for i in info[ep]),
-            "optimizer_state_bytes_per_actor": max(i["optimizer_state_bytes"] for i in info[ep]),
-        })
+        rows.append(
+            {
+                "ep": ep,
+                "step_s": step,
+                "tokens_per_s": tokens / step,
+                "all_to_all_bytes_per_step": statistics.median(moved[ep]),
+                "all_to_all_s_per_step": statistics.median(a2a_s[ep]),
+                "expert_load_max_over_mean": {layer: max(c) / (sum(c) / len(c)) for layer, c in load[ep].items()},
+                "assignments_per_expert": load[ep],
+                "dropped_assignments": dropped[ep],
+                "parameter_bytes_per_actor": max(i["parameter_bytes"] for i in info[ep]),
+                "optimizer_state_bytes_per_actor": max(i["optimizer_state_bytes"] for i in info[ep]),
+            }
+        )
     rows[1]["tokens_per_s_over_ep1"] = rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"]
     for row in rows:
         print(json.dumps(row))
-    print(json.dumps({"benchmark": "moe", "cores": os.cpu_count(), "pp": args.pp, "dp": 2, "experts": args.experts,
-                      "top_k": args.top_k, "capacity_factor": args.capacity, "parameters": cfg.parameters,
-                      "rows": rows}))
+    print(
+        json.dumps(
+            {
+                "benchmark": "moe",
+                "cores": os.cpu_count(),
+                "pp": args.pp,
+                "dp": 2,
+                "experts": args.experts,
+                "top_k": args.top_k,
+                "capacity_factor": args.capacity,
+                "parameters": cfg.parameters,
+                "rows": rows,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -39,127 +39,244 @@ class Mutation:
 
 
 MUTATIONS = [
-    Mutation("1f1b-order", "raypipe/schedules/one_f_one_b.py",
-             "warmup = min(num_stages - s - 1, num_microbatches)", "warmup = min(num_stages - s, num_microbatches)",
-             ("tests/test_schedules.py", "tests/test_metrics.py::test_stashed_activations_gpipe_holds_all_1f1b_at_most_p_minus_s"),
-             "1F1B runs one warm-up forward too many (holds p - s + 1 microbatches)"),
-    Mutation("dp-averaging", "raypipe/transport/collective.py", "    flat.div_(size)\n", "",
-             ("tests/test_data_parallel.py",), "the dp all-reduce sums instead of averaging"),
-    Mutation("dp-last-bucket", "raypipe/transport/collective.py",
-             "    for bucket in bucket_plan(tensors, bucket_bytes):", "    for bucket in bucket_plan(tensors, bucket_bytes)[:-1]:",
-             ("tests/test_dp_buckets.py",),
-             "the last gradient bucket is never reduced"),
-    Mutation("zero1-broadcast", "raypipe/actors/optimizer.py",
-             "        if not skipped and self.zero_active():\n            self.broadcast_owned()\n", "",
-             ("tests/test_data_parallel.py",), "ZeRO-1 replicas never receive the shares the others stepped"),
-    Mutation("checkpoint-checksum", "raypipe/checkpoint/layout.py",
-             'if sha256_file(file) != entry["sha256"]:', "if False:",
-             ("tests/test_checkpoint.py",), "a checkpoint's checksums are not verified on load"),
-    Mutation("fp16-unscale", "raypipe/actors/optimizer.py",
-             "            torch._foreach_div_(grads, self.scaler.scale)\n", "            pass\n",
-             ("tests/test_precision.py",), "fp16 gradients are never unscaled"),
-    Mutation("bf16-autocast", "raypipe/actors/executor.py",
-             "dtype = AUTOCAST_DTYPES.get(self.settings.precision)\n        if dtype is None:",
-             "dtype = AUTOCAST_DTYPES.get(self.settings.precision)\n        if dtype is None or dtype == torch.bfloat16:",
-             ("tests/test_precision.py",), "bf16 autocast silently off"),
-    Mutation("lr-warmup", "raypipe/optim.py", "        return base_lr * (step + 1) / warmup\n", "        return base_lr\n",
-             ("tests/test_metrics.py::test_learning_rate_of_every_step_reaches_the_optimizer_and_tensorboard",),
-             "learning-rate warm-up ignored"),
-    Mutation("activation-recompute", "raypipe/actors/executor.py",
-             "if self.settings.activation_checkpointing and torch.is_grad_enabled():",
-             "if False and self.settings.activation_checkpointing:",
-             ("tests/test_parity.py::test_activation_checkpointing_recomputes_and_changes_nothing_numerically",),
-             "activation_checkpointing=True does nothing"),
-    Mutation("tied-grad-sum", "raypipe/actors/optimizer.py",
-             "            dist.all_reduce(param.grad, group=group)\n", "            pass\n",
-             ("tests/test_hf.py::test_training_matches_transformers_in_one_process",),
-             "a weight tied across stages (GPT-2's head) never gets the other holder's gradient"),
-    Mutation("token-weights", "raypipe/data/batches.py",
-             '    count = getattr(loss_fn, "count", None)\n', "    count = None\n",
-             ("tests/test_hf.py::test_training_matches_transformers_in_one_process",),
-             "microbatches weigh the same whatever tokens their labels ignore"),
-    Mutation("bf16-masters", "raypipe/actors/optimizer.py",
-             "                master.grad = None if p.grad is None else p.grad.float()\n",
-             "                master.grad = None if p.grad is None else p.grad.float()\n                master.copy_(p)\n",
-             ("tests/test_hf.py::test_bf16_weights_train_through_fp32_master_copies",),
-             "bf16 weights' masters are reset to the rounded weights every step (no fp32 accumulation)"),
-    Mutation("pytree-grad-pairs", "raypipe/actors/executor.py",
-             "if torch.is_tensor(o) and o.requires_grad and g is not None]",
-             "if torch.is_tensor(o) and o.requires_grad and g is not None][:1]",
-             ("tests/test_pytree_boundaries.py",),
-             "only the first tensor of a pytree boundary gets its gradient back"),
-    Mutation("zb-weight-grads", "raypipe/actors/split_backward.py",
-             "        stage_backward_weight(iter(weights), deferred.groups)\n", "        pass\n",
-             ("tests/test_zero_bubble.py::test_parity_with_one_process",),
-             "a split backward's W computes no weight gradients (only the first stage's whole backward runs)"),
-    Mutation("interleaved-chunk-order", "raypipe/schedules/interleaved.py",
-             "            chunk = v - 1 - chunk\n", "            pass\n",
-             ("tests/test_schedules.py",), "interleaved 1F1B walks the chunks forward in its backwards too"),
-    Mutation("v-hand-over", "raypipe/actors/step_list.py",
-             "                handed[(\"F\", v + 1, m)] = out\n", "                handed[(\"F\", v + 1, m)] = x\n",
-             ("tests/test_zero_bubble.py::test_parity_with_one_process",),
-             "at the turn of a V the next chunk gets the chunk's input instead of its output"),
-    Mutation("moe-capacity-priority", "raypipe/nn/moe.py",
-             "        expert = chosen.t().reshape(-1)\n        token = torch.arange(n, device=x.device).repeat(self.top_k)\n"
-             "        gate = gates.t().reshape(-1)\n",
-             "        expert = chosen.reshape(-1)\n        token = torch.arange(n, device=x.device).repeat_interleave(self.top_k)\n"
-             "        gate = gates.reshape(-1)\n",
-             ("tests/test_moe.py::test_capacity_keeps_first_choices_first_and_counts_drops",),
-             "capacity keeps a token's second choice before later tokens' first choices"),
-    Mutation("moe-expert-grad-mean", "raypipe/actors/optimizer.py",
-             "                torch._foreach_div_(grads, self.dp_size)\n", "                pass\n",
-             ("tests/test_moe.py::test_parity_with_the_one_process_model",),
-             "expert gradients (summed over the ep group's tokens) are not divided by dp when ep = dp"),
-    Mutation("moe-expert-holders", "raypipe/actors/optimizer.py",
-             "all_reduce_mean(grads, self.expert_group, self.dp_size, self.settings.dp_bucket_bytes)",
-             "all_reduce_mean(grads, self.expert_group, len(self.expert_ranks), self.settings.dp_bucket_bytes)",
-             ("tests/test_moe.py::test_parity_with_the_one_process_model",),
-             "expert gradients averaged over their holders instead of divided by dp (too large by ep)"),
-    Mutation("moe-norm-share", "raypipe/actors/optimizer.py",
-             "(experts if self.dp_rank < self.ep_size else [])", "(experts if self.dp_rank == 0 else [])",
-             ("tests/test_moe.py::test_parity_with_the_one_process_model",),
-             "the global gradient norm counts only replica 0's experts"),
-    Mutation("moe-a2a-backward", "raypipe/nn/moe.py",
-             "        return _exchange(grad, ctx.recv, ctx.send, ctx.group), None, None, None",
-             "        return _exchange(grad, ctx.recv, ctx.send, ctx.group) * 0, None, None, None",
-             ("tests/test_moe.py::test_parity_with_the_one_process_model",),
-             "tokens' gradients never come back from their experts (all-to-all backward drops them)"),
-    Mutation("gang-placement", "raypipe/driver/placement.py",
-             "    group = gang.reserve(", "    group = None and gang.reserve(",
-             ("tests/test_gang.py::test_a_waiting_trainer_holds_nothing_and_strict_spread_needs_a_node_per_actor",),
-             "actors are started one by one outside their reserved group (a trainer can hold half a cluster)"),
-    Mutation("safetensors-pickle", "raypipe/checkpoint/layout.py",
-             "    if path.suffix == LEGACY:\n", "    if True:\n",
-             ("tests/test_checkpoint.py::test_loading_unpickles_nothing_and_pickle_checkpoints_still_load",),
-             "checkpoint tensors are read through torch.load (unpickling)"),
-    Mutation("reader-seek", "raypipe/actors/reader.py",
-             "        if self.rows is None or step < self.position:\n", "        if self.rows is None:\n",
-             ("tests/test_ray_data.py::test_a_stage_death_replays_the_same_batches",),
-             "the dataset reader does not go back for the steps a recovery replays"),
-    Mutation("iterable-replay", "raypipe/driver/fitting.py",
-             "feed.kept_from(restored if trainer.config.max_restarts else trainer.step_count)",
-             "feed.kept_from(trainer.step_count)",
-             ("tests/test_ray_data.py::test_a_stage_death_replays_the_same_batches",),
-             "an iterable's batches since the last checkpoint are dropped, so a recovery cannot replay them"),
-    Mutation("storage-prune", "raypipe/checkpoint/layout.py",
-             "cut_short = [p for p in found if p not in complete and ", "cut_short = [p for p in found if ",
-             ("tests/test_object_storage.py",),
-             "pruning an object store also deletes complete checkpoints older than the newest"),
-    Mutation("logger-step", "raypipe/driver/fitting.py",
-             "trainer.loggers.log(trainer.step_count, scalars(metrics))",
-             "trainer.loggers.log(trainer.step_count - 1, scalars(metrics))",
-             ("tests/test_loggers.py",), "the loggers record each step's scalars one step early"),
-    Mutation("stream-poison", "raypipe/transport/stream.py",
-             "        message[:FLAG_BYTES].view(torch.int64).fill_(POISON)\n        self._post(message, tag)\n",
-             "        message[:FLAG_BYTES].view(torch.int64).fill_(POISON)\n",
-             ("tests/test_device_links.py::test_a_failed_step_leaves_every_stream_in_step",),
-             "a failed stage's stream (NCCL's or gloo's) skips its poison, so the receiver takes the next "
-             "message in its place"),
-    Mutation("nccl-shared-gpu", "raypipe/driver/links.py",
-             'return "nccl" if all(cuda) and not shares_gpu(infos, [a, b]) else None',
-             'return "nccl" if all(cuda) else None',
-             ("tests/test_device_links.py",),
-             "two stages sharing a GPU are linked over NCCL, which refuses two ranks on one device"),
+    Mutation(
+        "1f1b-order",
+        "raypipe/schedules/one_f_one_b.py",
+        "warmup = min(num_stages - s - 1, num_microbatches)",
+        "warmup = min(num_stages - s, num_microbatches)",
+        (
+            "tests/test_schedules.py",
+            "tests/test_metrics.py::test_stashed_activations_gpipe_holds_all_1f1b_at_most_p_minus_s",
+        ),
+        "1F1B runs one warm-up forward too many (holds p - s + 1 microbatches)",
+    ),
+    Mutation(
+        "dp-averaging",
+        "raypipe/transport/collective.py",
+        "    flat.div_(size)\n",
+        "",
+        ("tests/test_data_parallel.py",),
+        "the dp all-reduce sums instead of averaging",
+    ),
+    Mutation(
+        "dp-last-bucket",
+        "raypipe/transport/collective.py",
+        "    for bucket in bucket_plan(tensors, bucket_bytes):",
+        "    for bucket in bucket_plan(tensors, bucket_bytes)[:-1]:",
+        ("tests/test_dp_buckets.py",),
+        "the last gradient bucket is never reduced",
+    ),
+    Mutation(
+        "zero1-broadcast",
+        "raypipe/actors/optimizer.py",
+        "        if not skipped and self.zero_active():\n            self.broadcast_owned()\n",
+        "",
+        ("tests/test_data_parallel.py",),
+        "ZeRO-1 replicas never receive the shares the others stepped",
+    ),
+    Mutation(
+        "checkpoint-checksum",
+        "raypipe/checkpoint/layout.py",
+        "        if sha256_file(file) != sha:",
+        "if False:",
+        ("tests/test_checkpoint.py",),
+        "a checkpoint's checksums are not verified on load",
+    ),
+    Mutation(
+        "fp16-unscale",
+        "raypipe/actors/optimizer.py",
+        "            torch._foreach_div_(grads, self.scaler.scale)\n",
+        "            pass\n",
+        ("tests/test_precision.py",),
+        "fp16 gradients are never unscaled",
+    ),
+    Mutation(
+        "bf16-autocast",
+        "raypipe/actors/executor.py",
+        "dtype = AUTOCAST_DTYPES.get(self.settings.precision)\n        if dtype is None:",
+        "dtype = AUTOCAST_DTYPES.get(self.settings.precision)\n        if dtype is None or dtype == torch.bfloat16:",
+        ("tests/test_precision.py",),
+        "bf16 autocast silently off",
+    ),
+    Mutation(
+        "lr-warmup",
+        "raypipe/optim.py",
+        "        return base_lr * (step + 1) / warmup\n",
+        "        return base_lr\n",
+        ("tests/test_metrics.py::test_learning_rate_of_every_step_reaches_the_optimizer_and_tensorboard",),
+        "learning-rate warm-up ignored",
+    ),
+    Mutation(
+        "activation-recompute",
+        "raypipe/actors/executor.py",
+        "if self.settings.activation_checkpointing and torch.is_grad_enabled():",
+        "if False and self.settings.activation_checkpointing:",
+        ("tests/test_parity.py::test_activation_checkpointing_recomputes_and_changes_nothing_numerically",),
+        "activation_checkpointing=True does nothing",
+    ),
+    Mutation(
+        "tied-grad-sum",
+        "raypipe/actors/optimizer.py",
+        "            dist.all_reduce(param.grad, group=group)\n",
+        "            pass\n",
+        ("tests/test_hf.py::test_training_matches_transformers_in_one_process",),
+        "a weight tied across stages (GPT-2's head) never gets the other holder's gradient",
+    ),
+    Mutation(
+        "token-weights",
+        "raypipe/data/batches.py",
+        '    count = getattr(loss_fn, "count", None)\n',
+        "    count = None\n",
+        ("tests/test_hf.py::test_training_matches_transformers_in_one_process",),
+        "microbatches weigh the same whatever tokens their labels ignore",
+    ),
+    Mutation(
+        "bf16-masters",
+        "raypipe/actors/optimizer.py",
+        "                master.grad = None if p.grad is None else p.grad.float()\n",
+        "                master.grad = None if p.grad is None else p.grad.float()\n                master.copy_(p)\n",
+        ("tests/test_hf.py::test_bf16_weights_train_through_fp32_master_copies",),
+        "bf16 weights' masters are reset to the rounded weights every step (no fp32 accumulation)",
+    ),
+    Mutation(
+        "pytree-grad-pairs",
+        "raypipe/actors/executor.py",
+        "if torch.is_tensor(o) and o.requires_grad and g is not None\n        ]\n",
+        "if torch.is_tensor(o) and o.requires_grad and g is not None\n        ][:1]\n",
+        ("tests/test_pytree_boundaries.py",),
+        "only the first tensor of a pytree boundary gets its gradient back",
+    ),
+    Mutation(
+        "zb-weight-grads",
+        "raypipe/actors/split_backward.py",
+        "        stage_backward_weight(iter(weights), deferred.groups)\n",
+        "        pass\n",
+        ("tests/test_zero_bubble.py::test_parity_with_one_process",),
+        "a split backward's W computes no weight gradients (only the first stage's whole backward runs)",
+    ),
+    Mutation(
+        "interleaved-chunk-order",
+        "raypipe/schedules/interleaved.py",
+        "            chunk = v - 1 - chunk\n",
+        "            pass\n",
+        ("tests/test_schedules.py",),
+        "interleaved 1F1B walks the chunks forward in its backwards too",
+    ),
+    Mutation(
+        "v-hand-over",
+        "raypipe/actors/step_list.py",
+        '                handed[("F", v + 1, m)] = out\n',
+        '                handed[("F", v + 1, m)] = x\n',
+        ("tests/test_zero_bubble.py::test_parity_with_one_process",),
+        "at the turn of a V the next chunk gets the chunk's input instead of its output",
+    ),
+    Mutation(
+        "moe-capacity-priority",
+        "raypipe/nn/moe.py",
+        "        expert = chosen.t().reshape(-1)\n        token = torch.arange(n, device=x.device).repeat(self.top_k)\n"
+        "        gate = gates.t().reshape(-1)\n",
+        "        expert = chosen.reshape(-1)\n        token = torch.arange(n, device=x.device).repeat_interleave(self.top_k)\n"  # noqa: E501
+        "        gate = gates.reshape(-1)\n",
+        ("tests/test_moe.py::test_capacity_keeps_first_choices_first_and_counts_drops",),
+        "capacity keeps a token's second choice before later tokens' first choices",
+    ),
+    Mutation(
+        "moe-expert-grad-mean",
+        "raypipe/actors/optimizer.py",
+        "                torch._foreach_div_(grads, self.dp_size)\n",
+        "                pass\n",
+        ("tests/test_moe.py::test_parity_with_the_one_process_model",),
+        "expert gradients (summed over the ep group's tokens) are not divided by dp when ep = dp",
+    ),
+    Mutation(
+        "moe-expert-holders",
+        "raypipe/actors/optimizer.py",
+        "all_reduce_mean(grads, self.expert_group, self.dp_size, self.settings.dp_bucket_bytes)",
+        "all_reduce_mean(grads, self.expert_group, len(self.expert_ranks), self.settings.dp_bucket_bytes)",
+        ("tests/test_moe.py::test_parity_with_the_one_process_model",),
+        "expert gradients averaged over their holders instead of divided by dp (too large by ep)",
+    ),
+    Mutation(
+        "moe-norm-share",
+        "raypipe/actors/optimizer.py",
+        "(experts if self.dp_rank < self.ep_size else [])",
+        "(experts if self.dp_rank == 0 else [])",
+        ("tests/test_moe.py::test_parity_with_the_one_process_model",),
+        "the global gradient norm counts only replica 0's experts",
+    ),
+    Mutation(
+        "moe-a2a-backward",
+        "raypipe/nn/moe.py",
+        "        return _exchange(grad, ctx.recv, ctx.send, ctx.group), None, None, None",
+        "        return _exchange(grad, ctx.recv, ctx.send, ctx.group) * 0, None, None, None",
+        ("tests/test_moe.py::test_parity_with_the_one_process_model",),
+        "tokens' gradients never come back from their experts (all-to-all backward drops them)",
+    ),
+    Mutation(
+        "gang-placement",
+        "raypipe/driver/placement.py",
+        "            gang.reserve(\n",
+        "            None and gang.reserve(\n",
+        ("tests/test_gang.py::test_a_waiting_trainer_holds_nothing_and_strict_spread_needs_a_node_per_actor",),
+        "actors are started one by one outside their reserved group (a trainer can hold half a cluster)",
+    ),
+    Mutation(
+        "safetensors-pickle",
+        "raypipe/checkpoint/files.py",
+        "    if path.suffix == LEGACY:\n        return torch.load",
+        "    if True:\n        return torch.load",
+        ("tests/test_checkpoint.py::test_loading_unpickles_nothing_and_pickle_checkpoints_still_load",),
+        "checkpoint tensors are read through torch.load (unpickling)",
+    ),
+    Mutation(
+        "reader-seek",
+        "raypipe/actors/reader.py",
+        "        if self.rows is None or step < self.position:\n",
+        "        if self.rows is None:\n",
+        ("tests/test_ray_data.py::test_a_stage_death_replays_the_same_batches",),
+        "the dataset reader does not go back for the steps a recovery replays",
+    ),
+    Mutation(
+        "iterable-replay",
+        "raypipe/driver/fitting.py",
+        "feed.kept_from(restored if trainer.config.max_restarts else trainer.step_count)",
+        "feed.kept_from(trainer.step_count)",
+        ("tests/test_ray_data.py::test_a_stage_death_replays_the_same_batches",),
+        "an iterable's batches since the last checkpoint are dropped, so a recovery cannot replay them",
+    ),
+    Mutation(
+        "storage-prune",
+        "raypipe/checkpoint/layout.py",
+        "if manifest is None and step_of(p) < step_of(newest)]",
+        "if step_of(p) < step_of(newest)]",
+        ("tests/test_object_storage.py",),
+        "pruning an object store also deletes complete checkpoints older than the newest",
+    ),
+    Mutation(
+        "logger-step",
+        "raypipe/driver/fitting.py",
+        "    trainer.loggers.log(trainer.step_count, scalars(metrics))\n    return metrics",
+        "    trainer.loggers.log(trainer.step_count - 1, scalars(metrics))\n    return metrics",
+        ("tests/test_loggers.py",),
+        "the loggers record each step's scalars one step early",
+    ),
+    Mutation(
+        "stream-poison",
+        "raypipe/transport/stream.py",
+        "        message[:FLAG_BYTES].view(torch.int64).fill_(POISON)\n        self._post(message, tag)\n",
+        "        message[:FLAG_BYTES].view(torch.int64).fill_(POISON)\n",
+        ("tests/test_device_links.py::test_a_failed_step_leaves_every_stream_in_step",),
+        "a failed stage's stream (NCCL's or gloo's) skips its poison, so the receiver takes the next "
+        "message in its place",
+    ),
+    Mutation(
+        "nccl-shared-gpu",
+        "raypipe/driver/links.py",
+        'return "nccl" if all(cuda) and not shares_gpu(infos, [a, b]) else None',
+        'return "nccl" if all(cuda) else None',
+        ("tests/test_device_links.py",),
+        "two stages sharing a GPU are linked over NCCL, which refuses two ranks on one device",
+    ),
 ]
 
 
@@ -173,28 +290,47 @@ def apply(mutation: Mutation, tree: Path) -> None:
     path = tree / mutation.path
     text = path.read_text()
     if text.count(mutation.old) != 1:
-        raise SystemExit(f"{mutation.name}: the text to mutate occurs {text.count(mutation.old)} times in "
-                         f"{mutation.path}, not once; update this script")
+        raise SystemExit(
+            f"{mutation.name}: the text to mutate occurs {text.count(mutation.old)} times in "
+            f"{mutation.path}, not once; update this script"
+        )
     path.write_text(text.replace(mutation.old, mutation.new))
 
 
 def run_tests(tree: Path, tests: tuple[str, ...], timeout: float) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
     env.update(PYTHONPATH=str(tree), PYTHONDONTWRITEBYTECODE="1")
-    where = subprocess.run([sys.executable, "-c", "import raypipe; print(raypipe.__file__)"], cwd=tree, env=env,
-                           capture_output=True, text=True, timeout=120).stdout.strip()
+    where = subprocess.run(
+        [sys.executable, "-c", "import raypipe; print(raypipe.__file__)"],
+        cwd=tree,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout.strip()
     if not where.startswith(str(tree)):
         raise SystemExit(f"the scratch copy is not what Python imports ({where}); nothing would be tested")
     started = time.monotonic()
     try:
-        result = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
-                                cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)
+        result = subprocess.run(
+            [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
+            cwd=tree,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         out, code = result.stdout + result.stderr, result.returncode
     except subprocess.TimeoutExpired as expired:
         out, code = str(expired.stdout or ""), -1
     failed = re.findall(r"^FAILED (\S+)", out, re.MULTILINE)
-    return {"tests_failed": code not in (0, 5), "returncode": code, "first_failure": failed[0] if failed else None,
-            "seconds": round(time.monotonic() - started, 1), "tail": out.strip().splitlines()[-3:]}
+    return {
+        "tests_failed": code not in (0, 5),
+        "returncode": code,
+        "first_failure": failed[0] if failed else None,
+        "seconds": round(time.monotonic() - started, 1),
+        "tail": out.strip().splitlines()[-3:],
+    }
 
 
 def main() -> int:
@@ -219,7 +355,11 @@ def main() -> int:
         broken = args.baseline and row["baseline"]["tests_failed"]
         row["caught"] = caught = row["tests_failed"] and not broken
         verdict = "BASELINE FAILS" if broken else "caught" if caught else "MISSED"
-        detail = row["baseline"]["first_failure"] or row["baseline"]["tail"] if broken else row["first_failure"] or row["tail"]
+        detail = (
+            row["baseline"]["first_failure"] or row["baseline"]["tail"]
+            if broken
+            else row["first_failure"] or row["tail"]
+        )
         print(f"{mutation.name:22s} {verdict:7s} {row['seconds']:6.1f} s  {detail}", flush=True)
         results.append(row)
     text = json.dumps(results, indent=1)

@@ -21,14 +21,19 @@ from pathlib import Path
 TESTS = Path(__file__).resolve().parent.parent / "tests"
 sys.path.insert(0, str(TESTS))
 
-from netns_cluster import NetnsCluster, available  # noqa: E402
 from test_netns_cluster import LOSS_RUN, MPS, PRELUDE, drive  # noqa: E402
 
-ROUND = PRELUDE + LOSS_RUN + """
+from netns_cluster import NetnsCluster, available  # noqa: E402
+
+ROUND = (
+    PRELUDE
+    + LOSS_RUN
+    + """
 result = run(8, 5, 90)
 result["recovery_log"] = [line for line in result["log"] if "resumed at" in line or "lost node" in line]
 print("RESULT " + json.dumps({{k: result[k] for k in ("resumed", "restarts", "lost", "after", "recovery_log")}}))
 """
+)
 
 
 def main() -> None:
@@ -49,8 +54,9 @@ def main() -> None:
         for r in range(args.rounds):
             result = drive(cluster, ROUND, work)
             rounds.append(result)
-            print(f"round {r + 1}: lost {result['lost']}, next step {result['resumed']:.2f} s after the kill",
-                  flush=True)
+            print(
+                f"round {r + 1}: lost {result['lost']}, next step {result['resumed']:.2f} s after the kill", flush=True
+            )
             lost = next(name for name, node in cluster.nodes.items() if node.ip == result["lost"])
             cluster.nodes.pop(lost)  # its namespace goes at close(), with the others
             cluster.start_node(f"mps-{r}", num_cpus=1, fake_accelerator=MPS)  # a spare for the next round
@@ -59,8 +65,12 @@ def main() -> None:
         cluster.close()
         shutil.rmtree(work, ignore_errors=True)
     seconds = [r["resumed"] for r in rounds]
-    report = {"benchmark": "node_loss", "rounds": rounds, "kill_to_next_step_s": seconds,
-              "median_s": statistics.median(seconds)}
+    report = {
+        "benchmark": "node_loss",
+        "rounds": rounds,
+        "kill_to_next_step_s": seconds,
+        "median_s": statistics.median(seconds),
+    }
     print(json.dumps(report, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))

@@ -39,7 +39,8 @@ def main() -> None:
         p.grad = torch.randn_like(p)
     optimizers = {
         (name, impl): cls(model.parameters(), **kwargs, **extra)
-        for name, (cls, kwargs) in OPTIMIZERS.items() for impl, extra in IMPLEMENTATIONS.items()
+        for name, (cls, kwargs) in OPTIMIZERS.items()
+        for impl, extra in IMPLEMENTATIONS.items()
     }
     seconds: dict[tuple[str, str], list[float]] = {key: [] for key in optimizers}
     for step in range(args.steps + 5):  # in turn, so a slow moment of the machine hits all alike
@@ -48,17 +49,24 @@ def main() -> None:
             optimizer.step()
             if step >= 5:
                 seconds[key].append(time.perf_counter() - started)
-    ms = {name: {impl: round(statistics.median(seconds[(name, impl)]) * 1e3, 3) for impl in IMPLEMENTATIONS}
-          for name in OPTIMIZERS}
-    print(json.dumps({
-        "benchmark": "optimizer_step",
-        "machine": {"python": platform.python_version(), "torch": torch.__version__, "threads": 1},
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "tensors": len(list(model.parameters())),
-        "steps": args.steps,
-        "ms_per_step_median": ms,
-        "fused_speedup_vs_default": {name: round(v["default"] / v["fused"], 2) for name, v in ms.items()},
-    }, indent=1))
+    ms = {
+        name: {impl: round(statistics.median(seconds[(name, impl)]) * 1e3, 3) for impl in IMPLEMENTATIONS}
+        for name in OPTIMIZERS
+    }
+    print(
+        json.dumps(
+            {
+                "benchmark": "optimizer_step",
+                "machine": {"python": platform.python_version(), "torch": torch.__version__, "threads": 1},
+                "parameters": sum(p.numel() for p in model.parameters()),
+                "tensors": len(list(model.parameters())),
+                "steps": args.steps,
+                "ms_per_step_median": ms,
+                "fused_speedup_vs_default": {name: round(v["default"] / v["fused"], 2) for name, v in ms.items()},
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

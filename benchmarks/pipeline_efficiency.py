@@ -29,6 +29,7 @@ import ray
 import torch
 
 from raypipe import LayerSpec, TrainConfig, Trainer
+
 from simulated import SimulatedCompute
 
 P = 4
@@ -42,9 +43,15 @@ def simulated_trainer(t: float, engine: str = TrainConfig.engine) -> Trainer:
     """
     name, _, transport = engine.partition(":")
     layers = [LayerSpec(SimulatedCompute, t, t) for _ in range(P)]
-    config = TrainConfig(pp=P, optimizer={"name": "sgd", "lr": 1e-3}, cpus_per_actor=0.01, threads_per_actor=1,
-                         engine=name, same_node_transport=transport or TrainConfig.same_node_transport,
-                         name=f"efficiency-{name}-{transport or 'default'}")
+    config = TrainConfig(
+        pp=P,
+        optimizer={"name": "sgd", "lr": 1e-3},
+        cpus_per_actor=0.01,
+        threads_per_actor=1,
+        engine=name,
+        same_node_transport=transport or TrainConfig.same_node_transport,
+        name=f"efficiency-{name}-{transport or 'default'}",
+    )
     return Trainer(layers, torch.nn.functional.mse_loss, config)
 
 
@@ -67,24 +74,36 @@ def measure(trainer: Trainer, schedule: str, m: int, steps: int, t: float) -> di
         stashed = [s["peak_stashed_microbatches"] for s in metrics["stages"]]
     fit_spans = []  # on_step reads only the driver's copy of the timestamps: overlap stays safe
     started = time.perf_counter()
-    trainer.fit(lambda _: (x, y), trainer.step_count + steps, overlap=True,
-                on_step=lambda _: fit_spans.append(trainer.timeline().makespan / 1000))
+    trainer.fit(
+        lambda _: (x, y),
+        trainer.step_count + steps,
+        overlap=True,
+        on_step=lambda _: fit_spans.append(trainer.timeline().makespan / 1000),
+    )
     fit_step = (time.perf_counter() - started) / steps
     step_s, span_s = statistics.median(times), statistics.median(spans)
-    return {"step_s": step_s, "fit_step_s": fit_step, "actions_span_s": span_s,
-            "action_excess_s": statistics.median(excess),
-            # the time a step spends outside its actions: the call, the closing agreement, the
-            # optimizer step, the reply; fit's queued step hides the call and the reply
-            "outside_actions_s": step_s - span_s, "fit_outside_actions_s": fit_step - statistics.median(fit_spans),
-            "peak_stashed_microbatches": stashed}
+    return {
+        "step_s": step_s,
+        "fit_step_s": fit_step,
+        "actions_span_s": span_s,
+        "action_excess_s": statistics.median(excess),
+        # the time a step spends outside its actions: the call, the closing agreement, the
+        # optimizer step, the reply; fit's queued step hides the call and the reply
+        "outside_actions_s": step_s - span_s,
+        "fit_outside_actions_s": fit_step - statistics.median(fit_spans),
+        "peak_stashed_microbatches": stashed,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="raypipe schedule efficiency on simulated stages")
     parser.add_argument("--quick", action="store_true", help="m = 16 only")
-    parser.add_argument("--engines", default="refs,p2p,compiled",
-                        help="comma-separated; each row is measured for each, alternating, so ratios between them "
-                             "are side by side; ENGINE:gloo sends between stages over gloo instead of shared memory")
+    parser.add_argument(
+        "--engines",
+        default="refs,p2p,compiled",
+        help="comma-separated; each row is measured for each, alternating, so ratios between them "
+        "are side by side; ENGINE:gloo sends between stages over gloo instead of shared memory",
+    )
     args = parser.parse_args()
     engines = args.engines.split(",")
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
@@ -97,8 +116,16 @@ def main() -> None:
                 for engine, trainer in trainers.items():
                     result = measure(trainer, schedule, m, steps=5, t=t)
                     ideal = (m + P - 1) * 2 * t
-                    row = {"engine": engine, "schedule": schedule, "p": P, "m": m, "tf_ms": 1000 * t,
-                           "tb_ms": 1000 * t, "ideal_s": ideal, **result}
+                    row = {
+                        "engine": engine,
+                        "schedule": schedule,
+                        "p": P,
+                        "m": m,
+                        "tf_ms": 1000 * t,
+                        "tb_ms": 1000 * t,
+                        "ideal_s": ideal,
+                        **result,
+                    }
                     if t > 0:
                         row["efficiency"] = ideal / result["step_s"]
                         row["efficiency_fit"] = ideal / result["fit_step_s"]

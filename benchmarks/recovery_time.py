@@ -40,17 +40,25 @@ def main() -> None:
     trials = []
     for _ in range(args.trials):
         with tempfile.TemporaryDirectory() as root:
-            config = TrainConfig(pp=2, microbatches=2, checkpoint_dir=root, checkpoint_every=1, max_restarts=1,
-                                 optimizer={"name": "sgd", "lr": 0.01})
+            config = TrainConfig(
+                pp=2,
+                microbatches=2,
+                checkpoint_dir=root,
+                checkpoint_every=1,
+                max_restarts=1,
+                optimizer={"name": "sgd", "lr": 0.01},
+            )
             events: dict[str, float] = {}
             with Trainer(layers, nn.functional.mse_loss, config) as trainer:
                 pid = trainer.stage_info()[1]["pid"]
 
                 def on_step(metrics):
                     if metrics["step"] == 3 and "killed" not in events:
+
                         def kill():
                             events["killed"] = time.monotonic()
                             os.kill(pid, signal.SIGKILL)
+
                         threading.Timer(0.03, kill).start()  # inside step 4's first forward on stage 1
                     if "killed" in events and "noticed" in events and "going_on" not in events:
                         events["going_on"] = time.monotonic()
@@ -60,10 +68,12 @@ def main() -> None:
                         events["noticed"] = time.monotonic()
 
                 trainer.fit(data, 6, on_step=on_step, log=log)
-            trials.append({
-                "death_noticed_s": events["noticed"] - events["killed"],
-                "death_to_next_completed_step_s": events["going_on"] - events["killed"],
-            })
+            trials.append(
+                {
+                    "death_noticed_s": events["noticed"] - events["killed"],
+                    "death_to_next_completed_step_s": events["going_on"] - events["killed"],
+                }
+            )
     ray.shutdown()
     print(json.dumps({"benchmark": "recovery_time", "cpus": 2, "pp": 2, "trials": trials}, indent=2))
 

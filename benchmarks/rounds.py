@@ -6,13 +6,14 @@ Used by gpt_cpu.py and gpt_gpu.py."""
 
 from __future__ import annotations
 
-import time
 import statistics
-from typing import Callable
+import time
+from collections.abc import Callable
 
 
-def interleaved(runners: dict[str, Callable[[int], None]], rounds: int, steps: int,
-                warmup: int = 3) -> dict[str, list[list[float]]]:
+def interleaved(
+    runners: dict[str, Callable[[int], None]], rounds: int, steps: int, warmup: int = 3
+) -> dict[str, list[list[float]]]:
     """Seconds of each step of each runner (`run(step)`): `[round][step]` per runner.
 
     Runners alternate step by step, so two runners' step i of a round ran within
@@ -29,7 +30,7 @@ def interleaved(runners: dict[str, Callable[[int], None]], rounds: int, steps: i
             per_round.append([])
         for step in range(steps):
             turn = r * steps + step
-            for name in names[turn % len(names):] + names[:turn % len(names)]:
+            for name in names[turn % len(names) :] + names[: turn % len(names)]:
                 run = runners[name]
                 started = time.perf_counter()
                 run(1000 * r + step)

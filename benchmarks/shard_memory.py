@@ -28,13 +28,22 @@ def main() -> None:
     result = {"benchmark": "shard_memory", "model_parameters": model.parameters, "runs": {}}
     for tp in (1, 2):
         for zero in (0, 1):
-            config = TrainConfig(pp=2, dp=2, tp=tp, zero=zero, microbatches=2,
-                                 optimizer={"name": "adamw", "lr": 1e-3}, cpus_per_actor=0.5 / tp)
+            config = TrainConfig(
+                pp=2,
+                dp=2,
+                tp=tp,
+                zero=zero,
+                microbatches=2,
+                optimizer={"name": "adamw", "lr": 1e-3},
+                cpus_per_actor=0.5 / tp,
+            )
             with Trainer(gpt.layers(model), gpt.loss_fn, config) as trainer:
                 trainer.step(*data.batch(0, 8))
                 result["runs"][f"tp{tp}-zero{zero}"] = {
-                    i["name"]: {"parameter_bytes": i["parameter_bytes"],
-                                "optimizer_state_bytes": i["optimizer_state_bytes"]}
+                    i["name"]: {
+                        "parameter_bytes": i["parameter_bytes"],
+                        "optimizer_state_bytes": i["optimizer_state_bytes"],
+                    }
                     for i in trainer.stage_info()
                 }
     ray.shutdown()

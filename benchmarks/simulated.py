@@ -63,8 +63,15 @@ class SimulatedCompute(nn.Module):
             input needed a gradient, so every stage does the same work.
     """
 
-    def __init__(self, forward_s: float, backward_s: float, features: int = 8,
-                 slowdown: dict[str, float] | None = None, ballast: int = 0, weight_s: float | None = None) -> None:
+    def __init__(
+        self,
+        forward_s: float,
+        backward_s: float,
+        features: int = 8,
+        slowdown: dict[str, float] | None = None,
+        ballast: int = 0,
+        weight_s: float | None = None,
+    ) -> None:
         super().__init__()
         self.forward_s, self.backward_s = float(forward_s), float(backward_s)
         self.weight_s = None if weight_s is None else float(weight_s)

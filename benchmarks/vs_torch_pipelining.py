@@ -38,9 +38,13 @@ import torch
 import torch.multiprocessing as mp
 
 P, M = 4, 16
-TORCH = {"gpipe": ("ScheduleGPipe", "loop", 1), "1f1b": ("Schedule1F1B", "loop", 1),
-         "interleaved-1f1b": ("ScheduleInterleaved1F1B", "loop", 2),
-         "zb-h1": ("ScheduleInterleavedZeroBubble", "loop", 1), "zb-v": ("ScheduleZBVZeroBubble", "v", 2)}
+TORCH = {
+    "gpipe": ("ScheduleGPipe", "loop", 1),
+    "1f1b": ("Schedule1F1B", "loop", 1),
+    "interleaved-1f1b": ("ScheduleInterleaved1F1B", "loop", 2),
+    "zb-h1": ("ScheduleInterleavedZeroBubble", "loop", 1),
+    "zb-v": ("ScheduleZBVZeroBubble", "v", 2),
+}
 
 
 def _free_port() -> int:
@@ -52,6 +56,7 @@ def _free_port() -> int:
 def layers(t: float, classic: bool) -> list:
     """The model: p layers of (t, t) for the classic rows, else 2p of (t/2, t/2, weight t/2)."""
     from raypipe import LayerSpec
+
     from simulated import SimulatedCompute
 
     if classic:
@@ -72,7 +77,7 @@ def _torch_rank(rank: int, port: int, schedule: str, t: float, steps: int, class
     model = build_layers(layers(t, classic), 0)
     per = len(model) // (P * chunks)
     indices = [rank] if chunks == 1 else [rank, rank + P] if style == "loop" else [rank, 2 * P - 1 - rank]
-    modules = [torch.nn.Sequential(*model[i * per:(i + 1) * per]) for i in indices]
+    modules = [torch.nn.Sequential(*model[i * per : (i + 1) * per]) for i in indices]
     stages = [pipelining.PipelineStage(mod, i, P * chunks, torch.device("cpu")) for mod, i in zip(modules, indices)]
     cls = getattr(pipelining.schedules, name)
     single = name in ("ScheduleGPipe", "Schedule1F1B")  # the others take a list of the rank's stages
@@ -128,10 +133,17 @@ def raypipe_trainer(schedule: str, t: float, classic: bool, engine: str | None):
     from raypipe import TrainConfig, Trainer
 
     name, _, transport = (engine or TrainConfig.engine).partition(":")
-    config = TrainConfig(pp=P, schedule=schedule, microbatches=M, optimizer={"name": "sgd", "lr": 1e-3},
-                         cpus_per_actor=0.01, threads_per_actor=1, engine=name,
-                         same_node_transport=transport or TrainConfig.same_node_transport,
-                         name=f"vs-torch-{schedule}-{name}")
+    config = TrainConfig(
+        pp=P,
+        schedule=schedule,
+        microbatches=M,
+        optimizer={"name": "sgd", "lr": 1e-3},
+        cpus_per_actor=0.01,
+        threads_per_actor=1,
+        engine=name,
+        same_node_transport=transport or TrainConfig.same_node_transport,
+        name=f"vs-torch-{schedule}-{name}",
+    )
     return Trainer(layers(t, classic), torch.nn.functional.mse_loss, config)
 
 
@@ -144,11 +156,21 @@ def measured_bubble(trainer) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="torch and raypipe alternate this many times per configuration; medians are reported")
-    parser.add_argument("--engine", default=None, help="raypipe engine (p2p or compiled; p2p:gloo for gloo between same-node stages); default: TrainConfig's")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="torch and raypipe alternate this many times per configuration; medians are reported",
+    )
+    parser.add_argument(
+        "--engine",
+        default=None,
+        help="raypipe engine (p2p or compiled; p2p:gloo for gloo between same-node stages); default: TrainConfig's",
+    )
     parser.add_argument("--only", default=None, help="comma-separated schedules (default: all five)")
-    parser.add_argument("--classic", action="store_true", help="the earlier rows: one layer per stage, tf = tb, no split")
+    parser.add_argument(
+        "--classic", action="store_true", help="the earlier rows: one layer per stage, tf = tb, no split"
+    )
     parser.add_argument("--times", default="10,2", help="t in ms, comma-separated")
     args = parser.parse_args()
     import ray
@@ -178,17 +200,27 @@ def main() -> None:
                 costs = {"F": t, "B": t} if args.classic else {"F": chunk, "I": chunk, "W": chunk}
                 planned = bubble(build_schedule(schedule, P, M), costs)
                 work = M * (2 if args.classic else 3) * t  # one actor's compute per step
-                row = {"engine": trainer.config.engine, "same_node_transport": trainer.config.same_node_transport,
-                       "schedule": schedule, "torch_schedule": TORCH[schedule][0], "p": P, "m": M,
-                       "t_ms": 1000 * t, "split_backward": not args.classic,
-                       "ideal_s": work / (1 - planned), "planned_bubble": planned,
-                       "measured_bubble": statistics.median(bubbles),
-                       "torch_step_s": torch_s, "raypipe_step_s": raypipe_s,
-                       "ratio_raypipe_over_torch": raypipe_s / torch_s,
-                       "ratio_per_round": [r / q for r, q in zip(raypipe_rounds, torch_rounds)],
-                       "torch_loop_step_s": torch_loop, "raypipe_fit_step_s": raypipe_loop,
-                       "ratio_loop_raypipe_over_torch": raypipe_loop / torch_loop,
-                       "ratio_loop_per_round": [r / q for r, q in zip(raypipe_loops, torch_loops)]}
+                row = {
+                    "engine": trainer.config.engine,
+                    "same_node_transport": trainer.config.same_node_transport,
+                    "schedule": schedule,
+                    "torch_schedule": TORCH[schedule][0],
+                    "p": P,
+                    "m": M,
+                    "t_ms": 1000 * t,
+                    "split_backward": not args.classic,
+                    "ideal_s": work / (1 - planned),
+                    "planned_bubble": planned,
+                    "measured_bubble": statistics.median(bubbles),
+                    "torch_step_s": torch_s,
+                    "raypipe_step_s": raypipe_s,
+                    "ratio_raypipe_over_torch": raypipe_s / torch_s,
+                    "ratio_per_round": [r / q for r, q in zip(raypipe_rounds, torch_rounds)],
+                    "torch_loop_step_s": torch_loop,
+                    "raypipe_fit_step_s": raypipe_loop,
+                    "ratio_loop_raypipe_over_torch": raypipe_loop / torch_loop,
+                    "ratio_loop_per_round": [r / q for r, q in zip(raypipe_loops, torch_loops)],
+                }
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     ray.shutdown()

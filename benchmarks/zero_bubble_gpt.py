@@ -42,13 +42,25 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     seq = torch.randint(0, 256, (args.batch_size, cfg.block_size + 1), generator=g)
     x, y = seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
-    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, logging_level="ERROR",
-             log_to_driver=False)
-    trainers = {s: Trainer(gpt.layers(cfg), gpt.loss_fn,
-                           TrainConfig(pp=P, microbatches=M, schedule=s, cpus_per_actor=0.01,
-                                       threads_per_actor=args.threads, optimizer={"name": "adamw", "lr": 1e-3},
-                                       name=f"zb-gpt-{s}"))
-                for s in SCHEDULES}
+    ray.init(
+        address="local", num_cpus=os.cpu_count(), include_dashboard=False, logging_level="ERROR", log_to_driver=False
+    )
+    trainers = {
+        s: Trainer(
+            gpt.layers(cfg),
+            gpt.loss_fn,
+            TrainConfig(
+                pp=P,
+                microbatches=M,
+                schedule=s,
+                cpus_per_actor=0.01,
+                threads_per_actor=args.threads,
+                optimizer={"name": "adamw", "lr": 1e-3},
+                name=f"zb-gpt-{s}",
+            ),
+        )
+        for s in SCHEDULES
+    }
     times: dict[str, list[float]] = {s: [] for s in SCHEDULES}
     bubbles: dict[str, list[float]] = {s: [] for s in SCHEDULES}
     try:
@@ -64,13 +76,30 @@ def main() -> None:
             trainer.shutdown()
     tokens = args.batch_size * cfg.block_size
     base = statistics.median(times["1f1b"])
-    rows = [{"schedule": s, "step_s": statistics.median(times[s]), "tokens_per_s": tokens / statistics.median(times[s]),
-             "tokens_per_s_over_1f1b": base / statistics.median(times[s]),
-             "measured_bubble": statistics.median(bubbles[s])} for s in SCHEDULES]
+    rows = [
+        {
+            "schedule": s,
+            "step_s": statistics.median(times[s]),
+            "tokens_per_s": tokens / statistics.median(times[s]),
+            "tokens_per_s_over_1f1b": base / statistics.median(times[s]),
+            "measured_bubble": statistics.median(bubbles[s]),
+        }
+        for s in SCHEDULES
+    ]
     for row in rows:
         print(json.dumps(row))
-    print(json.dumps({"benchmark": "zero_bubble_gpt", "p": P, "m": M, "cores": os.cpu_count(),
-                      "threads_per_actor": args.threads, "rows": rows}))
+    print(
+        json.dumps(
+            {
+                "benchmark": "zero_bubble_gpt",
+                "p": P,
+                "m": M,
+                "cores": os.cpu_count(),
+                "threads_per_actor": args.threads,
+                "rows": rows,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

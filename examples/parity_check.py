@@ -59,8 +59,13 @@ def main() -> int:
     for schedule in ("gpipe", "1f1b"):
         reference = nn.Sequential(*build_layers(LAYERS, seed=11))
         opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
-        config = TrainConfig(pp=args.pp, microbatches=args.microbatches, schedule=schedule,
-                             optimizer={"name": "sgd", "lr": 0.1, "momentum": 0.9}, seed=11)
+        config = TrainConfig(
+            pp=args.pp,
+            microbatches=args.microbatches,
+            schedule=schedule,
+            optimizer={"name": "sgd", "lr": 0.1, "momentum": 0.9},
+            seed=11,
+        )
         with Trainer(LAYERS, loss_fn, config) as trainer:
             for x, y in data:
                 got = trainer.step(x, y)["loss"]

@@ -30,8 +30,9 @@ def main() -> None:
     args = parser.parse_args()
     p, m, tf, tb = 4, 8, 0.010, 0.020
     layers = [LayerSpec(SimulatedCompute, tf, tb) for _ in range(p)]
-    config = TrainConfig(pp=p, microbatches=m, schedule=args.schedule, optimizer={"name": "sgd", "lr": 1e-3},
-                         cpus_per_actor=0.01)
+    config = TrainConfig(
+        pp=p, microbatches=m, schedule=args.schedule, optimizer={"name": "sgd", "lr": 1e-3}, cpus_per_actor=0.01
+    )
     x, y = torch.randn(m * 2, 8), torch.randn(m * 2, 8)
     with Trainer(layers, torch.nn.functional.mse_loss, config) as trainer:
         for _ in range(3):  # the first steps warm up
@@ -43,9 +44,11 @@ def main() -> None:
         print("wrote", measured.save(out / f"timeline-{args.schedule}-measured{suffix}"))
     print("wrote", planned.save(out / f"timeline-{args.schedule}-planned.svg"))
     ideal = (m + p - 1) * (tf + tb) * 1000
-    print(f"step {1000 * step_time:.1f} ms (driver), actions span {measured.makespan:.1f} ms, "
-          f"ideal (m+p-1)(tf+tb) = {ideal:.1f} ms; idle per stage: "
-          + ", ".join(f"{100 * b:.0f}%" for b in measured.bubble()))
+    print(
+        f"step {1000 * step_time:.1f} ms (driver), actions span {measured.makespan:.1f} ms, "
+        f"ideal (m+p-1)(tf+tb) = {ideal:.1f} ms; idle per stage: "
+        + ", ".join(f"{100 * b:.0f}%" for b in measured.bubble())
+    )
 
 
 if __name__ == "__main__":

@@ -18,7 +18,8 @@ from typing import Any
 from ray import tune
 
 import raypipe.tune
-from raypipe.job import JobConfig, run as run_job
+from raypipe.job import JobConfig
+from raypipe.job import run as run_job
 
 
 def trial(params: dict[str, Any]) -> None:
@@ -28,8 +29,9 @@ def trial(params: dict[str, Any]) -> None:
     run_job(config, log=lambda line: print(f"[lr {lr:g}] {line}"), on_metrics=raypipe.tune.report)
 
 
-def sweep(config: str, lrs: list[float], steps: int, storage: str, overrides: tuple[str, ...] = (),
-          trial_cpus: float = 0.25) -> tune.ResultGrid:
+def sweep(
+    config: str, lrs: list[float], steps: int, storage: str, overrides: tuple[str, ...] = (), trial_cpus: float = 0.25
+) -> tune.ResultGrid:
     """Runs one trial per learning rate on the connected (or a new local) Ray; returns Tune's results."""
     path = str(Path(config).resolve())  # trials run in their own working directories
     overrides = (*overrides, f"job.steps={steps}", "job.progress=false", "job.sample_tokens=0")
@@ -49,8 +51,14 @@ def main() -> None:
     parser.add_argument("--lrs", type=float, nargs="+", default=[3e-4, 1e-3, 3e-3])
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--storage", default="runs/tune", help="where Tune keeps the trials' results")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="config overrides for every trial, e.g. --set cpus_per_actor=0.5")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config overrides for every trial, e.g. --set cpus_per_actor=0.5",
+    )
     args = parser.parse_args()
     results = sweep(args.config, args.lrs, args.steps, args.storage, tuple(args.overrides))
     for result in sorted(results, key=lambda r: r.config["lr"]):

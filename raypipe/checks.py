@@ -7,7 +7,8 @@ from __future__ import annotations
 import difflib
 import inspect
 import math
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from raypipe.errors import ConfigError
 
@@ -71,16 +72,12 @@ def optimizer_class(name: str):
 
 def check_optimizer(value: Any) -> None:
     if not isinstance(value, Mapping) or "name" not in value:
-        raise fail(
-            "optimizer", value, "give a mapping with a name, e.g. {'name': 'adamw', 'lr': 1e-3}."
-        )
+        raise fail("optimizer", value, "give a mapping with a name, e.g. {'name': 'adamw', 'lr': 1e-3}.")
     check_choice("optimizer.name", value["name"], OPTIMIZER_NAMES)
     if "lr" not in value:
         raise fail("optimizer", value, "give a learning rate, e.g. 'lr': 1e-3.")
     check_positive("optimizer.lr", value["lr"])
-    accepted = [
-        p for p in inspect.signature(optimizer_class(value["name"])).parameters if p != "params"
-    ]
+    accepted = [p for p in inspect.signature(optimizer_class(value["name"])).parameters if p != "params"]
     for key in value:
         if key != "name" and key not in accepted:
             raise fail(
@@ -120,8 +117,11 @@ def check_shard_plan(value: Any, pp: int, chunks: int = 1) -> None:
     if not ok:
         raise fail("shard_plan", value, "give one [start, end) pair of layer indices per stage, e.g. [[0, 3], [3, 5]].")
     if len(value) != pp * chunks:
-        per = f"pp={pp}: give one range per stage" if chunks == 1 else \
-            f"pp={pp} x {chunks} chunks: give one range per virtual stage (chunk c of stage s is virtual stage c*pp+s)"
+        per = (
+            f"pp={pp}: give one range per stage"
+            if chunks == 1
+            else f"pp={pp} x {chunks} chunks: give one range per virtual stage (chunk c of stage s is virtual stage c*pp+s)"  # noqa: E501
+        )
         raise fail("shard_plan", value, f"it has {len(value)} ranges but {per}.")
 
 
@@ -135,6 +135,8 @@ def check_devices(value: Any, pp: int) -> None:
     if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
         raise fail("devices", value, f"give one kind of {', '.join(DEVICE_KINDS)}, or a list of them, one per stage.")
     if len(value) != pp:
-        raise fail("devices", value, f"it names {len(value)} kinds but pp={pp}: give one kind per stage, or one for all.")
+        raise fail(
+            "devices", value, f"it names {len(value)} kinds but pp={pp}: give one kind per stage, or one for all."
+        )
     for kind in value:
         check_choice("devices", kind, DEVICE_KINDS)

@@ -47,10 +47,14 @@ def _diagram(args: argparse.Namespace) -> int:
     train, model = config.train, config.model
     rows = max(1, config.job.batch_size // (train.dp * train.microbatches))
     sample = torch.zeros(rows, model.block_size, dtype=torch.long, device="meta")  # one microbatch
-    arch = Architecture.from_config(model.build().layers, train, sample,
-                                    title=f"{args.config}: {model.describe()}, "
-                                          f"pp={train.pp} x dp={train.dp}{f' (ep={train.ep})' if train.ep > 1 else ''} x tp={train.tp}, {train.schedule}, "
-                                          f"{train.microbatches} microbatches of {rows}")
+    arch = Architecture.from_config(
+        model.build().layers,
+        train,
+        sample,
+        title=f"{args.config}: {model.describe()}, "
+        f"pp={train.pp} x dp={train.dp}{f' (ep={train.ep})' if train.ep > 1 else ''} x tp={train.tp}, {train.schedule}, "  # noqa: E501
+        f"{train.microbatches} microbatches of {rows}",
+    )
     print(f"wrote {arch.save(args.output)}")
     return 0
 
@@ -104,10 +108,22 @@ def _node_resources(args: argparse.Namespace) -> int:
 
     acc = detect()
     if args.json:
-        print(json.dumps({"kind": acc.kind, "count": acc.count, "model": acc.model, "memory_bytes": acc.memory_bytes,
-                          "dtypes": list(acc.dtypes), "torch_device": acc.torch_device(),
-                          "resources": acc.ray_resources(), "labels": acc.ray_labels(),
-                          "ray_start_args": acc.ray_start_args()}, indent=1))
+        print(
+            json.dumps(
+                {
+                    "kind": acc.kind,
+                    "count": acc.count,
+                    "model": acc.model,
+                    "memory_bytes": acc.memory_bytes,
+                    "dtypes": list(acc.dtypes),
+                    "torch_device": acc.torch_device(),
+                    "resources": acc.ray_resources(),
+                    "labels": acc.ray_labels(),
+                    "ray_start_args": acc.ray_start_args(),
+                },
+                indent=1,
+            )
+        )
     else:  # for `ray start ... $(raypipe node-resources)`: no argument holds a space, a quote or a glob
         print(" ".join(acc.ray_start_args()))
     return 0
@@ -121,27 +137,38 @@ def build_parser() -> argparse.ArgumentParser:
 
     def with_config(p: argparse.ArgumentParser) -> None:
         p.add_argument("config", help="job YAML, e.g. examples/configs/gpt_pp2.yaml")
-        p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                       help="override a field, e.g. --set microbatches=8 --set model.n_layer=2")
+        p.add_argument(
+            "--set",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="override a field, e.g. --set microbatches=8 --set model.n_layer=2",
+        )
 
     train = sub.add_parser("train", help="train the reference GPT as a job file says")
     with_config(train)
     add_resume_arguments(train)
     train.set_defaults(func=_train)
 
-    plan = sub.add_parser("plan", help="show how a job's model is split into stages, without training "
-                                       "(partition=profile: times the layers on the cluster's devices first)")
+    plan = sub.add_parser(
+        "plan",
+        help="show how a job's model is split into stages, without training "
+        "(partition=profile: times the layers on the cluster's devices first)",
+    )
     with_config(plan)
     plan.add_argument("--json", metavar="PATH", help="also write the plan (and, profiled, every layer's times) as JSON")
     plan.set_defaults(func=_plan)
 
     diagram = sub.add_parser("diagram", help="draw a job's stages, actors and boundary tensors (no cluster needed)")
     with_config(diagram)
-    diagram.add_argument("-o", "--output", required=True, help="arch.png, .svg, .pdf (Graphviz), .dot or .mmd (Mermaid)")
+    diagram.add_argument(
+        "-o", "--output", required=True, help="arch.png, .svg, .pdf (Graphviz), .dot or .mmd (Mermaid)"
+    )
     diagram.set_defaults(func=_diagram)
 
-    node = sub.add_parser("node-resources",
-                          help="print the `ray start` arguments advertising this machine's accelerators")
+    node = sub.add_parser(
+        "node-resources", help="print the `ray start` arguments advertising this machine's accelerators"
+    )
     node.add_argument("--json", action="store_true", help="everything detected, as JSON")
     node.set_defaults(func=_node_resources)
 

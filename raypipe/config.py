@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import yaml
 
 from raypipe import lora
-from raypipe.loggers import check_loggers
 from raypipe.checkpoint.storage import check_available, is_uri, redact_values, split_uri
 from raypipe.checks import (
     check_choice,
@@ -30,6 +30,7 @@ from raypipe.checks import (
     nearest,
 )
 from raypipe.errors import ConfigError, ScheduleError
+from raypipe.loggers import check_loggers
 from raypipe.schedules import SCHEDULES, build_schedule
 
 SCHEDULE_NAMES = (*SCHEDULES, "auto")  # auto: chosen from profiled layers (`raypipe.planning.autoschedule`)
@@ -204,12 +205,20 @@ class TrainConfig:
         check_int("tp", self.tp, 1)
         check_int("ep", self.ep, 1)
         if self.dp % self.ep:
-            raise fail("ep", self.ep, f"expert-parallel ranks are carved out of the dp={self.dp} replicas: use an ep "
-                                      f"that divides dp (e.g. ep={self.dp}), or raise dp to a multiple of {self.ep}.")
+            raise fail(
+                "ep",
+                self.ep,
+                f"expert-parallel ranks are carved out of the dp={self.dp} replicas: use an ep "
+                f"that divides dp (e.g. ep={self.dp}), or raise dp to a multiple of {self.ep}.",
+            )
         if self.ep > 1 and self.engine == "refs":
-            raise fail("engine", self.engine, "ep > 1 runs on the p2p and compiled engines (a MoE layer's all-to-all "
-                                               "needs every replica of its ep group inside one step call): use "
-                                               "engine='p2p'.")
+            raise fail(
+                "engine",
+                self.engine,
+                "ep > 1 runs on the p2p and compiled engines (a MoE layer's all-to-all "
+                "needs every replica of its ep group inside one step call): use "
+                "engine='p2p'.",
+            )
         if self.zero not in (0, 1) or isinstance(self.zero, bool):
             raise fail("zero", self.zero, "give 0 (off) or 1 (shard optimizer state across dp replicas).")
         check_positive("dp_bucket_mb", self.dp_bucket_mb)
@@ -281,17 +290,28 @@ class TrainConfig:
         if self.schedule == "auto":
             for name in ("chunks", "shard_plan"):
                 if getattr(self, name) is not None:
-                    raise fail(name, getattr(self, name), "schedule='auto' chooses the split and chunks itself: "
-                                                           "leave it unset, or name a schedule.")
+                    raise fail(
+                        name,
+                        getattr(self, name),
+                        "schedule='auto' chooses the split and chunks itself: leave it unset, or name a schedule.",
+                    )
             return
         kind = SCHEDULES[self.schedule]
         if self.chunks is not None and kind.chunks is not None and self.chunks != kind.chunks:
-            raise fail("chunks", self.chunks, f"schedule {self.schedule!r} always runs {kind.chunks} per actor: "
-                                               f"leave chunks unset, or use schedule='interleaved-1f1b'.")
+            raise fail(
+                "chunks",
+                self.chunks,
+                f"schedule {self.schedule!r} always runs {kind.chunks} per actor: "
+                f"leave chunks unset, or use schedule='interleaved-1f1b'.",
+            )
         if (self.num_chunks() > 1 or kind.split_backward) and self.engine == "refs":
-            raise fail("engine", self.engine, f"schedule {self.schedule!r} runs on the p2p and compiled engines "
-                                               f"(its chunks and split backwards live inside one call per step): "
-                                               f"use engine='p2p'.")
+            raise fail(
+                "engine",
+                self.engine,
+                f"schedule {self.schedule!r} runs on the p2p and compiled engines "
+                f"(its chunks and split backwards live inside one call per step): "
+                f"use engine='p2p'.",
+            )
         try:
             build_schedule(self.schedule, self.pp, self.microbatches, self.chunks)
         except ScheduleError as error:
@@ -306,7 +326,7 @@ class TrainConfig:
         return tuple(f.name for f in dataclasses.fields(cls))
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "TrainConfig":
+    def from_dict(cls, data: Mapping[str, Any]) -> TrainConfig:
         """Builds a config from a mapping whose fields may be grouped in sections.
 
         A key that is a field name sets that field; any other key whose value is a
@@ -342,7 +362,7 @@ class TrainConfig:
         return cls(**flat)
 
     @classmethod
-    def from_yaml(cls, path: str | Path, overrides: Iterable[str] = ()) -> "TrainConfig":
+    def from_yaml(cls, path: str | Path, overrides: Iterable[str] = ()) -> TrainConfig:
         """Loads a config from a YAML file, then applies `key=value` overrides."""
         return cls.from_dict(apply_overrides(load_yaml(path), overrides))
 
@@ -351,7 +371,7 @@ class TrainConfig:
         (`raypipe.checkpoint.storage.redact`), so this never leaks one into trainer.json, a logger or a print."""
         return redact_values(dataclasses.asdict(self))
 
-    def replace(self, **changes: Any) -> "TrainConfig":
+    def replace(self, **changes: Any) -> TrainConfig:
         """A copy with some fields changed, validated like a new config."""
         unknown = [k for k in changes if k not in self.field_names()]
         if unknown:
@@ -379,9 +399,12 @@ class _Loader(yaml.SafeLoader):
 
 _Loader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?|\.[0-9_]+(?:[eE][-+]?[0-9]+)?"
-               r"|[0-9][0-9_]*[eE][-+]?[0-9]+|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
-    list("-+0123456789."))
+    re.compile(
+        r"^[-+]?(?:[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?|\.[0-9_]+(?:[eE][-+]?[0-9]+)?"
+        r"|[0-9][0-9_]*[eE][-+]?[0-9]+|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
+    ),
+    list("-+0123456789."),
+)
 
 
 def parse_yaml(text: str) -> Any:

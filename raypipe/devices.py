@@ -93,8 +93,10 @@ def parse_fake_accelerator(text: str) -> Accelerator:
     parts = text.split(":", 2)
     fix = "set it as KIND:COUNT:MODEL, e.g. RAYPIPE_FAKE_ACCELERATOR=cuda:2:NVIDIA-H100, or unset it"
     if len(parts) != 3 or parts[0] not in KINDS or not parts[1].isdigit() or int(parts[1]) < 1 or not parts[2]:
-        raise ConfigError(f"RAYPIPE_FAKE_ACCELERATOR={text!r} is not KIND:COUNT:MODEL with KIND one of "
-                          f"{', '.join(KINDS)} and COUNT >= 1: {fix}.")
+        raise ConfigError(
+            f"RAYPIPE_FAKE_ACCELERATOR={text!r} is not KIND:COUNT:MODEL with KIND one of "
+            f"{', '.join(KINDS)} and COUNT >= 1: {fix}."
+        )
     kind, count, model = parts[0], int(parts[1]), parts[2]
     dtypes = {"mps": ("fp32", "fp16")}.get(kind, ("fp32", "fp16", "bf16"))
     return Accelerator(kind, count, model, _machine_memory(), dtypes)

@@ -11,9 +11,10 @@ between stages carry the boundary tensor's shape. Graphviz renders PNG, SVG and 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -46,7 +47,9 @@ class StageView:
 
     @property
     def heading(self) -> str:
-        return f"stage {self.index}" if self.on_stage is None else f"virtual stage {self.index} on stage {self.on_stage}"
+        return (
+            f"stage {self.index}" if self.on_stage is None else f"virtual stage {self.index} on stage {self.on_stage}"
+        )
 
 
 @dataclass
@@ -61,8 +64,9 @@ class Architecture:
     # ----- building -------------------------------------------------------------------
 
     @classmethod
-    def from_config(cls, layers: Sequence[Any], config: TrainConfig, sample: torch.Tensor | None = None,
-                    title: str = "") -> "Architecture":
+    def from_config(
+        cls, layers: Sequence[Any], config: TrainConfig, sample: torch.Tensor | None = None, title: str = ""
+    ) -> Architecture:
         """The architecture a Trainer would build; `sample` is one microbatch (any device, meta works)."""
         specs = [as_spec(layer, i) for i, layer in enumerate(layers)]
         counts = parameter_counts(specs)
@@ -74,12 +78,22 @@ class Architecture:
         for v, (start, end) in enumerate(plan):
             s = on[v]
             actors = [ActorView(f"stage{s}-dp{d}-tp{t}", d, t) for d in range(config.dp) for t in range(config.tp)]
-            stages.append(StageView(v, (start, end), _kinds(specs[start:end]), sum(counts[start:end]), actors,
-                                    shapes[v + 1], s if chunked else None, _experts(specs[start:end])))
+            stages.append(
+                StageView(
+                    v,
+                    (start, end),
+                    _kinds(specs[start:end]),
+                    sum(counts[start:end]),
+                    actors,
+                    shapes[v + 1],
+                    s if chunked else None,
+                    _experts(specs[start:end]),
+                )
+            )
         return cls(title or _title(config), shapes[0], stages, config.dp, config.tp, config.ep)
 
     @classmethod
-    def from_trainer(cls, trainer: Any, sample: torch.Tensor | None = None, title: str = "") -> "Architecture":
+    def from_trainer(cls, trainer: Any, sample: torch.Tensor | None = None, title: str = "") -> Architecture:
         """A running trainer's architecture, with each actor's real node and device, and the
         transport of each link between stages."""
         arch = cls.from_config(trainer.specs, trainer.config, sample, title)
@@ -89,8 +103,12 @@ class Architecture:
                 info = by_name[actor.name]
                 actor.device, actor.node = info["device"], info["node_id"][:8]
         for stage, after in zip(arch.stages, arch.stages[1:]):
-            hows = {by_name[a.name]["links"].get(b.name) for a in stage.actors for b in after.actors
-                    if (a.dp, a.tp) == (b.dp, b.tp)}
+            hows = {
+                by_name[a.name]["links"].get(b.name)
+                for a in stage.actors
+                for b in after.actors
+                if (a.dp, a.tp) == (b.dp, b.tp)
+            }
             stage.link = " + ".join(sorted(h for h in hows if h))
         return arch
 
@@ -98,23 +116,28 @@ class Architecture:
 
     def to_dot(self) -> str:
         """Graphviz source: a table per stage (a row per dp replica, a cell per tp rank), shapes on the arrows."""
-        out = ["digraph raypipe {", "  rankdir=LR;",
-               f'  label="{_q(self.title)}"; labelloc=t; fontname="Helvetica"; fontsize=16;',
-               '  node [fontname="Helvetica", fontsize=11];', '  edge [fontname="Helvetica", fontsize=10];',
-               f'  input [label="batch\\n{_q(self.input)}", shape=oval, style=filled, fillcolor="#eeeeee"];',
-               '  loss [label="loss", shape=oval, style=filled, fillcolor="#eeeeee"];']
+        out = [
+            "digraph raypipe {",
+            "  rankdir=LR;",
+            f'  label="{_q(self.title)}"; labelloc=t; fontname="Helvetica"; fontsize=16;',
+            '  node [fontname="Helvetica", fontsize=11];',
+            '  edge [fontname="Helvetica", fontsize=10];',
+            f'  input [label="batch\\n{_q(self.input)}", shape=oval, style=filled, fillcolor="#eeeeee"];',
+            '  loss [label="loss", shape=oval, style=filled, fillcolor="#eeeeee"];',
+        ]
         for stage in self.stages:
             rows = [
                 f'<tr><td colspan="{self.tp + 1}" bgcolor="#4c8bd6"><font color="white"><b>{stage.heading}</b>'
-                f': layers [{stage.layers[0]}, {stage.layers[1]})</font></td></tr>',
+                f": layers [{stage.layers[0]}, {stage.layers[1]})</font></td></tr>",
                 f'<tr><td colspan="{self.tp + 1}">{_html(stage.kinds)}<br/>{stage.parameters:,} parameters'
-                f'{self._moe_line(stage)}</td></tr>',
+                f"{self._moe_line(stage)}</td></tr>",
             ]
             for d in range(self.dp):
                 cells = "".join(
                     f'<td bgcolor="#e8f0fb">{a.name}<br/><font point-size="9">{_html(a.device)}'
-                    f'{" @ node " + _html(a.node) if a.node else ""}{self._held(stage, d)}</font></td>'
-                    for a in stage.actors if a.dp == d
+                    f"{' @ node ' + _html(a.node) if a.node else ''}{self._held(stage, d)}</font></td>"
+                    for a in stage.actors
+                    if a.dp == d
                 )
                 group = f"dp {d}" + (f"<br/>tp group of {self.tp}" if self.tp > 1 else "")
                 if stage.experts and self.ep > 1:
@@ -147,8 +170,10 @@ class Architecture:
         """Mermaid flowchart text of the same picture."""
         out = ["flowchart LR", f'  input(["batch {self.input}"])']
         for stage in self.stages:
-            out.append(f'  subgraph S{stage.index}["{stage.heading}: layers [{stage.layers[0]}, {stage.layers[1]}) '
-                       f'- {stage.kinds} - {stage.parameters:,} parameters"]')
+            out.append(
+                f'  subgraph S{stage.index}["{stage.heading}: layers [{stage.layers[0]}, {stage.layers[1]}) '
+                f'- {stage.kinds} - {stage.parameters:,} parameters"]'
+            )
             for a in stage.actors:
                 where = a.device + (f" @ node {a.node}" if a.node else "")
                 box = a.name.replace("-", "_") + ("" if stage.on_stage is None else f"_{stage.index}")  # one per chunk
@@ -183,8 +208,9 @@ class Architecture:
         return graphviz.Source(self.to_dot()).pipe(format="svg").decode()
 
 
-def _boundary_shapes(specs: Sequence[LayerSpec], plan: Sequence[tuple[int, int]],
-                     sample: torch.Tensor | None) -> list[str]:
+def _boundary_shapes(
+    specs: Sequence[LayerSpec], plan: Sequence[tuple[int, int]], sample: torch.Tensor | None
+) -> list[str]:
     """The input's shape, then each stage's output shape, from a forward on the meta device."""
     if sample is None:
         return ["?"] * (len(plan) + 1)
@@ -240,8 +266,9 @@ def _experts(specs: Sequence[LayerSpec]) -> int:
 
 def _title(config: TrainConfig) -> str:
     ep = f" (ep={config.ep})" if config.ep > 1 else ""
-    return (f"pp={config.pp} x dp={config.dp}{ep} x tp={config.tp}, {config.schedule}, "
-            f"{config.microbatches} microbatches")
+    return (
+        f"pp={config.pp} x dp={config.dp}{ep} x tp={config.tp}, {config.schedule}, {config.microbatches} microbatches"
+    )
 
 
 def _q(text: str) -> str:

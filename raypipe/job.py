@@ -12,20 +12,21 @@ import argparse
 import dataclasses
 import sys
 import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 
 from raypipe.checkpoint import layout as ckpt
+from raypipe.checkpoint.storage import redact_values
 from raypipe.checks import check_whole_number, nearest
 from raypipe.config import TrainConfig, apply_overrides, load_yaml
 from raypipe.data import TokenDataset, stdlib_corpus
 from raypipe.errors import ConfigError, RaypipeError
 from raypipe.models.registry import JobModel, job_model
 from raypipe.progress import Progress
-from raypipe.checkpoint.storage import redact_values
 
 DATA_SOURCES = ("stdlib", "bin", "text", "sft")
 DATA_READERS = ("auto", "driver", "ray_data")
@@ -72,11 +73,15 @@ class DataConfig:
         if not 0.0 <= self.val_fraction < 1.0:
             raise ConfigError(f"data.val_fraction={self.val_fraction!r} is invalid: give a number in [0, 1).")
         if self.reader not in DATA_READERS:
-            raise ConfigError(f"data.reader={self.reader!r} is invalid: choose one of {', '.join(DATA_READERS)}."
-                              f"{nearest(str(self.reader), DATA_READERS)}")
+            raise ConfigError(
+                f"data.reader={self.reader!r} is invalid: choose one of {', '.join(DATA_READERS)}."
+                f"{nearest(str(self.reader), DATA_READERS)}"
+            )
         if self.reader == "ray_data" and self.source == "sft":
-            raise ConfigError("data.reader='ray_data' is invalid with source 'sft' (its examples are cut on the "
-                              "driver): use reader 'driver' or 'auto'.")
+            raise ConfigError(
+                "data.reader='ray_data' is invalid with source 'sft' (its examples are cut on the "
+                "driver): use reader 'driver' or 'auto'."
+            )
         object.__setattr__(self, "paths", tuple(self.paths))
 
     def uses_ray_data(self) -> bool:
@@ -152,7 +157,7 @@ class JobConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
 
     @classmethod
-    def from_yaml(cls, path: str | Path, overrides: Iterable[str] = ()) -> "JobConfig":
+    def from_yaml(cls, path: str | Path, overrides: Iterable[str] = ()) -> JobConfig:
         """Loads a job file, applying `key=value` overrides (e.g. `model.n_layer=2`, `pp=1`)."""
         raw = apply_overrides(load_yaml(path), overrides)
         return cls(
@@ -208,7 +213,7 @@ def run(
 
     log(
         f"raypipe: {model.describe()}; "
-        f"{len(train_set):,} training tokens; pp={train.pp}, dp={train.dp}{f' (ep={train.ep})' if train.ep > 1 else ''}, tp={train.tp}, schedule={train.schedule}, "
+        f"{len(train_set):,} training tokens; pp={train.pp}, dp={train.dp}{f' (ep={train.ep})' if train.ep > 1 else ''}, tp={train.tp}, schedule={train.schedule}, "  # noqa: E501
         f"microbatches={train.microbatches}, batch {job.batch_size} x {model.block_size} tokens"
     )
     losses: list[float] = []
@@ -234,15 +239,26 @@ def run(
         train = _leave_a_cpu_for_ray_data(train)
     profile_batch = batch(train_set, 0, train.seed) if train.partition == "profile" else None
     with Trainer(model.build(), config=train, sample=profile_batch, log=log) as trainer:
-        trainer.loggers.add_params({"model": model.describe(), "data": redact_values(dataclasses.asdict(config.data)),
-                                    "job": dataclasses.asdict(job)})
+        trainer.loggers.add_params(
+            {
+                "model": model.describe(),
+                "data": redact_values(dataclasses.asdict(config.data)),
+                "job": dataclasses.asdict(job),
+            }
+        )
         lead = [i for i in trainer.stage_info() if i["dp_rank"] == 0 and i["tp_rank"] == 0]
         held = [i["layers"] if isinstance(i["layers"], list) else [i["layers"]] for i in lead]  # ranges: model chunks
-        log("stages: " + ", ".join(f"{i['name']} layers " + " + ".join(f"[{a}, {b})" for a, b in ranges)
-                                    for i, ranges in zip(lead, held)))
+        log(
+            "stages: "
+            + ", ".join(
+                f"{i['name']} layers " + " + ".join(f"[{a}, {b})" for a, b in ranges) for i, ranges in zip(lead, held)
+            )
+        )
         if len(trainer.names) > trainer.num_stages:
             ep = f" (ep {train.ep}: each MoE layer's experts split over {train.ep} replicas)" if train.ep > 1 else ""
-            log(f"actors: {len(trainer.names)} = pp {train.pp} x dp {train.dp} x tp {train.tp}{ep}: {', '.join(trainer.names)}")
+            log(
+                f"actors: {len(trainer.names)} = pp {train.pp} x dp {train.dp} x tp {train.tp}{ep}: {', '.join(trainer.names)}"  # noqa: E501
+            )
         if trainer.restored_from is not None:  # TrainConfig.resume: the trainer restored it as it started
             log(f"resumed from {trainer.restored_from[0]} at step {trainer.step_count}")
         validation = (lambda: _validation_loss(trainer, lambda k: batch(val_set, k, 12345), job)) if val_set else None
@@ -310,8 +326,9 @@ def _leave_a_cpu_for_ray_data(train: TrainConfig) -> TrainConfig:
     return train.replace(cpus_per_actor=max(0.01, min(1.0, int(100 * spare / actors) / 100)))
 
 
-def _validation_loss(trainer: Any, batches: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
-                     job: JobSettings) -> float:
+def _validation_loss(
+    trainer: Any, batches: Callable[[int], tuple[torch.Tensor, torch.Tensor]], job: JobSettings
+) -> float:
     """Mean loss over fixed validation batches, computed through the pipeline, and logged as val/loss."""
     losses = [trainer.evaluate(*batches(k)) for k in range(job.eval_batches)]
     mean = sum(losses) / len(losses)
@@ -340,8 +357,9 @@ def _sample(trainer: Any, config: JobConfig) -> str:
 def add_resume_arguments(parser: argparse.ArgumentParser) -> None:
     """`--resume` / `--resume-step N`, shared by `raypipe train` and examples/train.py."""
     group = parser.add_mutually_exclusive_group()
-    group.add_argument("--resume", action="store_true",
-                       help="continue from the newest valid checkpoint in checkpoint_dir")
+    group.add_argument(
+        "--resume", action="store_true", help="continue from the newest valid checkpoint in checkpoint_dir"
+    )
     group.add_argument("--resume-step", type=int, metavar="N", help="continue from the checkpoint of step N")
 
 
@@ -349,8 +367,13 @@ def main(argv: list[str] | None = None) -> int:
     """`examples/train.py --config FILE [--set key=value ...]`."""
     parser = argparse.ArgumentParser(description="Train the reference GPT with raypipe.")
     parser.add_argument("--config", required=True, help="job YAML, e.g. examples/configs/gpt_pp2.yaml")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a field, e.g. --set microbatches=8 --set model.n_layer=2")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a field, e.g. --set microbatches=8 --set model.n_layer=2",
+    )
     add_resume_arguments(parser)
     args = parser.parse_args(argv)
     try:
@@ -360,4 +383,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     return 0
-

@@ -8,7 +8,8 @@ is split, and `build_layers` rebuilds exactly those weights in one process.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -60,9 +61,7 @@ def layer_seed(seed: int, index: int) -> int:
     return (seed * 1_000_003 + index) % (2**63)
 
 
-def build_layers(
-    specs: Sequence[Any], seed: int = 0, start: int = 0, end: int | None = None
-) -> list[nn.Module]:
+def build_layers(specs: Sequence[Any], seed: int = 0, start: int = 0, end: int | None = None) -> list[nn.Module]:
     """Builds layers [start, end) exactly as the stage actors do, with the same weights.
 
     `nn.Sequential(*build_layers(specs, seed))` is the one-process twin of a trainer

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import importlib.util
 import time
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from raypipe.checks import fail, nearest
 
@@ -30,8 +31,11 @@ def check_loggers(value: Any) -> list[str | dict[str, dict[str, Any]]]:
     package is not installed (naming the extra that installs it).
     """
     if isinstance(value, str) or not isinstance(value, (list, tuple)):
-        raise fail("loggers", value, f"give a list of logger names, from {', '.join(LOGGERS)} (e.g. "
-                                     f"['tensorboard', 'mlflow']), or [] for none.")
+        raise fail(
+            "loggers",
+            value,
+            f"give a list of logger names, from {', '.join(LOGGERS)} (e.g. ['tensorboard', 'mlflow']), or [] for none.",
+        )
     seen, result = set(), []
     for entry in value:
         name, options = _entry(entry)
@@ -46,15 +50,19 @@ def check_loggers(value: Any) -> list[str | dict[str, dict[str, Any]]]:
         if unknown:
             raise fail("loggers", value, f"{name} takes the options {', '.join(allowed)}, not {', '.join(unknown)}.")
         if importlib.util.find_spec(module) is None:
-            raise fail("loggers", value, f"the {name} logger needs the {module} package, which is not installed: "
-                                         f"pip install 'raypipe-train[{extra}]' (or leave {name} out).")
+            raise fail(
+                "loggers",
+                value,
+                f"the {name} logger needs the {module} package, which is not installed: "
+                f"pip install 'raypipe-train[{extra}]' (or leave {name} out).",
+            )
         result.append({name: dict(options)} if options else name)
     return result
 
 
 def _entry(entry: Any) -> tuple[Any, dict[str, Any]]:
     if isinstance(entry, Mapping) and len(entry) == 1:
-        (name, options), = entry.items()
+        ((name, options),) = entry.items()
         if options is None or isinstance(options, Mapping):
             return name, dict(options or {})
     if isinstance(entry, str):
@@ -75,13 +83,24 @@ def scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
     moe/layer{l}/expert{e}_tokens and moe/layer{l}/dropped_tokens. Under fp16, train/loss_scale.
     """
     rate = "tokens_per_s" if "tokens_per_s" in metrics else "samples_per_s"
-    tags = {f"train/{key}": float(metrics[key]) for key in ("loss", "lr", "grad_norm", rate, "step_time", "loss_scale")
-            if key in metrics}
+    tags = {
+        f"train/{key}": float(metrics[key])
+        for key in ("loss", "lr", "grad_norm", rate, "step_time", "loss_scale")
+        if key in metrics
+    }
     for s, stage in enumerate(metrics.get("stages", [])):
-        for key, tag in (("forward_s", "forward_s"), ("backward_s", "backward_s"), ("bubble", "bubble_fraction"),
-                         ("peak_memory_bytes", "peak_memory_bytes"), ("peak_stashed_microbatches", None),
-                         ("peak_awaiting_weight_grad", None), ("sent_bytes", None), ("peak_stashed_bytes", None),
-                         ("all_to_all_s", None), ("all_to_all_bytes", None)):
+        for key, tag in (
+            ("forward_s", "forward_s"),
+            ("backward_s", "backward_s"),
+            ("bubble", "bubble_fraction"),
+            ("peak_memory_bytes", "peak_memory_bytes"),
+            ("peak_stashed_microbatches", None),
+            ("peak_awaiting_weight_grad", None),
+            ("sent_bytes", None),
+            ("peak_stashed_bytes", None),
+            ("all_to_all_s", None),
+            ("all_to_all_bytes", None),
+        ):
             if key in stage:
                 tags[f"stage{s}/{tag or key}"] = float(stage[key])
         for layer, routed in stage.get("experts", {}).items():
@@ -95,8 +114,7 @@ def run_params(config: Any, run_name: str, plan: Any) -> dict[str, Any]:
     """What a logger records once about the run: the TrainConfig's fields, the run name and the split."""
     from raypipe import __version__
 
-    return {**config.to_dict(), "run_name": run_name, "plan": [list(p) for p in plan],
-            "raypipe_version": __version__}
+    return {**config.to_dict(), "run_name": run_name, "plan": [list(p) for p in plan], "raypipe_version": __version__}
 
 
 def flat(params: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
@@ -134,8 +152,9 @@ class MLflowLogger:
     (`MLFLOW_TRACKING_URI`). Steps are written by MLflow's async logging thread, off the training
     loop's path (`benchmarks/loggers.py`), and waited for when the trainer shuts down."""
 
-    def __init__(self, run_name: str, params: dict[str, Any], tracking_uri: str | None = None,
-                 experiment: str = "raypipe") -> None:
+    def __init__(
+        self, run_name: str, params: dict[str, Any], tracking_uri: str | None = None, experiment: str = "raypipe"
+    ) -> None:
         import mlflow
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
@@ -153,7 +172,7 @@ class MLflowLogger:
         self.pending: list[Any] = []
         values = [Param(k, v[:6000]) for k, v in flat(params).items()]
         for i in range(0, len(values), 100):  # MLflow takes at most 100 parameters per batch
-            self.client.log_batch(self.run_id, params=values[i:i + 100])
+            self.client.log_batch(self.run_id, params=values[i : i + 100])
 
     def log(self, step: int, values: Mapping[str, float]) -> None:
         from mlflow.entities import Metric
@@ -161,7 +180,7 @@ class MLflowLogger:
         now = int(time.time() * 1000)
         metrics = [Metric(tag, value, now, step) for tag, value in values.items()]
         for i in range(0, len(metrics), 1000):  # and at most 1000 metrics; written by MLflow's own thread
-            self.pending.append(self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000], synchronous=False))
+            self.pending.append(self.client.log_batch(self.run_id, metrics=metrics[i : i + 1000], synchronous=False))
 
     def close(self, status: str = "FINISHED") -> None:
         pending, self.pending = self.pending, []
@@ -176,12 +195,28 @@ class WandbLogger:
     "offline" writes it under `dir` for `wandb sync` later. W&B keeps a run's steps increasing, so
     the steps a recovery replays (the same values again) are not sent twice."""
 
-    def __init__(self, run_name: str, params: dict[str, Any], project: str = "raypipe", entity: str | None = None,
-                 mode: str | None = None, dir: str | None = None, tags: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        run_name: str,
+        params: dict[str, Any],
+        project: str = "raypipe",
+        entity: str | None = None,
+        mode: str | None = None,
+        dir: str | None = None,
+        tags: list[str] | None = None,
+    ) -> None:
         import wandb
 
-        self.run = wandb.init(project=project, entity=entity, name=run_name, config=params, mode=mode, dir=dir,
-                              tags=tags, reinit="create_new")
+        self.run = wandb.init(
+            project=project,
+            entity=entity,
+            name=run_name,
+            config=params,
+            mode=mode,
+            dir=dir,
+            tags=tags,
+            reinit="create_new",
+        )
         self.last = 0
 
     def log(self, step: int, values: Mapping[str, float]) -> None:
@@ -216,8 +251,10 @@ class Loggers:
         """Adds to what each logger records once about the run (a job adds its model, data and job
         settings). Before the first record: a logger's run description is written when it opens."""
         if self.opened:
-            raise RuntimeError("Loggers.add_params: the loggers have recorded already; add parameters before "
-                               "the first step or Trainer.log")
+            raise RuntimeError(
+                "Loggers.add_params: the loggers have recorded already; add parameters before "
+                "the first step or Trainer.log"
+            )
         self.extra.update(params)
 
     def log(self, step: int, values: Mapping[str, float]) -> None:
@@ -284,5 +321,8 @@ class Loggers:
     def _report(name: str, method: str, error: Exception) -> None:
         import sys
 
-        print(f"raypipe: logger {name}.{method} failed ({type(error).__name__}: {error}); it records nothing "
-              f"more this run, training goes on", file=sys.stderr)
+        print(
+            f"raypipe: logger {name}.{method} failed ({type(error).__name__}: {error}); it records nothing "
+            f"more this run, training goes on",
+            file=sys.stderr,
+        )

@@ -30,11 +30,17 @@ def check(value: Any, tp: int) -> dict[str, Any] | None:
     if value is None:
         return None
     if type(value).__name__ == "LoraConfig":  # a peft.LoraConfig
-        value = {"r": value.r, "alpha": value.lora_alpha, "dropout": value.lora_dropout,
-                 "target_modules": sorted(value.target_modules) if value.target_modules else None}
+        value = {
+            "r": value.r,
+            "alpha": value.lora_alpha,
+            "dropout": value.lora_dropout,
+            "target_modules": sorted(value.target_modules) if value.target_modules else None,
+        }
     if not isinstance(value, dict):
-        raise ConfigError(f"lora={value!r} is invalid: give a mapping such as {{'r': 8, 'alpha': 16, "
-                          f"'target_modules': ['q_proj', 'v_proj']}}, a peft.LoraConfig, or null.")
+        raise ConfigError(
+            f"lora={value!r} is invalid: give a mapping such as {{'r': 8, 'alpha': 16, "
+            f"'target_modules': ['q_proj', 'v_proj']}}, a peft.LoraConfig, or null."
+        )
     unknown = sorted(set(value) - set(FIELDS))
     if unknown:
         raise ConfigError(f"lora has unknown fields {unknown}: it takes {sorted(FIELDS)}.")
@@ -47,20 +53,29 @@ def check(value: Any, tp: int) -> dict[str, Any] | None:
         raise ConfigError(f"lora.dropout={out['dropout']!r} is invalid: give a number in [0, 1).")
     targets = out["target_modules"]
     if not targets or not isinstance(targets, (list, tuple)) or not all(isinstance(t, str) for t in targets):
-        raise ConfigError(f"lora.target_modules={targets!r} is invalid: name the linear layers to adapt, "
-                          f"e.g. ['q_proj', 'v_proj'] (Llama) or ['c_attn'] (GPT-2).")
+        raise ConfigError(
+            f"lora.target_modules={targets!r} is invalid: name the linear layers to adapt, "
+            f"e.g. ['q_proj', 'v_proj'] (Llama) or ['c_attn'] (GPT-2)."
+        )
     out["target_modules"] = list(targets)
     if tp > 1:
-        raise ConfigError(f"lora with tp={tp} is not supported: peft cannot wrap raypipe's tensor-parallel "
-                          f"linears. Use tp=1 (pp and dp work with LoRA).")
+        raise ConfigError(
+            f"lora with tp={tp} is not supported: peft cannot wrap raypipe's tensor-parallel "
+            f"linears. Use tp=1 (pp and dp work with LoRA)."
+        )
     return out
 
 
 def peft_config(lora: dict[str, Any]) -> Any:
     from peft import LoraConfig
 
-    return LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
-                      target_modules=list(lora["target_modules"]), task_type="CAUSAL_LM")
+    return LoraConfig(
+        r=lora["r"],
+        lora_alpha=lora["alpha"],
+        lora_dropout=lora["dropout"],
+        target_modules=list(lora["target_modules"]),
+        task_type="CAUSAL_LM",
+    )
 
 
 QUANTIZE = ("nf4", "int8")
@@ -77,13 +92,17 @@ def check_quantize(value: Any, lora_config: dict | None, kinds: list[str]) -> li
     if value is None:
         return None
     if not isinstance(value, (str, list, tuple)):
-        raise ConfigError(f"quantize={value!r} is invalid: give 'nf4', 'int8', one of them (or null) per stage, or null.")
+        raise ConfigError(
+            f"quantize={value!r} is invalid: give 'nf4', 'int8', one of them (or null) per stage, or null."
+        )
     per_stage = [value] * len(kinds) if isinstance(value, str) else list(value)
     if len(per_stage) != len(kinds):
         raise ConfigError(f"quantize={value!r} has {len(per_stage)} entries but pp={len(kinds)}: give one per stage.")
     if lora_config is None:
-        raise ConfigError(f"quantize={value!r} stores a frozen base in fewer bits, which only LoRA leaves frozen: "
-                          f"set TrainConfig.lora too (QLoRA), or use hf.from_pretrained(..., dtype='bf16').")
+        raise ConfigError(
+            f"quantize={value!r} stores a frozen base in fewer bits, which only LoRA leaves frozen: "
+            f"set TrainConfig.lora too (QLoRA), or use hf.from_pretrained(..., dtype='bf16')."
+        )
     for stage, (q, kind) in enumerate(zip(per_stage, kinds)):
         if q is not None and q not in QUANTIZE:
             raise ConfigError(f"quantize[{stage}]={q!r} is invalid: give one of {list(QUANTIZE)} or null.")
@@ -106,15 +125,21 @@ def quantize(layer: nn.Module, kind: str) -> None:
             continue
         dtype = child.weight.dtype
         if kind == "nf4":
-            new = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
-                                    compute_dtype=dtype, quant_type="nf4")
+            new = bnb.nn.Linear4bit(
+                child.in_features,
+                child.out_features,
+                bias=child.bias is not None,
+                compute_dtype=dtype,
+                quant_type="nf4",
+            )
             new.weight = bnb.nn.Params4bit(child.weight.data.clone(), requires_grad=False, quant_type="nf4")
             # on a CPU with AVX-512 bf16, bitsandbytes repacks the weight on the first forward in eval
             # mode, for good, and computes differently from then on (0.01 apart here): keep one path
             new.support_avx512bf16_for_cpu = False
         else:
-            new = bnb.nn.Linear8bitLt(child.in_features, child.out_features, bias=child.bias is not None,
-                                      has_fp16_weights=False)
+            new = bnb.nn.Linear8bitLt(
+                child.in_features, child.out_features, bias=child.bias is not None, has_fp16_weights=False
+            )
             new.weight = bnb.nn.Int8Params(child.weight.data.clone(), requires_grad=False, has_fp16_weights=False)
         if child.bias is not None:
             new.bias = nn.Parameter(child.bias.data.clone(), requires_grad=False)
@@ -128,7 +153,9 @@ def dense_weight(module: nn.Module) -> torch.Tensor:
     if type(weight).__name__ == "Params4bit":
         import bitsandbytes.functional as bnbf
 
-        return bnbf.dequantize_4bit(weight.data, weight.quant_state).to(getattr(module, "compute_dtype", None) or torch.float32)
+        return bnbf.dequantize_4bit(weight.data, weight.quant_state).to(
+            getattr(module, "compute_dtype", None) or torch.float32
+        )
     if type(weight).__name__ == "Int8Params":  # row scales: on the weight until a forward moves them to the state
         scales = weight.SCB if weight.SCB is not None else module.state.SCB
         return weight.data.float() * scales.float().unsqueeze(1) / 127.0

@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 
 def stage_metrics(reports: Sequence[dict[str, Any]]) -> list[dict[str, float]]:
@@ -25,26 +26,43 @@ def stage_metrics(reports: Sequence[dict[str, Any]]) -> list[dict[str, float]]:
     result = []
     for report, t in zip(reports, timings):
         busy = t.get("forward_s", 0.0) + t.get("backward_s", 0.0)
-        result.append({
-            "forward_s": t.get("forward_s", 0.0),
-            "backward_s": t.get("backward_s", 0.0),
-            "bubble": max(0.0, 1.0 - busy / window) if window > 0 else 0.0,
-            "peak_memory_bytes": float(report["peak_memory_bytes"]),
-            "peak_stashed_microbatches": int(t.get("peak_stashed", 0)),
-            # split backwards: microbatches between their input and weight gradients at once
-            "peak_awaiting_weight_grad": int(t.get("peak_awaiting_weight", 0)),
-            "sent_bytes": int(t.get("sent_bytes", 0)),
-            **({"peak_stashed_bytes": float(t["peak_stashed_bytes"])} if "peak_stashed_bytes" in t else {}),
-            # MoE layers: seconds in all-to-all, bytes it sent, and per layer the assignments each
-            # expert received and those dropped over capacity (as this actor routed them)
-            **({"all_to_all_s": t.get("all_to_all_s", 0.0), "all_to_all_bytes": int(t["all_to_all_bytes"]),
-                "experts": t["experts"]} if "experts" in t else {}),
-        })
+        result.append(
+            {
+                "forward_s": t.get("forward_s", 0.0),
+                "backward_s": t.get("backward_s", 0.0),
+                "bubble": max(0.0, 1.0 - busy / window) if window > 0 else 0.0,
+                "peak_memory_bytes": float(report["peak_memory_bytes"]),
+                "peak_stashed_microbatches": int(t.get("peak_stashed", 0)),
+                # split backwards: microbatches between their input and weight gradients at once
+                "peak_awaiting_weight_grad": int(t.get("peak_awaiting_weight", 0)),
+                "sent_bytes": int(t.get("sent_bytes", 0)),
+                **({"peak_stashed_bytes": float(t["peak_stashed_bytes"])} if "peak_stashed_bytes" in t else {}),
+                # MoE layers: seconds in all-to-all, bytes it sent, and per layer the assignments each
+                # expert received and those dropped over capacity (as this actor routed them)
+                **(
+                    {
+                        "all_to_all_s": t.get("all_to_all_s", 0.0),
+                        "all_to_all_bytes": int(t["all_to_all_bytes"]),
+                        "experts": t["experts"],
+                    }
+                    if "experts" in t
+                    else {}
+                ),
+            }
+        )
     return result
 
 
-def step_metrics(step: int, losses: Sequence[float], seconds: float, samples: int, tokens: int | None,
-                 report: dict[str, Any], lead_reports: Sequence[dict[str, Any]], fp16: bool) -> dict[str, Any]:
+def step_metrics(
+    step: int,
+    losses: Sequence[float],
+    seconds: float,
+    samples: int,
+    tokens: int | None,
+    report: dict[str, Any],
+    lead_reports: Sequence[dict[str, Any]],
+    fp16: bool,
+) -> dict[str, Any]:
     """What `Trainer.step` returns for step `step` (1-based): the loss (mean of the microbatch
     losses), lr, global gradient norm, time and throughput, and per stage `stage_metrics`
     from each stage's lead actor; `loss_scale` under fp16."""
@@ -84,14 +102,20 @@ class RayMetrics:
         self.run = run
         tags = {"run": run}
         self.steps = Counter("raypipe_steps", "optimizer steps taken", tag_keys=("run",))
-        self.step_seconds = Histogram("raypipe_step_seconds", "wall time of a training step, seconds",
-                                      boundaries=self.BOUNDARIES, tag_keys=("run",))
+        self.step_seconds = Histogram(
+            "raypipe_step_seconds",
+            "wall time of a training step, seconds",
+            boundaries=self.BOUNDARIES,
+            tag_keys=("run",),
+        )
         self.tokens = Gauge("raypipe_tokens_per_second", "training throughput, tokens/s", tag_keys=("run",))
         self.samples = Gauge("raypipe_samples_per_second", "training throughput, samples/s", tag_keys=("run",))
         self.loss = Gauge("raypipe_loss", "the last step's mean loss", tag_keys=("run",))
-        self.busy = Gauge("raypipe_stage_busy_fraction",
-                          "share of the step's compute window a stage spent in forward and backward",
-                          tag_keys=("run", "stage", "rank"))
+        self.busy = Gauge(
+            "raypipe_stage_busy_fraction",
+            "share of the step's compute window a stage spent in forward and backward",
+            tag_keys=("run", "stage", "rank"),
+        )
         for metric in (self.steps, self.step_seconds, self.tokens, self.samples, self.loss):
             metric.set_default_tags(tags)
 

@@ -9,8 +9,9 @@ transformers config or model directory, and `raypipe.models.module.split` from a
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from raypipe.errors import ConfigError, RaypipeError
 from raypipe.layers import LayerSpec
@@ -51,8 +52,9 @@ class Model:
 
         return {"layers": len(self.layers), "hash": hashlib.sha256(repr(list(self.layers)).encode()).hexdigest()[:16]}
 
-    def save_pretrained(self, stages: Sequence[Sequence[Any]], specs: Sequence[LayerSpec], directory: str,
-                        tp: int, merge: bool = False) -> None:
+    def save_pretrained(
+        self, stages: Sequence[Sequence[Any]], specs: Sequence[LayerSpec], directory: str, tp: int, merge: bool = False
+    ) -> None:
         """Writes the model held by one replica's actors (per stage, its tp ranks) in its library's
         format, each stage's actor writing its own shard.
 
@@ -74,8 +76,10 @@ class Model:
             for key in group:
                 index = key.partition(".")[0]
                 if not index.isdigit() or int(index) >= len(self.layers):
-                    raise ConfigError(f"Model.tied key {key!r} names no layer: keys look like '0.weight' "
-                                      f"(layer index, then the name in that layer's state dict).")
+                    raise ConfigError(
+                        f"Model.tied key {key!r} names no layer: keys look like '0.weight' "
+                        f"(layer index, then the name in that layer's state dict)."
+                    )
 
 
 def resolve(layers: Any, loss_fn: Any, config: Any) -> tuple[Model, Callable, list[LayerSpec], Any]:
@@ -110,6 +114,7 @@ def resolve(layers: Any, loss_fn: Any, config: Any) -> tuple[Model, Callable, li
 def tied_stages(tied: Sequence[Sequence[str]], plan: Sequence[Sequence[tuple[int, int]]]) -> list[list[int]]:
     """For each tied group, the stages (actors) holding its keys, in stage order without repeats;
     `plan`: per actor, the layer ranges it holds (`raypipe.driver.chunks.actor_plan`)."""
+
     def stage_of(key: str) -> int:
         layer = int(key.partition(".")[0])
         return next(s for s, ranges in enumerate(plan) for start, end in ranges if start <= layer < end)

@@ -7,9 +7,10 @@ dependencies stay the ones its README lists.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 from xml.sax.saxutils import escape
 
 W, H, LEFT, BOTTOM, TOP, RIGHT = 640, 300, 60, 40, 30, 20
@@ -33,9 +34,11 @@ class LossCurve:
 
     def to_svg(self) -> str:
         finite = [(s, v) for s, v in zip(self.steps, self.values) if math.isfinite(v)]
-        out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" '
-               f'font-size="11"><rect width="100%" height="100%" fill="white"/>',
-               f'<text x="{LEFT}" y="18" font-size="13">{escape(self.label)} per step</text>']
+        out = [
+            f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" '
+            f'font-size="11"><rect width="100%" height="100%" fill="white"/>',
+            f'<text x="{LEFT}" y="18" font-size="13">{escape(self.label)} per step</text>',
+        ]
         if finite:
             s0, s1 = finite[0][0], max(finite[-1][0], finite[0][0] + 1)
             lo, hi = min(v for _, v in finite), max(v for _, v in finite)
@@ -49,8 +52,10 @@ class LossCurve:
 
             for i in range(5):
                 value = lo + (hi - lo) * i / 4
-                out.append(f'<line x1="{LEFT}" x2="{W - RIGHT}" y1="{y(value):.1f}" y2="{y(value):.1f}" stroke="#e5e5e5"/>'
-                           f'<text x="{LEFT - 6}" y="{y(value) + 4:.1f}" text-anchor="end">{value:.3g}</text>')
+                out.append(
+                    f'<line x1="{LEFT}" x2="{W - RIGHT}" y1="{y(value):.1f}" y2="{y(value):.1f}" stroke="#e5e5e5"/>'
+                    f'<text x="{LEFT - 6}" y="{y(value) + 4:.1f}" text-anchor="end">{value:.3g}</text>'
+                )
             for i in range(5):
                 step = s0 + (s1 - s0) * i / 4
                 out.append(f'<text x="{x(step):.1f}" y="{H - BOTTOM + 16}" text-anchor="middle">{step:.0f}</text>')

@@ -8,7 +8,8 @@ output is a log file, there is no bar and the job's plain log lines tell the sto
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def interactive() -> bool:

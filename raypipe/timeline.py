@@ -13,9 +13,9 @@ notebook a Timeline shows itself inline.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 from xml.sax.saxutils import escape
 
 from raypipe.errors import ScheduleError
@@ -54,8 +54,14 @@ class Timeline:
     # ----- building ---------------------------------------------------------------
 
     @classmethod
-    def planned(cls, schedule: Schedule, forward: float | Sequence[float] = 1.0,
-                backward: float | Sequence[float] = 2.0, title: str = "", unit: str = "ticks") -> "Timeline":
+    def planned(
+        cls,
+        schedule: Schedule,
+        forward: float | Sequence[float] = 1.0,
+        backward: float | Sequence[float] = 2.0,
+        title: str = "",
+        unit: str = "ticks",
+    ) -> Timeline:
         """The schedule run with the given per-action durations (one number, or one per stage).
 
         Each stage runs its actions in order; an action starts when its stage is free and
@@ -74,8 +80,9 @@ class Timeline:
         return cls(spans, p, title, unit)
 
     @classmethod
-    def measured(cls, events: Sequence[Sequence[tuple[str, int, float, float]]], title: str = "",
-                 stage_names: Sequence[str] = ()) -> "Timeline":
+    def measured(
+        cls, events: Sequence[Sequence[tuple[str, int, float, float]]], title: str = "", stage_names: Sequence[str] = ()
+    ) -> Timeline:
         """From each stage's (kind, microbatch, start, end) wall-clock events, in ms from the first start."""
         starts = [e[2] for stage in events for e in stage]
         origin = min(starts) if starts else 0.0
@@ -87,8 +94,13 @@ class Timeline:
         return cls(spans, len(events), title, "ms", tuple(stage_names))
 
     @classmethod
-    def planned_as_measured(cls, schedule: Schedule, events: Sequence[Sequence[tuple[str, int, float, float]]],
-                            title: str = "", stage_names: Sequence[str] = ()) -> "Timeline":
+    def planned_as_measured(
+        cls,
+        schedule: Schedule,
+        events: Sequence[Sequence[tuple[str, int, float, float]]],
+        title: str = "",
+        stage_names: Sequence[str] = (),
+    ) -> Timeline:
         """`schedule` as planned, each stage's forward and backward lasting their mean in `events`
         (a step's measured actions, in ms; a split backward's I and W together); 1 and 2 ticks
         when there are none."""
@@ -107,8 +119,14 @@ class Timeline:
         return line
 
     @classmethod
-    def of_run(cls, schedule: Schedule, events: Sequence[Sequence[tuple[str, int, float, float]]], title: str,
-               stage_names: Sequence[str], planned: bool) -> "Timeline":
+    def of_run(
+        cls,
+        schedule: Schedule,
+        events: Sequence[Sequence[tuple[str, int, float, float]]],
+        title: str,
+        stage_names: Sequence[str],
+        planned: bool,
+    ) -> Timeline:
         """A trainer's last step as measured (`events`), or with `planned` its schedule as planned.
 
         Raises:
@@ -131,8 +149,10 @@ class Timeline:
     def busy(self) -> list[float]:
         """Per stage, the share of the makespan it spent running actions."""
         total = self.makespan or 1.0
-        return [sum(s.end - s.start for s in self.spans if s.stage == st and s.kind != ALL_TO_ALL) / total
-                for st in range(self.num_stages)]
+        return [
+            sum(s.end - s.start for s in self.spans if s.stage == st and s.kind != ALL_TO_ALL) / total
+            for st in range(self.num_stages)
+        ]
 
     def bubble(self) -> list[float]:
         """Per stage, the idle share of the makespan: 1 - busy."""
@@ -161,29 +181,39 @@ class Timeline:
             x, w = LEFT + (span.start - origin) * scale, max(1.0, (span.end - span.start) * scale)
             y = TOP + ROW * span.stage
             if span.kind == ALL_TO_ALL:
-                out.append(f'<rect x="{x:.2f}" y="{y + ROW - 12}" width="{w:.2f}" height="6" fill="{COLOURS[span.kind]}">'
-                           f'<title>all-to-all in {span.microbatch}: {span.start:.2f}-{span.end:.2f} {self.unit}</title></rect>')
+                out.append(
+                    f'<rect x="{x:.2f}" y="{y + ROW - 12}" width="{w:.2f}" height="6" fill="{COLOURS[span.kind]}">'
+                    f"<title>all-to-all in {span.microbatch}: {span.start:.2f}-{span.end:.2f} {self.unit}</title></rect>"  # noqa: E501
+                )
                 continue
             out.append(
                 f'<rect x="{x:.2f}" y="{y}" width="{w:.2f}" height="{ROW - 6}" fill="{COLOURS[span.kind]}" '
                 f'stroke="white" stroke-width="0.5"><title>{span.label}: {span.start:.2f}-{span.end:.2f} '
-                f'{self.unit}</title></rect>'
+                f"{self.unit}</title></rect>"
             )
             if w >= 14:
-                out.append(f'<text x="{x + w / 2:.2f}" y="{y + 16}" text-anchor="middle" fill="white">'
-                           f'{span.kind}{span.microbatch}</text>')
+                out.append(
+                    f'<text x="{x + w / 2:.2f}" y="{y + 16}" text-anchor="middle" fill="white">'
+                    f"{span.kind}{span.microbatch}</text>"
+                )
         axis_y = TOP + ROW * self.num_stages + 14
         for i in range(6):
             value = self.makespan * i / 5
-            out.append(f'<text x="{LEFT + WIDTH * i / 5:.1f}" y="{axis_y}" text-anchor="middle" fill="#555">'
-                       f'{value:.3g} {self.unit}</text>')
-        out.append(f'<rect x="{LEFT}" y="{axis_y + 10}" width="12" height="10" fill="{COLOURS["F"]}"/>'
-                   f'<text x="{LEFT + 16}" y="{axis_y + 19}">forward</text>'
-                   f'<rect x="{LEFT + 80}" y="{axis_y + 10}" width="12" height="10" fill="{COLOURS["B"]}"/>'
-                   f'<text x="{LEFT + 96}" y="{axis_y + 19}">backward (number: microbatch)</text>')
+            out.append(
+                f'<text x="{LEFT + WIDTH * i / 5:.1f}" y="{axis_y}" text-anchor="middle" fill="#555">'
+                f"{value:.3g} {self.unit}</text>"
+            )
+        out.append(
+            f'<rect x="{LEFT}" y="{axis_y + 10}" width="12" height="10" fill="{COLOURS["F"]}"/>'
+            f'<text x="{LEFT + 16}" y="{axis_y + 19}">forward</text>'
+            f'<rect x="{LEFT + 80}" y="{axis_y + 10}" width="12" height="10" fill="{COLOURS["B"]}"/>'
+            f'<text x="{LEFT + 96}" y="{axis_y + 19}">backward (number: microbatch)</text>'
+        )
         if any(span.kind == ALL_TO_ALL for span in self.spans):
-            out.append(f'<rect x="{LEFT + 330}" y="{axis_y + 14}" width="12" height="6" fill="{COLOURS[ALL_TO_ALL]}"/>'
-                       f'<text x="{LEFT + 346}" y="{axis_y + 19}">all-to-all (MoE)</text>')
+            out.append(
+                f'<rect x="{LEFT + 330}" y="{axis_y + 14}" width="12" height="6" fill="{COLOURS[ALL_TO_ALL]}"/>'
+                f'<text x="{LEFT + 346}" y="{axis_y + 19}">all-to-all (MoE)</text>'
+            )
         out.append("</svg>")
         return "\n".join(out)
 
@@ -191,37 +221,54 @@ class Timeline:
         """Graphviz source with every span pinned in place (render with `neato -n2`)."""
         scale = WIDTH / (self.makespan or 1.0)
         origin = min((s.start for s in self.spans), default=0.0)
-        lines = ['digraph timeline {', '  node [shape=box, style=filled, fontname="Helvetica", fontsize=10, '
-                 'fixedsize=true, penwidth=0.3, color=white];',
-                 f'  title [shape=plaintext, style="", label="{self.title}", pos="{LEFT + WIDTH / 2},'
-                 f'{ROW * (self.num_stages + 1)}!", width=6, height=0.3];']
+        lines = [
+            "digraph timeline {",
+            '  node [shape=box, style=filled, fontname="Helvetica", fontsize=10, '
+            "fixedsize=true, penwidth=0.3, color=white];",
+            f'  title [shape=plaintext, style="", label="{self.title}", pos="{LEFT + WIDTH / 2},'
+            f'{ROW * (self.num_stages + 1)}!", width=6, height=0.3];',
+        ]
         for st in range(self.num_stages):
             y = ROW * (self.num_stages - st - 1) + ROW / 2
-            lines.append(f'  label{st} [shape=plaintext, style="", label="{self._stage_label(st)}", '
-                         f'pos="{LEFT / 2},{y}!", width={LEFT / 72:.2f}, height={(ROW - 6) / 72:.2f}];')
+            lines.append(
+                f'  label{st} [shape=plaintext, style="", label="{self._stage_label(st)}", '
+                f'pos="{LEFT / 2},{y}!", width={LEFT / 72:.2f}, height={(ROW - 6) / 72:.2f}];'
+            )
         for i, span in enumerate(self.spans):
             if span.kind == ALL_TO_ALL:
                 continue
             w = max(1.0, (span.end - span.start) * scale)
             x = LEFT + (span.start - origin) * scale + w / 2
             y = ROW * (self.num_stages - span.stage - 1) + ROW / 2
-            lines.append(f'  s{i} [label="{span.kind}{span.microbatch if w >= 14 else ""}", fillcolor="{COLOURS[span.kind]}", '
-                         f'fontcolor=white, pos="{x:.2f},{y}!", width={w / 72:.3f}, height={(ROW - 6) / 72:.3f}];')
+            lines.append(
+                f'  s{i} [label="{span.kind}{span.microbatch if w >= 14 else ""}", fillcolor="{COLOURS[span.kind]}", '
+                f'fontcolor=white, pos="{x:.2f},{y}!", width={w / 72:.3f}, height={(ROW - 6) / 72:.3f}];'
+            )
         lines.append("}")
         return "\n".join(lines)
 
     def to_chrome_trace(self) -> dict:
         """The spans as Chrome trace events (one thread per stage), for Perfetto or chrome://tracing."""
         factor = 1000.0 if self.unit == "ms" else 1.0  # trace timestamps are microseconds
-        events = [{"name": "thread_name", "ph": "M", "pid": 1, "tid": st, "args": {"name": self._stage_label(st)}}
-                  for st in range(self.num_stages)]
+        events = [
+            {"name": "thread_name", "ph": "M", "pid": 1, "tid": st, "args": {"name": self._stage_label(st)}}
+            for st in range(self.num_stages)
+        ]
         for span in self.spans:
-            events.append({
-                "name": span.label, "ph": "X",
-                "cat": {FORWARD: "forward", WEIGHT_GRAD: "weight gradient", ALL_TO_ALL: "all-to-all"}.get(span.kind, "backward"),
-                "pid": 1, "tid": span.stage, "ts": span.start * factor, "dur": (span.end - span.start) * factor,
-                "args": {"stage": span.stage, "microbatch": span.microbatch},
-            })
+            events.append(
+                {
+                    "name": span.label,
+                    "ph": "X",
+                    "cat": {FORWARD: "forward", WEIGHT_GRAD: "weight gradient", ALL_TO_ALL: "all-to-all"}.get(
+                        span.kind, "backward"
+                    ),
+                    "pid": 1,
+                    "tid": span.stage,
+                    "ts": span.start * factor,
+                    "dur": (span.end - span.start) * factor,
+                    "args": {"stage": span.stage, "microbatch": span.microbatch},
+                }
+            )
         return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"title": self.title}}
 
     def save(self, path: str | Path) -> Path:

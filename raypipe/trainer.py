@@ -10,33 +10,35 @@ from __future__ import annotations
 
 import uuid
 import weakref
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 
 from raypipe import driver
 from raypipe.actors.settings import StageSettings, check_reconfigurable
 from raypipe.config import TrainConfig
+from raypipe.data.batches import loss_weights, split_batch
+from raypipe.driver import checkpoints, chunks, fitting, placement, registry, weights
+from raypipe.driver.engines import Engine, make_engine
+from raypipe.driver.engines.refs import run_forward, submission_order
+from raypipe.driver.feeds import make_feed
+from raypipe.driver.results import gather
+from raypipe.driver.topology import Topology
 from raypipe.errors import ConfigError
 from raypipe.layers import LayerSpec
 from raypipe.loggers import Loggers, run_params
 from raypipe.metrics import RayMetrics
 from raypipe.model import Model, resolve
 from raypipe.nn.plan import check_stages_split
-from raypipe.planning.partition import first_plan
 from raypipe.planning.autoschedule import plan_run
+from raypipe.planning.partition import first_plan
 from raypipe.planning.profiling import PlanReport
 from raypipe.progress import Progress
-from raypipe.driver import checkpoints, chunks, fitting, placement, registry, weights
-from raypipe.data.batches import loss_weights, split_batch
-from raypipe.driver.engines import Engine, make_engine
-from raypipe.driver.feeds import make_feed
-from raypipe.driver.engines.refs import run_forward, submission_order
-from raypipe.driver.results import gather
-from raypipe.driver.topology import Topology
 from raypipe.schedules import build_schedule
 from raypipe.timeline import Timeline
+
 
 class Trainer:
     """Trains a model given as a list of layer specs, split into pipeline stages on Ray actors.
@@ -90,12 +92,14 @@ class Trainer:
         self._loss_fn = loss_fn
         driver.connect()
         driver.ship_user_code(
-            [loss_fn] + [s.factory for s in self.specs]
+            [loss_fn]
+            + [s.factory for s in self.specs]
             + [type(a) for s in self.specs for a in (*s.args, *s.kwargs.values())]
         )
         if profiled:  # time every layer on each device kind of the run and split by those times
-            self.config, self.plan_report = plan_run(self.specs, loss_fn, sample, cfg,
-                                                     placement.cpus_per_actor(cfg, len(self.names)), log)
+            self.config, self.plan_report = plan_run(
+                self.specs, loss_fn, sample, cfg, placement.cpus_per_actor(cfg, len(self.names)), log
+            )
             self.plan = self.plan_report.plan
             check_stages_split(tp_splits, self.plan, cfg.tp)
         self._set_schedule()
@@ -195,8 +199,15 @@ class Trainer:
         root = path or self.config.checkpoint_dir
         if root is None:
             raise ConfigError("Trainer.save needs a path, or TrainConfig.checkpoint_dir set.")
-        meta = checkpoints.run_meta(self.step_count, len(self.specs), self.plan, self.run_name, self.run_id,
-                                    self.config, self.model.identity() if self.config.lora else None)
+        meta = checkpoints.run_meta(
+            self.step_count,
+            len(self.specs),
+            self.plan,
+            self.run_name,
+            self.run_id,
+            self.config,
+            self.model.identity() if self.config.lora else None,
+        )
         return checkpoints.save(self._actors, self.names, root, self.step_count, meta, self.config.keep_checkpoints)
 
     def load(self, path: str, step: int | None = None, log: Callable[[str], None] = print) -> Path:
@@ -211,9 +222,17 @@ class Trainer:
             CheckpointError: nothing valid to restore (missing, truncated, altered files), or a
                 checkpoint that does not fit the model (then nothing was loaded: all or nothing).
         """
-        where, meta = checkpoints.load(self._actors, self.names, path, step, len(self.specs), self.plan, log,
-                                       self.model.identity() if self.config.lora else None,
-                                       self.config.optimizer.get("name"))
+        where, meta = checkpoints.load(
+            self._actors,
+            self.names,
+            path,
+            step,
+            len(self.specs),
+            self.plan,
+            log,
+            self.model.identity() if self.config.lora else None,
+            self.config.optimizer.get("name"),
+        )
         self.step_count = meta["step"]
         self.run_id = meta.get("run_id") or self.run_id  # checkpoints from before run ids: this run goes on
         self.restored_from = (where, self.step_count)
@@ -240,7 +259,9 @@ class Trainer:
         any step). Save it with `.save("t.svg" | "t.png" | "t.json")`; a notebook shows it inline.
         """
         c = self.config
-        title = f"{c.schedule}, pp={c.pp}, m={c.microbatches}: " + ("planned" if planned else f"step {self.step_count} as measured")
+        title = f"{c.schedule}, pp={c.pp}, m={c.microbatches}: " + (
+            "planned" if planned else f"step {self.step_count} as measured"
+        )
         return Timeline.of_run(self._schedule, self._last_events, title, self.stage_names, planned)
 
     def save_pretrained(self, directory: str, merge_adapters: bool = False) -> Path:
@@ -261,19 +282,42 @@ class Trainer:
         """Loads LoRA adapters in peft's format into every stage (training continues from them)."""
         from raypipe.models.hf import adapters
 
-        adapters.load(self._actors, self._replica0()[0], self.specs, self.model,
-                      chunks.actor_plan(self.plan, self._schedule), str(directory))
+        adapters.load(
+            self._actors,
+            self._replica0()[0],
+            self.specs,
+            self.model,
+            chunks.actor_plan(self.plan, self._schedule),
+            str(directory),
+        )
 
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 20, temperature: float = 0.0,
-                 top_k: int | None = None, attention_mask: torch.Tensor | None = None,
-                 eos_token_id: int | None = None, seed: int | None = None) -> torch.Tensor:
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int = 20,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        attention_mask: torch.Tensor | None = None,
+        eos_token_id: int | None = None,
+        seed: int | None = None,
+    ) -> torch.Tensor:
         """The prompt `input_ids` followed by up to `max_new_tokens` tokens generated through the
         pipeline: greedy by default, else sampled at `temperature` from the `top_k` most likely
         (`raypipe.driver.generation`). The model's output must be logits (batch, sequence, vocab)."""
         from raypipe.driver.generation import generate
 
-        return generate(*self._inference_path(), input_ids, max_new_tokens, temperature, top_k, self.model.kv_cache,
-                        self.config.step_timeout, attention_mask, eos_token_id, seed)
+        return generate(
+            *self._inference_path(),
+            input_ids,
+            max_new_tokens,
+            temperature,
+            top_k,
+            self.model.kv_cache,
+            self.config.step_timeout,
+            attention_mask,
+            eos_token_id,
+            seed,
+        )
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full model's weights, keyed as `nn.Sequential(*layers).state_dict()`, tp shards and ep experts merged."""
@@ -325,7 +369,7 @@ class Trainer:
         if hasattr(self, "_finalizer"):
             self._finalizer.detach()
 
-    def __enter__(self) -> "Trainer":
+    def __enter__(self) -> Trainer:
         return self
 
     def __exit__(self, *exc: Any) -> None:  # `with Trainer(...) as t:` shuts down on leaving
@@ -335,9 +379,11 @@ class Trainer:
 
     def __repr__(self) -> str:
         c = self.config
-        return (f"Trainer(run={self.run_name!r}, pp={c.pp}, dp={c.dp}, tp={c.tp}, schedule={c.schedule!r}, "
-                f"microbatches={c.microbatches}, plan={self.plan}, steps={self.step_count}, "
-                f"{'running' if self._actors else 'shut down'})")
+        return (
+            f"Trainer(run={self.run_name!r}, pp={c.pp}, dp={c.dp}, tp={c.tp}, schedule={c.schedule!r}, "
+            f"microbatches={c.microbatches}, plan={self.plan}, steps={self.step_count}, "
+            f"{'running' if self._actors else 'shut down'})"
+        )
 
     # ----- internals ----------------------------------------------------------------
 
@@ -362,9 +408,18 @@ class Trainer:
     def _start_actors(self) -> None:
         """Starts, places and joins every actor; a failure stops those already started."""
         self._engine = make_engine(self.config.engine)
-        self._actors = placement.start_gang(self.config, self.topology, self.names, self.specs, self.plan, self._schedule,
-                                            self._loss_fn, self.run_name, lambda: registry.others_holding_actors(self),
-                                            self.model.tied)
+        self._actors = placement.start_gang(
+            self.config,
+            self.topology,
+            self.names,
+            self.specs,
+            self.plan,
+            self._schedule,
+            self._loss_fn,
+            self.run_name,
+            lambda: registry.others_holding_actors(self),
+            self.model.tied,
+        )
         try:
             self._configure_actors()
         except BaseException:

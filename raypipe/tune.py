@@ -23,11 +23,12 @@ a trial its actors end with it.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from raypipe.config import TrainConfig
-from raypipe.loggers import scalars
 from raypipe.driver.gang import STRATEGIES
+from raypipe.loggers import scalars
 
 REPORTED = ("step", "loss", "lr", "grad_norm", "step_time", "samples_per_s", "tokens_per_s")
 

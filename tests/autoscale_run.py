@@ -25,9 +25,10 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from helpers import MLP7, batch  # noqa: E402
 from raypipe import TrainConfig, Trainer  # noqa: E402
 from raypipe.devices import LABEL_KIND  # noqa: E402
+
+from helpers import MLP7, batch  # noqa: E402
 
 HEAD_TYPE = "ray.head.default"  # the fake provider's name for the head node type
 
@@ -49,8 +50,13 @@ def fake_config(port: int, ip: str) -> dict:
     config["head_node_type"] = HEAD_TYPE
     # As Ray's own fake_multi_node/example.yaml: the autoscaler keys heartbeats by node id (every
     # fake node shares one IP), or it terminates a worker 30 s after launch as "lost contact".
-    config["provider"] = {"type": "fake_multinode", "gcs_address": f"{ip}:{port}", "use_node_id_as_ip": True,
-                          "disable_node_updaters": True, "disable_launch_config_check": True}
+    config["provider"] = {
+        "type": "fake_multinode",
+        "gcs_address": f"{ip}:{port}",
+        "use_node_id_as_ip": True,
+        "disable_node_updaters": True,
+        "disable_launch_config_check": True,
+    }
     config["idle_timeout_minutes"] = 5
     for key in ("setup_commands", "head_start_ray_commands", "worker_start_ray_commands", "file_mounts"):
         config[key] = [] if key != "file_mounts" else {}
@@ -67,10 +73,22 @@ def main() -> None:
     env.update(RAY_FAKE_CLUSTER="1", RAY_AUTH_MODE="disabled", RAY_OVERRIDE_NODE_ID_FOR_TESTING=FAKE_HEAD_NODE_ID)
     log = open(Path(temp) / "head.log", "w")
     head = subprocess.Popen(
-        [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", f"--port={port}", "--num-cpus=1",
-         "--disable-usage-stats", f"--temp-dir={temp}", "--include-dashboard=false",
-         f"--autoscaling-config={config_path}"],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        [
+            str(Path(sys.executable).parent / "ray"),
+            "start",
+            "--head",
+            "--block",
+            f"--port={port}",
+            "--num-cpus=1",
+            "--disable-usage-stats",
+            f"--temp-dir={temp}",
+            "--include-dashboard=false",
+            f"--autoscaling-config={config_path}",
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     out = {}
     spawned: set[int] = set()
@@ -86,8 +104,15 @@ def main() -> None:
                     raise RuntimeError(f"the fake head did not come up: {Path(log.name).read_text()[-3000:]}")
                 time.sleep(2)
         out["nodes_before"] = sum(n["Alive"] for n in ray.nodes())
-        config = TrainConfig(pp=2, devices=["cuda", "rocm"], allow_cpu_fallback=True, cpus_per_actor=1,
-                             microbatches=2, optimizer={"name": "sgd", "lr": 0.05}, actor_start_timeout=180)
+        config = TrainConfig(
+            pp=2,
+            devices=["cuda", "rocm"],
+            allow_cpu_fallback=True,
+            cpus_per_actor=1,
+            microbatches=2,
+            optimizer={"name": "sgd", "lr": 0.05},
+            actor_start_timeout=180,
+        )
         started = time.monotonic()
         with Trainer(MLP7, nn.functional.mse_loss, config) as trainer:
             out["placed_seconds"] = time.monotonic() - started
@@ -95,8 +120,11 @@ def main() -> None:
             kinds = {n["NodeID"]: n["Labels"].get(LABEL_KIND) for n in ray.nodes() if n["Alive"]}
             out["stage_node_kinds"] = [kinds[i["node_id"]] for i in trainer.stage_info()]
             out["loss"] = trainer.step(*batch(0))["loss"]
-        out["worker_kinds"] = sorted(n["Labels"].get(LABEL_KIND, "?") for n in ray.nodes()
-                                     if n["Alive"] and n["NodeManagerAddress"] and n["Resources"].get("GPU"))
+        out["worker_kinds"] = sorted(
+            n["Labels"].get(LABEL_KIND, "?")
+            for n in ray.nodes()
+            if n["Alive"] and n["NodeManagerAddress"] and n["Resources"].get("GPU")
+        )
         out["loss_is_finite"] = bool(torch.isfinite(torch.tensor(out["loss"])))
     finally:
         ray.shutdown()
@@ -111,7 +139,11 @@ def main() -> None:
             pass
         for group_or_pid in [-head.pid, *spawned]:  # what is left: its group, then the autoscaler's nodes
             try:
-                (os.killpg(-group_or_pid, signal.SIGKILL) if group_or_pid < 0 else os.kill(group_or_pid, signal.SIGKILL))
+                (
+                    os.killpg(-group_or_pid, signal.SIGKILL)
+                    if group_or_pid < 0
+                    else os.kill(group_or_pid, signal.SIGKILL)
+                )
             except (ProcessLookupError, PermissionError):
                 pass
         log.close()

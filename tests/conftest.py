@@ -25,8 +25,14 @@ def ray_session():
     import ray
 
     os.environ["RAY_metrics_report_interval_ms"] = "1000"  # metrics reach the endpoint within ~1 s
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False,
-             _metrics_export_port=METRICS_PORT)
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        logging_level="ERROR",
+        log_to_driver=False,
+        _metrics_export_port=METRICS_PORT,
+    )
     yield ray
     ray.shutdown()
 

@@ -17,26 +17,33 @@ import ray  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from helpers import MLP7, batch, reference_run  # noqa: E402
 from raypipe import PlacementError, TrainConfig, Trainer, driver  # noqa: E402
 from raypipe.devices import detect  # noqa: E402
+
+from helpers import MLP7, batch, reference_run  # noqa: E402
 
 SEED = 5
 SGD = {"name": "sgd", "lr": 0.05, "momentum": 0.9}
 
 
 def run(kind: str, name: str, microbatches: int = 4, **kwargs) -> dict:
-    config = TrainConfig(microbatches=microbatches, devices=kind, seed=SEED, optimizer=SGD, name=f"gpu-{name}", **kwargs)
+    config = TrainConfig(
+        microbatches=microbatches, devices=kind, seed=SEED, optimizer=SGD, name=f"gpu-{name}", **kwargs
+    )
     with Trainer(MLP7, nn.functional.mse_loss, config) as trainer:
         info = trainer.stage_info()
         losses = [trainer.step(*batch(k))["loss"] for k in range(3)]
         final = trainer.state_dict()
     ref_losses, _, ref_final = reference_run(
-        MLP7, SEED, lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), steps=3, microbatches=microbatches)
+        MLP7, SEED, lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), steps=3, microbatches=microbatches
+    )
     return {
-        "devices": [i["device"] for i in info], "cpu_fallback": [i["cpu_fallback"] for i in info],
-        "gpus": [i["gpu"] for i in info], "links": [i["links"] for i in info],
-        "losses": losses, "ref_losses": ref_losses,
+        "devices": [i["device"] for i in info],
+        "cpu_fallback": [i["cpu_fallback"] for i in info],
+        "gpus": [i["gpu"] for i in info],
+        "links": [i["links"] for i in info],
+        "losses": losses,
+        "ref_losses": ref_losses,
         "max_weight_diff": max(float((final[k].cpu() - ref_final[k]).abs().max()) for k in ref_final),
     }
 

@@ -38,8 +38,19 @@ def batch(k: int, size: int = 16, features: int = 6, outputs: int = 3):
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def reference_run(specs, seed, optimizer, steps, microbatches=1, reverse=False, grad_clip=None,
-                  loss_fn=nn.functional.mse_loss, data=batch, prepare=None, precision="fp32"):
+def reference_run(
+    specs,
+    seed,
+    optimizer,
+    steps,
+    microbatches=1,
+    reverse=False,
+    grad_clip=None,
+    loss_fn=nn.functional.mse_loss,
+    data=batch,
+    prepare=None,
+    precision="fp32",
+):
     """Trains nn.Sequential of the same layers in one process.
 
     The batch gradient is accumulated over `microbatches` equal chunks (in reverse
@@ -60,7 +71,7 @@ def reference_run(specs, seed, optimizer, steps, microbatches=1, reverse=False, 
         opt.zero_grad()
         chunks = list(zip(x.chunk(microbatches), y.chunk(microbatches)))
         total = 0.0
-        for xc, yc in (reversed(chunks) if reverse else chunks):
+        for xc, yc in reversed(chunks) if reverse else chunks:
             with torch.autocast("cpu", dtype=AUTOCAST.get(precision), enabled=precision in AUTOCAST):
                 loss = loss_fn(model(xc), yc)
             scaled = loss.float() / microbatches
@@ -197,8 +208,12 @@ def dict_loss(out, y):
     return nn.functional.mse_loss(prediction, y) + aux
 
 
-DICT_MODEL = [LayerSpec(DictEmbed, 11, 8), LayerSpec(DictBlock, 8, 16), LayerSpec(DictBlock, 8, 16),
-              LayerSpec(DictHead, 8, 2)]
+DICT_MODEL = [
+    LayerSpec(DictEmbed, 11, 8),
+    LayerSpec(DictBlock, 8, 16),
+    LayerSpec(DictBlock, 8, 16),
+    LayerSpec(DictHead, 8, 2),
+]
 
 
 def dict_batch(k: int, size: int = 8, length: int = 6):
@@ -278,8 +293,9 @@ def moto_s3(bucket: str, log=subprocess.DEVNULL):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=log, stderr=subprocess.STDOUT)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=subprocess.STDOUT
+    )
     try:
         deadline = time.monotonic() + 60
         while True:

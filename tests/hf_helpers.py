@@ -16,11 +16,40 @@ def tiny_config(kind: str, **overrides):
     from transformers import GPT2Config, LlamaConfig
 
     if kind == "gpt2":
-        return GPT2Config(**{**dict(n_embd=16, n_layer=4, n_head=2, vocab_size=VOCAB, n_positions=32, embd_pdrop=0.0,
-                                    attn_pdrop=0.0, resid_pdrop=0.0, bos_token_id=0, eos_token_id=None), **overrides})
-    return LlamaConfig(**{**dict(hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
-                                 num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=32, bos_token_id=0,
-                                 eos_token_id=None, pad_token_id=None), **overrides})
+        return GPT2Config(
+            **{
+                **dict(
+                    n_embd=16,
+                    n_layer=4,
+                    n_head=2,
+                    vocab_size=VOCAB,
+                    n_positions=32,
+                    embd_pdrop=0.0,
+                    attn_pdrop=0.0,
+                    resid_pdrop=0.0,
+                    bos_token_id=0,
+                    eos_token_id=None,
+                ),
+                **overrides,
+            }
+        )
+    return LlamaConfig(
+        **{
+            **dict(
+                hidden_size=16,
+                intermediate_size=32,
+                num_hidden_layers=4,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                vocab_size=VOCAB,
+                max_position_embeddings=32,
+                bos_token_id=0,
+                eos_token_id=None,
+                pad_token_id=None,
+            ),
+            **overrides,
+        }
+    )
 
 
 def save_tiny(kind: str, directory: str, seed: int = 0, **overrides) -> str:
@@ -52,8 +81,15 @@ def lm_batch(k: int, size: int = 8, length: int = 10):
     return {"input_ids": ids, "attention_mask": mask}, labels
 
 
-def hf_reference(directory: str, steps: int = 3, lr: float = 0.05, momentum: float = 0.9, data=lm_batch,
-                 bf16: bool = False, prepare=None):
+def hf_reference(
+    directory: str,
+    steps: int = 3,
+    lr: float = 0.05,
+    momentum: float = 0.9,
+    data=lm_batch,
+    bf16: bool = False,
+    prepare=None,
+):
     """The transformers model trained in one process on whole batches: every step's loss, the first
     step's gradients and the final state dict, keyed by transformers' names (`.default.` of peft's
     adapters dropped). With `bf16` the model is stored in bfloat16 and (fused) SGD steps fp32
@@ -73,7 +109,9 @@ def hf_reference(directory: str, steps: int = 3, lr: float = 0.05, momentum: flo
         loss.backward()
         losses.append(loss.item())
         if grads is None:
-            grads = {n.replace(".default.", "."): p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+            grads = {
+                n.replace(".default.", "."): p.grad.clone() for n, p in model.named_parameters() if p.requires_grad
+            }
         for p, master in zip(params, masters) if bf16 else ():
             master.grad = p.grad.float()
         opt.step()
@@ -110,15 +148,32 @@ def tiny_mixtral(**overrides):
     matter, grouped-query attention."""
     from transformers import MixtralConfig
 
-    return MixtralConfig(**{**dict(hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=32,
-                                   num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
-                                   router_aux_loss_coef=0.05, bos_token_id=0, eos_token_id=None, pad_token_id=None),
-                            **overrides})
+    return MixtralConfig(
+        **{
+            **dict(
+                hidden_size=16,
+                intermediate_size=32,
+                num_hidden_layers=4,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                vocab_size=VOCAB,
+                max_position_embeddings=32,
+                num_local_experts=4,
+                num_experts_per_tok=2,
+                output_router_logits=True,
+                router_aux_loss_coef=0.05,
+                bos_token_id=0,
+                eos_token_id=None,
+                pad_token_id=None,
+            ),
+            **overrides,
+        }
+    )
 
 
-def hf_microbatch_reference(directory: str, parts: int, steps: int = 3, lr: float = 0.05, momentum: float = 0.9,
-                            data=lm_batch):
+def hf_microbatch_reference(
+    directory: str, parts: int, steps: int = 3, lr: float = 0.05, momentum: float = 0.9, data=lm_batch
+):
     """The transformers model trained in one process with gradient accumulation over `parts` equal
     microbatches, each loss (transformers' own, with a MoE's routing loss for that forward call)
     weighted by its share of the batch's counted tokens, as raypipe weighs microbatches. Returns

@@ -68,8 +68,10 @@ class NetnsCluster:
         # leads nowhere, so the machine's nameserver would make every reverse lookup wait ~10 s)
         self.resolv = Path(self.temp) / "resolv.conf"
         self.resolv.write_text("nameserver 127.0.0.1\n")
-        self._sh(f"ip link add {self.bridge} type bridge && ip addr add {self.subnet}.254/24 dev {self.bridge} && "
-                 f"ip link set {self.bridge} up")
+        self._sh(
+            f"ip link add {self.bridge} type bridge && ip addr add {self.subnet}.254/24 dev {self.bridge} && "
+            f"ip link set {self.bridge} up"
+        )
 
     @property
     def address(self) -> str:
@@ -83,24 +85,32 @@ class NetnsCluster:
         ns, ip = f"rp{self.tag}n{index}", f"{self.subnet}.{index}"
         self.namespaces.append(ns)
         outer, inner = f"rp{self.tag}v{index}", f"rp{self.tag}w{index}"
-        self._sh(f"ip netns add {ns} && ip link add {outer} type veth peer name {inner} && "
-                 f"ip link set {inner} netns {ns} && ip link set {outer} master {self.bridge} up && "
-                 f"ip -n {ns} addr add {ip}/24 dev {inner} && ip -n {ns} link set {inner} up && "
-                 f"ip -n {ns} link set lo up && ip -n {ns} route add default via {self.subnet}.254")
+        self._sh(
+            f"ip netns add {ns} && ip link add {outer} type veth peer name {inner} && "
+            f"ip link set {inner} netns {ns} && ip link set {outer} master {self.bridge} up && "
+            f"ip -n {ns} addr add {ip}/24 dev {inner} && ip -n {ns} link set {inner} up && "
+            f"ip -n {ns} link set lo up && ip -n {ns} route add default via {self.subnet}.254"
+        )
         return ns, ip
 
-    def start_node(self, name: str, num_cpus: int, fake_accelerator: str | None = None,
-                   env: dict[str, str] | None = None) -> Node:
+    def start_node(
+        self, name: str, num_cpus: int, fake_accelerator: str | None = None, env: dict[str, str] | None = None
+    ) -> Node:
         """Makes host `name` (the first one made is the head) and starts Ray on it; returns at once."""
         head = not self.namespaces
         ns, ip = self.add_host(name)
-        role = (f"--head --port={PORT} --include-dashboard=false --temp-dir={self.temp}" if head
-                else f"--address={self.address}")
+        role = (
+            f"--head --port={PORT} --include-dashboard=false --temp-dir={self.temp}"
+            if head
+            else f"--address={self.address}"
+        )
         # `ip netns exec` gives the command a mount namespace of its own: the tmpfs stays this node's
-        command = (f"mount --bind {self.resolv} /etc/resolv.conf && "
-                   f"mount -t tmpfs -o size=1g tmpfs /dev/shm && exec {RAY} start {role} --block "
-                   f"--node-ip-address={ip} --num-cpus={num_cpus} --object-store-memory=200000000 "
-                   f"--disable-usage-stats $(raypipe node-resources)")
+        command = (
+            f"mount --bind {self.resolv} /etc/resolv.conf && "
+            f"mount -t tmpfs -o size=1g tmpfs /dev/shm && exec {RAY} start {role} --block "
+            f"--node-ip-address={ip} --num-cpus={num_cpus} --object-store-memory=200000000 "
+            f"--disable-usage-stats $(raypipe node-resources)"
+        )
         node_env = {**self.env, **(env or {})}
         if fake_accelerator:
             node_env["RAYPIPE_FAKE_ACCELERATOR"] = fake_accelerator
@@ -113,17 +123,35 @@ class NetnsCluster:
         (overlays on the machine's: the same Python and venv, a home of its own). `profile`:
         lines appended to this host's ~/.bashrc, which Ray's ssh commands source."""
         ns, ip = self.add_host(name)
-        setup = " && ".join([
-            f"mount --bind {self.resolv} /etc/resolv.conf",
-            "mount -t tmpfs tmpfs /dev/shm", "mount -t tmpfs tmpfs /run", "mkdir -p /run/sshd",
-            "mount -t tmpfs tmpfs /mnt", "mkdir -p /mnt/hu /mnt/hw /mnt/tu /mnt/tw",
-            "mount -t overlay overlay -o lowerdir=/root,upperdir=/mnt/hu,workdir=/mnt/hw /root",
-            "mount -t overlay overlay -o lowerdir=/tmp,upperdir=/mnt/tu,workdir=/mnt/tw /tmp",
-            f"printf '%s\\n' {shlex.quote(profile)} >> /root/.bashrc",
-            f"exec /usr/sbin/sshd -D -e -f {sshd_config} -o ListenAddress={ip}",
-        ])
-        command = ["ip", "netns", "exec", ns, "unshare", "--pid", "--fork", "--mount-proc", "--propagation",
-                   "private", "bash", "-c", setup]
+        setup = " && ".join(
+            [
+                f"mount --bind {self.resolv} /etc/resolv.conf",
+                "mount -t tmpfs tmpfs /dev/shm",
+                "mount -t tmpfs tmpfs /run",
+                "mkdir -p /run/sshd",
+                "mount -t tmpfs tmpfs /mnt",
+                "mkdir -p /mnt/hu /mnt/hw /mnt/tu /mnt/tw",
+                "mount -t overlay overlay -o lowerdir=/root,upperdir=/mnt/hu,workdir=/mnt/hw /root",
+                "mount -t overlay overlay -o lowerdir=/tmp,upperdir=/mnt/tu,workdir=/mnt/tw /tmp",
+                f"printf '%s\\n' {shlex.quote(profile)} >> /root/.bashrc",
+                f"exec /usr/sbin/sshd -D -e -f {sshd_config} -o ListenAddress={ip}",
+            ]
+        )
+        command = [
+            "ip",
+            "netns",
+            "exec",
+            ns,
+            "unshare",
+            "--pid",
+            "--fork",
+            "--mount-proc",
+            "--propagation",
+            "private",
+            "bash",
+            "-c",
+            setup,
+        ]
         return self._launch(name, ns, ip, command, self.env)
 
     def _launch(self, name: str, ns: str, ip: str, command: list[str], env: dict[str, str]) -> Node:
@@ -136,8 +164,10 @@ class NetnsCluster:
     def wait_nodes(self, timeout: float = 180) -> None:
         """Waits until every node started (and not dropped from `nodes`) is alive in the cluster;
         fails at once when a node's Ray exited."""
-        probe = (f"import ray; ray.init(address='{self.address}', logging_level='ERROR'); "
-                 f"print(' '.join(n['NodeManagerAddress'] for n in ray.nodes() if n['Alive']))")
+        probe = (
+            f"import ray; ray.init(address='{self.address}', logging_level='ERROR'); "
+            f"print(' '.join(n['NodeManagerAddress'] for n in ray.nodes() if n['Alive']))"
+        )
         deadline = time.monotonic() + timeout
         while True:
             for name, node in self.nodes.items():
@@ -148,16 +178,23 @@ class NetnsCluster:
             if lines and {n.ip for n in self.nodes.values()} <= set(lines[-1].split()):
                 return
             if time.monotonic() > deadline:
-                raise TimeoutError(f"nodes {sorted(self.nodes)} did not all join within {timeout} s: "
-                                   f"{run.stderr[-2000:]}")
+                raise TimeoutError(
+                    f"nodes {sorted(self.nodes)} did not all join within {timeout} s: {run.stderr[-2000:]}"
+                )
             time.sleep(1)
 
-    def run_python(self, code: str, timeout: float = 300, env: dict[str, str] | None = None
-                   ) -> subprocess.CompletedProcess:
+    def run_python(
+        self, code: str, timeout: float = 300, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess:
         """Runs `code` as a Ray driver on the head's host (its network namespace)."""
         head = next(iter(self.nodes.values()))
-        return subprocess.run(["ip", "netns", "exec", head.name, sys.executable, "-c", code],
-                              env={**self.env, **(env or {})}, capture_output=True, text=True, timeout=timeout)
+        return subprocess.run(
+            ["ip", "netns", "exec", head.name, sys.executable, "-c", code],
+            env={**self.env, **(env or {})},
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
 
     def close(self) -> None:
         """Kills every process in the namespaces made, deletes them and the bridge; removes the temp dir."""

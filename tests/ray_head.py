@@ -43,31 +43,41 @@ def head_env(**extra: str) -> dict[str, str]:
 class RayHead:
     """`ray start --head --block <shell_args>` on free ports; `stop()` ends its process group."""
 
-    def __init__(self, shell_args: str, env: dict[str, str], log: Path, dashboard: bool = False,
-                 num_cpus: int = 2) -> None:
+    def __init__(
+        self, shell_args: str, env: dict[str, str], log: Path, dashboard: bool = False, num_cpus: int = 2
+    ) -> None:
         gcs, dashboard_port, client, agent, agent_grpc, env_agent, metrics = free_ports(7)
         self.temp = tempfile.mkdtemp(prefix="rp-", dir="/tmp")  # short: Ray's socket paths must stay short
         self.env, self.address = env, f"127.0.0.1:{gcs}"
         self.url = f"http://127.0.0.1:{dashboard_port}" if dashboard else None
-        ports = (f"--port={gcs} --ray-client-server-port={client} --dashboard-agent-listen-port={agent} "
-                 f"--dashboard-agent-grpc-port={agent_grpc} --runtime-env-agent-port={env_agent} "
-                 f"--metrics-export-port={metrics}")
-        ui = (f"--include-dashboard=true --dashboard-host=127.0.0.1 --dashboard-port={dashboard_port}"
-              if dashboard else "--include-dashboard=false")
-        self.command = (f"exec {shlex.quote(RAY)} start --head --block --num-cpus={num_cpus} --disable-usage-stats "
-                        f"--temp-dir={self.temp} {ports} {ui} {shell_args}")
+        ports = (
+            f"--port={gcs} --ray-client-server-port={client} --dashboard-agent-listen-port={agent} "
+            f"--dashboard-agent-grpc-port={agent_grpc} --runtime-env-agent-port={env_agent} "
+            f"--metrics-export-port={metrics}"
+        )
+        ui = (
+            f"--include-dashboard=true --dashboard-host=127.0.0.1 --dashboard-port={dashboard_port}"
+            if dashboard
+            else "--include-dashboard=false"
+        )
+        self.command = (
+            f"exec {shlex.quote(RAY)} start --head --block --num-cpus={num_cpus} --disable-usage-stats "
+            f"--temp-dir={self.temp} {ports} {ui} {shell_args}"
+        )
         self.log_path = log
         self._log = open(log, "w")
-        self.proc = subprocess.Popen(["bash", "-c", self.command], env=env, stdout=self._log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            ["bash", "-c", self.command], env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+        )
 
     def log_tail(self, chars: int = 3000) -> str:
         return self.log_path.read_text()[-chars:]
 
     def run_python(self, code: str, timeout: float = 120) -> subprocess.CompletedProcess:
         """Runs `code` in a new Python process with this head's environment."""
-        return subprocess.run([sys.executable, "-c", code], env=self.env, capture_output=True, text=True,
-                              timeout=timeout)
+        return subprocess.run(
+            [sys.executable, "-c", code], env=self.env, capture_output=True, text=True, timeout=timeout
+        )
 
     def wait_gcs(self, timeout: float = 120) -> None:
         """Waits until the head's GCS port accepts connections; fails at once, with `ray start`'s

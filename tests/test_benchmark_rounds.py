@@ -16,13 +16,22 @@ def test_turns_rotate_so_no_runner_always_follows_the_same_one():
     seconds = interleaved(runners, rounds=2, steps=3, warmup=1)
 
     assert calls[:3] == [("a", 0), ("b", 0), ("c", 0)]  # warm-up, one step each
-    turns = [calls[3 + 3 * t: 6 + 3 * t] for t in range(6)]
+    turns = [calls[3 + 3 * t : 6 + 3 * t] for t in range(6)]
     assert [[name for name, _ in turn] for turn in turns] == [
-        list("abc"), list("bca"), list("cab"), list("abc"), list("bca"), list("cab")]
+        list("abc"),
+        list("bca"),
+        list("cab"),
+        list("abc"),
+        list("bca"),
+        list("cab"),
+    ]
     # every runner takes the same step index in a turn: round r, step i is 1000 r + i
     assert [{step for _, step in turn} for turn in turns] == [{0}, {1}, {2}, {1000}, {1001}, {1002}]
     assert {name: [len(r) for r in rounds] for name, rounds in seconds.items()} == {
-        "a": [3, 3], "b": [3, 3], "c": [3, 3]}
+        "a": [3, 3],
+        "b": [3, 3],
+        "c": [3, 3],
+    }
 
 
 def test_paired_ratio_compares_the_same_step_of_each_runner():

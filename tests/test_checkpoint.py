@@ -12,17 +12,25 @@ import ray
 import torch
 from torch import nn
 
-from helpers import MLP7, KillOnce, batch, flip_a_byte
 from raypipe import ActorDiedError, NonFiniteError, TrainConfig, Trainer
 from raypipe.checkpoint.layout import CheckpointError, find_valid, list_checkpoints, load_tensors, verify
+
+from helpers import MLP7, KillOnce, batch, flip_a_byte
 
 ADAMW = {"name": "adamw", "lr": 1e-2, "weight_decay": 0.1}
 STEPS = 6
 
 
 def config(root=None, **changes):
-    base = dict(pp=2, microbatches=2, optimizer=ADAMW, seed=5, checkpoint_dir=str(root) if root else None,
-                checkpoint_every=2 if root else 0, keep_checkpoints=0)
+    base = dict(
+        pp=2,
+        microbatches=2,
+        optimizer=ADAMW,
+        seed=5,
+        checkpoint_dir=str(root) if root else None,
+        checkpoint_every=2 if root else 0,
+        keep_checkpoints=0,
+    )
     base.update(changes)
     return TrainConfig(**base)
 
@@ -140,8 +148,11 @@ def kill_when_exists(actor, path, timeout=30.0):
 
 
 # both ways of dying at pp=2 (one under the compiled engine); the dp=2 restart (a collective world to rebuild) once
-@pytest.mark.parametrize("how, dp, engine", [("ray.kill", 1, "p2p"), ("SIGKILL", 1, "compiled"), ("ray.kill", 2, "p2p")],
-                         ids=["ray.kill-pp2", "SIGKILL-pp2-compiled", "ray.kill-pp2-dp2"])
+@pytest.mark.parametrize(
+    "how, dp, engine",
+    [("ray.kill", 1, "p2p"), ("SIGKILL", 1, "compiled"), ("ray.kill", 2, "p2p")],
+    ids=["ray.kill-pp2", "SIGKILL-pp2-compiled", "ray.kill-pp2-dp2"],
+)
 def test_training_survives_a_stage_dying_mid_step(killable_baseline, tmp_path, how, dp, engine):
     flag = tmp_path / "kill-now"
     messages = []
@@ -166,8 +177,9 @@ def test_training_survives_a_stage_dying_mid_step(killable_baseline, tmp_path, h
     assert time.monotonic() - started < 60
     assert any(re.search(r"stage1-dp\d-tp0 died during step 4", m) for m in messages), messages
     assert any("resumed at step 2 from" in m for m in messages), messages
-    torch.testing.assert_close(torch.tensor(losses_by_step(history)), torch.tensor(killable_baseline(dp)),
-                               rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        torch.tensor(losses_by_step(history)), torch.tensor(killable_baseline(dp)), rtol=1e-6, atol=1e-6
+    )
     for path in list_checkpoints(tmp_path / "ck"):
         verify(path)
     assert not list((tmp_path / "ck").glob("*.partial"))
@@ -176,6 +188,7 @@ def test_training_survives_a_stage_dying_mid_step(killable_baseline, tmp_path, h
 def test_too_many_deaths_stop_with_who_why_and_where(ray_session, tmp_path):
     flag = tmp_path / "kill-now"
     with Trainer(killable_layers(flag), nn.functional.mse_loss, config(tmp_path / "ck")) as t:
+
         def on_step(metrics):
             if metrics["step"] == 2:
                 flag.touch()
@@ -243,7 +256,9 @@ def test_loading_unpickles_nothing_and_pickle_checkpoints_still_load(uninterrupt
         raise AssertionError("torch.load called")
 
     monkeypatch.setattr(torch, "load", refuse)
-    assert torch.equal(load_tensors(path / "optim/layer-00002.safetensors")["weight"]["exp_avg"], state["weight"]["exp_avg"])
+    assert torch.equal(
+        load_tensors(path / "optim/layer-00002.safetensors")["weight"]["exp_avg"], state["weight"]["exp_avg"]
+    )
     monkeypatch.undo()
     legacy = tmp_path / "legacy" / "step-00000002"  # the same checkpoint as the old format wrote it
     shutil.copytree(path, legacy)

@@ -18,13 +18,34 @@ def losses(output):
 
 
 def test_examples_train_py_with_overrides_on_pp1_dp2_tp2(clean_env):
-    result = run([sys.executable, "examples/train.py", "--config", "examples/configs/tiny.yaml",
-                  "--set", "pp=1", "--set", "dp=2", "--set", "tp=2", "--set", "schedule=gpipe",
-                  "--set", "job.steps=10", "--set", "job.sample_tokens=0"], clean_env)
+    result = run(
+        [
+            sys.executable,
+            "examples/train.py",
+            "--config",
+            "examples/configs/tiny.yaml",
+            "--set",
+            "pp=1",
+            "--set",
+            "dp=2",
+            "--set",
+            "tp=2",
+            "--set",
+            "schedule=gpipe",
+            "--set",
+            "job.steps=10",
+            "--set",
+            "job.sample_tokens=0",
+        ],
+        clean_env,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "pp=1, dp=2, tp=2, schedule=gpipe" in result.stdout
     assert "stages: stage0-dp0-tp0 layers [0, 4)" in result.stdout
-    assert "actors: 4 = pp 1 x dp 2 x tp 2: stage0-dp0-tp0, stage0-dp0-tp1, stage0-dp1-tp0, stage0-dp1-tp1" in result.stdout
+    assert (
+        "actors: 4 = pp 1 x dp 2 x tp 2: stage0-dp0-tp0, stage0-dp0-tp1, stage0-dp1-tp0, stage0-dp1-tp1"
+        in result.stdout
+    )
     assert "step   10 | loss" in result.stdout
 
 
@@ -64,13 +85,30 @@ def test_raypipe_train_runs_the_job_saves_checkpoints_and_resumes_on_another_top
     values = losses(out)
     assert len(values) >= 5 and values[-1] < values[0] - 1.0
     assert f"saved {ck}/step-00000040" in out
-    second = run(RAYPIPE + ["train", "examples/configs/tiny.yaml", "--set", "job.steps=25", "--resume-step", "20",
-                            "--set", "pp=1", "--set", "job.sample_tokens=0"] + common, clean_env)
+    second = run(
+        RAYPIPE
+        + [
+            "train",
+            "examples/configs/tiny.yaml",
+            "--set",
+            "job.steps=25",
+            "--resume-step",
+            "20",
+            "--set",
+            "pp=1",
+            "--set",
+            "job.sample_tokens=0",
+        ]
+        + common,
+        clean_env,
+    )
     assert second.returncode == 0, second.stderr[-3000:]
     assert f"resumed from {ck}/step-00000020 at step 20" in second.stdout
     # the resumed run (on another topology) repeats the first run's step 25 loss
     first_25 = re.search(r"step   25 \| loss (\d+\.\d+)", out).group(1)
     assert f"step   25 | loss {first_25}" in second.stdout
-    missing = run(RAYPIPE + ["train", "examples/configs/tiny.yaml", "--resume", "--set", f"checkpoint_dir={tmp_path / 'none'}"],
-                  clean_env)
+    missing = run(
+        RAYPIPE + ["train", "examples/configs/tiny.yaml", "--resume", "--set", f"checkpoint_dir={tmp_path / 'none'}"],
+        clean_env,
+    )
     assert missing.returncode == 2 and "no valid checkpoint" in missing.stderr

@@ -111,10 +111,17 @@ def test_job_sections_reject_unknown_keys(tmp_path):
 
 
 values = st.one_of(
-    st.none(), st.booleans(), st.integers(-5, 40), st.floats(allow_nan=True), st.text(max_size=8),
+    st.none(),
+    st.booleans(),
+    st.integers(-5, 40),
+    st.floats(allow_nan=True),
+    st.text(max_size=8),
     st.lists(st.lists(st.integers(-2, 10), max_size=3), max_size=4),
-    st.dictionaries(st.sampled_from(["name", "lr", "momentum", "warmup_steps", "total_steps", "x"]),
-                    st.one_of(st.text(max_size=6), st.floats(allow_nan=True), st.integers(-3, 9)), max_size=4),
+    st.dictionaries(
+        st.sampled_from(["name", "lr", "momentum", "warmup_steps", "total_steps", "x"]),
+        st.one_of(st.text(max_size=6), st.floats(allow_nan=True), st.integers(-3, 9)),
+        max_size=4,
+    ),
 )
 keys = st.sampled_from(list(TrainConfig.field_names()) + ["parallel", "optim", "shedule", "model"])
 
@@ -138,4 +145,8 @@ def test_scientific_numbers_in_yaml_and_overrides_are_floats_and_dotted_keys_fin
     assert TrainConfig.from_yaml(path).optimizer == {"name": "adamw", "lr": 3e-4}
     cfg = TrainConfig.from_yaml(path, ["optimizer.lr=1e-5", "grad_clip=2E+0"])
     assert cfg.optimizer == {"name": "adamw", "lr": 1e-5} and cfg.grad_clip == 2.0 and cfg.pp == 2
-    assert apply_overrides({"a": {"b": 1}}, ["b=1_000", "name=1e", "c=.5"]) == {"a": {"b": 1000}, "name": "1e", "c": 0.5}
+    assert apply_overrides({"a": {"b": 1}}, ["b=1_000", "name=1e", "c=.5"]) == {
+        "a": {"b": 1000},
+        "name": "1e",
+        "c": 0.5,
+    }

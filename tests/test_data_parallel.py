@@ -5,8 +5,9 @@ import ray
 import torch
 from torch import nn
 
-from helpers import MLP7, assert_close_dicts, batch, check_sgd_parity, reference_run
 from raypipe import BatchError, TrainConfig, Trainer
+
+from helpers import MLP7, assert_close_dicts, batch, check_sgd_parity, reference_run
 
 SEED = 7
 SGD = {"name": "sgd", "lr": 0.05, "momentum": 0.9}
@@ -64,7 +65,11 @@ def test_adamw_with_clipping_parity_while_zero_switches_on_and_off(trainer, init
         losses.append(trainer.step(*batch(k))["loss"])
     trainer.reconfigure(grad_clip=None)
     ref_losses, _, ref_final = reference_run(
-        MLP7, SEED, lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1), steps=3, grad_clip=0.5,
+        MLP7,
+        SEED,
+        lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
+        steps=3,
+        grad_clip=0.5,
         microbatches=2 * trainer.config.dp,
     )
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=4e-5)
@@ -96,4 +101,3 @@ def test_optimizer_state_bytes_per_actor(trainer, initial, zero):
             assert max(held) < 0.8 * 2 * params, held
         else:
             assert all(abs(h - 2 * params) <= 64 for h in held), (held, params)
-

@@ -11,13 +11,14 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import MLP7, KillOnce, batch, check_sgd_parity, lm_tokens, reference_run
 from raypipe import LayerSpec, PlacementError, StageError, TrainConfig, Trainer
 from raypipe.diagram import Architecture
-from raypipe.models import gpt
 from raypipe.driver import links
 from raypipe.driver.topology import Topology
+from raypipe.models import gpt
 from raypipe.schedules import build_schedule
+
+from helpers import MLP7, KillOnce, batch, check_sgd_parity, lm_tokens, reference_run
 
 SEED = 11
 SGD = {"name": "sgd", "lr": 0.1, "momentum": 0.9}
@@ -35,14 +36,22 @@ def sgd(params):
 
 def config(**kwargs) -> TrainConfig:
     # a stream out of step hangs: fail within a minute instead
-    return TrainConfig(optimizer=SGD, seed=SEED, cpus_per_actor=0.1, threads_per_actor=1, device_links="nccl",
-                       step_timeout=60, **kwargs)
+    return TrainConfig(
+        optimizer=SGD,
+        seed=SEED,
+        cpus_per_actor=0.1,
+        threads_per_actor=1,
+        device_links="nccl",
+        step_timeout=60,
+        **kwargs,
+    )
 
 
 @pytest.fixture(scope="module")
 def reference():
-    return {m: reference_run(LAYERS, SEED, sgd, steps=3, microbatches=m, loss_fn=gpt.loss_fn, data=tokens)
-            for m in (4, 8)}
+    return {
+        m: reference_run(LAYERS, SEED, sgd, steps=3, microbatches=m, loss_fn=gpt.loss_fn, data=tokens) for m in (4, 8)
+    }
 
 
 @pytest.fixture(scope="module")
@@ -118,8 +127,9 @@ def test_a_recovery_makes_new_streams_and_replays_the_uninterrupted_losses(ray_s
     assert restarts == 1
     assert linked == [{"stage1-dp0-tp0": "gloo (ordered)"}, {"stage0-dp0-tp0": "gloo (ordered)"}]
     replayed = [loss for _, loss in sorted({m["step"]: m["loss"] for m in history}.items())]
-    torch.testing.assert_close(torch.tensor(replayed), torch.tensor([m["loss"] for m in uninterrupted]),
-                               rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        torch.tensor(replayed), torch.tensor([m["loss"] for m in uninterrupted]), rtol=1e-6, atol=1e-6
+    )
 
 
 # ----- which links go on the device (no Ray) ----------------------------------------------------
@@ -138,8 +148,12 @@ def test_cuda_stages_on_their_own_gpus_link_on_the_device_one_stream_per_directi
     topology, schedule = Topology(pp=3, dp=1, tp=1), build_schedule("1f1b", 3, 4)
     where = infos(("cuda:0", "n1", "GPU-a"), ("cuda:0", "n1", "GPU-b"), ("cuda:0", "n2", "GPU-a"))
     plan = links.plan_links(topology, schedule, where, ["s0", "s1", "s2"], "auto")
-    assert streams_of(plan) == [(0, 1, 0, "F", "nccl"), (1, 0, 1, "G", "nccl"),
-                                (1, 2, 1, "F", "nccl"), (2, 1, 2, "G", "nccl")]
+    assert streams_of(plan) == [
+        (0, 1, 0, "F", "nccl"),
+        (1, 0, 1, "G", "nccl"),
+        (1, 2, 1, "F", "nccl"),
+        (2, 1, 2, "G", "nccl"),
+    ]
     assert [i for i, _ in plan.of(1)] == [0, 1, 2, 3] and [i for i, _ in plan.of(2)] == [2, 3]
     assert links.plan_links(topology, schedule, where, ["s0", "s1", "s2"], "host").streams == []
 

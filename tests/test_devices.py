@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-
 from ray._private.label_utils import parse_node_labels_string, validate_node_label_syntax
 
 from raypipe import ConfigError
@@ -28,10 +27,10 @@ def test_gpu_kinds_get_a_resource_num_gpus_and_labels_ray_accepts():
     }
     for acc, model in cases.items():
         args = acc.ray_start_args()
-        labels = parse_node_labels_string(next(a for a in args if a.startswith("--labels="))[len("--labels="):])
+        labels = parse_node_labels_string(next(a for a in args if a.startswith("--labels="))[len("--labels=") :])
         validate_node_label_syntax(labels)  # what `ray start --labels` runs
         assert labels == {LABEL_KIND: acc.kind, LABEL_MODEL: model}
-        resources = json.loads(next(a for a in args if a.startswith("--resources="))[len("--resources="):])
+        resources = json.loads(next(a for a in args if a.startswith("--resources="))[len("--resources=") :])
         assert resources == {acc.kind: float(acc.count)}
         assert (f"--num-gpus={acc.count}" in args) == (acc.kind in ("cuda", "rocm"))
     assert Accelerator("rocm", 1, "x", 1, ()).torch_device(0) == "cuda:0"  # torch names ROCm devices cuda
@@ -44,8 +43,13 @@ def test_label_values_are_cleaned_to_rays_rules():
 
 
 def node_resources(*args, **env):
-    return subprocess.run([sys.executable, "-m", "raypipe.cli", "node-resources", *args], capture_output=True,
-                          text=True, timeout=120, env={**os.environ, **env})
+    return subprocess.run(
+        [sys.executable, "-m", "raypipe.cli", "node-resources", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **env},
+    )
 
 
 def test_node_resources_command_prints_the_arguments():
@@ -61,8 +65,9 @@ def test_printed_arguments_survive_command_substitution_unchanged():
     and removes no quotes, so every argument must be one word with no quote or glob character."""
     out = node_resources(RAYPIPE_FAKE_ACCELERATOR="cuda:2:NVIDIA H100 80GB HBM3")
     assert out.returncode == 0, out.stderr
-    split = subprocess.run(["bash", "-c", 'printf "%s\\n" $(cat)'], input=out.stdout, capture_output=True,
-                           text=True, timeout=30).stdout.splitlines()
+    split = subprocess.run(
+        ["bash", "-c", 'printf "%s\\n" $(cat)'], input=out.stdout, capture_output=True, text=True, timeout=30
+    ).stdout.splitlines()
     assert split == Accelerator("cuda", 2, "NVIDIA H100 80GB HBM3", 1, ()).ray_start_args()
     assert split[:2] == ["--num-gpus=2", '--resources={"cuda":2.0}'], split
     assert not any(c in out.stdout for c in "'*?["), out.stdout

@@ -7,11 +7,12 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import MLP7
 from raypipe import TrainConfig, Trainer
 from raypipe.cli import main as cli
 from raypipe.diagram import Architecture
 from raypipe.models import gpt
+
+from helpers import MLP7
 
 MODEL = gpt.GPTConfig(n_layer=4, n_head=4, n_embd=32, block_size=16)
 
@@ -29,7 +30,12 @@ def test_stages_layers_parameters_and_boundary_shapes(arch):
     assert sum(s.parameters for s in arch.stages) == MODEL.parameters
     assert arch.input == "(4, 16) int64"
     assert [s.output for s in arch.stages] == ["(4, 16, 32) float32", "(4, 16, 256) float32"]
-    assert [a.name for a in arch.stages[1].actors] == ["stage1-dp0-tp0", "stage1-dp0-tp1", "stage1-dp1-tp0", "stage1-dp1-tp1"]
+    assert [a.name for a in arch.stages[1].actors] == [
+        "stage1-dp0-tp0",
+        "stage1-dp0-tp1",
+        "stage1-dp1-tp0",
+        "stage1-dp1-tp1",
+    ]
 
 
 def test_mermaid_text(arch, tmp_path):

@@ -7,9 +7,10 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import MLP7, batch, check_sgd_parity, lm_tokens, reference_run
 from raypipe import TrainConfig, Trainer
 from raypipe.models import gpt
+
+from helpers import MLP7, batch, check_sgd_parity, lm_tokens, reference_run
 
 SEED = 11
 SGD = {"name": "sgd", "lr": 0.05, "momentum": 0.9}
@@ -32,11 +33,12 @@ CASES = [("refs", 2, 2, 1), ("compiled", 2, 2, 1), ("refs", 2, 1, 2), ("compiled
 @pytest.mark.parametrize("engine, pp, dp, tp", CASES, ids=[f"{e}-pp{p}-dp{d}-tp{t}" for e, p, d, t in CASES])
 def test_parity_under_every_engine(ray_session, engine, pp, dp, tp):
     layers, loss_fn, data = (MLP7, nn.functional.mse_loss, batch) if tp == 1 else (gpt.layers(GPT), gpt.loss_fn, tokens)
-    config = TrainConfig(pp=pp, dp=dp, tp=tp, engine=engine, optimizer=SGD, seed=SEED, cpus_per_actor=0.25,
-                         threads_per_actor=1)
+    config = TrainConfig(
+        pp=pp, dp=dp, tp=tp, engine=engine, optimizer=SGD, seed=SEED, cpus_per_actor=0.25, threads_per_actor=1
+    )
     reference = reference_run(layers, SEED, sgd, steps=3, microbatches=2 * dp, loss_fn=loss_fn, data=data)
     with Trainer(layers, loss_fn, config) as t:
         initial = t.state_dict()
-        for zero in ((0, 1) if dp > 1 else (0,)):
+        for zero in (0, 1) if dp > 1 else (0,):
             t.reconfigure(zero=zero)
             check_sgd_parity(t, initial, reference, "1f1b", 2, SGD, data=data)

@@ -7,7 +7,6 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import MLP7, Exploding, Sleep, assert_close_dicts, batch, reference_run
 from raypipe import (
     BatchError,
     ConfigError,
@@ -19,13 +18,17 @@ from raypipe import (
     Trainer,
 )
 
+from helpers import MLP7, Exploding, Sleep, assert_close_dicts, batch, reference_run
+
 SGD = {"name": "sgd", "lr": 0.05, "momentum": 0.9}
 QUARTER = 0.25  # CPUs per actor, so this module's trainers fit beside each other on 2 CPUs
 
 
 @pytest.fixture(scope="module")
 def trainer(ray_session):
-    t = Trainer(MLP7, nn.functional.mse_loss, TrainConfig(pp=2, microbatches=4, optimizer=SGD, seed=3, cpus_per_actor=QUARTER))
+    t = Trainer(
+        MLP7, nn.functional.mse_loss, TrainConfig(pp=2, microbatches=4, optimizer=SGD, seed=3, cpus_per_actor=QUARTER)
+    )
     yield t
     t.shutdown()
 
@@ -91,8 +94,11 @@ def test_bad_configs_fail_before_any_actor_starts(ray_session):
 
 def test_a_layer_that_cannot_be_built_names_its_stage(ray_session):
     layers = [LayerSpec(nn.Linear, 4, 4), LayerSpec(Exploding)]
-    with pytest.raises(StageError, match=r"stage1-dp0-tp0 \(layers \(1, 2\)\) could not start: layer 1 "
-                       r"LayerSpec\(Exploding\) failed to build: ValueError: this layer cannot be built$"):
+    with pytest.raises(
+        StageError,
+        match=r"stage1-dp0-tp0 \(layers \(1, 2\)\) could not start: layer 1 "
+        r"LayerSpec\(Exploding\) failed to build: ValueError: this layer cannot be built$",
+    ):
         Trainer(layers, nn.functional.mse_loss, TrainConfig(pp=2, cpus_per_actor=QUARTER))
 
 
@@ -112,7 +118,9 @@ def test_unplaceable_actors_fail_within_the_start_timeout(ray_session, trainer):
 
 def test_a_stuck_step_times_out_naming_what_is_pending(ray_session):
     layers = [LayerSpec(nn.Linear, 4, 4), LayerSpec(Sleep, 30.0)]
-    with Trainer(layers, nn.functional.mse_loss, TrainConfig(pp=2, microbatches=2, step_timeout=1.0, cpus_per_actor=QUARTER)) as t:
+    with Trainer(
+        layers, nn.functional.mse_loss, TrainConfig(pp=2, microbatches=2, step_timeout=1.0, cpus_per_actor=QUARTER)
+    ) as t:
         started = time.monotonic()
         with pytest.raises(StepTimeoutError) as info:
             t.step(torch.randn(4, 4), torch.randn(4, 4))

@@ -6,8 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import MLP7, assert_close_dicts, batch, reference_run
 from raypipe import NonFiniteError, StageError, TrainConfig, Trainer
+
+from helpers import MLP7, assert_close_dicts, batch, reference_run
 
 SGD = {"name": "sgd", "lr": 0.05, "momentum": 0.9}
 
@@ -18,8 +19,9 @@ def sgd(params):
 
 @pytest.fixture(scope="module")
 def trainer(ray_session):
-    t = Trainer(MLP7, nn.functional.mse_loss, TrainConfig(pp=2, microbatches=4, optimizer=SGD, seed=3,
-                                                          cpus_per_actor=0.25))
+    t = Trainer(
+        MLP7, nn.functional.mse_loss, TrainConfig(pp=2, microbatches=4, optimizer=SGD, seed=3, cpus_per_actor=0.25)
+    )
     yield t
     t.shutdown()
 
@@ -63,10 +65,14 @@ def test_fit_with_on_step_waits_for_each_step_unless_told(trainer):
     assert order == ["batch 0", "done 1", "batch 1", "done 2"]
 
 
-@pytest.mark.parametrize("spoil, error", [
-    (lambda x: torch.randn(16, 5), StageError),  # 5 features where the first layer takes 6
-    (lambda x: x * float("nan"), NonFiniteError),
-], ids=["stage-error", "non-finite"])
+@pytest.mark.parametrize(
+    "spoil, error",
+    [
+        (lambda x: torch.randn(16, 5), StageError),  # 5 features where the first layer takes 6
+        (lambda x: x * float("nan"), NonFiniteError),
+    ],
+    ids=["stage-error", "non-finite"],
+)
 def test_a_failed_step_halts_the_step_queued_behind_it(trainer, spoil, error):
     restart(trainer)
     trainer.fit(batch, 1)

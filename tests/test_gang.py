@@ -9,8 +9,9 @@ import pytest
 import ray
 from torch import nn
 
-from helpers import MLP7, batch
 from raypipe import ConfigError, PlacementError, TrainConfig, Trainer
+
+from helpers import MLP7, batch
 
 SGD = {"name": "sgd", "lr": 0.05}
 
@@ -42,8 +43,11 @@ def test_two_trainers_that_do_not_both_fit_start_at_once_and_one_trains(ray_sess
 
     def start(name: str) -> None:
         try:
-            results[name] = Trainer(MLP7, nn.functional.mse_loss, TrainConfig(
-                pp=2, cpus_per_actor=0.75, actor_start_timeout=4, optimizer=SGD, name=name))
+            results[name] = Trainer(
+                MLP7,
+                nn.functional.mse_loss,
+                TrainConfig(pp=2, cpus_per_actor=0.75, actor_start_timeout=4, optimizer=SGD, name=name),
+            )
         except PlacementError as error:
             results[name] = error
 
@@ -83,14 +87,21 @@ def test_a_waiting_trainer_holds_nothing_and_strict_spread_needs_a_node_per_acto
         seen = []
         watcher = threading.Thread(target=lambda: [seen.append(free_cpus()) or time.sleep(0.2) for _ in range(10)])
         watcher.start()
-        with pytest.raises(PlacementError, match=r"not all at once now.*still hold actors: " + r"Trainer\(run='"
-                           + holder.run_name):
+        with pytest.raises(
+            PlacementError, match=r"not all at once now.*still hold actors: " + r"Trainer\(run='" + holder.run_name
+        ):
             Trainer(MLP7, nn.functional.mse_loss, TrainConfig(pp=2, cpus_per_actor=0.75, actor_start_timeout=2))
         watcher.join(timeout=10)
         assert seen and all(cpus == pytest.approx(1.0) for cpus in seen), seen  # never one actor of two
-    with pytest.raises(PlacementError, match=r"placement='strict_spread'.*each of the 2 actors on a node of its own, "
-                                             r"and 1 are alive"):
-        Trainer(MLP7, nn.functional.mse_loss, TrainConfig(pp=2, cpus_per_actor=0.25, actor_start_timeout=2,
-                                                          placement="strict_spread"))
+    with pytest.raises(
+        PlacementError,
+        match=r"placement='strict_spread'.*each of the 2 actors on a node of its own, "
+        r"and 1 are alive",
+    ):
+        Trainer(
+            MLP7,
+            nn.functional.mse_loss,
+            TrainConfig(pp=2, cpus_per_actor=0.25, actor_start_timeout=2, placement="strict_spread"),
+        )
     with pytest.raises(ConfigError, match=r"TrainConfig.placement='scatter'"):
         TrainConfig(placement="scatter")

@@ -18,8 +18,9 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
 def test_stages_on_gpus_train_like_one_process_over_the_link_their_gpus_allow():
-    result = subprocess.run([sys.executable, str(HERE / "gpu_run.py")], capture_output=True, text=True,
-                            timeout=600, cwd=HERE.parent)
+    result = subprocess.run(
+        [sys.executable, str(HERE / "gpu_run.py")], capture_output=True, text=True, timeout=600, cwd=HERE.parent
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     out = json.loads(result.stdout.strip().splitlines()[-1])
     assert out["kind"] in ("cuda", "rocm")

@@ -8,10 +8,11 @@ for Llama from its own `base_model_tp_plan`; padding masks and ignored labels in
 import pytest
 import torch
 
-from helpers import assert_close_dicts
-from hf_helpers import by_hf_name, hf_reference, lm_batch, load, run_schedules, save_tiny
 from raypipe import TrainConfig, Trainer
 from raypipe.models import hf
+
+from helpers import assert_close_dicts
+from hf_helpers import by_hf_name, hf_reference, lm_batch, load, run_schedules, save_tiny
 
 pytest.importorskip("transformers")
 
@@ -39,8 +40,16 @@ def check_parity(trainer, reference, names):
         assert_close_dicts(final, {n: ref_final[n] for n in final})
 
 
-CASES = [("gpt2", 1, 1, 1), ("gpt2", 2, 1, 1), ("gpt2", 3, 1, 1), ("gpt2", 2, 2, 1),
-         ("llama", 1, 2, 1), ("llama", 2, 1, 1), ("llama", 3, 1, 1), ("llama", 2, 1, 2)]
+CASES = [
+    ("gpt2", 1, 1, 1),
+    ("gpt2", 2, 1, 1),
+    ("gpt2", 3, 1, 1),
+    ("gpt2", 2, 2, 1),
+    ("llama", 1, 2, 1),
+    ("llama", 2, 1, 1),
+    ("llama", 3, 1, 1),
+    ("llama", 2, 1, 2),
+]
 
 
 @pytest.mark.slow
@@ -48,8 +57,9 @@ CASES = [("gpt2", 1, 1, 1), ("gpt2", 2, 1, 1), ("gpt2", 3, 1, 1), ("gpt2", 2, 2,
 def test_training_matches_transformers_in_one_process(ray_session, saved, tmp_path, kind, pp, dp, tp):
     directory, reference = saved[kind]
     model = hf.from_pretrained(directory)
-    config = TrainConfig(pp=pp, dp=dp, tp=tp, microbatches=4 // dp, optimizer=SGD, cpus_per_actor=0.25,
-                         threads_per_actor=1)
+    config = TrainConfig(
+        pp=pp, dp=dp, tp=tp, microbatches=4 // dp, optimizer=SGD, cpus_per_actor=0.25, threads_per_actor=1
+    )
     with Trainer(model, config=config) as t:
         check_parity(t, reference, model.exporter.names(t.specs))
         if kind == "gpt2" and pp > 1:  # the tied copies on the first and last stage stayed bit-identical

@@ -10,10 +10,11 @@ import os
 import pytest
 import torch
 
-from hf_helpers import VOCAB, load, lm_batch, save_tiny, tiny_config
 from raypipe import ConfigError, TrainConfig, Trainer
 from raypipe.models import hf
 from raypipe.models.hf import weights
+
+from hf_helpers import VOCAB, lm_batch, load, save_tiny, tiny_config
 
 pytest.importorskip("transformers")
 
@@ -58,7 +59,7 @@ def test_each_actor_reads_only_its_own_tensors_and_the_driver_none(llama):
     on_disk = file_tensors(directory)
     read = [info["weights_read"] for info in trainer.stage_info()]
     keys = [set(r) for r in read]
-    assert all(not (a & b) for i, a in enumerate(keys) for b in keys[i + 1:])  # no tensor read twice
+    assert all(not (a & b) for i, a in enumerate(keys) for b in keys[i + 1 :])  # no tensor read twice
     assert set().union(*keys) == set(on_disk)
     assert sum(sum(r.values()) for r in read) == sum(on_disk.values())
     names = hf.from_pretrained(directory).exporter.names(trainer.specs)
@@ -154,18 +155,31 @@ def test_generation_from_left_padded_prompts_equals_transformers(llama, tmp_path
 def test_the_example_jobs_train_a_llama_from_config_then_fine_tune_its_export(ray_session, tmp_path):
     from raypipe.job import JobConfig, run
 
-    small = ["job.steps=4", "job.eval_every=0", "job.eval_batches=1", "job.batch_size=8", "job.sample_tokens=8",
-             "data.max_bytes=200000", "log_dir=null", "job.progress=false", "cpus_per_actor=0.25",
-             "threads_per_actor=1"]
-    first = JobConfig.from_yaml("examples/configs/llama_pp2.yaml",
-                                small + [f"job.save_pretrained={tmp_path / 'hf'}", "model.hf.num_hidden_layers=2"])
+    small = [
+        "job.steps=4",
+        "job.eval_every=0",
+        "job.eval_batches=1",
+        "job.batch_size=8",
+        "job.sample_tokens=8",
+        "data.max_bytes=200000",
+        "log_dir=null",
+        "job.progress=false",
+        "cpus_per_actor=0.25",
+        "threads_per_actor=1",
+    ]
+    first = JobConfig.from_yaml(
+        "examples/configs/llama_pp2.yaml",
+        small + [f"job.save_pretrained={tmp_path / 'hf'}", "model.hf.num_hidden_layers=2"],
+    )
     lines = []
     trained = summary = run(first, log=lines.append)
     assert len(summary["losses"]) == 4 and summary["losses"][-1] < summary["losses"][0]
     assert any("transformers model (llama from config fields" in line for line in lines)
     assert load(str(tmp_path / "hf")).config.num_hidden_layers == 2  # transformers reads the export
-    second = JobConfig.from_yaml("examples/configs/llama_finetune.yaml",
-                                 small + [f"model.hf={tmp_path / 'hf'}", f"job.save_pretrained={tmp_path / 'tuned'}"])
+    second = JobConfig.from_yaml(
+        "examples/configs/llama_finetune.yaml",
+        small + [f"model.hf={tmp_path / 'hf'}", f"job.save_pretrained={tmp_path / 'tuned'}"],
+    )
     summary = run(second, log=lines.append)
     # it starts from the exported weights: the same validation loss, now in three stages
     assert summary["val_first"] == pytest.approx(trained["val_last"], rel=1e-5)
@@ -190,8 +204,10 @@ def test_importing_raypipe_imports_nothing_of_transformers():
     import subprocess
     import sys
 
-    code = ("import sys, raypipe, raypipe.models, raypipe.models.hf, raypipe.job; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('transformers', 'safetensors')))")
+    code = (
+        "import sys, raypipe, raypipe.models, raypipe.models.hf, raypipe.job; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('transformers', 'safetensors')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]"
 
@@ -204,9 +220,22 @@ def test_mistral_and_qwen2_layers_give_transformers_logits(tmp_path, kind):
 
     from raypipe import build_layers
 
-    common = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=32, bos_token_id=0, eos_token_id=None)
-    config = MistralConfig(sliding_window=4, **common) if kind == "mistral" else Qwen2Config(tie_word_embeddings=True, **common)
+    common = dict(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=32,
+        bos_token_id=0,
+        eos_token_id=None,
+    )
+    config = (
+        MistralConfig(sliding_window=4, **common)
+        if kind == "mistral"
+        else Qwen2Config(tie_word_embeddings=True, **common)
+    )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(str(tmp_path))
     model = hf.from_pretrained(str(tmp_path))
@@ -218,13 +247,18 @@ def test_mistral_and_qwen2_layers_give_transformers_logits(tmp_path, kind):
     mask[0, :3] = 0
     with torch.no_grad():
         assert torch.equal(layers(ids), reference(ids).logits)
-        assert torch.equal(layers({"input_ids": ids, "attention_mask": mask}), reference(ids, attention_mask=mask).logits)
+        assert torch.equal(
+            layers({"input_ids": ids, "attention_mask": mask}), reference(ids, attention_mask=mask).logits
+        )
 
 
 def test_tensor_parallelism_without_a_plan_is_refused_naming_the_layer(ray_session, tmp_path):
     directory = save_tiny("gpt2", str(tmp_path))
-    with pytest.raises(ConfigError, match=r"layer 1 \(LayerSpec\(build, 'decoder', gpt2\(hidden_size=16.*no "
-                                          r"base_model_tp_plan .* use tp=1"):
+    with pytest.raises(
+        ConfigError,
+        match=r"layer 1 \(LayerSpec\(build, 'decoder', gpt2\(hidden_size=16.*no "
+        r"base_model_tp_plan .* use tp=1",
+    ):
         Trainer(hf.from_pretrained(directory), config=TrainConfig(pp=1, tp=2, **CONFIG))
 
 

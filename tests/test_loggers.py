@@ -8,9 +8,10 @@ import struct
 import pytest
 from torch import nn
 
-from helpers import MLP7, batch
 from raypipe import ConfigError, TrainConfig, Trainer
 from raypipe import loggers as loggers_module
+
+from helpers import MLP7, batch
 
 STEPS = 3
 
@@ -20,10 +21,19 @@ def logged(ray_session, tmp_path_factory):
     """A pp=2 run of 3 steps with all three loggers, and a validation loss logged after it."""
     root = tmp_path_factory.mktemp("loggers")
     uri = f"sqlite:///{root / 'mlflow.db'}"
-    config = TrainConfig(pp=2, microbatches=2, name="loggers-test", log_dir=str(root / "tb"), cpus_per_actor=0.5,
-                         optimizer={"name": "sgd", "lr": 0.05},
-                         loggers=["tensorboard", {"mlflow": {"tracking_uri": uri, "experiment": "raypipe-tests"}},
-                                  {"wandb": {"mode": "offline", "dir": str(root), "project": "raypipe-tests"}}])
+    config = TrainConfig(
+        pp=2,
+        microbatches=2,
+        name="loggers-test",
+        log_dir=str(root / "tb"),
+        cpus_per_actor=0.5,
+        optimizer={"name": "sgd", "lr": 0.05},
+        loggers=[
+            "tensorboard",
+            {"mlflow": {"tracking_uri": uri, "experiment": "raypipe-tests"}},
+            {"wandb": {"mode": "offline", "dir": str(root), "project": "raypipe-tests"}},
+        ],
+    )
     with Trainer(MLP7, nn.functional.mse_loss, config) as t:
         history = t.fit(batch, STEPS)
         t.log({"val/loss": 0.25})
@@ -60,8 +70,8 @@ def wandb_records(path):
         if block - offset % block < 7:  # a block's tail too short for a header is padding
             offset += block - offset % block
             continue
-        length, kind = struct.unpack("<HB", data[offset + 4:offset + 7])
-        pending += data[offset + 7:offset + 7 + length]
+        length, kind = struct.unpack("<HB", data[offset + 4 : offset + 7])
+        pending += data[offset + 7 : offset + 7 + length]
         offset += 7 + length
         if kind in (1, 4):  # FULL, LAST
             record = wandb_internal_pb2.Record()
@@ -73,8 +83,11 @@ def wandb_records(path):
 
 def history(records):
     """The logged rows (`_step` and the values) of W&B's history records."""
-    return [{(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in r.history.item}
-            for r in records if r.WhichOneof("record_type") == "history"]
+    return [
+        {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in r.history.item}
+        for r in records
+        if r.WhichOneof("record_type") == "history"
+    ]
 
 
 def test_wandb_offline_run_holds_every_step_and_the_config(logged):
@@ -113,13 +126,16 @@ def test_replayed_steps_are_sent_to_wandb_once(tmp_path):
     assert [(row["_step"], row["train/loss"]) for row in rows] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0)]
 
 
-@pytest.mark.parametrize("loggers, message", [
-    ("mlflow", "give a list of logger names"),
-    (["tensorbord"], "Did you mean 'tensorboard'"),
-    (["mlflow", "mlflow"], "'mlflow' is listed twice"),
-    ([{"mlflow": {"uri": "x"}}], "mlflow takes the options tracking_uri, experiment, not uri"),
-    ([{"wandb": "offline"}], "give each logger as its name, or as {name: {option: value}}"),
-])
+@pytest.mark.parametrize(
+    "loggers, message",
+    [
+        ("mlflow", "give a list of logger names"),
+        (["tensorbord"], "Did you mean 'tensorboard'"),
+        (["mlflow", "mlflow"], "'mlflow' is listed twice"),
+        ([{"mlflow": {"uri": "x"}}], "mlflow takes the options tracking_uri, experiment, not uri"),
+        ([{"wandb": "offline"}], "give each logger as its name, or as {name: {option: value}}"),
+    ],
+)
 def test_bad_loggers_are_refused_naming_the_fix(loggers, message):
     with pytest.raises(ConfigError, match="TrainConfig.loggers") as error:
         TrainConfig(loggers=loggers)
@@ -128,21 +144,52 @@ def test_bad_loggers_are_refused_naming_the_fix(loggers, message):
 
 def test_a_logger_that_is_not_installed_names_the_extra(monkeypatch):
     monkeypatch.setitem(loggers_module.LOGGERS, "wandb", ("raypipe_no_such_module", "wandb", ("mode",)))
-    with pytest.raises(ConfigError,
-                       match=r"needs the raypipe_no_such_module package.*pip install 'raypipe-train\[wandb\]'"):
+    with pytest.raises(
+        ConfigError, match=r"needs the raypipe_no_such_module package.*pip install 'raypipe-train\[wandb\]'"
+    ):
         TrainConfig(loggers=["tensorboard", "wandb"])
 
 
 def test_scalars_flatten_every_stage_and_moe_metric():
-    stage = {"forward_s": 1.0, "backward_s": 2.0, "bubble": 0.5, "peak_memory_bytes": 7.0,
-             "peak_stashed_microbatches": 2, "peak_awaiting_weight_grad": 0, "sent_bytes": 64,
-             "all_to_all_s": 0.1, "all_to_all_bytes": 99, "experts": {3: {"routed": [5, 6], "dropped": 1}}}
-    tags = loggers_module.scalars({"loss": 2.0, "lr": 0.1, "grad_norm": 3.0, "tokens_per_s": 10.0,
-                                   "samples_per_s": 1.0, "step_time": 0.2, "stages": [stage]})
-    assert tags == {"train/loss": 2.0, "train/lr": 0.1, "train/grad_norm": 3.0, "train/tokens_per_s": 10.0,
-                    "train/step_time": 0.2, "stage0/forward_s": 1.0, "stage0/backward_s": 2.0,
-                    "stage0/bubble_fraction": 0.5, "stage0/peak_memory_bytes": 7.0,
-                    "stage0/peak_stashed_microbatches": 2.0, "stage0/peak_awaiting_weight_grad": 0.0,
-                    "stage0/sent_bytes": 64.0, "stage0/all_to_all_s": 0.1, "stage0/all_to_all_bytes": 99.0,
-                    "moe/layer3/expert0_tokens": 5.0, "moe/layer3/expert1_tokens": 6.0,
-                    "moe/layer3/dropped_tokens": 1.0}
+    stage = {
+        "forward_s": 1.0,
+        "backward_s": 2.0,
+        "bubble": 0.5,
+        "peak_memory_bytes": 7.0,
+        "peak_stashed_microbatches": 2,
+        "peak_awaiting_weight_grad": 0,
+        "sent_bytes": 64,
+        "all_to_all_s": 0.1,
+        "all_to_all_bytes": 99,
+        "experts": {3: {"routed": [5, 6], "dropped": 1}},
+    }
+    tags = loggers_module.scalars(
+        {
+            "loss": 2.0,
+            "lr": 0.1,
+            "grad_norm": 3.0,
+            "tokens_per_s": 10.0,
+            "samples_per_s": 1.0,
+            "step_time": 0.2,
+            "stages": [stage],
+        }
+    )
+    assert tags == {
+        "train/loss": 2.0,
+        "train/lr": 0.1,
+        "train/grad_norm": 3.0,
+        "train/tokens_per_s": 10.0,
+        "train/step_time": 0.2,
+        "stage0/forward_s": 1.0,
+        "stage0/backward_s": 2.0,
+        "stage0/bubble_fraction": 0.5,
+        "stage0/peak_memory_bytes": 7.0,
+        "stage0/peak_stashed_microbatches": 2.0,
+        "stage0/peak_awaiting_weight_grad": 0.0,
+        "stage0/sent_bytes": 64.0,
+        "stage0/all_to_all_s": 0.1,
+        "stage0/all_to_all_bytes": 99.0,
+        "moe/layer3/expert0_tokens": 5.0,
+        "moe/layer3/expert1_tokens": 6.0,
+        "moe/layer3/dropped_tokens": 1.0,
+    }

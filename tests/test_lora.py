@@ -7,11 +7,12 @@ trainer, and merge into a transformers directory."""
 import pytest
 import torch
 
-from helpers import assert_close_dicts
-from hf_helpers import hf_reference, load, lm_batch, run_schedules, save_tiny
 from raypipe import ConfigError, TrainConfig, Trainer
 from raypipe.models import hf
 from raypipe.models.hf import adapters
+
+from helpers import assert_close_dicts
+from hf_helpers import hf_reference, lm_batch, load, run_schedules, save_tiny
 
 pytest.importorskip("peft")
 
@@ -55,8 +56,9 @@ CASES = [("llama", 1, 1), ("llama", 2, 1), ("llama", 3, 1), ("gpt2", 2, 2)]
 @pytest.mark.parametrize("kind, pp, dp", CASES, ids=[f"{k}-pp{p}-dp{d}" for k, p, d in CASES])
 def test_lora_matches_peft_in_one_process_and_leaves_the_base_untouched(ray_session, saved, kind, pp, dp):
     model = hf.from_pretrained(saved[kind])
-    config = TrainConfig(pp=pp, dp=dp, microbatches=4 // dp, optimizer=SGD, lora=lora(kind), cpus_per_actor=0.25,
-                         threads_per_actor=1)
+    config = TrainConfig(
+        pp=pp, dp=dp, microbatches=4 // dp, optimizer=SGD, lora=lora(kind), cpus_per_actor=0.25, threads_per_actor=1
+    )
     with Trainer(model, config=config) as t:
         start = t.state_dict()
         prefixes = model.exporter.prefixes(t.specs)
@@ -77,16 +79,19 @@ def test_adapters_round_trip_through_peft_and_merge_into_transformers(ray_sessio
     from peft import PeftModel
 
     directory = saved["llama"]
-    config = TrainConfig(pp=2, microbatches=2, optimizer=SGD, lora=lora("llama"), cpus_per_actor=0.25,
-                         threads_per_actor=1)
+    config = TrainConfig(
+        pp=2, microbatches=2, optimizer=SGD, lora=lora("llama"), cpus_per_actor=0.25, threads_per_actor=1
+    )
     x, _ = lm_batch(9)
     with Trainer(hf.from_pretrained(directory), config=config) as t:
         for k in range(3):
             t.step(*lm_batch(k))
         trained = t.predict(x)
         t.save_adapter(str(tmp_path / "adapter"))
-        assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == ["adapter_config.json",
-                                                                          "adapter_model.safetensors"]
+        assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == [
+            "adapter_config.json",
+            "adapter_model.safetensors",
+        ]
         peft_model = PeftModel.from_pretrained(load(directory), str(tmp_path / "adapter"))
         with torch.no_grad():
             torch.testing.assert_close(peft_model(**x).logits, trained, rtol=1e-5, atol=1e-5)
@@ -111,7 +116,11 @@ def test_lora_settings_are_checked_with_what_to_give():
     from peft import LoraConfig
 
     assert TrainConfig(lora=LoraConfig(r=2, lora_alpha=4, target_modules=["v_proj"])).lora == {
-        "r": 2, "alpha": 4, "dropout": 0.0, "target_modules": ["v_proj"]}
+        "r": 2,
+        "alpha": 4,
+        "dropout": 0.0,
+        "target_modules": ["v_proj"],
+    }
 
 
 @pytest.mark.slow
@@ -119,8 +128,9 @@ def test_a_lora_checkpoint_holds_adapters_only_and_resumes_at_another_pp(ray_ses
     import json
 
     directory = saved["llama"]
-    config = TrainConfig(pp=2, microbatches=2, optimizer=SGD, lora=lora("llama"), cpus_per_actor=0.25,
-                         threads_per_actor=1, seed=4)
+    config = TrainConfig(
+        pp=2, microbatches=2, optimizer=SGD, lora=lora("llama"), cpus_per_actor=0.25, threads_per_actor=1, seed=4
+    )
     with Trainer(hf.from_pretrained(directory), config=config) as t:
         uninterrupted = [t.step(*lm_batch(k))["loss"] for k in range(4)]
     with Trainer(hf.from_pretrained(directory), config=config) as t:
@@ -145,20 +155,24 @@ def test_a_lora_checkpoint_holds_adapters_only_and_resumes_at_another_pp(ray_ses
 
 @pytest.mark.slow
 @pytest.mark.parametrize("bits", ["nf4", "int8"])
-def test_qlora_stores_the_base_in_fewer_bits_and_matches_peft_on_the_same_quantized_model(ray_session, saved, tmp_path,
-                                                                                          bits):
+def test_qlora_stores_the_base_in_fewer_bits_and_matches_peft_on_the_same_quantized_model(
+    ray_session, saved, tmp_path, bits
+):
     pytest.importorskip("bitsandbytes")
     from peft import get_peft_model, set_peft_model_state_dict
 
     from raypipe.lora import peft_config, quantize
 
     directory = saved["llama"]
-    config = TrainConfig(pp=2, microbatches=2, optimizer=SGD, lora=lora("llama"), quantize=bits, cpus_per_actor=0.25,
-                         threads_per_actor=1)
+    config = TrainConfig(
+        pp=2, microbatches=2, optimizer=SGD, lora=lora("llama"), quantize=bits, cpus_per_actor=0.25, threads_per_actor=1
+    )
     with Trainer(hf.from_pretrained(directory), config=config) as t:
         info = t.stage_info()
         full = sum(p.numel() * 4 for p in load(directory).model.layers.parameters())
-        held = sum(i["parameter_bytes"] for i in info) - 2 * sum(p.numel() * 4 for p in load(directory).model.embed_tokens.parameters())
+        held = sum(i["parameter_bytes"] for i in info) - 2 * sum(
+            p.numel() * 4 for p in load(directory).model.embed_tokens.parameters()
+        )
         assert held < full / (2 if bits == "nf4" else 1.5)  # the decoder layers' linears in 4 or 8 bits
         initial = {k: v for k, v in t.state_dict().items() if ".lora_" in k}
         names = adapters.peft_names(list(initial), hf.from_pretrained(directory).exporter.prefixes(t.specs))
@@ -191,9 +205,15 @@ def test_qlora_stores_the_base_in_fewer_bits_and_matches_peft_on_the_same_quanti
 
 
 def test_quantize_is_refused_where_bitsandbytes_has_no_kernels_naming_the_stage():
-    with pytest.raises(ConfigError, match=r"stage 1 runs on mps, where bitsandbytes has no nf4 kernels: .*"
-                                          r"quantize: \[nf4, null\]"):
+    with pytest.raises(
+        ConfigError,
+        match=r"stage 1 runs on mps, where bitsandbytes has no nf4 kernels: .*"
+        r"quantize: \[nf4, null\]",
+    ):
         TrainConfig(pp=2, devices=["cuda", "mps"], lora=lora("llama"), quantize="nf4")
-    assert TrainConfig(pp=2, devices=["cuda", "mps"], lora=lora("llama"), quantize=["nf4", None]).quantize == ["nf4", None]
+    assert TrainConfig(pp=2, devices=["cuda", "mps"], lora=lora("llama"), quantize=["nf4", None]).quantize == [
+        "nf4",
+        None,
+    ]
     with pytest.raises(ConfigError, match="only LoRA leaves frozen"):
         TrainConfig(quantize="int8")

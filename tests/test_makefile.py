@@ -15,8 +15,14 @@ def test_make_without_python3_venv_prints_the_fix(tmp_path):
     (shadow / "__init__.py").write_text("raise ImportError('No module named ensurepip')\n")
     venv = tmp_path / "venv"
     env = {**os.environ, "PYTHONPATH": str(shadow.parent)}
-    result = subprocess.run(["make", "--no-print-directory", "install", f"VENV={venv}", f"PYTHON={sys.executable}"],
-                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        ["make", "--no-print-directory", "install", f"VENV={venv}", f"PYTHON={sys.executable}"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "sudo apt-get install python3-venv" in errors[0], result.stderr

@@ -4,8 +4,9 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import MLP7, Sleep, batch
 from raypipe import LayerSpec, TrainConfig, Trainer
+
+from helpers import MLP7, Sleep, batch
 
 
 def test_tensorboard_scalars_match_the_step_metrics(ray_session, tmp_path):
@@ -18,7 +19,9 @@ def test_tensorboard_scalars_match_the_step_metrics(ray_session, tmp_path):
     events.Reload()
     tags = set(events.Tags()["scalars"])
     expected = {"train/loss", "train/lr", "train/grad_norm", "train/samples_per_s", "train/step_time"}
-    expected |= {f"stage{s}/{k}" for s in range(2) for k in ("forward_s", "backward_s", "bubble_fraction", "peak_memory_bytes")}
+    expected |= {
+        f"stage{s}/{k}" for s in range(2) for k in ("forward_s", "backward_s", "bubble_fraction", "peak_memory_bytes")
+    }
     assert expected <= tags, expected - tags
     losses = events.Scalars("train/loss")
     assert [e.step for e in losses] == [1, 2, 3, 4]
@@ -47,8 +50,9 @@ def test_ray_metrics_reach_the_nodes_prometheus_endpoint(ray_session, metrics_po
     import time
     import urllib.request
 
-    config = TrainConfig(pp=2, microbatches=2, name="prom-test", optimizer={"name": "sgd", "lr": 0.05},
-                         cpus_per_actor=0.5)
+    config = TrainConfig(
+        pp=2, microbatches=2, name="prom-test", optimizer={"name": "sgd", "lr": 0.05}, cpus_per_actor=0.5
+    )
     with Trainer(MLP7, nn.functional.mse_loss, config) as t:
         history = t.fit(batch, 3)
 
@@ -59,15 +63,19 @@ def test_ray_metrics_reach_the_nodes_prometheus_endpoint(ray_session, metrics_po
         deadline, text = time.monotonic() + 60, ""
         while time.monotonic() < deadline:
             text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
-            if list(series(text, "raypipe_steps_total").values()) == [3.0] and series(text, "raypipe_stage_busy_fraction"):
+            if list(series(text, "raypipe_steps_total").values()) == [3.0] and series(
+                text, "raypipe_stage_busy_fraction"
+            ):
                 break
             time.sleep(1)
     assert list(series(text, "raypipe_steps_total").values()) == [3.0], text[-2000:]
     assert list(series(text, "raypipe_step_seconds_count").values()) == [3.0]
     # Ray rebuilds a histogram's sum from bucket midpoints, so check the buckets themselves:
     # each cumulative count `le` must equal the number of step times at or below it
-    buckets = {float(re.search(r'le="([^"]+)"', tags).group(1)): v
-               for tags, v in series(text, "raypipe_step_seconds_bucket").items()}
+    buckets = {
+        float(re.search(r'le="([^"]+)"', tags).group(1)): v
+        for tags, v in series(text, "raypipe_step_seconds_bucket").items()
+    }
     assert len(buckets) >= 5, buckets
     for le, count in buckets.items():
         assert count == sum(m["step_time"] <= le for m in history), (le, count, [m["step_time"] for m in history])
@@ -79,10 +87,23 @@ def test_ray_metrics_reach_the_nodes_prometheus_endpoint(ray_session, metrics_po
 
 def test_stashed_activations_gpipe_holds_all_1f1b_at_most_p_minus_s(ray_session):
     """Peak microbatches (and bytes autograd saved) each stage keeps for backward, p=4, m=8."""
-    layers = [LayerSpec(nn.Linear, 6, 32), LayerSpec(nn.Tanh), LayerSpec(nn.Linear, 32, 32), LayerSpec(nn.Tanh),
-              LayerSpec(nn.Linear, 32, 32), LayerSpec(nn.Tanh), LayerSpec(nn.Linear, 32, 3)]
-    config = TrainConfig(pp=4, microbatches=8, shard_plan=[[0, 2], [2, 4], [4, 6], [6, 7]],
-                         optimizer={"name": "sgd", "lr": 0.01}, cpus_per_actor=0.25, measure_activations=True)
+    layers = [
+        LayerSpec(nn.Linear, 6, 32),
+        LayerSpec(nn.Tanh),
+        LayerSpec(nn.Linear, 32, 32),
+        LayerSpec(nn.Tanh),
+        LayerSpec(nn.Linear, 32, 32),
+        LayerSpec(nn.Tanh),
+        LayerSpec(nn.Linear, 32, 3),
+    ]
+    config = TrainConfig(
+        pp=4,
+        microbatches=8,
+        shard_plan=[[0, 2], [2, 4], [4, 6], [6, 7]],
+        optimizer={"name": "sgd", "lr": 0.01},
+        cpus_per_actor=0.25,
+        measure_activations=True,
+    )
     x, y = torch.randn(32, 6), torch.randn(32, 3)
     with Trainer(layers, nn.functional.mse_loss, config) as t:
         peaks = {}
@@ -99,10 +120,11 @@ def test_stashed_activations_gpipe_holds_all_1f1b_at_most_p_minus_s(ray_session)
 
 LR_SCHEDULES = {
     # base lr 0.1; expected by hand from the README's definition, not from raypipe.optim
-    "constant-warmup": ({"name": "constant", "warmup_steps": 4},
-                        [0.025, 0.05, 0.075, 0.1, 0.1, 0.1, 0.1, 0.1]),
-    "cosine-warmup": ({"name": "cosine", "warmup_steps": 2, "total_steps": 6, "min_lr": 0.02},
-                      [0.05, 0.1, 0.1, 0.02 + 0.04 * (1 + 0.5 ** 0.5), 0.06, 0.02 + 0.04 * (1 - 0.5 ** 0.5), 0.02, 0.02]),
+    "constant-warmup": ({"name": "constant", "warmup_steps": 4}, [0.025, 0.05, 0.075, 0.1, 0.1, 0.1, 0.1, 0.1]),
+    "cosine-warmup": (
+        {"name": "cosine", "warmup_steps": 2, "total_steps": 6, "min_lr": 0.02},
+        [0.05, 0.1, 0.1, 0.02 + 0.04 * (1 + 0.5**0.5), 0.06, 0.02 + 0.04 * (1 - 0.5**0.5), 0.02, 0.02],
+    ),
 }
 
 
@@ -113,8 +135,9 @@ def test_learning_rate_of_every_step_reaches_the_optimizer_and_tensorboard(ray_s
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     schedule, expected = LR_SCHEDULES[name]
-    config = TrainConfig(pp=1, optimizer={"name": "sgd", "lr": 0.1}, lr_schedule=schedule, log_dir=str(tmp_path),
-                         cpus_per_actor=0.5)
+    config = TrainConfig(
+        pp=1, optimizer={"name": "sgd", "lr": 0.1}, lr_schedule=schedule, log_dir=str(tmp_path), cpus_per_actor=0.5
+    )
     lrs = []
     with Trainer(MLP7, nn.functional.mse_loss, config) as t:
         for k in range(len(expected)):

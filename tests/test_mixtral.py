@@ -7,10 +7,11 @@ through `save_pretrained` by transformers itself."""
 import pytest
 import torch
 
-from helpers import assert_close_dicts
-from hf_helpers import by_hf_name, hf_microbatch_reference, lm_batch, load, tiny_mixtral
 from raypipe import TrainConfig, Trainer
 from raypipe.models import hf
+
+from helpers import assert_close_dicts
+from hf_helpers import by_hf_name, hf_microbatch_reference, lm_batch, load, tiny_mixtral
 
 pytest.importorskip("transformers")
 
@@ -54,8 +55,9 @@ def fused(grads: dict) -> dict:
 def test_mixtral_at_dp2_ep2_pp2_matches_transformers(ray_session, saved, tmp_path, tp):
     directory, (ref_losses, ref_grads, ref_final) = saved
     model = hf.from_pretrained(directory)
-    config = TrainConfig(pp=2, dp=2, ep=2, tp=tp, microbatches=M, optimizer=SGD, cpus_per_actor=0.1,
-                         threads_per_actor=1)
+    config = TrainConfig(
+        pp=2, dp=2, ep=2, tp=tp, microbatches=M, optimizer=SGD, cpus_per_actor=0.1, threads_per_actor=1
+    )
     names = model.exporter.names(model.layers)
     with Trainer(model, config=config) as t:
         start = t.state_dict()
@@ -72,8 +74,9 @@ def test_mixtral_at_dp2_ep2_pp2_matches_transformers(ray_session, saved, tmp_pat
             exported = load(str(t.save_pretrained(str(tmp_path / schedule))))  # every ep rank's experts
             assert_close_dicts(exported.state_dict(), ref_final)
         info = t.stage_info()
-        assert {i["dp_rank"]: list(i["experts"].values())[0] for i in info if i["stage"] == 0 and i["tp_rank"] == 0} \
-            == {0: [0, 1], 1: [2, 3]}
+        assert {
+            i["dp_rank"]: list(i["experts"].values())[0] for i in info if i["stage"] == 0 and i["tp_rank"] == 0
+        } == {0: [0, 1], 1: [2, 3]}
         if tp == 1:  # generation: eval mode, no routing loss, replica 0 with its ep group
             prompt = lm_batch(7)[0]["input_ids"][:2, :4]
             expected = exported.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=0)

@@ -8,9 +8,10 @@ import copy
 import pytest
 import torch
 
-from helpers import ChainModel, assert_close_dicts, chain_loss
 from raypipe import ConfigError, TrainConfig, Trainer
 from raypipe.models import module
+
+from helpers import ChainModel, assert_close_dicts, chain_loss
 
 SGD = {"name": "sgd", "lr": 0.1, "momentum": 0.9}
 
@@ -33,8 +34,9 @@ def test_a_module_split_at_named_points_trains_exactly_as_in_one_process(ray_ses
     opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     split = module.split(model, split_points=["blocks.2", "norm"], loss_fn=chain_loss)
     assert split.shard_plan == [[0, 3], [3, 6], [6, 8]]
-    with Trainer(split, config=TrainConfig(pp=3, microbatches=2, optimizer=SGD, cpus_per_actor=0.25,
-                                           threads_per_actor=1)) as t:
+    with Trainer(
+        split, config=TrainConfig(pp=3, microbatches=2, optimizer=SGD, cpus_per_actor=0.25, threads_per_actor=1)
+    ) as t:
         assert [info["layers"] for info in t.stage_info()] == [(0, 3), (3, 6), (6, 8)]
         for k in range(3):
             x, y = data(k)
@@ -63,7 +65,9 @@ class TwoInputs(ChainModel):
 
 
 def test_a_forward_that_is_not_a_chain_is_refused_with_what_to_do():
-    with pytest.raises(ConfigError, match=r"computes call_function <built-in function add> after 'blocks.0'.*LayerSpecs"):
+    with pytest.raises(
+        ConfigError, match=r"computes call_function <built-in function add> after 'blocks.0'.*LayerSpecs"
+    ):
         module.split(NotAChain(), ["blocks.2"])
     with pytest.raises(ConfigError, match="more than one input"):
         module.split(TwoInputs(), ["norm"])

@@ -9,11 +9,12 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import assert_close_dicts, check_sgd_parity, lm_tokens, reference_run
 from raypipe import ConfigError, LayerSpec, TrainConfig, Trainer, build_layers
 from raypipe.diagram import Architecture
 from raypipe.models import gpt
 from raypipe.nn.moe import MoE, moe_layers
+
+from helpers import assert_close_dicts, check_sgd_parity, lm_tokens, reference_run
 
 SEED = 3
 SGD = {"name": "sgd", "lr": 0.1, "momentum": 0.9}
@@ -26,8 +27,7 @@ BLOCKS = [
     gpt.GPTConfig(**BASE, top_k=1, capacity_factor=None),
 ]
 CFG = BLOCKS[0]
-LAYERS = ([LayerSpec(gpt.Embedding, CFG)] + [LayerSpec(gpt.MoEBlock, c) for c in BLOCKS]
-          + [LayerSpec(gpt.Head, CFG)])
+LAYERS = [LayerSpec(gpt.Embedding, CFG)] + [LayerSpec(gpt.MoEBlock, c) for c in BLOCKS] + [LayerSpec(gpt.Head, CFG)]
 M = 2  # microbatches per replica
 
 
@@ -85,12 +85,15 @@ def test_dropless_top1_uses_the_raw_probability_and_z_loss_adds():
     torch.testing.assert_close(aux, 0.1 * torch.logsumexp(logits, -1).pow(2).mean())
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(num_experts=-1), "num_experts=-1"),
-    (dict(num_experts=4, top_k=3), "top_k=3"),
-    (dict(num_experts=4, capacity_factor=0), "capacity_factor=0"),
-    (dict(num_experts=4, aux_loss_coef=-1), "aux_loss_coef=-1"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(num_experts=-1), "num_experts=-1"),
+        (dict(num_experts=4, top_k=3), "top_k=3"),
+        (dict(num_experts=4, capacity_factor=0), "capacity_factor=0"),
+        (dict(num_experts=4, aux_loss_coef=-1), "aux_loss_coef=-1"),
+    ],
+)
 def test_moe_settings_are_checked(kwargs, match):
     with pytest.raises(ConfigError, match=match):
         gpt.GPTConfig(**{**BASE, **kwargs})
@@ -115,8 +118,10 @@ def test_ep_must_divide_dp_and_the_experts_and_needs_a_moe(ray_session):
 def reference():
     """Losses, first-step gradients and weights after 3 steps of the MoE model in one process,
     each replica's microbatch its own forward (routing and capacity are per forward call)."""
-    return {dp: reference_run(LAYERS, SEED, sgd, steps=3, microbatches=M * dp, loss_fn=gpt.loss_fn, data=tokens)
-            for dp in (2, 4)}
+    return {
+        dp: reference_run(LAYERS, SEED, sgd, steps=3, microbatches=M * dp, loss_fn=gpt.loss_fn, data=tokens)
+        for dp in (2, 4)
+    }
 
 
 def reference_routing(initial, dp):
@@ -136,8 +141,21 @@ TOPOLOGIES = [(1, 2, 2, 1), (2, 2, 2, 1), (2, 2, 2, 2), (1, 4, 2, 1)]
 @pytest.fixture(scope="module", params=TOPOLOGIES, ids=lambda p: "pp{}-dp{}-ep{}-tp{}".format(*p))
 def trainer(request, ray_session):
     pp, dp, ep, tp = request.param
-    t = Trainer(LAYERS, gpt.loss_fn, TrainConfig(pp=pp, dp=dp, ep=ep, tp=tp, optimizer=SGD, seed=SEED,
-                                                 microbatches=M, cpus_per_actor=0.1, threads_per_actor=1))
+    t = Trainer(
+        LAYERS,
+        gpt.loss_fn,
+        TrainConfig(
+            pp=pp,
+            dp=dp,
+            ep=ep,
+            tp=tp,
+            optimizer=SGD,
+            seed=SEED,
+            microbatches=M,
+            cpus_per_actor=0.1,
+            threads_per_actor=1,
+        ),
+    )
     yield t
     t.shutdown()
 
@@ -175,7 +193,9 @@ def test_the_same_tokens_are_dropped_as_in_one_process(trainer, initial, recompu
     trainer.load_state_dict(initial)
     metrics = trainer.step(*tokens(0))
     expected = reference_routing(initial, trainer.config.dp)
-    reported = {layer: (r["routed"], r["dropped"]) for stage in metrics["stages"] for layer, r in stage["experts"].items()}
+    reported = {
+        layer: (r["routed"], r["dropped"]) for stage in metrics["stages"] for layer, r in stage["experts"].items()
+    }
     assert reported == expected
     assert sum(d for _, d in expected.values()) > 0  # the capacity layers really drop tokens
     assert all(stage["all_to_all_bytes"] > 0 and stage["all_to_all_s"] > 0 for stage in metrics["stages"])
@@ -205,8 +225,7 @@ def test_zero_bubble_evaluation_and_generation_under_expert_parallelism(trainer,
 
 def test_checkpoint_at_ep2_resumes_at_ep1_and_back(ray_session, tmp_path):
     """Each layer's file holds all its experts under their global index, so ep can change."""
-    config = dict(pp=2, dp=2, optimizer=SGD, seed=SEED, microbatches=M, cpus_per_actor=0.1, threads_per_actor=1,
-                  zero=1)
+    config = dict(pp=2, dp=2, optimizer=SGD, seed=SEED, microbatches=M, cpus_per_actor=0.1, threads_per_actor=1, zero=1)
     expert = Trainer(LAYERS, gpt.loss_fn, TrainConfig(ep=2, **config))
     plain = Trainer(LAYERS, gpt.loss_fn, TrainConfig(ep=1, **config))
     try:
@@ -214,12 +233,16 @@ def test_checkpoint_at_ep2_resumes_at_ep1_and_back(ray_session, tmp_path):
         saved = expert.save(str(tmp_path / "ep2"))
         plain.load(str(saved))
         assert_close_dicts(plain.state_dict(), expert.state_dict(), rtol=0, atol=0)
-        torch.testing.assert_close(plain.step(*tokens(1))["loss"], expert.step(*tokens(1))["loss"], rtol=1e-5, atol=4e-5)
+        torch.testing.assert_close(
+            plain.step(*tokens(1))["loss"], expert.step(*tokens(1))["loss"], rtol=1e-5, atol=4e-5
+        )
         assert_close_dicts(plain.state_dict(), expert.state_dict())  # momentum restored alike
         back = plain.save(str(tmp_path / "ep1"))
         expert.load(str(back))
         assert_close_dicts(expert.state_dict(), plain.state_dict(), rtol=0, atol=0)
-        torch.testing.assert_close(expert.step(*tokens(2))["loss"], plain.step(*tokens(2))["loss"], rtol=1e-5, atol=4e-5)
+        torch.testing.assert_close(
+            expert.step(*tokens(2))["loss"], plain.step(*tokens(2))["loss"], rtol=1e-5, atol=4e-5
+        )
     finally:
         expert.shutdown()
         plain.shutdown()
@@ -228,12 +251,27 @@ def test_checkpoint_at_ep2_resumes_at_ep1_and_back(ray_session, tmp_path):
 def test_compiled_engine_reports_tensorboard_timeline_and_diagram(ray_session, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    t = Trainer(LAYERS, gpt.loss_fn, TrainConfig(pp=2, dp=2, ep=2, optimizer=SGD, seed=SEED, microbatches=M,
-                                                 cpus_per_actor=0.1, threads_per_actor=1, log_dir=str(tmp_path / "tb"),
-                                                 engine="compiled"))
+    t = Trainer(
+        LAYERS,
+        gpt.loss_fn,
+        TrainConfig(
+            pp=2,
+            dp=2,
+            ep=2,
+            optimizer=SGD,
+            seed=SEED,
+            microbatches=M,
+            cpus_per_actor=0.1,
+            threads_per_actor=1,
+            log_dir=str(tmp_path / "tb"),
+            engine="compiled",
+        ),
+    )
     try:
         metrics = t.step(*tokens(0))  # through a Ray compiled graph: the same first loss as one process
-        ref_losses, _, _ = reference_run(LAYERS, SEED, sgd, steps=1, microbatches=2 * M, loss_fn=gpt.loss_fn, data=tokens)
+        ref_losses, _, _ = reference_run(
+            LAYERS, SEED, sgd, steps=1, microbatches=2 * M, loss_fn=gpt.loss_fn, data=tokens
+        )
         assert abs(metrics["loss"] - ref_losses[0]) < 4e-5
         line = t.timeline()
         assert any(span.kind == "A" for span in line.spans)
@@ -277,10 +315,21 @@ def test_the_moe_job_file_trains(ray_session, tmp_path):
     evaluation and sampling run through the ep group, and its summary names the experts."""
     from raypipe.job import JobConfig, run
 
-    overrides = ["job.steps=6", "job.eval_every=6", "job.eval_batches=1", "job.batch_size=8", "job.sample_tokens=8",
-                 "job.log_every=3", "data.max_bytes=200000", f"log_dir={tmp_path / 'tb'}", "job.progress=false",
-                 "cpus_per_actor=0.1", "threads_per_actor=1", "optimizer={name: adamw, lr: 0.01}",
-                 "lr_schedule={name: constant}"]
+    overrides = [
+        "job.steps=6",
+        "job.eval_every=6",
+        "job.eval_batches=1",
+        "job.batch_size=8",
+        "job.sample_tokens=8",
+        "job.log_every=3",
+        "data.max_bytes=200000",
+        f"log_dir={tmp_path / 'tb'}",
+        "job.progress=false",
+        "cpus_per_actor=0.1",
+        "threads_per_actor=1",
+        "optimizer={name: adamw, lr: 0.01}",
+        "lr_schedule={name: constant}",
+    ]
     lines = []
     summary = run(JobConfig.from_yaml("examples/configs/moe_gpt_ep2.yaml", overrides), log=lines.append)
     assert summary["losses"][-1] < summary["losses"][0]

@@ -40,7 +40,9 @@ def where(trainer):
     return {{i["name"]: ips[i["node_id"]] for i in trainer.stage_info()}}
 """
 
-SPANNING = PRELUDE + """
+SPANNING = (
+    PRELUDE
+    + """
 out = {{}}
 for pp, dp, device_links in ((3, 1, "auto"), (2, 2, "auto"), (3, 1, "nccl")):
     config = TrainConfig(pp=pp, dp=dp, microbatches=2, placement="strict_spread", cpus_per_actor=0.25,
@@ -48,11 +50,13 @@ for pp, dp, device_links in ((3, 1, "auto"), (2, 2, "auto"), (3, 1, "nccl")):
     with Trainer(MLP7, nn.functional.mse_loss, config) as t:
         losses = [t.step(*batch(k))["loss"] for k in range(3)]
         info = t.stage_info()
-        out[f"{{pp}}x{{dp}}" + ("-ordered" if device_links == "nccl" else "")] = {{"losses": losses, "where": where(t), "links": {{i["name"]: i["links"] for i in info}},
+        out[f"{{pp}}x{{dp}}" + ("-ordered" if device_links == "nccl" else "")] = {{"losses": losses, "where": where(t),
+                                 "links": {{i["name"]: i["links"] for i in info}},
                                  "diagram": Architecture.from_trainer(t, torch.zeros(8, 6)).to_mermaid()}}
 out["reference"] = reference_run(MLP7, 0, PLAIN_SGD, 3, microbatches=2)[0]
 print("RESULT " + json.dumps(out))
 """
+)
 
 LOSS_RUN = """
 def kill_node(ip):  # every process of the node's namespace at once, as a machine losing power
@@ -81,11 +85,15 @@ def run(steps, kill_after, timeout):
         return {{"losses": losses, "before": before, "after": where(t), "restarts": t.restarts, **marks}}
 """
 
-NODE_LOSS = PRELUDE + LOSS_RUN + """
+NODE_LOSS = (
+    PRELUDE
+    + LOSS_RUN
+    + """
 out = {{"spare": run(8, 5, 90), "reference": reference_run(MLP7, 0, PLAIN_SGD, 8)[0]}}
 out["no_spare"] = run(4, 2, 20)
 print("RESULT " + json.dumps(out))
 """
+)
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +116,7 @@ def drive(cluster: NetnsCluster, template: str, tmp_path: Path, timeout: float =
     run = cluster.run_python(code, timeout=timeout, env={"PYTHONPATH": str(TESTS)})
     lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
     assert lines, run.stdout[-4000:] + run.stderr[-4000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def test_pipelines_span_real_nodes_over_gloo_with_one_process_losses(cluster, tmp_path):
@@ -135,8 +143,10 @@ def test_a_lost_node_fails_over_to_a_spare_and_without_one_the_error_names_it(cl
     assert spare["restarts"] == 1 and spare["lost"] in mps_nodes, spare
     assert spare["after"]["stage1-dp0-tp0"] == (mps_nodes - {spare["lost"]}).pop()  # the spare took it
     # found lost at once (its raylet refuses connections), before Ray's health checks mark it dead
-    assert any(line.startswith(f"raypipe: lost node {spare['lost']} (id ") and "held stage1-dp0-tp0" in line
-               for line in spare["log"]), spare["log"]
+    assert any(
+        line.startswith(f"raypipe: lost node {spare['lost']} (id ") and "held stage1-dp0-tp0" in line
+        for line in spare["log"]
+    ), spare["log"]
     # the run resumed from its last checkpoint and replayed what followed: every step's losses,
     # first run and replay alike, are the uninterrupted ones
     steps = {int(k): v for k, v in spare["losses"].items()}

@@ -19,7 +19,8 @@ from ray_head import RAY, RayHead, head_env
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("unshare") is None,
-    reason="a node with a filesystem of its own needs a mount namespace: root and unshare")
+    reason="a node with a filesystem of its own needs a mount namespace: root and unshare",
+)
 
 DRIVER = """
 import json, ray
@@ -53,12 +54,18 @@ def test_a_node_that_cannot_see_the_checkpoint_dir_stops_the_trainer_before_trai
     try:
         head.wait_gcs()
         # the worker node: its own mount namespace with a private tmpfs over `private`, advertising mps
-        command = (f"mount -t tmpfs tmpfs {private} && exec {RAY} start --address={head.address} --block "
-                   f"--num-cpus=1 --disable-usage-stats $(raypipe node-resources)")
+        command = (
+            f"mount -t tmpfs tmpfs {private} && exec {RAY} start --address={head.address} --block "
+            f"--num-cpus=1 --disable-usage-stats $(raypipe node-resources)"
+        )
         log = open(tmp_path / "worker.log", "w")
-        worker = subprocess.Popen(["unshare", "-m", "--propagation", "private", "bash", "-c", command],
-                                  env={**env, "RAYPIPE_FAKE_ACCELERATOR": "mps:1:Apple M3 Max"}, stdout=log,
-                                  stderr=subprocess.STDOUT, start_new_session=True)
+        worker = subprocess.Popen(
+            ["unshare", "-m", "--propagation", "private", "bash", "-c", command],
+            env={**env, "RAYPIPE_FAKE_ACCELERATOR": "mps:1:Apple M3 Max"},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         probe = f"import ray; ray.init(address='{head.address}', logging_level='ERROR'); print(len(ray.nodes()))"
         deadline = time.monotonic() + 120
         while head.run_python(probe).stdout.strip().splitlines()[-1:] != ["2"]:
@@ -68,7 +75,7 @@ def test_a_node_that_cannot_see_the_checkpoint_dir_stops_the_trainer_before_trai
         run = head.run_python(DRIVER.format(address=head.address, private=private, shared=shared), timeout=300)
         lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
         assert lines, run.stdout[-3000:] + run.stderr[-3000:]
-        result = json.loads(lines[-1][len("RESULT "):])
+        result = json.loads(lines[-1][len("RESULT ") :])
     finally:
         if worker is not None:
             try:

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from raypipe.devices import LABEL_KIND, LABEL_MODEL
+
 from ray_head import RayHead, head_env
 
 READ_NODE = """
@@ -30,8 +31,9 @@ CASES = {
 @pytest.mark.parametrize("kind", CASES)
 def test_ray_start_takes_node_resources_output_on_a_gpu_or_mac_host(kind, tmp_path):
     fake, resources, model = CASES[kind]
-    node = RayHead("$(raypipe node-resources)", head_env(RAYPIPE_FAKE_ACCELERATOR=fake), tmp_path / "ray.log",
-                   num_cpus=1)
+    node = RayHead(
+        "$(raypipe node-resources)", head_env(RAYPIPE_FAKE_ACCELERATOR=fake), tmp_path / "ray.log", num_cpus=1
+    )
     try:
         node.wait_gcs(timeout=120)
         result = node.run_python(READ_NODE.format(address=node.address), timeout=120)

@@ -6,10 +6,11 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import MLP7, KillOnSave, batch, flip_a_byte, moto_s3
 from raypipe import ConfigError, LayerSpec, TrainConfig, Trainer
 from raypipe.checkpoint.layout import MANIFEST, find_valid, list_checkpoints, verify
 from raypipe.checkpoint.storage import StoragePath
+
+from helpers import MLP7, KillOnSave, batch, flip_a_byte, moto_s3
 
 ADAMW = {"name": "adamw", "lr": 1e-2, "weight_decay": 0.1}
 STEPS = 6
@@ -25,8 +26,15 @@ def s3(tmp_path_factory):
 
 
 def config(root=None, **changes):
-    base = dict(pp=2, microbatches=2, optimizer=ADAMW, seed=5, checkpoint_dir=root,
-                checkpoint_every=2 if root else 0, keep_checkpoints=0)
+    base = dict(
+        pp=2,
+        microbatches=2,
+        optimizer=ADAMW,
+        seed=5,
+        checkpoint_dir=root,
+        checkpoint_every=2 if root else 0,
+        keep_checkpoints=0,
+    )
     base.update(changes)
     return TrainConfig(**base)
 

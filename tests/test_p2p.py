@@ -68,7 +68,6 @@ class Peer:
         """Takes every message; writes into each taken tensor (a layer may) and keeps a copy,
         and the taken tensors themselves (`kept`)."""
         from raypipe.transport import PeerFailed, inbox
-
         from raypipe.transport.tree import map_tensors, tensors
 
         box, got, self.kept = inbox(0, tags, stream=self.stream), [], []
@@ -107,8 +106,9 @@ class Peer:
 def connect(transport):
     sender, receiver = Peer.remote(), Peer.remote()
     address, port = ray.get(sender.address.remote(), timeout=30)
-    linked = ray.get([sender.join.remote(address, port, 0, transport),
-                      receiver.join.remote(address, port, 1, transport)], timeout=60)
+    linked = ray.get(
+        [sender.join.remote(address, port, 0, transport), receiver.join.remote(address, port, 1, transport)], timeout=60
+    )
     return sender, receiver, linked
 
 
@@ -179,14 +179,23 @@ def same(a, b):
     import torch.utils._pytree as pytree
 
     (la, sa), (lb, sb) = pytree.tree_flatten(a), pytree.tree_flatten(b)
-    return sa == sb and all((x is None and y is None) or (torch.is_tensor(x) and torch.is_tensor(y) and x.dtype == y.dtype
-                                                          and torch.equal(x, y)) for x, y in zip(la, lb))
+    return sa == sb and all(
+        (x is None and y is None)
+        or (torch.is_tensor(x) and torch.is_tensor(y) and x.dtype == y.dtype and torch.equal(x, y))
+        for x, y in zip(la, lb)
+    )
 
 
 def test_a_pytree_with_a_mask_ids_and_none_arrives_exactly(peers):
-    values = [{"hidden": torch.randn(2, 5, 4), "mask": torch.rand(2, 5) > 0.3,
-               "positions": torch.arange(10).view(2, 5) + i, "aux": (torch.tensor(float(i)), None)}
-              for i in range(3)]
+    values = [
+        {
+            "hidden": torch.randn(2, 5, 4),
+            "mask": torch.rand(2, 5) > 0.3,
+            "positions": torch.arange(10).view(2, 5) + i,
+            "aux": (torch.tensor(float(i)), None),
+        }
+        for i in range(3)
+    ]
     refused, got = exchange(peers, values)
     assert refused == [] and all(same(a, b) for a, b in zip(values, got))
 
@@ -198,9 +207,14 @@ def test_a_gradient_tree_of_only_none_leaves_is_a_message_not_poison(peers):
 
 def test_varying_shapes_arrive_when_the_step_says_they_vary(peers):
     sender, receiver = peers
-    values = [{"h": torch.randn(1, n, 4), "ids": torch.arange(n)} for n in (5, 3, 8)] + [None, {"h": torch.ones(1, 2, 4), "ids": torch.arange(2)}]
+    values = [{"h": torch.randn(1, n, 4), "ids": torch.arange(n)} for n in (5, 3, 8)] + [
+        None,
+        {"h": torch.ones(1, 2, 4), "ids": torch.arange(2)},
+    ]
     tags = [2 * i for i in range(len(values))]
-    (refused, _, _), got = ray.get([sender.send.remote(values, tags, None, True), receiver.take.remote(tags)], timeout=60)
+    (refused, _, _), got = ray.get(
+        [sender.send.remote(values, tags, None, True), receiver.take.remote(tags)], timeout=60
+    )
     assert refused == []
     assert all(same(a, b) for a, b in zip(values[:3], got[:3]))
     assert got[3] == POISON and same(values[4], got[4])
@@ -210,7 +224,9 @@ def test_poison_first_then_a_varying_stream(peers):
     sender, receiver = peers
     values = [None, torch.ones(2, 3), torch.zeros(4)]
     tags = [0, 2, 4]
-    (refused, _, _), got = ray.get([sender.send.remote(values, tags, None, True), receiver.take.remote(tags)], timeout=60)
+    (refused, _, _), got = ray.get(
+        [sender.send.remote(values, tags, None, True), receiver.take.remote(tags)], timeout=60
+    )
     assert refused == [] and got[0] == POISON and same(got[1], values[1]) and same(got[2], values[2])
 
 
@@ -235,11 +251,14 @@ def test_a_stream_too_large_for_shared_memory_goes_over_gloo(peers):
     tensors = [torch.randn(16, 16) for _ in range(3)]
     tags = [1, 3, 5]
     (refused, kind, over_gloo), got = ray.get(
-        [sender.send.remote(tensors, tags, 512), receiver.take.remote(tags)], timeout=60)
+        [sender.send.remote(tensors, tags, 512), receiver.take.remote(tags)], timeout=60
+    )
     assert refused == [] and all(torch.equal(a, b) for a, b in zip(tensors, got))
     assert over_gloo == (kind == "ShmOutbox")  # only a shared-memory stream has anything to fall back from
     # the next step fits again and goes through shared memory
-    (refused, kind, over_gloo), got = ray.get([sender.send.remote(tensors, tags), receiver.take.remote(tags)], timeout=60)
+    (refused, kind, over_gloo), got = ray.get(
+        [sender.send.remote(tensors, tags), receiver.take.remote(tags)], timeout=60
+    )
     assert not over_gloo and all(torch.equal(a, b) for a, b in zip(tensors, got))
 
 

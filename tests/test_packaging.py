@@ -3,8 +3,9 @@ unrelated project, so `pip install raypipe` (or a runtime_env naming it) would i
 
 import importlib.metadata
 import re
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = "raypipe-train"

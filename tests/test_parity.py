@@ -13,8 +13,9 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import MLP7, assert_close_dicts, batch, check_sgd_parity, reference_run
 from raypipe import TrainConfig, Trainer, build_layers
+
+from helpers import MLP7, assert_close_dicts, batch, check_sgd_parity, reference_run
 
 SEED = 7
 SGD = {"name": "sgd", "lr": 0.05, "momentum": 0.9}
@@ -24,12 +25,18 @@ def sgd(params):
     return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 
 
-@pytest.fixture(scope="module", params=[(1, "p2p", "shm"), (2, "compiled", "gloo"), (4, "p2p", "shm"), (3, "refs", "shm")],
-                ids=lambda p: f"pp{p[0]}-{p[1]}-{p[2]}")
+@pytest.fixture(
+    scope="module",
+    params=[(1, "p2p", "shm"), (2, "compiled", "gloo"), (4, "p2p", "shm"), (3, "refs", "shm")],
+    ids=lambda p: f"pp{p[0]}-{p[1]}-{p[2]}",
+)
 def trainer(request, ray_session):
     pp, engine, transport = request.param
-    t = Trainer(MLP7, nn.functional.mse_loss,
-                TrainConfig(pp=pp, engine=engine, same_node_transport=transport, optimizer=SGD, seed=SEED))
+    t = Trainer(
+        MLP7,
+        nn.functional.mse_loss,
+        TrainConfig(pp=pp, engine=engine, same_node_transport=transport, optimizer=SGD, seed=SEED),
+    )
     yield t
     t.shutdown()
 
@@ -66,8 +73,12 @@ def test_adamw_parity_against_accumulated_microbatches(trainer, initial, schedul
     trainer.load_state_dict(initial)
     losses = [trainer.step(*batch(k))["loss"] for k in range(3)]
     ref_losses, _, ref_final = reference_run(
-        MLP7, SEED, lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1), steps=3,
-        microbatches=4, reverse=schedule == "gpipe",
+        MLP7,
+        SEED,
+        lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
+        steps=3,
+        microbatches=4,
+        reverse=schedule == "gpipe",
     )
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=4e-5)
     assert_close_dicts(trainer.state_dict(), ref_final)
@@ -97,8 +108,9 @@ def test_activation_checkpointing_recomputes_and_changes_nothing_numerically(tra
     trainer.reconfigure(activation_checkpointing=False, measure_activations=False)
     recomputed = [s["peak_stashed_bytes"] for s in metrics[0]["stages"]]
     assert all(r <= k for r, k in zip(recomputed, kept)) and sum(recomputed) < 0.5 * sum(kept), (recomputed, kept)
-    torch.testing.assert_close(torch.tensor([m["loss"] for m in metrics]), torch.tensor(sgd_reference[0]),
-                               rtol=1e-5, atol=4e-5)
+    torch.testing.assert_close(
+        torch.tensor([m["loss"] for m in metrics]), torch.tensor(sgd_reference[0]), rtol=1e-5, atol=4e-5
+    )
     assert_close_dicts(trainer.state_dict(), sgd_reference[2])
 
 
@@ -145,8 +157,9 @@ def test_bf16_boundaries_round_exactly_there_and_halve_the_bytes_sent(trainer, i
             model[end - 1].register_forward_hook(lambda module, args, out: _RoundTrip.apply(out))
 
     ref_losses, _, ref_final = reference_run(MLP7, SEED, sgd, steps=3, microbatches=4, prepare=round_at_boundaries)
-    torch.testing.assert_close(torch.tensor([m["loss"] for m in metrics]), torch.tensor(ref_losses),
-                               rtol=1e-5, atol=4e-5)
+    torch.testing.assert_close(
+        torch.tensor([m["loss"] for m in metrics]), torch.tensor(ref_losses), rtol=1e-5, atol=4e-5
+    )
     assert_close_dicts(trainer.state_dict(), ref_final)
     _, _, unrounded = reference_run(MLP7, SEED, sgd, steps=3, microbatches=4)
     moved = max(float((trainer.state_dict()[k] - unrounded[k]).abs().max()) for k in unrounded)
@@ -191,4 +204,3 @@ def test_a_failing_stage_is_named_and_its_neighbours_do_not_hang(trainer, initia
     trainer.step(x, y)
     _, _, expected = reference_run(MLP7, SEED, sgd, steps=1, microbatches=4)
     assert_close_dicts(trainer.state_dict(), expected)
-

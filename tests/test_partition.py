@@ -25,7 +25,7 @@ def _brute_force(times, fits=lambda s, a, b: True):
         bounds = (0, *cuts, n)
         if not all(fits(s, bounds[s], bounds[s + 1]) for s in range(p)):
             continue
-        cost = max(sum(times[s][bounds[s]:bounds[s + 1]]) for s in range(p))
+        cost = max(sum(times[s][bounds[s] : bounds[s + 1]]) for s in range(p))
         best = cost if best is None else min(best, cost)
     return best
 
@@ -43,8 +43,12 @@ def test_balanced_plan_is_optimal():
 
 
 def test_parameter_partition_counts_without_allocating():
-    specs = [LayerSpec(nn.Linear, 1000, 1000), LayerSpec(nn.ReLU), LayerSpec(nn.Linear, 1000, 10),
-             LayerSpec(nn.Linear, 10, 10)]
+    specs = [
+        LayerSpec(nn.Linear, 1000, 1000),
+        LayerSpec(nn.ReLU),
+        LayerSpec(nn.Linear, 1000, 10),
+        LayerSpec(nn.Linear, 10, 10),
+    ]
     counts = parameter_counts(specs)
     assert counts == [1_001_000, 0, 10_010, 110]
     assert make_plan(4, 2, "parameters", parameter_counts=counts) == [(0, 1), (1, 4)]
@@ -118,11 +122,13 @@ def test_profile_partition_balances_measured_layer_times(ray_session):
     import torch
 
     from raypipe import TrainConfig, Trainer
+
     from simulated import SimulatedCompute
 
     layers = [LayerSpec(SimulatedCompute, t, t) for t in (0.01, 0.01, 0.01, 0.01, 0.03, 0.03)]
-    config = TrainConfig(pp=2, microbatches=4, partition="profile", optimizer={"name": "sgd", "lr": 0.01},
-                         cpus_per_actor=0.5)
+    config = TrainConfig(
+        pp=2, microbatches=4, partition="profile", optimizer={"name": "sgd", "lr": 0.01}, cpus_per_actor=0.5
+    )
     x, y = torch.randn(16, 8), torch.randn(16, 8)
     lines = []
     with Trainer(layers, nn.functional.mse_loss, config, sample=(x, y), log=lines.append) as t:
@@ -150,5 +156,7 @@ def test_raypipe_plan_profiles_the_jobs_model_and_writes_json(ray_session, tmp_p
     assert "speed-aware plan (partition=profile): predicted step" in printed
     report = json.loads(out.read_text())
     assert len(report["plan"]) == 2 and report["plan"][0][0] == 0 and report["plan"][-1][1] == 4
-    assert len(report["profiles"]["cpu"]["forward_s"]) == 4 and all(t > 0 for t in report["profiles"]["cpu"]["forward_s"])
+    assert len(report["profiles"]["cpu"]["forward_s"]) == 4 and all(
+        t > 0 for t in report["profiles"]["cpu"]["forward_s"]
+    )
     assert f"stage 1: layers [{report['plan'][1][0]}, 4)" in printed

@@ -14,8 +14,13 @@ HERE = Path(__file__).parent
 
 @pytest.fixture(scope="module")
 def hetero():
-    result = subprocess.run([sys.executable, str(HERE / "hetero_cluster_run.py")], capture_output=True, text=True,
-                            timeout=300, cwd=HERE.parent)
+    result = subprocess.run(
+        [sys.executable, str(HERE / "hetero_cluster_run.py")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=HERE.parent,
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -23,7 +28,10 @@ def hetero():
 def test_each_stage_lands_on_a_node_of_its_kind_and_trains_with_parity(hetero):
     placed = hetero["placed"]
     assert [(p["name"], p["node_kind"], p["device_kind"]) for p in placed] == [
-        ("stage0-dp0-tp0", "cuda", "cuda"), ("stage1-dp0-tp0", "rocm", "rocm"), ("stage2-dp0-tp0", "mps", "mps")]
+        ("stage0-dp0-tp0", "cuda", "cuda"),
+        ("stage1-dp0-tp0", "rocm", "rocm"),
+        ("stage2-dp0-tp0", "mps", "mps"),
+    ]
     assert all(p["cpu_fallback"] and p["device"] == "cpu" for p in placed)  # fake nodes: reported, allowed
     assert hetero["losses"] == pytest.approx(hetero["ref_losses"], rel=1e-5, abs=4e-5)
     assert hetero["max_weight_diff"] < 4e-5

@@ -13,14 +13,20 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import reference_run
 from raypipe import LayerSpec, TrainConfig, Trainer
 from raypipe.optim import LossScaler
 
+from helpers import reference_run
+
 SEED = 5
 SGD = {"name": "sgd", "lr": 0.1, "momentum": 0.9}
-LAYERS = [LayerSpec(nn.Linear, 8, 32), LayerSpec(nn.Tanh), LayerSpec(nn.Linear, 32, 32), LayerSpec(nn.GELU),
-          LayerSpec(nn.Linear, 32, 4)]
+LAYERS = [
+    LayerSpec(nn.Linear, 8, 32),
+    LayerSpec(nn.Tanh),
+    LayerSpec(nn.Linear, 32, 32),
+    LayerSpec(nn.GELU),
+    LayerSpec(nn.Linear, 32, 4),
+]
 TARGET = torch.randn(8, 4, generator=torch.Generator().manual_seed(7))
 
 
@@ -39,8 +45,10 @@ TOLERANCE = 1e-7  # absolute; autocast off lies 30x or more beyond it
 
 def distance(actual: dict, expected: dict) -> float:
     """The largest absolute difference of any element."""
-    return max(float((torch.as_tensor(actual[key]).double() - torch.as_tensor(e).double()).abs().max())
-               for key, e in expected.items())
+    return max(
+        float((torch.as_tensor(actual[key]).double() - torch.as_tensor(e).double()).abs().max())
+        for key, e in expected.items()
+    )
 
 
 def as_dicts(losses, grads, weights):
@@ -125,10 +133,17 @@ def test_overflowing_steps_are_skipped_on_every_stage_and_the_scale_halves(ray_s
     """fp16 from the default scale 2^16: gradients times 2^16 times 2^6 overflow fp16 until the
     scale has fallen far enough; each such step leaves every stage's weights bit-identical and halves
     the scale, then training goes on, as torch's GradScaler does it."""
-    layers = [LayerSpec(nn.Linear, 8, 32), LayerSpec(Amplify, 64.0), LayerSpec(nn.Tanh),
-              LayerSpec(nn.Linear, 32, 4)]
-    config = TrainConfig(pp=3, microbatches=2, precision="fp16", optimizer=SGD, seed=SEED, cpus_per_actor=0.3,
-                         shard_plan=[[0, 1], [1, 2], [2, 4]], threads_per_actor=1)
+    layers = [LayerSpec(nn.Linear, 8, 32), LayerSpec(Amplify, 64.0), LayerSpec(nn.Tanh), LayerSpec(nn.Linear, 32, 4)]
+    config = TrainConfig(
+        pp=3,
+        microbatches=2,
+        precision="fp16",
+        optimizer=SGD,
+        seed=SEED,
+        cpus_per_actor=0.3,
+        shard_plan=[[0, 1], [1, 2], [2, 4]],
+        threads_per_actor=1,
+    )
     ref_losses, _, ref_final = reference_run(layers, SEED, sgd, 12, microbatches=2, data=data, precision="fp16")
     with Trainer(layers, nn.functional.mse_loss, config) as t:
         before = t.state_dict()

@@ -7,8 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import DICT_MODEL, assert_close_dicts, check_sgd_parity, dict_batch, dict_loss, reference_run
 from raypipe import TrainConfig, Trainer, build_layers
+
+from helpers import DICT_MODEL, assert_close_dicts, check_sgd_parity, dict_batch, dict_loss, reference_run
 
 SEED = 5
 SGD = {"name": "sgd", "lr": 0.05, "momentum": 0.9}
@@ -19,19 +20,36 @@ def sgd(params):
 
 
 # engine, pp, schedule, same-node transport
-CASES = [("p2p", 2, "1f1b", "shm"), ("p2p", 3, "gpipe", "gloo"), ("refs", 3, "1f1b", "shm"),
-         ("compiled", 2, "gpipe", "shm"), ("p2p", 1, "1f1b", "shm"),
-         # split backwards and model chunks: the aux loss and the integer leaves through I, W and a V
-         ("p2p", 2, "zb-v", "shm"), ("compiled", 3, "zb-h1", "shm"), ("p2p", 2, "interleaved-1f1b", "shm")]
+CASES = [
+    ("p2p", 2, "1f1b", "shm"),
+    ("p2p", 3, "gpipe", "gloo"),
+    ("refs", 3, "1f1b", "shm"),
+    ("compiled", 2, "gpipe", "shm"),
+    ("p2p", 1, "1f1b", "shm"),
+    # split backwards and model chunks: the aux loss and the integer leaves through I, W and a V
+    ("p2p", 2, "zb-v", "shm"),
+    ("compiled", 3, "zb-h1", "shm"),
+    ("p2p", 2, "interleaved-1f1b", "shm"),
+]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("engine, pp, schedule, transport", CASES, ids=["-".join(map(str, c)) for c in CASES])
 def test_a_dict_boundary_trains_exactly_as_one_process(ray_session, engine, pp, schedule, transport):
-    reference = reference_run(DICT_MODEL, SEED, sgd, steps=3, microbatches=2, loss_fn=dict_loss, data=dict_batch,
-                              reverse=schedule == "gpipe")
-    config = TrainConfig(pp=pp, engine=engine, schedule=schedule, microbatches=2, optimizer=SGD, seed=SEED,
-                         cpus_per_actor=0.25, threads_per_actor=1, same_node_transport=transport)
+    reference = reference_run(
+        DICT_MODEL, SEED, sgd, steps=3, microbatches=2, loss_fn=dict_loss, data=dict_batch, reverse=schedule == "gpipe"
+    )
+    config = TrainConfig(
+        pp=pp,
+        engine=engine,
+        schedule=schedule,
+        microbatches=2,
+        optimizer=SGD,
+        seed=SEED,
+        cpus_per_actor=0.25,
+        threads_per_actor=1,
+        same_node_transport=transport,
+    )
     with Trainer(DICT_MODEL, dict_loss, config) as t:
         check_sgd_parity(t, t.state_dict(), reference, schedule, 2, SGD, data=dict_batch)
 
@@ -65,8 +83,16 @@ def varying_reference(steps: int):
 @pytest.mark.parametrize("engine, schedule", [("p2p", "1f1b"), ("refs", "1f1b"), ("compiled", "1f1b"), ("p2p", "zb-v")])
 def test_microbatches_of_different_shapes_train_exactly(ray_session, engine, schedule):
     ref_losses, ref_grads, ref_final = varying_reference(3)
-    config = TrainConfig(pp=2, microbatches=4, engine=engine, schedule=schedule, optimizer=SGD, seed=SEED,
-                         cpus_per_actor=0.25, threads_per_actor=1)
+    config = TrainConfig(
+        pp=2,
+        microbatches=4,
+        engine=engine,
+        schedule=schedule,
+        optimizer=SGD,
+        seed=SEED,
+        cpus_per_actor=0.25,
+        threads_per_actor=1,
+    )
     with Trainer(DICT_MODEL, dict_loss, config) as t:
         losses = []
         for k in range(3):

@@ -11,9 +11,10 @@ import ray
 import torch
 from torch import nn
 
-from helpers import MLP7, KillOnce
 from raypipe import BatchError, ConfigError, LayerSpec, TrainConfig, Trainer
 from raypipe.checkpoint.layout import list_checkpoints
+
+from helpers import MLP7, KillOnce
 
 # 7 steps over 4 batches an epoch: step 5 starts the second epoch (and a replay that read ahead by a
 # whole epoch would not look right by chance)
@@ -27,7 +28,7 @@ Y = torch.randn(BATCH * EPOCH_BATCHES, 3, generator=generator)
 def batches(step):
     """The same batches as the dataset gives, step by step: rows in order, epoch after epoch."""
     k = step % EPOCH_BATCHES
-    return X[k * BATCH:(k + 1) * BATCH], Y[k * BATCH:(k + 1) * BATCH]
+    return X[k * BATCH : (k + 1) * BATCH], Y[k * BATCH : (k + 1) * BATCH]
 
 
 def dataset():
@@ -96,6 +97,7 @@ def test_a_stage_death_replays_the_same_batches(killable_by_function, tmp_path, 
     messages = []
     cfg = config(checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=2, max_restarts=1)
     with Trainer(layers, nn.functional.mse_loss, cfg) as t:
+
         def on_step(metrics):
             if metrics["step"] == 5 and t.restarts == 0:
                 flag.touch()  # stage 1 kills its own process in step 6's first forward
@@ -121,8 +123,12 @@ def test_bad_datasets_and_arguments_are_refused_plainly(ray_session):
         with pytest.raises(BatchError, match="ended after 2 batches"):
             t.fit(iter([batches(0), batches(1)]), 3)
         # a collate of your own maps any columns to (x, y)
-        history = t.fit(renamed, t.step_count + 1, batch_size=8,
-                        collate=lambda b: (torch.from_numpy(b["features"]), torch.from_numpy(b["target"])))
+        history = t.fit(
+            renamed,
+            t.step_count + 1,
+            batch_size=8,
+            collate=lambda b: (torch.from_numpy(b["features"]), torch.from_numpy(b["target"])),
+        )
         assert history[0]["samples"] == 8 and np.isfinite(history[0]["loss"])
     with Trainer(MLP7, nn.functional.mse_loss, config(dp=1, engine="refs")) as t:
         with pytest.raises(ConfigError, match="engine='refs' is invalid with a ray.data.Dataset"):
@@ -138,8 +144,15 @@ def test_the_job_reads_the_same_batches_through_ray_data(ray_session):
     from raypipe.job import JobConfig, run
 
     tiny = Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny.yaml"
-    common = ["job.steps=6", "job.sample_tokens=0", "job.progress=false", "data.val_fraction=0", "dp=2",
-              "cpus_per_actor=0.25", "threads_per_actor=1"]
+    common = [
+        "job.steps=6",
+        "job.sample_tokens=0",
+        "job.progress=false",
+        "data.val_fraction=0",
+        "dp=2",
+        "cpus_per_actor=0.25",
+        "threads_per_actor=1",
+    ]
     lines = []
     driver = run(JobConfig.from_yaml(tiny, [*common, "data.reader=driver"]), log=lambda _: None)
     through = run(JobConfig.from_yaml(tiny, [*common, "data.reader=ray_data"]), log=lines.append)

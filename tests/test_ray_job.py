@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from raypipe.devices import LABEL_KIND, detect
+
 from ray_head import RAY, RayHead, head_env
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,8 +23,7 @@ def head(tmp_path_factory):
     """`ray start --head --block $(raypipe node-resources)` through bash, as cluster.yaml starts a
     host, with the dashboard on; stopped by its own process group at the end."""
     env = head_env(RAYPIPE_CACHE_DIR=str(tmp_path_factory.mktemp("cache")))
-    node = RayHead("$(raypipe node-resources)", env, tmp_path_factory.mktemp("head") / "ray-start.log",
-                   dashboard=True)
+    node = RayHead("$(raypipe node-resources)", env, tmp_path_factory.mktemp("head") / "ray-start.log", dashboard=True)
     try:
         try:
             node.wait_dashboard(timeout=120)
@@ -43,10 +43,32 @@ def submitted(head, tmp_path_factory):
     shutil.copy(ROOT / "examples" / "train.py", work / "train.py")
     shutil.copy(ROOT / "examples" / "configs" / "tiny.yaml", work / "job.yaml")
     result = subprocess.run(
-        [RAY, "job", "submit", "--address", head["url"], "--working-dir", str(work), "--",
-         sys.executable, "train.py", "--config", "job.yaml", "--set", f"name={RUN}", "--set", "job.steps=20",
-         "--set", "job.sample_tokens=0", "--set", f"loggers=[tensorboard, {{mlflow: {{tracking_uri: '{tracking}'}}}}]"],
-        env=head["env"], capture_output=True, text=True, timeout=300,
+        [
+            RAY,
+            "job",
+            "submit",
+            "--address",
+            head["url"],
+            "--working-dir",
+            str(work),
+            "--",
+            sys.executable,
+            "train.py",
+            "--config",
+            "job.yaml",
+            "--set",
+            f"name={RUN}",
+            "--set",
+            "job.steps=20",
+            "--set",
+            "job.sample_tokens=0",
+            "--set",
+            f"loggers=[tensorboard, {{mlflow: {{tracking_uri: '{tracking}'}}}}]",
+        ],
+        env=head["env"],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     result.tracking = tracking
     return result
@@ -56,8 +78,10 @@ def test_ray_job_submit_trains_and_succeeds(head, submitted):
     assert submitted.returncode == 0, submitted.stdout[-3000:] + submitted.stderr[-3000:]
     out = submitted.stdout
     job_id = re.search(r"Job '(raysubmit_\w+)' submitted successfully", out).group(1)
-    script = ("from ray.job_submission import JobSubmissionClient; "
-              f"print(JobSubmissionClient('{head['url']}').get_job_status('{job_id}'))")
+    script = (
+        "from ray.job_submission import JobSubmissionClient; "
+        f"print(JobSubmissionClient('{head['url']}').get_job_status('{job_id}'))"
+    )
     status = subprocess.run([sys.executable, "-c", script], env=head["env"], capture_output=True, text=True, timeout=60)
     assert status.stdout.strip().endswith("SUCCEEDED"), status.stdout + status.stderr
     losses = [float(v) for v in re.findall(r"\| loss (\d+\.\d+)", out)]
@@ -88,9 +112,11 @@ def test_state_api_lists_every_stage_by_name_and_repr(head, submitted):
     script = (
         "import json; from ray.util.state import list_actors;"
         f"print(json.dumps([a.__dict__ if hasattr(a, '__dict__') else dict(a) for a in "
-        f"list_actors(address='{head['url']}', filters=[('ray_namespace', '=', 'raypipe-{RUN}')], detail=True)], default=str))"
+        f"list_actors(address='{head['url']}', filters=[('ray_namespace', '=', 'raypipe-{RUN}')], detail=True)], default=str))"  # noqa: E501
     )
-    result = subprocess.run([sys.executable, "-c", script], env=head["env"], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=head["env"], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     actors = {a["name"]: a for a in json.loads(result.stdout.strip().splitlines()[-1])}
     assert {"stage0-dp0-tp0", "stage1-dp0-tp0"} <= set(actors), sorted(actors)
@@ -99,9 +125,13 @@ def test_state_api_lists_every_stage_by_name_and_repr(head, submitted):
 
 
 def test_head_advertises_what_node_resources_printed(head):
-    script = ("import json; from ray.util.state import list_nodes;"
-              f"print(json.dumps([n.labels for n in list_nodes(address='{head['url']}', detail=True)]))")
-    result = subprocess.run([sys.executable, "-c", script], env=head["env"], capture_output=True, text=True, timeout=120)
+    script = (
+        "import json; from ray.util.state import list_nodes;"
+        f"print(json.dumps([n.labels for n in list_nodes(address='{head['url']}', detail=True)]))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=head["env"], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     (labels,) = json.loads(result.stdout.strip().splitlines()[-1])
     assert {k: v for k, v in labels.items() if k.startswith("raypipe.io/")} == detect().ray_labels()

@@ -45,9 +45,11 @@ def missing() -> str | None:
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 HOSTS = {"head": "cuda:1:NVIDIA-H100", "amd": "rocm:1:AMD-Instinct-MI300X", "mac": "mps:1:Apple M3 Max"}
-PROBE = ("python3 -c \"import json, ray; ray.init(logging_level='ERROR'); print('NODES ' + json.dumps("
-         "sorted([n['NodeManagerAddress'], {k: v for k, v in n['Resources'].items() if k in ('cuda', 'rocm', 'mps')}] "
-         "for n in ray.nodes() if n['Alive'])))\"")
+PROBE = (
+    "python3 -c \"import json, ray; ray.init(logging_level='ERROR'); print('NODES ' + json.dumps("
+    "sorted([n['NodeManagerAddress'], {k: v for k, v in n['Resources'].items() if k in ('cuda', 'rocm', 'mps')}] "
+    "for n in ray.nodes() if n['Alive'])))\""
+)
 
 
 def launcher(work: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -142,10 +144,12 @@ def test_ray_up_starts_every_host_advertising_its_accelerator(launched):
 
 
 def test_the_main_job_submitted_on_the_cluster_trains_across_the_nvidia_and_amd_hosts(launched):
-    job = ("cd ~/raypipe && ray job submit --address http://127.0.0.1:8265 --working-dir . -- "
-           "python3 examples/train.py --config examples/configs/tiny.yaml --set 'devices=[cuda, rocm]' "
-           "--set allow_cpu_fallback=true "
-           "--set job.steps=12 --set job.sample_tokens=0 --set name=rayup")
+    job = (
+        "cd ~/raypipe && ray job submit --address http://127.0.0.1:8265 --working-dir . -- "
+        "python3 examples/train.py --config examples/configs/tiny.yaml --set 'devices=[cuda, rocm]' "
+        "--set allow_cpu_fallback=true "
+        "--set job.steps=12 --set job.sample_tokens=0 --set name=rayup"
+    )
     run = launcher(launched["work"], "exec", str(launched["config"]), job, timeout=400)
     out = run.stdout + run.stderr
     assert re.search(r"Job 'raysubmit_\w+' succeeded", out), out[-5000:]
@@ -157,12 +161,14 @@ def test_the_main_job_submitted_on_the_cluster_trains_across_the_nvidia_and_amd_
 def test_the_head_refuses_a_job_submitted_without_the_token(launched):
     """Token authentication is on at the `ray up` head: the job API answers a request without the
     cluster's token with 401, and runs nothing (the same request with it is what `ray job submit` makes)."""
-    probe = ("python3 -c \"import urllib.request, urllib.error, json; "
-             "req = urllib.request.Request('http://127.0.0.1:8265/api/jobs/', method='POST', "
-             "data=json.dumps({'entrypoint': 'touch /tmp/unauthenticated-job-ran'}).encode(), "
-             "headers={'Content-Type': 'application/json'})\n"
-             "try:\n    print('STATUS', urllib.request.urlopen(req, timeout=30).status)\n"
-             "except urllib.error.HTTPError as e:\n    print('STATUS', e.code)\"")
+    probe = (
+        'python3 -c "import urllib.request, urllib.error, json; '
+        "req = urllib.request.Request('http://127.0.0.1:8265/api/jobs/', method='POST', "
+        "data=json.dumps({'entrypoint': 'touch /tmp/unauthenticated-job-ran'}).encode(), "
+        "headers={'Content-Type': 'application/json'})\n"
+        "try:\n    print('STATUS', urllib.request.urlopen(req, timeout=30).status)\n"
+        "except urllib.error.HTTPError as e:\n    print('STATUS', e.code)\""
+    )
     run = launcher(launched["work"], "exec", str(launched["config"]), probe, timeout=120)
     statuses = re.findall(r"STATUS (\d+)", run.stdout + run.stderr)
     assert statuses == ["401"], run.stdout[-3000:] + run.stderr[-3000:]

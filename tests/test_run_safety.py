@@ -14,21 +14,29 @@ import time
 import pytest
 import ray
 import torch
+from test_checkpoint import killable_layers, losses_by_step
 from torch import nn
 
-from helpers import MLP7, FailOnSave, Sleep, batch
 from raypipe import BatchError, ConfigError, LayerSpec, StepTimeoutError, TrainConfig, Trainer
 from raypipe.checkpoint.layout import CheckpointError, find_valid, list_checkpoints, run_of, verify
 from raypipe.checkpoint.storage import StoragePath, redact, split_uri
-from test_checkpoint import killable_layers, losses_by_step
+
+from helpers import MLP7, FailOnSave, Sleep, batch
 
 ADAMW = {"name": "adamw", "lr": 1e-2, "weight_decay": 0.1}
 QUIET = dict(log=lambda _: None)
 
 
 def config(root=None, **changes):
-    base = dict(pp=2, microbatches=2, optimizer=ADAMW, seed=5, checkpoint_dir=str(root) if root else None,
-                checkpoint_every=2 if root else 0, keep_checkpoints=0)
+    base = dict(
+        pp=2,
+        microbatches=2,
+        optimizer=ADAMW,
+        seed=5,
+        checkpoint_dir=str(root) if root else None,
+        checkpoint_every=2 if root else 0,
+        keep_checkpoints=0,
+    )
     base.update(changes)
     return TrainConfig(**base)
 
@@ -140,8 +148,15 @@ def test_a_secret_with_every_awkward_character_is_parsed_and_never_shown():
 
 def test_loads_are_all_or_nothing(run_a):
     _, root, _ = run_a
-    wider = [LayerSpec(nn.Linear, 6, 16), LayerSpec(nn.Tanh), LayerSpec(nn.Linear, 16, 16), LayerSpec(nn.GELU),
-             LayerSpec(nn.Linear, 16, 10), LayerSpec(nn.Tanh), LayerSpec(nn.Linear, 10, 3)]  # same depth, stage 1 differs
+    wider = [
+        LayerSpec(nn.Linear, 6, 16),
+        LayerSpec(nn.Tanh),
+        LayerSpec(nn.Linear, 16, 16),
+        LayerSpec(nn.GELU),
+        LayerSpec(nn.Linear, 16, 10),
+        LayerSpec(nn.Tanh),
+        LayerSpec(nn.Linear, 10, 3),
+    ]  # same depth, stage 1 differs
     with Trainer(wider, nn.functional.mse_loss, config()) as t:
         before = t.state_dict()
         with pytest.raises(CheckpointError, match=r"nothing was loaded.*layer 4: weight has shape \[12, 16\]"):
@@ -183,10 +198,18 @@ def test_a_checkpoint_of_another_optimizer_loads_its_weights_and_starts_the_opti
     assert any("holds adamw optimizer state; this run uses sgd" in m for m in messages), messages
 
 
-@pytest.mark.parametrize("manifest", [
-    [], {"format": 1}, {"format": 1, "files": []}, {"format": 1, "files": {"trainer.json": 3}},
-    {"format": 1, "files": {"trainer.json": {"bytes": "many", "sha256": None}}}, {"format": 1, "files": {}},
-], ids=["list", "no-files", "files-list", "entry-int", "entry-types", "no-trainer-json"])
+@pytest.mark.parametrize(
+    "manifest",
+    [
+        [],
+        {"format": 1},
+        {"format": 1, "files": []},
+        {"format": 1, "files": {"trainer.json": 3}},
+        {"format": 1, "files": {"trainer.json": {"bytes": "many", "sha256": None}}},
+        {"format": 1, "files": {}},
+    ],
+    ids=["list", "no-files", "files-list", "entry-int", "entry-types", "no-trainer-json"],
+)
 def test_corrupt_manifests_of_any_shape_fall_back_to_the_previous_checkpoint(run_a, tmp_path, manifest):
     _, original, _ = run_a
     root = tmp_path / "copy"
@@ -247,6 +270,7 @@ def test_a_failed_save_inside_fit_is_retried_within_max_restarts(ray_session, tm
     layers = MLP7[:4] + [LayerSpec(FailOnSave, str(flag))] + MLP7[4:]
     messages = []
     with Trainer(layers, nn.functional.mse_loss, config(root, max_restarts=1)) as t:
+
         def on_step(metrics):
             if metrics["step"] == 3:
                 flag.touch()  # step 4's save fails once, in stage 1, after stage 0 wrote its files
@@ -304,8 +328,9 @@ def test_sigterm_saves_the_last_step_marks_the_run_killed_and_releases_everythin
     assert not t._actors  # shut down: actors stopped, placement group removed
     groups = [g["state"] for g in ray.util.placement_group_table().values() if g["name"] == "raypipe-terminated"]
     assert groups == ["REMOVED"], groups
-    runs = mlflow.MlflowClient(store).search_runs([mlflow.MlflowClient(store).get_experiment_by_name("raypipe")
-                                                   .experiment_id])
+    runs = mlflow.MlflowClient(store).search_runs(
+        [mlflow.MlflowClient(store).get_experiment_by_name("raypipe").experiment_id]
+    )
     assert [r.info.status for r in runs] == ["KILLED"]
 
 
@@ -317,6 +342,7 @@ def test_ctrl_c_saves_the_last_step_and_keeps_the_trainer_usable(ray_session, tm
     (root / "step-00000001.partial").mkdir()
     (root / "step-00000001.partial" / "RUN").write_text("another-run")
     with Trainer(MLP7, nn.functional.mse_loss, config(root, checkpoint_every=4)) as t:
+
         def on_step(metrics):
             if metrics["step"] == 3:
                 raise KeyboardInterrupt  # a notebook's stop button, a terminal's Ctrl-C

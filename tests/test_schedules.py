@@ -133,6 +133,7 @@ def test_planned_bubbles_equal_their_formulas():
     with v chunks (p-1)/(vm+p-1); ZB-H1 (p-1)/(3m+p-1); ZB-V (chunks of half a stage) (p-1)/(6m+p-1)."""
     for p in (2, 3, 4):
         for m in (p, 2 * p, 4 * p):
+
             def planned(name, chunks=None):
                 return bubble(build_schedule(name, p, m, chunks), UNIT)
 
@@ -200,7 +201,10 @@ def test_validator_checks_chunks_and_link_order():
         [Action(0, FORWARD, 0), Action(0, FORWARD, 1), Action(0, BACKWARD, 0), Action(0, BACKWARD, 1)],
         [Action(1, FORWARD, 1), Action(1, FORWARD, 0), Action(1, BACKWARD, 0), Action(1, BACKWARD, 1)],
     ]
-    with pytest.raises(ScheduleError, match=r"activations between virtual stages 0 and 1 are sent in microbatch order \[0, 1\] but taken in order \[1, 0\]"):
+    with pytest.raises(
+        ScheduleError,
+        match=r"activations between virtual stages 0 and 1 are sent in microbatch order \[0, 1\] but taken in order \[1, 0\]",  # noqa: E501
+    ):
         validate(swapped, 2, 2)
     # a V turn inside one actor is a hand-off and needs no link
     validate(build_schedule("zb-v", 3, 5), 3, 5)

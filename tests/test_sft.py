@@ -8,15 +8,19 @@ import json
 import pytest
 import torch
 
-from hf_helpers import save_tiny
 from raypipe import ConfigError, build_layers
 from raypipe.data.hf_tokenizer import byte_tokenizer
 from raypipe.data.sft import IGNORE, SFTDataset, read_jsonl, stdlib_docstrings
 
+from hf_helpers import save_tiny
+
 pytest.importorskip("transformers")
 
-RECORDS = [{"prompt": "Q: hi\n", "response": "A: yo"}, {"prompt": "Q: 2+2\n", "response": "A: 4"},
-           {"messages": [{"role": "user", "content": "name?"}, {"role": "assistant", "content": "raypipe"}]}]
+RECORDS = [
+    {"prompt": "Q: hi\n", "response": "A: yo"},
+    {"prompt": "Q: 2+2\n", "response": "A: 4"},
+    {"messages": [{"role": "user", "content": "name?"}, {"role": "assistant", "content": "raypipe"}]},
+]
 
 
 def test_prompt_tokens_are_left_out_of_the_loss_and_rows_are_padded():
@@ -25,10 +29,13 @@ def test_prompt_tokens_are_left_out_of_the_loss_and_rows_are_padded():
     assert set(x) == {"input_ids", "attention_mask"} and x["input_ids"].shape == (3, 16)
     for row, lab, mask in zip(x["input_ids"], labels, x["attention_mask"]):
         text = bytes(row[mask.bool()].tolist()).decode()
-        prompt = next(r.get("prompt", "user: name?\nassistant: ") for r in RECORDS
-                      if text.startswith(r.get("prompt", "user: name?")))
+        prompt = next(
+            r.get("prompt", "user: name?\nassistant: ")
+            for r in RECORDS
+            if text.startswith(r.get("prompt", "user: name?"))
+        )
         learned = lab[lab != IGNORE]
-        assert (lab[: len(prompt)] == IGNORE).all() and bytes(learned.tolist()).decode() == text[len(prompt):]
+        assert (lab[: len(prompt)] == IGNORE).all() and bytes(learned.tolist()).decode() == text[len(prompt) :]
         assert (lab[~mask.bool()] == IGNORE).all()
 
 
@@ -64,14 +71,27 @@ def test_records_are_read_from_jsonl_and_the_stdlib(tmp_path):
 def test_the_lora_sft_job_fine_tunes_an_export_and_saves_adapters_peft_loads(ray_session, tmp_path):
     from peft import PeftModel
 
-    from hf_helpers import load
     from raypipe.job import JobConfig, run
 
+    from hf_helpers import load
+
     base = save_tiny("llama", str(tmp_path / "base"), vocab_size=256)
-    small = [f"model.hf={base}", "model.block_size=32", "job.steps=4", "job.eval_every=0", "job.eval_batches=1",
-             "job.batch_size=4", "job.sample_tokens=4", "data.max_bytes=300000", "log_dir=null", "job.progress=false",
-             f"job.save_adapter={tmp_path / 'adapter'}", f"job.save_pretrained={tmp_path / 'merged'}",
-             "cpus_per_actor=0.25", "threads_per_actor=1"]
+    small = [
+        f"model.hf={base}",
+        "model.block_size=32",
+        "job.steps=4",
+        "job.eval_every=0",
+        "job.eval_batches=1",
+        "job.batch_size=4",
+        "job.sample_tokens=4",
+        "data.max_bytes=300000",
+        "log_dir=null",
+        "job.progress=false",
+        f"job.save_adapter={tmp_path / 'adapter'}",
+        f"job.save_pretrained={tmp_path / 'merged'}",
+        "cpus_per_actor=0.25",
+        "threads_per_actor=1",
+    ]
     lines = []
     summary = run(JobConfig.from_yaml("examples/configs/lora_sft.yaml", small), log=lines.append)
     assert len(summary["losses"]) == 4 and any(line.startswith("sample before training") for line in lines)

@@ -7,10 +7,11 @@ import ray
 import torch
 from torch import nn
 
-from helpers import check_sgd_parity, lm_tokens, reference_run
-from raypipe.checkpoint import layout as ckpt
 from raypipe import ConfigError, LayerSpec, TrainConfig, Trainer
+from raypipe.checkpoint import layout as ckpt
 from raypipe.models import gpt
+
+from helpers import check_sgd_parity, lm_tokens, reference_run
 
 SEED = 3
 SGD = {"name": "sgd", "lr": 0.1, "momentum": 0.9}
@@ -30,8 +31,7 @@ def sgd(params):
 def reference():
     """Losses, first-step gradients and weights after 3 steps of the dense GPT in one process."""
     return {
-        m: reference_run(LAYERS, SEED, sgd, steps=3, microbatches=m, loss_fn=gpt.loss_fn, data=tokens)
-        for m in (2, 4)
+        m: reference_run(LAYERS, SEED, sgd, steps=3, microbatches=m, loss_fn=gpt.loss_fn, data=tokens) for m in (2, 4)
     }
 
 
@@ -41,8 +41,13 @@ TOPOLOGIES = [(1, 1, 2), (2, 1, 2), (1, 2, 2), (2, 2, 2)]  # pp x dp x tp; zero 
 @pytest.fixture(scope="module", params=TOPOLOGIES, ids=lambda p: f"pp{p[0]}-dp{p[1]}-tp{p[2]}")
 def trainer(request, ray_session):
     pp, dp, tp = request.param
-    t = Trainer(LAYERS, gpt.loss_fn, TrainConfig(pp=pp, dp=dp, tp=tp, zero=int(dp > 1), optimizer=SGD, seed=SEED,
-                                          cpus_per_actor=0.2, threads_per_actor=1))
+    t = Trainer(
+        LAYERS,
+        gpt.loss_fn,
+        TrainConfig(
+            pp=pp, dp=dp, tp=tp, zero=int(dp > 1), optimizer=SGD, seed=SEED, cpus_per_actor=0.2, threads_per_actor=1
+        ),
+    )
     yield t
     t.shutdown()
 
@@ -144,21 +149,25 @@ def test_tp_that_does_not_divide_the_heads_fails_before_any_actor_starts(ray_ses
 
 def test_tp_on_a_stage_whose_layers_have_no_plan_is_refused_before_any_actor_starts():
     plain = [LayerSpec(nn.Linear, 8, 8), LayerSpec(nn.ReLU), LayerSpec(nn.Linear, 8, 2)]
-    with pytest.raises(ConfigError, match=r"tp=3, but no layer of stage 0 \(layers \[0, 3\)\) declares a tp_plan.*"
-                                          r"ColumnParallel.*or set tp=1"):
+    with pytest.raises(
+        ConfigError,
+        match=r"tp=3, but no layer of stage 0 \(layers \[0, 3\)\) declares a tp_plan.*"
+        r"ColumnParallel.*or set tp=1",
+    ):
         Trainer(plain, nn.functional.mse_loss, TrainConfig(tp=3))
     # the GPT's layers have plans; a trailing stage of plain layers alone does not
     with pytest.raises(ConfigError, match=r"no layer of stage 1 \(layers \[4, 5\)\)"):
-        Trainer(LAYERS + [LayerSpec(nn.Identity)], gpt.loss_fn,
-                TrainConfig(pp=2, tp=2, shard_plan=[[0, 4], [4, 5]]))
+        Trainer(LAYERS + [LayerSpec(nn.Identity)], gpt.loss_fn, TrainConfig(pp=2, tp=2, shard_plan=[[0, 4], [4, 5]]))
 
 
 def test_each_group_takes_the_backend_of_its_members_tensors():
     from raypipe.driver.links import group_backend
 
     def infos(*devices):  # each on a GPU of its own where on cuda
-        return [{"device": d, "node_id": "n", "gpu": f"GPU-{i}" if d.startswith("cuda") else None}
-                for i, d in enumerate(devices)]
+        return [
+            {"device": d, "node_id": "n", "gpu": f"GPU-{i}" if d.startswith("cuda") else None}
+            for i, d in enumerate(devices)
+        ]
 
     assert group_backend(infos("cpu", "cpu"), [0, 1]) == "gloo"
     assert group_backend(infos("cuda:0", "cuda:0"), [0, 1]) == "nccl"  # ROCm's torch uses the cuda device type too

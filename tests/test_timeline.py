@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import MLP7, Sleep, batch
 from raypipe import LayerSpec, Timeline, TrainConfig, Trainer, build_schedule
 from raypipe.driver.engines.refs import submission_order
 
+from helpers import MLP7, Sleep, batch
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
@@ -54,8 +54,9 @@ def test_graphviz_renders_the_timeline(tmp_path, suffix, dot):
 def sleepy(ray_session):
     """Two stages whose forward takes 20 ms each: timings well above the call overhead."""
     layers = [LayerSpec(nn.Linear, 4, 4), LayerSpec(Sleep, 0.02), LayerSpec(nn.Linear, 4, 4), LayerSpec(Sleep, 0.02)]
-    config = TrainConfig(pp=2, microbatches=4, schedule="gpipe", optimizer={"name": "sgd", "lr": 0.01},
-                         cpus_per_actor=0.5)
+    config = TrainConfig(
+        pp=2, microbatches=4, schedule="gpipe", optimizer={"name": "sgd", "lr": 0.01}, cpus_per_actor=0.5
+    )
     with Trainer(layers, nn.functional.mse_loss, config) as t:
         yield t
 

@@ -4,8 +4,9 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import assert_close_dicts, reference_run
 from raypipe import LayerSpec, TrainConfig, Trainer
+
+from helpers import assert_close_dicts, reference_run
 
 SGD = {"name": "sgd", "lr": 0.05, "momentum": 0.9}
 
@@ -21,7 +22,7 @@ def test_reduced_precision_tracks_fp32(ray_session, precision):
     for p in ("fp32", precision):
         config = TrainConfig(pp=2, microbatches=2, precision=p, optimizer={"name": "adamw", "lr": 3e-3}, seed=1)
         with Trainer(gpt.layers(cfg), gpt.loss_fn, config) as t:
-            results[p] = [t.step(*data.batch(k, 8))for k in range(6)]
+            results[p] = [t.step(*data.batch(k, 8)) for k in range(6)]
     fp32 = [m["loss"] for m in results["fp32"]]
     low = [m["loss"] for m in results[precision]]
     torch.testing.assert_close(torch.tensor(low), torch.tensor(fp32), rtol=3e-2, atol=0)
@@ -43,8 +44,12 @@ def test_layers_as_zero_argument_callables_and_explicit_plans(ray_session):
 
 
 def test_parameter_partition_places_big_layers_alone(ray_session):
-    layers = [LayerSpec(nn.Linear, 64, 64), LayerSpec(nn.Linear, 64, 2), LayerSpec(nn.Linear, 2, 2),
-              LayerSpec(nn.Linear, 2, 2)]
+    layers = [
+        LayerSpec(nn.Linear, 64, 64),
+        LayerSpec(nn.Linear, 64, 2),
+        LayerSpec(nn.Linear, 2, 2),
+        LayerSpec(nn.Linear, 2, 2),
+    ]
     with Trainer(layers, nn.functional.mse_loss, TrainConfig(pp=2, partition="parameters")) as t:
         assert t.plan == [(0, 1), (1, 4)]
 
@@ -61,7 +66,8 @@ def test_a_stage_without_parameters_trains_in_step(ray_session):
         assert [i["parameters"] for i in t.stage_info()] == [20, 0, 12]
         losses = [t.step(*data(k))["loss"] for k in range(3)]
         ref_losses, _, ref_final = reference_run(
-            layers, 4, lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), steps=3, data=data)
+            layers, 4, lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), steps=3, data=data
+        )
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
         assert_close_dicts(t.state_dict(), ref_final)
 

@@ -18,9 +18,14 @@ def results(ray_session, tmp_path_factory):
     import tune_lr
 
     earlier = set(ray.util.placement_group_table())  # groups of the session's earlier tests
-    grid = tune_lr.sweep(str(ROOT / "examples" / "configs" / "tiny.yaml"), [0.01, 1e-5], steps=12,
-                         storage=str(tmp_path_factory.mktemp("tune")), trial_cpus=0.25,
-                         overrides=("cpus_per_actor=0.25", "threads_per_actor=1", "data.val_fraction=0"))
+    grid = tune_lr.sweep(
+        str(ROOT / "examples" / "configs" / "tiny.yaml"),
+        [0.01, 1e-5],
+        steps=12,
+        storage=str(tmp_path_factory.mktemp("tune")),
+        trial_cpus=0.25,
+        overrides=("cpus_per_actor=0.25", "threads_per_actor=1", "data.val_fraction=0"),
+    )
     grid.groups = [g for pid, g in ray.util.placement_group_table().items() if pid not in earlier]
     return grid
 
@@ -80,8 +85,12 @@ def test_a_trial_whose_group_lacks_the_actors_bundles_is_told_how_to_reserve_the
         return "started"
 
     try:
-        message = ray.get(build.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
-            group, placement_group_capture_child_tasks=True)).remote(), timeout=120)
+        message = ray.get(
+            build.options(
+                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_capture_child_tasks=True)
+            ).remote(),
+            timeout=120,
+        )
     finally:
         remove_placement_group(group)
     assert "inside a placement group (a Ray Tune trial's) of 1 bundles" in message

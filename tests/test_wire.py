@@ -13,8 +13,14 @@ Pair = namedtuple("Pair", "x y")
 
 
 def test_round_trip_is_exact_for_every_dtype_a_batch_uses():
-    values = [torch.randn(3, 5), torch.randn(2, 3).to(torch.bfloat16), torch.randn(4).half(),
-              torch.randint(0, 50_000, (2, 8)), torch.tensor([True, False]), torch.randn(6, 4)[:, 1]]
+    values = [
+        torch.randn(3, 5),
+        torch.randn(2, 3).to(torch.bfloat16),
+        torch.randn(4).half(),
+        torch.randint(0, 50_000, (2, 8)),
+        torch.tensor([True, False]),
+        torch.randn(6, 4)[:, 1],
+    ]
     for value in values:
         packed = pack(value)
         assert isinstance(packed, Packed)
@@ -24,8 +30,11 @@ def test_round_trip_is_exact_for_every_dtype_a_batch_uses():
 
 
 def test_nested_batches_keep_their_structure():
-    batch = {"ids": torch.arange(6).view(2, 3), "parts": [torch.ones(2), (torch.zeros(1), "label")],
-             "pair": Pair(torch.ones(1), 3)}
+    batch = {
+        "ids": torch.arange(6).view(2, 3),
+        "parts": [torch.ones(2), (torch.zeros(1), "label")],
+        "pair": Pair(torch.ones(1), 3),
+    }
     packed = pack(batch)
     assert isinstance(packed["parts"][1], tuple) and isinstance(packed["pair"], Pair)
     back = unpack(packed)

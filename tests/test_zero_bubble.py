@@ -8,9 +8,10 @@ that resume under another schedule at another pp; a failure inside a V that stop
 import pytest
 import torch
 
-from helpers import assert_close_dicts, check_sgd_parity, lm_tokens, reference_run
 from raypipe import ConfigError, LayerSpec, StageError, TrainConfig, Trainer, build_schedule, peak_in_flight
 from raypipe.models import gpt
+
+from helpers import assert_close_dicts, check_sgd_parity, lm_tokens, reference_run
 
 SEED = 11
 SGD = {"name": "sgd", "lr": 0.1, "momentum": 0.9}
@@ -28,8 +29,9 @@ def sgd(params):
 
 @pytest.fixture(scope="module")
 def reference():
-    return {m: reference_run(LAYERS, SEED, sgd, steps=3, microbatches=m, loss_fn=gpt.loss_fn, data=tokens)
-            for m in (4, 8)}
+    return {
+        m: reference_run(LAYERS, SEED, sgd, steps=3, microbatches=m, loss_fn=gpt.loss_fn, data=tokens) for m in (4, 8)
+    }
 
 
 def config(**kwargs) -> TrainConfig:
@@ -37,16 +39,24 @@ def config(**kwargs) -> TrainConfig:
 
 
 # (pp, schedule the trainer is built with, dp, tp); a trainer built for zb-h1 also runs 1f1b and gpipe
-TRAINERS = [(2, "interleaved-1f1b", 1, 1), (2, "zb-v", 1, 1), (2, "zb-h1", 1, 1), (4, "interleaved-1f1b", 1, 1),
-            (4, "zb-v", 1, 1), (4, "zb-h1", 1, 1), (2, "zb-v", 2, 1), (2, "interleaved-1f1b", 1, 2), (2, "zb-h1", 2, 2),
-            (2, "zb-v", 1, 2)]
+TRAINERS = [
+    (2, "interleaved-1f1b", 1, 1),
+    (2, "zb-v", 1, 1),
+    (2, "zb-h1", 1, 1),
+    (4, "interleaved-1f1b", 1, 1),
+    (4, "zb-v", 1, 1),
+    (4, "zb-h1", 1, 1),
+    (2, "zb-v", 2, 1),
+    (2, "interleaved-1f1b", 1, 2),
+    (2, "zb-h1", 2, 2),
+    (2, "zb-v", 1, 2),
+]
 
 
 @pytest.fixture(scope="module", params=TRAINERS, ids=lambda p: f"pp{p[0]}-{p[1]}-dp{p[2]}-tp{p[3]}")
 def trainer(request, ray_session):
     pp, schedule, dp, tp = request.param
-    t = Trainer(LAYERS, gpt.loss_fn, config(pp=pp, dp=dp, tp=tp, zero=int(dp > 1), schedule=schedule,
-                                            microbatches=4))
+    t = Trainer(LAYERS, gpt.loss_fn, config(pp=pp, dp=dp, tp=tp, zero=int(dp > 1), schedule=schedule, microbatches=4))
     yield t
     t.shutdown()
 
@@ -60,8 +70,7 @@ def initial(trainer):
 @pytest.mark.parametrize("microbatches", [4, 8])
 def test_parity_with_one_process(trainer, initial, reference, microbatches):
     assert set(initial) == set(reference[4][2])
-    check_sgd_parity(trainer, initial, reference[microbatches], trainer.config.schedule, microbatches, SGD,
-                     data=tokens)
+    check_sgd_parity(trainer, initial, reference[microbatches], trainer.config.schedule, microbatches, SGD, data=tokens)
 
 
 @pytest.mark.slow
@@ -72,7 +81,11 @@ def test_each_actor_stashes_what_its_schedule_bounds(trainer, initial):
     planned = [peak_in_flight(a) for a in build_schedule(c.schedule, c.pp, 8, c.chunks)]
     assert [s["peak_stashed_microbatches"] for s in stages] == planned
     awaiting = [s["peak_awaiting_weight_grad"] for s in stages]
-    assert all(0 < a <= p for a, p in zip(awaiting, planned)) if c.schedule != "interleaved-1f1b" else awaiting == [0] * c.pp
+    assert (
+        all(0 < a <= p for a, p in zip(awaiting, planned))
+        if c.schedule != "interleaved-1f1b"
+        else awaiting == [0] * c.pp
+    )
     if c.schedule == "zb-h1":
         assert planned == [c.pp] * c.pp  # 1F1B's first stage, on every actor
     if c.schedule == "zb-v":
@@ -101,8 +114,10 @@ def test_chunks_hold_the_layers_of_their_virtual_stages(trainer):
         assert [i["virtual_stages"] for i in replica0] == [[0, 2], [1, 3]]
         assert [i["layers"] for i in replica0] == [[(0, 2), (4, 6)], [(2, 4), (6, 8)]]
     if c.dp == c.tp == 1:  # every stream between two actors on one node goes through shared memory
-        linked = {"interleaved-1f1b": [[1, c.pp - 1], [0, 2], [1, 3], [0, 2]][: c.pp] if c.pp == 4 else [[1], [0]],
-                  "zb-v": [[1], [0, 2], [1, 3], [2]][: c.pp] if c.pp == 4 else [[1], [0]]}.get(c.schedule)
+        linked = {
+            "interleaved-1f1b": [[1, c.pp - 1], [0, 2], [1, 3], [0, 2]][: c.pp] if c.pp == 4 else [[1], [0]],
+            "zb-v": [[1], [0, 2], [1, 3], [2]][: c.pp] if c.pp == 4 else [[1], [0]],
+        }.get(c.schedule)
         if linked is not None:
             assert [i["shm_peers"] for i in replica0] == linked
 
@@ -123,8 +138,7 @@ def test_activation_checkpointing_and_bf16_compose_with_split_backwards(zbv, ref
     zbv.reconfigure(activation_checkpointing=True)
     check_sgd_parity(zbv, start, reference[4], "zb-v", 4, SGD, data=tokens)
     zbv.reconfigure(activation_checkpointing=False, precision="bf16")
-    bf16 = reference_run(LAYERS, SEED, sgd, steps=3, microbatches=4, loss_fn=gpt.loss_fn, data=tokens,
-                         precision="bf16")
+    bf16 = reference_run(LAYERS, SEED, sgd, steps=3, microbatches=4, loss_fn=gpt.loss_fn, data=tokens, precision="bf16")
     zbv.reset_optimizer()
     zbv.load_state_dict(start)
     losses = [zbv.step(*tokens(k))["loss"] for k in range(3)]
@@ -187,8 +201,9 @@ def test_a_zb_v_checkpoint_resumes_under_1f1b_at_another_pp(zbv, tmp_path):
     after = zbv.step(*tokens(1))["loss"]
     saved_weights = zbv.state_dict()
     # the same run goes on in another trainer: resume, since the directory holds the run's checkpoint
-    with Trainer(LAYERS, gpt.loss_fn, config(pp=3, schedule="1f1b", microbatches=4, checkpoint_dir=str(tmp_path),
-                                             resume=True)) as t:
+    with Trainer(
+        LAYERS, gpt.loss_fn, config(pp=3, schedule="1f1b", microbatches=4, checkpoint_dir=str(tmp_path), resume=True)
+    ) as t:
         assert t.restored_from[0] == where and t.run_id == zbv.run_id
         assert t.step(*tokens(1))["loss"] == pytest.approx(after, rel=1e-5, abs=4e-5)  # momentum carried over
         assert_close_dicts(t.state_dict(), saved_weights)
@@ -216,8 +231,15 @@ def test_profiled_plans_split_per_virtual_stage_and_predict_by_simulating_the_sc
     from raypipe.planning.profiling import plan_from_profiles, scheduled_seconds
 
     layer = [0.01] * 4 + [0.03] * 4
-    profile = {"forward_s": layer, "backward_s": [2 * t for t in layer], "parameter_bytes": [1000] * 8,
-               "activation_bytes": [100] * 8, "memory_bytes": 2**30, "model": "test cpu", "cpu_fallback": False}
+    profile = {
+        "forward_s": layer,
+        "backward_s": [2 * t for t in layer],
+        "parameter_bytes": [1000] * 8,
+        "activation_bytes": [100] * 8,
+        "memory_bytes": 2**30,
+        "model": "test cpu",
+        "cpu_fallback": False,
+    }
     cfg = TrainConfig(pp=2, schedule="zb-v", microbatches=4, partition="profile")
     report = plan_from_profiles({"cpu": profile}, ["cpu", "cpu"], cfg)
     assert report.stages == [0, 1, 1, 0] and report.kinds == ["cpu"] * 4
@@ -229,7 +251,9 @@ def test_profiled_plans_split_per_virtual_stage_and_predict_by_simulating_the_sc
 
     assert report.step_seconds == pytest.approx(predicted(report.plan))
     assert report.step_seconds < predicted([(0, 3), (3, 5), (5, 6), (6, 8)])
-    assert report.step_seconds < report.uniform_step_seconds == pytest.approx(predicted([(0, 2), (2, 4), (4, 6), (6, 8)]))
+    assert (
+        report.step_seconds < report.uniform_step_seconds == pytest.approx(predicted([(0, 2), (2, 4), (4, 6), (6, 8)]))
+    )
     assert f"virtual stage 3 (stage 0): layers [{report.plan[3][0]}, 8) on cpu" in str(report)
 
 
@@ -238,8 +262,12 @@ def test_the_diagram_draws_each_virtual_stage_on_its_actor(dot, tmp_path):
 
     sample = torch.zeros(2, GPT.block_size, dtype=torch.long)
     arch = Architecture.from_config(LAYERS, TrainConfig(pp=2, schedule="zb-v", microbatches=4), sample)
-    assert [s.heading for s in arch.stages] == ["virtual stage 0 on stage 0", "virtual stage 1 on stage 1",
-                                                "virtual stage 2 on stage 1", "virtual stage 3 on stage 0"]
+    assert [s.heading for s in arch.stages] == [
+        "virtual stage 0 on stage 0",
+        "virtual stage 1 on stage 1",
+        "virtual stage 2 on stage 1",
+        "virtual stage 3 on stage 0",
+    ]
     svg = arch.save(tmp_path / "v.svg").read_text()  # Graphviz renders it
     assert "virtual stage 3 on stage 0" in svg and "(2, 8, 16) float32" in svg
 
@@ -254,8 +282,9 @@ def test_auto_picks_the_cheapest_predicted_schedule_and_the_step_takes_what_it_p
     layers = [LayerSpec(SimulatedCompute, 0.004, 0.004, weight_s=0.004) for _ in range(8)]
     x, y = torch.randn(16, 8), torch.randn(16, 8)
     lines = []
-    with Trainer(layers, torch.nn.functional.mse_loss, config(pp=2, schedule="auto"),
-                 sample=(x, y), log=lines.append) as t:
+    with Trainer(
+        layers, torch.nn.functional.mse_loss, config(pp=2, schedule="auto"), sample=(x, y), log=lines.append
+    ) as t:
         assert t.config.schedule in ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v")
         assert lines[0].startswith(f"schedule=auto chose {t.config.schedule}")
         predicted = t.plan_report.step_seconds  # the chosen plan's, without the engine's per-action cost
@@ -263,6 +292,7 @@ def test_auto_picks_the_cheapest_predicted_schedule_and_the_step_takes_what_it_p
             t.step(x, y)
         measured = sorted(t.step(x, y)["step_time"] for _ in range(3))[1]
     from raypipe.planning.autoschedule import ACTION_OVERHEAD_S
+
     actions = max(len(a) for a in build_schedule(t.config.schedule, 2, t.config.microbatches, t.config.chunks))
     assert predicted + ACTION_OVERHEAD_S * actions == pytest.approx(measured, rel=0.35), (lines[0], measured)
     ranked = [line for line in lines[0].splitlines()[1:] if line.startswith("  ") and " ms" in line]

@@ -13,16 +13,23 @@ from typing import Any
 
 import torch
 
-from raypipe.checkpoint import layout as ckpt
 from raypipe.actors.model import StageModel
 from raypipe.actors.optimizer import OptimizerState
+from raypipe.checkpoint import layout as ckpt
+from raypipe.checkpoint.storage import location, redact, scrub
 from raypipe.errors import StageError
 from raypipe.nn import merge, shard
-from raypipe.checkpoint.storage import location, redact, scrub
 
 
-def save_stage(model: StageModel, optim: OptimizerState, directory: str, stage: int, name: str,
-               tp_ranks: list[int], ep_ranks: list[int] = ()) -> dict[str, Any]:
+def save_stage(
+    model: StageModel,
+    optim: OptimizerState,
+    directory: str,
+    stage: int,
+    name: str,
+    tp_ranks: list[int],
+    ep_ranks: list[int] = (),
+) -> dict[str, Any]:
     """Writes this stage's layers, their optimizer state and its RNG state (a collective of the
     stage's dp and tp groups: every replica and rank calls it; under expert parallelism replicas
     1..ep-1 send replica 0 their experts, so each layer's file holds all of them).
@@ -65,8 +72,12 @@ def save_stage(model: StageModel, optim: OptimizerState, directory: str, stage: 
         )
     files = {}
     for index in model.layers:
-        files[ckpt.layer_file("model", index)] = ckpt.save_tensors(root / ckpt.layer_file("model", index), models[index])
-        files[ckpt.layer_file("optim", index)] = ckpt.save_tensors(root / ckpt.layer_file("optim", index), states[index])
+        files[ckpt.layer_file("model", index)] = ckpt.save_tensors(
+            root / ckpt.layer_file("model", index), models[index]
+        )
+        files[ckpt.layer_file("optim", index)] = ckpt.save_tensors(
+            root / ckpt.layer_file("optim", index), states[index]
+        )
     rng = ckpt.rng_file(stage)
     files[rng] = ckpt.save_tensors(root / rng, {"torch": torch.get_rng_state()})
     return {"files": files, "loss_scaler": optim.scaler_state()}
@@ -75,8 +86,9 @@ def save_stage(model: StageModel, optim: OptimizerState, directory: str, stage: 
 Shapes = dict[str, tuple[tuple[int, ...], bool]]  # key -> (full shape, floating point?)
 
 
-def expected_tensors(model: StageModel, j: int, layer: torch.nn.Module,
-                     adapters_only: bool) -> tuple[dict[str, tuple[int, ...] | None], set[str]]:
+def expected_tensors(
+    model: StageModel, j: int, layer: torch.nn.Module, adapters_only: bool
+) -> tuple[dict[str, tuple[int, ...] | None], set[str]]:
     """What a checkpoint file (`adapters_only` in a LoRA run: a checkpoint holds the adapters) or a
     state dict must hold for local layer `j`: every tensor of its state with its full shape (tp
     shards put back together), a floating-point one; None for what is not floating point (a
@@ -125,8 +137,10 @@ def check_stage(model: StageModel, directory: str, name: str) -> list[str]:
         try:
             got = ckpt.tensor_shapes(path)
         except Exception as error:  # noqa: BLE001 - missing or unreadable: a problem to report
-            problems.append(f"{name}: cannot read {ckpt.layer_file('model', index)}: {type(error).__name__}: "
-                            f"{scrub(str(error), directory)}")
+            problems.append(
+                f"{name}: cannot read {ckpt.layer_file('model', index)}: {type(error).__name__}: "
+                f"{scrub(str(error), directory)}"
+            )
             continue
         problems += mismatches(f"layer {index}", *expected_tensors(model, j, layer, model.lora), got)
     return problems
@@ -137,13 +151,23 @@ def check_state(model: StageModel, state: dict[str, torch.Tensor]) -> list[str]:
     problems = []
     for j, (index, layer) in enumerate(zip(model.layers, model.module)):
         prefix = f"{index}."
-        got = {k[len(prefix):]: (tuple(v.shape), v.is_floating_point()) for k, v in state.items() if k.startswith(prefix)}
+        got = {
+            k[len(prefix) :]: (tuple(v.shape), v.is_floating_point()) for k, v in state.items() if k.startswith(prefix)
+        }
         problems += mismatches(f"layer {index}", *expected_tensors(model, j, layer, False), got)
     return problems
 
 
-def load_stage(model: StageModel, optim: OptimizerState, directory: str, stage: int, name: str,
-               loss_scaler: dict, restore_rng: bool, optimizer_state: bool = True) -> None:
+def load_stage(
+    model: StageModel,
+    optim: OptimizerState,
+    directory: str,
+    stage: int,
+    name: str,
+    loss_scaler: dict,
+    restore_rng: bool,
+    optimizer_state: bool = True,
+) -> None:
     """Loads this stage's layers and optimizer state from a verified checkpoint, cut to this
     actor's tp shard and (under ZeRO) its share of the optimizer state; `optimizer_state=False`
     (a checkpoint of another optimizer) starts the optimizer afresh instead.
@@ -165,7 +189,8 @@ def load_stage(model: StageModel, optim: OptimizerState, directory: str, stage: 
                     if optim.stepped(p) in stepped and param_name in state:
                         spec = model.shard_specs.get(f"{j}.{param_name}")
                         optimizer.state[optim.stepped(p)] = {
-                            k: shard(v, spec, tp.rank, tp.size) if spec is not None and tp.size > 1 and is_per_element(v)
+                            k: shard(v, spec, tp.rank, tp.size)
+                            if spec is not None and tp.size > 1 and is_per_element(v)
                             else v
                             for k, v in state[param_name].items()
                         }
@@ -176,8 +201,9 @@ def load_stage(model: StageModel, optim: OptimizerState, directory: str, stage: 
     except StageError:
         raise
     except Exception as error:
-        raise StageError(f"{name} could not load {redact(directory)}: {type(error).__name__}: "
-                         f"{scrub(str(error), directory)}") from error
+        raise StageError(
+            f"{name} could not load {redact(directory)}: {type(error).__name__}: {scrub(str(error), directory)}"
+        ) from error
     optim.restore_scaler(loss_scaler)
     optim.sync_masters()  # bf16 weights' masters restart from the saved (bf16) weights
 
@@ -203,8 +229,9 @@ def _load_layer(layer: torch.nn.Module, state: dict[str, torch.Tensor], lora: bo
     layer.load_state_dict(state, strict=False)
 
 
-def _gather_experts(model: StageModel, models: dict[int, dict], states: dict[int, dict],
-                    ep_ranks: list[int]) -> tuple[dict, dict]:
+def _gather_experts(
+    model: StageModel, models: dict[int, dict], states: dict[int, dict], ep_ranks: list[int]
+) -> tuple[dict, dict]:
     """Gathers the experts (weights and optimizer state) of ep ranks 1..ep-1 into ep rank 0's dicts."""
     import torch.distributed as dist
 
@@ -218,8 +245,9 @@ def _gather_experts(model: StageModel, models: dict[int, dict], states: dict[int
     return models, states
 
 
-def _merge_tp_shards(model: StageModel, models: dict[int, dict], states: dict[int, dict],
-                     tp_ranks: list[int]) -> tuple[dict, dict]:
+def _merge_tp_shards(
+    model: StageModel, models: dict[int, dict], states: dict[int, dict], tp_ranks: list[int]
+) -> tuple[dict, dict]:
     """Gathers every tp rank's layer weights and optimizer state; rank 0 gets them merged."""
     import torch.distributed as dist
 
@@ -247,15 +275,17 @@ def is_per_element(value: Any) -> bool:
     return torch.is_tensor(value) and value.dim() > 0
 
 
-def save_tensors(state: dict[str, torch.Tensor], names: dict[str, str | None], path: str,
-                 transpose: Any = ()) -> dict[str, int]:
+def save_tensors(
+    state: dict[str, torch.Tensor], names: dict[str, str | None], path: str, transpose: Any = ()
+) -> dict[str, int]:
     """Writes the tensors of `state` under their `names` (those named None are left out; those
     in `transpose` transposed) to one safetensors file; returns the names written and their
     sizes in bytes."""
     from safetensors.torch import save_file
 
     flip = set(transpose)
-    tensors = {names[k]: (v.t() if k in flip else v).detach().cpu().contiguous()
-               for k, v in state.items() if names.get(k)}
+    tensors = {
+        names[k]: (v.t() if k in flip else v).detach().cpu().contiguous() for k, v in state.items() if names.get(k)
+    }
     save_file(tensors, path, metadata={"format": "pt"})
     return {k: v.numel() * v.element_size() for k, v in tensors.items()}

@@ -8,7 +8,8 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -35,17 +36,26 @@ class Executor:
         name: the actor's name, for error messages.
     """
 
-    def __init__(self, model: StageModel, stage: int, is_last: bool, loss_fn: Callable[[Any, Any], Any] | None,
-                 loss_scale: Callable[[], float], name: str,
-                 chunks: dict[int, tuple[int, int]] | None = None, num_virtual: int | None = None) -> None:
+    def __init__(
+        self,
+        model: StageModel,
+        stage: int,
+        is_last: bool,
+        loss_fn: Callable[[Any, Any], Any] | None,
+        loss_scale: Callable[[], float],
+        name: str,
+        chunks: dict[int, tuple[int, int]] | None = None,
+        num_virtual: int | None = None,
+    ) -> None:
         self.model, self.module, self.device = model, model.module, model.device
         self.stage, self.is_last, self.loss_fn, self.loss_scale, self.name = stage, is_last, loss_fn, loss_scale, name
         # virtual stage -> (its layers as a module, is it the first, is it the last); one without chunks
         if chunks is None:
             self.parts = {stage: (self.module, stage == 0, is_last)}
         else:
-            self.parts = {v: (nn.Sequential(*self.module[lo:hi]), v == 0, v == num_virtual - 1)
-                          for v, (lo, hi) in chunks.items()}
+            self.parts = {
+                v: (nn.Sequential(*self.module[lo:hi]), v == 0, v == num_virtual - 1) for v, (lo, hi) in chunks.items()
+            }
         self.only = next(iter(self.parts)) if len(self.parts) == 1 else None
         self.settings: StageSettings | None = None
         self.current_call = -1
@@ -61,8 +71,16 @@ class Executor:
         if call_id != self.current_call:
             self.current_call = call_id
             self.losses_finite = True
-            self.timing = {"forward_s": 0.0, "backward_s": 0.0, "first_start": math.inf, "last_end": 0.0,
-                           "peak_stashed": 0, "peak_awaiting_weight": 0, "sent_bytes": 0, "all_to_all_s": 0.0}
+            self.timing = {
+                "forward_s": 0.0,
+                "backward_s": 0.0,
+                "first_start": math.inf,
+                "last_end": 0.0,
+                "peak_stashed": 0,
+                "peak_awaiting_weight": 0,
+                "sent_bytes": 0,
+                "all_to_all_s": 0.0,
+            }
             if self.settings.measure_activations:
                 self.timing["peak_stashed_bytes"] = 0
             self.events = []
@@ -179,8 +197,11 @@ class Executor:
     @staticmethod
     def _pairs(out: Any, grad: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(output leaf, its gradient) for the leaves that need one; the others get None back."""
-        return [(o, g.to(o.device, o.dtype)) for o, g in zip(leaves(out), leaves(grad))
-                if torch.is_tensor(o) and o.requires_grad and g is not None]
+        return [
+            (o, g.to(o.device, o.dtype))
+            for o, g in zip(leaves(out), leaves(grad))
+            if torch.is_tensor(o) and o.requires_grad and g is not None
+        ]
 
     @staticmethod
     def _input_grads(x: Any) -> Any:

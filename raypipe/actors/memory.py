@@ -16,7 +16,7 @@ so they are on only when `TrainConfig.measure_activations` asks for them.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 

@@ -8,7 +8,8 @@ on how the model is split.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -38,17 +39,27 @@ class StageModel:
         moes: its MoE layers under "<global layer index>.<module name>", found once.
     """
 
-    def __init__(self, specs: Sequence[LayerSpec], start: int | Sequence[int], seed: int, device: torch.device,
-                 tp: TensorParallelGroup, tied: Sequence[Sequence[str]] = (), lora: dict | None = None,
-                 quantize: str | None = None, ep: ExpertParallelGroup | None = None) -> None:
+    def __init__(
+        self,
+        specs: Sequence[LayerSpec],
+        start: int | Sequence[int],
+        seed: int,
+        device: torch.device,
+        tp: TensorParallelGroup,
+        tied: Sequence[Sequence[str]] = (),
+        lora: dict | None = None,
+        quantize: str | None = None,
+        ep: ExpertParallelGroup | None = None,
+    ) -> None:
         # `start`: the first layer's global index, or every layer's (model chunks hold several ranges)
         self.indices = list(range(start, start + len(specs))) if isinstance(start, int) else list(start)
         self.local = {index: j for j, index in enumerate(self.indices)}
         self.device, self.tp, self.ep = device, tp, ep or ExpertParallelGroup()
         self.foreign: set[str] = set()
         self.foreign_specs: dict[str, Any] = {}  # how the experts held elsewhere split across tp ranks
-        self.module = nn.Sequential(*[self._build(spec, seed, index, j)
-                                      for j, (spec, index) in enumerate(zip(specs, self.indices))])
+        self.module = nn.Sequential(
+            *[self._build(spec, seed, index, j) for j, (spec, index) in enumerate(zip(specs, self.indices))]
+        )
         self.lora = lora is not None
         if lora is not None:  # adapters under a seed per layer, then everything else frozen
             from raypipe import lora as lora_
@@ -139,7 +150,9 @@ class StageModel:
             StageError: the keys are not exactly this stage's adapters (`name` says whose).
         """
         if set(state) != set(self.adapters()):
-            raise StageError(f"{name}: load_adapters: got {sorted(state)[:3]}..., expected {sorted(self.adapters())[:3]}...")
+            raise StageError(
+                f"{name}: load_adapters: got {sorted(state)[:3]}..., expected {sorted(self.adapters())[:3]}..."
+            )
         with torch.no_grad():
             params = dict(self.module.named_parameters())
             for key, value in state.items():
@@ -156,8 +169,11 @@ class StageModel:
 
     def gradients(self) -> dict[str, torch.Tensor]:
         """The last step's gradients under global keys (every key of a tied weight); this rank's shards."""
-        return {self.global_key(k): p.grad.detach().clone()
-                for k, p in self.module.named_parameters(remove_duplicate=False) if p.grad is not None}
+        return {
+            self.global_key(k): p.grad.detach().clone()
+            for k, p in self.module.named_parameters(remove_duplicate=False)
+            if p.grad is not None
+        }
 
     def _tie(self, tied: Sequence[Sequence[str]]) -> dict[int, nn.Parameter]:
         """Makes the keys of each tied group held here one Parameter (the first key's); returns
@@ -172,8 +188,10 @@ class StageModel:
                 parent, _, name = key.rpartition(".")
                 owner = self.module.get_submodule(parent)
                 if owner.get_parameter(name).shape != first.shape:
-                    raise StageError(f"tied weights {group[0]} and {key} differ in shape: "
-                                     f"{tuple(first.shape)} vs {tuple(owner.get_parameter(name).shape)}")
+                    raise StageError(
+                        f"tied weights {group[0]} and {key} differ in shape: "
+                        f"{tuple(first.shape)} vs {tuple(owner.get_parameter(name).shape)}"
+                    )
                 setattr(owner, name, first)
             held[g] = first
         return held
@@ -182,8 +200,10 @@ class StageModel:
         """Full tensors under local keys -> this tp rank's shards (replicated ones unchanged)."""
         if self.tp.size == 1:
             return local
-        return {k: shard(v, self.shard_specs[k], self.tp.rank, self.tp.size) if k in self.shard_specs else v
-                for k, v in local.items()}
+        return {
+            k: shard(v, self.shard_specs[k], self.tp.rank, self.tp.size) if k in self.shard_specs else v
+            for k, v in local.items()
+        }
 
     def _build(self, spec: LayerSpec, seed: int, index: int, j: int) -> nn.Module:
         """Builds the whole layer under its seed, then keeps this tp rank's shard of it (and this ep

@@ -184,10 +184,12 @@ class OptimizerState:
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state, fp32 master copies included."""
-        return sum(v.numel() * v.element_size()
-                   for state in (self.optimizer.state.values() if self.optimizer else [])
-                   for v in state.values() if torch.is_tensor(v)) + sum(
-            m.numel() * m.element_size() for m in self.masters.values())
+        return sum(
+            v.numel() * v.element_size()
+            for state in (self.optimizer.state.values() if self.optimizer else [])
+            for v in state.values()
+            if torch.is_tensor(v)
+        ) + sum(m.numel() * m.element_size() for m in self.masters.values())
 
     def scaler_state(self) -> dict[str, Any]:
         return dataclasses.asdict(self.scaler)
@@ -209,7 +211,9 @@ class OptimizerState:
         shared, experts = self.split_experts(params)
         mine = [p for p, owner in zip(shared, zero.owners(shared, self.dp_size)) if owner == self.dp_rank]
         holders = self.dp_size // self.ep_size
-        return mine + [p for p, owner in zip(experts, zero.owners(experts, holders)) if owner == self.dp_rank // self.ep_size]
+        return mine + [
+            p for p, owner in zip(experts, zero.owners(experts, holders)) if owner == self.dp_rank // self.ep_size
+        ]
 
     def broadcast_owned(self) -> None:
         shared, experts = self.split_experts(self.model.trainable())
@@ -242,7 +246,10 @@ class OptimizerState:
         states: dict[int, dict[str, dict]] = {}
         for index, layer in zip(self.model.layers, self.model.module):
             states[index] = {
-                name: {k: (v.clone() if torch.is_tensor(v) else v) for k, v in self.optimizer.state[self.stepped(p)].items()}
+                name: {
+                    k: (v.clone() if torch.is_tensor(v) else v)
+                    for k, v in self.optimizer.state[self.stepped(p)].items()
+                }
                 for name, p in layer.named_parameters()
                 if self.optimizer is not None and self.stepped(p) in self.optimizer.state
             }

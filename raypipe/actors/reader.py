@@ -11,13 +11,14 @@ it has passed).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
 
-from raypipe.errors import BatchError
 from raypipe.data.batches import Prepared, prepare
+from raypipe.errors import BatchError
 
 
 def default_collate(batch: dict[str, np.ndarray]) -> tuple[Any, Any]:
@@ -33,16 +34,25 @@ def default_collate(batch: dict[str, np.ndarray]) -> tuple[Any, Any]:
     if "input_ids" in columns:
         ids = tensor("input_ids")
         return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
-    raise BatchError(f"the dataset's columns are {sorted(columns)}: name them x and y, or input_ids (and labels), "
-                     f"or give collate=fn(batch of numpy columns) -> (x, y)")
+    raise BatchError(
+        f"the dataset's columns are {sorted(columns)}: name them x and y, or input_ids (and labels), "
+        f"or give collate=fn(batch of numpy columns) -> (x, y)"
+    )
 
 
 class DatasetReader:
     """Reads `dataset` in order, `batch_size` rows per step, each batch `collate`d into `(x, y)`
     and cut for `dp` replicas x `microbatches` (`raypipe.data.batches.prepare`)."""
 
-    def __init__(self, dataset: Any, batch_size: int, collate: Callable[[dict], tuple[Any, Any]] | None, dp: int,
-                 microbatches: int, loss_fn: Any) -> None:
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int,
+        collate: Callable[[dict], tuple[Any, Any]] | None,
+        dp: int,
+        microbatches: int,
+        loss_fn: Any,
+    ) -> None:
         context = dataset.context
         context.execution_options.preserve_order = True  # the same batches in the same order, every read
         context.enable_progress_bars = False
@@ -75,6 +85,8 @@ class DatasetReader:
         x, y = self.collate(next(self.rows))
         self.position += 1
         cut = prepare(x, y, self.dp, self.microbatches, self.loss_fn)
-        packed = [(ray.put(pack_microbatches(list(xs))), ray.put(pack_microbatches(list(ys))))
-                  for xs, ys in zip(cut.inputs, cut.targets)]
+        packed = [
+            (ray.put(pack_microbatches(list(xs))), ray.put(pack_microbatches(list(ys))))
+            for xs, ys in zip(cut.inputs, cut.targets)
+        ]
         return Prepared(None, None, cut.weights, cut.samples, cut.tokens, cut.varying, packed)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-
 from raypipe.transport.tree import map_tensors
 from raypipe.transport.wire import pack, unpack
 

@@ -26,7 +26,7 @@ class StageSettings:
     stop_on_nonfinite: bool = True
 
     @classmethod
-    def from_config(cls, c: Any) -> "StageSettings":
+    def from_config(cls, c: Any) -> StageSettings:
         """The settings of a `TrainConfig`."""
         return cls(
             microbatches=c.microbatches,

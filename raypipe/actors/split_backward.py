@@ -18,8 +18,9 @@ the split, as in torch; such a stage should use a schedule without I/W.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
@@ -34,8 +35,12 @@ class Deferred:
     whole: tuple[list[torch.Tensor], list[torch.Tensor] | None] | None = None
 
 
-def input_gradients(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor] | None,
-                    inputs: Sequence[torch.Tensor], weights: Sequence[torch.nn.Parameter]) -> Deferred:
+def input_gradients(
+    outputs: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor] | None,
+    inputs: Sequence[torch.Tensor],
+    weights: Sequence[torch.nn.Parameter],
+) -> Deferred:
     """Sets `.grad` on each of `inputs` (tensors that require grad) from `outputs` and their
     `grads` (None: `outputs` is the scaled loss); returns what `weight_gradients` needs."""
     outputs, grads = list(outputs), None if grads is None else list(grads)

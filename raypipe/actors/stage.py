@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
-from raypipe.checkpoint import storage
 from raypipe.actors import checkpoint_io, step_list
 from raypipe.actors.executor import Executor
 from raypipe.actors.memory import max_rss_bytes
@@ -28,6 +28,7 @@ from raypipe.actors.model import StageModel, gpu_identity, resolve_device
 from raypipe.actors.optimizer import OptimizerState
 from raypipe.actors.refs_calls import RefsCalls, to_host
 from raypipe.actors.settings import StageSettings
+from raypipe.checkpoint import storage
 from raypipe.devices import SERVING_ENV
 from raypipe.errors import StageError
 from raypipe.layers import LayerSpec
@@ -109,8 +110,16 @@ class StageActor(RefsCalls):
         for v, a, b in self.chunks:
             positions[v] = (local, local + b - a)
             local += b - a
-        self.executor = Executor(self.model, stage, self.is_last, loss_fn, lambda: self.optim.loss_scale, name,
-                                 positions if chunks else None, self.num_virtual)
+        self.executor = Executor(
+            self.model,
+            stage,
+            self.is_last,
+            loss_fn,
+            lambda: self.optim.loss_scale,
+            name,
+            positions if chunks else None,
+            self.num_virtual,
+        )
         self.unapplied_call: int | None = None  # the last p2p step whose update was not applied
 
     def __repr__(self) -> str:  # Ray's dashboard and logs show this as the actor's repr
@@ -159,12 +168,24 @@ class StageActor(RefsCalls):
 
         return rendezvous_address()
 
-    def join(self, address: str, port: int, world_size: int, rank: int,
-             groups: list[list[int]], dp_group: list[int], tp_group: list[int], timeout: float,
-             backends: list[str] | None = None, neighbours: Sequence[int] = (),
-             same_node_transport: str = "shm", tied_groups: Sequence[tuple[int, list[int]]] = (),
-             ep_group: Sequence[int] = (), expert_group: Sequence[int] = (),
-             streams: Sequence[tuple[int, int, int, int, str]] = ()) -> list[int]:
+    def join(
+        self,
+        address: str,
+        port: int,
+        world_size: int,
+        rank: int,
+        groups: list[list[int]],
+        dp_group: list[int],
+        tp_group: list[int],
+        timeout: float,
+        backends: list[str] | None = None,
+        neighbours: Sequence[int] = (),
+        same_node_transport: str = "shm",
+        tied_groups: Sequence[tuple[int, list[int]]] = (),
+        ep_group: Sequence[int] = (),
+        expert_group: Sequence[int] = (),
+        streams: Sequence[tuple[int, int, int, int, str]] = (),
+    ) -> list[int]:
         """Joins the trainer's torch.distributed world, keeps its dp and tp groups, and links
         to its pipeline `neighbours` (world ranks) on this node through shared memory
         (`raypipe.transport.shm`) unless `same_node_transport` is "gloo"; with "shm"
@@ -188,11 +209,11 @@ class StageActor(RefsCalls):
         self.optim.dp_group, self.optim.dp_ranks = mine.get(tuple(sorted(dp_group))), list(dp_group)
         self.tp.group, self.tp_ranks = mine.get(tuple(sorted(tp_group))), list(tp_group)
         self.ep.group, self.ep_ranks = mine.get(tuple(sorted(ep_group))), list(ep_group)
-        self.optim.expert_group, self.optim.expert_ranks = (mine.get(tuple(sorted(expert_group))),
-                                                            list(expert_group))
+        self.optim.expert_group, self.optim.expert_ranks = (mine.get(tuple(sorted(expert_group))), list(expert_group))
         world.join_tied(self.model, self.optim, rank, tied_groups, mine)
-        linked = world.connect(rank, neighbours, streams, joined, backends or [], self.model.device,
-                               same_node_transport, timeout)
+        linked = world.connect(
+            rank, neighbours, streams, joined, backends or [], self.model.device, same_node_transport, timeout
+        )
         self.links, self.streams, self.agrees_through_pipes = linked.links, linked.streams, linked.agrees_through_pipes
         return linked.shm_peers
 
@@ -250,14 +271,23 @@ class StageActor(RefsCalls):
         name the stage that failed first."""
         actions, peers = payload["lists"][self.name]
         try:
-            return self.run_actions(StepCall(
-                payload["call_id"], payload["step"], actions,
-                payload["inputs"][self.optim.dp_rank] if self.holds_first else None,
-                payload["targets"][self.optim.dp_rank] if self.is_last else None, peers,
-                None, payload["varying"], payload["weights"][self.optim.dp_rank] if self.is_last else None,
-            ))
+            return self.run_actions(
+                StepCall(
+                    payload["call_id"],
+                    payload["step"],
+                    actions,
+                    payload["inputs"][self.optim.dp_rank] if self.holds_first else None,
+                    payload["targets"][self.optim.dp_rank] if self.is_last else None,
+                    peers,
+                    None,
+                    payload["varying"],
+                    payload["weights"][self.optim.dp_rank] if self.is_last else None,
+                )
+            )
         except Exception as error:  # noqa: BLE001 - handed to the driver, which raises it
-            return error if isinstance(error, StageError) else StageError(f"{self.name}: {type(error).__name__}: {error}")
+            return (
+                error if isinstance(error, StageError) else StageError(f"{self.name}: {type(error).__name__}: {error}")
+            )
 
     def _finish_step(self, step: int, failure: Exception | None) -> dict[str, Any]:
         """Reduces gradients over dp, then agrees with every actor through one all-reduce on
@@ -271,16 +301,16 @@ class StageActor(RefsCalls):
             optim.reduce_gradients()
         sq, finite = optim.grad_stats(self.executor.losses_finite) if failure is None else (0.0, True)
         # each actor's share counts every gradient once (`OptimizerState.norm_share`)
-        votes = torch.tensor([sq, float(not finite), float(failure is not None)],
-                             dtype=torch.float64)
+        votes = torch.tensor([sq, float(not finite), float(failure is not None)], dtype=torch.float64)
         if dist.is_initialized():  # a lone actor (pp = dp = tp = 1) has no world to agree with
             votes = agree.all_sum(votes)
         if votes[2] > 0:
             self.unapplied_call = self.executor.current_call
             self.executor.clear_stash()
             if failure is None or isinstance(failure, PeerFailed):
-                raise StageError(f"{self.name} stopped: world ranks failed earlier in this step "
-                                 f"(see that stage's error)")
+                raise StageError(
+                    f"{self.name} stopped: world ranks failed earlier in this step (see that stage's error)"
+                )
             raise failure
         finite = votes[1] == 0
         if not finite and optim.settings.stop_on_nonfinite:
@@ -293,8 +323,12 @@ class StageActor(RefsCalls):
         executor = self.executor
         executor.clear_stash()
         routed = take_step_report(self.model.moes)  # MoE layers' routing, all-to-all
-        return {**report, "timing": {**executor.timing, **routed}, "events": list(executor.events),
-                "peak_memory_bytes": _peak_memory_bytes(self.model.device)}
+        return {
+            **report,
+            "timing": {**executor.timing, **routed},
+            "events": list(executor.events),
+            "peak_memory_bytes": _peak_memory_bytes(self.model.device),
+        }
 
     # ----- inference, weights, checkpoints ------------------------------------------
 
@@ -307,8 +341,9 @@ class StageActor(RefsCalls):
     def end_generation(self) -> None:
         self.executor.end_generation()
 
-    def save_tensors(self, path: str, names: dict[str, str | None], transpose: Sequence[str] = (),
-                     merge: bool = False) -> dict[str, int]:
+    def save_tensors(
+        self, path: str, names: dict[str, str | None], transpose: Sequence[str] = (), merge: bool = False
+    ) -> dict[str, int]:
         """Writes this stage's base weights (LoRA adapters folded in when `merge`) to one safetensors
         file under `names` (global key -> the file's key; None leaves a key out; keys in
         `transpose` transposed), for exports such as `Trainer.save_pretrained`."""
@@ -343,8 +378,9 @@ class StageActor(RefsCalls):
 
     def save_checkpoint(self, directory: str) -> dict[str, Any]:
         """Writes this stage's layers, their optimizer state and its RNG state (`checkpoint_io`)."""
-        return checkpoint_io.save_stage(self.model, self.optim, directory, self.stage, self.name, self.tp_ranks,
-                                        self.ep_ranks)
+        return checkpoint_io.save_stage(
+            self.model, self.optim, directory, self.stage, self.name, self.tp_ranks, self.ep_ranks
+        )
 
     def read_text(self, path: str) -> str | None:  # does this node see checkpoint_dir? (checkpoints.check_reachable)
         return storage.read_text(path)
@@ -355,10 +391,13 @@ class StageActor(RefsCalls):
     def check_state_dict(self, state: dict[str, torch.Tensor]) -> list[str]:  # likewise for load_state_dict
         return checkpoint_io.check_state(self.model, state)
 
-    def load_checkpoint(self, directory: str, loss_scaler: dict, restore_rng: bool, optimizer_state: bool = True) -> None:
+    def load_checkpoint(
+        self, directory: str, loss_scaler: dict, restore_rng: bool, optimizer_state: bool = True
+    ) -> None:
         """Loads this stage's layers and optimizer state (or starts the optimizer afresh) from a checkpoint."""
-        checkpoint_io.load_stage(self.model, self.optim, directory, self.stage, self.name, loss_scaler, restore_rng,
-                                 optimizer_state)
+        checkpoint_io.load_stage(
+            self.model, self.optim, directory, self.stage, self.name, loss_scaler, restore_rng, optimizer_state
+        )
 
 
 def _peak_memory_bytes(device: torch.device) -> int:

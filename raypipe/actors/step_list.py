@@ -8,8 +8,9 @@ Plain Python and torch: the links are anything with `send`/`poison`/`take`/`refi
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from raypipe.actors.executor import Executor
 
@@ -32,8 +33,14 @@ class StepLinks:
         return 2 * (v * self.microbatches + m) + (what == "G")
 
 
-def links_for(executor: Executor, actions: Sequence[tuple[str, int, int]], peers: Sequence[int], varying: bool,
-              num_virtual: int, streams: dict[tuple[int, str], Any] | None = None) -> "StepLinks":
+def links_for(
+    executor: Executor,
+    actions: Sequence[tuple[str, int, int]],
+    peers: Sequence[int],
+    varying: bool,
+    num_virtual: int,
+    streams: dict[tuple[int, str], Any] | None = None,
+) -> StepLinks:
     """This step's streams: for each virtual stage held, from and to the actors holding its
     neighbours (`peers`: the world rank holding each virtual stage, for this replica and tp
     rank). With model chunks two actors may exchange several streams: each is a channel of
@@ -49,18 +56,26 @@ def links_for(executor: Executor, actions: Sequence[tuple[str, int, int]], peers
         forwards = [m for kind, m, u in actions if u == v and kind == "F"]
         backwards = [m for kind, m, u in actions if u == v and kind in ("B", "I")]
         if v > 0 and v - 1 not in held:
-            links.activations[v] = transport.inbox(peers[v - 1], [links.tag(v - 1, m, "F") for m in forwards],
-                                                   streams.get((v - 1, "F")))
+            links.activations[v] = transport.inbox(
+                peers[v - 1], [links.tag(v - 1, m, "F") for m in forwards], streams.get((v - 1, "F"))
+            )
             links.to_prev[v] = transport.outbox(peers[v - 1], len(backwards), varying, 2 * v + 1, streams.get((v, "G")))
         if v < last and v + 1 not in held:
-            links.gradients[v] = transport.inbox(peers[v + 1], [links.tag(v + 1, m, "G") for m in backwards],
-                                                 streams.get((v + 1, "G")))
+            links.gradients[v] = transport.inbox(
+                peers[v + 1], [links.tag(v + 1, m, "G") for m in backwards], streams.get((v + 1, "G"))
+            )
             links.to_next[v] = transport.outbox(peers[v + 1], len(forwards), varying, 2 * v, streams.get((v, "F")))
     return links
 
 
-def run_list(executor: Executor, actions: Sequence[tuple[str, int, int]], inputs: Any, targets: Any, links: "StepLinks",
-             weights: Sequence[float] | None = None) -> tuple[list[Any], Exception | None]:
+def run_list(
+    executor: Executor,
+    actions: Sequence[tuple[str, int, int]],
+    inputs: Any,
+    targets: Any,
+    links: StepLinks,
+    weights: Sequence[float] | None = None,
+) -> tuple[list[Any], Exception | None]:
     """Runs a step's action list, (kind, microbatch, virtual stage) in order, taking boundaries
     from `links`' inboxes and sending results to its outboxes; a boundary between two virtual
     stages this actor holds (the turn of a V) is handed over in place. After a failure it
@@ -81,8 +96,9 @@ def run_list(executor: Executor, actions: Sequence[tuple[str, int, int]], inputs
             try:
                 x = inputs[m] if first else box.take() if box is not None else handed.pop(("F", v, m))
                 if failure is None:
-                    out = executor.forward(m, x, targets[m] if last else None,
-                                           weights[m] if weights is not None and last else 1.0, v)
+                    out = executor.forward(
+                        m, x, targets[m] if last else None, weights[m] if weights is not None and last else 1.0, v
+                    )
             except Exception as error:  # noqa: BLE001 - kept, raised after the list is done
                 failure = failure or error
             if last:
@@ -130,4 +146,3 @@ def send_or_poison(box: Any, value: Any, tag: int, failure: Exception | None) ->
             failure = error
     box.poison(tag)
     return failure
-

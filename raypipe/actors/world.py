@@ -5,8 +5,9 @@ neighbours on this node, gloo to the others."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -34,9 +35,16 @@ def by_members(groups: Sequence[Sequence[int]], joined: Sequence[Any]) -> dict[t
     return mine
 
 
-def connect(rank: int, neighbours: Sequence[int], streams: Sequence[tuple[int, int, int, int, str]],
-            joined: Sequence[Any], backends: Sequence[str], device: torch.device, same_node_transport: str,
-            timeout: float) -> Neighbours:
+def connect(
+    rank: int,
+    neighbours: Sequence[int],
+    streams: Sequence[tuple[int, int, int, int, str]],
+    joined: Sequence[Any],
+    backends: Sequence[str],
+    device: torch.device,
+    same_node_transport: str,
+    timeout: float,
+) -> Neighbours:
     """Links to every neighbour: `streams` ((group index, sender, receiver, sending virtual stage,
     "F" or "G")) on their groups, warmed up now; the other neighbours through shared memory on
     this node (unless `same_node_transport` is "gloo") or gloo."""
@@ -47,8 +55,11 @@ def connect(rank: int, neighbours: Sequence[int], streams: Sequence[tuple[int, i
         nccl = backends[index] == "nccl"
         out.streams[(v, what)] = (joined[index], device if nccl else torch.device("cpu"))
         out.links[receiver if sender == rank else sender] = "nccl" if nccl else "gloo (ordered)"
-    ordered.warm_up([(i, joined[i], [a, b]) for i, a, b, _, _ in streams], rank,
-                    device if any(backends[i] == "nccl" for i, *_ in streams) else torch.device("cpu"))
+    ordered.warm_up(
+        [(i, joined[i], [a, b]) for i, a, b, _, _ in streams],
+        rank,
+        device if any(backends[i] == "nccl" for i, *_ in streams) else torch.device("cpu"),
+    )
     host = [n for n in neighbours if n not in out.links]
     out.shm_peers = shm.connect(rank, host, timeout, enabled=same_node_transport == "shm")
     out.links.update({n: "shm" if n in out.shm_peers else "gloo" for n in host})
@@ -56,8 +67,9 @@ def connect(rank: int, neighbours: Sequence[int], streams: Sequence[tuple[int, i
     return out
 
 
-def join_tied(model: Any, optim: Any, rank: int, tied_groups: Sequence[tuple[int, list[int]]],
-              mine: dict[tuple[int, ...], Any]) -> None:
+def join_tied(
+    model: Any, optim: Any, rank: int, tied_groups: Sequence[tuple[int, list[int]]], mine: dict[tuple[int, ...], Any]
+) -> None:
     """Keeps each cross-stage tied weight's group, copies the first holder's values, and counts
     the weight once in the gradient norm (on its first holder)."""
     import torch.distributed as dist

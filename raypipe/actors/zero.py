@@ -7,7 +7,7 @@ broadcasts its parameters to the others, so the replicas stay identical.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -25,7 +25,9 @@ def owners(params: Sequence[torch.nn.Parameter], dp_size: int) -> list[int]:
 
 
 def broadcast_from_owners(
-    params: Sequence[torch.nn.Parameter], owner_ranks: Sequence[int], global_ranks: Sequence[int],
+    params: Sequence[torch.nn.Parameter],
+    owner_ranks: Sequence[int],
+    global_ranks: Sequence[int],
     group: dist.ProcessGroup,
 ) -> None:
     """Sends each parameter from its owner (a dp rank) to the other replicas of the group."""

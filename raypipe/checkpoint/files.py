@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from raypipe.errors import RaypipeError
 from raypipe.checkpoint.storage import StoragePath, location
+from raypipe.errors import RaypipeError
 
 TENSORS = ".safetensors"
 LEGACY = ".pt"  # checkpoints written before safetensors: torch.save pickles
@@ -110,7 +110,9 @@ def tensor_shapes(path: Path | StoragePath) -> dict[str, tuple[tuple[int, ...], 
     else:
         with open(path, "rb") as f:
             header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-    return {k: (tuple(v["shape"]), v["dtype"].startswith(("F", "BF"))) for k, v in header.items() if k != "__metadata__"}
+    return {
+        k: (tuple(v["shape"]), v["dtype"].startswith(("F", "BF"))) for k, v in header.items() if k != "__metadata__"
+    }
 
 
 def _load_bytes(data: bytes, legacy: bool) -> Any:
@@ -121,7 +123,7 @@ def _load_bytes(data: bytes, legacy: bool) -> Any:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     from safetensors.torch import load
 
-    header = json.loads(data[8:8 + int.from_bytes(data[:8], "little")])
+    header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
     tensors = load(data)
     tree = (header.get("__metadata__") or {}).get("raypipe.tree")
     return tensors if tree is None else _unflatten(json.loads(tree), tensors)
@@ -139,19 +141,26 @@ def _flatten(obj: Any, path: str, tensors: dict[str, torch.Tensor], storages: se
         tensors[key] = t
         return {"tensor": key}
     if isinstance(obj, dict):
-        return {"dict": [[k, _flatten(v, f"{path}/{k}" if path else str(k), tensors, storages)] for k, v in obj.items()]}
+        return {
+            "dict": [[k, _flatten(v, f"{path}/{k}" if path else str(k), tensors, storages)] for k, v in obj.items()]
+        }
     if isinstance(obj, (list, tuple)):
-        return {"tuple" if isinstance(obj, tuple) else "list":
-                [_flatten(v, f"{path}/{i}" if path else str(i), tensors, storages) for i, v in enumerate(obj)]}
+        return {
+            "tuple" if isinstance(obj, tuple) else "list": [
+                _flatten(v, f"{path}/{i}" if path else str(i), tensors, storages) for i, v in enumerate(obj)
+            ]
+        }
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return {"value": obj}
-    raise CheckpointError(f"cannot store a {type(obj).__name__} at {path!r} in a checkpoint: only tensors, "
-                          f"numbers, strings, None, and dicts and lists of them")
+    raise CheckpointError(
+        f"cannot store a {type(obj).__name__} at {path!r} in a checkpoint: only tensors, "
+        f"numbers, strings, None, and dicts and lists of them"
+    )
 
 
 def _unflatten(tree: dict[str, Any], f: Any) -> Any:
     """The object `_flatten` described, its tensors from `f` (a safetensors file, or a dict of them)."""
-    (kind, value), = tree.items()
+    ((kind, value),) = tree.items()
     if kind == "tensor":
         return f[value] if isinstance(f, dict) else f.get_tensor(value)
     if kind == "dict":
@@ -160,5 +169,3 @@ def _unflatten(tree: dict[str, Any], f: Any) -> Any:
         items = [_unflatten(v, f) for v in value]
         return items if kind == "list" else tuple(items)
     return value
-
-

@@ -32,8 +32,9 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from raypipe.checkpoint.files import (  # noqa: F401 - the file format's names, re-exported
     LEGACY,
@@ -118,8 +119,9 @@ def remove(path: Path | StoragePath) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def commit(partial: Path | StoragePath, files: dict[str, dict[str, Any]], meta: dict[str, Any],
-           keep: int) -> Path | StoragePath:
+def commit(
+    partial: Path | StoragePath, files: dict[str, dict[str, Any]], meta: dict[str, Any], keep: int
+) -> Path | StoragePath:
     """Writes trainer.json and the manifest, moves the directory into place (in an object store
     the manifest is the commit), prunes the run's old ones.
 

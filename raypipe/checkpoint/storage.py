@@ -16,8 +16,9 @@ out the secret and the options, and `uri` keeps both for the actors, which open 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from typing import Any, Iterator
+from typing import Any
 from urllib.parse import quote, unquote
 
 from raypipe.errors import ConfigError
@@ -42,8 +43,10 @@ def check_available(uri: str, field: str) -> None:
     import importlib.util
 
     if importlib.util.find_spec("pyarrow") is None:
-        raise ConfigError(f"TrainConfig.{field}={redact(uri)!r} is invalid: a URI location needs pyarrow "
-                          f"(pip install 'raypipe-train[storage]'), or give a directory path.")
+        raise ConfigError(
+            f"TrainConfig.{field}={redact(uri)!r} is invalid: a URI location needs pyarrow "
+            f"(pip install 'raypipe-train[storage]'), or give a directory path."
+        )
 
 
 @dataclass(frozen=True)
@@ -71,8 +74,11 @@ class UriParts:
 
     def opened(self) -> str:
         """The URI as a URI parser reads it: the user and secret %-escaped."""
-        who = "" if self.user is None else quote(self.user, safe="") + (
-            "" if self.secret is None else ":" + quote(self.secret, safe="")) + "@"
+        who = (
+            ""
+            if self.user is None
+            else quote(self.user, safe="") + ("" if self.secret is None else ":" + quote(self.secret, safe="")) + "@"
+        )
         return f"{self.scheme}://{who}{self.rest}{f'?{self.query}' if self.query else ''}"
 
     def secrets(self) -> list[str]:
@@ -109,7 +115,9 @@ def split_uri(text: str) -> UriParts:
     rest, _, query = after.partition("?")
     if not rest.strip("/"):
         shown = UriParts(scheme, user, secret, "", "").shown()
-        raise ConfigError(f"{shown!r} names no bucket or host after its credentials: write scheme://KEY:SECRET@bucket/path")
+        raise ConfigError(
+            f"{shown!r} names no bucket or host after its credentials: write scheme://KEY:SECRET@bucket/path"
+        )
     return UriParts(scheme, user, secret, rest, query)
 
 
@@ -173,8 +181,9 @@ class StoragePath:
             try:
                 _fs, _path = fs.FileSystem.from_uri(self.uri)
             except Exception as error:  # noqa: BLE001 - pyarrow's message may quote the URI: scrubbed
-                raise ConfigError(f"checkpoint location {str(self)!r} cannot be opened: "
-                                  f"{scrub(str(error), uri)}") from None
+                raise ConfigError(
+                    f"checkpoint location {str(self)!r} cannot be opened: {scrub(str(error), uri)}"
+                ) from None
         self._fs, self._path = _fs, _path.rstrip("/")
 
     def _at(self, key: str) -> UriParts:
@@ -198,7 +207,7 @@ class StoragePath:
     def __hash__(self) -> int:
         return hash(self.uri)
 
-    def __truediv__(self, rel: str) -> "StoragePath":
+    def __truediv__(self, rel: str) -> StoragePath:
         rel = str(rel).strip("/")
         return StoragePath(self._at(f"{self._key}/{rel}").opened(), self._fs, f"{self._path}/{rel}")
 
@@ -207,14 +216,14 @@ class StoragePath:
         return self._path.rsplit("/", 1)[-1]
 
     @property
-    def parent(self) -> "StoragePath":
+    def parent(self) -> StoragePath:
         key, path = self._key.rsplit("/", 1)[0], self._path.rsplit("/", 1)[0]
         return StoragePath(self._at(key).opened(), self._fs, path)
 
-    def with_name(self, name: str) -> "StoragePath":
+    def with_name(self, name: str) -> StoragePath:
         return self.parent / name
 
-    def with_suffix(self, suffix: str) -> "StoragePath":
+    def with_suffix(self, suffix: str) -> StoragePath:
         stem = self.name.rsplit(".", 1)[0] if "." in self.name else self.name
         return self.with_name(stem + suffix)
 
@@ -243,7 +252,7 @@ class StoragePath:
     def size(self) -> int:
         return self._fs.get_file_info(self._path).size
 
-    def iterdir(self) -> Iterator["StoragePath"]:
+    def iterdir(self) -> Iterator[StoragePath]:
         from pyarrow.fs import FileSelector
 
         for info in self._fs.get_file_info(FileSelector(self._path, allow_not_found=True)):
@@ -278,7 +287,7 @@ class StoragePath:
         infos = self._fs.get_file_info(FileSelector(self._path, recursive=True, allow_not_found=True))
         return [i.path[len(self._path) + 1 :] for i in infos if i.type == FileType.File]
 
-    def move(self, target: "StoragePath") -> None:
+    def move(self, target: StoragePath) -> None:
         """Moves this file to `target` on the same filesystem (in an object store a copy, then a delete)."""
         self._fs.move(self._path, target._path)
 

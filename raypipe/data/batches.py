@@ -5,8 +5,9 @@ a loss that counts items (tokens) rather than samples."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
@@ -27,21 +28,30 @@ def check_token_ids(x: Any, vocab: int | None) -> None:
         for i, part in enumerate(x):
             check_token_ids(part, vocab) if not torch.is_tensor(part) else _check_ids(part, f"x[{i}]", vocab)
         return
-    name, ids = ("x['input_ids']", x.get("input_ids")) if isinstance(x, dict) else \
-        ("x[0]", x[0]) if isinstance(x, tuple) and x else ("x", x)
+    name, ids = (
+        ("x['input_ids']", x.get("input_ids"))
+        if isinstance(x, dict)
+        else ("x[0]", x[0])
+        if isinstance(x, tuple) and x
+        else ("x", x)
+    )
     if torch.is_tensor(ids):
         _check_ids(ids, name, vocab)
 
 
 def _check_ids(ids: torch.Tensor, name: str, vocab: int) -> None:
     if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-        raise BatchError(f"{name} is a {ids.dtype} tensor, but the model's first layer embeds token ids from a "
-                         f"vocabulary of {vocab}: give integer ids (torch.long).")
+        raise BatchError(
+            f"{name} is a {ids.dtype} tensor, but the model's first layer embeds token ids from a "
+            f"vocabulary of {vocab}: give integer ids (torch.long)."
+        )
     low, high = torch.aminmax(ids) if ids.numel() else (0, 0)  # one pass over the ids
     if int(low) < 0 or int(high) >= vocab:
         bad = ((ids < 0) | (ids >= vocab)).nonzero()[0].tolist()
-        raise BatchError(f"{name}{bad} = {int(ids[tuple(bad)])} is not a token id of the model's vocabulary of "
-                         f"{vocab} (ids 0..{vocab - 1}): nothing was run. Check the tokenizer matches the model.")
+        raise BatchError(
+            f"{name}{bad} = {int(ids[tuple(bad)])} is not a token id of the model's vocabulary of "
+            f"{vocab} (ids 0..{vocab - 1}): nothing was run. Check the tokenizer matches the model."
+        )
 
 
 def split_batch(x: Any, y: Any, parts: int, dp: int, microbatches: int) -> tuple[list[Any], list[Any]]:
@@ -69,17 +79,22 @@ def split_batch(x: Any, y: Any, parts: int, dp: int, microbatches: int) -> tuple
         raise BatchError("x must have a batch dimension (dim 0)")
     batch = leaves[0].shape[0]
     if any(t.shape[0] != batch for t in leaves):
-        raise BatchError(f"the tensors of x differ in batch size ({[t.shape[0] for t in leaves]}): give each one row per sample.")
+        raise BatchError(
+            f"the tensors of x differ in batch size ({[t.shape[0] for t in leaves]}): give each one row per sample."
+        )
     for t in pytree.tree_leaves(y) if y is not None else []:
         if torch.is_tensor(t) and (t.dim() == 0 or t.shape[0] != batch):
             raise BatchError(
-                f"x has {batch} samples but y has shape {tuple(t.shape)}: give one target per sample (y.shape[0] == {batch})."
+                f"x has {batch} samples but y has shape {tuple(t.shape)}: give one target per sample (y.shape[0] == {batch})."  # noqa: E501
             )
     if y is None:
         parts = math.gcd(batch, parts)  # inference: any split works
     elif batch % parts:
-        into = f"dp={dp} x microbatches={microbatches} = {parts}" if parts == dp * microbatches and dp > 1 \
+        into = (
+            f"dp={dp} x microbatches={microbatches} = {parts}"
+            if parts == dp * microbatches and dp > 1
             else f"microbatches={parts}"
+        )
         options = [d for d in range(1, batch + 1) if batch % d == 0]
         raise BatchError(
             f"a batch of {batch} samples cannot be split into {into} equal parts: "
@@ -131,8 +146,9 @@ def samples_and_tokens(inputs: Sequence[Any]) -> tuple[int, int | None]:
 def _given(x: list, y: Any, parts: int, dp: int, microbatches: int) -> tuple[list[Any], list[Any]]:
     """A batch given as its microbatches, checked against the count the step needs."""
     if y is not None and not isinstance(y, list):
-        raise BatchError(f"x is a list of {len(x)} microbatches, so y must be a list of as many targets, "
-                         f"not a {type(y).__name__}.")
+        raise BatchError(
+            f"x is a list of {len(x)} microbatches, so y must be a list of as many targets, not a {type(y).__name__}."
+        )
     if y is not None and len(y) != len(x):
         raise BatchError(f"x holds {len(x)} microbatches but y holds {len(y)} targets: give one target per microbatch.")
     if y is not None and len(x) != parts:
@@ -174,7 +190,13 @@ def prepare(x: Any, y: Any, dp: int, microbatches: int, loss_fn: Any, vocab: int
     checked against `vocab` first (`check_token_ids`)."""
     check_token_ids(x, vocab)
     inputs, targets = split_batch(x, y, dp * microbatches, dp, microbatches)
-    per_replica = [targets[d * microbatches:(d + 1) * microbatches] for d in range(dp)]
+    per_replica = [targets[d * microbatches : (d + 1) * microbatches] for d in range(dp)]
     samples, tokens = samples_and_tokens(inputs)
-    return Prepared([inputs[d * microbatches:(d + 1) * microbatches] for d in range(dp)], per_replica,
-                    loss_weights(loss_fn, per_replica), samples, tokens, is_varying(inputs))
+    return Prepared(
+        [inputs[d * microbatches : (d + 1) * microbatches] for d in range(dp)],
+        per_replica,
+        loss_weights(loss_fn, per_replica),
+        samples,
+        tokens,
+        is_varying(inputs),
+    )

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -29,18 +29,18 @@ class TokenDataset:
             )
 
     @classmethod
-    def from_bin(cls, path: str | Path, block_size: int) -> "TokenDataset":
+    def from_bin(cls, path: str | Path, block_size: int) -> TokenDataset:
         return cls(read_tokens(path), block_size)
 
     @classmethod
-    def from_text_files(cls, paths: Iterable[str | Path], block_size: int) -> "TokenDataset":
+    def from_text_files(cls, paths: Iterable[str | Path], block_size: int) -> TokenDataset:
         tokenizer = ByteTokenizer()
         ids: list[int] = []
         for path in paths:
             ids.extend(tokenizer.encode(Path(path).read_text(encoding="utf-8", errors="replace")))
         return cls(np.asarray(ids, dtype=np.uint16), block_size)
 
-    def split(self, val_fraction: float) -> tuple["TokenDataset", "TokenDataset"]:
+    def split(self, val_fraction: float) -> tuple[TokenDataset, TokenDataset]:
         """The first (1 - val_fraction) of the tokens for training, the rest for validation."""
         cut = int(len(self.tokens) * (1.0 - val_fraction))
         return TokenDataset(self.tokens[:cut], self.block_size), TokenDataset(self.tokens[cut:], self.block_size)

@@ -33,4 +33,5 @@ def token_batches(data: Any, batch_size: int, seed: int, steps: int, labels_are_
         return {"input_ids": np.concatenate(inputs), "labels": np.concatenate(labels)}
 
     return ray.data.range(steps * batch_size, override_num_blocks=max(1, min(steps, 200))).map_batches(
-        make, batch_size=batch_size, batch_format="numpy")
+        make, batch_size=batch_size, batch_format="numpy"
+    )

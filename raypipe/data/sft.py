@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import ast
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 import torch
@@ -56,8 +57,9 @@ def stdlib_docstrings(limit: int = 2000, max_bytes: int = 4_000_000) -> list[dic
             if isinstance(node, ast.FunctionDef) and ast.get_docstring(node) and not node.name.startswith("_"):
                 doc = ast.get_docstring(node).split("\n\n")[0].strip()
                 if 10 <= len(doc) <= 300:
-                    records.append({"prompt": f"def {node.name}({ast.unparse(node.args)}):\n    \"\"\"",
-                                    "response": doc + '"""\n'})
+                    records.append(
+                        {"prompt": f'def {node.name}({ast.unparse(node.args)}):\n    """', "response": doc + '"""\n'}
+                    )
                     if len(records) >= limit:
                         return records
     return records
@@ -88,8 +90,13 @@ class SFTDataset:
     pad_id: int = 0
 
     @classmethod
-    def from_records(cls, records: Iterable[dict[str, Any]], tokenizer: Any, block_size: int, pack: bool = False,
-                     ) -> "SFTDataset":
+    def from_records(
+        cls,
+        records: Iterable[dict[str, Any]],
+        tokenizer: Any,
+        block_size: int,
+        pack: bool = False,
+    ) -> SFTDataset:
         examples = []
         for record in records:
             prompt, response = split_chat(record, tokenizer)
@@ -102,10 +109,12 @@ class SFTDataset:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         return cls(examples, block_size, pack, pad)
 
-    def split(self, val_fraction: float) -> tuple["SFTDataset", "SFTDataset"]:
+    def split(self, val_fraction: float) -> tuple[SFTDataset, SFTDataset]:
         cut = max(1, int(len(self.examples) * (1.0 - val_fraction)))
-        return (SFTDataset(self.examples[:cut], self.block_size, self.pack, self.pad_id),
-                SFTDataset(self.examples[cut:] or self.examples[-1:], self.block_size, self.pack, self.pad_id))
+        return (
+            SFTDataset(self.examples[:cut], self.block_size, self.pack, self.pad_id),
+            SFTDataset(self.examples[cut:] or self.examples[-1:], self.block_size, self.pack, self.pad_id),
+        )
 
     def __len__(self) -> int:
         return sum(len(ids) for ids, _ in self.examples)

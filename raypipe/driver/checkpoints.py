@@ -5,16 +5,18 @@ commits a save and picks the checkpoint a load or a recovery restores
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from raypipe.checkpoint import layout as ckpt
 from raypipe.checkpoint.storage import location, redact, scrub
 from raypipe.driver.results import gather
 
 
-def run_meta(step: int, num_layers: int, plan: Sequence[Sequence[int]], run: str, run_id: str, config: Any,
-             base: Any = None) -> dict[str, Any]:
+def run_meta(
+    step: int, num_layers: int, plan: Sequence[Sequence[int]], run: str, run_id: str, config: Any, base: Any = None
+) -> dict[str, Any]:
     """What a checkpoint's manifest says about the run beside the files; `run_id`: the run's
     identity (kept across its resumes), which pruning and recovery keep to; `base`: in a LoRA
     run, the identity of the frozen base model its adapters belong to (`raypipe.model.Model.identity`)."""
@@ -31,8 +33,7 @@ def run_meta(step: int, num_layers: int, plan: Sequence[Sequence[int]], run: str
     }
 
 
-def save(actors: Sequence[Any], names: Sequence[str], root: str, step: int, meta: dict[str, Any],
-         keep: int) -> Path:
+def save(actors: Sequence[Any], names: Sequence[str], root: str, step: int, meta: dict[str, Any], keep: int) -> Path:
     """Saves checkpoint `<root>/step-<step>`: every actor writes its files, then the manifest
     (with `meta`, the loss scaler and every file's checksum) commits it; the run's `keep` newest
     stay. A failure at any point leaves no partial checkpoint and every complete one intact.
@@ -47,7 +48,8 @@ def save(actors: Sequence[Any], names: Sequence[str], root: str, step: int, meta
     if owner != run_id:
         raise ckpt.CheckpointError(
             f"{final} belongs to run {owner or 'unknown (written before run ids)'}; this is run {run_id}, "
-            f"which never replaces another run's checkpoint: save to a directory of its own.")
+            f"which never replaces another run's checkpoint: save to a directory of its own."
+        )
     ckpt.clean_partials(root, run_id, but=step)  # debris of this run's saves a killed driver left
     partial = ckpt.begin(root, step, run_id)
     try:
@@ -60,9 +62,17 @@ def save(actors: Sequence[Any], names: Sequence[str], root: str, step: int, meta
         raise
 
 
-def load(actors: Sequence[Any], names: Sequence[str], path: str, step: int | None, num_layers: int,
-         plan: Sequence[tuple[int, int]], log: Callable[[str], None], base: Any = None,
-         optimizer: str | None = None) -> tuple[Path, dict[str, Any]]:
+def load(
+    actors: Sequence[Any],
+    names: Sequence[str],
+    path: str,
+    step: int | None,
+    num_layers: int,
+    plan: Sequence[tuple[int, int]],
+    log: Callable[[str], None],
+    base: Any = None,
+    optimizer: str | None = None,
+) -> tuple[Path, dict[str, Any]]:
     """Restores a checkpoint saved by any topology into every actor, all or nothing: every actor
     checks its files' keys and shapes first, and none loads unless all fit.
 
@@ -78,27 +88,43 @@ def load(actors: Sequence[Any], names: Sequence[str], path: str, step: int | Non
     else:
         where, meta = ckpt.resolve(path, warn=log)
     if meta["num_layers"] != num_layers:
-        raise ckpt.CheckpointError(f"{where} holds a {meta['num_layers']}-layer model; this trainer has {num_layers} layers.")
+        raise ckpt.CheckpointError(
+            f"{where} holds a {meta['num_layers']}-layer model; this trainer has {num_layers} layers."
+        )
     if meta.get("base") != base:
         raise ckpt.CheckpointError(
             f"{where} was saved by a run on base {meta.get('base')}, but this trainer's is {base}: a LoRA "
             f"checkpoint holds adapters only, which fit only the base they were trained on (and a full "
             f"checkpoint does not load into a LoRA run). Load it with that base model and TrainConfig.lora."
         )
-    problems = sorted({p for found in gather([a.check_checkpoint.remote(address(where)) for a in actors],
-                                             "load check", actors, names) for p in found})
+    problems = sorted(
+        {
+            p
+            for found in gather(
+                [a.check_checkpoint.remote(address(where)) for a in actors], "load check", actors, names
+            )
+            for p in found
+        }
+    )
     if problems:
         raise ckpt.CheckpointError(
             f"{where} does not fit this model, nothing was loaded (the trainer keeps its weights): "
-            f"{'; '.join(problems[:6])}{f'; and {len(problems) - 6} more' if len(problems) > 6 else ''}")
+            f"{'; '.join(problems[:6])}{f'; and {len(problems) - 6} more' if len(problems) > 6 else ''}"
+        )
     saved_with = (meta.get("config") or {}).get("optimizer", {}).get("name")
     same_optimizer = saved_with is None or optimizer is None or saved_with == optimizer
     if not same_optimizer:
-        log(f"raypipe: {where} holds {saved_with} optimizer state; this run uses {optimizer}: its weights are "
-            f"loaded and the optimizer starts afresh")
+        log(
+            f"raypipe: {where} holds {saved_with} optimizer state; this run uses {optimizer}: its weights are "
+            f"loaded and the optimizer starts afresh"
+        )
     same_split = meta["plan"] == [list(r) for r in plan]
-    gather([a.load_checkpoint.remote(address(where), meta["loss_scaler"], same_split, same_optimizer) for a in actors],
-           "load", actors, names)
+    gather(
+        [a.load_checkpoint.remote(address(where), meta["loss_scaler"], same_split, same_optimizer) for a in actors],
+        "load",
+        actors,
+        names,
+    )
     return where, meta
 
 
@@ -107,8 +133,10 @@ def set_aside_future(checkpoint_dir: str | None, run_id: str, step: int, log: Ca
     future now abandoned) move under `set-aside/`, where no recovery restores them."""
     moved = ckpt.set_aside(checkpoint_dir, run_id, step) if checkpoint_dir is not None else []
     if moved:
-        log(f"raypipe: resumed at step {step}; set aside the run's later checkpoints {', '.join(moved)} "
-            f"under set-aside/ (not restored, not deleted)")
+        log(
+            f"raypipe: resumed at step {step}; set aside the run's later checkpoints {', '.join(moved)} "
+            f"under set-aside/ (not restored, not deleted)"
+        )
 
 
 def check_new_run(root: str | None, resume: bool | int) -> None:
@@ -123,8 +151,9 @@ def check_new_run(root: str | None, resume: bool | int) -> None:
     try:
         runs = ckpt.runs_in(root)
     except Exception as error:  # noqa: BLE001 - a bucket it cannot list: named, its secret unshown
-        raise ckpt.CheckpointError(f"checkpoint_dir {redact(root)} cannot be listed: "
-                                   f"{type(error).__name__}: {scrub(str(error), root)}") from None
+        raise ckpt.CheckpointError(
+            f"checkpoint_dir {redact(root)} cannot be listed: {type(error).__name__}: {scrub(str(error), root)}"
+        ) from None
     if runs:
         run_id, newest = max(runs.items(), key=lambda r: r[1])
         others = f" (and {len(runs) - 1} other runs)" if len(runs) > 1 else ""
@@ -132,7 +161,8 @@ def check_new_run(root: str | None, resume: bool | int) -> None:
             f"checkpoint_dir {redact(root)} holds run {run_id}'s checkpoints up to step {newest}{others}. A new run "
             f"there would mix its checkpoints with them: give this run a checkpoint_dir of its own, or continue "
             f"that run with TrainConfig(resume=True) (raypipe train --resume; resume=N or --resume-step N for "
-            f"step N). Nothing was started.")
+            f"step N). Nothing was started."
+        )
 
 
 def check_reachable(actors: Sequence[Any], names: Sequence[str], root: str) -> None:
@@ -151,8 +181,9 @@ def check_reachable(actors: Sequence[Any], names: Sequence[str], root: str) -> N
     try:
         ckpt.write_atomic(marker, token.encode())
     except OSError as error:
-        raise ckpt.CheckpointError(f"the driver cannot write to checkpoint_dir {redact(root)}: "
-                                   f"{scrub(str(error), root)}") from None
+        raise ckpt.CheckpointError(
+            f"the driver cannot write to checkpoint_dir {redact(root)}: {scrub(str(error), root)}"
+        ) from None
     try:
         seen = gather([a.read_text.remote(address(marker)) for a in actors], "checkpoint_dir check", actors, names)
     finally:
@@ -163,9 +194,10 @@ def check_reachable(actors: Sequence[Any], names: Sequence[str], root: str) -> N
         who = ", ".join(f"{name} (node {info['node_id'][:12]})" for (_, name), info in zip(blind, infos))
         here = ray.get_runtime_context().get_node_id()[:12]
         raise ckpt.CheckpointError(
-            f"{who} cannot read checkpoint_dir {redact(root)}, which the driver (node {here}) writes to: nodes that do not share a filesystem need one mounted at the same path on every node, or "
+            f"{who} cannot read checkpoint_dir {redact(root)}, which the driver (node {here}) writes to: nodes that do not share a filesystem need one mounted at the same path on every node, or "  # noqa: E501
             f"checkpoint_dir a URI of storage every node reaches (s3://bucket/run, with credentials on every node). "
-            f"Found before training: nothing was lost.")
+            f"Found before training: nothing was lost."
+        )
 
 
 def address(path: Any) -> str:

@@ -7,7 +7,8 @@ without chunks virtual stage s is actor s and every function here is the identit
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from raypipe.errors import ConfigError
 from raypipe.schedules import Schedule, owners, virtual_stages
@@ -23,17 +24,22 @@ def actor_chunks(plan: Sequence[tuple[int, int]], schedule: Schedule, actor: int
     return [(v, *plan[v]) for v in virtual_stages(schedule)[actor]]
 
 
-def inference_group(topology: Any, actors: Sequence[Any], names: Sequence[str]) -> tuple[list[list[Any]], list[list[str]]]:
+def inference_group(
+    topology: Any, actors: Sequence[Any], names: Sequence[str]
+) -> tuple[list[list[Any]], list[list[str]]]:
     """Per stage, the actors (and names) a forward-only pass calls: replica 0's tp ranks, and under
     expert parallelism those of replicas 1..ep-1 beside them with the same inputs, since their MoE
     layers route tokens through all of them (rank 0's output goes on). `topology`: a `Topology`."""
     grid, labels = topology.grid(actors), topology.grid(names)
-    return ([[a for d in range(topology.ep) for a in grid[d][s]] for s in range(topology.pp)],
-            [[n for d in range(topology.ep) for n in labels[d][s]] for s in range(topology.pp)])
+    return (
+        [[a for d in range(topology.ep) for a in grid[d][s]] for s in range(topology.pp)],
+        [[n for d in range(topology.ep) for n in labels[d][s]] for s in range(topology.pp)],
+    )
 
 
-def inference_path(stages: Sequence[Any], names: Sequence[Any], schedule: Schedule
-                   ) -> tuple[list[Any], list[Any], list[int] | None]:
+def inference_path(
+    stages: Sequence[Any], names: Sequence[Any], schedule: Schedule
+) -> tuple[list[Any], list[Any], list[int] | None]:
     """One replica's actors (per stage, its tp ranks) and names in virtual-stage order, and the
     virtual stage each call runs (None without chunks): the path a forward-only pass takes."""
     owner = owners(schedule)
@@ -50,6 +56,8 @@ def check_same_layout(old: Schedule, new: Schedule, name: str) -> None:
         ConfigError: the new schedule places virtual stages differently.
     """
     if virtual_stages(old) != virtual_stages(new):
-        raise ConfigError(f"schedule={name!r} places model chunks as {virtual_stages(new)}, but this trainer's "
-                          f"actors hold {virtual_stages(old)}: changing chunks needs a new Trainer (save a "
-                          f"checkpoint, then load it into one built with the new schedule).")
+        raise ConfigError(
+            f"schedule={name!r} places model chunks as {virtual_stages(new)}, but this trainer's "
+            f"actors hold {virtual_stages(old)}: changing chunks needs a new Trainer (save a "
+            f"checkpoint, then load it into one built with the new schedule)."
+        )

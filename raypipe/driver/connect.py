@@ -5,8 +5,9 @@ from __future__ import annotations
 import logging
 import sys
 import sysconfig
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import ray
 
@@ -32,8 +33,12 @@ def connect() -> bool:
 
         local = detect()
         # address="local": a new Ray, even if another cluster on this machine is "current"
-        ray.init(address="local", logging_level=logging.WARNING, resources=local.ray_resources() or None,
-                 labels=local.ray_labels())
+        ray.init(
+            address="local",
+            logging_level=logging.WARNING,
+            resources=local.ray_resources() or None,
+            labels=local.ray_labels(),
+        )
     else:
         ray.init(address=address, logging_level=logging.WARNING)
     return True

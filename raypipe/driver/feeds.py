@@ -8,10 +8,11 @@ step again after a recovery or a resume: the data position of a run is its step.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
-from raypipe.errors import BatchError, ConfigError
 from raypipe.data.batches import Prepared, prepare
+from raypipe.errors import BatchError, ConfigError
 
 
 class FunctionFeed:
@@ -45,15 +46,18 @@ class IterableFeed(FunctionFeed):
 
     def _batch(self, step: int) -> tuple[Any, Any]:
         if step < self.oldest or (step < self.read and step not in self.kept):
-            raise BatchError(f"step {step + 1}'s batch was read from the iterable and dropped: an iterable is read "
-                             f"once, and only batches from the last checkpoint on are kept; give batches(step) -> "
-                             f"(x, y) or a ray.data.Dataset to replay any step")
+            raise BatchError(
+                f"step {step + 1}'s batch was read from the iterable and dropped: an iterable is read "
+                f"once, and only batches from the last checkpoint on are kept; give batches(step) -> "
+                f"(x, y) or a ray.data.Dataset to replay any step"
+            )
         while self.read <= step:
             try:
                 item = next(self.items)
             except StopIteration:
-                raise BatchError(f"the iterable of batches ended after {self.read} batches; step {step + 1} needs "
-                                 f"batch {step + 1}") from None
+                raise BatchError(
+                    f"the iterable of batches ended after {self.read} batches; step {step + 1} needs batch {step + 1}"
+                ) from None
             if self.read >= self.oldest:
                 self.kept[self.read] = item
             self.read += 1
@@ -79,19 +83,29 @@ class DatasetFeed:
 
         c = trainer.config
         if c.engine == "refs":
-            raise ConfigError("TrainConfig.engine='refs' is invalid with a ray.data.Dataset: its calls carry each "
-                              "microbatch from the driver; use engine='p2p' (the default) or 'compiled'.")
+            raise ConfigError(
+                "TrainConfig.engine='refs' is invalid with a ray.data.Dataset: its calls carry each "
+                "microbatch from the driver; use engine='p2p' (the default) or 'compiled'."
+            )
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-            raise ConfigError(f"batch_size={batch_size!r} is invalid: a ray.data.Dataset is read batch_size rows per "
-                              f"step; give fit(dataset, steps, batch_size=N), N a multiple of dp x microbatches.")
+            raise ConfigError(
+                f"batch_size={batch_size!r} is invalid: a ray.data.Dataset is read batch_size rows per "
+                f"step; give fit(dataset, steps, batch_size=N), N a multiple of dp x microbatches."
+            )
         free = ray.available_resources().get("CPU", 0.0)
         if free < 1:
-            warnings.warn(f"raypipe: {free:g} CPUs of the cluster are free beside the trainer's actors, and Ray "
-                          f"Data's tasks each need one to make the dataset's blocks: lower TrainConfig.cpus_per_actor "
-                          f"(now {cpus_per_actor(c, len(trainer.names)):g}) or add a node, else the first batch "
-                          f"never comes.", stacklevel=3)
-        self.reader = ray.remote(DatasetReader).options(num_cpus=0, max_restarts=0).remote(
-            dataset, batch_size, collate, c.dp, c.microbatches, trainer._loss_fn)
+            warnings.warn(
+                f"raypipe: {free:g} CPUs of the cluster are free beside the trainer's actors, and Ray "
+                f"Data's tasks each need one to make the dataset's blocks: lower TrainConfig.cpus_per_actor "
+                f"(now {cpus_per_actor(c, len(trainer.names)):g}) or add a node, else the first batch "
+                f"never comes.",
+                stacklevel=3,
+            )
+        self.reader = (
+            ray.remote(DatasetReader)
+            .options(num_cpus=0, max_restarts=0)
+            .remote(dataset, batch_size, collate, c.dp, c.microbatches, trainer._loss_fn)
+        )
         self.asked: dict[int, Any] = {}
         self.timeout = c.step_timeout
 
@@ -104,9 +118,11 @@ class DatasetFeed:
         try:
             return ray.get(self.asked.pop(step), timeout=self.timeout)
         except ray.exceptions.GetTimeoutError:
-            raise BatchError(f"the dataset gave no batch for step {step + 1} within {self.timeout:.0f} s "
-                             f"(TrainConfig.step_timeout); {ray.available_resources().get('CPU', 0.0):g} CPUs are "
-                             f"free for Ray Data's tasks") from None
+            raise BatchError(
+                f"the dataset gave no batch for step {step + 1} within {self.timeout:.0f} s "
+                f"(TrainConfig.step_timeout); {ray.available_resources().get('CPU', 0.0):g} CPUs are "
+                f"free for Ray Data's tasks"
+            ) from None
         except ray.exceptions.RayTaskError as error:
             if isinstance(error.cause, (BatchError, ConfigError)):  # the dataset's fault: said plainly
                 raise error.cause from None
@@ -134,8 +150,9 @@ def make_feed(trainer: Any, batches: Any, batch_size: int | None, collate: Calla
         return FunctionFeed(trainer, batches)
     if isinstance(batches, Iterable) and not isinstance(batches, (str, bytes)):
         return IterableFeed(trainer, batches)
-    raise TypeError(f"fit takes batches(step) -> (x, y), an iterable of (x, y), or a ray.data.Dataset; "
-                    f"got {type(batches).__name__}")
+    raise TypeError(
+        f"fit takes batches(step) -> (x, y), an iterable of (x, y), or a ray.data.Dataset; got {type(batches).__name__}"
+    )
 
 
 def _is_dataset(value: Any) -> bool:

@@ -6,22 +6,23 @@ death, and booking of what is left when the loop stops early."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from raypipe.actors.settings import stops_on_nonfinite
 from raypipe.checkpoint import layout as ckpt
 from raypipe.checkpoint.layout import CheckpointError
-from raypipe.errors import ActorDiedError, NonFiniteError, RaypipeError, StepTimeoutError
-from raypipe.loggers import scalars
-from raypipe.metrics import RayMetrics, step_metrics
-from raypipe.progress import Progress
 from raypipe.data.batches import Prepared, prepare
 from raypipe.driver.engines import StepInput, StepTarget, Wait
 from raypipe.driver.interrupts import Terminated, sigterm_as_interrupt
 from raypipe.driver.recovery import recover
+from raypipe.errors import ActorDiedError, NonFiniteError, RaypipeError, StepTimeoutError
+from raypipe.loggers import scalars
+from raypipe.metrics import RayMetrics, step_metrics
+from raypipe.progress import Progress
 
 
 @dataclass
@@ -50,13 +51,27 @@ def send(trainer: Any, batch: Prepared, index: int, after: int | None = None) ->
         raise RaypipeError(f"{trainer!r} has no actors; build a new Trainer or call load() after a failure.")
     trainer._calls += 1
     grid = trainer.topology.grid
-    target = StepTarget(grid(trainer._actors), grid(trainer.names), grid(range(len(trainer._actors))),
-                        trainer._schedule, trainer._order)
-    data = StepInput(batch.inputs, batch.targets, trainer._calls, index, trainer.config.step_timeout, batch.weights,
-                     batch.varying, batch.packed)
+    target = StepTarget(
+        grid(trainer._actors), grid(trainer.names), grid(range(len(trainer._actors))), trainer._schedule, trainer._order
+    )
+    data = StepInput(
+        batch.inputs,
+        batch.targets,
+        trainer._calls,
+        index,
+        trainer.config.step_timeout,
+        batch.weights,
+        batch.varying,
+        batch.packed,
+    )
     weights = batch.weights
-    return Submitted(trainer._calls, batch.samples, batch.tokens, trainer._engine.submit(target, data, after),
-                     [w for replica in weights for w in replica] if weights is not None else None)
+    return Submitted(
+        trainer._calls,
+        batch.samples,
+        batch.tokens,
+        trainer._engine.submit(target, data, after),
+        [w for replica in weights for w in replica] if weights is not None else None,
+    )
 
 
 def step(trainer: Any, x: Any, y: Any) -> dict[str, Any] | None:
@@ -95,8 +110,16 @@ def complete(trainer: Any, submitted: Submitted) -> dict[str, Any] | None:
     trainer.step_count += 1
     leads = [result.stage_reports[r] for r in trainer.topology.lead_ranks()]
     losses = result.losses if submitted.weights is None else [v * w for v, w in zip(result.losses, submitted.weights)]
-    metrics = step_metrics(trainer.step_count, losses, result.seconds, submitted.samples, submitted.tokens,
-                           report, leads, trainer.config.precision == "fp16")
+    metrics = step_metrics(
+        trainer.step_count,
+        losses,
+        result.seconds,
+        submitted.samples,
+        submitted.tokens,
+        report,
+        leads,
+        trainer.config.precision == "fp16",
+    )
     trainer._last_events = [r.get("events", []) for r in leads]
     if trainer._ray_metrics is None:
         trainer._ray_metrics = RayMetrics(trainer.run_name)
@@ -120,8 +143,9 @@ def save_due(trainer: Any, metrics: dict[str, Any]) -> str:
     except (ActorDiedError, KeyboardInterrupt):
         raise
     except Exception as error:  # noqa: BLE001
-        raise SaveFailed(f"step {trainer.step_count}'s checkpoint could not be written: "
-                         f"{type(error).__name__}: {error}", metrics) from error
+        raise SaveFailed(
+            f"step {trainer.step_count}'s checkpoint could not be written: {type(error).__name__}: {error}", metrics
+        ) from error
 
 
 class SaveFailed(CheckpointError):
@@ -145,13 +169,23 @@ def retry_save(trainer: Any, failure: SaveFailed, log: Callable[[str], None]) ->
             return save_due(trainer, failure.metrics)
         except SaveFailed as again:
             failure = again
-    raise SaveFailed(f"{failure} -- after {trainer.restarts} restarts (TrainConfig.max_restarts="
-                     f"{trainer.config.max_restarts}); the weights of step {trainer.step_count} are intact in "
-                     f"the actors: free the space and call Trainer.save()", failure.metrics) from None
+    raise SaveFailed(
+        f"{failure} -- after {trainer.restarts} restarts (TrainConfig.max_restarts="
+        f"{trainer.config.max_restarts}); the weights of step {trainer.step_count} are intact in "
+        f"the actors: free the space and call Trainer.save()",
+        failure.metrics,
+    ) from None
 
 
-def fit(trainer: Any, feed: Any, steps: int, on_step: Callable[[dict[str, Any]], None] | None,
-        log: Callable[[str], None], bar: Progress, overlap: bool) -> list[dict[str, Any]]:
+def fit(
+    trainer: Any,
+    feed: Any,
+    steps: int,
+    on_step: Callable[[dict[str, Any]], None] | None,
+    log: Callable[[str], None],
+    bar: Progress,
+    overlap: bool,
+) -> list[dict[str, Any]]:
     """Steps `trainer` until its step count is `steps` (see `Trainer.fit`), each step's batch from
     `feed` (`raypipe.driver.feeds`); returns every step's metrics, replayed steps again after a
     recovery."""
@@ -181,8 +215,10 @@ def fit(trainer: Any, feed: Any, steps: int, on_step: Callable[[dict[str, Any]],
                     metrics["checkpoint"] = retry_save(trainer, failure, log)
                     trainer.loggers.log(trainer.step_count, scalars(metrics))
                 if metrics is None:
-                    raise RaypipeError(f"step {trainer.step_count + 1} was halted by the actors, but the step "
-                                       f"before it succeeded: please report this as a raypipe bug")
+                    raise RaypipeError(
+                        f"step {trainer.step_count + 1} was halted by the actors, but the step "
+                        f"before it succeeded: please report this as a raypipe bug"
+                    )
                 if "checkpoint" in metrics:
                     restored = metrics["step"]
                 feed.kept_from(restored if trainer.config.max_restarts else trainer.step_count)
@@ -215,8 +251,10 @@ def interrupted(trainer: Any, error: KeyboardInterrupt, log: Callable[[str], Non
         try:
             log(f"raypipe: stopped by {cause} after step {trainer.step_count}; saved {trainer.save()}")
         except BaseException as failure:  # noqa: BLE001 - the interrupt is what fit re-raises
-            log(f"raypipe: stopped by {cause} after step {trainer.step_count}; its checkpoint could not be "
-                f"written: {type(failure).__name__}: {failure}")
+            log(
+                f"raypipe: stopped by {cause} after step {trainer.step_count}; its checkpoint could not be "
+                f"written: {type(failure).__name__}: {failure}"
+            )
     if isinstance(error, Terminated):
         trainer.shutdown()
 

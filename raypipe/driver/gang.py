@@ -19,7 +19,8 @@ node, else it fails).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -41,8 +42,15 @@ def bundle(cpus: float, options: dict[str, Any]) -> tuple[dict[str, float], dict
     return resources, dict(options.get("label_selector", {}))
 
 
-def reserve(bundles: Sequence[tuple[dict[str, float], dict[str, str]]], strategy: str, name: str, timeout: float,
-            asks: Sequence[str], offer: Callable[[], str], others: Callable[[], list[str]]) -> Any:
+def reserve(
+    bundles: Sequence[tuple[dict[str, float], dict[str, str]]],
+    strategy: str,
+    name: str,
+    timeout: float,
+    asks: Sequence[str],
+    offer: Callable[[], str],
+    others: Callable[[], list[str]],
+) -> Any:
     """Reserves every bundle at once and waits up to `timeout` seconds for all of them.
 
     Args:
@@ -54,8 +62,12 @@ def reserve(bundles: Sequence[tuple[dict[str, float], dict[str, str]]], strategy
             The group is removed first, so a refused trainer holds nothing.
     """
     selectors = [s for _, s in bundles]
-    group = placement_group([b for b, _ in bundles], strategy=STRATEGIES[strategy], name=name,
-                            bundle_label_selector=selectors if any(selectors) else None)
+    group = placement_group(
+        [b for b, _ in bundles],
+        strategy=STRATEGIES[strategy],
+        name=name,
+        bundle_label_selector=selectors if any(selectors) else None,
+    )
     try:
         ready, _ = ray.wait([group.ready()], timeout=timeout)
     except BaseException:  # Ctrl-C or SIGTERM while waiting: a pending group would take the resources later
@@ -64,8 +76,12 @@ def reserve(bundles: Sequence[tuple[dict[str, float], dict[str, str]]], strategy
     if not ready:
         remove_placement_group(group)
         held = others()
-        hint = (f" Other trainers of this process still hold actors: {'; '.join(held)}; call .shutdown() on "
-                f"those you are done with." if held else "")
+        hint = (
+            f" Other trainers of this process still hold actors: {'; '.join(held)}; call .shutdown() on "
+            f"those you are done with."
+            if held
+            else ""
+        )
         nowhere = [ask for (b, sel), ask in zip(bundles, asks) if not _fits_some_node(b, sel)]
         nodes = sum(1 for node in ray.nodes() if node.get("Alive"))
         if nowhere:
@@ -73,10 +89,12 @@ def reserve(bundles: Sequence[tuple[dict[str, float], dict[str, str]]], strategy
         elif strategy == "strict_spread" and len(bundles) > nodes:
             why = f"strict_spread puts each of the {len(bundles)} actors on a node of its own, and {nodes} are alive"
         else:
-            why = f"each fits some node, but not all at once now: {'; '.join(asks[:6])}{' ...' if len(asks) > 6 else ''}"
+            why = (
+                f"each fits some node, but not all at once now: {'; '.join(asks[:6])}{' ...' if len(asks) > 6 else ''}"
+            )
         raise PlacementError(
             f"the {len(bundles)} actors could not be reserved together within {timeout:.0f} s "
-            f"(TrainConfig.actor_start_timeout; placement={strategy!r}, all or nothing): {why}. The cluster offers: {offer()}; {ray.available_resources()} "
+            f"(TrainConfig.actor_start_timeout; placement={strategy!r}, all or nothing): {why}. The cluster offers: {offer()}; {ray.available_resources()} "  # noqa: E501
             f"free in all. Free resources (another trainer may hold them), lower cpus_per_actor or gpus_per_actor, "
             f"add a node of the missing kind (`ray start ... $(raypipe node-resources)`), change "
             f"TrainConfig.devices, or use placement='pack'.{hint}"
@@ -95,14 +113,17 @@ def enclosing(bundles: Sequence[tuple[dict[str, float], dict[str, str]]]) -> Any
     if group is None:
         return None
     specs = group.bundle_specs
-    short = [f"actor {i} asks for {b}, bundle {i + 1} holds {specs[i + 1] if i + 1 < len(specs) else 'nothing'}"
-             for i, (b, _) in enumerate(bundles)
-             if i + 1 >= len(specs) or any(specs[i + 1].get(k, 0.0) < v - 1e-9 for k, v in b.items())]
+    short = [
+        f"actor {i} asks for {b}, bundle {i + 1} holds {specs[i + 1] if i + 1 < len(specs) else 'nothing'}"
+        for i, (b, _) in enumerate(bundles)
+        if i + 1 >= len(specs) or any(specs[i + 1].get(k, 0.0) < v - 1e-9 for k, v in b.items())
+    ]
     if short:
         raise PlacementError(
             f"this trainer runs inside a placement group (a Ray Tune trial's) of {len(specs)} bundles, which "
             f"does not hold its {len(bundles)} actors beside the trial's own bundle: {'; '.join(short[:4])}. "
-            f"Reserve them with the trial: tune.with_resources(train_fn, raypipe.tune.resources(config)).")
+            f"Reserve them with the trial: tune.with_resources(train_fn, raypipe.tune.resources(config))."
+        )
     return group
 
 
@@ -110,8 +131,11 @@ def _fits_some_node(resources: dict[str, float], selector: dict[str, str]) -> bo
     """Whether an alive node has (in total, free or not) the resources and labels of a bundle."""
     for node in ray.nodes():
         labels, total = node.get("Labels") or {}, node.get("Resources", {})
-        if node.get("Alive") and all(labels.get(k) == v for k, v in selector.items()) \
-                and all(total.get(k, 0.0) >= v for k, v in resources.items()):
+        if (
+            node.get("Alive")
+            and all(labels.get(k) == v for k, v in selector.items())
+            and all(total.get(k, 0.0) >= v for k, v in resources.items())
+        ):
             return True
     return False
 
@@ -121,8 +145,12 @@ def in_bundle(group: Any, index: int, options: dict[str, Any]) -> dict[str, Any]
     the bundle's; a trial's group, which Tune reserves without selectors, relies on the kind's
     resource alone)."""
     options = {k: v for k, v in options.items() if k != "label_selector"}
-    return {**options, "scheduling_strategy": PlacementGroupSchedulingStrategy(
-        group, placement_group_bundle_index=index, placement_group_capture_child_tasks=False)}
+    return {
+        **options,
+        "scheduling_strategy": PlacementGroupSchedulingStrategy(
+            group, placement_group_bundle_index=index, placement_group_capture_child_tasks=False
+        ),
+    }
 
 
 def remember(actors: Sequence[Any], group: Any) -> None:

@@ -9,7 +9,8 @@ the new token runs through the pipeline; other models run the whole sequence eac
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -17,7 +18,9 @@ from raypipe.driver.results import gather, wait_for_progress
 from raypipe.transport.wire import pack, unpack
 
 
-def pick(logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None) -> torch.Tensor:
+def pick(
+    logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None
+) -> torch.Tensor:
     """The next token of each row: the most likely one (`temperature` 0), else a sample from the
     softmax of `logits / temperature` over the `top_k` most likely."""
     if not temperature:
@@ -29,11 +32,20 @@ def pick(logits: torch.Tensor, temperature: float, top_k: int | None, generator:
     return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator).squeeze(-1)
 
 
-def generate(stages: Sequence[Sequence[Any]], names: Sequence[Sequence[str]], chunks: Sequence[int] | None,
-             input_ids: torch.Tensor,
-             max_new_tokens: int, temperature: float, top_k: int | None, cached: bool, timeout: float,
-             attention_mask: torch.Tensor | None = None, eos_token_id: int | None = None,
-             seed: int | None = None) -> torch.Tensor:
+def generate(
+    stages: Sequence[Sequence[Any]],
+    names: Sequence[Sequence[str]],
+    chunks: Sequence[int] | None,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int | None,
+    cached: bool,
+    timeout: float,
+    attention_mask: torch.Tensor | None = None,
+    eos_token_id: int | None = None,
+    seed: int | None = None,
+) -> torch.Tensor:
     """The prompt `input_ids` followed by up to `max_new_tokens` generated tokens per row; rows
     that produced `eos_token_id` continue with it (as transformers pads finished rows).
 
@@ -79,8 +91,15 @@ def _step_input(sequence: torch.Tensor, mask: torch.Tensor | None, i: int, cache
     return x
 
 
-def _run(stages: Sequence[Sequence[Any]], names: Sequence[Sequence[str]], chunks: Sequence[int] | None, x: Any,
-         start: bool, cached: bool, timeout: float) -> torch.Tensor:
+def _run(
+    stages: Sequence[Sequence[Any]],
+    names: Sequence[Sequence[str]],
+    chunks: Sequence[int] | None,
+    x: Any,
+    start: bool,
+    cached: bool,
+    timeout: float,
+) -> torch.Tensor:
     """One forward through every stage; the last position's logits."""
     ref, pending = pack(x), {}
     for s, ranks in enumerate(stages):

@@ -12,11 +12,12 @@ members on one GPU reduces over gloo. `TrainConfig.device_links` overrides the c
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
-from raypipe.errors import PlacementError
 from raypipe.driver.topology import Topology
+from raypipe.errors import PlacementError
 from raypipe.schedules.actions import Schedule, owners
 
 
@@ -66,8 +67,9 @@ def group_backend(infos: Sequence[dict[str, Any]], ranks: Sequence[int]) -> str:
     return "nccl" if ranks and on_gpu and not shares_gpu(infos, ranks) else "gloo"
 
 
-def plan_links(topology: Topology, schedule: Schedule, infos: Sequence[dict[str, Any]], names: Sequence[str],
-               choice: str) -> LinkPlan:
+def plan_links(
+    topology: Topology, schedule: Schedule, infos: Sequence[dict[str, Any]], names: Sequence[str], choice: str
+) -> LinkPlan:
     """The streams that go device to device under `choice` (`TrainConfig.device_links`), in an
     order every actor agrees on.
 

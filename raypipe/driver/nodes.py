@@ -5,7 +5,8 @@ longer be asked)."""
 from __future__ import annotations
 
 import socket
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import ray
 
@@ -52,5 +53,6 @@ def describe(placed: dict[str, str], gone: set[str]) -> str:
     for name, node in placed.items():
         if node in gone:
             by_node.setdefault(node, []).append(name)
-    return "; ".join(f"node {address.get(node, '?')} (id {node[:8]}) held {', '.join(names)}"
-                     for node, names in by_node.items())
+    return "; ".join(
+        f"node {address.get(node, '?')} (id {node[:8]}) held {', '.join(names)}" for node, names in by_node.items()
+    )

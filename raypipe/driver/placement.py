@@ -7,21 +7,22 @@ torch.distributed world with their dp, tp and ep groups.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import ray
 
 from raypipe.actors.stage import StageActor
 from raypipe.config import TrainConfig
 from raypipe.devices import ray_options
-from raypipe.model import tied_stages
-from raypipe.errors import PlacementError, StageError
-from raypipe.layers import LayerSpec
-from raypipe.driver.chunks import actor_chunks, actor_plan
 from raypipe.driver import gang, links, nodes
 from raypipe.driver.checkpoints import check_reachable
+from raypipe.driver.chunks import actor_chunks, actor_plan
 from raypipe.driver.results import gather, last_line
 from raypipe.driver.topology import Topology
+from raypipe.errors import PlacementError, StageError
+from raypipe.layers import LayerSpec
+from raypipe.model import tied_stages
 from raypipe.schedules import Schedule, owners, virtual_stages
 
 
@@ -38,15 +39,27 @@ def stage_options(config: TrainConfig, stage: int) -> dict[str, Any]:
     return ray_options(config.stage_kinds()[stage], config.gpus_per_actor)
 
 
-def actor_bundles(config: TrainConfig, topology: Topology,
-                  cpus: float) -> list[tuple[dict[str, float], dict[str, str]]]:
+def actor_bundles(
+    config: TrainConfig, topology: Topology, cpus: float
+) -> list[tuple[dict[str, float], dict[str, str]]]:
     """Each actor's bundle (rank by rank) and label selector: `cpus` and its stage's accelerator kind."""
     return [gang.bundle(cpus, stage_options(config, topology.place(r)[1])) for r in range(len(topology.names()))]
 
 
-def start_actors(config: TrainConfig, topology: Topology, names: Sequence[str], specs: Sequence[LayerSpec],
-                 plan: Sequence[tuple[int, int]], schedule: Schedule, loss_fn: Any, run_name: str, cpus: float,
-                 tied: Sequence[Sequence[str]] = (), group: Any = None, first: int = 0) -> list[Any]:
+def start_actors(
+    config: TrainConfig,
+    topology: Topology,
+    names: Sequence[str],
+    specs: Sequence[LayerSpec],
+    plan: Sequence[tuple[int, int]],
+    schedule: Schedule,
+    loss_fn: Any,
+    run_name: str,
+    cpus: float,
+    tied: Sequence[Sequence[str]] = (),
+    group: Any = None,
+    first: int = 0,
+) -> list[Any]:
     """Creates every stage actor (Ray places them asynchronously; `wait_for_actors` waits), each
     with the layers of the virtual stages `schedule` gives it (`plan` is per virtual stage), in
     its bundle (`first` + rank) of the placement `group` that reserved them (`gang.reserve`)."""
@@ -62,22 +75,51 @@ def start_actors(config: TrainConfig, topology: Topology, names: Sequence[str], 
         num_virtual = len(plan)
         actors.append(
             remote_cls.options(
-                name=name, namespace=f"raypipe-{run_name}", num_cpus=cpus, max_restarts=0, max_task_retries=0,
-                **(gang.in_bundle(group, first + rank, stage_options(config, s)) if group is not None
-                   else stage_options(config, s)),
+                name=name,
+                namespace=f"raypipe-{run_name}",
+                num_cpus=cpus,
+                max_restarts=0,
+                max_task_retries=0,
+                **(
+                    gang.in_bundle(group, first + rank, stage_options(config, s))
+                    if group is not None
+                    else stage_options(config, s)
+                ),
             ).remote(
-                s, config.pp, layers, start, config.seed, threads,
-                loss_fn if any(v == num_virtual - 1 for v, _, _ in held) else None, name, d, config.dp, t, config.tp,
-                kinds[s], config.allow_cpu_fallback, list(tied), config.lora,
+                s,
+                config.pp,
+                layers,
+                start,
+                config.seed,
+                threads,
+                loss_fn if any(v == num_virtual - 1 for v, _, _ in held) else None,
+                name,
+                d,
+                config.dp,
+                t,
+                config.tp,
+                kinds[s],
+                config.allow_cpu_fallback,
+                list(tied),
+                config.lora,
                 config.quantize[s] if config.quantize else None,
-                held if len(held) > 1 or held[0][0] != s else (), num_virtual, config.ep,
+                held if len(held) > 1 or held[0][0] != s else (),
+                num_virtual,
+                config.ep,
             )
         )
     return actors
 
 
-def wait_for_actors(actors: Sequence[Any], names: Sequence[str], topology: Topology, plan: Sequence[tuple[int, int]],
-                    config: TrainConfig, cpus: float, others: Callable[[], list[str]]) -> list[dict[str, Any]]:
+def wait_for_actors(
+    actors: Sequence[Any],
+    names: Sequence[str],
+    topology: Topology,
+    plan: Sequence[tuple[int, int]],
+    config: TrainConfig,
+    cpus: float,
+    others: Callable[[], list[str]],
+) -> list[dict[str, Any]]:
     """Waits until every actor has built its layers; returns each one's `info()` (where it runs).
 
     Raises:
@@ -97,8 +139,9 @@ def wait_for_actors(actors: Sequence[Any], names: Sequence[str], topology: Topol
                 infos[rank] = info = ray.get(ref)
                 nodes.note(actors[rank], info["node_id"])
             except ray.exceptions.RayActorError as error:
-                raise StageError(f"{names[rank]} (layers {plan[topology.place(rank)[1]]}) could not start: "
-                                 f"{last_line(error)}") from None
+                raise StageError(
+                    f"{names[rank]} (layers {plan[topology.place(rank)[1]]}) could not start: {last_line(error)}"
+                ) from None
         if pending and time.monotonic() >= deadline:
             waiting = [names[refs.index(r)] for r in pending]
             asked = "; ".join(
@@ -107,8 +150,12 @@ def wait_for_actors(actors: Sequence[Any], names: Sequence[str], topology: Topol
                 for n in waiting[:6]
             )
             held = others()
-            hint = (f" Other trainers of this process still hold actors: {'; '.join(held)}; "
-                    f"call .shutdown() on those you are done with." if held else "")
+            hint = (
+                f" Other trainers of this process still hold actors: {'; '.join(held)}; "
+                f"call .shutdown() on those you are done with."
+                if held
+                else ""
+            )
             for ref in pending:  # never leave a pending actor behind
                 ray.kill(actors[refs.index(ref)], no_restart=True)
             raise PlacementError(
@@ -121,9 +168,18 @@ def wait_for_actors(actors: Sequence[Any], names: Sequence[str], topology: Topol
     return infos
 
 
-def start_gang(config: TrainConfig, topology: Topology, names: Sequence[str], specs: Sequence[LayerSpec],
-               plan: Sequence[tuple[int, int]], schedule: Schedule, loss_fn: Any, run_name: str,
-               others: Callable[[], list[str]], tied: Sequence[Sequence[str]] = ()) -> list[Any]:
+def start_gang(
+    config: TrainConfig,
+    topology: Topology,
+    names: Sequence[str],
+    specs: Sequence[LayerSpec],
+    plan: Sequence[tuple[int, int]],
+    schedule: Schedule,
+    loss_fn: Any,
+    run_name: str,
+    others: Callable[[], list[str]],
+    tied: Sequence[Sequence[str]] = (),
+) -> list[Any]:
     """Starts every stage actor, waits until all are placed and built, and joins them into the
     trainer's world when it needs one; on any failure kills those started, then raises.
     `plan`: per virtual stage of `schedule`. `tied`: the model's tied weights (`raypipe.model.Model.tied`)."""
@@ -131,14 +187,27 @@ def start_gang(config: TrainConfig, topology: Topology, names: Sequence[str], sp
     stages = [topology.place(r)[1] for r in range(len(names))]
     group, first = gang.enclosing(actor_bundles(config, topology, config.cpus_per_actor or 0.01)), 1
     if group is not None:  # a Tune trial's group: its bundles 1.. were reserved for the actors
-        cpus = min(b.get("CPU", 0.0) for b in group.bundle_specs[1:len(names) + 1]) or cpus
+        cpus = min(b.get("CPU", 0.0) for b in group.bundle_specs[1 : len(names) + 1]) or cpus
     else:
-        asks = [f"{n} (stage {s}) asked for { {'CPU': cpus, **stage_options(config, s)} }" for n, s in zip(names, stages)]
-        group, first = gang.reserve(actor_bundles(config, topology, cpus), config.placement, f"raypipe-{run_name}",
-                                    config.actor_start_timeout, asks, cluster_offer, others), 0
+        asks = [
+            f"{n} (stage {s}) asked for { {'CPU': cpus, **stage_options(config, s)} }" for n, s in zip(names, stages)
+        ]
+        group, first = (
+            gang.reserve(
+                actor_bundles(config, topology, cpus),
+                config.placement,
+                f"raypipe-{run_name}",
+                config.actor_start_timeout,
+                asks,
+                cluster_offer,
+                others,
+            ),
+            0,
+        )
     try:
-        actors = start_actors(config, topology, names, specs, plan, schedule, loss_fn, run_name, cpus, tied, group,
-                              first)
+        actors = start_actors(
+            config, topology, names, specs, plan, schedule, loss_fn, run_name, cpus, tied, group, first
+        )
     except BaseException:
         if not first:
             gang.release_group(group)
@@ -162,8 +231,10 @@ def linked_stages(schedule: Schedule) -> list[list[int]]:
     """Per stage (actor), the stages it exchanges boundary values with: those holding the virtual
     stages next to its own (interleaved chunks also link the last stage to the first)."""
     owner = owners(schedule)
-    return [sorted({owner[u] for v in stages for u in (v - 1, v + 1) if u in owner and owner[u] != s})
-            for s, stages in enumerate(virtual_stages(schedule))]
+    return [
+        sorted({owner[u] for v in stages for u in (v - 1, v + 1) if u in owner and owner[u] != s})
+        for s, stages in enumerate(virtual_stages(schedule))
+    ]
 
 
 def needs_world(config: TrainConfig) -> bool:
@@ -171,8 +242,15 @@ def needs_world(config: TrainConfig) -> bool:
     return config.dp > 1 or config.tp > 1 or (config.engine != "refs" and config.pp > 1)
 
 
-def join_world(actors: Sequence[Any], names: Sequence[str], topology: Topology, infos: Sequence[dict[str, Any]],
-               config: TrainConfig, shared: Sequence[tuple[int, list[int]]], schedule: Schedule) -> None:
+def join_world(
+    actors: Sequence[Any],
+    names: Sequence[str],
+    topology: Topology,
+    infos: Sequence[dict[str, Any]],
+    config: TrainConfig,
+    shared: Sequence[tuple[int, list[int]]],
+    schedule: Schedule,
+) -> None:
     """Rendezvous through Ray: rank 0 publishes an address, every actor joins the world.
 
     Each actor is in one dp group (its stage and tp rank across replicas) and one tp
@@ -185,8 +263,9 @@ def join_world(actors: Sequence[Any], names: Sequence[str], topology: Topology, 
     linked = linked_stages(schedule)
     address, port = gather([actors[0].rendezvous_address.remote()], "rendezvous")[0]
     dp_groups, tp_groups = topology.dp_groups(), topology.tp_groups()
-    tied_groups = [(g, topology.across_stages(stages, d, t)) for g, stages in shared
-                   for d in range(topology.dp) for t in range(tp)]
+    tied_groups = [
+        (g, topology.across_stages(stages, d, t)) for g, stages in shared for d in range(topology.dp) for t in range(tp)
+    ]
     groups = [g for g in dp_groups + tp_groups if len(g) > 1] + [ranks for _, ranks in tied_groups]
     groups += [list(g) for g in topology.expert_groups() if len(g) > 1 and list(g) not in groups]
     backends = [links.group_backend(infos, g) for g in groups]
@@ -197,15 +276,24 @@ def join_world(actors: Sequence[Any], names: Sequence[str], topology: Topology, 
     joins = []
     for r, actor in enumerate(actors):
         d, s, t = topology.place(r)
-        joins.append(actor.join.remote(
-            address, port, len(actors), r, groups, dp_groups[s * tp + t], tp_groups[d * pp + s],
-            config.step_timeout, backends,
-            [topology.rank(d, n, t) for n in linked[s]],
-            config.same_node_transport,
-            [(g, ranks) for g, ranks in tied_groups if r in ranks],
-            *((topology.ep_group(d, s, t), topology.expert_group(d, s, t)) if topology.ep > 1 else ((), ())),
-            [(first_stream + i, st.sender, st.receiver, st.v, st.what) for i, st in device_links.of(r)],
-        ))
+        joins.append(
+            actor.join.remote(
+                address,
+                port,
+                len(actors),
+                r,
+                groups,
+                dp_groups[s * tp + t],
+                tp_groups[d * pp + s],
+                config.step_timeout,
+                backends,
+                [topology.rank(d, n, t) for n in linked[s]],
+                config.same_node_transport,
+                [(g, ranks) for g, ranks in tied_groups if r in ranks],
+                *((topology.ep_group(d, s, t), topology.expert_group(d, s, t)) if topology.ep > 1 else ((), ())),
+                [(first_stream + i, st.sender, st.receiver, st.v, st.what) for i, st in device_links.of(r)],
+            )
+        )
     gather(joins, "rendezvous", actors, names)
 
 

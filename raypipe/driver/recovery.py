@@ -5,11 +5,12 @@ newest valid checkpoint (or the initial weights) and replays from there, up to
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from raypipe.errors import ActorDiedError, PlacementError
 from raypipe.driver import nodes
 from raypipe.driver.checkpoints import last_valid
+from raypipe.errors import ActorDiedError, PlacementError
 
 
 def recover(trainer: Any, error: ActorDiedError, log: Callable[[str], None]) -> None:
@@ -27,7 +28,8 @@ def recover(trainer: Any, error: ActorDiedError, log: Callable[[str], None]) -> 
         raise ActorDiedError(
             f"{error} -- after {trainer.restarts} restarts (TrainConfig.max_restarts="
             f"{config.max_restarts}); last checkpoint: {where[0] if where else 'none'}",
-            actor=error.actor, cause=error.cause,
+            actor=error.actor,
+            cause=error.cause,
         ) from None
     trainer.restarts += 1
     started = time.monotonic()
@@ -42,15 +44,19 @@ def recover(trainer: Any, error: ActorDiedError, log: Callable[[str], None]) -> 
     except PlacementError as failure:
         if not gone:
             raise
-        raise PlacementError(f"{error.actor} died with its node ({nodes.describe(placed, gone)}), and no node "
-                             f"left can take its place: {failure}") from None
+        raise PlacementError(
+            f"{error.actor} died with its node ({nodes.describe(placed, gone)}), and no node "
+            f"left can take its place: {failure}"
+        ) from None
     where = restore_point(trainer)
     if where is not None:
         trainer.load(where[0], log=log)
     else:
         trainer.step_count = 0  # new actors start from the initial weights
-    log(f"raypipe: resumed at step {trainer.step_count} from {where[0] if where else 'the initial weights'} "
-        f"in {time.monotonic() - started:.1f} s")
+    log(
+        f"raypipe: resumed at step {trainer.step_count} from {where[0] if where else 'the initial weights'} "
+        f"in {time.monotonic() - started:.1f} s"
+    )
 
 
 def restore_point(trainer: Any) -> tuple[Any, int] | None:

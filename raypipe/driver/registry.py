@@ -8,7 +8,7 @@ import warnings
 import weakref
 from typing import Any
 
-_RUNNING: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_RUNNING: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def add(trainer: Any) -> None:
@@ -29,6 +29,9 @@ def replace_same_name(trainer: Any) -> None:
     hold the names the new one needs."""
     for other in list(_RUNNING):
         if other is not trainer and other.run_name == trainer.run_name and other._actors:
-            warnings.warn(f"raypipe: shutting down the running trainer named {trainer.run_name!r} of this "
-                          f"process to reuse its name ({other!r})", stacklevel=3)
+            warnings.warn(
+                f"raypipe: shutting down the running trainer named {trainer.run_name!r} of this "
+                f"process to reuse its name ({other!r})",
+                stacklevel=3,
+            )
             other.shutdown()

@@ -5,8 +5,9 @@ Shared by every engine (`refs`, `p2p`, `compiled`)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import ray
 
@@ -32,7 +33,10 @@ def root_failure(errors: Sequence[Exception]) -> Exception:
 
 
 def gather(
-    refs: Sequence[ray.ObjectRef], what: str, actors: Sequence[Any] = (), names: Sequence[str] = (),
+    refs: Sequence[ray.ObjectRef],
+    what: str,
+    actors: Sequence[Any] = (),
+    names: Sequence[str] = (),
     timeout: float | None = None,
 ) -> list[Any]:
     """ray.get that turns actor-side failures into a StageError carrying the stage's own message.
@@ -82,8 +86,9 @@ def raise_if_died(ready: Sequence[ray.ObjectRef], actors: dict[ray.ObjectRef, tu
                 pass
 
 
-def wait_for_progress(pending: dict[ray.ObjectRef, tuple[str, str]], timeout: float, what: str,
-                       on_ready: Any = None) -> None:
+def wait_for_progress(
+    pending: dict[ray.ObjectRef, tuple[str, str]], timeout: float, what: str, on_ready: Any = None
+) -> None:
     """Waits until every reference is ready, failing if none finishes for `timeout` s.
 
     `pending` maps each reference to (actor name, action label) for the error message;

@@ -12,8 +12,9 @@ and replica d holds the same experts as d +- ep, d +- 2ep, ... (its expert-data 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -38,8 +39,10 @@ class Topology:
 
     def grid(self, flat: Sequence[Any]) -> list[list[list[Any]]]:
         """Per-rank items (actors, names, ranks) -> [replica][stage][tp rank]."""
-        return [[list(flat[self.rank(d, s, 0) : self.rank(d, s, 0) + self.tp]) for s in range(self.pp)]
-                for d in range(len(flat) // (self.pp * self.tp))]
+        return [
+            [list(flat[self.rank(d, s, 0) : self.rank(d, s, 0) + self.tp]) for s in range(self.pp)]
+            for d in range(len(flat) // (self.pp * self.tp))
+        ]
 
     def lead_ranks(self) -> list[int]:
         """Per stage, the rank of replica 0's tp rank 0: the actor whose timings stand for the stage."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 from raypipe import env
 from raypipe.schedules import Schedule

@@ -4,13 +4,14 @@ memory; checkpoints (`save`/`load`) are the way for a model that does not fit th
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
+from raypipe.driver.results import gather
 from raypipe.errors import StageError
 from raypipe.nn import ShardSpec, merge
-from raypipe.driver.results import gather
 
 
 def merged(stages: Sequence[Sequence[Any]], method: str, tp: int) -> dict[str, torch.Tensor]:
@@ -40,8 +41,9 @@ def merged_replicas(grid: Sequence[Sequence[Sequence[Any]]], method: str, tp: in
     return result
 
 
-def load_into(actors: Sequence[Any], state: dict[str, torch.Tensor], plan: Sequence[Sequence[tuple[int, int]]],
-              tp: int) -> None:
+def load_into(
+    actors: Sequence[Any], state: dict[str, torch.Tensor], plan: Sequence[Sequence[tuple[int, int]]], tp: int
+) -> None:
     """Loads full-model weights into every actor, each stage getting the keys of its layers
     (`plan`: per stage, the layer ranges it holds, `raypipe.driver.chunks.actor_plan`).
 
@@ -67,11 +69,20 @@ def load_into(actors: Sequence[Any], state: dict[str, torch.Tensor], plan: Seque
 
     refs = [ray.put(part) for part in parts]  # sent once, read by the check and the load
     per_actor = [refs[(i // tp) % len(plan)] for i in range(len(actors))]
-    problems = sorted({p for found in gather([a.check_state_dict.remote(r) for a, r in zip(actors, per_actor)],
-                                             "load_state_dict check", actors) for p in found})
+    problems = sorted(
+        {
+            p
+            for found in gather(
+                [a.check_state_dict.remote(r) for a, r in zip(actors, per_actor)], "load_state_dict check", actors
+            )
+            for p in found
+        }
+    )
     if problems:  # all or nothing: no actor has changed a weight yet
-        raise KeyError(f"load_state_dict: the weights do not fit this model, nothing was loaded: "
-                       f"{'; '.join(problems[:8])}{f'; and {len(problems) - 8} more' if len(problems) > 8 else ''}")
+        raise KeyError(
+            f"load_state_dict: the weights do not fit this model, nothing was loaded: "
+            f"{'; '.join(problems[:8])}{f'; and {len(problems) - 8} more' if len(problems) > 8 else ''}"
+        )
     try:
         gather([a.load_state_dict.remote(r) for a, r in zip(actors, per_actor)], "load_state_dict")
     except StageError as error:

@@ -31,7 +31,7 @@ from raypipe.checks import check_whole_number
 from raypipe.errors import ConfigError
 from raypipe.layers import LayerSpec
 from raypipe.nn import ColumnParallel, RowParallel, VocabParallel
-from raypipe.nn.moe import MoE, ExpertMLP, check_moe
+from raypipe.nn.moe import ExpertMLP, MoE, check_moe
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,9 @@ class GPTConfig:
         check_whole_number("model.num_experts", self.num_experts, 0)
         if self.moe:
             check_whole_number("model.moe_every", self.moe_every, 1)
-            check_moe(self.num_experts, self.top_k, self.capacity_factor, self.aux_loss_coef, self.z_loss_coef, "model.")
+            check_moe(
+                self.num_experts, self.top_k, self.capacity_factor, self.aux_loss_coef, self.z_loss_coef, "model."
+            )
 
     @property
     def parameters(self) -> int:
@@ -133,9 +135,7 @@ class CausalSelfAttention(nn.Module):
         b, t, _ = x.shape
         q, k, v = self.c_attn(x).chunk(3, dim=2)  # this rank's heads (all heads when tp=1)
         q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
         return self.resid_drop(self.c_proj(y.transpose(1, 2).contiguous().view(b, t, -1)))
 
 
@@ -187,8 +187,15 @@ class MoEBlock(Block):
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__(cfg)
-        self.mlp = MoE(cfg.n_embd, cfg.num_experts, cfg.top_k, lambda: ExpertMLP(cfg.n_embd, 4 * cfg.n_embd, cfg.bias),
-                       cfg.capacity_factor, cfg.aux_loss_coef, cfg.z_loss_coef)
+        self.mlp = MoE(
+            cfg.n_embd,
+            cfg.num_experts,
+            cfg.top_k,
+            lambda: ExpertMLP(cfg.n_embd, 4 * cfg.n_embd, cfg.bias),
+            cfg.capacity_factor,
+            cfg.aux_loss_coef,
+            cfg.z_loss_coef,
+        )
         _init(self, cfg.n_layer)
         self.num_experts = cfg.num_experts
 

@@ -11,7 +11,8 @@ GPT-2 twin (GPT-2's layers always have biases) and is refused.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from raypipe.errors import ConfigError
 from raypipe.layers import LayerSpec
@@ -51,22 +52,38 @@ class GPT2Exporter:
                     names[f"{i}.{key}"] = f"transformer.h.{i - 1}.{key}"
         return names
 
-    def save(self, stages: Sequence[Sequence[Any]], specs: Sequence[LayerSpec], directory: str, tp: int,
-             merge: bool = False) -> None:
+    def save(
+        self, stages: Sequence[Sequence[Any]], specs: Sequence[LayerSpec], directory: str, tp: int, merge: bool = False
+    ) -> None:
         from transformers import GPT2Config
 
         c = self.cfg
         if not c.bias:
-            raise ConfigError("a GPT with model.bias=False has no GPT-2 twin (GPT-2's layers have biases): "
-                              "save it with Trainer.save() or state_dict() instead.")
+            raise ConfigError(
+                "a GPT with model.bias=False has no GPT-2 twin (GPT-2's layers have biases): "
+                "save it with Trainer.save() or state_dict() instead."
+            )
         if c.moe:
-            raise ConfigError(f"a GPT with model.num_experts={c.num_experts} has no GPT-2 twin (GPT-2 has no mixture "
-                              f"of experts): save it with Trainer.save() or state_dict() instead.")
+            raise ConfigError(
+                f"a GPT with model.num_experts={c.num_experts} has no GPT-2 twin (GPT-2 has no mixture "
+                f"of experts): save it with Trainer.save() or state_dict() instead."
+            )
         names = self.names(specs)
         dtype = save_shards(stages, names, directory, tp, [k for k in names if k.endswith(CONV1D)], merge)
-        config = GPT2Config(vocab_size=c.vocab_size, n_positions=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer,
-                            n_head=c.n_head, activation_function="gelu", tie_word_embeddings=False,
-                            resid_pdrop=c.dropout, embd_pdrop=c.dropout, attn_pdrop=c.dropout,
-                            bos_token_id=None, eos_token_id=None, architectures=["GPT2LMHeadModel"])
+        config = GPT2Config(
+            vocab_size=c.vocab_size,
+            n_positions=c.block_size,
+            n_embd=c.n_embd,
+            n_layer=c.n_layer,
+            n_head=c.n_head,
+            activation_function="gelu",
+            tie_word_embeddings=False,
+            resid_pdrop=c.dropout,
+            embd_pdrop=c.dropout,
+            attn_pdrop=c.dropout,
+            bos_token_id=None,
+            eos_token_id=None,
+            architectures=["GPT2LMHeadModel"],
+        )
         config.dtype = dtype
         config.save_pretrained(directory)

@@ -16,7 +16,8 @@ dict back to the model's own keys.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from torch import nn
 
@@ -37,8 +38,9 @@ class ModuleModel(Model):
         return {f"{self.unit_names[int(k.partition('.')[0])]}.{k.partition('.')[2]}": v for k, v in state.items()}
 
 
-def split(model: nn.Module, split_points: Sequence[str] | None = None,
-          loss_fn: Callable[[Any, Any], Any] | None = None) -> ModuleModel:
+def split(
+    model: nn.Module, split_points: Sequence[str] | None = None, loss_fn: Callable[[Any, Any], Any] | None = None
+) -> ModuleModel:
     """Splits `model` into layers at its chained submodules.
 
     Args:
@@ -57,12 +59,16 @@ def split(model: nn.Module, split_points: Sequence[str] | None = None,
         starts = []
         for point in split_points:
             if point not in units:
-                raise ConfigError(f"split point {point!r} is not one of {type(model).__name__}'s chained "
-                                  f"submodules: use one of {units}.")
+                raise ConfigError(
+                    f"split point {point!r} is not one of {type(model).__name__}'s chained "
+                    f"submodules: use one of {units}."
+                )
             starts.append(units.index(point))
         if starts != sorted(set(starts)) or starts[0] == 0:
-            raise ConfigError(f"split_points={list(split_points)} must name submodules after the first, in call order "
-                              f"({units}), each once.")
+            raise ConfigError(
+                f"split_points={list(split_points)} must name submodules after the first, in call order "
+                f"({units}), each once."
+            )
         bounds = [0, *starts, len(units)]
         plan = [[a, b] for a, b in zip(bounds, bounds[1:])]
     modules = dict(model.named_modules())
@@ -91,13 +97,17 @@ def chain(model: nn.Module) -> list[str]:
         def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
             return qualified_name in candidates
 
-    advice = ("raypipe splits a forward that only chains submodules (each one's output is the next "
-              "one's input): move that computation into a submodule, write the model as a list of "
-              "LayerSpecs, or use raypipe.models.hf for a transformers model.")
+    advice = (
+        "raypipe splits a forward that only chains submodules (each one's output is the next "
+        "one's input): move that computation into a submodule, write the model as a list of "
+        "LayerSpecs, or use raypipe.models.hf for a transformers model."
+    )
     try:
         graph = Tracer().trace(model)
     except Exception as error:  # noqa: BLE001 - any tracing failure gets the same advice
-        raise ConfigError(f"cannot trace {type(model).__name__}.forward ({type(error).__name__}: {error}); {advice}") from None
+        raise ConfigError(
+            f"cannot trace {type(model).__name__}.forward ({type(error).__name__}: {error}); {advice}"
+        ) from None
     units, previous = [], None
     for node in graph.nodes:
         if node.op == "placeholder":
@@ -109,8 +119,9 @@ def chain(model: nn.Module) -> list[str]:
             previous = node
         elif node.op == "output":
             if node.args[0] is not previous:
-                raise ConfigError(f"{type(model).__name__}.forward returns something other than its last "
-                                  f"submodule's output; {advice}")
+                raise ConfigError(
+                    f"{type(model).__name__}.forward returns something other than its last submodule's output; {advice}"
+                )
         else:
             where = f"after {units[-1]!r}" if units else "before its first submodule"
             raise ConfigError(f"{type(model).__name__}.forward computes {node.op} {node.target!r} {where}; {advice}")

@@ -10,8 +10,9 @@ CLI are not tied to one model: `model:` holds the reference GPT's fields (the de
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
@@ -65,8 +66,11 @@ class GPTModel(JobModel):
 
     def describe(self) -> str:
         c = self.config
-        moe = (f", {sum(map(c.is_moe_block, range(c.n_layer)))} MoE blocks of {c.num_experts} experts, top {c.top_k}"
-               if c.moe else "")
+        moe = (
+            f", {sum(map(c.is_moe_block, range(c.n_layer)))} MoE blocks of {c.num_experts} experts, top {c.top_k}"
+            if c.moe
+            else ""
+        )
         return f"GPT {c.parameters / 1e6:.2f}M parameters ({c.n_layer} blocks, n_embd {c.n_embd}{moe})"
 
 
@@ -111,8 +115,9 @@ class HFModelSection(JobModel):
         """The model directory's own tokenizer when it has one, else raypipe's byte tokenizer."""
         import os
 
-        if isinstance(self.hf, str) and any(os.path.exists(os.path.join(self.hf, f))
-                                            for f in ("tokenizer.json", "tokenizer_config.json")):
+        if isinstance(self.hf, str) and any(
+            os.path.exists(os.path.join(self.hf, f)) for f in ("tokenizer.json", "tokenizer_config.json")
+        ):
             from transformers import AutoTokenizer
 
             return AutoTokenizer.from_pretrained(self.hf)
@@ -130,6 +135,8 @@ def job_model(values: Mapping[str, Any] | None) -> JobModel:
     names = [f.name for f in dataclasses.fields(cls)]
     for key in values:
         if key not in names:
-            raise ConfigError(f"unknown field model.{key}: model takes {', '.join(names)}, or hf: "
-                              f"<model directory or config fields>.{nearest(str(key), names)}")
+            raise ConfigError(
+                f"unknown field model.{key}: model takes {', '.join(names)}, or hf: "
+                f"<model directory or config fields>.{nearest(str(key), names)}"
+            )
     return cls(**values) if cls is HFModelSection else target(cls(**values))

@@ -11,8 +11,9 @@ forward, identity backward) and gather (all-gather forward, own slice backward).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -36,14 +36,22 @@ class ColumnParallelLinear(nn.Module):
     so each rank keeps whole heads of q, k and v.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True,
-                 gather_output: bool = False, chunks: int = 1, tp: TensorParallelGroup | None = None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        gather_output: bool = False,
+        chunks: int = 1,
+        tp: TensorParallelGroup | None = None,
+    ) -> None:
         super().__init__()
         self._init_from(nn.Linear(in_features, out_features, bias=bias), tp or current(), gather_output, chunks)
 
     @classmethod
-    def from_dense(cls, linear: nn.Linear, tp: TensorParallelGroup, gather_output: bool = False,
-                   chunks: int = 1) -> "ColumnParallelLinear":
+    def from_dense(
+        cls, linear: nn.Linear, tp: TensorParallelGroup, gather_output: bool = False, chunks: int = 1
+    ) -> ColumnParallelLinear:
         layer = _bare(cls)
         layer._init_from(linear, tp, gather_output, chunks)
         return layer
@@ -52,11 +60,15 @@ class ColumnParallelLinear(nn.Module):
         self.tp, self.gather_output, self.chunks = tp, gather_output, chunks
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.spec = ShardSpec(0, chunks)
-        self.spec.check(f"ColumnParallelLinear({linear.in_features}, {linear.out_features}) output", linear.weight.shape, tp.size)
-        self.weight = nn.Parameter(shard(linear.weight.detach(), self.spec, tp.rank, tp.size),
-                                   requires_grad=linear.weight.requires_grad)
-        self.bias = (nn.Parameter(shard(linear.bias.detach(), self.spec, tp.rank, tp.size))
-                     if linear.bias is not None else None)
+        self.spec.check(
+            f"ColumnParallelLinear({linear.in_features}, {linear.out_features}) output", linear.weight.shape, tp.size
+        )
+        self.weight = nn.Parameter(
+            shard(linear.weight.detach(), self.spec, tp.rank, tp.size), requires_grad=linear.weight.requires_grad
+        )
+        self.bias = (
+            nn.Parameter(shard(linear.bias.detach(), self.spec, tp.rank, tp.size)) if linear.bias is not None else None
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(copy_to_group(x, self.tp), self.weight, self.bias)
@@ -66,9 +78,11 @@ class ColumnParallelLinear(nn.Module):
         return {"weight": self.spec, **({"bias": self.spec} if self.bias is not None else {})}
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features} "
-                f"(this rank: {self.weight.shape[0]}), tp={self.tp.rank}/{self.tp.size}, "
-                f"chunks={self.chunks}, gather_output={self.gather_output}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features} "
+            f"(this rank: {self.weight.shape[0]}), tp={self.tp.rank}/{self.tp.size}, "
+            f"chunks={self.chunks}, gather_output={self.gather_output}"
+        )
 
 
 class RowParallelLinear(nn.Module):
@@ -79,13 +93,14 @@ class RowParallelLinear(nn.Module):
     is added once after the sum.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True,
-                 tp: TensorParallelGroup | None = None) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = True, tp: TensorParallelGroup | None = None
+    ) -> None:
         super().__init__()
         self._init_from(nn.Linear(in_features, out_features, bias=bias), tp or current())
 
     @classmethod
-    def from_dense(cls, linear: nn.Linear, tp: TensorParallelGroup) -> "RowParallelLinear":
+    def from_dense(cls, linear: nn.Linear, tp: TensorParallelGroup) -> RowParallelLinear:
         layer = _bare(cls)
         layer._init_from(linear, tp)
         return layer
@@ -94,9 +109,12 @@ class RowParallelLinear(nn.Module):
         self.tp = tp
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.spec = ShardSpec(1)
-        self.spec.check(f"RowParallelLinear({linear.in_features}, {linear.out_features}) input", linear.weight.shape, tp.size)
-        self.weight = nn.Parameter(shard(linear.weight.detach(), self.spec, tp.rank, tp.size),
-                                   requires_grad=linear.weight.requires_grad)
+        self.spec.check(
+            f"RowParallelLinear({linear.in_features}, {linear.out_features}) input", linear.weight.shape, tp.size
+        )
+        self.weight = nn.Parameter(
+            shard(linear.weight.detach(), self.spec, tp.rank, tp.size), requires_grad=linear.weight.requires_grad
+        )
         self.bias = nn.Parameter(linear.bias.detach().clone()) if linear.bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -107,8 +125,10 @@ class RowParallelLinear(nn.Module):
         return {"weight": self.spec}
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features} (this rank: {self.weight.shape[1]}), "
-                f"out_features={self.out_features}, tp={self.tp.rank}/{self.tp.size}")
+        return (
+            f"in_features={self.in_features} (this rank: {self.weight.shape[1]}), "
+            f"out_features={self.out_features}, tp={self.tp.rank}/{self.tp.size}"
+        )
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -123,7 +143,7 @@ class VocabParallelEmbedding(nn.Module):
         self._init_from(nn.Embedding(num_embeddings, embedding_dim), tp or current())
 
     @classmethod
-    def from_dense(cls, embedding: nn.Embedding, tp: TensorParallelGroup) -> "VocabParallelEmbedding":
+    def from_dense(cls, embedding: nn.Embedding, tp: TensorParallelGroup) -> VocabParallelEmbedding:
         layer = _bare(cls)
         layer._init_from(embedding, tp)
         return layer
@@ -138,12 +158,16 @@ class VocabParallelEmbedding(nn.Module):
         self.tp = tp
         self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
         self.spec = ShardSpec(0)
-        self.spec.check(f"VocabParallelEmbedding({self.num_embeddings}, {self.embedding_dim}) vocabulary",
-                        embedding.weight.shape, tp.size)
+        self.spec.check(
+            f"VocabParallelEmbedding({self.num_embeddings}, {self.embedding_dim}) vocabulary",
+            embedding.weight.shape,
+            tp.size,
+        )
         rows = self.num_embeddings // tp.size
         self.first, self.end = tp.rank * rows, (tp.rank + 1) * rows
-        self.weight = nn.Parameter(shard(embedding.weight.detach(), self.spec, tp.rank, tp.size),
-                                   requires_grad=embedding.weight.requires_grad)
+        self.weight = nn.Parameter(
+            shard(embedding.weight.detach(), self.spec, tp.rank, tp.size), requires_grad=embedding.weight.requires_grad
+        )
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -157,8 +181,10 @@ class VocabParallelEmbedding(nn.Module):
         return {"weight": self.spec}
 
     def extra_repr(self) -> str:
-        return (f"{self.num_embeddings}, {self.embedding_dim}, rows [{self.first}, {self.end}) "
-                f"on tp={self.tp.rank}/{self.tp.size}")
+        return (
+            f"{self.num_embeddings}, {self.embedding_dim}, rows [{self.first}, {self.end}) "
+            f"on tp={self.tp.rank}/{self.tp.size}"
+        )
 
 
 def _bare(cls: type) -> nn.Module:

@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -52,8 +53,10 @@ class ExpertParallelGroup:
 
     def process_group(self) -> Any:
         if self.size > 1 and self.group is None:
-            raise RuntimeError(f"expert-parallel rank {self.rank} of {self.size} routed tokens before joining its "
-                               f"group; MoE layers with ep > 1 run inside a Trainer's stage actors.")
+            raise RuntimeError(
+                f"expert-parallel rank {self.rank} of {self.size} routed tokens before joining its "
+                f"group; MoE layers with ep > 1 run inside a Trainer's stage actors."
+            )
         return self.group
 
 
@@ -106,7 +109,9 @@ def _exchange(x: torch.Tensor, send: list[int], recv: list[int], group: Any) -> 
     started = time.time()
     out = x.new_empty((sum(recv), *x.shape[1:]))
     dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
-    RECORDER.bytes += (sum(send) - send[dist.get_group_rank(group, dist.get_rank())]) * x[0:1].numel() * x.element_size()
+    RECORDER.bytes += (
+        (sum(send) - send[dist.get_group_rank(group, dist.get_rank())]) * x[0:1].numel() * x.element_size()
+    )
     RECORDER.intervals.append((started, time.time()))
     return out
 
@@ -127,9 +132,17 @@ class MoE(nn.Module):
             across layers (transformers' Mixtral balances all layers' routing at once).
     """
 
-    def __init__(self, dim: int, num_experts: int, top_k: int = 2, make_expert: Callable[[], nn.Module] | None = None,
-                 capacity_factor: float | None = None, aux_loss_coef: float = 0.01, z_loss_coef: float = 0.0,
-                 renormalize: bool | None = None) -> None:
+    def __init__(
+        self,
+        dim: int,
+        num_experts: int,
+        top_k: int = 2,
+        make_expert: Callable[[], nn.Module] | None = None,
+        capacity_factor: float | None = None,
+        aux_loss_coef: float = 0.01,
+        z_loss_coef: float = 0.0,
+        renormalize: bool | None = None,
+    ) -> None:
         super().__init__()
         check_moe(num_experts, top_k, capacity_factor, aux_loss_coef, z_loss_coef)
         self.num_experts, self.top_k, self.capacity_factor = num_experts, top_k, capacity_factor
@@ -153,13 +166,19 @@ class MoE(nn.Module):
             ConfigError: num_experts does not divide by ep.
         """
         if self.num_experts % ep.size:
-            raise ConfigError(f"a MoE layer has {self.num_experts} experts, which do not divide across "
-                              f"TrainConfig.ep={ep.size} ranks: use an ep that divides {self.num_experts}.")
+            raise ConfigError(
+                f"a MoE layer has {self.num_experts} experts, which do not divide across "
+                f"TrainConfig.ep={ep.size} ranks: use an ep that divides {self.num_experts}."
+            )
         per_rank = self.num_experts // ep.size
         self.ep, self.first = ep, ep.rank * per_rank
         held = range(self.first, self.first + per_rank)
-        dropped = [f"experts.{e}.{k}" for e in range(self.num_experts) if e not in held
-                   for k in self.experts[str(e)].state_dict()]
+        dropped = [
+            f"experts.{e}.{k}"
+            for e in range(self.num_experts)
+            if e not in held
+            for k in self.experts[str(e)].state_dict()
+        ]
         self.experts = nn.ModuleDict({str(e): self.experts[str(e)] for e in held})
         return dropped
 
@@ -238,16 +257,19 @@ class MoE(nn.Module):
             self.dropped += int(dropped)
 
 
-def check_moe(num_experts: Any, top_k: Any, capacity_factor: Any, aux_loss_coef: Any, z_loss_coef: Any,
-              prefix: str = "") -> None:
+def check_moe(
+    num_experts: Any, top_k: Any, capacity_factor: Any, aux_loss_coef: Any, z_loss_coef: Any, prefix: str = ""
+) -> None:
     """Raises ConfigError naming the first invalid MoE setting and its fix."""
     if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts < 1:
         raise ConfigError(f"{prefix}num_experts={num_experts!r} is invalid: give a whole number of experts >= 1.")
     if top_k not in (1, 2) or isinstance(top_k, bool) or top_k > num_experts:
         raise ConfigError(f"{prefix}top_k={top_k!r} is invalid: give 1 or 2 (at most num_experts={num_experts}).")
     if capacity_factor is not None and (not isinstance(capacity_factor, (int, float)) or capacity_factor <= 0):
-        raise ConfigError(f"{prefix}capacity_factor={capacity_factor!r} is invalid: give a number > 0 "
-                          f"(1.25 is usual), or null for dropless routing.")
+        raise ConfigError(
+            f"{prefix}capacity_factor={capacity_factor!r} is invalid: give a number > 0 "
+            f"(1.25 is usual), or null for dropless routing."
+        )
     for name, value in (("aux_loss_coef", aux_loss_coef), ("z_loss_coef", z_loss_coef)):
         if not isinstance(value, (int, float)) or value < 0:
             raise ConfigError(f"{prefix}{name}={value!r} is invalid: give a number >= 0 (0 switches it off).")
@@ -272,7 +294,9 @@ def expert_parameters(module: nn.Module) -> set[int]:
 
 def keyed_moe_layers(layers: Iterable[tuple[int, nn.Module]]) -> dict[str, MoE]:
     """Every MoE among `layers` ((global index, layer) pairs) under "<index>.<module name>"."""
-    return {f"{index}.{name}" if name else str(index): moe for index, layer in layers for name, moe in moe_layers(layer)}
+    return {
+        f"{index}.{name}" if name else str(index): moe for index, layer in layers for name, moe in moe_layers(layer)
+    }
 
 
 def take_step_report(moes: dict[str, MoE]) -> dict[str, Any]:
@@ -305,8 +329,12 @@ def check_expert_parallel(specs: Any, ep: int) -> None:
         for _, moe in moe_layers(module):
             found = True
             if moe.num_experts % ep:
-                raise ConfigError(f"TrainConfig.ep={ep}: layer {index} has a MoE of {moe.num_experts} experts, "
-                                  f"which do not divide across {ep} ranks; use an ep that divides {moe.num_experts}.")
+                raise ConfigError(
+                    f"TrainConfig.ep={ep}: layer {index} has a MoE of {moe.num_experts} experts, "
+                    f"which do not divide across {ep} ranks; use an ep that divides {moe.num_experts}."
+                )
     if not found:
-        raise ConfigError(f"TrainConfig.ep={ep}, but no layer holds a MoE (raypipe.nn.MoE) whose experts could be "
-                          f"split: set ep=1, or use a model with MoE layers (e.g. GPTConfig(num_experts=8, moe_every=1)).")
+        raise ConfigError(
+            f"TrainConfig.ep={ep}, but no layer holds a MoE (raypipe.nn.MoE) whose experts could be "
+            f"split: set ep=1, or use a model with MoE layers (e.g. GPTConfig(num_experts=8, moe_every=1))."
+        )

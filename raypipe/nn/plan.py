@@ -14,8 +14,9 @@ dense model whatever tp is. Submodules outside the plan are replicated.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import nn

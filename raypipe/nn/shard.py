@@ -9,8 +9,8 @@ whole heads of each. `shard` and `merge` are exact inverses: this is what lets
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 

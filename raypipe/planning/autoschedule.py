@@ -13,16 +13,17 @@ others lost is printed. The prediction is compared with measured steps in
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
 from raypipe.config import TrainConfig
+from raypipe.data.batches import split_batch
 from raypipe.errors import ConfigError
 from raypipe.layers import LayerSpec
 from raypipe.planning.profiling import PlanReport, plan_from_profiles, profile_layers, profiled_plan, scheduled_seconds
-from raypipe.data.batches import split_batch
 from raypipe.schedules import SCHEDULES, build_schedule
 
 # What the p2p engine adds to an action beyond its layers' compute on a loaded 2-core machine
@@ -54,8 +55,9 @@ class ScheduleChoice:
 
     def __str__(self) -> str:
         ranked = sorted(self.candidates, key=lambda c: (c.step_seconds is None, c.step_seconds or 0.0))
-        return "\n".join([f"schedule=auto chose {self.chosen} predicted per step"]
-                         + [f"  {c}" for c in ranked] + [str(self.report)])
+        return "\n".join(
+            [f"schedule=auto chose {self.chosen} predicted per step"] + [f"  {c}" for c in ranked] + [str(self.report)]
+        )
 
 
 def microbatch_options(rows: int, pp: int) -> list[int]:
@@ -72,8 +74,15 @@ def predicted_seconds(config: TrainConfig, report: PlanReport) -> float:
     return compute + ACTION_OVERHEAD_S * max(len(actions) for actions in schedule)
 
 
-def choose(specs: Sequence[LayerSpec], loss_fn: Callable, x: Any, y: Any, config: TrainConfig, cpus: float,
-           split: Callable[[Any, Any, int], tuple[list, list]]) -> ScheduleChoice:
+def choose(
+    specs: Sequence[LayerSpec],
+    loss_fn: Callable,
+    x: Any,
+    y: Any,
+    config: TrainConfig,
+    cpus: float,
+    split: Callable[[Any, Any, int], tuple[list, list]],
+) -> ScheduleChoice:
     """Profiles and predicts every candidate; returns the cheapest that fits.
 
     Args:
@@ -96,8 +105,9 @@ def choose(specs: Sequence[LayerSpec], loss_fn: Callable, x: Any, y: Any, config
                 candidate = Candidate(name, chunks, m, None)
                 candidates.append(candidate)
                 try:
-                    cfg = config.replace(schedule=name, chunks=chunks, microbatches=m, partition="profile",
-                                         shard_plan=None)
+                    cfg = config.replace(
+                        schedule=name, chunks=chunks, microbatches=m, partition="profile", shard_plan=None
+                    )
                     if len(specs) < config.pp * cfg.num_chunks():
                         raise ConfigError(f"{len(specs)} layers, fewer than its {config.pp * cfg.num_chunks()} chunks")
                     report = plan_from_profiles(profiles, kinds, cfg)
@@ -108,8 +118,7 @@ def choose(specs: Sequence[LayerSpec], loss_fn: Callable, x: Any, y: Any, config
                 if best is None or candidate.step_seconds < best[0]:
                     best = (candidate.step_seconds, candidate, report)
     if best is None:
-        raise ConfigError("schedule='auto' found no schedule that fits: "
-                          + "; ".join(str(c) for c in candidates))
+        raise ConfigError("schedule='auto' found no schedule that fits: " + "; ".join(str(c) for c in candidates))
     return ScheduleChoice(best[1], best[2], candidates)
 
 
@@ -119,14 +128,21 @@ def _rows(x: Any) -> int:
     return next(t.shape[0] for t in pytree.tree_leaves(x) if hasattr(t, "shape"))
 
 
-def plan_run(specs: Sequence[LayerSpec], loss_fn: Callable[[torch.Tensor, Any], torch.Tensor], sample: tuple,
-             config: TrainConfig, cpus: float, log: Callable[[str], None]) -> tuple[TrainConfig, PlanReport]:
+def plan_run(
+    specs: Sequence[LayerSpec],
+    loss_fn: Callable[[torch.Tensor, Any], torch.Tensor],
+    sample: tuple,
+    config: TrainConfig,
+    cpus: float,
+    log: Callable[[str], None],
+) -> tuple[TrainConfig, PlanReport]:
     """The profiled plan of a run (`partition="profile"`), or with `schedule="auto"` the chosen
     schedule, chunks and microbatches too (`raypipe.planning.autoschedule`); logs what it found.
 
     Returns:
         (the config, with the chosen schedule under "auto"; the plan report).
     """
+
     def split(x: Any, y: Any, parts: int) -> tuple[list, list]:
         return split_batch(x, y, parts, config.dp, max(1, parts // config.dp))
 
@@ -134,8 +150,9 @@ def plan_run(specs: Sequence[LayerSpec], loss_fn: Callable[[torch.Tensor, Any], 
         choice = choose(specs, loss_fn, *sample, config, cpus, split)
         log(str(choice))
         chosen = choice.chosen
-        return config.replace(schedule=chosen.schedule, chunks=chosen.chunks, microbatches=chosen.microbatches), \
-            choice.report
+        return config.replace(
+            schedule=chosen.schedule, chunks=chosen.chunks, microbatches=chosen.microbatches
+        ), choice.report
     inputs, targets = split(*sample, config.dp * config.microbatches)
     report = profiled_plan(specs, loss_fn, inputs[0], targets[0], config, cpus)
     log(str(report))

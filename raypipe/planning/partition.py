@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from raypipe.errors import ConfigError
 
@@ -101,11 +102,12 @@ def check_plan(plan: Sequence[Sequence[int]], num_layers: int, num_stages: int) 
     Raises:
         ConfigError: naming the broken range and how to fix it.
     """
+
     def fail(problem: str) -> ConfigError:
         return ConfigError(
             f"TrainConfig.shard_plan={[list(r) for r in plan]!r} is invalid: {problem}. "
             f"Give {num_stages} contiguous [start, end) ranges covering layers 0..{num_layers - 1}, "
-            f"e.g. {[list(r) for r in uniform_plan(num_layers, num_stages)] if num_layers >= num_stages else '[[0, n)]'}."
+            f"e.g. {[list(r) for r in uniform_plan(num_layers, num_stages)] if num_layers >= num_stages else '[[0, n)]'}."  # noqa: E501
         )
 
     if len(plan) != num_stages:
@@ -140,8 +142,7 @@ def make_plan(
         return check_plan(shard_plan, num_layers, num_stages)
     if num_layers < num_stages:
         raise ConfigError(
-            f"TrainConfig.pp={num_stages} is invalid: the model has only {num_layers} layers; "
-            f"use pp <= {num_layers}."
+            f"TrainConfig.pp={num_stages} is invalid: the model has only {num_layers} layers; use pp <= {num_layers}."
         )
     if partition == "parameters":
         if parameter_counts is None:
@@ -183,8 +184,13 @@ def first_plan(specs: Sequence[Any], config: Any, has_sample: bool) -> tuple[Pla
         )
     counts = parameter_counts(specs) if config.partition == "parameters" and config.shard_plan is None else None
     # one range per virtual stage: with model chunks (interleaved-1f1b, zb-v) pp x chunks of them
-    plan = make_plan(len(specs), config.pp * config.num_chunks(), "uniform" if profiled else config.partition,
-                     config.shard_plan, counts)
+    plan = make_plan(
+        len(specs),
+        config.pp * config.num_chunks(),
+        "uniform" if profiled else config.partition,
+        config.shard_plan,
+        counts,
+    )
     tp_splits = check_tensor_parallel(specs, config.tp)
     check_expert_parallel(specs, config.ep)
     if not profiled:

@@ -16,8 +16,9 @@ estimate is high by up to the tp factor: a safe error.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -58,8 +59,10 @@ class PlanReport:
     stages: list[int] = field(default_factory=list)
 
     def __str__(self) -> str:
-        lines = [f"speed-aware plan (partition=profile): predicted step {1000 * self.step_seconds:.1f} ms, "
-                 f"uniform split {1000 * self.uniform_step_seconds:.1f} ms"]
+        lines = [
+            f"speed-aware plan (partition=profile): predicted step {1000 * self.step_seconds:.1f} ms, "
+            f"uniform split {1000 * self.uniform_step_seconds:.1f} ms"
+        ]
         chunked = bool(self.stages)
         for s, ((a, b), kind) in enumerate(zip(self.plan, self.kinds)):
             profile = self.profiles[kind]
@@ -73,10 +76,15 @@ class PlanReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "plan": [list(r) for r in self.plan], "kinds": self.kinds, "stage_seconds": self.stage_seconds,
-            "stage_memory_bytes": self.stage_memory_bytes, "capacity_bytes": self.capacity_bytes,
-            "step_seconds": self.step_seconds, "uniform_step_seconds": self.uniform_step_seconds,
-            "profiles": self.profiles, "stages": self.stages,
+            "plan": [list(r) for r in self.plan],
+            "kinds": self.kinds,
+            "stage_seconds": self.stage_seconds,
+            "stage_memory_bytes": self.stage_memory_bytes,
+            "capacity_bytes": self.capacity_bytes,
+            "step_seconds": self.step_seconds,
+            "uniform_step_seconds": self.uniform_step_seconds,
+            "profiles": self.profiles,
+            "stages": self.stages,
         }
 
 
@@ -98,8 +106,9 @@ def profile_layers(
     remote = ray.remote(LayerProfiler)
     unique = list(dict.fromkeys(kinds))
     actors = [
-        remote.options(num_cpus=cpus, max_restarts=0, **ray_options(k, config.gpus_per_actor))
-        .remote(k, config.allow_cpu_fallback, threads)
+        remote.options(num_cpus=cpus, max_restarts=0, **ray_options(k, config.gpus_per_actor)).remote(
+            k, config.allow_cpu_fallback, threads
+        )
         for k in unique
     ]
     try:
@@ -136,9 +145,7 @@ def profiled_plan(
     return plan_from_profiles(profile_layers(specs, loss_fn, x, target, config, kinds, threads, cpus), kinds, config)
 
 
-def plan_from_profiles(
-    profiles: dict[str, dict[str, Any]], kinds: Sequence[str], config: TrainConfig
-) -> PlanReport:
+def plan_from_profiles(profiles: dict[str, dict[str, Any]], kinds: Sequence[str], config: TrainConfig) -> PlanReport:
     """The exact speed-aware plan for stages of `kinds`, and its predictions.
 
     With model chunks the plan has one range per virtual stage, each timed on its actor's kind;
@@ -159,7 +166,9 @@ def plan_from_profiles(
     in_flight = [peak_in_flight([a for a in schedule[stage_of[v]] if a.stage == v]) for v in range(p)]
     cpu_stages = max(1, sum(k == "cpu" for k in actor_kinds))
     capacity = [
-        MEMORY_HEADROOM * profiles[k]["memory_bytes"] / chunks
+        MEMORY_HEADROOM
+        * profiles[k]["memory_bytes"]
+        / chunks
         * (1 / cpu_stages if k == "cpu" else min(1.0, config.gpus_per_actor))
         for k in kinds
     ]
@@ -213,7 +222,7 @@ def refine(plan: Plan, cost: Callable[[Plan], float], fits: Callable[[int, int, 
                 cut = best[i][1] + shift
                 if not best[i][0] < cut < best[i + 1][1]:
                     continue
-                trial = best[:i] + [(best[i][0], cut), (cut, best[i + 1][1])] + best[i + 2:]
+                trial = best[:i] + [(best[i][0], cut), (cut, best[i + 1][1])] + best[i + 2 :]
                 if fits(i, *trial[i]) and fits(i + 1, *trial[i + 1]) and (c := cost(trial)) < best_cost - 1e-12:
                     best, best_cost, improved = trial, c, True
     return best
@@ -238,4 +247,3 @@ def _optimizer_slots(optimizer: dict) -> int:
     if optimizer["name"] in ("adam", "adamw"):
         return 2
     return 1 if optimizer.get("momentum", 0) else 0
-

@@ -3,8 +3,8 @@ one list per actor, registered by name with how many model chunks each actor hol
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from raypipe.errors import ScheduleError
 from raypipe.schedules.actions import (
@@ -74,15 +74,37 @@ def build_schedule(name: str, num_stages: int, num_microbatches: int, chunks: in
         schedule = kind.build(num_stages, num_microbatches, kind.chunks_for(chunks))
     else:
         if chunks not in (None, kind.chunks):
-            raise ScheduleError(f"schedule {name!r} always runs {kind.chunks} chunk(s) per actor, got chunks={chunks}; "
-                                f"leave chunks unset, or use interleaved-1f1b to choose them")
+            raise ScheduleError(
+                f"schedule {name!r} always runs {kind.chunks} chunk(s) per actor, got chunks={chunks}; "
+                f"leave chunks unset, or use interleaved-1f1b to choose them"
+            )
         schedule = kind.build(num_stages, num_microbatches)
     validate(schedule, num_stages, num_microbatches)
     return schedule
 
 
 __all__ = [
-    "Action", "BACKWARD", "FORWARD", "INPUT_GRAD", "WEIGHT_GRAD", "SCHEDULES", "Schedule", "ScheduleKind",
-    "bubble", "build_schedule", "format_grid", "format_schedule", "gpipe", "interleaved_1f1b", "one_f_one_b",
-    "owners", "peak_in_flight", "simulate", "timed", "validate", "virtual_stages", "zb_h1", "zb_v",
+    "Action",
+    "BACKWARD",
+    "FORWARD",
+    "INPUT_GRAD",
+    "WEIGHT_GRAD",
+    "SCHEDULES",
+    "Schedule",
+    "ScheduleKind",
+    "bubble",
+    "build_schedule",
+    "format_grid",
+    "format_schedule",
+    "gpipe",
+    "interleaved_1f1b",
+    "one_f_one_b",
+    "owners",
+    "peak_in_flight",
+    "simulate",
+    "timed",
+    "validate",
+    "virtual_stages",
+    "zb_h1",
+    "zb_v",
 ]

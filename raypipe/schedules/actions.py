@@ -15,8 +15,8 @@ previous stage waits for) and `W` the weight gradient (which nothing waits for).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
 
 from raypipe.errors import ScheduleError
 
@@ -70,8 +70,9 @@ def dependencies(action: Action, num_virtual: int) -> list[tuple[str, int, int]]
 def events(action: Action) -> list[tuple[str, int, int]]:
     """What finishing `action` makes available (the keys `dependencies` waits on)."""
     key = (action.stage, action.microbatch)
-    return {FORWARD: [("F", *key)], BACKWARD: [("G", *key)], INPUT_GRAD: [("G", *key), ("I", *key)],
-            WEIGHT_GRAD: []}[action.kind]
+    return {FORWARD: [("F", *key)], BACKWARD: [("G", *key)], INPUT_GRAD: [("G", *key), ("I", *key)], WEIGHT_GRAD: []}[
+        action.kind
+    ]
 
 
 def simulate(schedule: Schedule, num_stages: int) -> list[list[Action | None]]:
@@ -102,9 +103,11 @@ def simulate(schedule: Schedule, num_stages: int) -> list[list[Action | None]]:
             waits = "; ".join(
                 f"actor {s} waits at {a} for "
                 + ", ".join(names.get(d, "{1}{0}{2}".format(*d)) for d in dependencies(a, num_virtual) if d not in done)
-                for s, a in stuck.items())
-            raise ScheduleError(f"schedule deadlocks after {len(grid)} ticks: {waits}\n"
-                                + format_grid(grid, num_stages, stuck=stuck))
+                for s, a in stuck.items()
+            )
+            raise ScheduleError(
+                f"schedule deadlocks after {len(grid)} ticks: {waits}\n" + format_grid(grid, num_stages, stuck=stuck)
+            )
         for actor, action in enumerate(row):
             if action is not None:
                 done.update(events(action))
@@ -114,8 +117,9 @@ def simulate(schedule: Schedule, num_stages: int) -> list[list[Action | None]]:
     return grid
 
 
-def timed(schedule: Schedule, costs: Mapping[str, float] | Sequence[Mapping[str, float]] | Callable[[Action], float]
-          ) -> list[list[tuple[Action, float, float]]]:
+def timed(
+    schedule: Schedule, costs: Mapping[str, float] | Sequence[Mapping[str, float]] | Callable[[Action], float]
+) -> list[list[tuple[Action, float, float]]]:
     """Runs the schedule with each action taking `costs[kind]` (one mapping, or one per actor;
     per chunk; `B` defaults to I + W), or `costs(action)`, and no communication time: per
     actor, (action, start, end) in order.
@@ -132,6 +136,7 @@ def timed(schedule: Schedule, costs: Mapping[str, float] | Sequence[Mapping[str,
 
         def cost(action: Action) -> float:
             return per_actor[where[action.stage]][action.kind]
+
     simulate(schedule, len(schedule))  # the deadlock check, with its message
     num_virtual = len(owners(schedule))
     finished: dict[tuple[str, int, int], float] = {}
@@ -202,7 +207,8 @@ def validate(schedule: Schedule, num_stages: int, num_microbatches: int) -> None
             if kind == WEIGHT_GRAD and (INPUT_GRAD, v, m) not in seen:
                 raise ScheduleError(f"{where}: weight gradient before its input gradient")
             if kind in (BACKWARD, INPUT_GRAD) and ({BACKWARD, INPUT_GRAD} - {kind}).pop() in {
-                    k for k, vv, mm in seen if (vv, mm) == (v, m)}:
+                k for k, vv, mm in seen if (vv, mm) == (v, m)
+            }:
                 raise ScheduleError(f"{where}: mixes a whole backward with a split one")
             seen.add((kind, v, m))
         for v in {a.stage for a in actions}:
@@ -219,17 +225,22 @@ def validate(schedule: Schedule, num_stages: int, num_microbatches: int) -> None
 def _check_links(schedule: Schedule, who: dict[int, int]) -> None:
     """Each link between two actors is a FIFO stream: the sender must send microbatches in the
     order the receiver takes them (activations v -> v+1, gradients v+1 -> v)."""
+
     def order(v: int, kinds: Sequence[str]) -> list[int]:
         return [a.microbatch for a in schedule[who[v]] if a.stage == v and a.kind in kinds]
 
     for v in range(len(who) - 1):
         if who[v] == who[v + 1]:
             continue  # a hand-off inside one actor
-        for what, sent, taken in (("activations", order(v, FORWARD), order(v + 1, FORWARD)),
-                                  ("gradients", order(v + 1, GRADIENT_KINDS), order(v, GRADIENT_KINDS))):
+        for what, sent, taken in (
+            ("activations", order(v, FORWARD), order(v + 1, FORWARD)),
+            ("gradients", order(v + 1, GRADIENT_KINDS), order(v, GRADIENT_KINDS)),
+        ):
             if sent != taken:
-                raise ScheduleError(f"{what} between virtual stages {v} and {v + 1} are sent in microbatch "
-                                    f"order {sent} but taken in order {taken}: a link delivers in order")
+                raise ScheduleError(
+                    f"{what} between virtual stages {v} and {v + 1} are sent in microbatch "
+                    f"order {sent} but taken in order {taken}: a link delivers in order"
+                )
 
 
 def peak_in_flight(actions: Sequence[Action]) -> int:

@@ -22,8 +22,10 @@ def interleaved_1f1b(num_stages: int, num_microbatches: int, chunks: int = 2) ->
     p, m, v = num_stages, num_microbatches, chunks
     if m % p:
         options = " or ".join(str(n) for n in sorted({max(p, m - m % p), m + p - m % p}))
-        raise ScheduleError(f"interleaved-1f1b needs microbatches divisible by pp: got microbatches={m}, pp={p}; "
-                            f"use microbatches={options}")
+        raise ScheduleError(
+            f"interleaved-1f1b needs microbatches divisible by pp: got microbatches={m}, pp={p}; "
+            f"use microbatches={options}"
+        )
 
     def action(k: int, s: int, kind: str) -> Action:
         chunk = (k // p) % v

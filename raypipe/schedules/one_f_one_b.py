@@ -19,8 +19,6 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
         for i in range(num_microbatches - warmup):
             actions.append(Action(s, FORWARD, warmup + i))
             actions.append(Action(s, BACKWARD, i))
-        actions += [
-            Action(s, BACKWARD, m) for m in range(num_microbatches - warmup, num_microbatches)
-        ]
+        actions += [Action(s, BACKWARD, m) for m in range(num_microbatches - warmup, num_microbatches)]
         schedule.append(actions)
     return schedule

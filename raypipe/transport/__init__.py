@@ -5,16 +5,17 @@ A stage sends each microbatch's activation (or input gradient), any pytree of te
 takes its neighbour's from an inbox; `outbox` and `inbox` pick the transport per link:
 a process group of the stream's own, matched in order, where the driver made one (`ordered`:
 NCCL between GPUs, device to device), else through host memory: shared memory between
-neighbours on one node (`shm`), gloo point to point otherwise (`gloo`). Every transport speaks the stream format of `stream` (a header, then flagged
-messages; poison when a stage failed). Also here: the step's closing agreement
-(`agree`), the pipes both shm and agree use (`pipes`), the packing of the tensors the
+neighbours on one node (`shm`), gloo point to point otherwise (`gloo`). Every transport speaks the stream
+format of `stream` (a header, then flagged messages; poison when a stage failed). Also here: the step's closing
+agreement (`agree`), the pipes both shm and agree use (`pipes`), the packing of the tensors the
 driver sends (`wire`), and the trainer's torch.distributed world with its dp and tp groups
 (`collective`). Everything here runs inside the actors; nothing here imports the driver.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from raypipe.transport import shm
 from raypipe.transport.gloo import GlooInbox, GlooOutbox

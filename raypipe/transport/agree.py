@@ -31,7 +31,7 @@ from raypipe.transport.pipes import prefix as link_prefix
 VALUES = 3  # numbers each rank contributes
 RECORD = struct.Struct(f"<2q{VALUES}d")  # rank, round, values: written atomically (< PIPE_BUF)
 
-_board: "Board | None" = None
+_board: Board | None = None
 
 
 def connect(rank: int, timeout: float, enabled: bool = True) -> bool:
@@ -63,7 +63,9 @@ def connect(rank: int, timeout: float, enabled: bool = True) -> bool:
     if ok:
         try:  # O_RDWR: opening never waits for the other end, and a write never fails for lack of a reader
             for r in range(size):
-                fds[r] = os.open(own if r == rank else owned(f"{prefix}-{r}.pipe", everyone[r][1]), os.O_RDWR | os.O_NONBLOCK)
+                fds[r] = os.open(
+                    own if r == rank else owned(f"{prefix}-{r}.pipe", everyone[r][1]), os.O_RDWR | os.O_NONBLOCK
+                )
         except OSError:
             ok = False
     votes: list[Any] = [None] * size
@@ -114,7 +116,7 @@ class Board:
                 self._write(fd, record, r)
         rows = {self.rank: mine}
         while len(rows) < len(self.pids):
-            for (rnd, r) in [key for key in self.pending if key[0] == self.round]:
+            for rnd, r in [key for key in self.pending if key[0] == self.round]:
                 rows[r] = self.pending.pop((rnd, r))
             if len(rows) < len(self.pids):
                 self._read([r for r in range(len(self.pids)) if r not in rows])
@@ -153,4 +155,3 @@ class Board:
             except OSError:
                 pass
         self.fds = {}
-

@@ -16,7 +16,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -52,7 +52,12 @@ def gloo_interface(ip: str) -> str | None:
 
 
 def join_world(
-    address: str, port: int, world_size: int, rank: int, groups: Sequence[Sequence[int]], timeout: float,
+    address: str,
+    port: int,
+    world_size: int,
+    rank: int,
+    groups: Sequence[Sequence[int]],
+    timeout: float,
     backends: Sequence[str] | None = None,
 ) -> list[dist.ProcessGroup | None]:
     """Joins the trainer's world and creates every subgroup; returns, per subgroup, the group
@@ -102,8 +107,9 @@ def bucket_plan(tensors: Sequence[torch.Tensor], bucket_bytes: int) -> list[list
     return buckets
 
 
-def all_reduce_mean(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, size: int,
-                    bucket_bytes: int = BUCKET_BYTES) -> None:
+def all_reduce_mean(
+    tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, size: int, bucket_bytes: int = BUCKET_BYTES
+) -> None:
     """Averages tensors in place across `group`, flattened into buckets of ~`bucket_bytes`."""
     for bucket in bucket_plan(tensors, bucket_bytes):
         _reduce_bucket([tensors[i] for i in bucket], group, size)

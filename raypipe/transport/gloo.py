@@ -20,7 +20,8 @@ is copied into pinned memory, all leaves without waiting, then waited for once.
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -31,7 +31,8 @@ how the tests check the protocol without a GPU.
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -121,7 +122,7 @@ class OrderedInbox:
             else:
                 self.posted.append(self._receive(FLAG_BYTES + self.layout.nbytes, FLAG_BYTES))
 
-    def _receive(self, nbytes: int, peek: int) -> "_Arrival":
+    def _receive(self, nbytes: int, peek: int) -> _Arrival:
         buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         return _Arrival(buffer, dist.irecv(buffer, self.src, group=self.group), peek)
 

@@ -25,12 +25,16 @@ def wait_alive(poller: select.poll, peers: dict[int, int], timeout: float, what:
             try:
                 os.kill(pid, 0)
             except ProcessLookupError:
-                raise RuntimeError(f"world rank {rank} (pid {pid}, on this node) exited before it could {what}") from None
+                raise RuntimeError(
+                    f"world rank {rank} (pid {pid}, on this node) exited before it could {what}"
+                ) from None
             except PermissionError:  # alive, another user's
                 pass
         if time.monotonic() > deadline:
             ranks = ", ".join(str(r) for r in peers)
-            raise RuntimeError(f"world rank{'s' if len(peers) > 1 else ''} {ranks} did not {what} within {timeout:.0f} s")
+            raise RuntimeError(
+                f"world rank{'s' if len(peers) > 1 else ''} {ranks} did not {what} within {timeout:.0f} s"
+            )
 
 
 def poller(fd: int, event: int) -> select.poll:

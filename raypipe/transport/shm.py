@@ -37,13 +37,14 @@ import select
 import struct
 import uuid
 from collections import deque
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from raypipe.transport.gloo import GlooInbox, GlooOutbox
-from raypipe.transport.pipes import directory, owned, poller, sweep_stale, wait_alive
+from raypipe.transport.pipes import owned, poller, sweep_stale, wait_alive
 from raypipe.transport.pipes import prefix as link_prefix
 from raypipe.transport.stream import HEADER_BYTES, POISON, PeerFailed, check_like, header, read_header
 from raypipe.transport.tree import Layout, flatten
@@ -55,7 +56,7 @@ FILE_HEADER = HEADER_BYTES  # bytes before the first slot: the stream's `stream.
 MAX_STREAM_BYTES = 1 << 30  # one direction's file; larger streams go over gloo
 MAPPED_FILES = 16  # the receiver keeps this many newest files mapped: a file per channel in use
 
-_links: dict[int, "Link"] = {}  # neighbour's world rank -> this process's link to it
+_links: dict[int, Link] = {}  # neighbour's world rank -> this process's link to it
 
 
 def connect(rank: int, neighbours: Sequence[int], timeout: float, enabled: bool = True) -> list[int]:
@@ -116,15 +117,16 @@ def disconnect() -> None:
     _links.clear()
 
 
-def link_to(rank: int | None) -> "Link | None":
+def link_to(rank: int | None) -> Link | None:
     return _links.get(rank) if rank is not None else None
 
 
 class Link:
     """This process's two pipes and its outgoing data file to one neighbour on the node."""
 
-    def __init__(self, rank: int, peer: int, peer_pid: int, reader: int, writer: int, prefix: str,
-                 timeout: float) -> None:
+    def __init__(
+        self, rank: int, peer: int, peer_pid: int, reader: int, writer: int, prefix: str, timeout: float
+    ) -> None:
         self.rank, self.peer, self.peer_pid = rank, peer, peer_pid
         self.reader, self.writer, self.prefix, self.timeout = reader, writer, prefix, timeout
         self.records: deque[tuple[int, int, int, int]] = deque()
@@ -141,7 +143,7 @@ class Link:
 
     # ----- sending --------------------------------------------------------------
 
-    def begin_stream(self, channel: int = 0) -> "Channel":
+    def begin_stream(self, channel: int = 0) -> Channel:
         """A new step's stream on `channel` starts: it writes the other half of that channel's slots.
         A link carries one channel per direction without model chunks; with chunks, one per pair of
         neighbouring virtual stages the two actors hold (its streams' messages have their own tags)."""
@@ -149,7 +151,7 @@ class Link:
         state.parity ^= 1
         return state
 
-    def prepare(self, layout: Layout, count: int, state: "Channel") -> bool:
+    def prepare(self, layout: Layout, count: int, state: Channel) -> bool:
         """Makes the channel's outgoing file hold `count` messages of `layout` per half; False when it cannot."""
         like = (layout, count)
         if like == state.out_like:
@@ -182,7 +184,7 @@ class Link:
         state.out_slots = _slot_views(out, layout)  # they keep the mapping alive
         return True
 
-    def put(self, leaves: list[torch.Tensor | None], tag: int, index: int, state: "Channel") -> None:
+    def put(self, leaves: list[torch.Tensor | None], tag: int, index: int, state: Channel) -> None:
         """Copies the stream's message `index` (a value's leaves) into its channel's slot and announces it."""
         slot = state.parity * state.out_like[1] + index
         for view, leaf in zip(state.out_slots[slot], leaves):

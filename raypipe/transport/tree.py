@@ -54,7 +54,7 @@ class Layout:
         return pickle.dumps((spec, self.leaves))
 
     @staticmethod
-    def decode(data: bytes) -> "Layout":
+    def decode(data: bytes) -> Layout:
         spec, leaves = pickle.loads(data)
         return Layout(pytree.treespec_loads(spec) if isinstance(spec, str) else spec, leaves)
 
@@ -75,7 +75,8 @@ class Layout:
     def describes(self, leaves: list[torch.Tensor | None]) -> bool:
         """Whether `leaves` have exactly this layout's dtypes and shapes."""
         return len(leaves) == len(self.leaves) and all(
-            (t is None and m is None) or (t is not None and m is not None and t.dtype == m[0] and tuple(t.shape) == m[1])
+            (t is None and m is None)
+            or (t is not None and m is not None and t.dtype == m[0] and tuple(t.shape) == m[1])
             for t, m in zip(leaves, self.leaves)
         )
 
@@ -96,8 +97,9 @@ def flatten(value: Any) -> tuple[Layout, list[torch.Tensor | None]]:
     return Layout(spec, tuple(None if t is None else (t.dtype, tuple(t.shape)) for t in leaves)), leaves
 
 
-def pack_into(payload: torch.Tensor, layout: Layout, leaves: list[torch.Tensor | None],
-              non_blocking: bool = False) -> None:
+def pack_into(
+    payload: torch.Tensor, layout: Layout, leaves: list[torch.Tensor | None], non_blocking: bool = False
+) -> None:
     """Copies `leaves` (on any device) into `payload` at `layout`'s offsets; `non_blocking`: from
     a GPU into pinned memory, the copies are only queued (the caller waits before reading)."""
     for view, leaf in zip(layout.views(payload), leaves):

@@ -14,8 +14,9 @@ passes through unchanged.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -53,9 +54,17 @@ def pack_microbatches(items: list[Any]) -> Any:
     disjoint from the others, so a layer may still modify its input in place.
     """
     first = items[0] if items else None
-    if not (torch.is_tensor(first) and all(
-            torch.is_tensor(t) and t.shape == first.shape and t.dtype == first.dtype and t.device.type == "cpu"
-            and not t.requires_grad for t in items)):
+    if not (
+        torch.is_tensor(first)
+        and all(
+            torch.is_tensor(t)
+            and t.shape == first.shape
+            and t.dtype == first.dtype
+            and t.device.type == "cpu"
+            and not t.requires_grad
+            for t in items
+        )
+    ):
         return pack(items)
     return pack(torch.stack(items))
 

@@ -11,13 +11,13 @@ Every engine raises the same typed root cause when a step fails (`results.root_f
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from raypipe.driver.engines.compiled import CompiledStep
 from raypipe.driver.engines.p2p import submit_step_p2p
 from raypipe.driver.engines.refs import run_step
-from raypipe.driver.results import StepResult
 from raypipe.driver.engines.step import StepInput, StepTarget
+from raypipe.driver.results import StepResult
 
 __all__ = ["ENGINES", "Engine", "StepInput", "StepTarget", "Wait", "make_engine"]
 

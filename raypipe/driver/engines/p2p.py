@@ -5,21 +5,23 @@ boundary tensors then go actor to actor (`raypipe.transport`), never through the
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import ray
 
-from raypipe.errors import ActorDiedError, StageError
-from raypipe.driver.results import StepResult, gather, raise_if_died, root_failure, wait_for_progress
 from raypipe.driver.engines.step import StepInput, StepTarget
+from raypipe.driver.results import StepResult, gather, raise_if_died, root_failure, wait_for_progress
 from raypipe.driver.trace import trace_lists
-from raypipe.transport.wire import StepCall
+from raypipe.errors import ActorDiedError, StageError
 from raypipe.schedules import Schedule, owners
+from raypipe.transport.wire import StepCall
 
 
-def submit_step_p2p(target: StepTarget, data: StepInput, after: int | None = None,
-                    compiled: Any = None) -> "SubmittedStep":
+def submit_step_p2p(
+    target: StepTarget, data: StepInput, after: int | None = None, compiled: Any = None
+) -> SubmittedStep:
     """Sends one step of `target.schedule` with one call per actor ("p2p" engine) and returns
     without waiting for it; `result()` waits.
 
@@ -59,9 +61,19 @@ def submit_step_p2p(target: StepTarget, data: StepInput, after: int | None = Non
     for lst in lists:
         batch, labels = batches[lst.replica]
         weights = data.weights[lst.replica] if data.weights is not None and lst.holds_last else None
-        ref = lst.actor.run_actions.remote(StepCall(
-            call_id, step, lst.actions, batch if lst.holds_first else None, labels if lst.holds_last else None,
-            lst.peers, after, data.varying, weights))
+        ref = lst.actor.run_actions.remote(
+            StepCall(
+                call_id,
+                step,
+                lst.actions,
+                batch if lst.holds_first else None,
+                labels if lst.holds_last else None,
+                lst.peers,
+                after,
+                data.varying,
+                weights,
+            )
+        )
         runs.append((ref, lst))
     return SubmittedStep(runs, what, timeout, started)
 
@@ -70,8 +82,14 @@ class SubmittedStep:
     """A p2p step whose calls are out; `result()` waits for them. `values`: the actors'
     results, when the step already ended (a compiled graph's)."""
 
-    def __init__(self, runs: list[tuple[ray.ObjectRef, "ActionList"]], what: str, timeout: float,
-                 started: float, values: list[Any] | None = None) -> None:
+    def __init__(
+        self,
+        runs: list[tuple[ray.ObjectRef, ActionList]],
+        what: str,
+        timeout: float,
+        started: float,
+        values: list[Any] | None = None,
+    ) -> None:
         self.runs, self.what, self.timeout, self.started, self.values = runs, what, timeout, started, values
 
     def result(self, since: float = 0.0) -> StepResult:
@@ -88,8 +106,9 @@ class SubmittedStep:
             return _step_result(self.values, time.perf_counter() - max(self.started, since))
         pending = {ref: (lst.name, lst.label) for ref, lst in self.runs}
         deaths = {ref: (lst.actor, lst.name) for ref, lst in self.runs}
-        wait_for_progress(pending, self.timeout, self.what,
-                           on_ready=lambda ready: raise_if_died(ready, deaths, self.what))
+        wait_for_progress(
+            pending, self.timeout, self.what, on_ready=lambda ready: raise_if_died(ready, deaths, self.what)
+        )
         values, errors = [], []
         for ref, lst in self.runs:  # every result once; a failure is kept until all are read
             try:
@@ -123,8 +142,12 @@ class ActionList:
     holds_last: bool
 
 
-def action_lists(replicas: Sequence[Sequence[Sequence[Any]]], names: Sequence[Sequence[Sequence[str]]],
-                 ranks: Sequence[Sequence[Sequence[int]]], schedule: Schedule) -> list[ActionList]:
+def action_lists(
+    replicas: Sequence[Sequence[Sequence[Any]]],
+    names: Sequence[Sequence[Sequence[str]]],
+    ranks: Sequence[Sequence[Sequence[int]]],
+    schedule: Schedule,
+) -> list[ActionList]:
     """Every actor's action list, in world-rank order (replica, stage, tp rank). tp rank t of
     a stage exchanges tensors with tp rank t of its neighbours (their activations are identical)."""
     owner = owners(schedule)
@@ -136,6 +159,7 @@ def action_lists(replicas: Sequence[Sequence[Sequence[Any]]], names: Sequence[Se
             label = ", ".join(str(a) for a in schedule[s])
             for t, actor in enumerate(actors):
                 peers = [ranks[d][owner[v]][t] for v in range(last + 1)]
-                lists.append(ActionList(d, s, actor, names[d][s][t], actions, peers, label,
-                                        owner[0] == s, owner[last] == s))
+                lists.append(
+                    ActionList(d, s, actor, names[d][s][t], actions, peers, label, owner[0] == s, owner[last] == s)
+                )
     return lists

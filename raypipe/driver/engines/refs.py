@@ -15,17 +15,18 @@ same inputs; the ranks finish with the same activation, so only rank 0's output
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import ray
 import torch
 
 from raypipe import env
-from raypipe.driver.results import StepResult, gather, wait_for_progress
 from raypipe.driver.engines.step import StepInput, StepTarget
+from raypipe.driver.results import StepResult, gather, wait_for_progress
 from raypipe.driver.trace import write_trace
-from raypipe.transport.wire import pack, unpack
 from raypipe.schedules import BACKWARD, FORWARD, Action, Schedule, simulate
+from raypipe.transport.wire import pack, unpack
 
 
 def submission_order(schedule: Schedule) -> list[Action]:
@@ -120,8 +121,9 @@ def run_forward(
         ref = x
         for s, ranks in enumerate(stages):
             target = targets[m] if targets is not None and s == len(stages) - 1 else None
-            refs = [actor.forward_only.remote(ref, target, *(() if chunks is None else (chunks[s],)))
-                    for actor in ranks]
+            refs = [
+                actor.forward_only.remote(ref, target, *(() if chunks is None else (chunks[s],))) for actor in ranks
+            ]
             for t, r in enumerate(refs):
                 pending[r] = (names[s][t], str(Action(s, FORWARD, m)))
             ref = refs[0]

@@ -3,9 +3,9 @@ data (`StepInput`)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
-
+from typing import Any
 
 from raypipe.schedules import Action, Schedule
 

@@ -75,13 +75,17 @@ def from_pretrained(path: str, dtype: str = "fp32", attn_implementation: str = "
     from transformers import AutoConfig
 
     if not os.path.isdir(path):
-        raise ConfigError(f"hf.from_pretrained({path!r}): no such directory. raypipe reads local model "
-                          f"directories only (nothing is downloaded); save one with save_pretrained first.")
+        raise ConfigError(
+            f"hf.from_pretrained({path!r}): no such directory. raypipe reads local model "
+            f"directories only (nothing is downloaded); save one with save_pretrained first."
+        )
     try:
         config = AutoConfig.from_pretrained(path)
     except Exception as error:  # noqa: BLE001 - transformers' wording for a broken config.json varies
-        raise ConfigError(f"{os.path.join(path, 'config.json')} cannot be read as a transformers config "
-                          f"({type(error).__name__}: {error}): save the model again.") from None
+        raise ConfigError(
+            f"{os.path.join(path, 'config.json')} cannot be read as a transformers config "
+            f"({type(error).__name__}: {error}): save the model again."
+        ) from None
     from raypipe.models.hf.weights import check_files
 
     check_files(path)  # a truncated or malformed weights file: named now, not in an actor
@@ -101,13 +105,19 @@ def _model(config: Any, source: str | None, dtype: str, attn_implementation: str
     config = copy.deepcopy(config)
     config._attn_implementation = attn_implementation
     n, ref = config.num_hidden_layers, ConfigRef(config)
-    specs = ([LayerSpec(build, "embedding", ref, None, source, dtype)]
-             + [LayerSpec(build, "decoder", ref, i, source, dtype) for i in range(n)]
-             + [LayerSpec(build, "head", ref, None, source, dtype)])
-    tied = ([(f"0.{family.token_embedding}.weight", f"{n + 1}.lm_head.weight")]
-            if getattr(config, "tie_word_embeddings", False) else [])
-    loss = CausalLMLoss(config.vocab_size, getattr(config, "num_local_experts", 0) or 0,
-                        getattr(config, "router_aux_loss_coef", 0.0))
+    specs = (
+        [LayerSpec(build, "embedding", ref, None, source, dtype)]
+        + [LayerSpec(build, "decoder", ref, i, source, dtype) for i in range(n)]
+        + [LayerSpec(build, "head", ref, None, source, dtype)]
+    )
+    tied = (
+        [(f"0.{family.token_embedding}.weight", f"{n + 1}.lm_head.weight")]
+        if getattr(config, "tie_word_embeddings", False)
+        else []
+    )
+    loss = CausalLMLoss(
+        config.vocab_size, getattr(config, "num_local_experts", 0) or 0, getattr(config, "router_aux_loss_coef", 0.0)
+    )
     model = HFModel(specs, loss, tied, kv_cache=True, vocab_size=config.vocab_size)
     model.config, model.source, model.dtype = config, source, dtype
     from raypipe.models.hf.export import HFExporter

@@ -6,15 +6,16 @@ raypipe trained, and raypipe loads what peft saved."""
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
+from raypipe.driver.results import gather
 from raypipe.errors import ConfigError
 from raypipe.layers import LayerSpec
 from raypipe.lora import ADAPTER, peft_config
 from raypipe.models.hf.layers import checkpoint_key
-from raypipe.driver.results import gather
 
 WEIGHTS, CONFIG = "adapter_model.safetensors", "adapter_config.json"
 PREFIX = "base_model.model."
@@ -29,29 +30,41 @@ def peft_names(keys: Sequence[str], prefixes: list[list[tuple[str, str]]]) -> di
     return names
 
 
-def save(stages: Sequence[Sequence[Any]], specs: Sequence[LayerSpec], model: Any, lora: dict | None,
-         directory: str) -> None:
+def save(
+    stages: Sequence[Sequence[Any]], specs: Sequence[LayerSpec], model: Any, lora: dict | None, directory: str
+) -> None:
     """Writes replica 0's adapters (every stage's, through the driver: they are small) with the
     config peft reads, naming the base model's directory when it came from one."""
     from safetensors.torch import save_file
 
     if lora is None:
-        raise ConfigError("save_adapter needs a LoRA run: set TrainConfig.lora (e.g. {'r': 8, 'target_modules': "
-                          "['q_proj', 'v_proj']}); save_pretrained writes a whole model.")
+        raise ConfigError(
+            "save_adapter needs a LoRA run: set TrainConfig.lora (e.g. {'r': 8, 'target_modules': "
+            "['q_proj', 'v_proj']}); save_pretrained writes a whole model."
+        )
     state: dict[str, torch.Tensor] = {}
     for part in gather([stage[0].adapters.remote() for stage in stages], "save_adapter"):
         state.update(part)
     names = peft_names(list(state), _exporter(model).prefixes(specs))
     os.makedirs(directory, exist_ok=True)
-    save_file({names[k]: v.contiguous() for k, v in state.items()}, os.path.join(directory, WEIGHTS),
-              metadata={"format": "pt"})
+    save_file(
+        {names[k]: v.contiguous() for k, v in state.items()},
+        os.path.join(directory, WEIGHTS),
+        metadata={"format": "pt"},
+    )
     config = peft_config(lora)
     config.base_model_name_or_path = getattr(model, "source", None)
     config.save_pretrained(directory)
 
 
-def load(actors: Sequence[Any], stages: Sequence[Sequence[Any]], specs: Sequence[LayerSpec], model: Any,
-         plan: Sequence[Sequence[tuple[int, int]]], directory: str) -> None:
+def load(
+    actors: Sequence[Any],
+    stages: Sequence[Sequence[Any]],
+    specs: Sequence[LayerSpec],
+    model: Any,
+    plan: Sequence[Sequence[tuple[int, int]]],
+    directory: str,
+) -> None:
     """Loads peft-format adapters into every actor (each stage its own), replacing the adapters.
 
     Raises:
@@ -61,8 +74,9 @@ def load(actors: Sequence[Any], stages: Sequence[Sequence[Any]], specs: Sequence
 
     path = os.path.join(directory, WEIGHTS)
     if not os.path.exists(path):
-        raise ConfigError(f"{directory} holds no {WEIGHTS}: give a directory save_adapter (or peft's "
-                          f"save_pretrained) wrote.")
+        raise ConfigError(
+            f"{directory} holds no {WEIGHTS}: give a directory save_adapter (or peft's save_pretrained) wrote."
+        )
     saved = load_file(path)
     mine: list[str] = []
     for part in gather([stage[0].adapters.remote() for stage in stages], "load_adapter"):
@@ -71,11 +85,14 @@ def load(actors: Sequence[Any], stages: Sequence[Sequence[Any]], specs: Sequence
     missing = sorted(n for n in names.values() if n not in saved)
     stray = sorted(set(saved) - set(names.values()))
     if missing or stray:
-        raise ConfigError(f"the adapters in {directory} do not fit this model's: missing {missing[:3]}, "
-                          f"unexpected {stray[:3]} (another rank, target_modules or model?)")
+        raise ConfigError(
+            f"the adapters in {directory} do not fit this model's: missing {missing[:3]}, "
+            f"unexpected {stray[:3]} (another rank, target_modules or model?)"
+        )
     state = {key: saved[name] for key, name in names.items()}
-    parts = [{k: v for k, v in state.items() if any(a <= int(k.partition(".")[0]) < b for a, b in ranges)}
-             for ranges in plan]  # per stage, the layer ranges it holds
+    parts = [
+        {k: v for k, v in state.items() if any(a <= int(k.partition(".")[0]) < b for a, b in ranges)} for ranges in plan
+    ]  # per stage, the layer ranges it holds
     # LoRA runs have tp = 1: world rank d * pp + s holds stage s of replica d
     gather([a.load_adapters.remote(parts[rank % len(plan)]) for rank, a in enumerate(actors)], "load_adapter")
 
@@ -84,6 +101,8 @@ def _exporter(model: Any) -> Any:
     """The transformers key mapping of `model` (peft's format names tensors by it)."""
     exporter = getattr(model, "exporter", None)
     if not hasattr(exporter, "prefixes"):
-        raise ConfigError("adapters in peft's format need a transformers model (raypipe.models.hf): peft names "
-                          "each adapter by the transformers module it adapts.")
+        raise ConfigError(
+            "adapters in peft's format need a transformers model (raypipe.models.hf): peft names "
+            "each adapter by the transformers module it adapts."
+        )
     return exporter

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -34,8 +35,9 @@ class HFExporter:
                 names[f"{i}.{local}"] = None if tied and key == "lm_head.weight" else key
         return names
 
-    def save(self, stages: Sequence[Sequence[Any]], specs: Sequence[LayerSpec], directory: str, tp: int,
-             merge: bool = False) -> None:
+    def save(
+        self, stages: Sequence[Sequence[Any]], specs: Sequence[LayerSpec], directory: str, tp: int, merge: bool = False
+    ) -> None:
         """Writes the model of one replica's actors (per stage, its tp ranks) to `directory`, LoRA
         adapters folded into the base weights when `merge` (else the base alone)."""
         self.write_config(directory, save_shards(stages, self.names(specs), directory, tp, merge=merge))
@@ -55,8 +57,14 @@ class HFExporter:
         config.save_pretrained(directory)
 
 
-def save_shards(stages: Sequence[Sequence[Any]], names: dict[str, str | None], directory: str, tp: int,
-                transpose: Sequence[str] = (), merge: bool = False) -> torch.dtype:
+def save_shards(
+    stages: Sequence[Sequence[Any]],
+    names: dict[str, str | None],
+    directory: str,
+    tp: int,
+    transpose: Sequence[str] = (),
+    merge: bool = False,
+) -> torch.dtype:
     """Writes one replica's weights as one safetensors shard per stage under `names` (raypipe key
     -> checkpoint key), with their index; returns the weights' dtype. With tp = 1 each stage's
     actor writes its own shard; tp shards are merged through the driver one stage at a time, and
@@ -70,8 +78,10 @@ def save_shards(stages: Sequence[Sequence[Any]], names: dict[str, str | None], d
     files = [shard_name(s, len(stages)) for s in range(len(stages))]
     paths = [os.path.join(directory, f) for f in files]
     if all(len(stage) == tp == 1 for stage in stages):
-        written = gather([stage[0].save_tensors.remote(path, names, list(transpose), merge)
-                          for stage, path in zip(stages, paths)], "save_pretrained")
+        written = gather(
+            [stage[0].save_tensors.remote(path, names, list(transpose), merge) for stage, path in zip(stages, paths)],
+            "save_pretrained",
+        )
     else:
         written = []
         for stage, path in zip(stages, paths):

@@ -51,11 +51,29 @@ class Family:
         return f"{self.base}{self.token_embedding}.weight"
 
 
-GPT2 = Family("transformers.models.gpt2.modeling_gpt2", "GPT2Block", "", "transformer.", ("wte", "wpe"), "h",
-              "ln_f", "LayerNorm", "wte")
+GPT2 = Family(
+    "transformers.models.gpt2.modeling_gpt2",
+    "GPT2Block",
+    "",
+    "transformer.",
+    ("wte", "wpe"),
+    "h",
+    "ln_f",
+    "LayerNorm",
+    "wte",
+)
 LLAMA_SHAPED = {
-    name: Family(f"transformers.models.{name}.modeling_{name}", f"{prefix}DecoderLayer", f"{prefix}RotaryEmbedding",
-                 "model.", ("embed_tokens",), "layers", "norm", f"{prefix}RMSNorm", "embed_tokens")
+    name: Family(
+        f"transformers.models.{name}.modeling_{name}",
+        f"{prefix}DecoderLayer",
+        f"{prefix}RotaryEmbedding",
+        "model.",
+        ("embed_tokens",),
+        "layers",
+        "norm",
+        f"{prefix}RMSNorm",
+        "embed_tokens",
+    )
     for name, prefix in (("llama", "Llama"), ("mistral", "Mistral"), ("qwen2", "Qwen2"), ("mixtral", "Mixtral"))
 }
 FAMILIES = {"gpt2": GPT2, **LLAMA_SHAPED}

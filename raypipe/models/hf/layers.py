@@ -4,9 +4,9 @@ attribute names, so their weights map one to one onto the checkpoint's keys.
 
 What one layer hands the next is a dict: `hidden_states`, the 2-D `attention_mask` (or None)
 and `position_ids` (integers, so they get no gradient); in a Mixtral-shaped model trained with
-`output_router_logits`, also `router_stats`, the routing sums its loss balances (`moe.py`). Every decoder layer makes its mask
-and rotary embedding from them with transformers' own functions, exactly as the whole model
-does once for all of its layers.
+`output_router_logits`, also `router_stats`, the routing sums its loss balances (`moe.py`).
+Every decoder layer makes its mask and rotary embedding from them with transformers' own functions,
+exactly as the whole model does once for all of its layers.
 
 Layers are built on the actor that runs them (`build`): from a checkpoint, each is made on
 the meta device, materialised, and filled with its own tensors only (`weights.read`); from a
@@ -93,12 +93,19 @@ class HFDecoderLayer(nn.Module):
             if not pattern.startswith(prefix) or (self.moe is not None and ".mlp." in pattern):
                 continue
             if style not in styles:
-                raise ConfigError(f"{self.config.model_type}'s tp plan splits {pattern} as {style!r}; raypipe "
-                                  f"supports {sorted(styles)}: use tp=1 for this model.")
-            plan["block." + pattern[len(prefix):]] = styles[style]
+                raise ConfigError(
+                    f"{self.config.model_type}'s tp plan splits {pattern} as {style!r}; raypipe "
+                    f"supports {sorted(styles)}: use tp=1 for this model."
+                )
+            plan["block." + pattern[len(prefix) :]] = styles[style]
         for e in range(self.moe.num_experts if self.moe is not None else 0):  # each expert as a SwiGLU MLP
-            plan.update({f"block.mlp.experts.{e}.w1": ColumnParallel(), f"block.mlp.experts.{e}.w3": ColumnParallel(),
-                         f"block.mlp.experts.{e}.w2": RowParallel()})
+            plan.update(
+                {
+                    f"block.mlp.experts.{e}.w1": ColumnParallel(),
+                    f"block.mlp.experts.{e}.w3": ColumnParallel(),
+                    f"block.mlp.experts.{e}.w2": RowParallel(),
+                }
+            )
         if not plan:
             raise ConfigError(f"{self.config.model_type} declares no base_model_tp_plan for its layers: use tp=1.")
         return plan
@@ -117,12 +124,23 @@ class HFDecoderLayer(nn.Module):
 
         hidden, positions = x["hidden_states"], x["position_ids"]
         make_mask = create_sliding_window_causal_mask if self.sliding else create_causal_mask
-        mask = make_mask(config=self.config, inputs_embeds=hidden, attention_mask=x["attention_mask"],
-                         past_key_values=self.cache, position_ids=positions,
-                         **({"layer_idx": self.index} if self.cache is not None and not self.sliding else {}))
+        mask = make_mask(
+            config=self.config,
+            inputs_embeds=hidden,
+            attention_mask=x["attention_mask"],
+            past_key_values=self.cache,
+            position_ids=positions,
+            **({"layer_idx": self.index} if self.cache is not None and not self.sliding else {}),
+        )
         extra = {"position_embeddings": self.rotary(hidden, position_ids=positions)} if self.rotary else {}
-        hidden = self.block(hidden, attention_mask=mask, position_ids=positions, past_key_values=self.cache,
-                            use_cache=self.cache is not None, **extra)
+        hidden = self.block(
+            hidden,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=self.cache,
+            use_cache=self.cache is not None,
+            **extra,
+        )
         if self.moe is not None and self.training and getattr(self.config, "output_router_logits", False):
             stats = add_stats(x.get("router_stats"), routing_stats(self.moe, x["attention_mask"]))
             return {**x, "hidden_states": hidden, "router_stats": stats}
@@ -135,7 +153,7 @@ class HFHead(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.config, family = config, family_of(config)
-        eps = getattr(config, "layer_norm_epsilon", None) or getattr(config, "rms_norm_eps")
+        eps = getattr(config, "layer_norm_epsilon", None) or config.rms_norm_eps
         norm_class = nn.LayerNorm if family.norm_class == "LayerNorm" else getattr(family.classes(), family.norm_class)
         setattr(self, family.norm, norm_class(config.hidden_size, eps=eps))
         self.norm_name = family.norm
@@ -154,7 +172,7 @@ def checkpoint_key(prefixes: list[tuple[str, str]], local: str) -> str:
     """A layer's state-dict key under the checkpoint's name, by the layer's (local prefix,
     checkpoint prefix) pairs (`prefixes`, the first that matches)."""
     prefix, hf = next((p, h) for p, h in prefixes if local.startswith(p))
-    return hf + local[len(prefix):]
+    return hf + local[len(prefix) :]
 
 
 def checkpoint_keys(module: nn.Module, tied: bool = False) -> dict[str, str]:
@@ -234,4 +252,3 @@ def _is_sliding(config: Any, index: int) -> bool:
     if types:
         return types[index] == "sliding_attention"
     return config.model_type in ("mistral", "mixtral") and getattr(config, "sliding_window", None) is not None
-

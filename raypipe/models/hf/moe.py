@@ -54,10 +54,18 @@ class SparseMoeBlock(MoE):
 
     def __init__(self, config: Any) -> None:
         if getattr(config, "router_jitter_noise", 0.0):
-            raise ConfigError(f"router_jitter_noise={config.router_jitter_noise} multiplies the router's input by "
-                              f"noise drawn in each process, which no split can reproduce: set it to 0.")
-        super().__init__(config.hidden_size, config.num_local_experts, config.num_experts_per_tok,
-                         make_expert=lambda: SwiGLUExpert(config), aux_loss_coef=0.0, renormalize=True)
+            raise ConfigError(
+                f"router_jitter_noise={config.router_jitter_noise} multiplies the router's input by "
+                f"noise drawn in each process, which no split can reproduce: set it to 0."
+            )
+        super().__init__(
+            config.hidden_size,
+            config.num_local_experts,
+            config.num_experts_per_tok,
+            make_expert=lambda: SwiGLUExpert(config),
+            aux_loss_coef=0.0,
+            renormalize=True,
+        )
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         return super().forward(hidden)[0]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 
@@ -68,11 +68,14 @@ def check_files(directory: str) -> None:
                 raise ValueError("no safetensors header")
             end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
         except (OSError, ValueError, KeyError, TypeError, IndexError) as error:
-            raise ConfigError(f"{path} is not a readable safetensors file ({type(error).__name__}: {error}): "
-                              f"save the model again") from None
+            raise ConfigError(
+                f"{path} is not a readable safetensors file ({type(error).__name__}: {error}): save the model again"
+            ) from None
         if 8 + length + end > size:
-            raise ConfigError(f"{path} is truncated: its header promises {8 + length + end} bytes, the file has "
-                              f"{size}. Copy or save the model again.")
+            raise ConfigError(
+                f"{path} is truncated: its header promises {8 + length + end} bytes, the file has "
+                f"{size}. Copy or save the model again."
+            )
 
 
 def read(directory: str, keys: Iterable[str]) -> dict[str, torch.Tensor]:
