@@ -18,7 +18,8 @@ import time
 import ray
 import torch
 
-from raypipe.transport.wire import StepCall, pack_microbatches
+from raypipe.protocol import StepCall
+from raypipe.transport.wire import pack_microbatches
 
 
 @ray.remote(num_cpus=0.01)

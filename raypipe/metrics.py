@@ -6,8 +6,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from raypipe.protocol import StepReport
 
-def stage_metrics(reports: Sequence[dict[str, Any]]) -> list[dict[str, float]]:
+
+def stage_metrics(reports: Sequence[StepReport]) -> list[dict[str, float]]:
     """Per stage: `forward_s`, `backward_s`, `bubble` (idle fraction of the pipeline's compute
     window), `peak_memory_bytes`, `peak_stashed_microbatches` (kept for backward; a split
     backward's microbatch until its weight gradient), `peak_awaiting_weight_grad` (between input
@@ -19,7 +21,7 @@ def stage_metrics(reports: Sequence[dict[str, Any]]) -> list[dict[str, float]]:
     start to last action end, over all stages) in which that stage ran nothing. The
     timestamps are each actor's wall clock, so across machines clock skew blurs it.
     """
-    timings = [r["timing"] for r in reports]
+    timings = [r.timing for r in reports]
     starts = [t["first_start"] for t in timings if t.get("forward_s", 0) > 0]
     ends = [t["last_end"] for t in timings if t.get("forward_s", 0) > 0]
     window = (max(ends) - min(starts)) if starts else 0.0
@@ -31,7 +33,7 @@ def stage_metrics(reports: Sequence[dict[str, Any]]) -> list[dict[str, float]]:
                 "forward_s": t.get("forward_s", 0.0),
                 "backward_s": t.get("backward_s", 0.0),
                 "bubble": max(0.0, 1.0 - busy / window) if window > 0 else 0.0,
-                "peak_memory_bytes": float(report["peak_memory_bytes"]),
+                "peak_memory_bytes": float(report.peak_memory_bytes),
                 "peak_stashed_microbatches": int(t.get("peak_stashed", 0)),
                 # split backwards: microbatches between their input and weight gradients at once
                 "peak_awaiting_weight_grad": int(t.get("peak_awaiting_weight", 0)),
@@ -59,8 +61,8 @@ def step_metrics(
     seconds: float,
     samples: int,
     tokens: int | None,
-    report: dict[str, Any],
-    lead_reports: Sequence[dict[str, Any]],
+    report: StepReport,
+    lead_reports: Sequence[StepReport],
     fp16: bool,
 ) -> dict[str, Any]:
     """What `Trainer.step` returns for step `step` (1-based): the loss (mean of the microbatch
@@ -69,8 +71,8 @@ def step_metrics(
     metrics = {
         "step": step,
         "loss": sum(losses) / len(losses),
-        "lr": report["lr"],
-        "grad_norm": report["grad_norm"],
+        "lr": report.lr,
+        "grad_norm": report.grad_norm,
         "step_time": seconds,
         "samples": samples,
         "samples_per_s": samples / seconds,
@@ -78,10 +80,10 @@ def step_metrics(
     if tokens is not None:
         metrics["tokens"] = tokens
         metrics["tokens_per_s"] = tokens / seconds
-    metrics["skipped"] = report["skipped"]
+    metrics["skipped"] = report.skipped
     metrics["stages"] = stage_metrics(lead_reports)
     if fp16:
-        metrics["loss_scale"] = report["loss_scale"]
+        metrics["loss_scale"] = report.loss_scale
     return metrics
 
 

@@ -54,7 +54,7 @@ class RefsCalls:
         self.optim.reduce_tied()
         return self.optim.grad_stats(self.executor.losses_finite)
 
-    def optimizer_step(self, step: int, *stats: tuple[float, bool]) -> dict[str, Any]:
+    def optimizer_step(self, step: int, *stats: tuple[float, bool]) -> Any:  # a `StepReport`
         """One optimizer step from every actor's gradient statistics (same on all actors).
 
         `stats` come replica by replica, each replica's stages in order, each stage's
@@ -66,7 +66,7 @@ class RefsCalls:
         finite = all(s[1] for s in stats)  # every actor of every replica
         # each actor's share counts every gradient once (`OptimizerState.norm_share`)
         total_norm = math.sqrt(sum(s[0] for s in stats)) if finite else math.nan
-        return self._apply_step(step, total_norm, finite)
+        return self._apply_step(step, total_norm, finite, None)
 
     def forward_only(self, x: Any, target: Any = None, v: int | None = None) -> Any:
         """Inference through this stage's chunk `v` (eval mode, no activations kept).

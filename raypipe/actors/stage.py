@@ -34,8 +34,9 @@ from raypipe.errors import StageError
 from raypipe.layers import LayerSpec
 from raypipe.nn import TensorParallelGroup
 from raypipe.nn.moe import ExpertParallelGroup, take_step_report
+from raypipe.protocol import CompiledCall, PeerStopped, StepCall, StepReport
 from raypipe.transport import PeerFailed, agree
-from raypipe.transport.wire import StepCall, pack, unpack
+from raypipe.transport.wire import pack, unpack
 
 __all__ = ["StageActor", "StageSettings"]
 
@@ -224,7 +225,7 @@ class StageActor(RefsCalls):
 
     # ----- one step: the p2p and compiled engines' call ---------------------------
 
-    def run_actions(self, call: StepCall) -> Any:
+    def run_actions(self, call: StepCall) -> StepReport:
         """Runs this stage's whole step ("p2p" engine): its action list `call.actions` in
         order, then the gradient reduction and the optimizer step, agreed on with every
         actor of the world.
@@ -240,56 +241,45 @@ class StageActor(RefsCalls):
         `call.after`: the call id of the step the driver queued this one behind. When that
         step's update was not applied (it failed, or was non-finite and
         `settings.stop_on_nonfinite`), this one does not run either: every actor knows
-        it from the same agreement, so all of them answer `(None, {"halted": True})`
+        it from the same agreement, so all of them answer `StepReport(halted=True)`
         without touching their neighbours.
 
         Returns:
-            (the microbatch losses on the last stage's tp rank 0, else None; the
-            optimizer report, as `optimizer_step` returns it).
+            The step's report, with the microbatch losses on the last stage's tp rank 0.
+
+        Raises:
+            PeerStopped: another actor failed in this step (this one did nothing wrong).
         """
         import ray
 
-        call_id, step, actions, inputs, targets, peers, after, varying, weights = call
-        if after is not None and after == self.unapplied_call:
-            self.unapplied_call = call_id  # and so on down the queue
-            return None, {"halted": True}
-        self.executor.begin(call_id)
+        if call.after is not None and call.after == self.unapplied_call:
+            self.unapplied_call = call.call_id  # and so on down the queue
+            return StepReport(halted=True)
+        self.executor.begin(call.call_id)
         # stored once for several tp ranks: Ray resolves only top-level references
-        inputs, targets = (ray.get(v) if isinstance(v, ray.ObjectRef) else v for v in (inputs, targets))
+        inputs, targets = (ray.get(v) if isinstance(v, ray.ObjectRef) else v for v in (call.inputs, call.targets))
         inputs, targets = unpack(inputs), unpack(targets)
-        links = step_list.links_for(self.executor, actions, peers, varying, self.num_virtual, self.streams)
-        losses, failure = step_list.run_list(self.executor, actions, inputs, targets, links, weights=weights)
-        report = self._finish_step(step, failure)
-        return (losses if self.is_last and self.tp.rank == 0 else None), report
+        links = step_list.links_for(
+            self.executor, call.actions, call.peers, call.varying, self.num_virtual, self.streams
+        )
+        losses, failure = step_list.run_list(self.executor, call.actions, inputs, targets, links, weights=call.weights)
+        return self._finish_step(call.step, failure, losses if self.is_last and self.tp.rank == 0 else None)
 
-    def run_compiled(self, payload: dict[str, Any]) -> Any:
+    def run_compiled(self, call: CompiledCall) -> StepReport | StageError:
         """`run_actions` as a node of the trainer's compiled graph ("compiled" engine):
-        the payload holds every actor's list and every replica's batch; this actor runs its own.
+        the call holds every actor's list and every replica's batch; this actor runs its own.
 
         Returns `run_actions`' result, or the exception it raised: a compiled graph reports
         one node's exception as every node's, and the driver needs each actor's own to
         name the stage that failed first."""
-        actions, peers = payload["lists"][self.name]
         try:
-            return self.run_actions(
-                StepCall(
-                    payload["call_id"],
-                    payload["step"],
-                    actions,
-                    payload["inputs"][self.optim.dp_rank] if self.holds_first else None,
-                    payload["targets"][self.optim.dp_rank] if self.is_last else None,
-                    peers,
-                    None,
-                    payload["varying"],
-                    payload["weights"][self.optim.dp_rank] if self.is_last else None,
-                )
-            )
+            return self.run_actions(call.for_actor(self.name, self.optim.dp_rank, self.holds_first, self.is_last))
         except Exception as error:  # noqa: BLE001 - handed to the driver, which raises it
             return (
                 error if isinstance(error, StageError) else StageError(f"{self.name}: {type(error).__name__}: {error}")
             )
 
-    def _finish_step(self, step: int, failure: Exception | None) -> dict[str, Any]:
+    def _finish_step(self, step: int, failure: Exception | None, losses: list[float] | None) -> StepReport:
         """Reduces gradients over dp, then agrees with every actor through one all-reduce on
         the global gradient norm, non-finite values and failures (`transport.agree`: pipes when
         the world shares a node, else gloo), and steps (or raises) alike."""
@@ -308,27 +298,32 @@ class StageActor(RefsCalls):
             self.unapplied_call = self.executor.current_call
             self.executor.clear_stash()
             if failure is None or isinstance(failure, PeerFailed):
-                raise StageError(
+                raise PeerStopped(
                     f"{self.name} stopped: world ranks failed earlier in this step (see that stage's error)"
                 )
             raise failure
         finite = votes[1] == 0
         if not finite and optim.settings.stop_on_nonfinite:
             self.unapplied_call = self.executor.current_call
-        return self._apply_step(step, math.sqrt(float(votes[0])) if finite else math.nan, bool(finite))
+        return self._apply_step(step, math.sqrt(float(votes[0])) if finite else math.nan, bool(finite), losses)
 
-    def _apply_step(self, step: int, total_norm: float, finite: bool) -> dict[str, Any]:
+    def _apply_step(self, step: int, total_norm: float, finite: bool, losses: list[float] | None) -> StepReport:
         """The optimizer's step (or skip), and this step's report: timings, events, peak memory."""
         report = self.optim.apply_step(step, total_norm, finite)
         executor = self.executor
         executor.clear_stash()
         routed = take_step_report(self.model.moes)  # MoE layers' routing, all-to-all
-        return {
-            **report,
-            "timing": {**executor.timing, **routed},
-            "events": list(executor.events),
-            "peak_memory_bytes": _peak_memory_bytes(self.model.device),
-        }
+        return StepReport(
+            losses,
+            False,
+            report["lr"],
+            report["grad_norm"],
+            report["skipped"],
+            report["loss_scale"],
+            {**executor.timing, **routed},
+            list(executor.events),
+            _peak_memory_bytes(self.model.device),
+        )
 
     # ----- inference, weights, checkpoints ------------------------------------------
 

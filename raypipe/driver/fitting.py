@@ -99,9 +99,9 @@ def complete(trainer: Any, submitted: Submitted) -> dict[str, Any] | None:
     submitted.done = True
     trainer._last_result_at = time.perf_counter()
     report = result.stage_reports[0]
-    if report.get("halted"):
+    if report.halted:
         return None
-    if report["skipped"] and stops_on_nonfinite(trainer.config):
+    if report.skipped and stops_on_nonfinite(trainer.config):
         raise NonFiniteError(
             f"step {trainer.step_count + 1}: non-finite loss or gradients (microbatch losses "
             f"{[round(v, 4) for v in result.losses]}); the update was not applied, weights are those "
@@ -120,7 +120,7 @@ def complete(trainer: Any, submitted: Submitted) -> dict[str, Any] | None:
         leads,
         trainer.config.precision == "fp16",
     )
-    trainer._last_events = [r.get("events", []) for r in leads]
+    trainer._last_events = [r.events for r in leads]
     if trainer._ray_metrics is None:
         trainer._ray_metrics = RayMetrics(trainer.run_name)
     trainer._ray_metrics.log(metrics, trainer.topology.lead_ranks())

@@ -13,8 +13,7 @@ import ray
 
 from raypipe.env import call_timeout
 from raypipe.errors import ActorDiedError, StageError, StepTimeoutError
-
-PEER_STOPPED = "stopped: world rank"  # how run_actions words a failure caused by a neighbour's
+from raypipe.protocol import PeerStopped, StepReport
 
 
 @dataclass
@@ -22,14 +21,14 @@ class StepResult:
     """What one step produced: per-microbatch losses and each stage's optimizer report."""
 
     losses: list[float]
-    stage_reports: list[dict[str, Any]]
+    stage_reports: list[StepReport]  # world-rank order
     seconds: float
 
 
 def root_failure(errors: Sequence[Exception]) -> Exception:
     """Of the errors the actors of one step raised, the stage that failed first, not the
     neighbours it stopped."""
-    return next((e for e in errors if PEER_STOPPED not in str(e)), errors[0])
+    return next((e for e in errors if not isinstance(e, PeerStopped)), errors[0])
 
 
 def gather(
@@ -61,7 +60,7 @@ def gather(
             f"actor: check it, then build a new Trainer (or raise RAYPIPE_CALL_TIMEOUT)."
         ) from None
     except StageError as error:  # raised by an actor; Ray re-raises it as this type
-        raise StageError(cause_message(error)) from None
+        raise (PeerStopped if isinstance(error, PeerStopped) else StageError)(cause_message(error)) from None
     except ray.exceptions.RayActorError as error:
         by_id = {a._actor_id.hex(): n for a, n in zip(actors, names)}
         name = by_id.get(getattr(error, "actor_id", None) or "", "a stage actor")

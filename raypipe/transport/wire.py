@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
@@ -96,24 +96,3 @@ def _map(value: Any, leaf: Callable[[Any], Any]) -> Any:
     if isinstance(value, dict):
         return {k: _map(v, leaf) for k, v in value.items()}
     return leaf(value)
-
-
-class StepCall(NamedTuple):
-    """One actor's share of a p2p step (`StageActor.run_actions`), sent as one argument.
-
-    Ray serializes each argument of a call on its own: one tuple instead of eight
-    separate arguments took 0.41-0.48 instead of 0.67-0.76 ms to submit here, and the
-    round trip 0.6-1.5 ms less (`benchmarks/call_arguments.py`). An `ObjectRef` inside
-    it is not resolved by Ray: the actor fetches `inputs` and `targets` itself when
-    they come by reference.
-    """
-
-    call_id: int
-    step: int
-    actions: list  # (kind "F", "B", "I" or "W", microbatch, virtual stage), in order
-    inputs: Any  # the first virtual stage's actor: the replica's packed microbatches (or an ObjectRef to them)
-    targets: Any  # the last virtual stage's actor: the packed targets (or an ObjectRef)
-    peers: list  # the world rank holding each virtual stage, for this actor's replica and tp rank
-    after: int | None = None  # the call id of the step queued ahead of this one
-    varying: bool = False  # the step's microbatches differ in shape: boundary messages describe themselves
-    weights: Any = None  # last stage: each microbatch's loss weight (`Executor.forward`), or None

@@ -27,6 +27,7 @@ from raypipe.driver.engines.p2p import ActionList
 from raypipe.driver.engines.step import StepInput
 from raypipe.driver.results import cause_message, root_failure
 from raypipe.errors import ActorDiedError, StageError, StepTimeoutError
+from raypipe.protocol import CompiledCall
 
 
 class CompiledStep:
@@ -48,15 +49,15 @@ class CompiledStep:
             ActorDiedError: an actor died; StepTimeoutError: a call did not end in `timeout` s.
         """
         packed = data.packed_batches()
-        payload = {
-            "call_id": data.call_id,
-            "step": data.step,
-            "lists": {lst.name: (lst.actions, lst.peers) for lst in lists},
-            "inputs": [x for x, _ in packed],
-            "targets": [y for _, y in packed],
-            "varying": data.varying,
-            "weights": data.weights or [None] * len(packed),
-        }
+        payload = CompiledCall(
+            data.call_id,
+            data.step,
+            {lst.name: (lst.actions, lst.peers) for lst in lists},
+            [x for x, _ in packed],
+            [y for _, y in packed],
+            data.varying,
+            data.weights or [None] * len(packed),
+        )
         timeout = data.timeout
         refs = self.graph.execute(payload)
         deadline = time.monotonic() + timeout

@@ -15,8 +15,8 @@ from raypipe.driver.engines.step import StepInput, StepTarget
 from raypipe.driver.results import StepResult, gather, raise_if_died, root_failure, wait_for_progress
 from raypipe.driver.trace import trace_lists
 from raypipe.errors import ActorDiedError, StageError
+from raypipe.protocol import StepCall, StepReport
 from raypipe.schedules import Schedule, owners
-from raypipe.transport.wire import StepCall
 
 
 def submit_step_p2p(
@@ -36,7 +36,7 @@ def submit_step_p2p(
     `after`: the call id of a step still running on the same actors, which this one
     queues behind. The actors run this step only if that one was applied: a step that
     failed, or (with `StageSettings.stop_on_nonfinite`) skipped a non-finite update,
-    makes every actor answer the steps queued behind it with `{"halted": True}`
+    makes every actor answer the steps queued behind it with `StepReport(halted=True)`
     instead, so a failure leaves the weights of the last good step.
 
     `compiled`: a `raypipe.driver.engines.compiled.CompiledStep` over the same actors, to issue the
@@ -120,10 +120,10 @@ class SubmittedStep:
         return _step_result(values, time.perf_counter() - max(self.started, since))
 
 
-def _step_result(values: Sequence[Any], seconds: float) -> StepResult:
-    # values are in world-rank order (replica, stage, tp rank); the last stage's tp rank 0 has the losses
-    step_losses = [loss for replica_losses, _ in values if replica_losses is not None for loss in replica_losses]
-    return StepResult(step_losses, [report for _, report in values], seconds)
+def _step_result(reports: Sequence[StepReport], seconds: float) -> StepResult:
+    # reports are in world-rank order (replica, stage, tp rank); the last stage's tp rank 0 has the losses
+    step_losses = [loss for report in reports if report.losses is not None for loss in report.losses]
+    return StepResult(step_losses, list(reports), seconds)
 
 
 @dataclass

@@ -1,0 +1,91 @@
+"""What crosses between the driver and the actors, as typed values.
+
+The driver (`raypipe.driver`) and the actors (`raypipe.actors`) run in different processes and
+know each other only through these types: a step call goes out (`StepCall`, or for the
+compiled engine one `CompiledCall` for all actors), each actor's `StepReport` comes back, and
+an actor stopped by a neighbour's failure raises `PeerStopped` so the driver can find the
+stage that failed first by type.
+
+Every type here is frozen: a value is built once by its sender and read by its receiver.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from raypipe.errors import StageError
+
+__all__ = ["CompiledCall", "PeerStopped", "StepCall", "StepReport"]
+
+
+@dataclass(frozen=True)
+class StepCall:
+    """One actor's share of a p2p step (`StageActor.run_actions`), sent as one argument.
+
+    Ray serializes each argument of a call on its own: one value instead of eight separate
+    arguments took 0.41-0.48 instead of 0.67-0.76 ms to submit here, and the round trip
+    0.6-1.5 ms less (`benchmarks/call_arguments.py`). An `ObjectRef` inside it is not resolved
+    by Ray: the actor fetches `inputs` and `targets` itself when they come by reference.
+    """
+
+    call_id: int
+    step: int
+    actions: list  # (kind "F", "B", "I" or "W", microbatch, virtual stage), in order
+    inputs: Any  # the first virtual stage's actor: the replica's packed microbatches (or an ObjectRef)
+    targets: Any  # the last virtual stage's actor: the packed targets (or an ObjectRef)
+    peers: list  # the world rank holding each virtual stage, for this actor's replica and tp rank
+    after: int | None = None  # the call id of the step queued ahead of this one
+    varying: bool = False  # the step's microbatches differ in shape: boundary messages describe themselves
+    weights: Any = None  # last stage: each microbatch's loss weight (`Executor.forward`), or None
+
+
+@dataclass(frozen=True)
+class CompiledCall:
+    """One step for every actor of a compiled graph ("compiled" engine): the graph has one
+    input, so it carries every actor's action list and every replica's batch."""
+
+    call_id: int
+    step: int
+    lists: dict[str, tuple[list, list]]  # actor name -> (its actions, its peers), as in `StepCall`
+    inputs: list  # per replica, its packed microbatches
+    targets: list  # per replica, its packed targets
+    varying: bool
+    weights: list  # per replica, its microbatches' loss weights or None
+
+    def for_actor(self, name: str, replica: int, holds_first: bool, holds_last: bool) -> StepCall:
+        """The `StepCall` the p2p engine would have sent the actor `name` of `replica`."""
+        actions, peers = self.lists[name]
+        return StepCall(
+            self.call_id,
+            self.step,
+            actions,
+            self.inputs[replica] if holds_first else None,
+            self.targets[replica] if holds_last else None,
+            peers,
+            None,
+            self.varying,
+            self.weights[replica] if holds_last else None,
+        )
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """One actor's answer to a step: what its optimizer did, what it timed, and the losses it
+    computed (the last stage's tp rank 0 only). `halted`: the step was not run because the one
+    queued ahead of it was not applied; nothing else in the report is then meaningful."""
+
+    losses: list[float] | None = None
+    halted: bool = False
+    lr: float = 0.0
+    grad_norm: float = 0.0
+    skipped: bool = False  # non-finite loss or gradients: the update was not applied
+    loss_scale: float = 1.0  # fp16's dynamic loss scale after the step
+    timing: dict[str, Any] = field(default_factory=dict)  # `Executor.timing` and MoE routing (`stage_metrics`)
+    events: list[tuple] = field(default_factory=list)  # (action, start, end) as this actor ran them
+    peak_memory_bytes: int = 0
+
+
+class PeerStopped(StageError):
+    """An actor stopped its step because another actor of the world failed earlier in it: never
+    the root cause (`raypipe.driver.results.root_failure` skips it)."""
