@@ -200,7 +200,7 @@ def sigterm_mid_step(work: Path) -> dict:
     step = t.step_count
     released = [g["state"] for g in ray.util.placement_group_table().values() if g["name"] == "raypipe-sigterm"]
     return {
-        "survived": "out" in events and not t._actors and released == ["REMOVED"],
+        "survived": "out" in events and not t.group.actors and released == ["REMOVED"],
         "data_lost": intact(root, [step]),
         "recover_s": events.get("out", 0) - events["sent"],
         "detail": f"stopped after step {step}, checkpoint of step {step} written, placement group released",

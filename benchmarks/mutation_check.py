@@ -255,8 +255,8 @@ MUTATIONS = [
     Mutation(
         "logger-step",
         "raypipe/driver/fitting.py",
-        "    trainer.loggers.log(trainer.step_count, scalars(metrics))\n    return metrics",
-        "    trainer.loggers.log(trainer.step_count - 1, scalars(metrics))\n    return metrics",
+        "    run.loggers.log(run.step_count, scalars(metrics))\n    return metrics",
+        "    run.loggers.log(run.step_count - 1, scalars(metrics))\n    return metrics",
         ("tests/test_loggers.py",),
         "the loggers record each step's scalars one step early",
     ),

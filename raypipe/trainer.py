@@ -9,7 +9,6 @@ whole model; `state_dict()` gathers the stages' weights under the keys
 from __future__ import annotations
 
 import uuid
-import weakref
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -17,26 +16,24 @@ from typing import Any
 import torch
 
 from raypipe import driver
-from raypipe.actors.settings import StageSettings, check_reconfigurable
+from raypipe.actors.settings import check_reconfigurable
 from raypipe.config import TrainConfig
 from raypipe.data.batches import loss_weights, split_batch
 from raypipe.driver import checkpoints, chunks, fitting, placement, registry, weights
-from raypipe.driver.engines import Engine, make_engine
-from raypipe.driver.engines.refs import run_forward, submission_order
+from raypipe.driver.engines.refs import run_forward
 from raypipe.driver.feeds import make_feed
-from raypipe.driver.results import gather
+from raypipe.driver.group import ActorGroup
+from raypipe.driver.run_state import RunState
 from raypipe.driver.topology import Topology
 from raypipe.errors import ConfigError
 from raypipe.layers import LayerSpec
 from raypipe.loggers import Loggers, run_params
-from raypipe.metrics import RayMetrics
 from raypipe.model import Model, resolve
 from raypipe.nn.plan import check_stages_split
 from raypipe.planning.autoschedule import plan_run
 from raypipe.planning.partition import first_plan
 from raypipe.planning.profiling import PlanReport
 from raypipe.progress import Progress
-from raypipe.schedules import build_schedule
 from raypipe.timeline import Timeline
 
 
@@ -69,27 +66,13 @@ class Trainer:
         sample: tuple[torch.Tensor, Any] | None = None,
         log: Callable[[str], None] = print,
     ) -> None:
-        self.config = config if config is not None else TrainConfig()
-        if not isinstance(self.config, TrainConfig):
-            raise TypeError(f"config must be a TrainConfig, got {type(self.config).__name__}")
-        self.model, loss_fn, self.specs, self.config = resolve(layers, loss_fn, self.config)
-        cfg = self.config
-        checkpoints.check_new_run(cfg.checkpoint_dir, cfg.resume)  # before any actor (the profiler's too) starts
-        self.plan, tp_splits, profiled = first_plan(self.specs, cfg, sample is not None)
+        config = config if config is not None else TrainConfig()
+        if not isinstance(config, TrainConfig):
+            raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
+        self.model, loss_fn, self.specs, config = resolve(layers, loss_fn, config)
+        checkpoints.check_new_run(config.checkpoint_dir, config.resume)  # before any actor (the profiler's) starts
+        plan, tp_splits, profiled = first_plan(self.specs, config, sample is not None)
         self.plan_report: PlanReport | None = None
-        self.run_name = cfg.name or f"run-{uuid.uuid4().hex[:8]}"
-        self.run_id = uuid.uuid4().hex  # the run's identity in its checkpoints; a resume takes the resumed run's
-        self.restored_from: tuple[Path, int] | None = None  # the checkpoint last loaded, and its step
-        self.step_count = self.restarts = self._calls = 0
-        self._last_result_at = 0.0  # perf_counter() when the last step's result came back
-        self._actors: list[Any] = []
-        self._engine: Engine = make_engine(cfg.engine)
-        self.loggers = Loggers(cfg, self.run_name, lambda: run_params(self.config, self.run_name, self.plan))
-        self._last_events: list[list[tuple]] = []
-        self._ray_metrics: RayMetrics | None = None
-        self.topology = Topology(cfg.pp, cfg.dp, cfg.tp, cfg.ep)  # rank = (d * pp + s) * tp + t
-        self.names = self.topology.names()  # "stage{s}-dp{d}-tp{t}"
-        self._loss_fn = loss_fn
         driver.connect()
         driver.ship_user_code(
             [loss_fn]
@@ -97,20 +80,49 @@ class Trainer:
             + [type(a) for s in self.specs for a in (*s.args, *s.kwargs.values())]
         )
         if profiled:  # time every layer on each device kind of the run and split by those times
-            self.config, self.plan_report = plan_run(
-                self.specs, loss_fn, sample, cfg, placement.cpus_per_actor(cfg, len(self.names)), log
-            )
-            self.plan = self.plan_report.plan
-            check_stages_split(tp_splits, self.plan, cfg.tp)
-        self._set_schedule()
+            cpus = placement.cpus_per_actor(config, len(Topology(config.pp, config.dp, config.tp, config.ep).names()))
+            config, self.plan_report = plan_run(self.specs, loss_fn, sample, config, cpus, log)
+            plan = self.plan_report.plan
+            check_stages_split(tp_splits, plan, config.tp)
+        run_name = config.name or f"run-{uuid.uuid4().hex[:8]}"
+        #: the running actors: names, topology, schedule, engine; every call that reaches them
+        self.group = ActorGroup(config, self.specs, plan, loss_fn, run_name, self.model)
+        #: the run's identity, progress and records (step count, restarts, loggers)
+        self.state = RunState(
+            run_name, uuid.uuid4().hex, Loggers(config, run_name, lambda: run_params(self.config, run_name, self.plan))
+        )
         registry.replace_same_name(self)
-        self._start_actors()
-        if cfg.resume is not False:
+        self.group.start()
+        registry.add(self)
+        if config.resume is not False:
             try:
-                self.load(cfg.checkpoint_dir, step=None if cfg.resume is True else cfg.resume, log=log)
+                self.load(config.checkpoint_dir, step=None if config.resume is True else config.resume, log=log)
             except BaseException:
                 self.shutdown()
                 raise
+
+    # ----- the run and its actors, as a script reads them ----------------------------
+
+    config = property(lambda self: self.group.config, doc="The run's settings (`reconfigure` changes them).")
+    plan = property(lambda self: self.group.plan, doc="The layer range [start, end) of each (virtual) stage.")
+    topology = property(lambda self: self.group.topology, doc="Which actor is which stage, replica, tp rank.")
+    names = property(
+        lambda self: self.group.names, doc='Every actor\'s name, world-rank order: "stage{s}-dp{d}-tp{t}".'
+    )
+    run_name = property(lambda self: self.state.run_name, doc="The run's name (`config.name`, or `run-<hex>`).")
+    run_id = property(lambda self: self.state.run_id, doc="The run's identity in its checkpoints; a load takes theirs.")
+    restored_from = property(lambda self: self.state.restored_from, doc="The checkpoint last loaded, and its step.")
+    restarts = property(lambda self: self.state.restarts, doc="Recoveries and save retries spent of max_restarts.")
+    loggers = property(lambda self: self.state.loggers, doc="The loggers `config.loggers` names.")
+
+    @property
+    def step_count(self) -> int:
+        """Optimizer steps applied so far (a load sets it to the checkpoint's step)."""
+        return self.state.step_count
+
+    @step_count.setter
+    def step_count(self, value: int) -> None:
+        self.state.step_count = value
 
     # ----- public API -------------------------------------------------------------
 
@@ -141,7 +153,7 @@ class Trainer:
             StageError: an action failed on a stage (its message names stage and action).
             StepTimeoutError: no action finished for `config.step_timeout` seconds.
         """
-        return fitting.step(self, x, y)
+        return fitting.step(self.group, self.state, x, y)
 
     def fit(
         self,
@@ -181,9 +193,9 @@ class Trainer:
         """
         overlap = (on_step is None if overlap is None else overlap) and self.config.engine == "p2p"
         bar = progress if isinstance(progress, Progress) else Progress(steps, self.step_count, bool(progress))
-        feed = make_feed(self, batches, batch_size, collate)
+        feed = make_feed(self.group, batches, batch_size, collate)
         try:
-            return fitting.fit(self, feed, steps, on_step, bar.writer(log), bar, overlap)
+            return fitting.fit(self.group, self.state, feed, steps, on_step, bar.writer(log), bar, overlap)
         finally:
             feed.close()
             if bar is not progress:
@@ -199,16 +211,7 @@ class Trainer:
         root = path or self.config.checkpoint_dir
         if root is None:
             raise ConfigError("Trainer.save needs a path, or TrainConfig.checkpoint_dir set.")
-        meta = checkpoints.run_meta(
-            self.step_count,
-            len(self.specs),
-            self.plan,
-            self.run_name,
-            self.run_id,
-            self.config,
-            self.model.identity() if self.config.lora else None,
-        )
-        return checkpoints.save(self._actors, self.names, root, self.step_count, meta, self.config.keep_checkpoints)
+        return self.group.save(root, self.state)
 
     def load(self, path: str, step: int | None = None, log: Callable[[str], None] = print) -> Path:
         """Restores a checkpoint saved by any topology; training continues from its step.
@@ -222,34 +225,19 @@ class Trainer:
             CheckpointError: nothing valid to restore (missing, truncated, altered files), or a
                 checkpoint that does not fit the model (then nothing was loaded: all or nothing).
         """
-        where, meta = checkpoints.load(
-            self._actors,
-            self.names,
-            path,
-            step,
-            len(self.specs),
-            self.plan,
-            log,
-            self.model.identity() if self.config.lora else None,
-            self.config.optimizer.get("name"),
-        )
-        self.step_count = meta["step"]
-        self.run_id = meta.get("run_id") or self.run_id  # checkpoints from before run ids: this run goes on
-        self.restored_from = (where, self.step_count)
-        checkpoints.set_aside_future(self.config.checkpoint_dir, self.run_id, self.step_count, log)
-        return where
+        return self.group.load(path, step, self.state, log)
 
     def evaluate(self, x: torch.Tensor, y: Any) -> float:
         """The mean loss on `(x, y)` without training (eval mode, no gradients, weights unchanged)."""
         inputs, targets = self._split(x, y, self.config.microbatches)
-        losses = run_forward(*self._inference_path(), inputs, targets, self.config.step_timeout)
-        weights = loss_weights(self._loss_fn, [targets])  # a loss over counted tokens: their mean
+        losses = run_forward(*self.group.inference_path(), inputs, targets, self.config.step_timeout)
+        weights = loss_weights(self.group.loss_fn, [targets])  # a loss over counted tokens: their mean
         return sum(v * w for v, w in zip(losses, weights[0] if weights else [1.0] * len(losses))) / len(losses)
 
     def predict(self, x: torch.Tensor) -> torch.Tensor:
         """The model's output for `x` (eval mode, no gradients), run through the pipeline."""
         inputs, _ = self._split(x, None, self.config.microbatches)
-        return torch.cat(run_forward(*self._inference_path(), inputs, None, self.config.step_timeout))
+        return torch.cat(run_forward(*self.group.inference_path(), inputs, None, self.config.step_timeout))
 
     def timeline(self, planned: bool = False) -> Timeline:
         """The last step's schedule as each stage ran it (from the actors' own timestamps).
@@ -262,12 +250,12 @@ class Trainer:
         title = f"{c.schedule}, pp={c.pp}, m={c.microbatches}: " + (
             "planned" if planned else f"step {self.step_count} as measured"
         )
-        return Timeline.of_run(self._schedule, self._last_events, title, self.stage_names, planned)
+        return Timeline.of_run(self.group.schedule, self.state.last_events, title, self.stage_names, planned)
 
     def save_pretrained(self, directory: str, merge_adapters: bool = False) -> Path:
         """Writes the model in its library's format (`Model.save_pretrained`: a directory transformers
         loads, for its models and the reference GPT), LoRA adapters folded in with `merge_adapters`."""
-        stages = chunks.inference_group(self.topology, self._actors, self.names)[0]  # with the ep ranks' experts
+        stages = chunks.inference_group(self.topology, self.group.actors, self.names)[0]  # with the ep ranks' experts
         self.model.save_pretrained(stages, self.specs, str(directory), self.config.tp, merge_adapters)
         return Path(directory)
 
@@ -275,7 +263,7 @@ class Trainer:
         """Writes the LoRA adapters in peft's format (`peft.PeftModel.from_pretrained(base, dir)`)."""
         from raypipe.models.hf import adapters
 
-        adapters.save(self._replica0()[0], self.specs, self.model, self.config.lora, str(directory))
+        adapters.save(self.group.replica0()[0], self.specs, self.model, self.config.lora, str(directory))
         return Path(directory)
 
     def load_adapter(self, directory: str) -> None:
@@ -283,11 +271,11 @@ class Trainer:
         from raypipe.models.hf import adapters
 
         adapters.load(
-            self._actors,
-            self._replica0()[0],
+            self.group.actors,
+            self.group.replica0()[0],
             self.specs,
             self.model,
-            chunks.actor_plan(self.plan, self._schedule),
+            self.group.actor_plan(),
             str(directory),
         )
 
@@ -307,7 +295,7 @@ class Trainer:
         from raypipe.driver.generation import generate
 
         return generate(
-            *self._inference_path(),
+            *self.group.inference_path(),
             input_ids,
             max_new_tokens,
             temperature,
@@ -321,7 +309,9 @@ class Trainer:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full model's weights, keyed as `nn.Sequential(*layers).state_dict()`, tp shards and ep experts merged."""
-        return weights.merged_replicas(self.topology.grid(self._actors), "state_dict", self.config.tp, self.config.ep)
+        return weights.merged_replicas(
+            self.topology.grid(self.group.actors), "state_dict", self.config.tp, self.config.ep
+        )
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Loads full-model weights (keys as `state_dict()` gives them) into every stage.
@@ -329,11 +319,13 @@ class Trainer:
         Raises:
             KeyError: a key names no layer of this model, or a stage's key is missing.
         """
-        weights.load_into(self._actors, state, chunks.actor_plan(self.plan, self._schedule), self.config.tp)
+        weights.load_into(self.group.actors, state, self.group.actor_plan(), self.config.tp)
 
     def gradients(self) -> dict[str, torch.Tensor]:
         """The last step's gradients, keyed like `state_dict()` (as the optimizer used them)."""
-        return weights.merged_replicas(self.topology.grid(self._actors), "gradients", self.config.tp, self.config.ep)
+        return weights.merged_replicas(
+            self.topology.grid(self.group.actors), "gradients", self.config.tp, self.config.ep
+        )
 
     def reconfigure(self, **changes: Any) -> None:
         """Changes training settings between steps, keeping the actors and weights.
@@ -346,28 +338,21 @@ class Trainer:
             ConfigError: for a field that needs a new Trainer (pp, shard_plan, ...) or a bad value.
         """
         check_reconfigurable(changes)
-        config = self.config.replace(**changes)
-        self._set_schedule(config)  # refuses other chunks before anything changes
-        self.config = config
-        self._configure_actors()
+        self.group.reconfigure(self.config.replace(**changes))
 
     def reset_optimizer(self) -> None:
         """Drops every stage's optimizer state (momentum, Adam moments, loss scale)."""
-        self._configure_actors(reset_optimizer=True)
+        self.group.configure(reset_optimizer=True)
 
     def stage_info(self) -> list[dict[str, Any]]:
         """Per actor: name, layers, parameters, node, pid, device, threads, `links` (neighbour -> transport)."""
-        return placement.name_links(gather([a.info.remote() for a in self._actors], "stage_info"), self.names)
+        return self.group.info()
 
     def shutdown(self) -> None:
-        """Stops every actor this trainer started. Safe to call twice."""
-        self._engine.close()
-        placement.kill(self._actors)
-        self._actors = []
+        """Stops every actor this trainer started and closes its loggers. Safe to call twice."""
+        self.group.shutdown()
         self.loggers.close()
         registry.discard(self)
-        if hasattr(self, "_finalizer"):
-            self._finalizer.detach()
 
     def __enter__(self) -> Trainer:
         return self
@@ -382,53 +367,10 @@ class Trainer:
         return (
             f"Trainer(run={self.run_name!r}, pp={c.pp}, dp={c.dp}, tp={c.tp}, schedule={c.schedule!r}, "
             f"microbatches={c.microbatches}, plan={self.plan}, steps={self.step_count}, "
-            f"{'running' if self._actors else 'shut down'})"
+            f"{'running' if self.group.running else 'shut down'})"
         )
 
     # ----- internals ----------------------------------------------------------------
-
-    def _replica0(self) -> tuple[list[list[Any]], list[list[str]]]:
-        """Replica 0's actors and their names, per stage and tp rank: where inference runs."""
-        return self.topology.grid(self._actors)[0], self.topology.grid(self.names)[0]
-
-    def _inference_path(self) -> tuple[list, list, list[int] | None]:
-        return chunks.inference_path(*chunks.inference_group(self.topology, self._actors, self.names), self._schedule)
-
-    def _set_schedule(self, config: TrainConfig | None = None) -> None:
-        c = config or self.config
-        schedule = build_schedule(c.schedule, c.pp, c.microbatches, c.chunks)
-        if self._actors:
-            chunks.check_same_layout(self._schedule, schedule, c.schedule)
-        self._schedule, self._order = schedule, submission_order(schedule)
-
-    def _configure_actors(self, reset_optimizer: bool = False) -> None:
-        settings = StageSettings.from_config(self.config)
-        gather([a.configure.remote(settings, reset_optimizer) for a in self._actors], "configure")
-
-    def _start_actors(self) -> None:
-        """Starts, places and joins every actor; a failure stops those already started."""
-        self._engine = make_engine(self.config.engine)
-        self._actors = placement.start_gang(
-            self.config,
-            self.topology,
-            self.names,
-            self.specs,
-            self.plan,
-            self._schedule,
-            self._loss_fn,
-            self.run_name,
-            lambda: registry.others_holding_actors(self),
-            self.model.tied,
-        )
-        try:
-            self._configure_actors()
-        except BaseException:
-            self.shutdown()
-            raise
-        # a trainer dropped without shutdown() (a re-run notebook cell) frees its actors
-        self._finalizer = weakref.finalize(self, placement.kill, list(self._actors))
-        self._finalizer.atexit = False  # at exit Ray ends the actors with the driver
-        registry.add(self)
 
     def _split(self, x: torch.Tensor, y: Any, parts: int) -> tuple[list[torch.Tensor], list[Any]]:  # dp x m parts
         return split_batch(x, y, parts, self.config.dp, self.config.microbatches)

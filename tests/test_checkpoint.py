@@ -158,7 +158,7 @@ def test_training_survives_a_stage_dying_mid_step(killable_baseline, tmp_path, h
     messages = []
     cfg = config(tmp_path / "ck", max_restarts=2, dp=dp, engine=engine)
     with Trainer(killable_layers(flag), nn.functional.mse_loss, cfg) as t:
-        victim = t._actors[-1]  # stage 1 of the last replica
+        victim = t.group.actors[-1]  # stage 1 of the last replica
 
         def on_step(metrics):
             if metrics["step"] == 3 and t.restarts == 0:
@@ -231,7 +231,7 @@ def test_nonfinite_loss_policies(ray_session, policy):
 def test_an_actor_that_cannot_see_the_directory_says_so(ray_session, tmp_path):
     with Trainer(MLP7, nn.functional.mse_loss, config()) as t:
         with pytest.raises(Exception, match="cannot see the checkpoint directory .*shares"):
-            ray.get(t._actors[0].save_checkpoint.remote(str(tmp_path / "not-there")))
+            ray.get(t.group.actors[0].save_checkpoint.remote(str(tmp_path / "not-there")))
 
 
 def test_a_checkpoint_saved_under_zero1_resumes_without_it(ray_session, tmp_path):

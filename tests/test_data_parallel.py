@@ -32,7 +32,9 @@ def initial(trainer):
 
 def replica_state(trainer, d):
     state = {}
-    for part in ray.get([a.state_dict.remote() for stage in trainer.topology.grid(trainer._actors)[d] for a in stage]):
+    for part in ray.get(
+        [a.state_dict.remote() for stage in trainer.topology.grid(trainer.group.actors)[d] for a in stage]
+    ):
         state.update(part)
     return state
 

@@ -125,7 +125,7 @@ def test_a_stuck_step_times_out_naming_what_is_pending(ray_session):
         with pytest.raises(StepTimeoutError) as info:
             t.step(torch.randn(4, 4), torch.randn(4, 4))
         assert time.monotonic() - started < 10
-        assert t._actors == []  # the trainer stopped its actors
+        assert t.group.actors == []  # the trainer stopped its actors
         with pytest.raises(Exception, match="no actors"):
             t.step(torch.randn(4, 4), torch.randn(4, 4))
     message = str(info.value)

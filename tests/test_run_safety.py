@@ -325,7 +325,7 @@ def test_sigterm_saves_the_last_step_marks_the_run_killed_and_releases_everythin
         t.fit(batch, 6, on_step=on_step, **QUIET)
     assert signal.getsignal(signal.SIGTERM) is before  # fit's handler is gone again
     assert t.step_count == 3 and verify(tmp_path / "ck" / "step-00000003")["step"] == 3
-    assert not t._actors  # shut down: actors stopped, placement group removed
+    assert not t.group.actors  # shut down: actors stopped, placement group removed
     groups = [g["state"] for g in ray.util.placement_group_table().values() if g["name"] == "raypipe-terminated"]
     assert groups == ["REMOVED"], groups
     runs = mlflow.MlflowClient(store).search_runs(

@@ -79,7 +79,7 @@ def test_sgd_parity_and_identical_replicas(trainer, initial, reference, schedule
     for zero in (0, 1) if trainer.config.dp > 1 and schedule == "1f1b" else (0,):
         trainer.reconfigure(zero=zero)
         check_sgd_parity(trainer, initial, ref, schedule, m, SGD, data=tokens)
-        shards = ray.get([a.state_dict.remote() for a in trainer._actors])
+        shards = ray.get([a.state_dict.remote() for a in trainer.group.actors])
         per_replica = len(shards) // trainer.config.dp
         for rank in range(per_replica, len(shards)):  # every replica's shard equals replica 0's, bit for bit
             twin = shards[rank % per_replica]

@@ -18,12 +18,12 @@ from raypipe.errors import BatchError, ConfigError
 class FunctionFeed:
     """`batches(step) -> (x, y)`, cut on the driver."""
 
-    def __init__(self, trainer: Any, batches: Callable[[int], tuple[Any, Any]]) -> None:
-        self.trainer, self.batches = trainer, batches
+    def __init__(self, group: Any, batches: Callable[[int], tuple[Any, Any]]) -> None:
+        self.group, self.batches = group, batches
 
     def get(self, step: int) -> Prepared:
-        c = self.trainer.config
-        return prepare(*self.batches(step), c.dp, c.microbatches, self.trainer._loss_fn)
+        c = self.group.config
+        return prepare(*self.batches(step), c.dp, c.microbatches, self.group.loss_fn)
 
     def kept_from(self, step: int) -> None:
         pass
@@ -37,8 +37,8 @@ class IterableFeed(FunctionFeed):
     that starts at step N skips the first N. The batches from the last checkpoint on are kept,
     for the steps a recovery replays."""
 
-    def __init__(self, trainer: Any, iterable: Iterable[tuple[Any, Any]]) -> None:
-        super().__init__(trainer, self._batch)
+    def __init__(self, group: Any, iterable: Iterable[tuple[Any, Any]]) -> None:
+        super().__init__(group, self._batch)
         self.items: Iterator[tuple[Any, Any]] = iter(iterable)
         self.kept: dict[int, tuple[Any, Any]] = {}
         self.read = 0  # batches taken from the iterable so far
@@ -75,13 +75,13 @@ class DatasetFeed:
     each batch for the stage actors and stores the parts; the driver holds references only. The
     next step's batch is read while the current one trains."""
 
-    def __init__(self, trainer: Any, dataset: Any, batch_size: int, collate: Callable | None = None) -> None:
+    def __init__(self, group: Any, dataset: Any, batch_size: int, collate: Callable | None = None) -> None:
         import ray
 
         from raypipe.actors.reader import DatasetReader
         from raypipe.driver.placement import cpus_per_actor
 
-        c = trainer.config
+        c = group.config
         if c.engine == "refs":
             raise ConfigError(
                 "TrainConfig.engine='refs' is invalid with a ray.data.Dataset: its calls carry each "
@@ -97,14 +97,14 @@ class DatasetFeed:
             warnings.warn(
                 f"raypipe: {free:g} CPUs of the cluster are free beside the trainer's actors, and Ray "
                 f"Data's tasks each need one to make the dataset's blocks: lower TrainConfig.cpus_per_actor "
-                f"(now {cpus_per_actor(c, len(trainer.names)):g}) or add a node, else the first batch "
+                f"(now {cpus_per_actor(c, len(group.names)):g}) or add a node, else the first batch "
                 f"never comes.",
                 stacklevel=3,
             )
         self.reader = (
             ray.remote(DatasetReader)
             .options(num_cpus=0, max_restarts=0)
-            .remote(dataset, batch_size, collate, c.dp, c.microbatches, trainer._loss_fn)
+            .remote(dataset, batch_size, collate, c.dp, c.microbatches, group.loss_fn)
         )
         self.asked: dict[int, Any] = {}
         self.timeout = c.step_timeout
@@ -142,14 +142,14 @@ class DatasetFeed:
         ray.kill(self.reader)
 
 
-def make_feed(trainer: Any, batches: Any, batch_size: int | None, collate: Callable | None) -> Any:
-    """The feed for what `Trainer.fit` was given."""
+def make_feed(group: Any, batches: Any, batch_size: int | None, collate: Callable | None) -> Any:
+    """The feed for what `Trainer.fit` was given, cut for `group`'s actors (an `ActorGroup`)."""
     if _is_dataset(batches):
-        return DatasetFeed(trainer, batches, batch_size, collate)
+        return DatasetFeed(group, batches, batch_size, collate)
     if callable(batches):
-        return FunctionFeed(trainer, batches)
+        return FunctionFeed(group, batches)
     if isinstance(batches, Iterable) and not isinstance(batches, (str, bytes)):
-        return IterableFeed(trainer, batches)
+        return IterableFeed(group, batches)
     raise TypeError(
         f"fit takes batches(step) -> (x, y), an iterable of (x, y), or a ray.data.Dataset; got {type(batches).__name__}"
     )

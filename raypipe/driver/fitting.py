@@ -1,137 +1,95 @@
-"""Steps on the driver: submitting one to the engine, booking its result (step count,
-metrics, logs, a due checkpoint), and the loop behind `Trainer.fit` - the next step kept
-queued at the actors while the driver waits for the current one, recovery after an actor
-death, and booking of what is left when the loop stops early."""
+"""Steps on the driver: one submitted to the actors and booked when its result comes back (step
+count, metrics, logs, a due checkpoint), and the loop behind `Trainer.fit` - the next step kept
+queued at the actors while the driver waits for the current one, recovery after an actor death,
+and booking of what is left when the loop stops early.
+
+Everything here works on the run's actors (`ActorGroup`) and its state (`RunState`), never on
+the `Trainer` that holds them."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 from raypipe.actors.settings import stops_on_nonfinite
 from raypipe.checkpoint import layout as ckpt
 from raypipe.checkpoint.layout import CheckpointError
-from raypipe.data.batches import Prepared, prepare
-from raypipe.driver.engines import StepInput, StepTarget, Wait
+from raypipe.data.batches import prepare
+from raypipe.driver.group import ActorGroup, Submitted
 from raypipe.driver.interrupts import Terminated, sigterm_as_interrupt
 from raypipe.driver.recovery import recover
+from raypipe.driver.run_state import RunState
 from raypipe.errors import ActorDiedError, NonFiniteError, RaypipeError, StepTimeoutError
 from raypipe.loggers import scalars
-from raypipe.metrics import RayMetrics, step_metrics
+from raypipe.metrics import step_metrics
 from raypipe.progress import Progress
 
 
-@dataclass
-class Submitted:
-    """A step sent to the actors and not yet booked by `complete`."""
-
-    call_id: int
-    samples: int
-    tokens: int | None  # token ids in the batch; None for float inputs
-    wait: Wait  # wait(since) -> the step's result
-    weights: list[float] | None = None  # the parts' loss weights, replica by replica (`loss_weights`)
-    done: bool = False
+def submit(group: ActorGroup, x: Any, y: Any, index: int, after: int | None = None) -> Submitted:
+    """Cuts `(x, y)` into the actors' microbatches and sends it as the step of 0-based index
+    `index` (`ActorGroup.submit`); `after`: the call id of the step queued before it."""
+    c = group.config
+    return group.submit(prepare(x, y, c.dp, c.microbatches, group.loss_fn, group.model.vocab_size), index, after)
 
 
-def submit(trainer: Any, x: torch.Tensor, y: Any, index: int, after: int | None = None) -> Submitted:
-    """Sends `trainer`'s step of 0-based index `index` on `(x, y)` (p2p engine) and returns while
-    the actors run it; the other engines run it when it is waited for. `after`: the
-    call id of the step queued before it."""
-    batch = prepare(x, y, trainer.config.dp, trainer.config.microbatches, trainer._loss_fn, trainer.model.vocab_size)
-    return send(trainer, batch, index, after)
-
-
-def send(trainer: Any, batch: Prepared, index: int, after: int | None = None) -> Submitted:
-    """`submit` of a batch already cut for the actors (by the driver, or by a dataset reader)."""
-    if not trainer._actors:
-        raise RaypipeError(f"{trainer!r} has no actors; build a new Trainer or call load() after a failure.")
-    trainer._calls += 1
-    grid = trainer.topology.grid
-    target = StepTarget(
-        grid(trainer._actors), grid(trainer.names), grid(range(len(trainer._actors))), trainer._schedule, trainer._order
-    )
-    data = StepInput(
-        batch.inputs,
-        batch.targets,
-        trainer._calls,
-        index,
-        trainer.config.step_timeout,
-        batch.weights,
-        batch.varying,
-        batch.packed,
-    )
-    weights = batch.weights
-    return Submitted(
-        trainer._calls,
-        batch.samples,
-        batch.tokens,
-        trainer._engine.submit(target, data, after),
-        [w for replica in weights for w in replica] if weights is not None else None,
-    )
-
-
-def step(trainer: Any, x: Any, y: Any) -> dict[str, Any] | None:
+def step(group: ActorGroup, run: RunState, x: Any, y: Any) -> dict[str, Any] | None:
     """`Trainer.step`: one step submitted and booked. An interrupt while it runs lets the actors
     finish it and books it before re-raising, so `step_count` always matches the weights."""
-    submitted = submit(trainer, x, y, trainer.step_count)
+    submitted = submit(group, x, y, run.step_count)
     try:
-        return complete(trainer, submitted)
+        return complete(group, run, submitted)
     except KeyboardInterrupt:
-        settle(trainer, [submitted])
+        settle(group, run, [submitted])
         raise
 
 
-def complete(trainer: Any, submitted: Submitted) -> dict[str, Any] | None:
-    """Waits for a submitted step and books it on `trainer`: the step count, metrics, logs and a
-    checkpoint when one is due. None when the actors halted it (a step queued behind
-    one that failed)."""
+def complete(group: ActorGroup, run: RunState, submitted: Submitted) -> dict[str, Any] | None:
+    """Waits for a submitted step and books it: the step count, metrics, logs and a checkpoint
+    when one is due. None when the actors halted it (a step queued behind one that failed)."""
     try:
-        result = submitted.wait(trainer._last_result_at)
+        result = submitted.wait(run.last_result_at)
     except Exception as error:  # an interrupt leaves the step pending: `settle` waits for it
         submitted.done = True
         if isinstance(error, StepTimeoutError):
-            trainer.shutdown()  # a stuck actor must not linger; the error names what it waited on
+            stop(group, run)  # a stuck actor must not linger; the error names what it waited on
         raise
     submitted.done = True
-    trainer._last_result_at = time.perf_counter()
+    run.last_result_at = time.perf_counter()
     report = result.stage_reports[0]
     if report.halted:
         return None
-    if report.skipped and stops_on_nonfinite(trainer.config):
+    config = group.config
+    if report.skipped and stops_on_nonfinite(config):
         raise NonFiniteError(
-            f"step {trainer.step_count + 1}: non-finite loss or gradients (microbatch losses "
+            f"step {run.step_count + 1}: non-finite loss or gradients (microbatch losses "
             f"{[round(v, 4) for v in result.losses]}); the update was not applied, weights are those "
-            f"after step {trainer.step_count}. Set TrainConfig.nonfinite='skip' to skip such steps."
+            f"after step {run.step_count}. Set TrainConfig.nonfinite='skip' to skip such steps."
         )
-    trainer.step_count += 1
-    leads = [result.stage_reports[r] for r in trainer.topology.lead_ranks()]
+    run.step_count += 1
+    lead_ranks = group.topology.lead_ranks()
+    leads = [result.stage_reports[r] for r in lead_ranks]
     losses = result.losses if submitted.weights is None else [v * w for v, w in zip(result.losses, submitted.weights)]
     metrics = step_metrics(
-        trainer.step_count,
+        run.step_count,
         losses,
         result.seconds,
         submitted.samples,
         submitted.tokens,
         report,
         leads,
-        trainer.config.precision == "fp16",
+        config.precision == "fp16",
     )
-    trainer._last_events = [r.events for r in leads]
-    if trainer._ray_metrics is None:
-        trainer._ray_metrics = RayMetrics(trainer.run_name)
-    trainer._ray_metrics.log(metrics, trainer.topology.lead_ranks())
-    every = trainer.config.checkpoint_every
-    if every and trainer.step_count % every == 0:  # before the loggers: a logger never costs a checkpoint
-        metrics["checkpoint"] = save_due(trainer, metrics)
-    trainer.loggers.log(trainer.step_count, scalars(metrics))
+    run.last_events = [r.events for r in leads]
+    run.record_on_dashboard(metrics, lead_ranks)
+    every = config.checkpoint_every
+    if every and run.step_count % every == 0:  # before the loggers: a logger never costs a checkpoint
+        metrics["checkpoint"] = save_due(group, run, metrics)
+    run.loggers.log(run.step_count, scalars(metrics))
     return metrics
 
 
-def save_due(trainer: Any, metrics: dict[str, Any]) -> str:
+def save_due(group: ActorGroup, run: RunState, metrics: dict[str, Any]) -> str:
     """Writes the checkpoint due after the step of `metrics`; returns where.
 
     Raises:
@@ -139,12 +97,12 @@ def save_due(trainer: Any, metrics: dict[str, Any]) -> str:
         ActorDiedError: an actor died while saving (a recovery's matter).
     """
     try:
-        return str(trainer.save())
+        return str(group.save(group.config.checkpoint_dir, run))
     except (ActorDiedError, KeyboardInterrupt):
         raise
     except Exception as error:  # noqa: BLE001
         raise SaveFailed(
-            f"step {trainer.step_count}'s checkpoint could not be written: {type(error).__name__}: {error}", metrics
+            f"step {run.step_count}'s checkpoint could not be written: {type(error).__name__}: {error}", metrics
         ) from error
 
 
@@ -156,29 +114,30 @@ class SaveFailed(CheckpointError):
         self.metrics = metrics
 
 
-def retry_save(trainer: Any, failure: SaveFailed, log: Callable[[str], None]) -> str:
+def retry_save(group: ActorGroup, run: RunState, failure: SaveFailed, log: Callable[[str], None]) -> str:
     """Writes the checkpoint a failed save left due, spending `max_restarts` as a step failure does.
 
     Raises:
         SaveFailed: the restarts are used up.
     """
-    while trainer.restarts < trainer.config.max_restarts:
-        trainer.restarts += 1
-        log(f"raypipe: {failure}; retrying the save (restart {trainer.restarts} of {trainer.config.max_restarts})")
+    limit = group.config.max_restarts
+    while run.restarts < limit:
+        run.restarts += 1
+        log(f"raypipe: {failure}; retrying the save (restart {run.restarts} of {limit})")
         try:
-            return save_due(trainer, failure.metrics)
+            return save_due(group, run, failure.metrics)
         except SaveFailed as again:
             failure = again
     raise SaveFailed(
-        f"{failure} -- after {trainer.restarts} restarts (TrainConfig.max_restarts="
-        f"{trainer.config.max_restarts}); the weights of step {trainer.step_count} are intact in "
-        f"the actors: free the space and call Trainer.save()",
+        f"{failure} -- after {run.restarts} restarts (TrainConfig.max_restarts={limit}); the weights of step "
+        f"{run.step_count} are intact in the actors: free the space and call Trainer.save()",
         failure.metrics,
     ) from None
 
 
 def fit(
-    trainer: Any,
+    group: ActorGroup,
+    run: RunState,
     feed: Any,
     steps: int,
     on_step: Callable[[dict[str, Any]], None] | None,
@@ -186,42 +145,43 @@ def fit(
     bar: Progress,
     overlap: bool,
 ) -> list[dict[str, Any]]:
-    """Steps `trainer` until its step count is `steps` (see `Trainer.fit`), each step's batch from
+    """Steps the run until its step count is `steps` (see `Trainer.fit`), each step's batch from
     `feed` (`raypipe.driver.feeds`); returns every step's metrics, replayed steps again after a
     recovery."""
     history = []
     queue: list[Submitted] = []  # submitted, not yet booked; the first is the oldest
-    restored = trainer.step_count  # the oldest step a recovery may replay from (the last checkpoint)
+    restored = run.step_count  # the oldest step a recovery may replay from (the last checkpoint)
     stopped_by: BaseException | None = None
     try:
         with sigterm_as_interrupt():
-            while trainer.step_count < steps:
+            while run.step_count < steps:
+                every = group.config.checkpoint_every
                 if not queue:
-                    queue.append(send(trainer, feed.get(trainer.step_count), trainer.step_count))
-                ahead, every = trainer.step_count + len(queue), trainer.config.checkpoint_every
+                    queue.append(group.submit(feed.get(run.step_count), run.step_count))
+                ahead = run.step_count + len(queue)
                 if overlap and ahead < steps and not (every and ahead % every == 0):
-                    queue.append(send(trainer, feed.get(ahead), ahead, after=queue[-1].call_id))
+                    queue.append(group.submit(feed.get(ahead), ahead, after=queue[-1].call_id))
                 try:
-                    metrics = complete(trainer, queue[0])
+                    metrics = complete(group, run, queue[0])
                     queue.pop(0)
                 except ActorDiedError as error:
                     queue.clear()  # their calls end with the actors being replaced
-                    recover(trainer, error, log)
-                    bar.moved_to(trainer.step_count)
+                    recover(group, run, error, log)
+                    bar.moved_to(run.step_count)
                     continue
                 except SaveFailed as failure:
                     queue.pop(0)
                     metrics = failure.metrics
-                    metrics["checkpoint"] = retry_save(trainer, failure, log)
-                    trainer.loggers.log(trainer.step_count, scalars(metrics))
+                    metrics["checkpoint"] = retry_save(group, run, failure, log)
+                    run.loggers.log(run.step_count, scalars(metrics))
                 if metrics is None:
                     raise RaypipeError(
-                        f"step {trainer.step_count + 1} was halted by the actors, but the step "
+                        f"step {run.step_count + 1} was halted by the actors, but the step "
                         f"before it succeeded: please report this as a raypipe bug"
                     )
                 if "checkpoint" in metrics:
                     restored = metrics["step"]
-                feed.kept_from(restored if trainer.config.max_restarts else trainer.step_count)
+                feed.kept_from(restored if group.config.max_restarts else run.step_count)
                 history.append(metrics)
                 bar.update(metrics)
                 if on_step is not None:
@@ -230,42 +190,48 @@ def fit(
         stopped_by = error
         raise
     finally:
-        settle(trainer, queue)
-        trainer.loggers.ended(stopped_by)
+        settle(group, run, queue)
+        run.loggers.ended(stopped_by)
         if isinstance(stopped_by, KeyboardInterrupt):
-            interrupted(trainer, stopped_by, log)
+            interrupted(group, run, stopped_by, log)
     return history
 
 
-def interrupted(trainer: Any, error: KeyboardInterrupt, log: Callable[[str], None]) -> None:
+def interrupted(group: ActorGroup, run: RunState, error: KeyboardInterrupt, log: Callable[[str], None]) -> None:
     """After Ctrl-C or SIGTERM stopped `fit` (its queued steps booked): a checkpoint of the last
-    completed step where checkpoint_dir is set; on SIGTERM the trainer shuts down (its loggers
-    closed as KILLED, its placement group released) since the process is being stopped. A Ctrl-C
-    keeps the actors: a notebook goes on from here."""
+    completed step where checkpoint_dir is set; on SIGTERM the actors stop (the loggers closed as
+    KILLED, the placement group released) since the process is being stopped. A Ctrl-C keeps the
+    actors: a notebook goes on from here."""
     cause = "SIGTERM" if isinstance(error, Terminated) else "an interrupt"
-    root = trainer.config.checkpoint_dir
-    done = ckpt.location(root) / ckpt.checkpoint_name(trainer.step_count) if root is not None else None
-    if done is not None and ckpt.manifest_of(done) is not None and ckpt.run_of(done) == trainer.run_id:
-        log(f"raypipe: stopped by {cause} after step {trainer.step_count}, whose checkpoint {done} is complete")
-    elif root is not None and trainer._actors and trainer.step_count > 0:
+    root = group.config.checkpoint_dir
+    done = ckpt.location(root) / ckpt.checkpoint_name(run.step_count) if root is not None else None
+    if done is not None and ckpt.manifest_of(done) is not None and ckpt.run_of(done) == run.run_id:
+        log(f"raypipe: stopped by {cause} after step {run.step_count}, whose checkpoint {done} is complete")
+    elif root is not None and group.running and run.step_count > 0:
         try:
-            log(f"raypipe: stopped by {cause} after step {trainer.step_count}; saved {trainer.save()}")
+            log(f"raypipe: stopped by {cause} after step {run.step_count}; saved {group.save(root, run)}")
         except BaseException as failure:  # noqa: BLE001 - the interrupt is what fit re-raises
             log(
-                f"raypipe: stopped by {cause} after step {trainer.step_count}; its checkpoint could not be "
+                f"raypipe: stopped by {cause} after step {run.step_count}; its checkpoint could not be "
                 f"written: {type(failure).__name__}: {failure}"
             )
     if isinstance(error, Terminated):
-        trainer.shutdown()
+        stop(group, run)
 
 
-def settle(trainer: Any, queue: list[Submitted]) -> None:
+def settle(group: ActorGroup, run: RunState, queue: list[Submitted]) -> None:
     """Books the steps still queued when `fit` stops early (an error, an interrupt): those
     behind a failed step were halted by the actors; the others ran and count, so
     `step_count` always matches the weights."""
     for submitted in queue:
-        if not submitted.done and trainer._actors:
+        if not submitted.done and group.running:
             try:
-                complete(trainer, submitted)
+                complete(group, run, submitted)
             except Exception:  # noqa: BLE001 - the error that stopped fit is the one to raise
                 pass
+
+
+def stop(group: ActorGroup, run: RunState) -> None:
+    """Ends the run's actors and closes its loggers (a stuck step, a SIGTERM)."""
+    group.shutdown()
+    run.loggers.close()

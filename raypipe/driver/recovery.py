@@ -10,11 +10,13 @@ from typing import Any
 
 from raypipe.driver import nodes
 from raypipe.driver.checkpoints import last_valid
+from raypipe.driver.group import ActorGroup
+from raypipe.driver.run_state import RunState
 from raypipe.errors import ActorDiedError, PlacementError
 
 
-def recover(trainer: Any, error: ActorDiedError, log: Callable[[str], None]) -> None:
-    """Restarts `trainer`'s actors after `error` and restores its last checkpoint.
+def recover(group: ActorGroup, run: RunState, error: ActorDiedError, log: Callable[[str], None]) -> None:
+    """Restarts the run's actors after `error` and restores its last checkpoint.
 
     Raises:
         ActorDiedError: the restarts are used up; says which actor died, why, and where the
@@ -22,25 +24,25 @@ def recover(trainer: Any, error: ActorDiedError, log: Callable[[str], None]) -> 
         PlacementError: the actors cannot be placed again within `actor_start_timeout` (their
             node was lost and no other can hold them); names the lost nodes and what they held.
     """
-    config = trainer.config
-    if trainer.restarts >= config.max_restarts:
-        where = restore_point(trainer)
+    config = group.config
+    if run.restarts >= config.max_restarts:
+        where = restore_point(config.checkpoint_dir, run)
         raise ActorDiedError(
-            f"{error} -- after {trainer.restarts} restarts (TrainConfig.max_restarts="
+            f"{error} -- after {run.restarts} restarts (TrainConfig.max_restarts="
             f"{config.max_restarts}); last checkpoint: {where[0] if where else 'none'}",
             actor=error.actor,
             cause=error.cause,
         ) from None
-    trainer.restarts += 1
+    run.restarts += 1
     started = time.monotonic()
-    log(f"raypipe: {error}; restart {trainer.restarts} of {config.max_restarts}")
-    placed = nodes.held(trainer._actors, trainer.names)
-    trainer.shutdown()
+    log(f"raypipe: {error}; restart {run.restarts} of {config.max_restarts}")
+    placed = nodes.held(group.actors, group.names)
+    group.shutdown()
     gone = nodes.unreachable(placed)
     if gone:
         log(f"raypipe: lost {nodes.describe(placed, gone)}; placing its actors on other nodes")
     try:
-        trainer._start_actors()
+        group.start()
     except PlacementError as failure:
         if not gone:
             raise
@@ -48,20 +50,20 @@ def recover(trainer: Any, error: ActorDiedError, log: Callable[[str], None]) -> 
             f"{error.actor} died with its node ({nodes.describe(placed, gone)}), and no node "
             f"left can take its place: {failure}"
         ) from None
-    where = restore_point(trainer)
+    where = restore_point(config.checkpoint_dir, run)
     if where is not None:
-        trainer.load(where[0], log=log)
+        group.load(where[0], None, run, log)
     else:
-        trainer.step_count = 0  # new actors start from the initial weights
+        run.step_count = 0  # new actors start from the initial weights
     log(
-        f"raypipe: resumed at step {trainer.step_count} from {where[0] if where else 'the initial weights'} "
+        f"raypipe: resumed at step {run.step_count} from {where[0] if where else 'the initial weights'} "
         f"in {time.monotonic() - started:.1f} s"
     )
 
 
-def restore_point(trainer: Any) -> tuple[Any, int] | None:
-    """What a recovery restores: the newest of the run's own valid checkpoints in checkpoint_dir and
-    the checkpoint the trainer was last loaded from (a resume from elsewhere), or None (the initial
+def restore_point(checkpoint_dir: str | None, run: RunState) -> tuple[Any, int] | None:
+    """What a recovery restores: the newest of the run's own valid checkpoints in `checkpoint_dir`
+    and the checkpoint the run was last loaded from (a resume from elsewhere), or None (the initial
     weights). Never another run's checkpoint, whatever its step."""
-    found = [p for p in (last_valid(trainer.config.checkpoint_dir, trainer.run_id), trainer.restored_from) if p]
+    found = [p for p in (last_valid(checkpoint_dir, run.run_id), run.restored_from) if p]
     return max(found, key=lambda p: p[1]) if found else None

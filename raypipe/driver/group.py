@@ -1,0 +1,208 @@
+"""The running actors of one trainer, as one object: who they are (names, topology), what they
+run (schedule, engine) and the calls that reach all of them (start, submit a step, save, load,
+info, reconfigure, shut down). Like Ray Train's WorkerGroup: nothing else starts, replaces or
+stops a trainer's actors."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from raypipe.actors.settings import StageSettings
+from raypipe.config import TrainConfig
+from raypipe.data.batches import Prepared
+from raypipe.driver import checkpoints, chunks, placement, registry
+from raypipe.driver.engines import Engine, StepInput, StepTarget, Wait, make_engine
+from raypipe.driver.engines.refs import submission_order
+from raypipe.driver.results import gather
+from raypipe.driver.run_state import RunState
+from raypipe.driver.topology import Topology
+from raypipe.errors import RaypipeError
+from raypipe.layers import LayerSpec
+from raypipe.schedules import build_schedule
+
+
+@dataclass
+class Submitted:
+    """A step sent to the actors and not yet booked (`fitting.complete`)."""
+
+    call_id: int
+    samples: int
+    tokens: int | None  # token ids in the batch; None for float inputs
+    wait: Wait  # wait(since) -> the step's result
+    weights: list[float] | None = None  # the parts' loss weights, replica by replica (`loss_weights`)
+    done: bool = False
+
+
+class ActorGroup:
+    """Every stage actor of one trainer, started together and stopped together.
+
+    Args:
+        config: the run's settings (replaced by `reconfigure`).
+        specs: the model's layer specs; plan: the layer range of each virtual stage.
+        loss_fn: the loss the last stage computes.
+        run_name: the run's name, which the actors' names and placement group carry.
+        model: the model object (its tied weights, and the base identity a LoRA checkpoint records).
+    """
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        specs: Sequence[LayerSpec],
+        plan: Sequence[tuple[int, int]],
+        loss_fn: Callable,
+        run_name: str,
+        model: Any,
+    ) -> None:
+        self.config, self.specs, self.plan, self.loss_fn = config, list(specs), list(plan), loss_fn
+        self.run_name, self.model = run_name, model
+        self.topology = Topology(config.pp, config.dp, config.tp, config.ep)  # rank = (d * pp + s) * tp + t
+        self.names = self.topology.names()  # "stage{s}-dp{d}-tp{t}"
+        self.actors: list[Any] = []  # world-rank order
+        self.engine: Engine = make_engine(config.engine)
+        self.calls = 0  # step calls issued, the id of the last one
+        self.set_schedule(config)
+        self._finalizer: weakref.finalize | None = None
+
+    @property
+    def running(self) -> bool:
+        return bool(self.actors)
+
+    # ----- life cycle ------------------------------------------------------------
+
+    def start(self) -> None:
+        """Starts, places and joins every actor; a failure stops those already started.
+
+        Raises:
+            PlacementError: an actor could not be placed within `config.actor_start_timeout`.
+            StageError: a stage failed to build its layers.
+        """
+        self.engine = make_engine(self.config.engine)
+        self.actors = placement.start_gang(
+            self.config,
+            self.topology,
+            self.names,
+            self.specs,
+            self.plan,
+            self.schedule,
+            self.loss_fn,
+            self.run_name,
+            lambda: registry.others_holding_actors(self),
+            self.model.tied,
+        )
+        try:
+            self.configure()
+        except BaseException:
+            self.shutdown()
+            raise
+        # a group dropped without shutdown() (its trainer in a re-run notebook cell) frees its actors
+        self._finalizer = weakref.finalize(self, placement.kill, list(self.actors))
+        self._finalizer.atexit = False  # at exit Ray ends the actors with the driver
+
+    def shutdown(self) -> None:
+        """Stops every actor. Safe to call twice."""
+        self.engine.close()
+        placement.kill(self.actors)
+        self.actors = []
+        if self._finalizer is not None:
+            self._finalizer.detach()
+
+    # ----- settings --------------------------------------------------------------
+
+    def set_schedule(self, config: TrainConfig) -> None:
+        """Builds `config`'s schedule. Raises ConfigError for one whose chunks the running actors do not hold."""
+        schedule = build_schedule(config.schedule, config.pp, config.microbatches, config.chunks)
+        if self.actors:
+            chunks.check_same_layout(self.schedule, schedule, config.schedule)
+        self.schedule, self.order = schedule, submission_order(schedule)
+
+    def reconfigure(self, config: TrainConfig, reset_optimizer: bool = False) -> None:
+        """Applies new settings to the running actors (`Trainer.reconfigure`)."""
+        self.set_schedule(config)  # refuses other chunks before anything changes
+        self.config = config
+        self.configure(reset_optimizer)
+
+    def configure(self, reset_optimizer: bool = False) -> None:
+        settings = StageSettings.from_config(self.config)
+        gather([a.configure.remote(settings, reset_optimizer) for a in self.actors], "configure")
+
+    # ----- steps -----------------------------------------------------------------
+
+    def submit(self, batch: Prepared, index: int, after: int | None = None) -> Submitted:
+        """Sends the step of 0-based index `index` on `batch` (cut for the actors) to the engine:
+        the p2p engine starts it at once, the others when it is waited for. `after`: the call id
+        of the step queued ahead of it."""
+        if not self.actors:
+            raise RaypipeError("the trainer has no actors; build a new Trainer or call load() after a failure.")
+        self.calls += 1
+        grid = self.topology.grid
+        target = StepTarget(
+            grid(self.actors), grid(self.names), grid(range(len(self.actors))), self.schedule, self.order
+        )
+        data = StepInput(
+            batch.inputs,
+            batch.targets,
+            self.calls,
+            index,
+            self.config.step_timeout,
+            batch.weights,
+            batch.varying,
+            batch.packed,
+        )
+        weights = [w for replica in batch.weights for w in replica] if batch.weights is not None else None
+        return Submitted(self.calls, batch.samples, batch.tokens, self.engine.submit(target, data, after), weights)
+
+    # ----- checkpoints -----------------------------------------------------------
+
+    def save(self, root: str, run: RunState) -> Path:
+        """Saves run `run`'s checkpoint of its current step under `root`, all actors in lock-step;
+        returns `<root>/step-<N>`."""
+        meta = checkpoints.run_meta(
+            run.step_count, len(self.specs), self.plan, run.run_name, run.run_id, self.config, self.base_identity()
+        )
+        return checkpoints.save(self.actors, self.names, root, run.step_count, meta, self.config.keep_checkpoints)
+
+    def load(self, path: str, step: int | None, run: RunState, log: Callable[[str], None]) -> Path:
+        """Restores a checkpoint into every actor (all or nothing); `run` continues the run that saved
+        it from its step, and that run's checkpoints after the step are set aside."""
+        where, meta = checkpoints.load(
+            self.actors,
+            self.names,
+            path,
+            step,
+            len(self.specs),
+            self.plan,
+            log,
+            self.base_identity(),
+            self.config.optimizer.get("name"),
+        )
+        run.step_count = meta["step"]
+        run.run_id = meta.get("run_id") or run.run_id  # checkpoints from before run ids: this run goes on
+        run.restored_from = (where, run.step_count)
+        checkpoints.set_aside_future(self.config.checkpoint_dir, run.run_id, run.step_count, log)
+        return where
+
+    def base_identity(self) -> Any:
+        """In a LoRA run, the frozen base model's identity its adapters' checkpoints record."""
+        return self.model.identity() if self.config.lora else None
+
+    # ----- where things are ------------------------------------------------------
+
+    def info(self) -> list[dict[str, Any]]:
+        """Per actor: name, layers, parameters, node, pid, device, threads, `links` (neighbour -> transport)."""
+        return placement.name_links(gather([a.info.remote() for a in self.actors], "stage_info"), self.names)
+
+    def replica0(self) -> tuple[list[list[Any]], list[list[str]]]:
+        """Replica 0's actors and their names, per stage and tp rank: where inference runs."""
+        return self.topology.grid(self.actors)[0], self.topology.grid(self.names)[0]
+
+    def inference_path(self) -> tuple[list, list, list[int] | None]:
+        """The actors a forward-only pass runs through, in virtual-stage order (`chunks.inference_path`)."""
+        return chunks.inference_path(*chunks.inference_group(self.topology, self.actors, self.names), self.schedule)
+
+    def actor_plan(self) -> list[list[tuple[int, int]]]:
+        """Per actor, the layer ranges of the virtual stages it holds."""
+        return chunks.actor_plan(self.plan, self.schedule)
