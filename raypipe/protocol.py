@@ -1,10 +1,11 @@
 """What crosses between the driver and the actors, as typed values.
 
 The driver (`raypipe.driver`) and the actors (`raypipe.actors`) run in different processes and
-know each other only through these types: a step call goes out (`StepCall`, or for the
-compiled engine one `CompiledCall` for all actors), each actor's `StepReport` comes back, and
-an actor stopped by a neighbour's failure raises `PeerStopped` so the driver can find the
-stage that failed first by type.
+know each other only through these types: an actor is built from an `ActorSpec` and joins the
+trainer's world by a `WorldSpec`; a step call goes out (`StepCall`, or for the compiled engine
+one `CompiledCall` for all actors), each actor's `StepReport` comes back, and an actor stopped
+by a neighbour's failure raises `PeerStopped` so the driver can find the stage that failed
+first by type.
 
 Every type here is frozen: a value is built once by its sender and read by its receiver.
 """
@@ -16,7 +17,88 @@ from typing import Any
 
 from raypipe.errors import StageError
 
-__all__ = ["CompiledCall", "PeerStopped", "StepCall", "StepReport"]
+__all__ = ["ActorSpec", "CompiledCall", "PeerStopped", "StepCall", "StepReport", "WorldSpec"]
+
+
+@dataclass(frozen=True)
+class ActorSpec:
+    """What one stage actor is built with (`StageActor(spec)`).
+
+    Attributes:
+        name: the actor's name, "stage{s}-dp{d}-tp{t}", used in every error it raises.
+        stage: its pipeline stage; num_stages: the pipeline depth.
+        specs: the `LayerSpec`s of the layers it holds, chunk after chunk.
+        start: global index of its first layer (seeds and state_dict keys count from there).
+        seed: the run seed; threads: torch intra-op threads for its process.
+        loss_fn: `loss_fn(output, target) -> scalar`, for the actor holding the last virtual stage.
+        dp_rank, dp_size: its place among the data-parallel replicas of its stage.
+        tp_rank, tp_size: its place in the stage's tensor-parallel group.
+        device_kind: "cpu", "cuda", "rocm" or "mps", what it was placed for.
+        allow_cpu_fallback: run on the CPU when the node has no such device.
+        tied: the model's groups of tied weights' keys (`raypipe.model.Model.tied`).
+        lora: `TrainConfig.lora`; quantize: its stage's `TrainConfig.quantize` ("nf4", "int8").
+        chunks: the (virtual stage, start, end) ranges it holds with model chunks, else empty;
+            num_virtual: how many virtual stages the schedule has.
+        ep_size: `TrainConfig.ep`: replica d is expert-parallel rank d % ep_size.
+    """
+
+    name: str
+    stage: int
+    num_stages: int
+    specs: list
+    start: int
+    seed: int
+    threads: int
+    loss_fn: Any = None
+    dp_rank: int = 0
+    dp_size: int = 1
+    tp_rank: int = 0
+    tp_size: int = 1
+    device_kind: str = "cpu"
+    allow_cpu_fallback: bool = False
+    tied: tuple = ()
+    lora: Any = None
+    quantize: str | None = None
+    chunks: tuple = ()
+    num_virtual: int | None = None
+    ep_size: int = 1
+
+
+@dataclass(frozen=True)
+class WorldSpec:
+    """How one actor joins its trainer's torch.distributed world (`StageActor.join`).
+
+    Attributes:
+        address, port: rank 0's rendezvous; world_size: every actor; rank: this one's.
+        groups: every subgroup's world ranks, in the order all actors create them; backends:
+            each one's backend ("gloo", "nccl"), None for gloo everywhere.
+        dp_group, tp_group: its stage's replicas (same tp rank), its stage's tp ranks.
+        timeout: seconds a collective may wait.
+        neighbours: the world ranks of its pipeline neighbours.
+        same_node_transport: "shm" links neighbours on its node through shared memory, "gloo" not.
+        tied_groups: (tied group index, its holders' world ranks, lowest stage first) for each
+            weight it shares with other stages.
+        ep_group: the ranks its MoE layers exchange tokens with; expert_group: the replicas
+            holding the same experts (ep > 1 only).
+        streams: (index in `groups`, sender, receiver, sending virtual stage, "F" or "G") for each
+            device link stream it is in (`raypipe.driver.links`).
+    """
+
+    address: str
+    port: int
+    world_size: int
+    rank: int
+    groups: list
+    dp_group: list
+    tp_group: list
+    timeout: float
+    backends: list | None = None
+    neighbours: tuple = ()
+    same_node_transport: str = "shm"
+    tied_groups: tuple = ()
+    ep_group: tuple = ()
+    expert_group: tuple = ()
+    streams: tuple = ()
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -31,10 +31,9 @@ from raypipe.actors.settings import StageSettings
 from raypipe.checkpoint import storage
 from raypipe.devices import SERVING_ENV
 from raypipe.errors import StageError
-from raypipe.layers import LayerSpec
 from raypipe.nn import TensorParallelGroup
 from raypipe.nn.moe import ExpertParallelGroup, take_step_report
-from raypipe.protocol import CompiledCall, PeerStopped, StepCall, StepReport
+from raypipe.protocol import ActorSpec, CompiledCall, PeerStopped, StepCall, StepReport, WorldSpec
 from raypipe.transport import PeerFailed, agree
 from raypipe.transport.wire import pack, unpack
 
@@ -42,83 +41,47 @@ __all__ = ["StageActor", "StageSettings"]
 
 
 class StageActor(RefsCalls):
-    """Holds layers [start, end) of the model and runs their forward and backward.
+    """Holds layers of the model (`spec`: which, where, with what) and runs their forward and backward."""
 
-    Args:
-        stage: this stage's index; num_stages: the pipeline depth.
-        specs: the specs of layers [start, start + len(specs)).
-        start: global index of the first layer, used for seeds and state_dict keys.
-        seed: the run seed.
-        threads: torch intra-op threads for this process.
-        loss_fn: `loss_fn(output, target) -> scalar`, given to the last stage only.
-        name: the actor's name, used in error messages.
-        dp_rank, dp_size: this actor's place among the data-parallel replicas of its stage.
-        tp_rank, tp_size: its place in the stage's tensor-parallel group; layers with a
-            `tp_plan` keep this rank's shard, the others are replicated.
-        device_kind: "cpu", "cuda", "rocm" or "mps", what the stage was placed for.
-        allow_cpu_fallback: run on the CPU when the node has no such device.
-        tied: the model's groups of tied weights' keys (`raypipe.model.Model.tied`).
-        lora: `TrainConfig.lora`: adapters injected into its layers, the rest frozen; quantize:
-            this stage's `TrainConfig.quantize` ("nf4", "int8": the frozen linears in fewer bits).
-        chunks, num_virtual: the (virtual stage, start, end) ranges it holds, of how many.
-        ep_size: `TrainConfig.ep`: replica d is expert-parallel rank d % ep_size and holds that
-            share of every MoE layer's experts.
-    """
-
-    def __init__(
-        self,
-        stage: int,
-        num_stages: int,
-        specs: Sequence[LayerSpec],
-        start: int,
-        seed: int,
-        threads: int,
-        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
-        name: str,
-        dp_rank: int = 0,
-        dp_size: int = 1,
-        tp_rank: int = 0,
-        tp_size: int = 1,
-        device_kind: str = "cpu",
-        allow_cpu_fallback: bool = False,
-        tied: Sequence[Sequence[str]] = (),
-        lora: dict | None = None,
-        quantize: str | None = None,
-        chunks: Sequence[tuple[int, int, int]] = (),
-        num_virtual: int | None = None,
-        ep_size: int = 1,
-    ) -> None:
-        torch.set_num_threads(threads)
-        self.stage, self.num_stages, self.name, self.device_kind = stage, num_stages, name, device_kind
+    def __init__(self, spec: ActorSpec) -> None:
+        torch.set_num_threads(spec.threads)
+        self.stage, self.num_stages, self.name, self.device_kind = (
+            spec.stage,
+            spec.num_stages,
+            spec.name,
+            spec.device_kind,
+        )
         # model chunks: (virtual stage, start, end) per range of layers held; one without chunks
-        self.chunks = list(chunks) or [(stage, start, start + len(specs))]
-        self.num_virtual = num_virtual or num_stages
+        self.chunks = list(spec.chunks) or [(spec.stage, spec.start, spec.start + len(spec.specs))]
+        self.num_virtual = spec.num_virtual or spec.num_stages
         held = {v for v, _, _ in self.chunks}
         self.holds_first, self.is_last = 0 in held, self.num_virtual - 1 in held
-        os.environ[SERVING_ENV] = device_kind
-        self.tp = TensorParallelGroup(tp_rank, tp_size)
+        os.environ[SERVING_ENV] = spec.device_kind
+        self.tp = TensorParallelGroup(spec.tp_rank, spec.tp_size)
         self.tp_ranks, self.ep_ranks = [0], []  # world ranks of its tp and ep groups (`join`)
         self.links: dict[int, str] = {}  # each pipeline neighbour's world rank -> "shm", "gloo" or "nccl" (`join`)
         self.streams: dict[tuple[int, str], Any] = {}  # device link streams: (v, "F"/"G") -> (group, device)
         self.agrees_through_pipes = False  # the step's closing all-reduce: pipes on one node, else gloo (`join`)
-        device, self.fallback = resolve_device(name, device_kind, allow_cpu_fallback)
+        device, self.fallback = resolve_device(spec.name, spec.device_kind, spec.allow_cpu_fallback)
         indices = [i for _, a, b in self.chunks for i in range(a, b)]
-        self.ep = ExpertParallelGroup(dp_rank % ep_size, ep_size)
-        self.model = StageModel(specs, indices, seed, device, self.tp, tied, lora, quantize, self.ep)
-        torch.manual_seed(seed * 7919 + stage)  # dropout and other in-forward randomness
-        self.optim = OptimizerState(self.model, dp_rank, dp_size, ep_size)
+        self.ep = ExpertParallelGroup(spec.dp_rank % spec.ep_size, spec.ep_size)
+        self.model = StageModel(
+            spec.specs, indices, spec.seed, device, self.tp, spec.tied, spec.lora, spec.quantize, self.ep
+        )
+        torch.manual_seed(spec.seed * 7919 + spec.stage)  # dropout and other in-forward randomness
+        self.optim = OptimizerState(self.model, spec.dp_rank, spec.dp_size, spec.ep_size)
         local, positions = 0, {}
         for v, a, b in self.chunks:
             positions[v] = (local, local + b - a)
             local += b - a
         self.executor = Executor(
             self.model,
-            stage,
+            spec.stage,
             self.is_last,
-            loss_fn,
+            spec.loss_fn,
             lambda: self.optim.loss_scale,
-            name,
-            positions if chunks else None,
+            spec.name,
+            positions if spec.chunks else None,
             self.num_virtual,
         )
         self.unapplied_call: int | None = None  # the last p2p step whose update was not applied
@@ -169,35 +132,13 @@ class StageActor(RefsCalls):
 
         return rendezvous_address()
 
-    def join(
-        self,
-        address: str,
-        port: int,
-        world_size: int,
-        rank: int,
-        groups: list[list[int]],
-        dp_group: list[int],
-        tp_group: list[int],
-        timeout: float,
-        backends: list[str] | None = None,
-        neighbours: Sequence[int] = (),
-        same_node_transport: str = "shm",
-        tied_groups: Sequence[tuple[int, list[int]]] = (),
-        ep_group: Sequence[int] = (),
-        expert_group: Sequence[int] = (),
-        streams: Sequence[tuple[int, int, int, int, str]] = (),
-    ) -> list[int]:
-        """Joins the trainer's torch.distributed world, keeps its dp and tp groups, and links
-        to its pipeline `neighbours` (world ranks) on this node through shared memory
-        (`raypipe.transport.shm`) unless `same_node_transport` is "gloo"; with "shm"
-        and the whole world on this node, the step's closing agreement goes through pipes
-        (`transport.agree`). `tied_groups`: (tied group index, the world ranks of its holders,
-        lowest stage first) for each weight this actor shares with other stages; the copies
-        start from the first holder's values. `ep_group`: the ranks its MoE layers exchange
-        tokens with; `expert_group`: the replicas holding the same experts (ep > 1 only).
-        `streams`: (index in `groups`, sender, receiver, sending virtual stage, "F" or "G") for
-        each device link stream this actor is in (`raypipe.driver.links`): those neighbours
-        are linked on the device, not through host memory.
+    def join(self, w: WorldSpec) -> list[int]:
+        """Joins the trainer's torch.distributed world (`w`), keeps its dp, tp and ep groups and its
+        tied weights' groups (the copies start from the first holder's values), and links to its
+        pipeline neighbours: on the device where `w.streams` say so, through shared memory on this
+        node (`raypipe.transport.shm`) unless `w.same_node_transport` is "gloo", else gloo. With
+        "shm" and the whole world on this node, the step's closing agreement goes through pipes
+        (`transport.agree`).
 
         Returns:
             The neighbours linked through shared memory (the others use gloo or the device).
@@ -205,15 +146,22 @@ class StageActor(RefsCalls):
         from raypipe.actors import world
         from raypipe.transport.collective import join_world
 
-        joined = join_world(address, port, world_size, rank, groups, timeout, backends)
-        mine = world.by_members(groups, joined)
-        self.optim.dp_group, self.optim.dp_ranks = mine.get(tuple(sorted(dp_group))), list(dp_group)
-        self.tp.group, self.tp_ranks = mine.get(tuple(sorted(tp_group))), list(tp_group)
-        self.ep.group, self.ep_ranks = mine.get(tuple(sorted(ep_group))), list(ep_group)
-        self.optim.expert_group, self.optim.expert_ranks = (mine.get(tuple(sorted(expert_group))), list(expert_group))
-        world.join_tied(self.model, self.optim, rank, tied_groups, mine)
+        joined = join_world(w.address, w.port, w.world_size, w.rank, w.groups, w.timeout, w.backends)
+        mine = world.by_members(w.groups, joined)
+        self.optim.dp_group, self.optim.dp_ranks = mine.get(tuple(sorted(w.dp_group))), list(w.dp_group)
+        self.tp.group, self.tp_ranks = mine.get(tuple(sorted(w.tp_group))), list(w.tp_group)
+        self.ep.group, self.ep_ranks = mine.get(tuple(sorted(w.ep_group))), list(w.ep_group)
+        self.optim.expert_group, self.optim.expert_ranks = mine.get(tuple(sorted(w.expert_group))), list(w.expert_group)
+        world.join_tied(self.model, self.optim, w.rank, w.tied_groups, mine)
         linked = world.connect(
-            rank, neighbours, streams, joined, backends or [], self.model.device, same_node_transport, timeout
+            w.rank,
+            w.neighbours,
+            w.streams,
+            joined,
+            w.backends or [],
+            self.model.device,
+            w.same_node_transport,
+            w.timeout,
         )
         self.links, self.streams, self.agrees_through_pipes = linked.links, linked.streams, linked.agrees_through_pipes
         return linked.shm_peers

@@ -23,6 +23,7 @@ from raypipe.driver.topology import Topology
 from raypipe.errors import PlacementError, StageError
 from raypipe.layers import LayerSpec
 from raypipe.model import tied_stages
+from raypipe.protocol import ActorSpec, WorldSpec
 from raypipe.schedules import Schedule, owners, virtual_stages
 
 
@@ -86,26 +87,28 @@ def start_actors(
                     else stage_options(config, s)
                 ),
             ).remote(
-                s,
-                config.pp,
-                layers,
-                start,
-                config.seed,
-                threads,
-                loss_fn if any(v == num_virtual - 1 for v, _, _ in held) else None,
-                name,
-                d,
-                config.dp,
-                t,
-                config.tp,
-                kinds[s],
-                config.allow_cpu_fallback,
-                list(tied),
-                config.lora,
-                config.quantize[s] if config.quantize else None,
-                held if len(held) > 1 or held[0][0] != s else (),
-                num_virtual,
-                config.ep,
+                ActorSpec(
+                    name,
+                    s,
+                    config.pp,
+                    layers,
+                    start,
+                    config.seed,
+                    threads,
+                    loss_fn if any(v == num_virtual - 1 for v, _, _ in held) else None,
+                    d,
+                    config.dp,
+                    t,
+                    config.tp,
+                    kinds[s],
+                    config.allow_cpu_fallback,
+                    tuple(tied),
+                    config.lora,
+                    config.quantize[s] if config.quantize else None,
+                    tuple(held) if len(held) > 1 or held[0][0] != s else (),
+                    num_virtual,
+                    config.ep,
+                )
             )
         )
     return actors
@@ -278,20 +281,22 @@ def join_world(
         d, s, t = topology.place(r)
         joins.append(
             actor.join.remote(
-                address,
-                port,
-                len(actors),
-                r,
-                groups,
-                dp_groups[s * tp + t],
-                tp_groups[d * pp + s],
-                config.step_timeout,
-                backends,
-                [topology.rank(d, n, t) for n in linked[s]],
-                config.same_node_transport,
-                [(g, ranks) for g, ranks in tied_groups if r in ranks],
-                *((topology.ep_group(d, s, t), topology.expert_group(d, s, t)) if topology.ep > 1 else ((), ())),
-                [(first_stream + i, st.sender, st.receiver, st.v, st.what) for i, st in device_links.of(r)],
+                WorldSpec(
+                    address,
+                    port,
+                    len(actors),
+                    r,
+                    groups,
+                    dp_groups[s * tp + t],
+                    tp_groups[d * pp + s],
+                    config.step_timeout,
+                    backends,
+                    tuple(topology.rank(d, n, t) for n in linked[s]),
+                    config.same_node_transport,
+                    tuple((g, ranks) for g, ranks in tied_groups if r in ranks),
+                    *((topology.ep_group(d, s, t), topology.expert_group(d, s, t)) if topology.ep > 1 else ((), ())),
+                    tuple((first_stream + i, st.sender, st.receiver, st.v, st.what) for i, st in device_links.of(r)),
+                )
             )
         )
     gather(joins, "rendezvous", actors, names)
