@@ -239,8 +239,8 @@ MUTATIONS = [
     Mutation(
         "iterable-replay",
         "raypipe/driver/fitting.py",
-        "feed.kept_from(restored if trainer.config.max_restarts else trainer.step_count)",
-        "feed.kept_from(trainer.step_count)",
+        "feed.kept_from(restored if group.config.max_restarts else run.step_count)",
+        "feed.kept_from(run.step_count)",
         ("tests/test_ray_data.py::test_a_stage_death_replays_the_same_batches",),
         "an iterable's batches since the last checkpoint are dropped, so a recovery cannot replay them",
     ),

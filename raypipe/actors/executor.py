@@ -21,6 +21,7 @@ from raypipe.actors.settings import StageSettings
 from raypipe.actors.split_backward import Deferred, input_gradients, weight_gradients
 from raypipe.errors import StageError
 from raypipe.nn.moe import RECORDER, reset_recorder
+from raypipe.schedules.actions import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD
 from raypipe.transport.tree import leaves, map_tensors, tensors
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -128,17 +129,17 @@ class Executor:
                     out = module(x)
                 if not last:
                     self._stash((v, microbatch), (x, out), saved.bytes)
-                    self._timed("F", started, microbatch)
+                    self._timed(FORWARD, started, microbatch)
                     return self.send(out)
                 loss = self.loss_fn(out, map_tensors(lambda t: t.to(self.device), target))
             scale = self.loss_scale() * weight / self.settings.microbatches
             self._stash((v, microbatch), (x, loss.float() * scale), saved.bytes)
             value = float(loss.detach())
             self.losses_finite = self.losses_finite and math.isfinite(value)
-            self._timed("F", started, microbatch)
+            self._timed(FORWARD, started, microbatch)
             return value
         except Exception as error:
-            raise self.error("F", microbatch, error, v) from error
+            raise self.error(FORWARD, microbatch, error, v) from error
 
     def backward(self, microbatch: int, grad: Any, v: int | None = None) -> Any:
         """Back-propagates one microbatch and frees its activations; returns the input gradient
@@ -156,10 +157,10 @@ class Executor:
                 pairs = self._pairs(out, grad)
                 if pairs:
                     torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-            self._timed("B", started, microbatch)
+            self._timed(BACKWARD, started, microbatch)
             return None if first else self.send(self._input_grads(x))
         except Exception as error:
-            raise self.error("B", microbatch, error, v) from error
+            raise self.error(BACKWARD, microbatch, error, v) from error
 
     def backward_input(self, microbatch: int, grad: Any, v: int | None = None) -> Any:
         """The first half of a split backward (I): only the input gradient, returned as
@@ -176,10 +177,10 @@ class Executor:
             inputs = [] if first else [t for t in tensors(x) if t.requires_grad]
             self.deferred[(v, microbatch)] = input_gradients(outputs, grads, inputs, self.model.trainable())
             self.timing["peak_awaiting_weight"] = max(self.timing["peak_awaiting_weight"], len(self.deferred))
-            self._timed("I", started, microbatch)
+            self._timed(INPUT_GRAD, started, microbatch)
             return None if first else self.send(self._input_grads(x))
         except Exception as error:
-            raise self.error("I", microbatch, error, v) from error
+            raise self.error(INPUT_GRAD, microbatch, error, v) from error
 
     def backward_weight(self, microbatch: int, v: int | None = None) -> None:
         """The second half of a split backward (W): the weight gradients; frees the microbatch."""
@@ -190,9 +191,9 @@ class Executor:
             weight_gradients(deferred, self.model.trainable())
             self.stash.pop((v, microbatch))
             self.stash_bytes.pop((v, microbatch), None)
-            self._timed("W", started, microbatch)
+            self._timed(WEIGHT_GRAD, started, microbatch)
         except Exception as error:
-            raise self.error("W", microbatch, error, v) from error
+            raise self.error(WEIGHT_GRAD, microbatch, error, v) from error
 
     @staticmethod
     def _pairs(out: Any, grad: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -220,7 +221,7 @@ class Executor:
                     return float(self.loss_fn(out, map_tensors(lambda t: t.to(self.device), target)))
             return map_tensors(lambda t: t.float() if t.is_floating_point() else t, out) if last else out
         except Exception as error:
-            raise self.error("F", -1, error, v) from error
+            raise self.error(FORWARD, -1, error, v) from error
         finally:
             self.module.train()
 
@@ -243,7 +244,7 @@ class Executor:
                 out = module(self.received(x))
             return out[:, -1].float() if last else out
         except Exception as error:
-            raise self.error("F", -1, error, v) from error
+            raise self.error(FORWARD, -1, error, v) from error
         finally:
             self.module.train()
 
@@ -315,6 +316,6 @@ class Executor:
         for a, b in RECORDER.take_intervals():  # a MoE layer's all-to-all inside this action
             self.events.append(("A", microbatch, a, b))
             self.timing["all_to_all_s"] += b - a
-        self.timing["forward_s" if kind == "F" else "backward_s"] += ended - started
+        self.timing["forward_s" if kind == FORWARD else "backward_s"] += ended - started
         self.timing["first_start"] = min(self.timing["first_start"], started)
         self.timing["last_end"] = ended

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from raypipe.actors.executor import Executor
+from raypipe.schedules.actions import BACKWARD, FORWARD, INPUT_GRAD
 
 
 @dataclass
@@ -53,8 +54,8 @@ def links_for(
     last = num_virtual - 1
     links = StepLinks(microbatches=1 + max(m for _, m, _ in actions))
     for v in held:
-        forwards = [m for kind, m, u in actions if u == v and kind == "F"]
-        backwards = [m for kind, m, u in actions if u == v and kind in ("B", "I")]
+        forwards = [m for kind, m, u in actions if u == v and kind == FORWARD]
+        backwards = [m for kind, m, u in actions if u == v and kind in (BACKWARD, INPUT_GRAD)]
         if v > 0 and v - 1 not in held:
             links.activations[v] = transport.inbox(
                 peers[v - 1], [links.tag(v - 1, m, "F") for m in forwards], streams.get((v - 1, "F"))
@@ -91,7 +92,7 @@ def run_list(
     handed: dict[tuple[str, int, int], Any] = {}  # hand-overs inside this actor
     for kind, m, v in actions:
         _, _, first, last = executor.part(v)
-        if kind == "F":
+        if kind == FORWARD:
             out, box = None, links.activations.get(v)
             try:
                 x = inputs[m] if first else box.take() if box is not None else handed.pop(("F", v, m))
@@ -109,12 +110,12 @@ def run_list(
                 failure = send_or_poison(links.to_next[v], out, links.tag(v, m, "F"), failure)
             if box is not None:
                 box.refill()
-        elif kind in ("B", "I"):
+        elif kind in (BACKWARD, INPUT_GRAD):
             grad_in, box = None, links.gradients.get(v)
             try:
                 grad = None if last else box.take() if box is not None else handed.pop(("G", v, m))
                 if failure is None:
-                    grad_in = (executor.backward if kind == "B" else executor.backward_input)(m, grad, v)
+                    grad_in = (executor.backward if kind == BACKWARD else executor.backward_input)(m, grad, v)
             except Exception as error:  # noqa: BLE001
                 failure = failure or error
             if first:
@@ -125,7 +126,7 @@ def run_list(
                 failure = send_or_poison(links.to_prev[v], grad_in, links.tag(v, m, "G"), failure)
             if box is not None:
                 box.refill()
-        elif failure is None:  # W: nothing crosses to another actor
+        elif failure is None:  # WEIGHT_GRAD: nothing crosses to another actor
             try:
                 executor.backward_weight(m, v)
             except Exception as error:  # noqa: BLE001
