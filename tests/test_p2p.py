@@ -97,10 +97,10 @@ class Peer:
 
     def shm_files(self):
         """Files of this process's links still in the shared-memory directory."""
-        from raypipe.transport import shm
+        from raypipe.transport import pipes, shm
 
         names = {os.path.basename(link.prefix) for link in shm._links.values()}
-        return [f for f in os.listdir(shm.directory()) if any(f.startswith(n) for n in names)]
+        return [f for f in os.listdir(pipes.directory()) if any(f.startswith(n) for n in names)]
 
 
 def connect(transport):
