@@ -17,7 +17,7 @@ from typing import Any
 
 from raypipe.errors import StageError
 
-__all__ = ["ActorSpec", "CompiledCall", "PeerStopped", "StepCall", "StepReport", "WorldSpec"]
+__all__ = ["ActorInfo", "ActorSpec", "CompiledCall", "PeerStopped", "StepCall", "StepReport", "WorldSpec"]
 
 
 @dataclass(frozen=True)
@@ -166,6 +166,40 @@ class StepReport:
     timing: dict[str, Any] = field(default_factory=dict)  # `Executor.timing` and MoE routing (`stage_metrics`)
     events: list[tuple] = field(default_factory=list)  # (action, start, end) as this actor ran them
     peak_memory_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class ActorInfo:
+    """Where a stage actor runs and what it holds (`StageActor.info`; `Trainer.stage_info()` gives
+    these as dicts, each link keyed by the neighbour's name)."""
+
+    name: str
+    stage: int = 0
+    dp_rank: int = 0
+    tp_rank: int = 0
+    layers: Any = None  # its [start, end) range, or the list of them with model chunks
+    virtual_stages: list = field(default_factory=list)
+    parameters: int = 0
+    node_id: str = ""
+    pid: int = 0
+    device: str = "cpu"
+    gpu: str | None = None  # which physical GPU (its UUID), to keep NCCL off a shared one
+    device_kind: str = "cpu"
+    cpu_fallback: bool = False
+    threads: int = 1
+    dtype: str = "float32"
+    weights_read: dict = field(default_factory=dict)  # checkpoint tensors its layers read when built: key -> bytes
+    shm_peers: list = field(default_factory=list)
+    links: dict = field(default_factory=dict)  # neighbour's world rank -> the transport of that link
+    agrees_through_pipes: bool = False
+    parameter_bytes: int = 0
+    experts: dict = field(default_factory=dict)  # MoE layer -> the experts this actor holds
+    trainable_parameters: int = 0
+    gradient_bytes: int = 0
+    optimizer_state_bytes: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f: getattr(self, f) for f in self.__dataclass_fields__}
 
 
 class PeerStopped(StageError):

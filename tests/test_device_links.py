@@ -16,6 +16,7 @@ from raypipe.diagram import Architecture
 from raypipe.driver import links
 from raypipe.driver.topology import Topology
 from raypipe.models import gpt
+from raypipe.protocol import ActorInfo
 from raypipe.schedules import build_schedule
 
 from helpers import MLP7, KillOnce, batch, check_sgd_parity, lm_tokens, reference_run
@@ -137,7 +138,7 @@ def test_a_recovery_makes_new_streams_and_replays_the_uninterrupted_losses(ray_s
 
 def infos(*where):
     """Actor infos from (device, node, GPU id) triples."""
-    return [{"device": d, "node_id": n, "gpu": g} for d, n, g in where]
+    return [ActorInfo(f"actor{r}", device=d, node_id=n, gpu=g) for r, (d, n, g) in enumerate(where)]
 
 
 def streams_of(plan):

@@ -33,7 +33,7 @@ from raypipe.devices import SERVING_ENV
 from raypipe.errors import StageError
 from raypipe.nn import TensorParallelGroup
 from raypipe.nn.moe import ExpertParallelGroup, take_step_report
-from raypipe.protocol import ActorSpec, CompiledCall, PeerStopped, StepCall, StepReport, WorldSpec
+from raypipe.protocol import ActorInfo, ActorSpec, CompiledCall, PeerStopped, StepCall, StepReport, WorldSpec
 from raypipe.transport import PeerFailed, agree
 from raypipe.transport.wire import pack, unpack
 
@@ -93,38 +93,37 @@ class StageActor(RefsCalls):
 
     # ----- set-up -------------------------------------------------------------
 
-    def info(self) -> dict[str, Any]:
+    def info(self) -> ActorInfo:
         """Where this actor runs and what it holds (also proves the actor started)."""
         import ray
 
-        return {
-            "name": self.name,
-            "stage": self.stage,
-            "dp_rank": self.optim.dp_rank,
-            "tp_rank": self.tp.rank,
-            "layers": ranges[0] if len(ranges := self.model.ranges()) == 1 else ranges,
-            "virtual_stages": [v for v, _, _ in self.chunks],
-            "parameters": self.model.parameter_count(),
-            "node_id": ray.get_runtime_context().get_node_id(),
-            "pid": os.getpid(),
-            "device": str(self.model.device),
-            "gpu": gpu_identity(self.model.device),  # which physical GPU, to keep NCCL off a shared one
-            "device_kind": self.device_kind,
-            "cpu_fallback": self.fallback,
-            "threads": torch.get_num_threads(),
-            "dtype": str(self.model.params[0].dtype).removeprefix("torch.") if self.model.params else "float32",
-            # checkpoint tensors its layers read when built (key -> bytes), for pretrained models
-            "weights_read": {k: v for layer in self.model.module for k, v in getattr(layer, "read_keys", {}).items()},
-            "shm_peers": [n for n, how in self.links.items() if how == "shm"],
-            "links": dict(self.links),  # neighbour's world rank -> the transport of that link
-            "agrees_through_pipes": self.agrees_through_pipes,
-            "parameter_bytes": self.model.parameter_bytes(),
-            # MoE layers (global layer index and module) -> the experts this actor holds
-            "experts": {key: moe.held_experts() for key, moe in self.model.moes.items()},
-            "trainable_parameters": sum(p.numel() for p in self.model.trainable()),
-            "gradient_bytes": sum(g.numel() * g.element_size() for g in self.model.grads()),
-            "optimizer_state_bytes": self.optim.state_bytes(),
-        }
+        model = self.model
+        return ActorInfo(
+            self.name,
+            self.stage,
+            self.optim.dp_rank,
+            self.tp.rank,
+            ranges[0] if len(ranges := model.ranges()) == 1 else ranges,
+            [v for v, _, _ in self.chunks],
+            model.parameter_count(),
+            ray.get_runtime_context().get_node_id(),
+            os.getpid(),
+            str(model.device),
+            gpu_identity(model.device),
+            self.device_kind,
+            self.fallback,
+            torch.get_num_threads(),
+            str(model.params[0].dtype).removeprefix("torch.") if model.params else "float32",
+            {k: v for layer in model.module for k, v in getattr(layer, "read_keys", {}).items()},
+            [n for n, how in self.links.items() if how == "shm"],
+            dict(self.links),
+            self.agrees_through_pipes,
+            model.parameter_bytes(),
+            {key: moe.held_experts() for key, moe in model.moes.items()},
+            sum(p.numel() for p in model.trainable()),
+            sum(g.numel() * g.element_size() for g in model.grads()),
+            self.optim.state_bytes(),
+        )
 
     def rendezvous_address(self) -> tuple[str, int]:
         """Rank 0's address and a free port, which every actor then joins."""

@@ -191,7 +191,7 @@ def check_reachable(actors: Sequence[Any], names: Sequence[str], root: str) -> N
     blind = [(a, n) for a, n, text in zip(actors, names, seen) if text != token]
     if blind:
         infos = gather([a.info.remote() for a, _ in blind[:6]], "stage_info")
-        who = ", ".join(f"{name} (node {info['node_id'][:12]})" for (_, name), info in zip(blind, infos))
+        who = ", ".join(f"{name} (node {info.node_id[:12]})" for (_, name), info in zip(blind, infos))
         here = ray.get_runtime_context().get_node_id()[:12]
         raise ckpt.CheckpointError(
             f"{who} cannot read checkpoint_dir {redact(root)}, which the driver (node {here}) writes to: nodes that do not share a filesystem need one mounted at the same path on every node, or "  # noqa: E501

@@ -30,9 +30,6 @@ from raypipe.errors import PlacementError
 
 STRATEGIES = {"pack": "PACK", "spread": "SPREAD", "strict_spread": "STRICT_SPREAD"}
 
-# actor id -> the placement group it was started in (removed when its actors are killed)
-_GROUPS: dict[str, Any] = {}
-
 
 def bundle(cpus: float, options: dict[str, Any]) -> tuple[dict[str, float], dict[str, str]]:
     """One actor's bundle and its label selector, from its Ray actor options (`devices.ray_options`)."""
@@ -153,19 +150,8 @@ def in_bundle(group: Any, index: int, options: dict[str, Any]) -> dict[str, Any]
     }
 
 
-def remember(actors: Sequence[Any], group: Any) -> None:
-    for actor in actors:
-        _GROUPS[actor._actor_id.hex()] = group
-
-
-def release(actors: Sequence[Any]) -> None:
-    """Removes the placement group the actors were started in (once), after they are killed."""
-    groups = {id(g): g for g in (_GROUPS.pop(a._actor_id.hex(), None) for a in actors) if g is not None}
-    for group in groups.values():
-        release_group(group)
-
-
 def release_group(group: Any) -> None:
+    """Removes a placement group (a trainer's own, after its actors are killed)."""
     try:
         remove_placement_group(group)
     except Exception:  # already removed, or Ray already shut down

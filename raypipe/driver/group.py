@@ -62,6 +62,8 @@ class ActorGroup:
         self.topology = Topology(config.pp, config.dp, config.tp, config.ep)  # rank = (d * pp + s) * tp + t
         self.names = self.topology.names()  # "stage{s}-dp{d}-tp{t}"
         self.actors: list[Any] = []  # world-rank order
+        self.placement_group: Any = None  # reserved for the actors, released with them (None in a Tune trial)
+        self.nodes: dict[str, str] = {}  # actor name -> the node it runs on, kept after a node is lost
         self.engine: Engine = make_engine(config.engine)
         self.calls = 0  # step calls issued, the id of the last one
         self.set_schedule(config)
@@ -81,7 +83,7 @@ class ActorGroup:
             StageError: a stage failed to build its layers.
         """
         self.engine = make_engine(self.config.engine)
-        self.actors = placement.start_gang(
+        gang = placement.start_gang(
             self.config,
             self.topology,
             self.names,
@@ -93,20 +95,21 @@ class ActorGroup:
             lambda: registry.others_holding_actors(self),
             self.model.tied,
         )
+        self.actors, self.placement_group, self.nodes = gang.actors, gang.placement_group, gang.nodes
         try:
             self.configure()
         except BaseException:
             self.shutdown()
             raise
         # a group dropped without shutdown() (its trainer in a re-run notebook cell) frees its actors
-        self._finalizer = weakref.finalize(self, placement.kill, list(self.actors))
+        self._finalizer = weakref.finalize(self, placement.kill, list(self.actors), self.placement_group)
         self._finalizer.atexit = False  # at exit Ray ends the actors with the driver
 
     def shutdown(self) -> None:
         """Stops every actor. Safe to call twice."""
         self.engine.close()
-        placement.kill(self.actors)
-        self.actors = []
+        placement.kill(self.actors, self.placement_group)
+        self.actors, self.placement_group = [], None
         if self._finalizer is not None:
             self._finalizer.detach()
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from raypipe.driver.topology import Topology
 from raypipe.errors import PlacementError
+from raypipe.protocol import ActorInfo
 from raypipe.schedules.actions import Schedule, owners
 
 
@@ -48,27 +48,27 @@ class LinkPlan:
         return [(i, s) for i, s in enumerate(self.streams) if rank in (s.sender, s.receiver)]
 
 
-def gpu_of(info: dict[str, Any]) -> tuple[str, str] | None:
+def gpu_of(info: ActorInfo) -> tuple[str, str] | None:
     """The physical GPU an actor holds: (node, GPU id), None off CUDA."""
-    return (info["node_id"], info["gpu"]) if info.get("gpu") else None
+    return (info.node_id, info.gpu) if info.gpu else None
 
 
-def shares_gpu(infos: Sequence[dict[str, Any]], ranks: Sequence[int]) -> bool:
+def shares_gpu(infos: Sequence[ActorInfo], ranks: Sequence[int]) -> bool:
     """Whether two of `ranks` hold the same GPU."""
     gpus = [gpu_of(infos[r]) for r in ranks]
     held = [g for g in gpus if g is not None]
     return len(set(held)) < len(held)
 
 
-def group_backend(infos: Sequence[dict[str, Any]], ranks: Sequence[int]) -> str:
+def group_backend(infos: Sequence[ActorInfo], ranks: Sequence[int]) -> str:
     """A collective group's backend: nccl (rccl on ROCm) when every member holds its own GPU,
     gloo otherwise (cpu or mps members, or two members on one GPU)."""
-    on_gpu = all(infos[r]["device"].startswith("cuda") for r in ranks)
+    on_gpu = all(infos[r].device.startswith("cuda") for r in ranks)
     return "nccl" if ranks and on_gpu and not shares_gpu(infos, ranks) else "gloo"
 
 
 def plan_links(
-    topology: Topology, schedule: Schedule, infos: Sequence[dict[str, Any]], names: Sequence[str], choice: str
+    topology: Topology, schedule: Schedule, infos: Sequence[ActorInfo], names: Sequence[str], choice: str
 ) -> LinkPlan:
     """The streams that go device to device under `choice` (`TrainConfig.device_links`), in an
     order every actor agrees on.
@@ -92,14 +92,14 @@ def plan_links(
     return plan
 
 
-def _device_pair(infos: Sequence[dict[str, Any]], names: Sequence[str], a: int, b: int, choice: str) -> str | None:
+def _device_pair(infos: Sequence[ActorInfo], names: Sequence[str], a: int, b: int, choice: str) -> str | None:
     """The backend of the streams between world ranks `a` and `b`, None through host memory."""
-    cuda = [infos[r]["device"].startswith("cuda") for r in (a, b)]
+    cuda = [infos[r].device.startswith("cuda") for r in (a, b)]
     if choice == "nccl":
         if all(cuda) and shares_gpu(infos, [a, b]):
             raise PlacementError(
                 f"TrainConfig.device_links='nccl', but {names[a]} and {names[b]} share one GPU "
-                f"(node {infos[a]['node_id'][:8]}, GPU {infos[a]['gpu']}) and NCCL refuses two ranks on one "
+                f"(node {infos[a].node_id[:8]}, GPU {infos[a].gpu}) and NCCL refuses two ranks on one "
                 f"device: give each stage a GPU of its own (gpus_per_actor=1), or set device_links='auto' "
                 f"(host memory between them)."
             )

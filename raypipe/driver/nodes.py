@@ -1,30 +1,12 @@
-"""Which node each stage actor runs on, noted when it starts, so that after a whole node is lost
-the trainer can say which node went and which stages it held (the actors themselves can no
-longer be asked)."""
+"""After a whole node is lost: which of the nodes the actors ran on (`ActorGroup.nodes`, noted
+when they started) are gone, and which stages each held (the actors themselves can no longer
+be asked)."""
 
 from __future__ import annotations
 
 import socket
-from collections.abc import Sequence
-from typing import Any
 
 import ray
-
-_NODES: dict[str, str] = {}  # actor id -> the id of the node it runs on
-
-
-def note(actor: Any, node_id: str) -> None:
-    _NODES[actor._actor_id.hex()] = node_id
-
-
-def forget(actors: Sequence[Any]) -> None:
-    for actor in actors:
-        _NODES.pop(actor._actor_id.hex(), None)
-
-
-def held(actors: Sequence[Any], names: Sequence[str]) -> dict[str, str]:
-    """Actor name -> node id, for the actors whose node was noted."""
-    return {name: _NODES[a._actor_id.hex()] for a, name in zip(actors, names) if a._actor_id.hex() in _NODES}
 
 
 def unreachable(placed: dict[str, str], timeout: float = 1.0) -> set[str]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -15,7 +16,7 @@ import ray
 from raypipe.actors.stage import StageActor
 from raypipe.config import TrainConfig
 from raypipe.devices import ray_options
-from raypipe.driver import gang, links, nodes
+from raypipe.driver import gang, links
 from raypipe.driver.checkpoints import check_reachable
 from raypipe.driver.chunks import actor_chunks, actor_plan
 from raypipe.driver.results import gather, last_line
@@ -23,8 +24,18 @@ from raypipe.driver.topology import Topology
 from raypipe.errors import PlacementError, StageError
 from raypipe.layers import LayerSpec
 from raypipe.model import tied_stages
-from raypipe.protocol import ActorSpec, WorldSpec
+from raypipe.protocol import ActorInfo, ActorSpec, WorldSpec
 from raypipe.schedules import Schedule, owners, virtual_stages
+
+
+@dataclass(frozen=True)
+class Gang:
+    """A trainer's actors once started: world-rank order, the placement group reserved for them
+    (None inside a Ray Tune trial, whose group is the trial's), and the node each runs on (by name)."""
+
+    actors: list[Any]
+    placement_group: Any
+    nodes: dict[str, str]
 
 
 def cpus_per_actor(config: TrainConfig, actors: int) -> float:
@@ -122,7 +133,7 @@ def wait_for_actors(
     config: TrainConfig,
     cpus: float,
     others: Callable[[], list[str]],
-) -> list[dict[str, Any]]:
+) -> list[ActorInfo]:
     """Waits until every actor has built its layers; returns each one's `info()` (where it runs).
 
     Raises:
@@ -133,14 +144,13 @@ def wait_for_actors(
     refs = [a.info.remote() for a in actors]
     deadline = time.monotonic() + config.actor_start_timeout
     pending = list(refs)
-    infos: list[dict[str, Any]] = [{}] * len(refs)
+    infos: list[Any] = [None] * len(refs)
     while pending:
         ready, pending = ray.wait(pending, num_returns=len(pending), timeout=max(0.0, deadline - time.monotonic()))
         for ref in ready:
             rank = refs.index(ref)
             try:
-                infos[rank] = info = ray.get(ref)
-                nodes.note(actors[rank], info["node_id"])
+                infos[rank] = ray.get(ref)
             except ray.exceptions.RayActorError as error:
                 raise StageError(
                     f"{names[rank]} (layers {plan[topology.place(rank)[1]]}) could not start: {last_line(error)}"
@@ -182,7 +192,7 @@ def start_gang(
     run_name: str,
     others: Callable[[], list[str]],
     tied: Sequence[Sequence[str]] = (),
-) -> list[Any]:
+) -> Gang:
     """Starts every stage actor, waits until all are placed and built, and joins them into the
     trainer's world when it needs one; on any failure kills those started, then raises.
     `plan`: per virtual stage of `schedule`. `tied`: the model's tied weights (`raypipe.model.Model.tied`)."""
@@ -215,8 +225,7 @@ def start_gang(
         if not first:
             gang.release_group(group)
         raise
-    if not first:  # the trainer's own group goes with its actors; a trial's stays with the trial
-        gang.remember(actors, group)
+    own = group if not first else None  # the trainer's own group goes with its actors; a trial's stays
     shared = [(g, stages) for g, stages in enumerate(tied_stages(tied, actor_plan(plan, schedule))) if len(stages) > 1]
     try:
         infos = wait_for_actors(actors, names, topology, plan, config, cpus, others)
@@ -225,9 +234,9 @@ def start_gang(
         if config.checkpoint_dir is not None:
             check_reachable(actors, names, config.checkpoint_dir)
     except BaseException:
-        kill(actors)
+        kill(actors, own)
         raise
-    return actors
+    return Gang(actors, own, {name: info.node_id for name, info in zip(names, infos)})
 
 
 def linked_stages(schedule: Schedule) -> list[list[int]]:
@@ -249,7 +258,7 @@ def join_world(
     actors: Sequence[Any],
     names: Sequence[str],
     topology: Topology,
-    infos: Sequence[dict[str, Any]],
+    infos: Sequence[ActorInfo],
     config: TrainConfig,
     shared: Sequence[tuple[int, list[int]]],
     schedule: Schedule,
@@ -302,9 +311,9 @@ def join_world(
     gather(joins, "rendezvous", actors, names)
 
 
-def name_links(infos: Sequence[dict[str, Any]], names: Sequence[str]) -> list[dict[str, Any]]:
+def name_links(infos: Sequence[ActorInfo], names: Sequence[str]) -> list[dict[str, Any]]:
     """The actors' `info()` with each link keyed by the neighbour's name instead of its world rank."""
-    return [{**i, "links": {names[r]: how for r, how in i["links"].items()}} for i in infos]
+    return [{**i.to_dict(), "links": {names[r]: how for r, how in i.links.items()}} for i in infos]
 
 
 def cluster_offer() -> str:
@@ -319,12 +328,12 @@ def cluster_offer() -> str:
     return "; ".join(parts) or "no alive nodes"
 
 
-def kill(actors: Sequence[Any]) -> None:
-    """Kills the actors, then frees the placement group that reserved them."""
+def kill(actors: Sequence[Any], placement_group: Any = None) -> None:
+    """Kills the actors, then frees the placement group that reserved them (their trainer's own)."""
     for actor in actors:
         try:
             ray.kill(actor, no_restart=True)
         except Exception:  # already dead, or Ray already shut down
             pass
-    gang.release(actors)
-    nodes.forget(actors)
+    if placement_group is not None:
+        gang.release_group(placement_group)

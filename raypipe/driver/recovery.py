@@ -36,7 +36,7 @@ def recover(group: ActorGroup, run: RunState, error: ActorDiedError, log: Callab
     run.restarts += 1
     started = time.monotonic()
     log(f"raypipe: {error}; restart {run.restarts} of {config.max_restarts}")
-    placed = nodes.held(group.actors, group.names)
+    placed = dict(group.nodes)
     group.shutdown()
     gone = nodes.unreachable(placed)
     if gone:

@@ -90,7 +90,7 @@ def save_shards(
                 state.update(merged([stage[first : first + tp]], "state_dict", tp))
             written.append(save_tensors(state, names, path, transpose))
     write_index(directory, list(zip(files, written)))
-    return getattr(torch, gather([stages[0][0].info.remote()], "save_pretrained")[0]["dtype"])
+    return getattr(torch, gather([stages[0][0].info.remote()], "save_pretrained")[0].dtype)
 
 
 def shard_name(stage: int, stages: int) -> str:
