@@ -18,9 +18,7 @@ import torch
 from raypipe import driver
 from raypipe.actors.settings import check_reconfigurable
 from raypipe.config import TrainConfig
-from raypipe.data.batches import loss_weights, split_batch
-from raypipe.driver import checkpoints, chunks, fitting, placement, registry, weights
-from raypipe.driver.engines.refs import run_forward
+from raypipe.driver import checkpoints, chunks, fitting, inference, placement, registry, weights
 from raypipe.driver.feeds import make_feed
 from raypipe.driver.group import ActorGroup
 from raypipe.driver.run_state import RunState
@@ -229,15 +227,11 @@ class Trainer:
 
     def evaluate(self, x: torch.Tensor, y: Any) -> float:
         """The mean loss on `(x, y)` without training (eval mode, no gradients, weights unchanged)."""
-        inputs, targets = self._split(x, y, self.config.microbatches)
-        losses = run_forward(*self.group.inference_path(), inputs, targets, self.config.step_timeout)
-        weights = loss_weights(self.group.loss_fn, [targets])  # a loss over counted tokens: their mean
-        return sum(v * w for v, w in zip(losses, weights[0] if weights else [1.0] * len(losses))) / len(losses)
+        return inference.evaluate(self.group, x, y)
 
     def predict(self, x: torch.Tensor) -> torch.Tensor:
         """The model's output for `x` (eval mode, no gradients), run through the pipeline."""
-        inputs, _ = self._split(x, None, self.config.microbatches)
-        return torch.cat(run_forward(*self.group.inference_path(), inputs, None, self.config.step_timeout))
+        return inference.predict(self.group, x)
 
     def timeline(self, planned: bool = False) -> Timeline:
         """The last step's schedule as each stage ran it (from the actors' own timestamps).
@@ -294,18 +288,8 @@ class Trainer:
         (`raypipe.driver.generation`). The model's output must be logits (batch, sequence, vocab)."""
         from raypipe.driver.generation import generate
 
-        return generate(
-            *self.group.inference_path(),
-            input_ids,
-            max_new_tokens,
-            temperature,
-            top_k,
-            self.model.kv_cache,
-            self.config.step_timeout,
-            attention_mask,
-            eos_token_id,
-            seed,
-        )
+        sampling = (max_new_tokens, temperature, top_k, self.model.kv_cache, self.config.step_timeout)
+        return generate(*self.group.inference_path(), input_ids, *sampling, attention_mask, eos_token_id, seed)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full model's weights, keyed as `nn.Sequential(*layers).state_dict()`, tp shards and ep experts merged."""
@@ -369,8 +353,3 @@ class Trainer:
             f"microbatches={c.microbatches}, plan={self.plan}, steps={self.step_count}, "
             f"{'running' if self.group.running else 'shut down'})"
         )
-
-    # ----- internals ----------------------------------------------------------------
-
-    def _split(self, x: torch.Tensor, y: Any, parts: int) -> tuple[list[torch.Tensor], list[Any]]:  # dp x m parts
-        return split_batch(x, y, parts, self.config.dp, self.config.microbatches)

@@ -1,28 +1,18 @@
-"""A step's outcome on the driver: its result, waiting for it with a timeout that names what
-is pending, and turning what the actors raised into the error that names the root cause.
+"""A step's outcome on the driver: waiting for it with a timeout that names what is pending,
+and turning what the actors raised into the error that names the root cause.
 
 Shared by every engine (`refs`, `p2p`, `compiled`)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import ray
 
 from raypipe.env import call_timeout
 from raypipe.errors import ActorDiedError, StageError, StepTimeoutError
-from raypipe.protocol import PeerStopped, StepReport
-
-
-@dataclass
-class StepResult:
-    """What one step produced: per-microbatch losses and each stage's optimizer report."""
-
-    losses: list[float]
-    stage_reports: list[StepReport]  # world-rank order
-    seconds: float
+from raypipe.protocol import PeerStopped
 
 
 def root_failure(errors: Sequence[Exception]) -> Exception:

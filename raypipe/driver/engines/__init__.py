@@ -16,8 +16,7 @@ from collections.abc import Callable
 from raypipe.driver.engines.compiled import CompiledStep
 from raypipe.driver.engines.p2p import submit_step_p2p
 from raypipe.driver.engines.refs import run_step
-from raypipe.driver.engines.step import StepInput, StepTarget
-from raypipe.driver.results import StepResult
+from raypipe.driver.engines.step import StepInput, StepResult, StepTarget
 
 __all__ = ["ENGINES", "Engine", "StepInput", "StepTarget", "Wait", "make_engine"]
 

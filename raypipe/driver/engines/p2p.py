@@ -11,8 +11,8 @@ from typing import Any
 
 import ray
 
-from raypipe.driver.engines.step import StepInput, StepTarget
-from raypipe.driver.results import StepResult, gather, raise_if_died, root_failure, wait_for_progress
+from raypipe.driver.engines.step import StepInput, StepResult, StepTarget
+from raypipe.driver.results import gather, raise_if_died, root_failure, wait_for_progress
 from raypipe.driver.trace import trace_lists
 from raypipe.errors import ActorDiedError, StageError
 from raypipe.protocol import StepCall, StepReport

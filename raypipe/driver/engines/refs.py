@@ -15,18 +15,15 @@ same inputs; the ranks finish with the same activation, so only rank 0's output
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
-from typing import Any
 
 import ray
-import torch
 
 from raypipe import env
-from raypipe.driver.engines.step import StepInput, StepTarget
-from raypipe.driver.results import StepResult, gather, wait_for_progress
+from raypipe.driver.engines.step import StepInput, StepResult, StepTarget
+from raypipe.driver.results import gather, wait_for_progress
 from raypipe.driver.trace import write_trace
 from raypipe.schedules import BACKWARD, FORWARD, Action, Schedule, simulate
-from raypipe.transport.wire import pack, unpack
+from raypipe.transport.wire import pack
 
 
 def submission_order(schedule: Schedule) -> list[Action]:
@@ -97,37 +94,3 @@ def run_step(target: StepTarget, data: StepInput) -> StepResult:
     actors = [a for a, _ in flat]
     values = gather(losses + reports, what, actors, [n for _, n in flat])
     return StepResult(values[: len(losses)], values[len(losses) :], time.perf_counter() - started)
-
-
-def run_forward(
-    stages: Sequence[Sequence[Any]],
-    names: Sequence[Sequence[str]],
-    chunks: Sequence[int] | None,
-    inputs: Sequence[torch.Tensor],
-    targets: Sequence[Any] | None,
-    timeout: float,
-) -> list[Any]:
-    """Forward-only pass of every microbatch through all stages (evaluation, inference).
-
-    `stages` holds each stage's tp ranks, in virtual-stage order with model chunks (`chunks`: the
-    chunk each runs, else None); every rank runs, rank 0's output goes on.
-
-    Returns:
-        Per microbatch: the last stage's loss (when targets are given) or its output.
-    """
-    results, pending = [], {}
-    inputs, targets = pack(inputs), pack(targets)
-    for m, x in enumerate(inputs):
-        ref = x
-        for s, ranks in enumerate(stages):
-            target = targets[m] if targets is not None and s == len(stages) - 1 else None
-            refs = [
-                actor.forward_only.remote(ref, target, *(() if chunks is None else (chunks[s],))) for actor in ranks
-            ]
-            for t, r in enumerate(refs):
-                pending[r] = (names[s][t], str(Action(s, FORWARD, m)))
-            ref = refs[0]
-        results.append(ref)
-    wait_for_progress(pending, timeout, "inference")
-    flat = [a for ranks in stages for a in ranks]
-    return unpack(gather(results, "inference", flat, [n for ranks in names for n in ranks]))

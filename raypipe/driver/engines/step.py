@@ -1,5 +1,5 @@
-"""What every engine is given for one step: what it runs on (`StepTarget`) and with what
-data (`StepInput`)."""
+"""What every engine is given for one step, what it runs on (`StepTarget`) and with what data
+(`StepInput`), and what it gives back (`StepResult`)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from raypipe.protocol import StepReport
 from raypipe.schedules import Action, Schedule
 
 
@@ -50,3 +51,12 @@ class StepInput:
         if self.packed is not None:
             return list(self.packed)
         return [(pack_microbatches(list(x)), pack_microbatches(list(y))) for x, y in zip(self.inputs, self.targets)]
+
+
+@dataclass
+class StepResult:
+    """What one step produced: per-microbatch losses and each stage's optimizer report."""
+
+    losses: list[float]
+    stage_reports: list[StepReport]  # world-rank order
+    seconds: float
