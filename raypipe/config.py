@@ -16,31 +16,11 @@ from typing import Any
 
 import yaml
 
-from raypipe import lora
-from raypipe.checkpoint.storage import check_available, is_uri, redact_values, split_uri
-from raypipe.checks import (
-    check_choice,
-    check_devices,
-    check_int,
-    check_lr_schedule,
-    check_optimizer,
-    check_positive,
-    check_shard_plan,
-    fail,
-    nearest,
-)
-from raypipe.errors import ConfigError, ScheduleError
-from raypipe.loggers import check_loggers
-from raypipe.schedules import SCHEDULES, build_schedule
-
-SCHEDULE_NAMES = (*SCHEDULES, "auto")  # auto: chosen from profiled layers (`raypipe.planning.autoschedule`)
-ENGINES = ("refs", "p2p", "compiled")
-SAME_NODE_TRANSPORTS = ("shm", "gloo")
-DEVICE_LINKS = ("auto", "nccl", "host")  # raypipe.driver.links
-PARTITION_NAMES = ("uniform", "parameters", "profile")
-PRECISIONS = ("fp32", "bf16", "fp16")
-NONFINITE_POLICIES = ("error", "skip")
-PLACEMENTS = ("pack", "spread", "strict_spread")  # raypipe.driver.gang.STRATEGIES
+from raypipe.checkpoint.storage import redact_values
+from raypipe.checks import nearest
+from raypipe.config_checks import validate
+from raypipe.errors import ConfigError
+from raypipe.schedules import SCHEDULES
 
 # Sections of a job file that belong to the job, not to TrainConfig (see raypipe.job).
 JOB_SECTIONS = ("model", "data", "job")
@@ -200,122 +180,12 @@ class TrainConfig:
     quantize: str | list | None = None
 
     def __post_init__(self) -> None:
-        check_int("pp", self.pp, 1)
-        check_int("dp", self.dp, 1)
-        check_int("tp", self.tp, 1)
-        check_int("ep", self.ep, 1)
-        if self.dp % self.ep:
-            raise fail(
-                "ep",
-                self.ep,
-                f"expert-parallel ranks are carved out of the dp={self.dp} replicas: use an ep "
-                f"that divides dp (e.g. ep={self.dp}), or raise dp to a multiple of {self.ep}.",
-            )
-        if self.ep > 1 and self.engine == "refs":
-            raise fail(
-                "engine",
-                self.engine,
-                "ep > 1 runs on the p2p and compiled engines (a MoE layer's all-to-all "
-                "needs every replica of its ep group inside one step call): use "
-                "engine='p2p'.",
-            )
-        if self.zero not in (0, 1) or isinstance(self.zero, bool):
-            raise fail("zero", self.zero, "give 0 (off) or 1 (shard optimizer state across dp replicas).")
-        check_positive("dp_bucket_mb", self.dp_bucket_mb)
-        check_int("microbatches", self.microbatches, 1)
-        check_choice("schedule", self.schedule, SCHEDULE_NAMES)
-        if self.chunks is not None:
-            check_int("chunks", self.chunks, 1)
-        self._check_schedule()
-        check_shard_plan(self.shard_plan, self.pp, self.num_chunks())
-        if self.shard_plan is not None:
-            self.shard_plan = [list(r) for r in self.shard_plan]
-        check_choice("partition", self.partition, PARTITION_NAMES)
-        check_optimizer(self.optimizer)
-        self.optimizer = dict(self.optimizer)
-        check_lr_schedule(self.lr_schedule)
-        self.lr_schedule = dict(self.lr_schedule)
-        check_positive("grad_clip", self.grad_clip, allow_none=True)
-        check_choice("precision", self.precision, PRECISIONS)
-        check_choice("boundary_dtype", self.boundary_dtype, PRECISIONS)
-        check_choice("engine", self.engine, ENGINES)
-        check_choice("same_node_transport", self.same_node_transport, SAME_NODE_TRANSPORTS)
-        check_choice("device_links", self.device_links, DEVICE_LINKS)
-        if not isinstance(self.activation_checkpointing, bool):
-            raise fail("activation_checkpointing", self.activation_checkpointing, "give true or false.")
-        if not isinstance(self.measure_activations, bool):
-            raise fail("measure_activations", self.measure_activations, "give true or false.")
-        check_int("seed", self.seed, 0)
-        check_positive("cpus_per_actor", self.cpus_per_actor, allow_none=True)
-        if self.threads_per_actor is not None:
-            check_int("threads_per_actor", self.threads_per_actor, 1)
-        check_positive("actor_start_timeout", self.actor_start_timeout)
-        check_choice("placement", self.placement, PLACEMENTS)
-        check_positive("step_timeout", self.step_timeout)
-        if self.name is not None and (not isinstance(self.name, str) or not self.name):
-            raise fail("name", self.name, "give a non-empty string or null.")
-        if self.checkpoint_dir is not None and (not isinstance(self.checkpoint_dir, str) or not self.checkpoint_dir):
-            raise fail("checkpoint_dir", self.checkpoint_dir, "give a directory path, a URI (s3://bucket/run) or null.")
-        if is_uri(self.checkpoint_dir):
-            split_uri(self.checkpoint_dir)  # a URI it cannot read is refused here, its secret unshown
-            check_available(self.checkpoint_dir, "checkpoint_dir")
-        check_int("checkpoint_every", self.checkpoint_every, 0)
-        if self.checkpoint_every and self.checkpoint_dir is None:
-            raise fail("checkpoint_every", self.checkpoint_every, "set checkpoint_dir too, or use 0.")
-        check_int("keep_checkpoints", self.keep_checkpoints, 0)
-        if not isinstance(self.resume, bool) and not (isinstance(self.resume, int) and self.resume >= 0):
-            raise fail("resume", self.resume, "give true (the newest checkpoint), a step number, or false (a new run).")
-        if self.resume is not False and self.checkpoint_dir is None:
-            raise fail("resume", self.resume, "resuming needs checkpoint_dir (the run's checkpoints); set it.")
-        check_int("max_restarts", self.max_restarts, 0)
-        check_choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
-        check_devices(self.devices, self.pp)
-        if isinstance(self.devices, (list, tuple)):
-            self.devices = list(self.devices)
-        check_positive("gpus_per_actor", self.gpus_per_actor)
-        if not isinstance(self.allow_cpu_fallback, bool):
-            raise fail("allow_cpu_fallback", self.allow_cpu_fallback, "give true or false.")
-        if self.log_dir is not None and (not isinstance(self.log_dir, str) or not self.log_dir):
-            raise fail("log_dir", self.log_dir, "give a directory path or null.")
-        self.loggers = check_loggers(self.loggers)
-        self.lora = lora.check(self.lora, self.tp)
-        self.quantize = lora.check_quantize(self.quantize, self.lora, self.stage_kinds())
+        validate(self)  # raises ConfigError naming the field, the value and the fix
 
     def num_chunks(self) -> int:
         """Model chunks per actor: the schedule's own, or `chunks` where it lets the config choose
         (1 for "auto" until the trainer has chosen)."""
         return 1 if self.schedule == "auto" else SCHEDULES[self.schedule].chunks_for(self.chunks)
-
-    def _check_schedule(self) -> None:
-        if self.schedule == "auto":
-            for name in ("chunks", "shard_plan"):
-                if getattr(self, name) is not None:
-                    raise fail(
-                        name,
-                        getattr(self, name),
-                        "schedule='auto' chooses the split and chunks itself: leave it unset, or name a schedule.",
-                    )
-            return
-        kind = SCHEDULES[self.schedule]
-        if self.chunks is not None and kind.chunks is not None and self.chunks != kind.chunks:
-            raise fail(
-                "chunks",
-                self.chunks,
-                f"schedule {self.schedule!r} always runs {kind.chunks} per actor: "
-                f"leave chunks unset, or use schedule='interleaved-1f1b'.",
-            )
-        if (self.num_chunks() > 1 or kind.split_backward) and self.engine == "refs":
-            raise fail(
-                "engine",
-                self.engine,
-                f"schedule {self.schedule!r} runs on the p2p and compiled engines "
-                f"(its chunks and split backwards live inside one call per step): "
-                f"use engine='p2p'.",
-            )
-        try:
-            build_schedule(self.schedule, self.pp, self.microbatches, self.chunks)
-        except ScheduleError as error:
-            raise fail("microbatches", self.microbatches, str(error)) from None
 
     def stage_kinds(self) -> list[str]:
         """The accelerator kind of each stage (`devices` given once for all, or per stage)."""

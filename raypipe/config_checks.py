@@ -1,0 +1,150 @@
+"""Whether a `TrainConfig` is valid: every field checked when the config is built, each error
+naming the field, the value and the fix (`raypipe.checks`), and the allowed values of the
+fields that name a choice."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from raypipe import lora
+from raypipe.checkpoint.storage import check_available, is_uri, split_uri
+from raypipe.checks import (
+    check_choice,
+    check_devices,
+    check_int,
+    check_lr_schedule,
+    check_optimizer,
+    check_positive,
+    check_shard_plan,
+    fail,
+)
+from raypipe.errors import ScheduleError
+from raypipe.loggers import check_loggers
+from raypipe.schedules import SCHEDULES, build_schedule
+
+SCHEDULE_NAMES = (*SCHEDULES, "auto")  # auto: chosen from profiled layers (`raypipe.planning.autoschedule`)
+ENGINES = ("refs", "p2p", "compiled")
+SAME_NODE_TRANSPORTS = ("shm", "gloo")
+DEVICE_LINKS = ("auto", "nccl", "host")  # raypipe.driver.links
+PARTITION_NAMES = ("uniform", "parameters", "profile")
+PRECISIONS = ("fp32", "bf16", "fp16")
+NONFINITE_POLICIES = ("error", "skip")
+PLACEMENTS = ("pack", "spread", "strict_spread")  # raypipe.driver.gang.STRATEGIES
+
+
+def validate(c: Any) -> None:
+    """Checks every field of the `TrainConfig` `c`, normalising a few in place (lists for tuples,
+    dicts copied); raises ConfigError naming the field, the value and the fix."""
+    check_int("pp", c.pp, 1)
+    check_int("dp", c.dp, 1)
+    check_int("tp", c.tp, 1)
+    check_int("ep", c.ep, 1)
+    if c.dp % c.ep:
+        raise fail(
+            "ep",
+            c.ep,
+            f"expert-parallel ranks are carved out of the dp={c.dp} replicas: use an ep "
+            f"that divides dp (e.g. ep={c.dp}), or raise dp to a multiple of {c.ep}.",
+        )
+    if c.ep > 1 and c.engine == "refs":
+        raise fail(
+            "engine",
+            c.engine,
+            "ep > 1 runs on the p2p and compiled engines (a MoE layer's all-to-all "
+            "needs every replica of its ep group inside one step call): use "
+            "engine='p2p'.",
+        )
+    if c.zero not in (0, 1) or isinstance(c.zero, bool):
+        raise fail("zero", c.zero, "give 0 (off) or 1 (shard optimizer state across dp replicas).")
+    check_positive("dp_bucket_mb", c.dp_bucket_mb)
+    check_int("microbatches", c.microbatches, 1)
+    check_choice("schedule", c.schedule, SCHEDULE_NAMES)
+    if c.chunks is not None:
+        check_int("chunks", c.chunks, 1)
+    check_schedule(c)
+    check_shard_plan(c.shard_plan, c.pp, c.num_chunks())
+    if c.shard_plan is not None:
+        c.shard_plan = [list(r) for r in c.shard_plan]
+    check_choice("partition", c.partition, PARTITION_NAMES)
+    check_optimizer(c.optimizer)
+    c.optimizer = dict(c.optimizer)
+    check_lr_schedule(c.lr_schedule)
+    c.lr_schedule = dict(c.lr_schedule)
+    check_positive("grad_clip", c.grad_clip, allow_none=True)
+    check_choice("precision", c.precision, PRECISIONS)
+    check_choice("boundary_dtype", c.boundary_dtype, PRECISIONS)
+    check_choice("engine", c.engine, ENGINES)
+    check_choice("same_node_transport", c.same_node_transport, SAME_NODE_TRANSPORTS)
+    check_choice("device_links", c.device_links, DEVICE_LINKS)
+    if not isinstance(c.activation_checkpointing, bool):
+        raise fail("activation_checkpointing", c.activation_checkpointing, "give true or false.")
+    if not isinstance(c.measure_activations, bool):
+        raise fail("measure_activations", c.measure_activations, "give true or false.")
+    check_int("seed", c.seed, 0)
+    check_positive("cpus_per_actor", c.cpus_per_actor, allow_none=True)
+    if c.threads_per_actor is not None:
+        check_int("threads_per_actor", c.threads_per_actor, 1)
+    check_positive("actor_start_timeout", c.actor_start_timeout)
+    check_choice("placement", c.placement, PLACEMENTS)
+    check_positive("step_timeout", c.step_timeout)
+    if c.name is not None and (not isinstance(c.name, str) or not c.name):
+        raise fail("name", c.name, "give a non-empty string or null.")
+    if c.checkpoint_dir is not None and (not isinstance(c.checkpoint_dir, str) or not c.checkpoint_dir):
+        raise fail("checkpoint_dir", c.checkpoint_dir, "give a directory path, a URI (s3://bucket/run) or null.")
+    if is_uri(c.checkpoint_dir):
+        split_uri(c.checkpoint_dir)  # a URI it cannot read is refused here, its secret unshown
+        check_available(c.checkpoint_dir, "checkpoint_dir")
+    check_int("checkpoint_every", c.checkpoint_every, 0)
+    if c.checkpoint_every and c.checkpoint_dir is None:
+        raise fail("checkpoint_every", c.checkpoint_every, "set checkpoint_dir too, or use 0.")
+    check_int("keep_checkpoints", c.keep_checkpoints, 0)
+    if not isinstance(c.resume, bool) and not (isinstance(c.resume, int) and c.resume >= 0):
+        raise fail("resume", c.resume, "give true (the newest checkpoint), a step number, or false (a new run).")
+    if c.resume is not False and c.checkpoint_dir is None:
+        raise fail("resume", c.resume, "resuming needs checkpoint_dir (the run's checkpoints); set it.")
+    check_int("max_restarts", c.max_restarts, 0)
+    check_choice("nonfinite", c.nonfinite, NONFINITE_POLICIES)
+    check_devices(c.devices, c.pp)
+    if isinstance(c.devices, (list, tuple)):
+        c.devices = list(c.devices)
+    check_positive("gpus_per_actor", c.gpus_per_actor)
+    if not isinstance(c.allow_cpu_fallback, bool):
+        raise fail("allow_cpu_fallback", c.allow_cpu_fallback, "give true or false.")
+    if c.log_dir is not None and (not isinstance(c.log_dir, str) or not c.log_dir):
+        raise fail("log_dir", c.log_dir, "give a directory path or null.")
+    c.loggers = check_loggers(c.loggers)
+    c.lora = lora.check(c.lora, c.tp)
+    c.quantize = lora.check_quantize(c.quantize, c.lora, c.stage_kinds())
+
+
+def check_schedule(c: Any) -> None:
+    """The schedule fits the other fields: its chunks, its engine, pp and microbatches."""
+    if c.schedule == "auto":
+        for name in ("chunks", "shard_plan"):
+            if getattr(c, name) is not None:
+                raise fail(
+                    name,
+                    getattr(c, name),
+                    "schedule='auto' chooses the split and chunks itself: leave it unset, or name a schedule.",
+                )
+        return
+    kind = SCHEDULES[c.schedule]
+    if c.chunks is not None and kind.chunks is not None and c.chunks != kind.chunks:
+        raise fail(
+            "chunks",
+            c.chunks,
+            f"schedule {c.schedule!r} always runs {kind.chunks} per actor: "
+            f"leave chunks unset, or use schedule='interleaved-1f1b'.",
+        )
+    if (c.num_chunks() > 1 or kind.split_backward) and c.engine == "refs":
+        raise fail(
+            "engine",
+            c.engine,
+            f"schedule {c.schedule!r} runs on the p2p and compiled engines "
+            f"(its chunks and split backwards live inside one call per step): "
+            f"use engine='p2p'.",
+        )
+    try:
+        build_schedule(c.schedule, c.pp, c.microbatches, c.chunks)
+    except ScheduleError as error:
+        raise fail("microbatches", c.microbatches, str(error)) from None
