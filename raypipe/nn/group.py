@@ -37,6 +37,8 @@ class TensorParallelGroup:
 
 
 _SINGLE = TensorParallelGroup()
+# the group of the layers a StageActor is building right now (`building`): module state because a
+# user's layer constructor takes no group argument; one build at a time per actor process
 _current: TensorParallelGroup = _SINGLE
 
 

@@ -31,6 +31,8 @@ from raypipe.transport.pipes import prefix as link_prefix
 VALUES = 3  # numbers each rank contributes
 RECORD = struct.Struct(f"<2q{VALUES}d")  # rank, round, values: written atomically (< PIPE_BUF)
 
+# this actor's pipes to every other rank of its world (`connect`): module state because an actor
+# process is in exactly one trainer world, which `all_sum` reaches from the step's last call
 _board: Board | None = None
 
 
