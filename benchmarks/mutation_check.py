@@ -77,7 +77,7 @@ MUTATIONS = [
     Mutation(
         "checkpoint-checksum",
         "raypipe/checkpoint/layout.py",
-        "        if sha256_file(file) != sha:",
+        "if sha256_file(file) != sha:",
         "if False:",
         ("tests/test_checkpoint.py",),
         "a checkpoint's checksums are not verified on load",
