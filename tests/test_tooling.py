@@ -21,10 +21,12 @@ def test_ruff_is_clean(command):
 
 def test_every_mutation_still_finds_its_code_exactly_once():
     """`benchmarks/mutation_check.py` replaces one exact piece of source per bug; after a refactor
-    a piece that no longer occurs would test nothing."""
+    a piece that no longer occurs, or a mutant that no longer compiles, would test nothing."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import mutation_check
 
     lost = {m.name: (ROOT / m.path).read_text().count(m.old) for m in mutation_check.MUTATIONS}
     assert {name: n for name, n in lost.items() if n != 1} == {}
+    for m in mutation_check.MUTATIONS:  # a mutant that does not even compile would test nothing
+        compile((ROOT / m.path).read_text().replace(m.old, m.new), m.path, "exec")
     assert all((ROOT / t.split("::")[0]).exists() for m in mutation_check.MUTATIONS for t in m.tests)
