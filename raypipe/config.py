@@ -18,7 +18,7 @@ import yaml
 
 from raypipe.checkpoint.storage import redact_values
 from raypipe.checks import nearest
-from raypipe.config_checks import validate
+from raypipe.config_checks import RECONFIGURABLE, validate
 from raypipe.errors import ConfigError
 from raypipe.schedules import SCHEDULES
 
@@ -309,3 +309,16 @@ def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str,
             target = nxt
         target[parts[-1]] = value
     return data
+
+
+def check_reconfigurable(changes: dict[str, Any]) -> None:
+    """Raises ConfigError for a field that needs a new Trainer, or one TrainConfig lacks."""
+    fixed = [k for k in changes if k not in RECONFIGURABLE]
+    if fixed:
+        names = TrainConfig.field_names()
+        if fixed[0] in names:
+            raise ConfigError(
+                f"TrainConfig.{fixed[0]} cannot change on a running trainer (it decides the "
+                f"actors); shut this one down and build a new Trainer. Changeable: {', '.join(RECONFIGURABLE)}."
+            )
+        raise ConfigError(f"unknown field {fixed[0]!r}.{nearest(fixed[0], names)}")

@@ -148,3 +148,27 @@ def check_schedule(c: Any) -> None:
         build_schedule(c.schedule, c.pp, c.microbatches, c.chunks)
     except ScheduleError as error:
         raise fail("microbatches", c.microbatches, str(error)) from None
+
+
+# TrainConfig fields a running trainer can change between steps (`Trainer.reconfigure`);
+# the others shape the actors.
+RECONFIGURABLE = (
+    "microbatches",
+    "schedule",
+    "optimizer",
+    "lr_schedule",
+    "grad_clip",
+    "precision",
+    "boundary_dtype",
+    "zero",
+    "dp_bucket_mb",
+    "activation_checkpointing",
+    "measure_activations",
+    "step_timeout",
+    "checkpoint_dir",
+    "checkpoint_every",
+    "keep_checkpoints",
+    "max_restarts",
+    "nonfinite",
+    "log_dir",
+)

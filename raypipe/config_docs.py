@@ -14,8 +14,8 @@ import re
 import sys
 from pathlib import Path
 
-from raypipe.actors.settings import RECONFIGURABLE
 from raypipe.config import TrainConfig
+from raypipe.config_checks import RECONFIGURABLE
 
 GUIDE = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 BEGIN = "<!-- the table below is generated from TrainConfig: python -m raypipe.config_docs -->"

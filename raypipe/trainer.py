@@ -16,8 +16,7 @@ from typing import Any
 import torch
 
 from raypipe import driver
-from raypipe.actors.settings import check_reconfigurable
-from raypipe.config import TrainConfig
+from raypipe.config import TrainConfig, check_reconfigurable
 from raypipe.driver import checkpoints, chunks, fitting, inference, placement, registry, weights
 from raypipe.driver.feeds import make_feed
 from raypipe.driver.group import ActorGroup
@@ -314,7 +313,7 @@ class Trainer:
     def reconfigure(self, **changes: Any) -> None:
         """Changes training settings between steps, keeping the actors and weights.
 
-        Fields: those in `raypipe.actors.settings.RECONFIGURABLE` (microbatches, schedule, optimizer,
+        Fields: those in `raypipe.config_checks.RECONFIGURABLE` (microbatches, schedule, optimizer,
         precision, zero, ... and the timeout, checkpoint, restart and non-finite policies). Optimizer
         state is kept while the optimizer's name stays (hyperparameters updated in place).
 

@@ -60,5 +60,6 @@ def test_the_configuration_guide_is_generated_from_trainconfig():
     documented = config_docs.field_docs()
     assert [f.name for f in dataclasses.fields(TrainConfig) if not documented.get(f.name)] == []
     assert set(documented) <= {f.name for f in dataclasses.fields(TrainConfig)}, "a documented field that is gone"
+    assert set(config_docs.RECONFIGURABLE) <= set(documented), "a reconfigurable field that is gone"
     text = config_docs.GUIDE.read_text()
     assert config_docs.rendered(text) == text, "docs/configuration.md is stale: python -m raypipe.config_docs"

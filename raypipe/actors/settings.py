@@ -1,5 +1,5 @@
-"""What a running trainer may change between steps (`Trainer.reconfigure`): the fields, and
-the settings its stage actors get."""
+"""The settings a stage actor trains by, which a running trainer may change between steps
+(`Trainer.reconfigure`; which `TrainConfig` fields may change: `raypipe.config_checks.RECONFIGURABLE`)."""
 
 from __future__ import annotations
 
@@ -47,44 +47,3 @@ def stops_on_nonfinite(config: Any) -> bool:
     """Whether a non-finite step ends training: nonfinite="error", except under fp16, whose
     loss scaling skips such steps by design."""
     return config.nonfinite == "error" and config.precision != "fp16"
-
-
-# TrainConfig fields a running trainer can change between steps (`Trainer.reconfigure`);
-# the others shape the actors.
-RECONFIGURABLE = (
-    "microbatches",
-    "schedule",
-    "optimizer",
-    "lr_schedule",
-    "grad_clip",
-    "precision",
-    "boundary_dtype",
-    "zero",
-    "dp_bucket_mb",
-    "activation_checkpointing",
-    "measure_activations",
-    "step_timeout",
-    "checkpoint_dir",
-    "checkpoint_every",
-    "keep_checkpoints",
-    "max_restarts",
-    "nonfinite",
-    "log_dir",
-)
-
-
-def check_reconfigurable(changes: dict[str, Any]) -> None:
-    """Raises ConfigError for a field that needs a new Trainer, or one TrainConfig lacks."""
-    from raypipe.checks import nearest
-    from raypipe.config import TrainConfig
-    from raypipe.errors import ConfigError
-
-    fixed = [k for k in changes if k not in RECONFIGURABLE]
-    if fixed:
-        names = TrainConfig.field_names()
-        if fixed[0] in names:
-            raise ConfigError(
-                f"TrainConfig.{fixed[0]} cannot change on a running trainer (it decides the "
-                f"actors); shut this one down and build a new Trainer. Changeable: {', '.join(RECONFIGURABLE)}."
-            )
-        raise ConfigError(f"unknown field {fixed[0]!r}.{nearest(fixed[0], names)}")
