@@ -83,7 +83,7 @@ class ActorGroup:
             StageError: a stage failed to build its layers.
         """
         self.engine = make_engine(self.config.engine)
-        gang = placement.start_gang(
+        started = placement.start_gang(
             self.config,
             self.topology,
             self.names,
@@ -95,7 +95,7 @@ class ActorGroup:
             lambda: registry.others_holding_actors(self),
             self.model.tied,
         )
-        self.actors, self.placement_group, self.nodes = gang.actors, gang.placement_group, gang.nodes
+        self.actors, self.placement_group, self.nodes = started.actors, started.placement_group, started.nodes
         try:
             self.configure()
         except BaseException:

@@ -29,7 +29,7 @@ from raypipe.schedules import Schedule, owners, virtual_stages
 
 
 @dataclass(frozen=True)
-class Gang:
+class StartedActors:
     """A trainer's actors once started: world-rank order, the placement group reserved for them
     (None inside a Ray Tune trial, whose group is the trial's), and the node each runs on (by name)."""
 
@@ -192,7 +192,7 @@ def start_gang(
     run_name: str,
     others: Callable[[], list[str]],
     tied: Sequence[Sequence[str]] = (),
-) -> Gang:
+) -> StartedActors:
     """Starts every stage actor, waits until all are placed and built, and joins them into the
     trainer's world when it needs one; on any failure kills those started, then raises.
     `plan`: per virtual stage of `schedule`. `tied`: the model's tied weights (`raypipe.model.Model.tied`)."""
@@ -236,7 +236,7 @@ def start_gang(
     except BaseException:
         kill(actors, own)
         raise
-    return Gang(actors, own, {name: info.node_id for name, info in zip(names, infos)})
+    return StartedActors(actors, own, {name: info.node_id for name, info in zip(names, infos)})
 
 
 def linked_stages(schedule: Schedule) -> list[list[int]]:
