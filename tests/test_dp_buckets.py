@@ -46,4 +46,5 @@ def test_gradients_spanning_many_buckets_of_two_dtypes_average_exactly(ray_sessi
         pp=1, dp=2, microbatches=2, optimizer=SGD, seed=SEED, dp_bucket_mb=bucket_mb, cpus_per_actor=0.5
     )
     with Trainer(layers, nn.functional.mse_loss, config) as t:
+        assert [i["threads"] for i in t.stage_info()] == [1, 1]  # two actors share the 2-CPU node
         check_sgd_parity(t, t.state_dict(), reference_run(layers, SEED, sgd, steps=3, microbatches=4), "1f1b", 2, SGD)

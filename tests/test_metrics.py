@@ -140,6 +140,7 @@ def test_learning_rate_of_every_step_reaches_the_optimizer_and_tensorboard(ray_s
     )
     lrs = []
     with Trainer(MLP7, nn.functional.mse_loss, config) as t:
+        assert t.stage_info()[0]["threads"] == 2  # alone on the 2-CPU node: both cores, whatever it reserved
         for k in range(len(expected)):
             before = t.state_dict()
             lrs.append(t.step(*batch(k))["lr"])

@@ -136,6 +136,7 @@ def test_profile_partition_balances_measured_layer_times(ray_session):
         assert t.plan == [(0, 4), (4, 6)] == report.plan
         assert t.step(x, y)["loss"] > 0
     forward = report.profiles["cpu"]["forward_s"]
+    assert report.profiles["cpu"]["threads"] == 1  # as each of the 2 stages on the 2-CPU node computes
     # sleeps of 10 and 30 ms per forward: never measured shorter, and within 3x on a slow machine
     assert 0.0095 <= forward[0] < 0.03 and 0.0295 <= forward[5] < 0.09, forward
     assert 0.12 <= report.stage_seconds[1] < 0.36, report.stage_seconds  # 2 layers x (30 + 30) ms

@@ -82,3 +82,22 @@ def test_the_lora_sft_job_trains_on_a_cuda_node_in_4_bits_and_an_mps_node(hetero
     job = hetero["lora_job"]
     assert len(job["losses"]) == 3 and all(math.isfinite(v) for v in job["losses"])
     assert any("pp=2" in line for line in job["log"])
+
+
+def test_threads_share_each_node_among_the_actors_placed_on_it():
+    """A node's CPUs are divided among the trainer's actors on it, never oversubscribed; the
+    config's threads_per_actor overrides; the profiler counts the stages that pack onto a node."""
+    from raypipe.planning.threads import fitting_threads, packed_on_node, threads_by_node
+
+    def nodes():
+        return {"vm": 2.0, "box": 8.0, "mac": 10.0}
+
+    assert threads_by_node(["vm"], None, nodes) == [2]  # this VM, pp = 1
+    assert threads_by_node(["vm", "vm"], None, nodes) == [1, 1]  # pp = 2
+    assert threads_by_node(["box", "box"], None, nodes) == [4, 4]  # an 8-CPU node with 2 stages
+    assert threads_by_node(["box", "mac", "box", "box"], None, nodes) == [2, 10, 2, 2]
+    assert threads_by_node(["vm"] * 3, None, nodes) == [1, 1, 1]  # at least one each
+    assert threads_by_node(["box", "box"], 3, nodes) == [3, 3]
+    assert fitting_threads(8, 3) * 3 <= 8
+    assert [packed_on_node(2, 1.0, n) for n in (1, 2, 4)] == [1, 2, 2]
+    assert packed_on_node(8, 0.5, 2) == 2 and fitting_threads(8, packed_on_node(8, 0.5, 2)) == 4

@@ -29,14 +29,18 @@ class LayerProfiler:
     Args:
         device_kind: "cpu", "cuda", "rocm" or "mps".
         allow_cpu_fallback: as in `TrainConfig`; the report says when it happened.
-        threads: torch intra-op threads, as a stage actor of this placement would use.
     """
 
-    def __init__(self, device_kind: str, allow_cpu_fallback: bool, threads: int) -> None:
-        torch.set_num_threads(threads)
+    def __init__(self, device_kind: str, allow_cpu_fallback: bool) -> None:
         os.environ[SERVING_ENV] = device_kind
         self.kind = device_kind
         self.device, self.fallback = resolve_device(f"profiler for {device_kind}", device_kind, allow_cpu_fallback)
+
+    def node_id(self) -> str:
+        """The node it was placed on (where its threads are counted)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
 
     def profile(
         self,
@@ -45,11 +49,14 @@ class LayerProfiler:
         x: torch.Tensor,
         target: Any,
         loss_fn: Callable[[torch.Tensor, Any], torch.Tensor],
+        threads: int = 1,
         warmup: int = 2,
         repeats: int = 5,
     ) -> dict[str, Any]:
         """Per layer: median forward and backward seconds, parameter bytes, and the bytes
-        autograd saves for backward on this microbatch (what a stashed microbatch costs)."""
+        autograd saves for backward on this microbatch (what a stashed microbatch costs), timed
+        with `threads` torch threads, as a stage actor on this node would compute."""
+        torch.set_num_threads(threads)
         forward_s, backward_s, parameter_bytes, activation_bytes = [], [], [], []
         h = x.to(self.device)
         for index, spec in enumerate(specs):
@@ -87,6 +94,7 @@ class LayerProfiler:
             "kind": self.kind,
             "device": str(self.device),
             "cpu_fallback": self.fallback,
+            "threads": torch.get_num_threads(),
             "model": accelerator.model,
             "memory_bytes": accelerator.memory_bytes,
             "forward_s": forward_s,

@@ -125,6 +125,11 @@ class StageActor(RefsCalls):
             self.optim.state_bytes(),
         )
 
+    def set_threads(self, threads: int) -> int:
+        """Computes with `threads` torch intra-op threads from now on; returns how many it has."""
+        torch.set_num_threads(threads)
+        return torch.get_num_threads()
+
     def rendezvous_address(self) -> tuple[str, int]:
         """Rank 0's address and a free port, which every actor then joins."""
         from raypipe.transport.collective import rendezvous_address

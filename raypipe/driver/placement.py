@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import ray
@@ -24,6 +24,7 @@ from raypipe.driver.topology import Topology
 from raypipe.errors import PlacementError, StageError
 from raypipe.layers import LayerSpec
 from raypipe.model import tied_stages
+from raypipe.planning.threads import threads_by_node
 from raypipe.protocol import ActorInfo, ActorSpec, WorldSpec
 from raypipe.schedules import Schedule, owners, virtual_stages
 
@@ -75,7 +76,7 @@ def start_actors(
     """Creates every stage actor (Ray places them asynchronously; `wait_for_actors` waits), each
     with the layers of the virtual stages `schedule` gives it (`plan` is per virtual stage), in
     its bundle (`first` + rank) of the placement `group` that reserved them (`gang.reserve`)."""
-    threads = config.threads_per_actor or max(1, int(cpus))
+    threads = config.threads_per_actor or max(1, int(cpus))  # while building; `fit_threads` sets the rest
     remote_cls = ray.remote(StageActor)
     kinds = config.stage_kinds()
     actors = []
@@ -229,6 +230,7 @@ def start_gang(
     shared = [(g, stages) for g, stages in enumerate(tied_stages(tied, actor_plan(plan, schedule))) if len(stages) > 1]
     try:
         infos = wait_for_actors(actors, names, topology, plan, config, cpus, others)
+        infos = fit_threads(actors, names, infos, config.threads_per_actor or (max(1, int(cpus)) if first else None))
         if needs_world(config) or shared:
             join_world(actors, names, topology, infos, config, shared, schedule)
         if config.checkpoint_dir is not None:
@@ -237,6 +239,16 @@ def start_gang(
         kill(actors, own)
         raise
     return StartedActors(actors, own, {name: info.node_id for name, info in zip(names, infos)})
+
+
+def fit_threads(
+    actors: Sequence[Any], names: Sequence[str], infos: Sequence[ActorInfo], configured: int | None
+) -> list[ActorInfo]:
+    """Gives each placed actor its torch threads (`raypipe.planning.threads`: its node's CPUs
+    shared among the trainer's actors there, or `configured`); returns the infos with them."""
+    wanted = threads_by_node([i.node_id for i in infos], configured)
+    got = gather([a.set_threads.remote(n) for a, n in zip(actors, wanted)], "set threads", actors, names)
+    return [replace(i, threads=n) for i, n in zip(infos, got)]
 
 
 def linked_stages(schedule: Schedule) -> list[list[int]]:

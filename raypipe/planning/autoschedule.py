@@ -93,13 +93,12 @@ def choose(
         ConfigError: no candidate fits (names each one's reason).
     """
     kinds = config.stage_kinds()
-    threads = config.threads_per_actor or max(1, int(cpus))
     rows = len(split(x, y, config.dp)[0][0]) if config.dp > 1 else _rows(x)
     candidates: list[Candidate] = []
     best: tuple[float, Candidate, PlanReport] | None = None
     for m in microbatch_options(rows, config.pp):
         inputs, targets = split(x, y, config.dp * m)
-        profiles = profile_layers(specs, loss_fn, inputs[0], targets[0], config, kinds, threads, cpus)
+        profiles = profile_layers(specs, loss_fn, inputs[0], targets[0], config, kinds, cpus)
         for name, kind in SCHEDULES.items():
             for chunks in CHUNK_CHOICES if kind.chunks is None else (None,):
                 candidate = Candidate(name, chunks, m, None)

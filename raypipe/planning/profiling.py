@@ -27,6 +27,7 @@ from raypipe.devices import ray_options
 from raypipe.errors import PlacementError, StageError
 from raypipe.layers import LayerSpec
 from raypipe.planning.partition import Plan, speed_aware_plan, uniform_plan
+from raypipe.planning.threads import fitting_threads, node_cpus, packed_on_node
 
 MEMORY_HEADROOM = 0.9
 
@@ -95,10 +96,11 @@ def profile_layers(
     target: Any,
     config: TrainConfig,
     kinds: Sequence[str],
-    threads: int = 1,
     cpus: float = 1.0,
 ) -> dict[str, dict[str, Any]]:
-    """Per accelerator kind in `kinds`, each layer's times and bytes on one microbatch `(x, target)`."""
+    """Per accelerator kind in `kinds` (each stage's), each layer's times and bytes on one
+    microbatch `(x, target)`, timed with the threads a stage of that kind will get
+    (`raypipe.planning.threads`: its node's CPUs shared among the stages that pack there)."""
     import ray
 
     from raypipe.actors.profiler import LayerProfiler
@@ -107,27 +109,42 @@ def profile_layers(
     unique = list(dict.fromkeys(kinds))
     actors = [
         remote.options(num_cpus=cpus, max_restarts=0, **ray_options(k, config.gpus_per_actor)).remote(
-            k, config.allow_cpu_fallback, threads
+            k, config.allow_cpu_fallback
         )
         for k in unique
     ]
     try:
-        refs = [a.profile.remote(list(specs), config.seed, x, target, loss_fn) for a in actors]
-        ready, pending = ray.wait(refs, num_returns=len(refs), timeout=config.actor_start_timeout + config.step_timeout)
-        if pending:
-            missing = [unique[refs.index(r)] for r in pending]
-            raise PlacementError(
-                f"partition='profile': the profilers for {missing} did not finish within "
-                f"{config.actor_start_timeout + config.step_timeout:.0f} s (actor_start_timeout + step_timeout); "
-                f"check that the cluster has nodes of those kinds (`ray status`)."
-            )
-        try:
-            return dict(zip(unique, ray.get(refs)))
-        except ray.exceptions.RayTaskError as error:
-            raise StageError(f"partition='profile' failed while profiling layers: {error}") from None
+        nodes = _wait(actors, [a.node_id.remote() for a in actors], unique, config.actor_start_timeout, "placed")
+        cpus_of = node_cpus()
+        stages_of_kind = {k: kinds.count(k) * config.dp * config.tp for k in unique}
+        threads = [
+            config.threads_per_actor
+            or fitting_threads(cpus_of.get(n, 1.0), packed_on_node(cpus_of.get(n, 1.0), cpus, stages_of_kind[k]))
+            for n, k in zip(nodes, unique)
+        ]
+        refs = [a.profile.remote(list(specs), config.seed, x, target, loss_fn, t) for a, t in zip(actors, threads)]
+        return dict(zip(unique, _wait(actors, refs, unique, config.step_timeout, "finished")))
     finally:
         for actor in actors:
             ray.kill(actor, no_restart=True)
+
+
+def _wait(actors: list[Any], refs: list[Any], kinds: list[str], timeout: float, what: str) -> list[Any]:
+    """The profilers' answers to `refs`, or an error naming the kinds whose profiler did not answer."""
+    import ray
+
+    ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+    if pending:
+        missing = [kinds[refs.index(r)] for r in pending]
+        raise PlacementError(
+            f"partition='profile': the profilers for {missing} were not {what} within {timeout:.0f} s "
+            f"({'actor_start_timeout' if what == 'placed' else 'step_timeout'}); "
+            f"check that the cluster has nodes of those kinds (`ray status`)."
+        )
+    try:
+        return ray.get(refs)
+    except ray.exceptions.RayTaskError as error:
+        raise StageError(f"partition='profile' failed while profiling layers: {error}") from None
 
 
 def profiled_plan(
@@ -139,10 +156,9 @@ def profiled_plan(
     cpus: float,
 ) -> PlanReport:
     """Profiles the layers on one microbatch `(x, target)` on every device kind of `config`'s
-    stages (actors reserving `cpus` each, threads as a stage would use) and plans by the times."""
+    stages (actors reserving `cpus` each, threads as a stage will get) and plans by the times."""
     kinds = config.stage_kinds()
-    threads = config.threads_per_actor or max(1, int(cpus))
-    return plan_from_profiles(profile_layers(specs, loss_fn, x, target, config, kinds, threads, cpus), kinds, config)
+    return plan_from_profiles(profile_layers(specs, loss_fn, x, target, config, kinds, cpus), kinds, config)
 
 
 def plan_from_profiles(profiles: dict[str, dict[str, Any]], kinds: Sequence[str], config: TrainConfig) -> PlanReport:
