@@ -16,6 +16,7 @@ from torch import nn
 
 from raypipe.errors import StageError
 from raypipe.layers import LayerSpec, build_layer, layer_seed
+from raypipe.models.hf import weights
 from raypipe.nn import TensorParallelGroup, parallelize, shard, shard_specs
 from raypipe.nn.group import building
 from raypipe.nn.moe import ExpertParallelGroup, expert_parameters, keyed_moe_layers, shard_experts
@@ -57,9 +58,12 @@ class StageModel:
         self.device, self.tp, self.ep = device, tp, ep or ExpertParallelGroup()
         self.foreign: set[str] = set()
         self.foreign_specs: dict[str, Any] = {}  # how the experts held elsewhere split across tp ranks
-        self.module = nn.Sequential(
-            *[self._build(spec, seed, index, j) for j, (spec, index) in enumerate(zip(specs, self.indices))]
-        )
+        # layers read their weights straight onto the accelerator (unless a quantizer wants them on
+        # the host first), a tied weight once
+        with weights.loading_to(device if device.type != "cpu" and quantize is None else None):
+            self.module = nn.Sequential(
+                *[self._build(spec, seed, index, j) for j, (spec, index) in enumerate(zip(specs, self.indices))]
+            )
         self.lora = lora is not None
         if lora is not None:  # adapters under a seed per layer, then everything else frozen
             from raypipe import lora as lora_

@@ -9,8 +9,9 @@ Every decoder layer makes its mask and rotary embedding from them with transform
 exactly as the whole model does once for all of its layers.
 
 Layers are built on the actor that runs them (`build`): from a checkpoint, each is made on
-the meta device, materialised, and filled with its own tensors only (`weights.read`); from a
-config, it is initialised as transformers initialises the whole model.
+the meta device and takes the tensors read for it as its parameters (`weights.read`: its own
+tensors only, in its dtype, on its stage's device); from a config, it is initialised as
+transformers initialises the whole model.
 """
 
 from __future__ import annotations
@@ -217,12 +218,21 @@ def build(kind: str, ref: ConfigRef, index: int | None, source: str | None, dtyp
         module = KINDS[kind](*args)
     if torch.get_default_device().type == "meta":  # only counting parameters (the driver's partitioner)
         return module
-    module = module.to_empty(device="cpu")
     keys = checkpoint_keys(module, tied=bool(getattr(config, "tie_word_embeddings", False)))
-    tensors = weights.read(source, keys.values())
-    module.load_state_dict({local: tensors[key] for local, key in keys.items()}, strict=True)
+    loading = weights.loading()
+    device = loading.device
+    tensors = weights.read(source, keys.values(), weights.DTYPES[dtype], device)
+    # the tensors read become the parameters: nothing allocated twice, nothing initialised in vain
+    module.load_state_dict({local: tensors[key] for local, key in keys.items()}, strict=True, assign=True)
+    del tensors
+    state = module.state_dict(keep_vars=True)
+    loading.keep({key: state[local] for local, key in keys.items()})
+    for sub in module.modules():  # a buffer outside the state dict has no value in the files
+        for name, buffer in list(sub.named_buffers(recurse=False)):
+            if buffer.is_meta:
+                sub.register_buffer(name, torch.zeros_like(buffer, device=device or "cpu"), persistent=False)
     module.read_keys = dict(weights.last_read)  # what this layer read, for `StageActor.info`
-    return module.to(weights.DTYPES[dtype])
+    return module
 
 
 def _init_like_transformers(module: nn.Module, config: Any) -> None:

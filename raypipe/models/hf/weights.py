@@ -1,17 +1,40 @@
-"""Reading a model directory's tensors by key, and only those: `safetensors.safe_open` maps each
-file and copies out just the tensors asked for, so a stage actor reads its own layers and
-nothing else, from a single `model.safetensors` or the shards a `model.safetensors.index.json`
-lists."""
+"""Reading a model directory's tensors by key, and only those, so a stage actor reads its own
+layers and nothing else, from a single `model.safetensors` or the shards a
+`model.safetensors.index.json` lists.
+
+Each tensor is read with plain file reads straight into the tensor that becomes the parameter
+(the layer is built on the meta device and takes it by `load_state_dict(assign=True)`): no
+memory map whose touched pages would count in the process's resident memory beside the copy,
+no second copy, and a dtype conversion or a move to the accelerator one tensor at a time. A
+stage's peak memory while loading is then its parameters plus its largest tensor.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Iterable
+import weakref
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+FILE_DTYPES = {  # safetensors' dtype names
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
@@ -78,25 +101,91 @@ def check_files(directory: str) -> None:
             )
 
 
-def read(directory: str, keys: Iterable[str]) -> dict[str, torch.Tensor]:
-    """The tensors under `keys`, read from their files and nothing else (`last_read` says what).
+def header(path: str) -> tuple[int, dict]:
+    """A safetensors file's data offset and its header (key -> dtype, shape, data_offsets)."""
+    with open(path, "rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        return 8 + length, json.loads(f.read(length))
+
+
+def read(
+    directory: str,
+    keys: Iterable[str],
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+) -> dict[str, torch.Tensor]:
+    """The tensors under `keys`, read from their files and nothing else (`last_read` says what),
+    floating ones converted to `dtype` and every one moved to `device` as it is read. Inside
+    `loading_to`, a tensor of the same key read earlier and still alive is returned, not read.
 
     Raises:
         KeyError: a key is in no file of the directory; the message names it.
     """
-    from safetensors import safe_open
-
-    where = files_by_key(directory)
+    where, keys = files_by_key(directory), list(keys)
+    held = _loading[-1].held if len(_loading) > 1 else {}
+    out: dict[str, torch.Tensor] = {k: t for k in keys if (t := held.get(k)) is not None}
     by_file: dict[str, list[str]] = {}
-    for key in dict.fromkeys(keys):
+    for key in dict.fromkeys(k for k in keys if k not in out):
         if key not in where:
             raise KeyError(f"{directory} has no tensor {key!r} (it has e.g. {sorted(where)[:3]})")
         by_file.setdefault(where[key], []).append(key)
-    out: dict[str, torch.Tensor] = {}
     last_read.clear()
     for path, wanted in by_file.items():
-        with safe_open(path, framework="pt") as f:
+        offset, entries = header(path)
+        with open(path, "rb", buffering=0) as f:
             for key in wanted:
-                out[key] = f.get_tensor(key)
-                last_read[key] = out[key].numel() * out[key].element_size()
+                tensor = _read_tensor(f, offset, entries[key])
+                last_read[key] = tensor.numel() * tensor.element_size()
+                if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
+                    tensor = tensor.to(dtype)
+                out[key] = tensor if device is None else tensor.to(device)
     return out
+
+
+def _read_tensor(f: Any, offset: int, entry: dict) -> torch.Tensor:
+    """One tensor of an open safetensors file (`offset`: where its data starts)."""
+    start, end = entry["data_offsets"]
+    tensor = torch.empty(entry["shape"], dtype=FILE_DTYPES[entry["dtype"]])
+    view = memoryview(tensor.reshape(-1).view(torch.uint8).numpy()) if tensor.numel() else memoryview(b"")
+    if view.nbytes != end - start:
+        raise ValueError(f"{f.name}: a tensor of {entry} should hold {view.nbytes} bytes, not {end - start}")
+    f.seek(offset + start)
+    done = 0
+    while done < view.nbytes:
+        got = f.readinto(view[done:])
+        if not got:
+            raise ValueError(f"{f.name} ends {view.nbytes - done} bytes early: copy or save the model again")
+        done += got
+    return tensor
+
+
+class Loading:
+    """How the layers a stage builds read their tensors: onto `device` (its accelerator; None: the
+    host), and a tensor another of its layers already read (a tied head beside its embedding)
+    shared, not read again, while that layer still holds it."""
+
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.device = device
+        self.held: weakref.WeakValueDictionary[str, torch.Tensor] = weakref.WeakValueDictionary()
+
+    def keep(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Remembers the tensors a layer now holds under their checkpoint keys, for the layers after it."""
+        self.held.update(tensors)
+
+
+_loading: list[Loading] = [Loading()]
+
+
+@contextlib.contextmanager
+def loading_to(device: torch.device | None) -> Iterator[Loading]:
+    """Layers built inside read their tensors onto `device`, each tensor at most once."""
+    _loading.append(Loading(device))
+    try:
+        yield _loading[-1]
+    finally:
+        _loading.pop()
+
+
+def loading() -> Loading:
+    """How layers built now read their tensors."""
+    return _loading[-1]
