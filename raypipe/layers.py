@@ -1,4 +1,5 @@
-"""Layer specs: how the driver describes layers without building them.
+"""Layer specs: how the driver describes layers without building them, and how a stage's layers
+read their weights while it builds them (`loading_to`).
 
 The driver holds `LayerSpec`s (a class or factory plus arguments); each stage actor
 builds only its own slice. Layer i is always built right after seeding torch with
@@ -8,7 +9,9 @@ is split, and `build_layers` rebuilds exactly those weights in one process.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import weakref
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -89,3 +92,37 @@ def parameter_counts(specs: Sequence[LayerSpec]) -> list[int]:
             module = build_layer(spec, 0, index)
         counts.append(sum(p.numel() for p in module.parameters()))
     return counts
+
+
+class Loading:
+    """How the layers a stage builds read their tensors from a model's files: onto `device` (its
+    accelerator; None: the host), and with `share`, a tensor another of its layers already read
+    (a tied head beside its embedding) shared, not read again, while that layer still holds it.
+    Layers built outside `loading_to` (one by one, in a test or the profiler) share nothing."""
+
+    def __init__(self, device: torch.device | None = None, share: bool = False) -> None:
+        self.device, self.share = device, share
+        self.held: weakref.WeakValueDictionary[str, torch.Tensor] = weakref.WeakValueDictionary()
+
+    def keep(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Remembers the tensors a layer now holds under their checkpoint keys, for the layers after it."""
+        if self.share:
+            self.held.update(tensors)
+
+
+_loading: list[Loading] = [Loading()]
+
+
+@contextlib.contextmanager
+def loading_to(device: torch.device | None) -> Iterator[Loading]:
+    """The layers one stage builds inside read their tensors onto `device`, each at most once."""
+    _loading.append(Loading(device, share=True))
+    try:
+        yield _loading[-1]
+    finally:
+        _loading.pop()
+
+
+def loading() -> Loading:
+    """How layers built now read their tensors."""
+    return _loading[-1]

@@ -284,3 +284,25 @@ def test_a_malformed_or_truncated_model_directory_is_named_before_any_actor_star
     (garbage / "model.safetensors").write_bytes(b"\xff" * 64)
     with pytest.raises(ConfigError, match=r"model.safetensors is not a readable safetensors file"):
         hf.from_pretrained(str(garbage))
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_stage_reads_each_tensor_once_straight_into_its_parameters(tmp_path, dtype):
+    """A stage holding a tied head and its embedding: the head takes the embedding's tensor instead
+    of reading a copy; every weight equals transformers' own load, in the asked dtype."""
+    from raypipe.actors.model import StageModel
+    from raypipe.nn import TensorParallelGroup
+
+    directory = save_tiny("gpt2", str(tmp_path / "gpt2"))
+    model = hf.from_pretrained(directory, dtype=dtype)
+    stage = StageModel(model.layers, 0, 0, torch.device("cpu"), TensorParallelGroup(0, 1), model.tied)
+    embedding, head = stage.module[0], stage.module[-1]
+    assert "transformer.wte.weight" in embedding.read_keys and "transformer.wte.weight" not in head.read_keys
+    assert head.lm_head.weight.untyped_storage().data_ptr() == embedding.wte.weight.untyped_storage().data_ptr()
+    expected = load(directory).to(weights.DTYPES[dtype]).state_dict()
+    names = model.exporter.names(model.layers)
+    state = stage.state_dict()
+    assert {names[k] for k in state if names[k]} == set(expected) - {"lm_head.weight"}
+    for key, value in state.items():
+        if names[key]:
+            assert value.dtype == weights.DTYPES[dtype] and torch.equal(value, expected[names[key]]), key

@@ -15,8 +15,7 @@ import torch
 from torch import nn
 
 from raypipe.errors import StageError
-from raypipe.layers import LayerSpec, build_layer, layer_seed
-from raypipe.models.hf import weights
+from raypipe.layers import LayerSpec, build_layer, layer_seed, loading_to
 from raypipe.nn import TensorParallelGroup, parallelize, shard, shard_specs
 from raypipe.nn.group import building
 from raypipe.nn.moe import ExpertParallelGroup, expert_parameters, keyed_moe_layers, shard_experts
@@ -60,7 +59,7 @@ class StageModel:
         self.foreign_specs: dict[str, Any] = {}  # how the experts held elsewhere split across tp ranks
         # layers read their weights straight onto the accelerator (unless a quantizer wants them on
         # the host first), a tied weight once
-        with weights.loading_to(device if device.type != "cpu" and quantize is None else None):
+        with loading_to(device if device.type != "cpu" and quantize is None else None):
             self.module = nn.Sequential(
                 *[self._build(spec, seed, index, j) for j, (spec, index) in enumerate(zip(specs, self.indices))]
             )

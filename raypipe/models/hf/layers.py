@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from raypipe import layers
 from raypipe.models.hf import weights
 from raypipe.models.hf.families import family_of
 from raypipe.models.hf.moe import SparseMoeBlock, add_stats, is_moe, routing_stats
@@ -219,7 +220,7 @@ def build(kind: str, ref: ConfigRef, index: int | None, source: str | None, dtyp
     if torch.get_default_device().type == "meta":  # only counting parameters (the driver's partitioner)
         return module
     keys = checkpoint_keys(module, tied=bool(getattr(config, "tie_word_embeddings", False)))
-    loading = weights.loading()
+    loading = layers.loading()
     device = loading.device
     tensors = weights.read(source, keys.values(), weights.DTYPES[dtype], device)
     # the tensors read become the parameters: nothing allocated twice, nothing initialised in vain

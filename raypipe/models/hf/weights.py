@@ -11,14 +11,14 @@ stage's peak memory while loading is then its parameters plus its largest tensor
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import torch
+
+from raypipe.layers import loading
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 FILE_DTYPES = {  # safetensors' dtype names
@@ -116,13 +116,14 @@ def read(
 ) -> dict[str, torch.Tensor]:
     """The tensors under `keys`, read from their files and nothing else (`last_read` says what),
     floating ones converted to `dtype` and every one moved to `device` as it is read. Inside
-    `loading_to`, a tensor of the same key read earlier and still alive is returned, not read.
+    `raypipe.layers.loading_to`, a tensor of the same key read earlier and still alive is
+    returned, not read.
 
     Raises:
         KeyError: a key is in no file of the directory; the message names it.
     """
     where, keys = files_by_key(directory), list(keys)
-    held = _loading[-1].held if len(_loading) > 1 else {}
+    held = loading().held
     out: dict[str, torch.Tensor] = {k: t for k in keys if (t := held.get(k)) is not None}
     by_file: dict[str, list[str]] = {}
     for key in dict.fromkeys(k for k in keys if k not in out):
@@ -157,35 +158,3 @@ def _read_tensor(f: Any, offset: int, entry: dict) -> torch.Tensor:
             raise ValueError(f"{f.name} ends {view.nbytes - done} bytes early: copy or save the model again")
         done += got
     return tensor
-
-
-class Loading:
-    """How the layers a stage builds read their tensors: onto `device` (its accelerator; None: the
-    host), and a tensor another of its layers already read (a tied head beside its embedding)
-    shared, not read again, while that layer still holds it."""
-
-    def __init__(self, device: torch.device | None = None) -> None:
-        self.device = device
-        self.held: weakref.WeakValueDictionary[str, torch.Tensor] = weakref.WeakValueDictionary()
-
-    def keep(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Remembers the tensors a layer now holds under their checkpoint keys, for the layers after it."""
-        self.held.update(tensors)
-
-
-_loading: list[Loading] = [Loading()]
-
-
-@contextlib.contextmanager
-def loading_to(device: torch.device | None) -> Iterator[Loading]:
-    """Layers built inside read their tensors onto `device`, each tensor at most once."""
-    _loading.append(Loading(device))
-    try:
-        yield _loading[-1]
-    finally:
-        _loading.pop()
-
-
-def loading() -> Loading:
-    """How layers built now read their tensors."""
-    return _loading[-1]
