@@ -75,7 +75,8 @@ def scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
 
     Tags: train/loss, train/lr, train/grad_norm, train/tokens_per_s (or train/samples_per_s),
     train/step_time, and per stage stage{s}/forward_s, stage{s}/backward_s,
-    stage{s}/bubble_fraction, stage{s}/peak_memory_bytes, stage{s}/peak_stashed_microbatches (kept
+    stage{s}/bubble_fraction, stage{s}/peak_memory_bytes and its split stage{s}/memory_{part}_bytes
+    (part: parameters, gradients, optimizer_state, activations, other), stage{s}/peak_stashed_microbatches (kept
     for backward), stage{s}/peak_awaiting_weight_grad (split backwards: between input and weight
     gradient), stage{s}/sent_bytes (activations and gradients sent to the neighbouring stages) and,
     when measured, stage{s}/peak_stashed_bytes. A model with MoE layers adds stage{s}/all_to_all_s
@@ -103,6 +104,9 @@ def scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
         ):
             if key in stage:
                 tags[f"stage{s}/{tag or key}"] = float(stage[key])
+        for part, value in stage.get("memory", {}).items():
+            if part != "peak":
+                tags[f"stage{s}/memory_{part}_bytes"] = float(value)
         for layer, routed in stage.get("experts", {}).items():
             for e, count in enumerate(routed["routed"]):
                 tags[f"moe/layer{layer}/expert{e}_tokens"] = float(count)

@@ -11,7 +11,8 @@ from raypipe.protocol import StepReport
 
 def stage_metrics(reports: Sequence[StepReport]) -> list[dict[str, float]]:
     """Per stage: `forward_s`, `backward_s`, `bubble` (idle fraction of the pipeline's compute
-    window), `peak_memory_bytes`, `peak_stashed_microbatches` (kept for backward; a split
+    window), `peak_memory_bytes` and `memory` (it split into parameters / gradients / optimizer
+    state / activations / other), `peak_stashed_microbatches` (kept for backward; a split
     backward's microbatch until its weight gradient), `peak_awaiting_weight_grad` (between input
     and weight gradient), `sent_bytes` (activations and input gradients sent to the neighbouring
     stages, in `boundary_dtype`), with `measure_activations` `peak_stashed_bytes`, and in a model
@@ -34,6 +35,8 @@ def stage_metrics(reports: Sequence[StepReport]) -> list[dict[str, float]]:
                 "backward_s": t.get("backward_s", 0.0),
                 "bubble": max(0.0, 1.0 - busy / window) if window > 0 else 0.0,
                 "peak_memory_bytes": float(report.peak_memory_bytes),
+                # the peak split: parameters, gradients, optimizer_state, activations, other
+                "memory": dict(report.memory),
                 "peak_stashed_microbatches": int(t.get("peak_stashed", 0)),
                 # split backwards: microbatches between their input and weight gradients at once
                 "peak_awaiting_weight_grad": int(t.get("peak_awaiting_weight", 0)),

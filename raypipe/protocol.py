@@ -166,6 +166,7 @@ class StepReport:
     timing: dict[str, Any] = field(default_factory=dict)  # `Executor.timing` and MoE routing (`stage_metrics`)
     events: list[tuple] = field(default_factory=list)  # (action, start, end) as this actor ran them
     peak_memory_bytes: int = 0
+    memory: dict = field(default_factory=dict)  # peak_memory_bytes split (`raypipe.actors.memory.memory_split`)
 
 
 @dataclass(frozen=True)
@@ -197,6 +198,7 @@ class ActorInfo:
     trainable_parameters: int = 0
     gradient_bytes: int = 0
     optimizer_state_bytes: int = 0
+    memory: dict = field(default_factory=dict)  # its peak memory split, as of its last step (or its load)
 
     def to_dict(self) -> dict[str, Any]:
         return {f: getattr(self, f) for f in self.__dataclass_fields__}

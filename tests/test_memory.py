@@ -39,3 +39,17 @@ def test_saved_bytes_count_what_a_microbatch_spans_not_the_whole_batch_storage()
         q, k, v = qkv.split(16, dim=1)
         (q * k).sum() + (v * k).sum()  # saves q, k, v and k again, nothing else
     assert saved.bytes == 4 * 3 * 16 * 4  # the storage once, not three times
+
+
+def test_a_layers_own_weights_are_not_counted_as_activations():
+    """A linear saves its weight to compute its input's gradient: memory the stage holds anyway."""
+    from raypipe.actors.memory import weight_storages
+
+    layer = torch.nn.Linear(16, 32)
+    x = torch.randn(4, 16, requires_grad=True)
+    with count_saved_bytes() as everything:
+        layer(x).sum()
+    with count_saved_bytes(weights=weight_storages(layer)) as activations:
+        layer(x).sum()
+    assert activations.bytes == 4 * 16 * 4  # the input only
+    assert everything.bytes == activations.bytes + 32 * 16 * 4

@@ -15,6 +15,7 @@ def test_tensorboard_scalars_match_the_step_metrics(ray_session, tmp_path):
     config = TrainConfig(pp=2, microbatches=4, log_dir=str(tmp_path), optimizer={"name": "sgd", "lr": 0.05})
     with Trainer(MLP7, nn.functional.mse_loss, config) as t:
         history = t.fit(batch, 4)
+        info_after = t.stage_info()
     events = EventAccumulator(str(tmp_path))
     events.Reload()
     tags = set(events.Tags()["scalars"])
@@ -29,6 +30,14 @@ def test_tensorboard_scalars_match_the_step_metrics(ray_session, tmp_path):
     assert [e.value for e in events.Scalars("train/lr")] == pytest.approx([0.05] * 4)
     memory = events.Scalars("stage1/peak_memory_bytes")
     assert all(e.value > 50e6 for e in memory)  # an actor process with torch loaded
+    parts = ("parameters", "gradients", "optimizer_state", "activations", "other")
+    assert {f"stage{s}/memory_{p}_bytes" for s in range(2) for p in parts} <= tags
+    for stage, info in zip(history[-1]["stages"], info_after):
+        split = stage["memory"]
+        assert sum(split[p] for p in parts) == split["peak"] == stage["peak_memory_bytes"]
+        assert split["parameters"] == info["parameter_bytes"] == split["gradients"] > 0  # SGD: no state
+        assert split["optimizer_state"] == 0 and split["activations"] > 0 and split["other"] > 50e6
+        assert info["memory"]["parameters"] == info["parameter_bytes"]  # stage_info() holds the last split
 
 
 def test_bubble_and_busy_time_come_from_the_actors(ray_session):
@@ -110,6 +119,11 @@ def test_stashed_activations_gpipe_holds_all_1f1b_at_most_p_minus_s(ray_session)
         for schedule in ("gpipe", "1f1b"):
             t.reconfigure(schedule=schedule)
             peaks[schedule] = t.step(x, y)["stages"]
+        t.reconfigure(measure_activations=False)  # then each chunk's first microbatch is measured once
+        estimated = t.step(x, y)["stages"]
+    # microbatches of one shape: counting each at the first one's size is exact
+    assert [s["memory"]["activations"] for s in estimated] == [s["peak_stashed_bytes"] for s in peaks["1f1b"]]
+    assert all("peak_stashed_bytes" not in s for s in estimated)
     assert [s["peak_stashed_microbatches"] for s in peaks["gpipe"]] == [8, 8, 8, 8]
     assert [s["peak_stashed_microbatches"] for s in peaks["1f1b"]] == [4, 3, 2, 1]
     for s in range(3):  # the same microbatches, so bytes scale with the count

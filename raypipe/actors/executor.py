@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from raypipe.actors.memory import count_saved_bytes
+from raypipe.actors.memory import count_saved_bytes, weight_storages
 from raypipe.actors.model import StageModel
 from raypipe.actors.settings import StageSettings
 from raypipe.actors.split_backward import Deferred, input_gradients, weight_gradients
@@ -66,6 +66,8 @@ class Executor:
         self.stash: dict[tuple[int, int], tuple[Any, Any]] = {}  # (virtual stage, microbatch) -> (input, output)
         self.stash_bytes: dict[tuple[int, int], int] = {}  # per stashed microbatch, bytes autograd saved for backward
         self.deferred: dict[tuple[int, int], Deferred] = {}  # what each pending W needs from its I
+        self.saved_per_microbatch: dict[int, int] = {}  # per model chunk, its first microbatch's saved bytes
+        self.weights: frozenset[int] | None = None  # storages of the parameters: not activations
 
     def begin(self, call_id: int) -> None:
         """Starts a new step when `call_id` is new: fresh timings and stash, gradients zeroed."""
@@ -81,6 +83,7 @@ class Executor:
                 "peak_awaiting_weight": 0,
                 "sent_bytes": 0,
                 "all_to_all_s": 0.0,
+                "peak_activation_bytes": 0,
             }
             if self.settings.measure_activations:
                 self.timing["peak_stashed_bytes"] = 0
@@ -122,7 +125,10 @@ class Executor:
                 for t in tensors(x):
                     if t.is_floating_point():
                         t.requires_grad_(True)
-            with self.autocast(), count_saved_bytes(self.settings.measure_activations) as saved:
+            measure = self.settings.measure_activations or v not in self.saved_per_microbatch
+            if self.weights is None:  # parameters are never replaced, so their storages are found once
+                self.weights = weight_storages(self.model.module)
+            with self.autocast(), count_saved_bytes(measure and torch.is_grad_enabled(), self.weights) as saved:
                 if self.settings.activation_checkpointing and torch.is_grad_enabled():
                     out = checkpoint(module, x, use_reentrant=False)
                 else:
@@ -300,12 +306,16 @@ class Executor:
 
     def _stash(self, key: tuple[int, int], entry: tuple, saved_bytes: int | None) -> None:
         """Keeps a (virtual stage, microbatch) for its backward and updates this step's peak count
-        (and bytes, when measured)."""
+        and bytes (measured for this microbatch, else as its chunk's first microbatch measured)."""
         self.stash[key] = entry
         self.timing["peak_stashed"] = max(self.timing["peak_stashed"], len(self.stash))
         if saved_bytes is not None:
-            self.stash_bytes[key] = saved_bytes
-            self.timing["peak_stashed_bytes"] = max(self.timing["peak_stashed_bytes"], sum(self.stash_bytes.values()))
+            self.saved_per_microbatch.setdefault(key[0], saved_bytes)
+        self.stash_bytes[key] = saved_bytes if saved_bytes is not None else self.saved_per_microbatch.get(key[0], 0)
+        held = sum(self.stash_bytes.values())
+        self.timing["peak_activation_bytes"] = max(self.timing["peak_activation_bytes"], held)
+        if self.settings.measure_activations:
+            self.timing["peak_stashed_bytes"] = max(self.timing["peak_stashed_bytes"], held)
 
     def _timed(self, kind: str, started: float, microbatch: int) -> None:
         """Records one action: its duration in this step's totals (a split backward's I and W

@@ -10,19 +10,27 @@ Several views of one storage (q, k and v split from one projection, a transpose)
 up to at most the storage's size, and a view seen twice counts once. The stage actor tracks the peak number and bytes of
 stashed microbatches per step: the quantity GPipe and 1F1B differ in. The hooks
 run on every saved tensor (about 7 % of a GPT block's forward and backward on CPU),
-so they are on only when `TrainConfig.measure_activations` asks for them.
+so they are on only when `TrainConfig.measure_activations` asks for them; without it, each
+model chunk's first microbatch is measured once and every stashed microbatch counted at that
+size (`peak_activation_bytes`, exact while the microbatches' shapes do not change).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
 
 class SavedBytes:
-    def __init__(self) -> None:
+    """Bytes of the tensors autograd saves, each storage counted at most once; the storages in
+    `weights` (the layers' parameters, which a linear saves to compute its input's gradient) are
+    memory the stage holds anyway and are not counted."""
+
+    def __init__(self, weights: frozenset[int] = frozenset()) -> None:
+        self.weights = weights
         self.bytes: int | None = 0
         self._seen: set[tuple[int, int, int]] = set()  # (storage, offset, elements) of each tensor counted
         self._per_storage: dict[int, int] = {}  # storage -> bytes counted in it, at most its size
@@ -33,7 +41,7 @@ class SavedBytes:
             key = (storage.data_ptr(), t.storage_offset(), t.numel())
         except (RuntimeError, NotImplementedError):  # tensors without storage (meta, sparse)
             return t
-        if key not in self._seen:
+        if key not in self._seen and key[0] not in self.weights:
             self._seen.add(key)
             before = self._per_storage.get(key[0], 0)
             after = min(storage.nbytes(), before + t.numel() * t.element_size())
@@ -43,9 +51,10 @@ class SavedBytes:
 
 
 @contextlib.contextmanager
-def count_saved_bytes(enabled: bool = True) -> Iterator[SavedBytes]:
-    """Counts the bytes of tensors saved for backward inside the block (`.bytes` is None when off)."""
-    counter = SavedBytes()
+def count_saved_bytes(enabled: bool = True, weights: frozenset[int] = frozenset()) -> Iterator[SavedBytes]:
+    """Counts the bytes of tensors saved for backward inside the block (`.bytes` is None when off),
+    leaving out those in the storages `weights` (`weight_storages`)."""
+    counter = SavedBytes(weights)
     if not enabled:
         counter.bytes = None
         yield counter
@@ -57,3 +66,23 @@ def count_saved_bytes(enabled: bool = True) -> Iterator[SavedBytes]:
 def max_rss_bytes(ru_maxrss: int, platform: str) -> int:
     """`getrusage().ru_maxrss` in bytes: macOS reports bytes, Linux (and the BSDs) KiB."""
     return int(ru_maxrss) if platform == "darwin" else int(ru_maxrss) * 1024
+
+
+def memory_split(peak: int, model: Any, optim: Any, activations: int) -> dict[str, int]:
+    """A stage's peak memory (`peak`) split into what it holds: its `StageModel`'s parameters and
+    gradients, its `OptimizerState`'s state (fp32 masters included), the step's peak of stashed
+    `activations`, and the rest, `other`: the runtime (Python, torch, Ray's worker; a CPU stage's
+    resident set counts them) and transients. Bytes; `other` is never negative."""
+    known = {
+        "parameters": model.parameter_bytes(),
+        "gradients": sum(g.numel() * g.element_size() for g in model.grads()),
+        "optimizer_state": optim.state_bytes(),
+        "activations": activations,
+    }
+    return {"peak": peak, **known, "other": max(0, peak - sum(known.values()))}
+
+
+def weight_storages(module: torch.nn.Module) -> frozenset[int]:
+    """The storages (data pointers) of a module's parameters and buffers, which saved-tensor
+    counting leaves out: a linear saves its weight for backward, but the weight is held anyway."""
+    return frozenset(t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers()))

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from raypipe.actors.memory import count_saved_bytes
+from raypipe.actors.memory import count_saved_bytes, weight_storages
 from raypipe.actors.model import resolve_device
 from raypipe.devices import SERVING_ENV, detect
 from raypipe.layers import LayerSpec, build_layer
@@ -66,7 +66,7 @@ class LayerProfiler:
             for r in range(warmup + repeats):
                 inp = h.detach().requires_grad_(index > 0 and h.is_floating_point())
                 started = self._now()
-                with count_saved_bytes(r == 0) as counter:
+                with count_saved_bytes(r == 0, weight_storages(layer)) as counter:
                     out = layer(inp)
                     if last:
                         out = loss_fn(out, target.to(self.device) if torch.is_tensor(target) else target)

@@ -23,7 +23,7 @@ import torch
 
 from raypipe.actors import checkpoint_io, step_list
 from raypipe.actors.executor import Executor
-from raypipe.actors.memory import max_rss_bytes
+from raypipe.actors.memory import max_rss_bytes, memory_split
 from raypipe.actors.model import StageModel, gpu_identity, resolve_device
 from raypipe.actors.optimizer import OptimizerState
 from raypipe.actors.refs_calls import RefsCalls, to_host
@@ -85,6 +85,7 @@ class StageActor(RefsCalls):
             self.num_virtual,
         )
         self.unapplied_call: int | None = None  # the last p2p step whose update was not applied
+        self.last_memory: dict[str, int] = {}  # its last step's peak memory split
 
     def __repr__(self) -> str:  # Ray's dashboard and logs show this as the actor's repr
         if not hasattr(self, "model"):
@@ -123,6 +124,7 @@ class StageActor(RefsCalls):
             sum(p.numel() for p in model.trainable()),
             sum(g.numel() * g.element_size() for g in model.grads()),
             self.optim.state_bytes(),
+            self.last_memory or memory_split(_peak_memory_bytes(model.device), model, self.optim, 0),
         )
 
     def set_threads(self, threads: int) -> int:
@@ -263,6 +265,8 @@ class StageActor(RefsCalls):
         """The optimizer's step (or skip), and this step's report: timings, events, peak memory."""
         report = self.optim.apply_step(step, total_norm, finite)
         executor = self.executor
+        peak = _peak_memory_bytes(self.model.device)
+        self.last_memory = memory_split(peak, self.model, self.optim, int(executor.timing["peak_activation_bytes"]))
         executor.clear_stash()
         routed = take_step_report(self.model.moes)  # MoE layers' routing, all-to-all
         return StepReport(
@@ -274,7 +278,8 @@ class StageActor(RefsCalls):
             report["loss_scale"],
             {**executor.timing, **routed},
             list(executor.events),
-            _peak_memory_bytes(self.model.device),
+            peak,
+            self.last_memory,
         )
 
     # ----- inference, weights, checkpoints ------------------------------------------
@@ -334,6 +339,9 @@ class StageActor(RefsCalls):
 
     def check_checkpoint(self, directory: str) -> list[str]:  # why it cannot load (checkpoint_io.check_stage)
         return checkpoint_io.check_stage(self.model, directory, self.name)
+
+    def verify_checkpoint(self, directory: str) -> list[str]:  # its files' corruption (checkpoint_io.verify_stage)
+        return checkpoint_io.verify_stage(self.model, directory, self.stage, self.name)
 
     def check_state_dict(self, state: dict[str, torch.Tensor]) -> list[str]:  # likewise for load_state_dict
         return checkpoint_io.check_state(self.model, state)
