@@ -164,9 +164,10 @@ def dense_weight(module: nn.Module) -> torch.Tensor:
 
 def apply(module: nn.Sequential, lora: dict[str, Any], seeds: list[int], quantized: str | None = None) -> None:
     """Injects LoRA adapters into every layer of `module` holding a target (layer j's under
-    `seeds[j]`), after storing the layers' linears in `quantized` bits ("nf4", "int8") when
-    given, then freezes everything but the adapters."""
+    `seeds[j]`; in fp32 over a bf16 base, as peft keeps them), after storing the layers' linears
+    in `quantized` bits ("nf4", "int8") when given, then freezes everything but the adapters."""
     from peft import inject_adapter_in_model
+    from peft.tuners.tuners_utils import cast_adapter_dtype
 
     config = peft_config(lora)
     targets = set(lora["target_modules"])
@@ -179,6 +180,8 @@ def apply(module: nn.Sequential, lora: dict[str, Any], seeds: list[int], quantiz
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             inject_adapter_in_model(config, layer)
+        # adapters over a bf16 (or fp16) base are kept in fp32, as get_peft_model keeps them
+        cast_adapter_dtype(layer, ADAPTER, autocast_adapter_dtype=True)
     for name, p in module.named_parameters():
         p.requires_grad_(is_adapter(name))
 

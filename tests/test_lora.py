@@ -217,3 +217,52 @@ def test_quantize_is_refused_where_bitsandbytes_has_no_kernels_naming_the_stage(
     ]
     with pytest.raises(ConfigError, match="only LoRA leaves frozen"):
         TrainConfig(quantize="int8")
+
+
+@pytest.mark.slow
+def test_lora_on_a_bf16_base_matches_peft_and_keeps_adapters_in_fp32_as_peft_does(ray_session, saved):
+    """A bf16 transformers model under LoRA at pp = 2: peft keeps the adapters in fp32
+    (`autocast_adapter_dtype`) over the bf16 base, and so does raypipe; losses, adapter gradients
+    and adapters after 3 steps match peft on the whole model in one process."""
+    from peft import get_peft_model, set_peft_model_state_dict
+
+    from raypipe.lora import peft_config
+
+    directory = saved["llama"]
+    model = hf.from_pretrained(directory, dtype="bf16")
+    config = TrainConfig(
+        pp=2, microbatches=1, optimizer=SGD, lora=lora("llama"), cpus_per_actor=0.25, threads_per_actor=1
+    )
+    with Trainer(model, config=config) as t:
+        start = t.state_dict()
+        initial = {k: v for k, v in start.items() if ".lora_" in k}
+        assert {v.dtype for v in initial.values()} == {torch.float32}
+        assert {v.dtype for k, v in start.items() if k not in initial} == {torch.bfloat16}
+        assert all(i["optimizer_state_bytes"] == 0 for i in t.stage_info())  # no fp32 masters for fp32 adapters
+        names = adapters.peft_names(list(initial), model.exporter.prefixes(t.specs))
+        losses, grads = [], None
+        for k in range(3):
+            losses.append(t.step(*lm_batch(k))["loss"])
+            grads = grads if grads is not None else t.gradients()
+        final = t.state_dict()
+    reference = get_peft_model(load(directory).to(torch.bfloat16), peft_config(lora("llama")))
+    set_peft_model_state_dict(reference, {names[k]: v for k, v in initial.items()})
+    opt = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
+    expected, ref_grads = [], None
+    for k in range(3):
+        opt.zero_grad()
+        loss = reference(**lm_batch(k)[0], labels=lm_batch(k)[1]).loss
+        loss.backward()
+        expected.append(loss.item())
+        if ref_grads is None:
+            ref_grads = {
+                n.replace(".default.", "."): p.grad.clone()
+                for n, p in reference.named_parameters()
+                if p.grad is not None
+            }
+        opt.step()
+    ref_final = {n.replace(".default.", "."): p.detach() for n, p in reference.named_parameters() if p.requires_grad}
+    assert losses == pytest.approx(expected, rel=1e-6)
+    assert_close_dicts({names[k]: v for k, v in grads.items()}, ref_grads)
+    assert_close_dicts({names[k]: final[k] for k in initial}, ref_final)
+    assert all(torch.equal(final[k], v) for k, v in start.items() if k not in initial)  # base bit-identical
