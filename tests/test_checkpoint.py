@@ -90,28 +90,45 @@ def test_corrupt_checkpoints_fall_back_to_the_previous_valid_one(uninterrupted, 
     flip_a_byte(root / "step-00000006" / "model" / "layer-00004.safetensors")
     (root / "step-00000004" / "optim" / "layer-00000.safetensors").write_bytes(b"trunc")
     warnings = []
-    path, meta = find_valid(root, warn=warnings.append)
+    assert find_valid(root, warn=warnings.append)[0].name == "step-00000006" and not warnings  # sizes, not bytes
+    path, meta = find_valid(root, warn=warnings.append, contents=True)
     assert path.name == "step-00000002" and meta["step"] == 2
     assert "layer-00004.safetensors: sha256 does not match" in warnings[0]
     assert "layer-00000.safetensors" in warnings[1] and "truncated" in warnings[1]
     (root / "step-00000002" / "MANIFEST.json").unlink()
     with pytest.raises(CheckpointError, match="no valid checkpoint"):
-        find_valid(root, warn=warnings.append)
+        find_valid(root, warn=warnings.append, contents=True)
     assert "no MANIFEST.json" in warnings[-1]
     with pytest.raises(CheckpointError, match="sha256 does not match"):
-        find_valid(root, step=6)
+        find_valid(root, step=6, contents=True)
 
 
-def test_trainer_load_reports_and_skips_a_corrupt_newest(uninterrupted, tmp_path):
+def test_trainer_load_reports_and_skips_a_corrupt_newest(uninterrupted, tmp_path, monkeypatch):
+    """The driver reads manifests and sizes only; the actors find a flipped byte in the files they
+    read, before anything is loaded, and the trainer takes the next newest checkpoint."""
+    from raypipe.checkpoint import layout
+
+    hashed = []  # what the driver process reads whole
+    real = layout.sha256_file
+    monkeypatch.setattr(layout, "sha256_file", lambda path: hashed.append(path.name) or real(path))
     losses, original = uninterrupted
     root = tmp_path / "copy"
     shutil.copytree(original, root)
-    (root / "step-00000006" / "MANIFEST.json").unlink()
+    flip_a_byte(root / "step-00000006" / "model" / "layer-00004.safetensors")
     messages = []
     with Trainer(MLP7, nn.functional.mse_loss, config()) as t:
+        before = t.state_dict()
+        with pytest.raises(
+            CheckpointError, match=r"layer-00004.safetensors: sha256 does not match.*nothing was loaded"
+        ):
+            t.load(str(root), step=6)
+        assert all(torch.equal(v, t.state_dict()[k]) for k, v in before.items())
         assert t.load(str(root), log=messages.append).name == "step-00000004"
         resumed = [m["loss"] for m in t.fit(batch, STEPS)]
-    assert any("skipping invalid checkpoint" in m and "step-00000006" in m for m in messages)
+    assert hashed and set(hashed) == {"trainer.json"}, hashed
+    assert any(
+        "skipping invalid checkpoint" in m and "step-00000006" in m and "sha256 does not match" in m for m in messages
+    )
     torch.testing.assert_close(torch.tensor(resumed), torch.tensor(losses[4:]), rtol=1e-6, atol=1e-6)
 
 

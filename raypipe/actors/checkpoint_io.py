@@ -8,6 +8,7 @@ the manifest; `raypipe.checkpoint.layout` owns the file format. Here is what eac
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -143,6 +144,34 @@ def check_stage(model: StageModel, directory: str, name: str) -> list[str]:
             )
             continue
         problems += mismatches(f"layer {index}", *expected_tensors(model, j, layer, model.lora), got)
+    return problems
+
+
+def verify_stage(model: StageModel, directory: str, stage: int, name: str) -> list[str]:
+    """The files of a checkpoint this stage reads (its layers' weights and optimizer state, its
+    stage's RNG state) whose size or sha256 differs from the manifest: the check of their
+    contents, made where their bytes are rather than on the driver. Empty when all match."""
+    root = location(directory)
+    try:
+        files = json.loads((root / ckpt.MANIFEST).read_text())["files"]
+    except Exception as error:  # noqa: BLE001 - the driver read it a moment ago; say what happened
+        return [f"{name}: cannot read {ckpt.MANIFEST}: {type(error).__name__}: {scrub(str(error), directory)}"]
+    wanted = [ckpt.layer_file(kind, i) for i in model.layers for kind in ("model", "optim")] + [ckpt.rng_file(stage)]
+    problems = []
+    for relative in wanted:
+        entry = files.get(relative) or files.get(str(Path(relative).with_suffix(ckpt.LEGACY)))
+        if (
+            entry is None
+        ):  # not in this checkpoint (an optimizer's state it never had): `check_stage` says what is missing
+            continue
+        path = ckpt.existing(root / relative)
+        try:
+            if ckpt.sha256_file(path) != entry["sha256"]:
+                problems.append(f"{redact(str(path))}: sha256 does not match the manifest (corrupt)")
+        except Exception as error:  # noqa: BLE001 - unreadable is as bad as altered
+            problems.append(
+                f"{redact(str(path))}: cannot be read: {type(error).__name__}: {scrub(str(error), directory)}"
+            )
     return problems
 
 

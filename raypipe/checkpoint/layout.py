@@ -16,8 +16,10 @@ directory every node sees, or a URI (`s3://bucket/run`, anything `pyarrow.fs` re
 fsync, rename), the checkpoint as `step-N.partial`, renamed to `step-N` after the
 manifest, so a directory named `step-N` is always complete. An object store has no
 rename: there the manifest, written last, is the commit marker, and a `step-N` without
-one (a save cut short) is skipped by readers and pruned. Loading verifies every checksum
-first, and falls back past invalid checkpoints to the newest valid one.
+one (a save cut short) is skipped by readers and pruned. Loading verifies the manifest and
+every file's size on the driver (which reads no tensor file), then each actor checks the
+sha256 of the files it is about to read, where their bytes are; a checkpoint that fails either
+is skipped for the newest valid one before anything is loaded.
 
 A checkpoint belongs to the run that wrote it (`run_id`: made when a run starts, kept when it
 is resumed): pruning (`keep`) and recovery see only the run's own, so two runs that share a
@@ -32,7 +34,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -261,8 +263,10 @@ def list_checkpoints(root: str | Path) -> list[Path | StoragePath]:
     return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))
 
 
-def verify(path: str | Path) -> dict[str, Any]:
-    """Checks the manifest and every file's size and sha256; returns trainer.json's content.
+def verify(path: str | Path, contents: bool = False) -> dict[str, Any]:
+    """Checks the manifest, trainer.json's sha256 and every file's size, and with `contents`
+    every file's sha256 too (reading every byte: the actors check their own files'
+    contents when they load, so the driver need not); returns trainer.json's content.
 
     Raises:
         CheckpointError: naming the first missing, truncated or altered file, or a manifest or
@@ -289,7 +293,7 @@ def verify(path: str | Path) -> dict[str, Any]:
         size = file.size() if isinstance(file, StoragePath) else file.stat().st_size
         if size != size_expected:
             raise CheckpointError(f"{file}: {size} bytes, the manifest says {size_expected} (truncated?)")
-        if sha256_file(file) != sha:
+        if (contents or name == META) and sha256_file(file) != sha:
             raise CheckpointError(f"{file}: sha256 does not match the manifest (corrupt)")
     try:
         meta = json.loads((path / META).read_text())
@@ -305,10 +309,16 @@ META_FIELDS = ("step", "num_layers", "plan", "loss_scaler")  # what a load reads
 
 
 def find_valid(
-    root: str | Path, step: int | None = None, warn: Callable[[str], None] = print, run_id: str | None = None
+    root: str | Path,
+    step: int | None = None,
+    warn: Callable[[str], None] = print,
+    run_id: str | None = None,
+    contents: bool = False,
+    skip: Collection[str] = (),
 ) -> tuple[Path, dict[str, Any]]:
-    """The newest checkpoint under root that verifies (or the one of `step`); with `run_id`, the
-    newest of that run only (a recovery never restores another run's).
+    """The newest checkpoint under root that verifies (`verify`, with `contents` as given), or
+    the one of `step`; with `run_id`, the newest of that run only (a recovery never restores
+    another run's). Checkpoints named in `skip` (found corrupt by the actors) are passed over.
 
     Invalid checkpoints met on the way are reported through `warn` and skipped.
 
@@ -320,9 +330,9 @@ def find_valid(
         candidates = [p for p in candidates if p.name == checkpoint_name(step)]
         if not candidates:
             raise CheckpointError(f"no checkpoint for step {step} under {redact(str(root))}")
-    for path in reversed(candidates):
+    for path in reversed([p for p in candidates if p.name not in skip]):
         try:
-            return path, verify(path)
+            return path, verify(path, contents)
         except CheckpointError as error:
             if step is not None:
                 raise
@@ -330,12 +340,20 @@ def find_valid(
     raise CheckpointError(f"no valid checkpoint under {redact(str(root))}{f' of run {run_id}' if run_id else ''}")
 
 
-def resolve(path: str | Path, warn: Callable[[str], None] = print) -> tuple[Path, dict[str, Any]]:
-    """A checkpoint directory as given, or the newest valid one when given their root."""
+def resolve(
+    path: str | Path, warn: Callable[[str], None] = print, skip: Collection[str] = ()
+) -> tuple[Path, dict[str, Any]]:
+    """A checkpoint directory as given, or the newest valid one when given their root (passing
+    over those named in `skip`)."""
     path = location(path)
-    if (path / MANIFEST).exists() or _NAME.match(path.name):
+    if is_checkpoint(path):
         return path, verify(path)
-    return find_valid(path, warn=warn)
+    return find_valid(path, warn=warn, skip=skip)
+
+
+def is_checkpoint(path: Path | StoragePath) -> bool:
+    """Whether `path` names one checkpoint (rather than a root holding them)."""
+    return (path / MANIFEST).exists() or bool(_NAME.match(path.name))
 
 
 def _fsync_dir(path: Path) -> None:

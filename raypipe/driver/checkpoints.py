@@ -73,8 +73,11 @@ def load(
     base: Any = None,
     optimizer: str | None = None,
 ) -> tuple[Path, dict[str, Any]]:
-    """Restores a checkpoint saved by any topology into every actor, all or nothing: every actor
-    checks its files' keys and shapes first, and none loads unless all fit.
+    """Restores a checkpoint saved by any topology into every actor, all or nothing: the driver
+    checks the manifest and the files' sizes (it reads no tensor file), every actor the sha256 of
+    the files it will read and their keys and shapes, and none loads unless all pass. Given a
+    root (no `step`), a checkpoint whose files the actors find corrupt is reported through `log`
+    and passed over for the next newest.
 
     Returns:
         (the checkpoint directory, its trainer.json: step, run_id, ...).
@@ -83,10 +86,7 @@ def load(
         CheckpointError: nothing valid to restore, a model of another size or shape, or (`base`: a
             LoRA run's base identity) adapters that belong to another base, or none where some are due.
     """
-    if step is not None:
-        where, meta = ckpt.find_valid(path, step=step, warn=log)
-    else:
-        where, meta = ckpt.resolve(path, warn=log)
+    where, meta = verified(actors, names, path, step, log)
     if meta["num_layers"] != num_layers:
         raise ckpt.CheckpointError(
             f"{where} holds a {meta['num_layers']}-layer model; this trainer has {num_layers} layers."
@@ -126,6 +126,32 @@ def load(
         names,
     )
     return where, meta
+
+
+def verified(
+    actors: Sequence[Any], names: Sequence[str], path: str, step: int | None, log: Callable[[str], None]
+) -> tuple[Path, dict[str, Any]]:
+    """The checkpoint to load from `path` (the one of `step`, the one `path` names, or the newest
+    under it) whose files every actor found intact.
+
+    Raises:
+        CheckpointError: no such checkpoint, or the one asked for is corrupt (naming its files).
+    """
+    corrupt: list[str] = []
+    while True:
+        if step is not None:
+            where, meta = ckpt.find_valid(path, step=step, warn=log)
+        else:
+            where, meta = ckpt.resolve(path, warn=log, skip=corrupt)
+        found = gather([a.verify_checkpoint.remote(address(where)) for a in actors], "checkpoint check", actors, names)
+        problems = sorted({p for part in found for p in part})
+        if not problems:
+            return where, meta
+        error = f"{where}: {'; '.join(problems[:4])}{f'; and {len(problems) - 4} more' if len(problems) > 4 else ''}"
+        if step is not None or ckpt.is_checkpoint(location(path)):
+            raise ckpt.CheckpointError(f"{error}; nothing was loaded")
+        log(f"raypipe: skipping invalid checkpoint: {error}")
+        corrupt.append(where.name)
 
 
 def set_aside_future(checkpoint_dir: str | None, run_id: str, step: int, log: Callable[[str], None]) -> None:
