@@ -124,25 +124,30 @@ def quantize(layer: nn.Module, kind: str) -> None:
         if type(child) is not nn.Linear:
             continue
         dtype = child.weight.dtype
+        # the twin is made on the meta device and takes the linear's own tensors (quantized when
+        # moved to its device): no full-size weight of its own, no copy of the linear's
+        with torch.device("meta"):
+            if kind == "nf4":
+                new = bnb.nn.Linear4bit(
+                    child.in_features,
+                    child.out_features,
+                    bias=child.bias is not None,
+                    compute_dtype=dtype,
+                    quant_type="nf4",
+                )
+            else:
+                new = bnb.nn.Linear8bitLt(
+                    child.in_features, child.out_features, bias=child.bias is not None, has_fp16_weights=False
+                )
         if kind == "nf4":
-            new = bnb.nn.Linear4bit(
-                child.in_features,
-                child.out_features,
-                bias=child.bias is not None,
-                compute_dtype=dtype,
-                quant_type="nf4",
-            )
-            new.weight = bnb.nn.Params4bit(child.weight.data.clone(), requires_grad=False, quant_type="nf4")
+            new.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, quant_type="nf4")
             # on a CPU with AVX-512 bf16, bitsandbytes repacks the weight on the first forward in eval
             # mode, for good, and computes differently from then on (0.01 apart here): keep one path
             new.support_avx512bf16_for_cpu = False
         else:
-            new = bnb.nn.Linear8bitLt(
-                child.in_features, child.out_features, bias=child.bias is not None, has_fp16_weights=False
-            )
-            new.weight = bnb.nn.Int8Params(child.weight.data.clone(), requires_grad=False, has_fp16_weights=False)
+            new.weight = bnb.nn.Int8Params(child.weight.data, requires_grad=False, has_fp16_weights=False)
         if child.bias is not None:
-            new.bias = nn.Parameter(child.bias.data.clone(), requires_grad=False)
+            new.bias = nn.Parameter(child.bias.data, requires_grad=False)
         parent, _, attr = name.rpartition(".")
         setattr(layer.get_submodule(parent) if parent else layer, attr, new.to(child.weight.device))
 
