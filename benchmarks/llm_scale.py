@@ -1,0 +1,242 @@
+"""A real LLM's shape through raypipe: Qwen2-0.5B (494 M parameters, 24 layers, GQA 14/2, a
+151,936-token tied vocabulary) fine-tuned with LoRA, against the plain transformers + peft loop.
+
+The model gets random weights (nothing is downloaded) and is saved with `save_pretrained` as
+five safetensors shards, once per `--dir`. LoRA (r = 8 on q/k/v/o, through peft) trains it:
+- speed: the plain peft loop (in this process, the machine's cores as torch threads) and
+  raypipe at pp = 1 (one actor, which by default computes with the node's cores too) take
+  their steps in turn (`rounds.interleaved`) on the same batches; the ratio is plain step
+  time / raypipe step time, median of paired steps (target >= 0.97). pp = 2 (each stage on
+  its share of the cores) is timed after, alone.
+- memory: each stage's peak over its parameter bytes once loaded (before any step) and after
+  training, and the split the stage reports (parameters / gradients / optimizer state /
+  activations / other). `baseline` is the peak of a stage actor holding a one-layer model of
+  the same family: the runtime's own cost (Python, torch, transformers, peft, Ray's worker),
+  which every stage pays once.
+- load time (Trainer built: actors placed, layers read), `save_pretrained` with the adapters
+  merged, and the driver's resident growth while it holds the trainer (it holds no weights).
+
+    python benchmarks/llm_scale.py --dir /tmp/qwen2-0.5b > llm_scale.json   # about 6 minutes on 2 cores
+    python benchmarks/llm_scale.py --layers 2 --rounds 1 --steps 1          # the script itself, small
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+import warnings
+
+import ray
+import torch
+from rounds import interleaved, paired_ratio
+
+from raypipe import TrainConfig, Trainer
+from raypipe.models import hf
+
+LORA = {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+OPTIMIZER = {"name": "adamw", "lr": 1e-4}
+
+
+def qwen2_config(layers: int, vocab: int = 151936):
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=layers,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=vocab,
+        tie_word_embeddings=True,
+        max_position_embeddings=32768,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+
+
+def saved_model(directory: str, layers: int) -> str:
+    """The model saved in `directory` as transformers saves it, sharded; made once."""
+    from transformers import AutoModelForCausalLM
+
+    marker = os.path.join(directory, f"layers-{layers}")
+    if not os.path.exists(marker):
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = AutoModelForCausalLM.from_config(qwen2_config(layers))
+        model.save_pretrained(directory, max_shard_size="450MB")
+        del model
+        open(marker, "w").close()
+    return directory
+
+
+class PlainLoop:
+    """The plain transformers + peft training loop on whole batches, as a user writes it."""
+
+    def __init__(self, directory: str, batch) -> None:
+        from peft import get_peft_model
+        from transformers import AutoModelForCausalLM
+
+        from raypipe.lora import peft_config
+
+        model = AutoModelForCausalLM.from_pretrained(directory, attn_implementation="sdpa")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self.model = get_peft_model(model, peft_config(LORA))
+        self.model.train()
+        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=1e-4)
+        self.batch = batch
+
+    def step(self, step: int) -> None:
+        ids, labels = self.batch(step)
+        self.optimizer.zero_grad()
+        self.model(input_ids=ids, labels=labels).loss.backward()
+        self.optimizer.step()
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def stage_memory(trainer: Trainer) -> list[dict]:
+    """Per stage: parameter bytes, peak, peak over parameters, and the peak's split."""
+    out = []
+    for info in trainer.stage_info():
+        split = info["memory"]
+        out.append(
+            {
+                "layers": info["layers"],
+                "parameter_bytes": info["parameter_bytes"],
+                "peak_bytes": split["peak"],
+                "peak_over_parameters": split["peak"] / info["parameter_bytes"],
+                "split": split,
+                "threads": info["threads"],
+            }
+        )
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", default=None, help="where the model is saved (kept, reused); a temp dir if unset")
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=3, help="measured steps per round")
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="the plain loop's torch threads")
+    args = parser.parse_args()
+
+    import peft
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    directory = saved_model(args.dir or tempfile.mkdtemp(prefix="llm_scale-"), args.layers)
+    torch.set_num_threads(args.threads)
+
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(step)
+        ids = torch.randint(0, 151936, (args.batch_size, args.seq), generator=g)
+        return ids, ids
+
+    started = time.perf_counter()
+    plain = PlainLoop(directory, batch)
+    plain_load_s = time.perf_counter() - started
+
+    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, logging_level="ERROR")
+    # the runtime's own cost: a stage holding one layer of the family, stepped once
+    with Trainer(
+        hf.from_config(qwen2_config(1, vocab=256)), config=TrainConfig(pp=1, lora=LORA, optimizer=OPTIMIZER)
+    ) as tiny:
+        tiny.step(torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16)))
+        baseline = tiny.stage_info()[0]["memory"]["peak"]
+
+    driver_before = rss_bytes()
+    started = time.perf_counter()
+    pp1 = Trainer(hf.from_pretrained(directory), config=TrainConfig(pp=1, lora=LORA, optimizer=OPTIMIZER))
+    pp1_load_s = time.perf_counter() - started
+    driver_growth = rss_bytes() - driver_before
+    pp1_loaded = stage_memory(pp1)  # before any step: the peak of placing and loading
+    seconds = interleaved(
+        {"plain_peft": plain.step, "raypipe_pp1": lambda step: pp1.step(*batch(step))},
+        args.rounds,
+        args.steps,
+        warmup=1,
+    )
+    pp1_memory = stage_memory(pp1)
+    pp1.shutdown()
+    del plain  # its memory back before pp = 2 starts
+
+    started = time.perf_counter()
+    pp2 = Trainer(
+        hf.from_pretrained(directory), config=TrainConfig(pp=2, microbatches=4, lora=LORA, optimizer=OPTIMIZER)
+    )
+    pp2_load_s = time.perf_counter() - started
+    pp2_loaded = stage_memory(pp2)
+    pp2.step(*batch(0))
+    pp2_steps = []
+    for step in range(args.rounds * args.steps):
+        t0 = time.perf_counter()
+        pp2.step(*batch(step + 1))
+        pp2_steps.append(time.perf_counter() - t0)
+    pp2_memory = stage_memory(pp2)
+    started = time.perf_counter()
+    pp2.save_pretrained(tempfile.mkdtemp(prefix="llm_scale-merged-"), merge_adapters=True)
+    save_merged_s = time.perf_counter() - started
+    pp2.shutdown()
+    ray.shutdown()
+
+    tokens = args.batch_size * args.seq
+    medians = {k: statistics.median(s for r in v for s in r) for k, v in seconds.items()}
+    medians["raypipe_pp2"] = statistics.median(pp2_steps)
+
+    def over_baseline(stages: list[dict]) -> list[float]:  # (peak - runtime baseline) / parameter bytes
+        return [(s["peak_bytes"] - baseline) / s["parameter_bytes"] for s in stages]
+
+    def beyond_activations(stages: list[dict]) -> list[float]:  # (peak - activations - baseline) / parameters
+        return [(s["peak_bytes"] - s["split"]["activations"] - baseline) / s["parameter_bytes"] for s in stages]
+
+    result = {
+        "benchmark": "llm_scale",
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "ray": ray.__version__,
+            "transformers": transformers.__version__,
+            "peft": peft.__version__,
+        },
+        "model": {"shape": "Qwen2-0.5B", "layers": args.layers, "tied_head": True, "dtype": "fp32"},
+        "lora": LORA,
+        "batch": {"size": args.batch_size, "seq": args.seq, "tokens": tokens},
+        "plain_threads": args.threads,
+        "step_seconds": seconds | {"raypipe_pp2": [pp2_steps]},
+        "tokens_per_s_median": {k: tokens / v for k, v in medians.items()},
+        "ratio_raypipe_pp1_vs_plain_median_of_pairs": paired_ratio(seconds, "plain_peft", "raypipe_pp1"),
+        "runtime_baseline_bytes": baseline,
+        "pp1_stages": pp1_memory,
+        "pp2_stages": pp2_memory,
+        "pp1_loaded_peak_minus_baseline_over_parameters": over_baseline(pp1_loaded),
+        "pp2_loaded_peak_minus_baseline_over_parameters": over_baseline(pp2_loaded),
+        "pp1_peak_minus_baseline_over_parameters": over_baseline(pp1_memory),
+        "pp2_peak_minus_baseline_over_parameters": over_baseline(pp2_memory),
+        "pp1_peak_minus_activations_and_baseline_over_parameters": beyond_activations(pp1_memory),
+        "pp2_peak_minus_activations_and_baseline_over_parameters": beyond_activations(pp2_memory),
+        "load_seconds": {"plain_peft": plain_load_s, "raypipe_pp1": pp1_load_s, "raypipe_pp2": pp2_load_s},
+        "save_pretrained_merged_seconds_pp2": save_merged_s,
+        "driver_rss_growth_bytes_pp1": driver_growth,
+    }
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
