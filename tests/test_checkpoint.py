@@ -165,10 +165,12 @@ def kill_when_exists(actor, path, timeout=30.0):
 
 
 # both ways of dying at pp=2 (one under the compiled engine); the dp=2 restart (a collective world to rebuild) once
+# "corrupt": the newest checkpoint (step 4) rots before stage 1 dies in step 6; the actors find it
+# when they hash what they load, and the recovery takes step 2 instead
 @pytest.mark.parametrize(
     "how, dp, engine",
-    [("ray.kill", 1, "p2p"), ("SIGKILL", 1, "compiled"), ("ray.kill", 2, "p2p")],
-    ids=["ray.kill-pp2", "SIGKILL-pp2-compiled", "ray.kill-pp2-dp2"],
+    [("ray.kill", 1, "p2p"), ("SIGKILL", 1, "compiled"), ("ray.kill", 2, "p2p"), ("corrupt", 1, "p2p")],
+    ids=["ray.kill-pp2", "SIGKILL-pp2-compiled", "ray.kill-pp2-dp2", "corrupt-newest-pp2"],
 )
 def test_training_survives_a_stage_dying_mid_step(killable_baseline, tmp_path, how, dp, engine):
     flag = tmp_path / "kill-now"
@@ -178,7 +180,10 @@ def test_training_survives_a_stage_dying_mid_step(killable_baseline, tmp_path, h
         victim = t.group.actors[-1]  # stage 1 of the last replica
 
         def on_step(metrics):
-            if metrics["step"] == 3 and t.restarts == 0:
+            if how == "corrupt" and metrics["step"] == 5 and t.restarts == 0:
+                flip_a_byte(tmp_path / "ck" / "step-00000004" / "model" / "layer-00005.safetensors")
+                flag.touch()
+            elif how != "corrupt" and metrics["step"] == 3 and t.restarts == 0:
                 if how == "SIGKILL":
                     flag.touch()  # stage 1 kills its own process in step 4's first forward
                 else:  # stage 1 pauses in step 4's first forward, and is killed from outside there
@@ -192,8 +197,11 @@ def test_training_survives_a_stage_dying_mid_step(killable_baseline, tmp_path, h
         groups = [g["state"] for g in ray.util.placement_group_table().values() if g["name"] == f"raypipe-{t.run_name}"]
         assert sorted(groups) == ["CREATED", "REMOVED"], groups
     assert time.monotonic() - started < 60
-    assert any(re.search(r"stage1-dp\d-tp0 died during step 4", m) for m in messages), messages
+    died = 6 if how == "corrupt" else 4
+    assert any(re.search(rf"stage1-dp\d-tp0 died during step {died}", m) for m in messages), messages
     assert any("resumed at step 2 from" in m for m in messages), messages
+    if how == "corrupt":
+        assert any("skipping invalid checkpoint" in m and "layer-00005.safetensors: sha256" in m for m in messages)
     torch.testing.assert_close(
         torch.tensor(losses_by_step(history)), torch.tensor(killable_baseline(dp)), rtol=1e-6, atol=1e-6
     )

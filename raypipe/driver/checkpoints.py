@@ -231,13 +231,13 @@ def address(path: Any) -> str:
     return getattr(path, "uri", None) or str(path)
 
 
-def last_valid(checkpoint_dir: str | None, run_id: str) -> tuple[Path, int] | None:
+def last_valid(checkpoint_dir: str | None, run_id: str, skip: Sequence[str] = ()) -> tuple[Path, int] | None:
     """The newest valid checkpoint of run `run_id` under `checkpoint_dir` and its step, or None:
-    what a recovery restores (never another run's)."""
+    what a recovery restores (never another run's, nor one named in `skip`)."""
     if checkpoint_dir is None:
         return None
     try:
-        where, meta = ckpt.find_valid(checkpoint_dir, warn=lambda _: None, run_id=run_id)
+        where, meta = ckpt.find_valid(checkpoint_dir, warn=lambda _: None, run_id=run_id, skip=skip)
     except ckpt.CheckpointError:
         return None
     return where, meta["step"]

@@ -1,13 +1,15 @@
 """Where recovery happens: after an actor dies, `fit` replaces every actor, restores the
-newest valid checkpoint (or the initial weights) and replays from there, up to
-`TrainConfig.max_restarts` times."""
+newest valid checkpoint (or the initial weights; one whose files the actors find corrupt is
+passed over for the next) and replays from there, up to `TrainConfig.max_restarts` times."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
+from raypipe.checkpoint.layout import CheckpointError
 from raypipe.driver import nodes
 from raypipe.driver.checkpoints import last_valid
 from raypipe.driver.group import ActorGroup
@@ -50,10 +52,16 @@ def recover(group: ActorGroup, run: RunState, error: ActorDiedError, log: Callab
             f"{error.actor} died with its node ({nodes.describe(placed, gone)}), and no node "
             f"left can take its place: {failure}"
         ) from None
-    where = restore_point(config.checkpoint_dir, run)
-    if where is not None:
-        group.load(where[0], None, run, log)
-    else:
+    where, corrupt = restore_point(config.checkpoint_dir, run), []
+    while where is not None:  # the actors hash what they read: one found corrupt, the next older
+        try:
+            group.load(where[0], None, run, log)
+            break
+        except CheckpointError as invalid:
+            log(f"raypipe: skipping invalid checkpoint: {invalid}")
+            corrupt.append(Path(str(where[0])).name)
+            where = restore_point(config.checkpoint_dir, run, corrupt)
+    if where is None:
         run.step_count = 0  # new actors start from the initial weights
     log(
         f"raypipe: resumed at step {run.step_count} from {where[0] if where else 'the initial weights'} "
@@ -61,9 +69,13 @@ def recover(group: ActorGroup, run: RunState, error: ActorDiedError, log: Callab
     )
 
 
-def restore_point(checkpoint_dir: str | None, run: RunState) -> tuple[Any, int] | None:
+def restore_point(checkpoint_dir: str | None, run: RunState, skip: Sequence[str] = ()) -> tuple[Any, int] | None:
     """What a recovery restores: the newest of the run's own valid checkpoints in `checkpoint_dir`
     and the checkpoint the run was last loaded from (a resume from elsewhere), or None (the initial
-    weights). Never another run's checkpoint, whatever its step."""
-    found = [p for p in (last_valid(checkpoint_dir, run.run_id), run.restored_from) if p]
+    weights); never one named in `skip` (found corrupt), never another run's, whatever its step."""
+    found = [
+        p
+        for p in (last_valid(checkpoint_dir, run.run_id, skip), run.restored_from)
+        if p and Path(str(p[0])).name not in skip
+    ]
     return max(found, key=lambda p: p[1]) if found else None
