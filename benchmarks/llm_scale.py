@@ -12,7 +12,8 @@ five safetensors shards, once per `--dir`. LoRA (r = 8 on q/k/v/o, through peft)
   training, and the split the stage reports (parameters / gradients / optimizer state /
   activations / other). `baseline` is the peak of a stage actor holding a one-layer model of
   the same family: the runtime's own cost (Python, torch, transformers, peft, Ray's worker),
-  which every stage pays once.
+  which every stage pays once. The plain loop's peak, over what its process held before it
+  loaded the model, is the reference for pp = 1.
 - load time (Trainer built: actors placed, layers read), `save_pretrained` with the adapters
   merged, and the driver's resident growth while it holds the trainer (it holds no weights).
 
@@ -26,6 +27,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import statistics
 import tempfile
 import time
@@ -148,9 +150,11 @@ def main() -> None:
         ids = torch.randint(0, 151936, (args.batch_size, args.seq), generator=g)
         return ids, ids
 
+    plain_start = rss_bytes()  # torch, transformers and peft imported, no model yet
     started = time.perf_counter()
     plain = PlainLoop(directory, batch)
     plain_load_s = time.perf_counter() - started
+    plain_parameter_bytes = sum(p.numel() * p.element_size() for p in plain.model.parameters())
 
     ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, logging_level="ERROR")
     # the runtime's own cost: a stage holding one layer of the family, stepped once
@@ -174,6 +178,9 @@ def main() -> None:
     )
     pp1_memory = stage_memory(pp1)
     pp1.shutdown()
+    # the plain loop's own peak over what the process held before it loaded the model (the
+    # driver's trainers in this process hold no weights: see driver_rss_growth_bytes_pp1)
+    plain_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - plain_start
     del plain  # its memory back before pp = 2 starts
 
     started = time.perf_counter()
@@ -227,6 +234,7 @@ def main() -> None:
         "pp2_stages": pp2_memory,
         "pp1_loaded_peak_minus_baseline_over_parameters": over_baseline(pp1_loaded),
         "pp2_loaded_peak_minus_baseline_over_parameters": over_baseline(pp2_loaded),
+        "plain_peak_minus_start_over_parameters": plain_peak / plain_parameter_bytes,
         "pp1_peak_minus_baseline_over_parameters": over_baseline(pp1_memory),
         "pp2_peak_minus_baseline_over_parameters": over_baseline(pp2_memory),
         "pp1_peak_minus_activations_and_baseline_over_parameters": beyond_activations(pp1_memory),
