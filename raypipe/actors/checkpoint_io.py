@@ -160,18 +160,15 @@ def verify_stage(model: StageModel, directory: str, stage: int, name: str) -> li
     problems = []
     for relative in wanted:
         entry = files.get(relative) or files.get(str(Path(relative).with_suffix(ckpt.LEGACY)))
-        if (
-            entry is None
-        ):  # not in this checkpoint (an optimizer's state it never had): `check_stage` says what is missing
+        if entry is None:  # state it never had: `check_stage` names what is missing
             continue
         path = ckpt.existing(root / relative)
         try:
-            if ckpt.sha256_file(path) != entry["sha256"]:
-                problems.append(f"{redact(str(path))}: sha256 does not match the manifest (corrupt)")
+            problem = ckpt.file_problem(path, int(entry["bytes"]), str(entry["sha256"]))
         except Exception as error:  # noqa: BLE001 - unreadable is as bad as altered
-            problems.append(
-                f"{redact(str(path))}: cannot be read: {type(error).__name__}: {scrub(str(error), directory)}"
-            )
+            problem = f"{path}: cannot be read: {type(error).__name__}: {error}"
+        if problem:
+            problems.append(scrub(problem, directory))
     return problems
 
 

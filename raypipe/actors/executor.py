@@ -67,7 +67,9 @@ class Executor:
         self.stash_bytes: dict[tuple[int, int], int] = {}  # per stashed microbatch, bytes autograd saved for backward
         self.deferred: dict[tuple[int, int], Deferred] = {}  # what each pending W needs from its I
         self.saved_per_microbatch: dict[int, int] = {}  # per model chunk, its first microbatch's saved bytes
-        self.weights: frozenset[int] | None = None  # storages of the parameters: not activations
+        # the parameters' storages (saved for backward, but not activations); loading copies into
+        # the same parameters, so they are found once
+        self.weights = weight_storages(model.module)
 
     def begin(self, call_id: int) -> None:
         """Starts a new step when `call_id` is new: fresh timings and stash, gradients zeroed."""
@@ -126,8 +128,6 @@ class Executor:
                     if t.is_floating_point():
                         t.requires_grad_(True)
             measure = self.settings.measure_activations or v not in self.saved_per_microbatch
-            if self.weights is None:  # parameters are never replaced, so their storages are found once
-                self.weights = weight_storages(self.model.module)
             with self.autocast(), count_saved_bytes(measure and torch.is_grad_enabled(), self.weights) as saved:
                 if self.settings.activation_checkpointing and torch.is_grad_enabled():
                     out = checkpoint(module, x, use_reentrant=False)

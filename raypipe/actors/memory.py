@@ -75,7 +75,7 @@ def memory_split(peak: int, model: Any, optim: Any, activations: int) -> dict[st
     resident set counts them) and transients. Bytes; `other` is never negative."""
     known = {
         "parameters": model.parameter_bytes(),
-        "gradients": sum(g.numel() * g.element_size() for g in model.grads()),
+        "gradients": model.gradient_bytes(),
         "optimizer_state": optim.state_bytes(),
         "activations": activations,
     }

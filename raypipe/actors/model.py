@@ -98,6 +98,9 @@ class StageModel:
     def parameter_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.params)
 
+    def gradient_bytes(self) -> int:
+        return sum(g.numel() * g.element_size() for g in self.grads())
+
     def grads(self) -> list[torch.Tensor]:
         return [p.grad for p in self.params if p.grad is not None]
 

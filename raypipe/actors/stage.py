@@ -122,7 +122,7 @@ class StageActor(RefsCalls):
             model.parameter_bytes(),
             {key: moe.held_experts() for key, moe in model.moes.items()},
             sum(p.numel() for p in model.trainable()),
-            sum(g.numel() * g.element_size() for g in model.grads()),
+            model.gradient_bytes(),
             self.optim.state_bytes(),
             self.last_memory or memory_split(_peak_memory_bytes(model.device), model, self.optim, 0),
         )

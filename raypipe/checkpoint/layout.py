@@ -287,14 +287,9 @@ def verify(path: str | Path, contents: bool = False) -> dict[str, Any]:
     if META not in files:
         raise CheckpointError(f"{manifest_path}: lists no {META}")
     for name, size_expected, sha in entries:
-        file = path / name
-        if not file.is_file():
-            raise CheckpointError(f"{file}: missing")
-        size = file.size() if isinstance(file, StoragePath) else file.stat().st_size
-        if size != size_expected:
-            raise CheckpointError(f"{file}: {size} bytes, the manifest says {size_expected} (truncated?)")
-        if (contents or name == META) and sha256_file(file) != sha:
-            raise CheckpointError(f"{file}: sha256 does not match the manifest (corrupt)")
+        problem = file_problem(path / name, size_expected, sha, contents or name == META)
+        if problem:
+            raise CheckpointError(problem)
     try:
         meta = json.loads((path / META).read_text())
         missing = [k for k in META_FIELDS if k not in meta]
@@ -306,6 +301,19 @@ def verify(path: str | Path, contents: bool = False) -> dict[str, Any]:
 
 
 META_FIELDS = ("step", "num_layers", "plan", "loss_scaler")  # what a load reads from trainer.json
+
+
+def file_problem(file: Path | StoragePath, size_expected: int, sha: str, contents: bool = True) -> str | None:
+    """What is wrong with one file of a checkpoint against its manifest entry (missing, another
+    size, and with `contents` another sha256), or None."""
+    if not file.is_file():
+        return f"{file}: missing"
+    size = file.size() if isinstance(file, StoragePath) else file.stat().st_size
+    if size != size_expected:
+        return f"{file}: {size} bytes, the manifest says {size_expected} (truncated?)"
+    if contents and sha256_file(file) != sha:
+        return f"{file}: sha256 does not match the manifest (corrupt)"
+    return None
 
 
 def find_valid(

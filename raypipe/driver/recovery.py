@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 from raypipe.checkpoint.layout import CheckpointError
@@ -59,7 +58,7 @@ def recover(group: ActorGroup, run: RunState, error: ActorDiedError, log: Callab
             break
         except CheckpointError as invalid:
             log(f"raypipe: skipping invalid checkpoint: {invalid}")
-            corrupt.append(Path(str(where[0])).name)
+            corrupt.append(where[0].name)
             where = restore_point(config.checkpoint_dir, run, corrupt)
     if where is None:
         run.step_count = 0  # new actors start from the initial weights
@@ -74,8 +73,6 @@ def restore_point(checkpoint_dir: str | None, run: RunState, skip: Sequence[str]
     and the checkpoint the run was last loaded from (a resume from elsewhere), or None (the initial
     weights); never one named in `skip` (found corrupt), never another run's, whatever its step."""
     found = [
-        p
-        for p in (last_valid(checkpoint_dir, run.run_id, skip), run.restored_from)
-        if p and Path(str(p[0])).name not in skip
+        p for p in (last_valid(checkpoint_dir, run.run_id, skip), run.restored_from) if p and p[0].name not in skip
     ]
     return max(found, key=lambda p: p[1]) if found else None
