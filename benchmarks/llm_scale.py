@@ -17,8 +17,14 @@ five safetensors shards, once per `--dir`. LoRA (r = 8 on q/k/v/o, through peft)
 - load time (Trainer built: actors placed, layers read), `save_pretrained` with the adapters
   merged, and the driver's resident growth while it holds the trainer (it holds no weights).
 
+With `--full-ft`, instead: full fine-tuning (every weight trains, AdamW) at pp = 2 x dp = 2,
+ZeRO-0 against ZeRO-3 (`zero=3`) on the same batches: each actor's peak, its parameter and
+optimizer-state bytes (the stage's split: ZeRO-3's slices plus the largest layer gathered),
+their ratio to ZeRO-0's, and the step time of each (one trainer after the other: two would not fit).
+
     python benchmarks/llm_scale.py --dir /tmp/qwen2-0.5b > llm_scale.json   # about 6 minutes on 2 cores
     python benchmarks/llm_scale.py --layers 2 --rounds 1 --steps 1          # the script itself, small
+    python benchmarks/llm_scale.py --dir /tmp/qwen2-8l --layers 8 --full-ft > zero3.json  # ~6 minutes
 """
 
 from __future__ import annotations
@@ -136,6 +142,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3, help="measured steps per round")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="the plain loop's torch threads")
+    parser.add_argument("--full-ft", action="store_true", help="full fine-tuning at pp 2 x dp 2: ZeRO-0 vs ZeRO-3")
     args = parser.parse_args()
 
     import peft
@@ -150,6 +157,9 @@ def main() -> None:
         ids = torch.randint(0, 151936, (args.batch_size, args.seq), generator=g)
         return ids, ids
 
+    if args.full_ft:
+        print(json.dumps(full_fine_tuning(directory, batch, args), indent=2))
+        return
     plain_start = rss_bytes()  # torch, transformers and peft imported, no model yet
     started = time.perf_counter()
     plain = PlainLoop(directory, batch)
@@ -244,6 +254,53 @@ def main() -> None:
         "driver_rss_growth_bytes_pp1": driver_growth,
     }
     print(json.dumps(result, indent=2))
+
+
+def full_fine_tuning(directory: str, batch, args) -> dict:
+    """ZeRO-0 and ZeRO-3 at pp 2 x dp 2, every weight trained: per-actor memory and step time."""
+    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, logging_level="ERROR")
+    kinds = {}
+    for zero in (0, 3):
+        config = TrainConfig(pp=2, dp=2, microbatches=2, zero=zero, optimizer=OPTIMIZER, step_timeout=1800)
+        trainer = Trainer(hf.from_pretrained(directory), config=config)
+        trainer.step(*batch(0))  # optimizer state exists from here
+        times = []
+        for step in range(args.rounds * args.steps):
+            t0 = time.perf_counter()
+            losses = trainer.step(*batch(step + 1))["loss"]
+            times.append(time.perf_counter() - t0)
+        actors = []
+        for info in trainer.stage_info():
+            split = info["memory"]
+            actors.append(
+                {
+                    "name": info["name"],
+                    "parameter_bytes": info["parameter_bytes"],
+                    "held_parameter_bytes": split["parameters"],
+                    "optimizer_state_bytes": split["optimizer_state"],
+                    "gradient_bytes": split["gradients"],
+                    "activation_bytes": split["activations"],
+                    "peak_bytes": split["peak"],
+                }
+            )
+        kinds[f"zero{zero}"] = {"step_seconds": times, "last_loss": losses, "actors": actors}
+        trainer.shutdown()
+    ray.shutdown()
+    zero0, zero3 = kinds["zero0"]["actors"], kinds["zero3"]["actors"]
+
+    def held(a: dict) -> int:
+        return a["held_parameter_bytes"] + a["optimizer_state_bytes"]
+
+    return {
+        "benchmark": "llm_scale --full-ft",
+        "machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "ray": ray.__version__},
+        "model": {"shape": "Qwen2-0.5B", "layers": args.layers, "tied_head": True, "dtype": "fp32"},
+        "batch": {"size": args.batch_size, "seq": args.seq, "microbatches_per_replica": 2},
+        "runs": kinds,
+        "parameters_plus_optimizer_zero3_over_zero0": [held(b) / held(a) for a, b in zip(zero0, zero3)],
+        "peak_zero3_over_zero0": [b["peak_bytes"] / a["peak_bytes"] for a, b in zip(zero0, zero3)],
+        "step_seconds_median": {k: statistics.median(v["step_seconds"]) for k, v in kinds.items()},
+    }
 
 
 if __name__ == "__main__":

@@ -44,6 +44,10 @@ class TrainConfig:
         zero: 1 shards optimizer state across the dp replicas (ZeRO stage 1): each replica
             steps its share of the parameters and sends the result to the others; 0 off.
             Reconfigurable: switching it re-shards the optimizer state, nothing is lost.
+            3 (ZeRO stage 3 / FSDP inside each stage) shards the weights, gradients and optimizer
+            state too: each layer is gathered among the replicas just before its forward and
+            its backward and freed after (p2p and compiled engines; not with quantize or ep;
+            not switched to or from on a running trainer). Checkpoints stay whole.
         dp_bucket_mb: MiB of gradients the dp all-reduce flattens into one collective (torch
             DDP's `bucket_cap_mb`, same default): larger amortises each collective's latency.
         microbatches: microbatches each batch is split into; the batch size must divide by it.
@@ -312,8 +316,18 @@ def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str,
     return data
 
 
-def check_reconfigurable(changes: dict[str, Any]) -> None:
-    """Raises ConfigError for a field that needs a new Trainer, or one TrainConfig lacks."""
+def check_reconfigurable(changes: dict[str, Any], current: TrainConfig | None = None) -> None:
+    """Raises ConfigError for a field that needs a new Trainer, or one TrainConfig lacks (or, against
+    the `current` config, a change a running trainer cannot make: ZeRO-3 on or off)."""
+    if (
+        current is not None
+        and changes.get("zero", current.zero) != current.zero
+        and 3 in (changes["zero"], current.zero)
+    ):
+        raise ConfigError(
+            f"TrainConfig.zero cannot switch between {current.zero} and {changes['zero']} on a running "
+            "trainer (zero=3 lays the weights out anew): save a checkpoint and load it into a new Trainer."
+        )
     fixed = [k for k in changes if k not in RECONFIGURABLE]
     if fixed:
         names = TrainConfig.field_names()

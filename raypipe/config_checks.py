@@ -54,8 +54,15 @@ def validate(c: Any) -> None:
             "needs every replica of its ep group inside one step call): use "
             "engine='p2p'.",
         )
-    if c.zero not in (0, 1) or isinstance(c.zero, bool):
-        raise fail("zero", c.zero, "give 0 (off) or 1 (shard optimizer state across dp replicas).")
+    if c.zero not in (0, 1, 3) or isinstance(c.zero, bool):
+        raise fail(
+            "zero",
+            c.zero,
+            "give 0 (off), 1 (shard optimizer state across dp replicas) or 3 (shard the weights, "
+            "gradients and optimizer state, each layer gathered when it runs).",
+        )
+    if c.zero == 3:
+        check_zero3(c)
     check_positive("dp_bucket_mb", c.dp_bucket_mb)
     check_int("microbatches", c.microbatches, 1)
     check_choice("schedule", c.schedule, SCHEDULE_NAMES)
@@ -115,6 +122,22 @@ def validate(c: Any) -> None:
     c.loggers = check_loggers(c.loggers)
     c.lora = lora.check(c.lora, c.tp)
     c.quantize = lora.check_quantize(c.quantize, c.lora, c.stage_kinds())
+
+
+def check_zero3(c: Any) -> None:
+    """ZeRO-3 fits the other fields: the engines that run a step in one call, no quantized base, no
+    expert parallelism (its experts are sharded by ep already)."""
+    if c.engine == "refs":
+        raise fail(
+            "engine",
+            c.engine,
+            "zero=3 gathers each layer among the dp replicas inside the step, which needs the whole "
+            "step in one call per actor: use engine='p2p' (or 'compiled').",
+        )
+    if c.quantize is not None:
+        raise fail("quantize", c.quantize, "a quantized base is not sharded by zero=3: use zero=0 or 1 with quantize.")
+    if c.ep > 1:
+        raise fail("ep", c.ep, "zero=3 does not shard expert-parallel layers yet: use zero=1 with ep > 1.")
 
 
 def check_schedule(c: Any) -> None:

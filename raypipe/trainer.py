@@ -226,11 +226,13 @@ class Trainer:
 
     def evaluate(self, x: torch.Tensor, y: Any) -> float:
         """The mean loss on `(x, y)` without training (eval mode, no gradients, weights unchanged)."""
-        return inference.evaluate(self.group, x, y)
+        with self.group.whole_weights():
+            return inference.evaluate(self.group, x, y)
 
     def predict(self, x: torch.Tensor) -> torch.Tensor:
         """The model's output for `x` (eval mode, no gradients), run through the pipeline."""
-        return inference.predict(self.group, x)
+        with self.group.whole_weights():
+            return inference.predict(self.group, x)
 
     def timeline(self, planned: bool = False) -> Timeline:
         """The last step's schedule as each stage ran it (from the actors' own timestamps).
@@ -249,28 +251,25 @@ class Trainer:
         """Writes the model in its library's format (`Model.save_pretrained`: a directory transformers
         loads, for its models and the reference GPT), LoRA adapters folded in with `merge_adapters`."""
         stages = chunks.inference_group(self.topology, self.group.actors, self.names)[0]  # with the ep ranks' experts
-        self.model.save_pretrained(stages, self.specs, str(directory), self.config.tp, merge_adapters)
+        with self.group.whole_weights():
+            self.model.save_pretrained(stages, self.specs, str(directory), self.config.tp, merge_adapters)
         return Path(directory)
 
     def save_adapter(self, directory: str) -> Path:
         """Writes the LoRA adapters in peft's format (`peft.PeftModel.from_pretrained(base, dir)`)."""
         from raypipe.models.hf import adapters
 
-        adapters.save(self.group.replica0()[0], self.specs, self.model, self.config.lora, str(directory))
+        with self.group.whole_weights():
+            adapters.save(self.group.replica0()[0], self.specs, self.model, self.config.lora, str(directory))
         return Path(directory)
 
     def load_adapter(self, directory: str) -> None:
         """Loads LoRA adapters in peft's format into every stage (training continues from them)."""
         from raypipe.models.hf import adapters
 
-        adapters.load(
-            self.group.actors,
-            self.group.replica0()[0],
-            self.specs,
-            self.model,
-            self.group.actor_plan(),
-            str(directory),
-        )
+        g = self.group
+        with g.whole_weights():
+            adapters.load(g.actors, g.replica0()[0], self.specs, self.model, g.actor_plan(), str(directory))
 
     def generate(
         self,
@@ -288,13 +287,15 @@ class Trainer:
         from raypipe.driver.generation import generate
 
         sampling = (max_new_tokens, temperature, top_k, self.model.kv_cache, self.config.step_timeout)
-        return generate(*self.group.inference_path(), input_ids, *sampling, attention_mask, eos_token_id, seed)
+        with self.group.whole_weights():
+            return generate(*self.group.inference_path(), input_ids, *sampling, attention_mask, eos_token_id, seed)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full model's weights, keyed as `nn.Sequential(*layers).state_dict()`, tp shards and ep experts merged."""
-        return weights.merged_replicas(
-            self.topology.grid(self.group.actors), "state_dict", self.config.tp, self.config.ep
-        )
+        with self.group.whole_weights():
+            return weights.merged_replicas(
+                self.topology.grid(self.group.actors), "state_dict", self.config.tp, self.config.ep
+            )
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Loads full-model weights (keys as `state_dict()` gives them) into every stage.
@@ -306,9 +307,10 @@ class Trainer:
 
     def gradients(self) -> dict[str, torch.Tensor]:
         """The last step's gradients, keyed like `state_dict()` (as the optimizer used them)."""
-        return weights.merged_replicas(
-            self.topology.grid(self.group.actors), "gradients", self.config.tp, self.config.ep
-        )
+        with self.group.whole_weights(gradients=True):
+            return weights.merged_replicas(
+                self.topology.grid(self.group.actors), "gradients", self.config.tp, self.config.ep
+            )
 
     def reconfigure(self, **changes: Any) -> None:
         """Changes training settings between steps, keeping the actors and weights.
@@ -320,7 +322,7 @@ class Trainer:
         Raises:
             ConfigError: for a field that needs a new Trainer (pp, shard_plan, ...) or a bad value.
         """
-        check_reconfigurable(changes)
+        check_reconfigurable(changes, self.config)
         self.group.reconfigure(self.config.replace(**changes))
 
     def reset_optimizer(self) -> None:

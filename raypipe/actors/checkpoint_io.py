@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from raypipe.actors import zero3
 from raypipe.actors.model import StageModel
 from raypipe.actors.optimizer import OptimizerState
 from raypipe.checkpoint import layout as ckpt
@@ -39,49 +40,52 @@ def save_stage(
         {"files": relative path -> {"sha256", "bytes"}, "loss_scaler": {...}}; files is empty
         on the actors that only contributed (dp rank > 0, tp rank > 0).
     """
-    states = optim.state_by_layer()
-    if optim.zero_active():  # each replica holds a share: dp rank 0 writes the union
-        import torch.distributed as dist
+    with zero3.whole(optim.sharded):  # ZeRO-3: every weight whole while it is written
+        states = optim.state_by_layer()
+        if optim.sharded is not None:
+            states = _whole_states(model, optim, states)
+        if optim.zero_active():  # each replica holds a share: dp rank 0 writes the union
+            import torch.distributed as dist
 
-        shares = [None] * optim.dp_size if optim.dp_rank == 0 else None
-        dist.gather_object(states, shares, dst=optim.dp_ranks[0], group=optim.dp_group)
-        if optim.dp_rank == 0:
-            for share in shares:
-                for index, state in share.items():
-                    states[index].update(state)
-    nothing = {"files": {}, "loss_scaler": optim.scaler_state()}
-    holds_experts = model.ep.size > 1 and optim.dp_rank < model.ep.size
-    if optim.dp_rank != 0 and not holds_experts:  # replicas hold the same weights; replica 0 writes them
-        return nothing
-    models = {index: _saved(layer.state_dict(), model.lora) for index, layer in zip(model.layers, model.module)}
-    if holds_experts:
-        models, states = _gather_experts(model, models, states, list(ep_ranks))
-        if optim.dp_rank != 0:
+            shares = [None] * optim.dp_size if optim.dp_rank == 0 else None
+            dist.gather_object(states, shares, dst=optim.dp_ranks[0], group=optim.dp_group)
+            if optim.dp_rank == 0:
+                for share in shares:
+                    for index, state in share.items():
+                        states[index].update(state)
+        nothing = {"files": {}, "loss_scaler": optim.scaler_state()}
+        holds_experts = model.ep.size > 1 and optim.dp_rank < model.ep.size
+        if optim.dp_rank != 0 and not holds_experts:  # replicas hold the same weights; replica 0 writes them
             return nothing
-    if model.tp.size > 1:  # tp rank 0 merges the shards: checkpoints hold whole tensors
-        models, states = _merge_tp_shards(model, models, states, tp_ranks)
-        if model.tp.rank != 0:
-            return nothing
-    root = location(directory)  # a local directory, or a URI every actor writes to (raypipe.checkpoint.storage)
-    if isinstance(root, Path) and not root.is_dir():
-        import ray
+        models = {index: _saved(layer.state_dict(), model.lora) for index, layer in zip(model.layers, model.module)}
+        if holds_experts:
+            models, states = _gather_experts(model, models, states, list(ep_ranks))
+            if optim.dp_rank != 0:
+                return nothing
+        if model.tp.size > 1:  # tp rank 0 merges the shards: checkpoints hold whole tensors
+            models, states = _merge_tp_shards(model, models, states, tp_ranks)
+            if model.tp.rank != 0:
+                return nothing
+        root = location(directory)  # a local directory, or a URI every actor writes to (raypipe.checkpoint.storage)
+        if isinstance(root, Path) and not root.is_dir():
+            import ray
 
-        raise StageError(
-            f"{name} on node {ray.get_runtime_context().get_node_id()[:12]} cannot see the "
-            f"checkpoint directory {redact(directory)}: multi-node runs need a directory every node shares, or a "
-            f"URI of storage every node reaches (checkpoint_dir='s3://bucket/run', raypipe.checkpoint.storage)."
-        )
-    files = {}
-    for index in model.layers:
-        files[ckpt.layer_file("model", index)] = ckpt.save_tensors(
-            root / ckpt.layer_file("model", index), models[index]
-        )
-        files[ckpt.layer_file("optim", index)] = ckpt.save_tensors(
-            root / ckpt.layer_file("optim", index), states[index]
-        )
-    rng = ckpt.rng_file(stage)
-    files[rng] = ckpt.save_tensors(root / rng, {"torch": torch.get_rng_state()})
-    return {"files": files, "loss_scaler": optim.scaler_state()}
+            raise StageError(
+                f"{name} on node {ray.get_runtime_context().get_node_id()[:12]} cannot see the "
+                f"checkpoint directory {redact(directory)}: multi-node runs need a directory every node shares, or a "
+                f"URI of storage every node reaches (checkpoint_dir='s3://bucket/run', raypipe.checkpoint.storage)."
+            )
+        files = {}
+        for index in model.layers:
+            files[ckpt.layer_file("model", index)] = ckpt.save_tensors(
+                root / ckpt.layer_file("model", index), models[index]
+            )
+            files[ckpt.layer_file("optim", index)] = ckpt.save_tensors(
+                root / ckpt.layer_file("optim", index), states[index]
+            )
+        rng = ckpt.rng_file(stage)
+        files[rng] = ckpt.save_tensors(root / rng, {"torch": torch.get_rng_state()})
+        return {"files": files, "loss_scaler": optim.scaler_state()}
 
 
 Shapes = dict[str, tuple[tuple[int, ...], bool]]  # key -> (full shape, floating point?)
@@ -201,37 +205,52 @@ def load_stage(
     Raises:
         StageError: a file is missing or does not fit the stage, naming the actor and the directory.
     """
-    root = location(directory)
-    tp, optimizer = model.tp, optim.optimizer
-    try:
-        for j, (index, layer) in enumerate(zip(model.layers, model.module)):
-            weights = ckpt.load_tensors(ckpt.existing(root / ckpt.layer_file("model", index)))
-            local = model.shard_state({f"{j}.{k}": v for k, v in weights.items()})
-            _load_layer(layer, {k[len(f"{j}.") :]: v for k, v in local.items() if k not in model.foreign}, model.lora)
-            state = ckpt.load_tensors(ckpt.existing(root / ckpt.layer_file("optim", index))) if optimizer_state else {}
-            if optimizer is not None:
-                stepped = {p for group in optimizer.param_groups for p in group["params"]}
-                for param_name, p in layer.named_parameters():
-                    if optim.stepped(p) in stepped and param_name in state:
-                        spec = model.shard_specs.get(f"{j}.{param_name}")
-                        optimizer.state[optim.stepped(p)] = {
-                            k: shard(v, spec, tp.rank, tp.size)
-                            if spec is not None and tp.size > 1 and is_per_element(v)
-                            else v
-                            for k, v in state[param_name].items()
-                        }
-                    else:
-                        optimizer.state.pop(optim.stepped(p), None)
-        if restore_rng:
-            torch.set_rng_state(ckpt.load_tensors(ckpt.existing(root / ckpt.rng_file(stage)))["torch"])
-    except StageError:
-        raise
-    except Exception as error:
-        raise StageError(
-            f"{name} could not load {redact(directory)}: {type(error).__name__}: {scrub(str(error), directory)}"
-        ) from error
+    with zero3.whole(optim.sharded, loading=True):  # ZeRO-3: loaded whole, then cut to slices
+        root = location(directory)
+        optimizer = optim.optimizer
+        try:
+            for j, (index, layer) in enumerate(zip(model.layers, model.module)):
+                weights = ckpt.load_tensors(ckpt.existing(root / ckpt.layer_file("model", index)))
+                local = model.shard_state({f"{j}.{k}": v for k, v in weights.items()})
+                _load_layer(
+                    layer, {k[len(f"{j}.") :]: v for k, v in local.items() if k not in model.foreign}, model.lora
+                )
+                state = (
+                    ckpt.load_tensors(ckpt.existing(root / ckpt.layer_file("optim", index))) if optimizer_state else {}
+                )
+                if optimizer is not None:
+                    _load_layer_state(model, optim, j, layer, state)
+            if restore_rng:
+                torch.set_rng_state(ckpt.load_tensors(ckpt.existing(root / ckpt.rng_file(stage)))["torch"])
+        except StageError:
+            raise
+        except Exception as error:
+            raise StageError(
+                f"{name} could not load {redact(directory)}: {type(error).__name__}: {scrub(str(error), directory)}"
+            ) from error
     optim.restore_scaler(loss_scaler)
     optim.sync_masters()  # bf16 weights' masters restart from the saved (bf16) weights
+
+
+def _load_layer_state(
+    model: StageModel, optim: OptimizerState, j: int, layer: torch.nn.Module, state: dict[str, dict]
+) -> None:
+    """Local layer `j`'s optimizer state from its file's whole tensors: this tp rank's shard, and
+    under ZeRO-3 this replica's slice of it; parameters without saved state start afresh."""
+    tp, optimizer = model.tp, optim.optimizer
+    stepped = {p for group in optimizer.param_groups for p in group["params"]}
+    for param_name, p in layer.named_parameters():
+        if optim.stepped(p) not in stepped or param_name not in state:
+            optimizer.state.pop(optim.stepped(p), None)
+            continue
+        spec = model.shard_specs.get(f"{j}.{param_name}")
+        entries = {
+            k: shard(v, spec, tp.rank, tp.size) if spec is not None and tp.size > 1 and is_per_element(v) else v
+            for k, v in state[param_name].items()
+        }
+        if optim.sharded is not None:
+            entries = {k: optim.sharded.local_state(p, v) for k, v in entries.items()}
+        optimizer.state[optim.stepped(p)] = entries
 
 
 def _saved(state: dict[str, torch.Tensor], lora: bool) -> dict[str, torch.Tensor]:
@@ -253,6 +272,23 @@ def _load_layer(layer: torch.nn.Module, state: dict[str, torch.Tensor], lora: bo
     if set(state) != expected:
         raise StageError(f"the checkpoint's adapters {sorted(state)[:2]} are not this layer's {sorted(expected)[:2]}")
     layer.load_state_dict(state, strict=False)
+
+
+def _whole_states(model: StageModel, optim: OptimizerState, states: dict[int, dict]) -> dict[int, dict]:
+    """ZeRO-3: dp rank 0 gets every replica's slices of the optimizer state put back together."""
+    import torch.distributed as dist
+
+    shares = [None] * optim.dp_size if optim.dp_rank == 0 else None
+    dist.gather_object(states, shares, dst=optim.dp_ranks[0], group=optim.dp_group)
+    if optim.dp_rank != 0:
+        return states
+    for index, layer in zip(model.layers, model.module):
+        params = dict(layer.named_parameters())
+        for param_name, entry in states[index].items():
+            p = params[param_name]
+            for key in entry:
+                entry[key] = optim.sharded.whole_state(p, [share[index][param_name][key] for share in shares])
+    return states
 
 
 def _gather_experts(

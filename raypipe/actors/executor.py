@@ -19,9 +19,11 @@ from raypipe.actors.memory import count_saved_bytes, weight_storages
 from raypipe.actors.model import StageModel
 from raypipe.actors.settings import StageSettings
 from raypipe.actors.split_backward import Deferred, input_gradients, weight_gradients
+from raypipe.actors.zero3 import ShardedStage
 from raypipe.errors import StageError
 from raypipe.nn.moe import RECORDER, reset_recorder
 from raypipe.schedules.actions import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD
+from raypipe.transport.stream import PeerFailed
 from raypipe.transport.tree import leaves, map_tensors, tensors
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -70,6 +72,7 @@ class Executor:
         # the parameters' storages (saved for backward, but not activations); loading copies into
         # the same parameters, so they are found once
         self.weights = weight_storages(model.module)
+        self.sharding: ShardedStage | None = None  # ZeRO-3's gathering of the layers (`OptimizerState.sharded`)
 
     def begin(self, call_id: int) -> None:
         """Starts a new step when `call_id` is new: fresh timings and stash, gradients zeroed."""
@@ -93,6 +96,8 @@ class Executor:
             reset_recorder()  # all-to-all of inference since the last step is not this step's
             self.clear_stash()
             self.model.zero_grad()
+            if self.sharding is not None:
+                self.sharding.begin_step()
 
     def clear_stash(self) -> None:
         self.stash.clear()
@@ -191,8 +196,10 @@ class Executor:
     def backward_weight(self, microbatch: int, v: int | None = None) -> None:
         """The second half of a split backward (W): the weight gradients; frees the microbatch."""
         started = time.time()
-        v = self.part(v)[0]
+        v, module, _, _ = self.part(v)
         try:
+            if self.sharding is not None:  # the weight gradients' graph may read the chunk's weights
+                self.sharding.acquire(p for p in module.parameters())
             deferred = self.deferred.pop((v, microbatch))
             weight_gradients(deferred, self.model.trainable())
             self.stash.pop((v, microbatch))
@@ -299,7 +306,7 @@ class Executor:
         return torch.autocast(self.device.type, dtype=dtype)
 
     def error(self, kind: str, microbatch: int, error: Exception, v: int | None = None) -> StageError:
-        if isinstance(error, StageError):
+        if isinstance(error, (StageError, PeerFailed)):  # PeerFailed: another actor's failure, not this one's
             return error
         where = self.stage if v is None else v
         return StageError(f"{self.name} failed at {where}{kind}{microbatch}: {type(error).__name__}: {error}")

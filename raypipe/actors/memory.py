@@ -41,7 +41,7 @@ class SavedBytes:
             key = (storage.data_ptr(), t.storage_offset(), t.numel())
         except (RuntimeError, NotImplementedError):  # tensors without storage (meta, sparse)
             return t
-        if key not in self._seen and key[0] not in self.weights:
+        if key not in self._seen and storage._cdata not in self.weights:
             self._seen.add(key)
             before = self._per_storage.get(key[0], 0)
             after = min(storage.nbytes(), before + t.numel() * t.element_size())
@@ -73,9 +73,11 @@ def memory_split(peak: int, model: Any, optim: Any, activations: int) -> dict[st
     gradients, its `OptimizerState`'s state (fp32 masters included), the step's peak of stashed
     `activations`, and the rest, `other`: the runtime (Python, torch, Ray's worker; a CPU stage's
     resident set counts them) and transients. Bytes; `other` is never negative."""
+    sharded = getattr(optim, "sharded", None)
     known = {
-        "parameters": model.parameter_bytes(),
-        "gradients": model.gradient_bytes(),
+        # ZeRO-3: the slices and the largest layer gathered; the step's gradients were whole
+        "parameters": model.parameter_bytes() if sharded is None else sharded.resident_bytes(),
+        "gradients": model.gradient_bytes() if sharded is None else sharded.gradient_bytes(),
         "optimizer_state": optim.state_bytes(),
         "activations": activations,
     }
@@ -83,6 +85,7 @@ def memory_split(peak: int, model: Any, optim: Any, activations: int) -> dict[st
 
 
 def weight_storages(module: torch.nn.Module) -> frozenset[int]:
-    """The storages (data pointers) of a module's parameters and buffers, which saved-tensor
-    counting leaves out: a linear saves its weight for backward, but the weight is held anyway."""
-    return frozenset(t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers()))
+    """The storages of a module's parameters and buffers, which saved-tensor counting leaves out:
+    a linear saves its weight for backward, but the weight is held anyway. Storages by identity,
+    not address: ZeRO-3 frees and refills them, moving their memory."""
+    return frozenset(t.untyped_storage()._cdata for t in (*module.parameters(), *module.buffers()))

@@ -19,6 +19,7 @@ from torch import nn
 from raypipe.actors import zero
 from raypipe.actors.model import StageModel
 from raypipe.actors.settings import StageSettings
+from raypipe.actors.zero3 import ShardedStage
 from raypipe.optim import LossScaler, build_optimizer, learning_rate
 
 
@@ -48,10 +49,13 @@ class OptimizerState:
         self.tied: list[tuple[nn.Parameter, Any]] = []  # (this stage's copy, the group of every copy's rank)
         # fp32 master copies of bf16/fp16 weights: the optimizer steps them, the weights follow
         self.masters: dict[nn.Parameter, torch.Tensor] = {}
+        self.sharded: ShardedStage | None = None  # ZeRO-3: this replica's slices of every weight
 
     def stepped(self, p: nn.Parameter) -> torch.Tensor:
         """The tensor the optimizer steps for weight `p` (and keys its state by): its fp32 master
-        copy when `p` is stored in a narrower dtype, else `p` itself."""
+        copy when `p` is stored in a narrower dtype, else `p` itself; under ZeRO-3 its slice held here."""
+        if self.sharded is not None:
+            return self.sharded.master(p)
         return self.masters.get(p, p)
 
     def sync_masters(self) -> None:
@@ -62,7 +66,11 @@ class OptimizerState:
 
     def _build(self, params: list[nn.Parameter], settings: StageSettings) -> torch.optim.Optimizer:
         """The optimizer over `params`, through fp32 master copies for those stored in bf16 or fp16
-        (a bf16 weight cannot take an update below its resolution; its master accumulates it)."""
+        (a bf16 weight cannot take an update below its resolution; its master accumulates it).
+        Under ZeRO-3 the slices it steps are float32 already."""
+        if self.sharded is not None:
+            self.masters = {}
+            return build_optimizer([self.stepped(p) for p in params], settings.optimizer)
         self.masters = {p: p.detach().float().clone() for p in params if p.dtype in (torch.bfloat16, torch.float16)}
         return build_optimizer([self.stepped(p) for p in params], settings.optimizer)
 
@@ -70,6 +78,8 @@ class OptimizerState:
         """Applies new settings; keeps optimizer state unless the optimizer kind changes or `reset`."""
         old = self.settings
         keep_state = old is not None and old.optimizer["name"] == settings.optimizer["name"] and not reset
+        if self.sharded is None and settings.zero == 3 and self.dp_size > 1:
+            self.sharded = ShardedStage(self.model.module, self.dp_rank, self.dp_size, self.dp_group)
         if keep_state and old.zero != settings.zero and self.dp_size > 1:
             # ZeRO switched on or off: every replica of the stage gets the whole state, then
             # keeps its new share (configure runs on every actor, so the group meets here).
@@ -114,6 +124,8 @@ class OptimizerState:
                 p.grad = torch.zeros_like(p)
         shared, experts = self.split_experts(params)
         all_reduce_mean([p.grad for p in shared], self.dp_group, self.dp_size, self.settings.dp_bucket_bytes)
+        if self.sharded is not None:  # each replica keeps its slice of the averaged gradients
+            self.sharded.keep_gradient_slices(params)
         if experts:
             # an expert's gradient already sums the tokens its ep group routed to it: summed over the
             # replicas holding it, it covers the whole batch, which the mean divides by dp
@@ -132,6 +144,8 @@ class OptimizerState:
         """The parameters whose gradients this actor counts in the global norm: replica 0 counts
         those every replica holds, and each of replicas 0..ep-1 the experts it holds."""
         shared, experts = self.split_experts(self.model.norm_params)
+        if self.sharded is not None:  # each replica holds a slice of each gradient: all count
+            return shared
         return (shared if self.dp_rank == 0 else []) + (experts if self.dp_rank < self.ep_size else [])
 
     def reduce_tied(self) -> None:
@@ -150,10 +164,13 @@ class OptimizerState:
         """Unscales fp16 gradients; returns (this actor's share of the squared global norm, all finite).
         The share is `norm_share`'s: summed over every actor, each gradient counts once (so a
         non-finite gradient anywhere shows in some actor's share)."""
-        grads = self.model.grads()
+        grads = self.grads()
         if self.settings.precision == "fp16" and grads:
             torch._foreach_div_(grads, self.scaler.scale)
-        sq = sum_of_squares([p.grad.detach() for p in self.norm_share() if p.grad is not None])
+        counted = (
+            [self.stepped(p).grad for p in self.norm_share()] if self.sharded else [p.grad for p in self.norm_share()]
+        )
+        sq = sum_of_squares([g.detach() for g in counted if g is not None])
         return sq, math.isfinite(sq) and losses_finite
 
     def apply_step(self, step: int, total_norm: float, finite: bool) -> dict[str, Any]:
@@ -169,7 +186,7 @@ class OptimizerState:
                 group["lr"] = lr
             if settings.grad_clip is not None:
                 coef = settings.grad_clip / (total_norm + 1e-6)
-                grads = self.model.grads()
+                grads = self.grads()
                 if coef < 1.0 and grads:
                     torch._foreach_mul_(grads, coef)
             for p, master in self.masters.items():
@@ -181,6 +198,12 @@ class OptimizerState:
         if not skipped and self.zero_active():
             self.broadcast_owned()
         return {"lr": lr, "grad_norm": total_norm, "skipped": skipped, "loss_scale": self.scaler.scale}
+
+    def grads(self) -> list[torch.Tensor]:
+        """The gradients the optimizer steps with: the weights', or under ZeRO-3 their slices'."""
+        if self.sharded is not None:
+            return [s.grad for s in self.sharded.slices.values() if s.grad is not None]
+        return self.model.grads()
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state, fp32 master copies included."""
@@ -200,7 +223,8 @@ class OptimizerState:
     # ----- ZeRO stage 1 -----------------------------------------------------------
 
     def zero_active(self) -> bool:
-        return bool(self.settings and self.settings.zero) and self.dp_size > 1
+        """ZeRO-1: each replica steps a share of the parameters (ZeRO-3 is `sharded`)."""
+        return bool(self.settings and self.settings.zero == 1) and self.dp_size > 1
 
     def owned_params(self) -> list[nn.Parameter]:
         """The parameters this actor's optimizer steps: all of them, or its ZeRO-1 share (of the

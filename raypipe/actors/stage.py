@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from raypipe.actors import checkpoint_io, step_list
+from raypipe.actors import checkpoint_io, step_list, zero3
 from raypipe.actors.executor import Executor
 from raypipe.actors.memory import max_rss_bytes, memory_split
 from raypipe.actors.model import StageModel, gpu_identity, resolve_device
@@ -175,7 +175,7 @@ class StageActor(RefsCalls):
     def configure(self, settings: StageSettings, reset_optimizer: bool = False) -> None:
         """Applies new settings; keeps optimizer state unless the optimizer kind changes."""
         self.optim.configure(settings, reset_optimizer)
-        self.executor.settings = settings
+        self.executor.settings, self.executor.sharding = settings, self.optim.sharded
 
     # ----- one step: the p2p and compiled engines' call ---------------------------
 
@@ -240,6 +240,8 @@ class StageActor(RefsCalls):
         import torch.distributed as dist
 
         optim = self.optim
+        if optim.sharded is not None:  # ZeRO-3: the step's last gather (or its failure's) is met
+            optim.sharded.end_step(failure is not None)
         optim.reduce_tied()  # collectives: every holder and replica gets here, failed or not
         if optim.dp_size > 1:
             optim.reduce_gradients()
@@ -306,7 +308,11 @@ class StageActor(RefsCalls):
 
     def load_adapters(self, state: dict[str, torch.Tensor]) -> None:
         """Replaces this stage's LoRA adapters (global keys, every one of them)."""
-        self.model.load_adapters(state, self.name)
+        with zero3.whole(self.optim.sharded, loading=True):
+            self.model.load_adapters(state, self.name)
+
+    def hold_weights(self, on: bool, gradients: bool = False) -> None:  # ActorGroup.whole_weights
+        zero3.hold(self.optim.sharded, on, gradients)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This stage's weights under global keys (`"<layer index>.<name>"`); this tp rank's shards."""
@@ -321,7 +327,8 @@ class StageActor(RefsCalls):
 
         Every key of the stage must be present.
         """
-        self.model.load_state_dict(state, self.name)
+        with zero3.whole(self.optim.sharded, loading=True):
+            self.model.load_state_dict(state, self.name)
         self.optim.sync_masters()
 
     def gradients(self) -> dict[str, torch.Tensor]:

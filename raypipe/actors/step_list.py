@@ -131,6 +131,10 @@ def run_list(
                 executor.backward_weight(m, v)
             except Exception as error:  # noqa: BLE001
                 failure = error
+        if executor.sharding is not None:  # ZeRO-3: free what the action left gathered; after a
+            executor.sharding.settle()  # failure, tell the other replicas at once (not at a gather)
+            if failure is not None:
+                executor.sharding.announce(True)
     for box in (*links.to_next.values(), *links.to_prev.values()):
         box.wait()
     return losses, failure

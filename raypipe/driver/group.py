@@ -5,8 +5,9 @@ stops a trainer's actors."""
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -197,6 +198,20 @@ class ActorGroup:
     def info(self) -> list[dict[str, Any]]:
         """Per actor: name, layers, parameters, node, pid, device, threads, `links` (neighbour -> transport)."""
         return placement.name_links(gather([a.info.remote() for a in self.actors], "stage_info"), self.names)
+
+    @contextlib.contextmanager
+    def whole_weights(self, gradients: bool = False) -> Iterator[None]:
+        """Under ZeRO-3 (`zero=3`, dp > 1) every actor holds its stage's weights whole inside the
+        block (and the last step's gradients with `gradients`), for what reads them on one
+        replica: evaluation, generation, state dicts, exports. Nothing otherwise."""
+        if self.config.zero != 3 or self.config.dp == 1:
+            yield
+            return
+        gather([a.hold_weights.remote(True, gradients) for a in self.actors], "gathering ZeRO-3 weights")
+        try:
+            yield
+        finally:
+            gather([a.hold_weights.remote(False) for a in self.actors], "freeing ZeRO-3 weights")
 
     def replica0(self) -> tuple[list[list[Any]], list[list[str]]]:
         """Replica 0's actors and their names, per stage and tp rank: where inference runs."""
