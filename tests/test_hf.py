@@ -91,3 +91,24 @@ def test_bf16_weights_train_through_fp32_master_copies(ray_session, saved):
     assert losses == pytest.approx(ref_losses, rel=1e-6)
     for name, value in final.items():  # bit for bit: the same bf16 kernels, the same fp32 master updates
         assert value.dtype == torch.bfloat16 and torch.equal(value, ref_final[name]), name
+
+
+@pytest.mark.slow
+def test_zero3_shards_a_bf16_llama_read_from_its_files(ray_session, saved):
+    """Weights read from safetensors in bf16, sharded over dp = 2 with fp32 slices as their masters:
+    losses and weights as the bf16 one-process run, up to the order of the dp average."""
+    directory, _ = saved["llama"]
+    ref_losses, _, ref_final = hf_reference(directory, bf16=True)
+    model = hf.from_pretrained(directory, dtype="bf16")
+    config = TrainConfig(pp=2, dp=2, zero=3, microbatches=1, optimizer=SGD, cpus_per_actor=0.25, threads_per_actor=1)
+    with Trainer(model, config=config) as t:
+        info = t.stage_info()
+        assert all(i["optimizer_state_bytes"] == 0 for i in info)  # fp32 slices are the parameters' own
+        # fp32 slices (half the weights, twice the bytes) and the largest layer, not bf16 + fp32 masters (3x)
+        assert all(i["memory"]["parameters"] < 2 * i["parameter_bytes"] for i in info)
+        losses = [t.step(*lm_batch(k))["loss"] for k in range(3)]
+        final = by_hf_name(t.state_dict(), model.exporter.names(t.specs))
+    assert losses == pytest.approx(ref_losses, rel=2e-3)
+    for name, value in final.items():
+        assert value.dtype == torch.bfloat16, name
+        torch.testing.assert_close(value.float(), ref_final[name].float(), rtol=2e-2, atol=2e-3, msg=name)

@@ -74,6 +74,11 @@ class Executor:
         self.weights = weight_storages(model.module)
         self.sharding: ShardedStage | None = None  # ZeRO-3's gathering of the layers (`OptimizerState.sharded`)
 
+    def configure(self, settings: StageSettings, sharding: ShardedStage | None) -> None:
+        if sharding is not None and self.sharding is None:  # ZeRO-3 gave the weights new storages
+            self.weights = weight_storages(self.model.module)
+        self.settings, self.sharding = settings, sharding
+
     def begin(self, call_id: int) -> None:
         """Starts a new step when `call_id` is new: fresh timings and stash, gradients zeroed."""
         if call_id != self.current_call:

@@ -175,7 +175,7 @@ class StageActor(RefsCalls):
     def configure(self, settings: StageSettings, reset_optimizer: bool = False) -> None:
         """Applies new settings; keeps optimizer state unless the optimizer kind changes."""
         self.optim.configure(settings, reset_optimizer)
-        self.executor.settings, self.executor.sharding = settings, self.optim.sharded
+        self.executor.configure(settings, self.optim.sharded)
 
     # ----- one step: the p2p and compiled engines' call ---------------------------
 

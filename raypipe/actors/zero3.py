@@ -41,6 +41,7 @@ from raypipe.transport.stream import PeerFailed
 from raypipe.transport.tree import map_tensors
 
 NARROW = (torch.bfloat16, torch.float16)
+DIRECT = 1024  # elements from which an evenly splitting parameter is gathered straight into its storage
 
 
 class PeerReplicaFailed(PeerFailed):
@@ -68,12 +69,16 @@ class ShardedStage:
                     f"zero=3 shards each parameter in its own storage, but {name} shares one or is not "
                     f"contiguous: give the layer separate parameters, or use zero=1."
                 )
+        self.device = self.params[0].device if self.params else torch.device("cpu")  # nccl gathers device tensors
         self.slices: dict[nn.Parameter, torch.Tensor] = {}
         for p in self.params:
             piece = self.slice_of(p, p.data).clone()
             if p.requires_grad:
                 piece = nn.Parameter(piece.float() if p.dtype in NARROW else piece)
             self.slices[p] = piece
+            # a storage of its own that can be resized (a tensor read from a file may not be);
+            # its pages, never written, are not resident
+            p.data = torch.empty(p.shape, dtype=p.dtype, device=p.device)
         self.counts = dict.fromkeys(self.params, 0)
         self.pinned = 0
         self.stepping = False  # gathers happen inside a step (or pinned): a lone replica would wait forever
@@ -163,10 +168,16 @@ class ShardedStage:
                 _free(p)
 
     def _gather(self, params: list[nn.Parameter]) -> None:
-        """All-gathers `params` into their own storages: one collective per dtype."""
+        """All-gathers `params` into their own storages: straight into it for a parameter that
+        splits evenly (no second copy of a large one, such as an embedding), the others (biases,
+        norms, odd sizes) through one buffer per dtype."""
         by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
         for p in params:
-            by_dtype.setdefault(p.dtype, []).append(p)
+            if p.numel() % self.size == 0 and p.numel() >= DIRECT:
+                p.data.untyped_storage().resize_(p.numel() * p.element_size())
+                _all_gather(p.data.view(-1), self.slices[p].detach().to(p.dtype), group=self.group)
+            else:
+                by_dtype.setdefault(p.dtype, []).append(p)
         for dtype, group in by_dtype.items():
             mine = torch.cat([self.slices[p].detach().to(dtype) for p in group])
             out = mine.new_empty(self.size * mine.numel())
@@ -191,8 +202,8 @@ class ShardedStage:
             raise PeerReplicaFailed("a data-parallel replica of this stage failed in this step")
 
     def _any_failed(self, failed: bool) -> bool:
-        flags = torch.zeros(self.size)
-        _all_gather(flags, torch.tensor([float(failed)]), group=self.group)
+        flags = torch.zeros(self.size, device=self.device)
+        _all_gather(flags, torch.tensor([float(failed)], device=self.device), group=self.group)
         return bool(flags.sum() > 0)
 
     def announce(self, failed: bool) -> None:
