@@ -334,6 +334,16 @@ def whole(sharded: ShardedStage | None, loading: bool = False) -> Iterator[None]
 
 
 def _all_gather(out: torch.Tensor, mine: torch.Tensor, group: Any) -> None:
-    """Every replica's `mine`, in rank order, into `out` (torch 2.13 renamed the collective)."""
+    """Every replica's `mine`, in rank order, into `out`. On the host, one broadcast per replica
+    straight into its part of `out`: gloo's all-gather copies its whole output through a buffer
+    of its own (a second 519 MB for Qwen2's embedding), its broadcast does not."""
+    if out.device.type == "cpu":
+        k = mine.numel()
+        for r in range(out.numel() // k):
+            part = out[r * k : (r + 1) * k]
+            if r == dist.get_group_rank(group, dist.get_rank()):
+                part.copy_(mine)
+            dist.broadcast(part, group_src=r, group=group)
+        return
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     gather(out, mine, group=group)
