@@ -269,27 +269,14 @@ def full_fine_tuning(directory: str, batch, args) -> dict:
             t0 = time.perf_counter()
             losses = trainer.step(*batch(step + 1))["loss"]
             times.append(time.perf_counter() - t0)
-        actors = []
-        for info in trainer.stage_info():
-            split = info["memory"]
-            actors.append(
-                {
-                    "name": info["name"],
-                    "parameter_bytes": info["parameter_bytes"],
-                    "held_parameter_bytes": split["parameters"],
-                    "optimizer_state_bytes": split["optimizer_state"],
-                    "gradient_bytes": split["gradients"],
-                    "activation_bytes": split["activations"],
-                    "peak_bytes": split["peak"],
-                }
-            )
-        kinds[f"zero{zero}"] = {"step_seconds": times, "last_loss": losses, "actors": actors}
+        actors = stage_memory(trainer)
+        kinds[f"zero{zero}"] = {"step_seconds": times, "last_loss": losses, "stages": actors}
         trainer.shutdown()
     ray.shutdown()
-    zero0, zero3 = kinds["zero0"]["actors"], kinds["zero3"]["actors"]
+    zero0, zero3 = kinds["zero0"]["stages"], kinds["zero3"]["stages"]
 
-    def held(a: dict) -> int:
-        return a["held_parameter_bytes"] + a["optimizer_state_bytes"]
+    def held(a: dict) -> int:  # the stage's split: ZeRO-3's slices and largest layer, and the optimizer state
+        return a["split"]["parameters"] + a["split"]["optimizer_state"]
 
     return {
         "benchmark": "llm_scale --full-ft",

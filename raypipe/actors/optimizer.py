@@ -68,10 +68,8 @@ class OptimizerState:
         """The optimizer over `params`, through fp32 master copies for those stored in bf16 or fp16
         (a bf16 weight cannot take an update below its resolution; its master accumulates it).
         Under ZeRO-3 the slices it steps are float32 already."""
-        if self.sharded is not None:
-            self.masters = {}
-            return build_optimizer([self.stepped(p) for p in params], settings.optimizer)
-        self.masters = {p: p.detach().float().clone() for p in params if p.dtype in (torch.bfloat16, torch.float16)}
+        narrow = [] if self.sharded is not None else [p for p in params if p.dtype in (torch.bfloat16, torch.float16)]
+        self.masters = {p: p.detach().float().clone() for p in narrow}
         return build_optimizer([self.stepped(p) for p in params], settings.optimizer)
 
     def configure(self, settings: StageSettings, reset: bool = False) -> None:

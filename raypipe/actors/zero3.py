@@ -76,15 +76,14 @@ class ShardedStage:
             if p.requires_grad:
                 piece = nn.Parameter(piece.float() if p.dtype in NARROW else piece)
             self.slices[p] = piece
-            # a storage of its own that can be resized (a tensor read from a file may not be);
-            # its pages, never written, are not resident
+            # a storage of its own that can be resized (a tensor read from a file may not be),
+            # freed at once (on an accelerator it would otherwise hold a second copy of the stage)
             p.data = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+            _free(p)
         self.counts = dict.fromkeys(self.params, 0)
         self.pinned = 0
         self.stepping = False  # gathers happen inside a step (or pinned): a lone replica would wait forever
         self.final_sent = False  # this step's failure gather is done (its last gather of the step)
-        for p in self.params:
-            _free(p)
         self.handles = [h for j, layer in enumerate(self.layers) for h in self._hook(j, layer)]
 
     # ----- slices ------------------------------------------------------------------
@@ -174,22 +173,36 @@ class ShardedStage:
         by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
         for p in params:
             if p.numel() % self.size == 0 and p.numel() >= DIRECT:
-                p.data.untyped_storage().resize_(p.numel() * p.element_size())
-                _all_gather(p.data.view(-1), self.slices[p].detach().to(p.dtype), group=self.group)
+                _refill(p)
+                self._all_gather(p.data.view(-1), self.slices[p].detach().to(p.dtype))
             else:
                 by_dtype.setdefault(p.dtype, []).append(p)
         for dtype, group in by_dtype.items():
             mine = torch.cat([self.slices[p].detach().to(dtype) for p in group])
             out = mine.new_empty(self.size * mine.numel())
-            _all_gather(out, mine, group=self.group)
+            self._all_gather(out, mine)
             rows = out.view(self.size, mine.numel())
             offset = 0
             for p in group:
                 k = self.chunk(p)
-                storage = p.data.untyped_storage()
-                storage.resize_(p.numel() * p.element_size())
+                _refill(p)
                 p.data.view(-1).copy_(rows[:, offset : offset + k].reshape(-1)[: p.numel()])
                 offset += k
+
+    def _all_gather(self, out: torch.Tensor, mine: torch.Tensor) -> None:
+        """Every replica's `mine`, in rank order, into `out`. On the host, one broadcast per replica
+        straight into its part of `out`: gloo's all-gather copies its whole output through a buffer
+        of its own (a second 519 MB for Qwen2's embedding), its broadcast does not."""
+        if out.device.type == "cpu":
+            k = mine.numel()
+            for r in range(self.size):
+                part = out[r * k : (r + 1) * k]
+                if r == self.rank:
+                    part.copy_(mine)
+                dist.broadcast(part, group_src=r, group=self.group)
+            return
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(out, mine, group=self.group)
 
     # ----- the failure protocol -------------------------------------------------------
 
@@ -203,7 +216,7 @@ class ShardedStage:
 
     def _any_failed(self, failed: bool) -> bool:
         flags = torch.zeros(self.size, device=self.device)
-        _all_gather(flags, torch.tensor([float(failed)], device=self.device), group=self.group)
+        self._all_gather(flags, torch.tensor([float(failed)], device=self.device))
         return bool(flags.sum() > 0)
 
     def announce(self, failed: bool) -> None:
@@ -250,7 +263,7 @@ class ShardedStage:
             if grad is None:
                 continue
             out = grad.new_empty(self.size * grad.numel())
-            _all_gather(out, grad.detach(), group=self.group)
+            self._all_gather(out, grad.detach())
             p.grad = out[: p.numel()].reshape(p.shape).to(p.dtype)
 
     def reshard(self) -> None:
@@ -311,6 +324,11 @@ def _free(p: torch.Tensor) -> None:
     p.data.untyped_storage().resize_(0)
 
 
+def _refill(p: torch.Tensor) -> None:
+    """Gives a freed parameter its memory back (its contents are the gather's to write)."""
+    p.data.untyped_storage().resize_(p.numel() * p.element_size())
+
+
 def hold(sharded: ShardedStage | None, on: bool, gradients: bool = False) -> None:
     """`ShardedStage.hold` where the stage is sharded (ZeRO-3); nothing otherwise."""
     if sharded is not None:
@@ -331,19 +349,3 @@ def whole(sharded: ShardedStage | None, loading: bool = False) -> Iterator[None]
             sharded.reshard()
     finally:
         sharded.hold(False)
-
-
-def _all_gather(out: torch.Tensor, mine: torch.Tensor, group: Any) -> None:
-    """Every replica's `mine`, in rank order, into `out`. On the host, one broadcast per replica
-    straight into its part of `out`: gloo's all-gather copies its whole output through a buffer
-    of its own (a second 519 MB for Qwen2's embedding), its broadcast does not."""
-    if out.device.type == "cpu":
-        k = mine.numel()
-        for r in range(out.numel() // k):
-            part = out[r * k : (r + 1) * k]
-            if r == dist.get_group_rank(group, dist.get_rank()):
-                part.copy_(mine)
-            dist.broadcast(part, group_src=r, group=group)
-        return
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, mine, group=group)
