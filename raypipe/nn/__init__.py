@@ -1,6 +1,8 @@
-"""Tensor-parallel building blocks (parallel layers, split styles and `parallelize`) and the
-mixture-of-experts layer that expert parallelism splits (`MoE`)."""
+"""Tensor-parallel building blocks (parallel layers, split styles and `parallelize`), the
+mixture-of-experts layer that expert parallelism splits (`MoE`), and a cross-entropy for large
+vocabularies (`chunked_cross_entropy`)."""
 
+from raypipe.nn.cross_entropy import chunked_cross_entropy
 from raypipe.nn.group import TensorParallelGroup, current
 from raypipe.nn.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from raypipe.nn.moe import ExpertMLP, ExpertParallelGroup, MoE
@@ -19,6 +21,7 @@ __all__ = [
     "TensorParallelGroup",
     "VocabParallel",
     "VocabParallelEmbedding",
+    "chunked_cross_entropy",
     "current",
     "merge",
     "parallelize",

@@ -1,6 +1,8 @@
 """transformers' causal-LM loss as a raypipe loss: labels as transformers takes them (the
 same length as the input, shifted inside, -100 ignored), averaged over the tokens not
-ignored across the whole step, as one process computes it for the whole batch."""
+ignored across the whole step, as one process computes it for the whole batch. Its
+cross-entropy is computed in blocks of rows (`raypipe.nn.cross_entropy`), so a 150k-token
+vocabulary costs the logits and nothing more of their size."""
 
 from __future__ import annotations
 
@@ -8,11 +10,12 @@ from typing import Any
 
 import torch
 
-IGNORE = -100
+from raypipe.nn.cross_entropy import IGNORE, chunked_cross_entropy
 
 
 class CausalLMLoss:
-    """`CausalLMLoss(vocab_size)(logits, labels)`: transformers' `ForCausalLMLoss` on one microbatch.
+    """`CausalLMLoss(vocab_size)(logits, labels)`: transformers' `ForCausalLMLoss` on one microbatch
+    (the same numbers; its backward overwrites the logits with their gradient).
 
     `count(labels)` is the number of tokens its mean is over; the trainer weighs each
     microbatch by it (`raypipe.data.batches.loss_weights`), so the step's loss and
@@ -26,13 +29,12 @@ class CausalLMLoss:
     def __call__(self, output: Any, labels: Any) -> torch.Tensor:
         """`output`: the logits, or a Mixtral's (logits, routing sums), whose balancing loss is added
         times `router_aux_loss_coef`, as transformers adds it with `output_router_logits`."""
-        from transformers.loss.loss_utils import ForCausalLMLoss
-
         logits, stats = output if isinstance(output, tuple) else (output, None)
         if self.count(labels) == 0:  # all ignored: nothing to learn from, and a mean over none is NaN
             loss = logits.float().sum() * 0.0
         else:
-            loss = ForCausalLMLoss(logits, labels.to(logits.device), self.vocab_size)
+            shifted = torch.nn.functional.pad(labels.to(logits.device), (0, 1), value=IGNORE)[..., 1:]
+            loss = chunked_cross_entropy(logits, shifted, IGNORE)
         if stats is not None:
             from raypipe.models.hf.moe import balancing_loss
 
