@@ -11,7 +11,9 @@ When a layer is gathered:
 - forward: a pre-hook gathers it, a post-hook frees it;
 - backward: an identity function on its outputs gathers it when their gradient arrives, one
   on its inputs frees it when theirs leaves (a first layer whose inputs need no gradient is
-  freed when the action ends);
+  freed when the action ends); a layer of embeddings only is not gathered, since an embedding's
+  gradient does not read its weight (a vocabulary's table is often the stage's largest layer,
+  and its backward comes last, when the step's gradients are all whole);
 - a split-backward W gathers its chunk's layers whole (its autograd graph may read them);
 - outside a step, the trainer pins every layer gathered on every replica (`hold`) for what
   reads whole weights: evaluation, generation, state dicts, exports and checkpoints.
@@ -287,6 +289,7 @@ class ShardedStage:
         params = self.layer_params[j]
         if not params:
             return []
+        lookup_only = all(isinstance(m, nn.Embedding) for m in layer.modules() if list(m.parameters(recurse=False)))
 
         def before(module: nn.Module, args: tuple) -> tuple:
             self.acquire(params)
@@ -295,7 +298,7 @@ class ShardedStage:
             return args
 
         def after(module: nn.Module, args: tuple, output: Any) -> Any:
-            if torch.is_grad_enabled() and not self.pinned:
+            if torch.is_grad_enabled() and not self.pinned and not lookup_only:
                 output = map_tensors(
                     lambda t: _OnBackward.apply(self.acquire, params, t) if t.requires_grad else t, output
                 )
