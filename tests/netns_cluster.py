@@ -64,6 +64,7 @@ class NetnsCluster:
         self.temp = tempfile.mkdtemp(prefix="rpn-", dir="/tmp")  # short: Ray's socket paths must stay short
         self.nodes: dict[str, Node] = {}
         self.namespaces: list[str] = []
+        self.veths: dict[str, tuple[str, str]] = {}  # namespace -> (its veth's bridge end, its own end)
         # a resolver that answers at once, and nothing: the hosts have no DNS (their default route
         # leads nowhere, so the machine's nameserver would make every reverse lookup wait ~10 s)
         self.resolv = Path(self.temp) / "resolv.conf"
@@ -85,6 +86,7 @@ class NetnsCluster:
         ns, ip = f"rp{self.tag}n{index}", f"{self.subnet}.{index}"
         self.namespaces.append(ns)
         outer, inner = f"rp{self.tag}v{index}", f"rp{self.tag}w{index}"
+        self.veths[ns] = outer, inner
         self._sh(
             f"ip netns add {ns} && ip link add {outer} type veth peer name {inner} && "
             f"ip link set {inner} netns {ns} && ip link set {outer} master {self.bridge} up && "
@@ -92,6 +94,24 @@ class NetnsCluster:
             f"ip -n {ns} link set lo up && ip -n {ns} route add default via {self.subnet}.254"
         )
         return ns, ip
+
+    def limit_link(self, ns: str, mbit: float | None) -> None:
+        """Limits the link of host namespace `ns` to `mbit` megabits per second in each direction, as
+        a home Ethernet or Wi-Fi link: a `tc tbf` qdisc on both ends of its veth (what the bridge
+        sends it, what it sends). None lifts the limit. Called from the machine's own namespace, where
+        the bridge's end lives; the qdiscs go with the veth at `close()`."""
+        outer, inner = self.veths[ns]
+        ends = [["tc"], ["ip", "netns", "exec", ns, "tc"]]
+        if mbit is None:
+            for tc, dev in zip(ends, (outer, inner)):  # absent when never limited: errors ignored
+                subprocess.run([*tc, "qdisc", "del", "dev", dev, "root"], capture_output=True)
+            return
+        burst = max(32_000, int(mbit * 1e6 / 8 / 100))  # 10 ms at the rate, and at least a few packets
+        tbf = ["tbf", "rate", f"{mbit}mbit", "burst", str(burst), "latency", "100ms"]
+        for tc, dev in zip(ends, (outer, inner)):
+            done = subprocess.run([*tc, "qdisc", "replace", "dev", dev, "root", *tbf], capture_output=True, text=True)
+            if done.returncode != 0:
+                raise RuntimeError(f"limiting {ns}'s link failed: {done.stderr.strip()}")
 
     def start_node(
         self, name: str, num_cpus: int, fake_accelerator: str | None = None, env: dict[str, str] | None = None

@@ -162,3 +162,71 @@ def test_a_lost_node_fails_over_to_a_spare_and_without_one_the_error_names_it(cl
     assert "stage1-dp0-tp0" in failed["error"] and "mps" in failed["error"], failed
     print(f"no spare left: PlacementError {failed['seconds']:.1f} s after the kill")
     assert failed["seconds"] < 20 + 30  # actor_start_timeout, and the restart around it
+
+
+LINK_PEER = """
+import socket, sys
+n = int(sys.argv[1])
+with socket.create_server((sys.argv[2], 5599)) as server:
+    print("ready", flush=True)
+    server.settimeout(60)
+    for _ in range(2):  # limited, then lifted
+        conn, _ = server.accept()
+        with conn:
+            conn.settimeout(60)
+            got = 0
+            while got < n:
+                got += len(conn.recv(1 << 16))
+            conn.sendall(b"k")  # all of the upload arrived
+            conn.recv(1)  # the download may start
+            conn.sendall(bytes(n))
+"""
+
+
+def test_a_limited_link_carries_its_rate_each_way_and_is_lifted(tmp_path):
+    """`NetnsCluster.limit_link`, the slow-link condition of tests and `benchmarks/slow_link.py`:
+    1 MB each way over a host's link limited to 16 Mbit/s takes its wire time (0.5 s) in both
+    directions, and a small fraction of it once the limit is lifted."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    n = 1_000_000
+    net = NetnsCluster(tmp_path)
+    try:
+        ns, ip = net.add_host("home")
+        peer = subprocess.Popen(
+            ["ip", "netns", "exec", ns, sys.executable, "-c", LINK_PEER, str(n), ip],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert peer.stdout.readline().strip() == "ready"
+
+            def both_ways() -> tuple[float, float]:
+                with socket.create_connection((ip, 5599), timeout=60) as conn:
+                    started = time.perf_counter()
+                    conn.sendall(bytes(n))
+                    assert conn.recv(1) == b"k"
+                    up = time.perf_counter() - started
+                    conn.sendall(b"g")
+                    started, got = time.perf_counter(), 0
+                    while got < n:
+                        got += len(conn.recv(1 << 16))
+                    return up, time.perf_counter() - started
+
+            net.limit_link(ns, 16)
+            limited = both_ways()
+            net.limit_link(ns, None)
+            lifted = both_ways()
+            peer.wait(timeout=30)
+        finally:
+            peer.kill()
+            peer.wait(timeout=30)
+        wire = n * 8 / 16e6
+        assert all(0.8 * wire < t < 4 * wire for t in limited), limited
+        assert all(t < 0.3 * wire for t in lifted), lifted
+    finally:
+        net.close()
+    assert net.leftovers() == [], net.leftovers()
