@@ -9,6 +9,8 @@ through the fake-accelerator override, as cluster.yaml's start commands would on
   from the last checkpoint on the spare node of the same kind with the uninterrupted losses;
   once no spare is left, the trainer fails within `actor_start_timeout` naming the lost node
   and the stage it held.
+- A host's link limited with `tc tbf` (`NetnsCluster.limit_link`, issue 36's slow-link condition)
+  carries its rate each way, and its full speed once lifted.
 """
 
 from __future__ import annotations

@@ -1,0 +1,181 @@
+"""A pipeline across a slow link (issue 36): pp = 2, one stage per node of a real Ray cluster in
+network namespaces on this machine (`tests/netns_cluster.py`; needs root, `ip netns` and `tc`),
+1 CPU each, the second node's link limited with `tc tbf` in both directions
+(`NetnsCluster.limit_link`), as a home Ethernet or Wi-Fi link between a GPU box and a Mac.
+
+The model: an MLP whose boundary is 512 rows x 1024 fp32 = 2 MiB per microbatch, 8 microbatches
+per step, MSE loss. Per schedule and boundary dtype (1F1B fp32 and bf16, GPipe fp32, ZB-H1 fp32),
+one trainer takes `--steps` timed steps (after one untimed) at each link rate, and the report
+gives per rate: the median step, the bytes the stages sent per step (`sent_bytes`), the link's wire
+time for the larger direction, and the step over the compute-only step (unlimited link), over
+compute + wire (no overlap) and over max(compute, wire) (perfect overlap; issue 36's target is
+<= 1.1 for 1F1B-class schedules at 1 Gbit/s and 200 Mbit/s).
+
+The driver runs on the head node's host; between rates it asks this process (in the machine's own
+namespace, where the link's qdiscs are set) to change the limit.
+
+    sudo .venv/bin/python benchmarks/slow_link.py --steps 4 > slow_link.json      # ~7 minutes
+    sudo .venv/bin/python benchmarks/slow_link.py --rates 0 50 --steps 2 --variants 1f1b-fp32  # quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import queue
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent.parent / "tests"
+sys.path.insert(0, str(TESTS))
+
+from netns_cluster import NetnsCluster, available  # noqa: E402
+
+VARIANTS = {
+    "1f1b-fp32": {"schedule": "1f1b", "boundary_dtype": "fp32"},
+    "1f1b-bf16": {"schedule": "1f1b", "boundary_dtype": "bf16"},
+    "gpipe-fp32": {"schedule": "gpipe", "boundary_dtype": "fp32"},
+    "zb-h1-fp32": {"schedule": "zb-h1", "boundary_dtype": "fp32"},
+}
+
+DRIVER = """
+import json, statistics, sys, time
+import ray, torch
+from torch import nn
+from raypipe import LayerSpec, TrainConfig, Trainer
+ray.init(address="{address}", logging_level="ERROR", log_to_driver=False)
+ROWS, WIDTH, INNER, MICRO = 512, 1024, 512, 8
+STAGE = [LayerSpec(nn.Linear, WIDTH, INNER), LayerSpec(nn.Tanh), LayerSpec(nn.Linear, INNER, WIDTH), LayerSpec(nn.Tanh)]
+torch.manual_seed(0)
+x, y = torch.randn(ROWS * MICRO, WIDTH), torch.randn(ROWS * MICRO, WIDTH)
+
+def limit(mbit):  # the benchmark's process sets the link, then answers
+    print("LIMIT " + json.dumps(mbit), flush=True)
+    assert sys.stdin.readline().strip() == "ok"
+
+for name, settings in json.loads('{variants}').items():
+    config = TrainConfig(pp=2, microbatches=MICRO, placement="strict_spread", cpus_per_actor=1,
+                         threads_per_actor=1, optimizer={{"name": "sgd", "lr": 1e-3}}, step_timeout=600, **settings)
+    with Trainer(STAGE + STAGE, nn.functional.mse_loss, config) as trainer:
+        nodes = sorted({{i["node_id"] for i in trainer.stage_info()}})
+        assert len(nodes) == 2, "the two stages share a node"
+        for mbit in json.loads('{rates}'):
+            limit(mbit)
+            trainer.step(x, y)
+            times, sent = [], []
+            for _ in range({steps}):
+                started = time.perf_counter()
+                metrics = trainer.step(x, y)
+                times.append(time.perf_counter() - started)
+                sent.append([s["sent_bytes"] for s in metrics["stages"]])
+            print("RESULT " + json.dumps({{"variant": name, "mbit": mbit, "step_s": times, "sent_bytes": sent[-1]}}),
+                  flush=True)
+limit(None)
+"""
+
+
+def drive(cluster: NetnsCluster, far: str, code: str, timeout: float) -> list[dict]:
+    """Runs the driver on the head's host, setting `far`'s link whenever it asks; its results."""
+    head = next(iter(cluster.nodes.values()))
+    proc = subprocess.Popen(
+        ["ip", "netns", "exec", head.name, sys.executable, "-c", code],
+        env={**cluster.env, "PYTHONPATH": str(TESTS)},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    lines: queue.Queue[str] = queue.Queue()  # read by a thread: several lines may arrive in one read
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout] + [lines.put("")], daemon=True).start()
+    results, deadline = [], time.monotonic() + timeout
+    try:
+        while True:
+            try:
+                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError(f"the driver did not finish within {timeout} s") from None
+            if not line:
+                break
+            if line.startswith("LIMIT "):
+                mbit = json.loads(line[len("LIMIT ") :])
+                cluster.limit_link(far, mbit or None)
+                proc.stdin.write("ok\n")
+                proc.stdin.flush()
+            elif line.startswith("RESULT "):
+                results.append(json.loads(line[len("RESULT ") :]))
+                print(line.strip(), file=sys.stderr, flush=True)
+        if proc.wait(timeout=60) != 0:
+            raise RuntimeError(f"the driver exited with {proc.returncode}")
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    return results
+
+
+def report(results: list[dict]) -> dict:
+    """Per variant and rate: the median step and how it compares with compute and wire time."""
+    out: dict[str, dict] = {}
+    compute = {r["variant"]: statistics.median(r["step_s"]) for r in results if not r["mbit"]}
+    for r in results:
+        step = statistics.median(r["step_s"])
+        row = {"median_step_s": step, "step_s": r["step_s"], "sent_bytes_per_stage": r["sent_bytes"]}
+        if r["mbit"]:
+            wire = max(r["sent_bytes"]) * 8 / (r["mbit"] * 1e6)  # the busier direction
+            row["wire_s"] = wire
+            if r["variant"] in compute:
+                c = compute[r["variant"]]
+                row["over_compute"] = step / c
+                row["over_compute_plus_wire"] = step / (c + wire)
+                row["over_max_compute_wire"] = step / max(c, wire)
+        out.setdefault(r["variant"], {})[str(r["mbit"] or "unlimited")] = row
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rates", type=float, nargs="+", default=[0, 1000, 200, 50], help="Mbit/s; 0: unlimited")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--steps", type=int, default=5)
+    args = parser.parse_args()
+    reason = available() or (None if shutil.which("tc") else "no `tc` command")
+    if reason:
+        sys.exit(f"cannot run: {reason}")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that a killed run still removes its cluster
+    work = Path(tempfile.mkdtemp(prefix="slow-link-"))
+    cluster = NetnsCluster(work)
+    try:
+        for name in ("head", "far"):
+            cluster.start_node(name, num_cpus=1)
+            cluster.wait_nodes()
+        code = DRIVER.format(
+            address=cluster.address,
+            variants=json.dumps({v: VARIANTS[v] for v in args.variants}),
+            rates=json.dumps(args.rates),
+            steps=args.steps,
+        )
+        results = drive(cluster, cluster.nodes["far"].name, code, timeout=3600)
+    finally:
+        cluster.close()
+        shutil.rmtree(work, ignore_errors=True)
+    print(
+        json.dumps(
+            {
+                "benchmark": "slow_link",
+                "setup": "pp 2, one stage per namespace node, 1 CPU each, 8 microbatches of 2 MiB boundaries",
+                "steps": args.steps,
+                "variants": {v: VARIANTS[v] for v in args.variants},
+                "results": report(results),
+            },
+            indent=1,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
