@@ -46,7 +46,7 @@ VARIANTS = {
 }
 
 DRIVER = """
-import json, statistics, sys, time
+import json, sys, time
 import ray, torch
 from torch import nn
 from raypipe import LayerSpec, TrainConfig, Trainer
@@ -64,18 +64,17 @@ for name, settings in json.loads('{variants}').items():
     config = TrainConfig(pp=2, microbatches=MICRO, placement="strict_spread", cpus_per_actor=1,
                          threads_per_actor=1, optimizer={{"name": "sgd", "lr": 1e-3}}, step_timeout=600, **settings)
     with Trainer(STAGE + STAGE, nn.functional.mse_loss, config) as trainer:
-        nodes = sorted({{i["node_id"] for i in trainer.stage_info()}})
-        assert len(nodes) == 2, "the two stages share a node"
+        assert len({{i["node_id"] for i in trainer.stage_info()}}) == 2, "the two stages share a node"
         for mbit in json.loads('{rates}'):
             limit(mbit)
             trainer.step(x, y)
-            times, sent = [], []
+            times = []
             for _ in range({steps}):
                 started = time.perf_counter()
                 metrics = trainer.step(x, y)
                 times.append(time.perf_counter() - started)
-                sent.append([s["sent_bytes"] for s in metrics["stages"]])
-            print("RESULT " + json.dumps({{"variant": name, "mbit": mbit, "step_s": times, "sent_bytes": sent[-1]}}),
+            sent = [s["sent_bytes"] for s in metrics["stages"]]
+            print("RESULT " + json.dumps({{"variant": name, "mbit": mbit, "step_s": times, "sent_bytes": sent}}),
                   flush=True)
 limit(None)
 """

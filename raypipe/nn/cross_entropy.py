@@ -45,23 +45,22 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             norms[rows] = torch.logsumexp(block, dim=1)
             picked = block.gather(1, targets[rows].clamp(min=0).unsqueeze(1)).squeeze(1)
             total += ((norms[rows] - picked) * counted[rows]).sum()
-        ctx.save_for_backward(logits, targets, norms, count)
-        ctx.ignore_index = ignore_index
+        ctx.save_for_backward(logits, targets, counted, norms, count)
         return total / count
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        logits, targets, norms, count = ctx.saved_tensors
+        logits, targets, counted, norms, count = ctx.saved_tensors
         gradient = logits.detach()  # the logits' own storage: each block's gradient replaces it
-        weight = (targets != ctx.ignore_index).to(torch.float32) * (grad.float() / count.clamp(min=1))
+        weight = counted.to(torch.float32) * (grad.float() / count.clamp(min=1))
         with torch.no_grad():
             for rows in _blocks(logits):
-                block = gradient[rows].float()  # the stored rows themselves when they are float32
+                block = gradient[rows].float()  # the stored rows themselves when the logits are float32
                 block.sub_(norms[rows].unsqueeze(1)).exp_()
                 picked = targets[rows].clamp(min=0).unsqueeze(1)
                 block.scatter_add_(1, picked, torch.full_like(picked, -1, dtype=block.dtype))
                 block.mul_(weight[rows].unsqueeze(1))
-                if block.data_ptr() != gradient[rows].data_ptr():
+                if gradient.dtype != torch.float32:
                     gradient[rows].copy_(block)
         return gradient, None, None
 
