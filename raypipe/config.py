@@ -62,6 +62,12 @@ class TrainConfig:
             sample=(x, y))`; prints every candidate's prediction; `raypipe.planning.autoschedule`).
         chunks: model chunks per actor for "interleaved-1f1b" (default 2); the other schedules
             fix their own (1, or 2 for "zb-v").
+        extra_warmup: forwards each stage but the last runs ahead before its first backward,
+            beyond its schedule's warm-up ("1f1b" and "zb-h1"): over a slow link the next
+            microbatches' activations cross while the first one's gradient comes back, so the
+            link stays busy instead of idling one round trip per microbatch. Each costs one more
+            microbatch's stashed activations on those stages. 1 is enough on the links measured
+            (docs/BENCHMARKS.md, "A slow link"); schedule="auto" does not choose it yet.
         shard_plan: explicit contiguous [start, end) layer ranges, one per stage (per virtual
             stage with chunks, in virtual-stage order); overrides `partition`.
         partition: how to split layers when no shard_plan is given: "uniform" (layer count),
@@ -151,6 +157,7 @@ class TrainConfig:
     microbatches: int = 1
     schedule: str = "1f1b"
     chunks: int | None = None
+    extra_warmup: int = 0
     shard_plan: list[list[int]] | None = None
     partition: str = "uniform"
     optimizer: dict = field(default_factory=lambda: {"name": "adamw", "lr": 1e-3})

@@ -68,6 +68,7 @@ def validate(c: Any) -> None:
     check_choice("schedule", c.schedule, SCHEDULE_NAMES)
     if c.chunks is not None:
         check_int("chunks", c.chunks, 1)
+    check_int("extra_warmup", c.extra_warmup, 0)
     check_schedule(c)
     check_shard_plan(c.shard_plan, c.pp, c.num_chunks())
     if c.shard_plan is not None:
@@ -168,9 +169,10 @@ def check_schedule(c: Any) -> None:
             f"use engine='p2p'.",
         )
     try:
-        build_schedule(c.schedule, c.pp, c.microbatches, c.chunks)
+        build_schedule(c.schedule, c.pp, c.microbatches, c.chunks, c.extra_warmup)
     except ScheduleError as error:
-        raise fail("microbatches", c.microbatches, str(error)) from None
+        field = "extra_warmup" if "extra_warmup" in str(error) else "microbatches"
+        raise fail(field, getattr(c, field), str(error)) from None
 
 
 # TrainConfig fields a running trainer can change between steps (`Trainer.reconfigure`);
@@ -178,6 +180,7 @@ def check_schedule(c: Any) -> None:
 RECONFIGURABLE = (
     "microbatches",
     "schedule",
+    "extra_warmup",
     "optimizer",
     "lr_schedule",
     "grad_clip",

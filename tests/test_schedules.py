@@ -208,3 +208,47 @@ def test_validator_checks_chunks_and_link_order():
         validate(swapped, 2, 2)
     # a V turn inside one actor is a hand-off and needs no link
     validate(build_schedule("zb-v", 3, 5), 3, 5)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1"])
+def test_an_extra_warmup_keeps_the_schedule_valid_and_holds_that_many_more(name):
+    for p, m in SIZES[::3]:
+        for extra in (1, 2, 5):
+            schedule = build_schedule(name, p, m, extra_warmup=extra)  # validates: complete, no deadlock
+            plain = build_schedule(name, p, m)
+            for s, (actions, before) in enumerate(zip(schedule, plain)):
+                ahead = extra if s < p - 1 else 0  # the last stage's backward follows its forward at once
+                if name == "1f1b":
+                    assert peak_in_flight(actions) == min(p - s + ahead, m), (p, m, s, extra)
+                else:  # ZB-H1 defers weight gradients, so its actors hold p already; at most `extra` more
+                    assert peak_in_flight(before) <= peak_in_flight(actions) <= peak_in_flight(before) + ahead
+
+
+def test_an_extra_warmup_is_refused_where_the_schedule_has_none():
+    from raypipe.config import TrainConfig
+    from raypipe.errors import ConfigError
+
+    with pytest.raises(ScheduleError, match="'1f1b', 'zb-h1' take one"):
+        build_schedule("gpipe", 2, 4, extra_warmup=1)
+    with pytest.raises(ConfigError, match="extra_warmup"):
+        TrainConfig(pp=2, microbatches=4, schedule="interleaved-1f1b", extra_warmup=1)
+    with pytest.raises(ConfigError, match="extra_warmup"):
+        TrainConfig(pp=2, microbatches=4, extra_warmup=-1)
+
+
+def test_timed_messages_wait_for_their_link_one_at_a_time():
+    from raypipe.schedules import timed
+
+    def end(schedule, link):
+        runs = timed(schedule, {"F": 1.0, "B": 2.0}, None if link is None else lambda a, b, what, v: link)
+        return max(t for run in runs for _, _, t in run)
+
+    # F0 ends at 1, crosses in 5; 1F0 6-7, 1B0 7-9; the gradient crosses in 5; 0B0 14-16
+    assert end(one_f_one_b(2, 1), 5.0) == 16.0
+    assert end(one_f_one_b(2, 4), 0.0) == end(one_f_one_b(2, 4), None) == 2 * (4 + 1) * 1.5
+    # a link slower than compute: 1F1B waits a round trip per microbatch (and the one activation it
+    # sends early queues behind the first); with one more in flight the link is what limits:
+    # activations leave at 1, 2, 3 and arrive at 6, 11, 16; gradients leave at 9, 14, 19, 25
+    # (3F after 0B0 at 14-16 arrives at 22: 1F3 22-23, 1B3 23-25) and the last lands at 30: 0B3 30-32
+    slow, ahead = end(one_f_one_b(2, 4), 5.0), end(build_schedule("1f1b", 2, 4, extra_warmup=1), 5.0)
+    assert ahead == 32.0 < slow

@@ -118,7 +118,7 @@ class ActorGroup:
 
     def set_schedule(self, config: TrainConfig) -> None:
         """Builds `config`'s schedule. Raises ConfigError for one whose chunks the running actors do not hold."""
-        schedule = build_schedule(config.schedule, config.pp, config.microbatches, config.chunks)
+        schedule = build_schedule(config.schedule, config.pp, config.microbatches, config.chunks, config.extra_warmup)
         if self.actors:
             chunks.check_same_layout(self.schedule, schedule, config.schedule)
         self.schedule, self.order = schedule, submission_order(schedule)

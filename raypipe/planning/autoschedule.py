@@ -69,7 +69,7 @@ def microbatch_options(rows: int, pp: int) -> list[int]:
 def predicted_seconds(config: TrainConfig, report: PlanReport) -> float:
     """The step `report`'s plan takes under `config`'s schedule: its timed run with the profiled
     durations, plus `ACTION_OVERHEAD_S` for each action of the busiest actor."""
-    schedule = build_schedule(config.schedule, config.pp, config.microbatches, config.chunks)
+    schedule = build_schedule(config.schedule, config.pp, config.microbatches, config.chunks, config.extra_warmup)
     compute = scheduled_seconds(schedule, [report.profiles[k] for k in report.kinds], report.plan)
     return compute + ACTION_OVERHEAD_S * max(len(actions) for actions in schedule)
 

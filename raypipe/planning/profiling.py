@@ -171,7 +171,7 @@ def plan_from_profiles(profiles: dict[str, dict[str, Any]], kinds: Sequence[str]
     from raypipe.schedules import SCHEDULES, build_schedule, owners, peak_in_flight
 
     m = config.microbatches
-    schedule = build_schedule(config.schedule, config.pp, m, config.chunks)
+    schedule = build_schedule(config.schedule, config.pp, m, config.chunks, config.extra_warmup)
     owner = owners(schedule)
     stage_of = [owner[v] for v in range(len(owner))]
     chunks = config.num_chunks()

@@ -39,12 +39,15 @@ class ScheduleKind:
         chunks: the model chunks per actor it always has, or None when the config chooses
             (`TrainConfig.chunks`, `default_chunks` unless given).
         split_backward: whether its backwards are split into I and W.
+        extra_warmup: whether it takes `extra_warmup` (more forwards in flight before the
+            first backward, for slow links: `one_f_one_b`).
     """
 
     build: Callable[..., Schedule]
     chunks: int | None = 1
     split_backward: bool = False
     default_chunks: int = 2
+    extra_warmup: bool = False
 
     def chunks_for(self, chunks: int | None) -> int:
         return self.chunks if self.chunks is not None else (chunks or self.default_chunks)
@@ -52,24 +55,33 @@ class ScheduleKind:
 
 SCHEDULES: dict[str, ScheduleKind] = {
     "gpipe": ScheduleKind(gpipe),
-    "1f1b": ScheduleKind(one_f_one_b),
+    "1f1b": ScheduleKind(one_f_one_b, extra_warmup=True),
     "interleaved-1f1b": ScheduleKind(interleaved_1f1b, chunks=None),
-    "zb-h1": ScheduleKind(zb_h1, split_backward=True),
+    "zb-h1": ScheduleKind(zb_h1, split_backward=True, extra_warmup=True),
     "zb-v": ScheduleKind(zb_v, chunks=2, split_backward=True),
 }
 
 
-def build_schedule(name: str, num_stages: int, num_microbatches: int, chunks: int | None = None) -> Schedule:
+def build_schedule(
+    name: str, num_stages: int, num_microbatches: int, chunks: int | None = None, extra_warmup: int = 0
+) -> Schedule:
     """Builds and validates the named schedule.
 
     Args:
         chunks: model chunks per actor, for the schedules that let the config choose.
+        extra_warmup: forwards each stage but the last runs ahead beyond the schedule's own
+            warm-up (1F1B-ordered schedules: "1f1b", "zb-h1"), for slow links.
 
     Raises:
         KeyError: for an unknown name (the config validates names before this).
         ScheduleError: if the schedule is invalid for these sizes, or `chunks` is not its own.
     """
     kind = SCHEDULES[name]
+    if extra_warmup and not kind.extra_warmup:
+        takers = ", ".join(repr(n) for n, k in SCHEDULES.items() if k.extra_warmup)
+        raise ScheduleError(f"schedule {name!r} has no extra warm-up: {takers} take one; leave extra_warmup at 0")
+    if extra_warmup < 0:
+        raise ScheduleError(f"extra_warmup is {extra_warmup}: it counts forwards, 0 or more")
     if kind.chunks is None:
         schedule = kind.build(num_stages, num_microbatches, kind.chunks_for(chunks))
     else:
@@ -78,7 +90,8 @@ def build_schedule(name: str, num_stages: int, num_microbatches: int, chunks: in
                 f"schedule {name!r} always runs {kind.chunks} chunk(s) per actor, got chunks={chunks}; "
                 f"leave chunks unset, or use interleaved-1f1b to choose them"
             )
-        schedule = kind.build(num_stages, num_microbatches)
+        extra = (extra_warmup,) if kind.extra_warmup else ()
+        schedule = kind.build(num_stages, num_microbatches, *extra)
     validate(schedule, num_stages, num_microbatches)
     return schedule
 

@@ -118,11 +118,17 @@ def simulate(schedule: Schedule, num_stages: int) -> list[list[Action | None]]:
 
 
 def timed(
-    schedule: Schedule, costs: Mapping[str, float] | Sequence[Mapping[str, float]] | Callable[[Action], float]
+    schedule: Schedule,
+    costs: Mapping[str, float] | Sequence[Mapping[str, float]] | Callable[[Action], float],
+    transfer: Callable[[int, int, str, int], float] | None = None,
 ) -> list[list[tuple[Action, float, float]]]:
     """Runs the schedule with each action taking `costs[kind]` (one mapping, or one per actor;
-    per chunk; `B` defaults to I + W), or `costs(action)`, and no communication time: per
-    actor, (action, start, end) in order.
+    per chunk; `B` defaults to I + W), or `costs(action)`: per actor, (action, start, end) in order.
+
+    `transfer(sender, receiver, what, v)`: seconds a boundary value takes from actor `sender` to
+    actor `receiver` ("F": virtual stage v's activation, "G": its input gradient). Each direction
+    of a link carries one message at a time, in the order its sender makes them, as a TCP stream
+    does; the receiver's action waits for its message's arrival. Without it messages are free.
 
     Raises:
         ScheduleError: on a deadlock (see `simulate`).
@@ -138,8 +144,10 @@ def timed(
             return per_actor[where[action.stage]][action.kind]
 
     simulate(schedule, len(schedule))  # the deadlock check, with its message
-    num_virtual = len(owners(schedule))
+    owner = owners(schedule)
+    num_virtual = len(owner)
     finished: dict[tuple[str, int, int], float] = {}
+    link_free: dict[tuple[int, int], float] = {}  # per direction of a link: when it is next idle
     free = [0.0] * len(schedule)
     position = [0] * len(schedule)
     runs: list[list[tuple[Action, float, float]]] = [[] for _ in schedule]
@@ -154,11 +162,29 @@ def timed(
                 start = max([free[actor]] + [finished[d] for d in deps])
                 free[actor] = end = start + cost(action)
                 for e in events(action):
-                    finished[e] = end
+                    finished[e] = _arrival(e, end, actor, owner, transfer, link_free)
                 runs[actor].append((action, start, end))
                 position[actor] += 1
                 remaining -= 1
     return runs
+
+
+def _arrival(
+    event: tuple[str, int, int],
+    end: float,
+    actor: int,
+    owner: Mapping[int, int],
+    transfer: Callable[[int, int, str, int], float] | None,
+    link_free: dict[tuple[int, int], float],
+) -> float:
+    """When `event`, made by `actor` at `end`, is available to the action that waits for it."""
+    what, v, _ = event
+    receiver = owner.get(v + 1 if what == "F" else v - 1) if what in ("F", "G") else None
+    if transfer is None or receiver is None or receiver == actor:
+        return end
+    leaves = max(end, link_free.get((actor, receiver), 0.0))
+    link_free[(actor, receiver)] = arrives = leaves + transfer(actor, receiver, what, v)
+    return arrives
 
 
 def bubble(schedule: Schedule, costs: Mapping[str, float]) -> float:

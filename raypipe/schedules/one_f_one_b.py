@@ -3,6 +3,12 @@
 Stage s runs min(p - s - 1, m) warm-up forwards, then pairs of (forward, backward)
 while forwards remain, then the remaining backwards. Its bubble equals GPipe's, but
 stage s never holds more than p - s microbatches of activations.
+
+`extra_warmup` e lets every stage but the last run e more forwards ahead (p - s - 1 + e, at
+most m): over a slow link a stage then keeps its link busy with the next microbatches'
+activations while the round trip of the first one's (its activation out, its gradient back)
+is under way, instead of waiting for that gradient with one microbatch in flight. Each
+stage but the last holds e more microbatches' activations at its peak.
 """
 
 from __future__ import annotations
@@ -10,11 +16,11 @@ from __future__ import annotations
 from raypipe.schedules.actions import BACKWARD, FORWARD, Action, Schedule
 
 
-def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
+def one_f_one_b(num_stages: int, num_microbatches: int, extra_warmup: int = 0) -> Schedule:
     """The 1F1B schedule as per-stage ordered action lists."""
     schedule: Schedule = []
     for s in range(num_stages):
-        warmup = min(num_stages - s - 1, num_microbatches)
+        warmup = warmup_forwards(num_stages, num_microbatches, s, extra_warmup)
         actions = [Action(s, FORWARD, m) for m in range(warmup)]
         for i in range(num_microbatches - warmup):
             actions.append(Action(s, FORWARD, warmup + i))
@@ -22,3 +28,10 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
         actions += [Action(s, BACKWARD, m) for m in range(num_microbatches - warmup, num_microbatches)]
         schedule.append(actions)
     return schedule
+
+
+def warmup_forwards(num_stages: int, num_microbatches: int, stage: int, extra_warmup: int = 0) -> int:
+    """The forwards stage `stage` runs before its first backward under 1F1B's order: p - s - 1, and
+    `extra_warmup` more on every stage but the last (whose backward follows its forward at once)."""
+    extra = extra_warmup if stage < num_stages - 1 else 0
+    return min(num_stages - stage - 1 + extra, num_microbatches)

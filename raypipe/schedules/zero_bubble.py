@@ -13,15 +13,17 @@ formulas.
 from __future__ import annotations
 
 from raypipe.schedules.actions import FORWARD, INPUT_GRAD, WEIGHT_GRAD, Action, Schedule
+from raypipe.schedules.one_f_one_b import warmup_forwards
 
 
-def zb_h1(num_stages: int, num_microbatches: int) -> Schedule:
+def zb_h1(num_stages: int, num_microbatches: int, extra_warmup: int = 0) -> Schedule:
     """ZB-H1: 1F1B's warm-up and order with each backward split, actor s deferring its weight
-    gradients by s steps so they fill the cool-down's bubble (the paper's handcrafted H1)."""
+    gradients by s steps so they fill the cool-down's bubble (the paper's handcrafted H1);
+    `extra_warmup` as in `one_f_one_b`."""
     p, m = num_stages, num_microbatches
     schedule: Schedule = []
     for s in range(p):
-        warmup = min(p - s - 1, m)
+        warmup = warmup_forwards(p, m, s, extra_warmup)
         actions = [Action(s, FORWARD, i) for i in range(warmup)]
         weights = 0
         for i in range(m - warmup):
