@@ -58,12 +58,12 @@ def links_for(
         backwards = [m for kind, m, u in actions if u == v and kind in (BACKWARD, INPUT_GRAD)]
         if v > 0 and v - 1 not in held:
             links.activations[v] = transport.inbox(
-                peers[v - 1], [links.tag(v - 1, m, "F") for m in forwards], streams.get((v - 1, "F"))
+                peers[v - 1], [links.tag(v - 1, m, "F") for m in forwards], streams.get((v - 1, "F")), 2 * (v - 1)
             )
             links.to_prev[v] = transport.outbox(peers[v - 1], len(backwards), varying, 2 * v + 1, streams.get((v, "G")))
         if v < last and v + 1 not in held:
             links.gradients[v] = transport.inbox(
-                peers[v + 1], [links.tag(v + 1, m, "G") for m in backwards], streams.get((v + 1, "G"))
+                peers[v + 1], [links.tag(v + 1, m, "G") for m in backwards], streams.get((v + 1, "G")), 2 * (v + 1) + 1
             )
             links.to_next[v] = transport.outbox(peers[v + 1], len(forwards), varying, 2 * v, streams.get((v, "F")))
     return links

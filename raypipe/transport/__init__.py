@@ -34,14 +34,17 @@ def outbox(dst: int, count: int, varying: bool = False, channel: int = 0, stream
     if stream is not None:
         return OrderedOutbox(dst, *stream, varying)
     link = shm.link_to(dst)
-    return shm.ShmOutbox(link, count, varying, channel) if link is not None else GlooOutbox(dst, varying)
+    if link is not None:
+        return shm.ShmOutbox(link, count, varying, channel)
+    return GlooOutbox(dst, varying, count, channel)
 
 
-def inbox(src: int, tags: Sequence[int], stream: Any = None) -> Any:
+def inbox(src: int, tags: Sequence[int], stream: Any = None, channel: int | None = None) -> Any:
     """The receiving end of this step's stream from world rank `src`, its messages in `tags` order
     (the host transports pick messages out by tag, so several streams may share a pair of ranks;
-    a stream with a group of its own, `stream`: (group, device), takes them in the order sent)."""
+    a stream with a group of its own, `stream`: (group, device), takes them in the order sent).
+    `channel`: the sender's `outbox` channel, by which gloo recognises the stream from step to step."""
     if stream is not None:
         return OrderedInbox(src, *stream, tags)
     link = shm.link_to(src)
-    return shm.ShmInbox(link, tags) if link is not None else GlooInbox(src, tags)
+    return shm.ShmInbox(link, tags) if link is not None else GlooInbox(src, tags, channel)

@@ -21,6 +21,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from raypipe.transport.gloo import forget_streams
+
 # torch DDP's default bucket size: large enough to amortise a collective's latency,
 # small enough that the first buckets go out while later gradients are still copied.
 BUCKET_BYTES = 25 * 1024 * 1024
@@ -74,6 +76,7 @@ def join_world(
         interface = gloo_interface(ray.util.get_node_ip_address())
         if interface is not None:
             os.environ["GLOO_SOCKET_IFNAME"] = interface
+    forget_streams()  # a peer process of the new world remembers no earlier step
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://{address}:{port}",
@@ -89,6 +92,7 @@ def join_world(
 
 
 def leave_world() -> None:
+    forget_streams()
     if dist.is_initialized():
         dist.destroy_process_group()
 

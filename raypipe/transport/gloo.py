@@ -15,6 +15,18 @@ posts the headers ahead and each payload's receive once its header has arrived.
 
 A value on a GPU (a CUDA stage whose neighbour is on another kind of device, or shares its GPU)
 is copied into pinned memory, all leaves without waiting, then waited for once.
+
+Receives posted before the step's traffic (issue 36). gloo sends a message only once the
+receiver's "ready" notice for it has crossed the link, and that notice travels on the same TCP
+connection as the bulk data going the other way. A receiver that posts its first receives only
+when the stream's header has arrived sends that notice mid-step, where it queues behind the
+activations (or gradients) already in flight the other way: on a 200 Mbit/s link the first
+gradient of a 1F1B step waited 130-215 ms for it, and the step behind it. So a stream whose
+previous step was fixed (both ends remember its payload size, `_remember`) has its first
+`LOOKAHEAD` receives posted when the step's links are made, each as large as that payload;
+the sender keeps its messages within them (a larger value switches the stream to varying,
+whose headers fit), and a stream that fails before it starts sends a filler into the
+receive posted for its message, so no posted receive is left for a later step to match.
 """
 
 from __future__ import annotations
@@ -27,18 +39,62 @@ import torch
 import torch.distributed as dist
 
 from raypipe.transport.stream import FLAG_BYTES, HEADER_BYTES, POISON, Outbox, PeerFailed, read_header
-from raypipe.transport.tree import Layout
+from raypipe.transport.tree import Layout, flatten
 
 LOOKAHEAD = 3  # receives posted per stream; refilled after each action, so two stay posted while it computes
 PAYLOAD_TAG = 1 << 24  # added to a message's tag for a varying stream's payload
 
+# Per stream, (peer, channel): the payload bytes of its last step's fixed messages, which both ends
+# know, so the receiver may post this step's first receives before anything arrives. One table
+# per end: an actor may send and receive on channels of one number with one peer.
+_sent: dict[tuple[int, int], int] = {}
+_received: dict[tuple[int, int], int] = {}
+
+
+def forget_streams() -> None:
+    """Drops what both ends remember of past steps (on joining or leaving a world: a new peer
+    process remembers nothing)."""
+    _sent.clear()
+    _received.clear()
+
+
+def _remember(table: dict[tuple[int, int], int], key: tuple[int, int] | None, fixed_bytes: int | None) -> None:
+    """Records a finished stream: its fixed payload size, or nothing (varying, or never started;
+    a payload whose receive could not also hold a header is not worth posting ahead)."""
+    if key is not None and fixed_bytes is not None and FLAG_BYTES + fixed_bytes >= HEADER_BYTES:
+        table[key] = fixed_bytes
+
 
 class GlooOutbox(Outbox):
-    """The sending end of one gloo stream (`stream.Outbox`): messages in host memory, each on its tag."""
+    """The sending end of one gloo stream (`stream.Outbox`): messages in host memory, each on its tag.
+    `count` messages on `channel` (None: nothing posted ahead for it, as for shared memory's fallback)."""
 
-    def __init__(self, dst: int, varying: bool = False) -> None:
+    def __init__(self, dst: int, varying: bool = False, count: int = 0, channel: int | None = None) -> None:
         super().__init__(varying)
         self.dst = dst
+        self.key = None if channel is None else (dst, channel)
+        self.capacity = _sent.pop(self.key, 0) if self.key else 0  # of the receives posted ahead
+        self.preposted = min(LOOKAHEAD, count) if self.capacity else 0
+        self.sent = 0
+
+    def send(self, value: Any, tag: int = 0) -> None:
+        if not self.started and not self.varying and self.capacity:
+            self.varying = flatten(value)[0].nbytes > self.capacity  # too large for the receives posted ahead
+        super().send(value, tag)
+        self.sent += 1
+
+    def poison(self, tag: int = 0) -> None:
+        filler = not self.started and self.sent < self.preposted  # the receive posted for this message
+        super().poison(tag)
+        if filler:
+            message = torch.empty(FLAG_BYTES, dtype=torch.uint8)
+            message.view(torch.int64).fill_(POISON)
+            self._post(message, tag)
+        self.sent += 1
+
+    def wait(self) -> None:
+        super().wait()
+        _remember(_sent, self.key, self.layout.nbytes if self.started and not self.varying else None)
 
     def _buffer(self, nbytes: int, leaves: list[torch.Tensor | None]) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=_on_gpu(leaves))
@@ -48,16 +104,25 @@ class GlooOutbox(Outbox):
 
 
 class GlooInbox:
-    """The receiving end of one gloo stream, taking its messages in `tags` order."""
+    """The receiving end of one gloo stream, taking its messages in `tags` order; on `channel`,
+    its first receives posted now when the stream's last step was fixed (see the module's note)."""
 
-    def __init__(self, src: int, tags: Sequence[int]) -> None:
+    def __init__(self, src: int, tags: Sequence[int], channel: int | None = None) -> None:
         self.src = src
-        self.tags = deque(tags)
+        self.tags = deque(tags)  # those whose message has no receive posted yet
+        self.count, self.taken = len(tags), 0
+        self.key = None if channel is None else (src, channel)
         self.layout: Layout | None = None
         self.started = self.varying = False
         self.posted: deque[tuple[torch.Tensor, Any, int]] = deque()  # (buffer, work, tag)
         self.header = torch.empty(HEADER_BYTES, dtype=torch.uint8)
         self.header_work = dist.irecv(self.header, src, tag=self.tags[0]) if self.tags else None
+        capacity = _received.pop(self.key, 0) if self.key else 0
+        self.preposted = min(LOOKAHEAD, len(self.tags)) if capacity else 0
+        for _ in range(self.preposted):
+            tag = self.tags.popleft()
+            buffer = torch.empty(FLAG_BYTES + capacity, dtype=torch.uint8)
+            self.posted.append((buffer, dist.irecv(buffer, src, tag=tag), tag))
 
     def take(self) -> Any:
         """The next message's value (views of the message buffer, which the caller owns).
@@ -65,17 +130,49 @@ class GlooInbox:
         Raises:
             PeerFailed: the sender failed and sent poison.
         """
-        if not self.started:
-            if self.header_work is None:  # the last header was poison: read the next message's
-                self.header_work = dist.irecv(self.header, self.src, tag=self.tags[0])
+        index = self.taken
+        self.taken += 1
+        try:
+            if not self.started:
+                self._start(index)
+            return self._message()
+        finally:
+            if self.taken == self.count:
+                _remember(_received, self.key, self.layout.nbytes if self.started and not self.varying else None)
+
+    def _start(self, index: int) -> None:
+        """Reads the stream's header, which comes before message `index` on its tag.
+
+        Raises:
+            PeerFailed: the header is poison: the sender failed before its stream started.
+        """
+        ahead = index < self.preposted  # this message's tag has a receive posted ahead, which took the header
+        if index == 0:
             self.header_work.wait()
-            self.header_work = None
-            flag, self.varying, self.layout = read_header(self.header)
-            if flag == POISON:
+            head = self.header
+        elif ahead:
+            buffer, work, tag = self.posted.popleft()
+            work.wait()
+            head = buffer[:HEADER_BYTES]
+        else:  # the last header was poison: this message's header comes on its own tag
+            dist.irecv(self.header, self.src, tag=self.tags[0]).wait()
+            head = self.header
+        flag, self.varying, self.layout = read_header(head)
+        if flag == POISON:
+            if ahead and index == 0:  # the filler for the receive posted ahead for message 0
+                self.posted.popleft()[1].wait()
+            elif ahead:
+                dist.irecv(torch.empty(FLAG_BYTES, dtype=torch.uint8), self.src, tag=tag).wait()
+            else:
                 self.tags.popleft()
-                raise PeerFailed(f"world rank {self.src} failed earlier in this step")
-            self.started = True
-            self.refill()
+            raise PeerFailed(f"world rank {self.src} failed earlier in this step")
+        self.started = True
+        if ahead and index > 0:  # the message itself follows its header on that tag
+            buffer = torch.empty(HEADER_BYTES, dtype=torch.uint8) if self.varying else _message(self.layout)
+            self.posted.appendleft((buffer, dist.irecv(buffer, self.src, tag=tag), tag))
+        self.refill()
+
+    def _message(self) -> Any:
         buffer, work, tag = self.posted.popleft()
         work.wait()
         if self.varying:
@@ -88,7 +185,7 @@ class GlooInbox:
             return layout.tree(layout.views(payload))
         if int(buffer[:FLAG_BYTES].view(torch.int64)[0]) == POISON:
             raise PeerFailed(f"world rank {self.src} failed earlier in this step")
-        return self.layout.tree(self.layout.views(buffer[FLAG_BYTES:]))
+        return self.layout.tree(self.layout.views(buffer[FLAG_BYTES : FLAG_BYTES + self.layout.nbytes]))
 
     def refill(self) -> None:
         """Posts receives for the next messages, up to `LOOKAHEAD` ahead. The stage calls it

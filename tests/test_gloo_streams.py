@@ -1,0 +1,96 @@
+"""Gloo streams from step to step (`raypipe.transport.gloo`), between two real processes: a
+stream whose last step was fixed has its first receives posted when the step begins (so their
+"ready" notices do not queue behind bulk data mid-step, issue 36), and every turn a stream can
+take keeps both ends matched: the same size again, a larger value (sent as varying instead),
+a smaller one, poison before the stream starts, poison after, and a whole step of poison.
+The steps reuse their tags, as a trainer's do: a receive left posted would take a later step's
+message, and the values would come out wrong or the step would hang."""
+
+import pytest
+import ray
+import torch
+
+WIDTH = 512  # floats per row: 64 rows make a 128 KiB message, worth posting ahead
+POISON = "poison"
+
+# per step, each message: rows of its value, or poison; and how many receives the receiver
+# should have posted ahead at the step's start
+STEPS = [
+    ([64, 64, 64, 64], 0),  # nothing known yet
+    ([64, 64, 64, 64], 3),  # the same stream: its first three receives posted at once
+    ([128, 128, 128, 128], 3),  # larger than those receives: sent as a varying stream
+    ([64, 64, 64, 64], 0),  # after a varying step nothing is assumed
+    ([POISON, POISON, 64, 64], 3),  # failed before it started, then a value: fillers keep the match
+    ([32, 32, POISON, 32], 3),  # smaller values fit; poison after the start
+    ([POISON] * 4, 3),  # never started: forgotten
+    ([64, 64, 64, 64], 0),
+    ([64, 64, 64], 3),  # fewer messages
+    ([64], 1),  # no more receives ahead than messages
+    ([0, 0], 2),  # smaller than a header: the stream is not posted ahead next time
+    ([64, 64], 0),
+]
+
+
+@ray.remote(num_cpus=0)
+class End:
+    def address(self):
+        from raypipe.transport.collective import rendezvous_address
+
+        return rendezvous_address()
+
+    def join(self, address, port, rank):
+        from raypipe.transport.collective import join_world
+
+        join_world(address, port, 2, rank, [], timeout=30)
+
+    def send(self, steps):
+        from raypipe.transport.gloo import GlooOutbox
+
+        for s, (messages, _) in enumerate(steps):
+            box = GlooOutbox(1, count=len(messages), channel=0)
+            for i, rows in enumerate(messages):
+                if rows == POISON:
+                    box.poison(tag=i)
+                else:
+                    box.send((torch.full((rows, WIDTH), 100.0 * s + i), {"i": torch.tensor([i])}), tag=i)
+            box.wait()
+
+    def receive(self, steps):
+        from raypipe.transport.gloo import GlooInbox
+        from raypipe.transport.stream import PeerFailed
+
+        out = []
+        for messages, _ in steps:
+            box = GlooInbox(0, list(range(len(messages))), channel=0)
+            got = []
+            for _ in messages:
+                try:
+                    value, extra = box.take()
+                    got.append((tuple(value.shape), float(value.sum()), int(extra["i"])))
+                except PeerFailed:
+                    got.append(POISON)
+                box.refill()
+            out.append((box.preposted, got))
+        return out
+
+
+def test_a_stream_posts_ahead_what_its_last_step_had_and_stays_matched_through_every_turn(ray_session):
+    ends = [End.remote() for _ in range(2)]
+    address, port = ray.get(ends[0].address.remote(), timeout=30)
+    ray.get([e.join.remote(address, port, r) for r, e in enumerate(ends)], timeout=60)
+    sent = ends[0].send.remote(STEPS)
+    received = ray.get(ends[1].receive.remote(STEPS), timeout=120)
+    ray.get(sent, timeout=30)
+    for s, ((messages, preposted), (posted, got)) in enumerate(zip(STEPS, received)):
+        assert posted == preposted, f"step {s}"
+        want = [
+            POISON if rows == POISON else ((rows, WIDTH), (100.0 * s + i) * rows * WIDTH, i)
+            for i, rows in enumerate(messages)
+        ]
+        assert got == want, f"step {s}"
+    for end in ends:
+        ray.kill(end)
+
+
+if __name__ == "__main__":
+    pytest.main([__file__, "-q"])
