@@ -3,18 +3,21 @@ network namespaces on this machine (`tests/netns_cluster.py`; needs root, `ip ne
 1 CPU each, the second node's link limited with `tc tbf` in both directions
 (`NetnsCluster.limit_link`), as a home Ethernet or Wi-Fi link between a GPU box and a Mac.
 
-The model: an MLP whose boundary is 512 rows x 1024 fp32 = 2 MiB per microbatch, 8 microbatches
-per step, MSE loss. Per schedule and boundary dtype (1F1B fp32 and bf16, GPipe fp32, ZB-H1 fp32),
-one trainer takes `--steps` timed steps (after one untimed) at each link rate, and the report
-gives per rate: the median step, the bytes the stages sent per step (`sent_bytes`), the link's wire
-time for the larger direction, and the step over the compute-only step (unlimited link), over
+The model: an MLP of 16 features in and out (so the driver's feed, which crosses the link to
+whichever stage is far, is small: 256 KiB of inputs or targets per step, counted in the wire time)
+whose boundary is 512 rows x 1024 fp32 = 2 MiB per microbatch, 8 microbatches per step, MSE loss.
+Per variant (1F1B fp32 and bf16, GPipe fp32, ZB-H1 fp32; 1F1B and ZB-H1 with one extra warm-up
+forward, `TrainConfig.extra_warmup`; and 1F1B with it at 16 microbatches of half the rows), one
+trainer takes `--steps` timed steps (after one untimed) at each link rate, and the report gives per
+rate: the median step, the bytes the stages sent per step (`sent_bytes`), the wire time of the busier
+direction (the driver's feed included), and the step over the compute-only step (unlimited link), over
 compute + wire (no overlap) and over max(compute, wire) (perfect overlap; issue 36's target is
 <= 1.1 for 1F1B-class schedules at 1 Gbit/s and 200 Mbit/s).
 
 The driver runs on the head node's host; between rates it asks this process (in the machine's own
 namespace, where the link's qdiscs are set) to change the limit.
 
-    sudo .venv/bin/python benchmarks/slow_link.py --steps 4 > slow_link.json      # ~7 minutes
+    sudo .venv/bin/python benchmarks/slow_link.py --steps 3 > slow_link.json      # ~12 minutes
     sudo .venv/bin/python benchmarks/slow_link.py --rates 0 50 --steps 2 --variants 1f1b-fp32  # quick
 """
 
@@ -43,6 +46,9 @@ VARIANTS = {
     "1f1b-bf16": {"schedule": "1f1b", "boundary_dtype": "bf16"},
     "gpipe-fp32": {"schedule": "gpipe", "boundary_dtype": "fp32"},
     "zb-h1-fp32": {"schedule": "zb-h1", "boundary_dtype": "fp32"},
+    "1f1b-fp32-e1": {"schedule": "1f1b", "boundary_dtype": "fp32", "extra_warmup": 1},
+    "1f1b-fp32-m16-e1": {"schedule": "1f1b", "boundary_dtype": "fp32", "extra_warmup": 1, "microbatches": 16},
+    "zb-h1-fp32-e1": {"schedule": "zb-h1", "boundary_dtype": "fp32", "extra_warmup": 1},
 }
 
 DRIVER = """
@@ -51,20 +57,27 @@ import ray, torch
 from torch import nn
 from raypipe import LayerSpec, TrainConfig, Trainer
 ray.init(address="{address}", logging_level="ERROR", log_to_driver=False)
-ROWS, WIDTH, INNER, MICRO = 512, 1024, 512, 8
-STAGE = [LayerSpec(nn.Linear, WIDTH, INNER), LayerSpec(nn.Tanh), LayerSpec(nn.Linear, INNER, WIDTH), LayerSpec(nn.Tanh)]
+ROWS, WIDTH, INNER, FEED, MICRO = 512, 1024, 512, 16, 8
+BLOCK = [LayerSpec(nn.Linear, WIDTH, INNER), LayerSpec(nn.Tanh), LayerSpec(nn.Linear, INNER, WIDTH), LayerSpec(nn.Tanh)]
+FIRST = [LayerSpec(nn.Linear, FEED, WIDTH), LayerSpec(nn.Tanh)] + BLOCK
+SECOND = BLOCK + [LayerSpec(nn.Linear, WIDTH, FEED)]
 torch.manual_seed(0)
-x, y = torch.randn(ROWS * MICRO, WIDTH), torch.randn(ROWS * MICRO, WIDTH)
+x, y = torch.randn(ROWS * MICRO, FEED), torch.randn(ROWS * MICRO, FEED)
+here = ray.get_runtime_context().get_node_id()
 
 def limit(mbit):  # the benchmark's process sets the link, then answers
     print("LIMIT " + json.dumps(mbit), flush=True)
     assert sys.stdin.readline().strip() == "ok"
 
 for name, settings in json.loads('{variants}').items():
-    config = TrainConfig(pp=2, microbatches=MICRO, placement="strict_spread", cpus_per_actor=1,
+    settings = {{"microbatches": MICRO, **settings}}
+    config = TrainConfig(pp=2, shard_plan=[[0, 6], [6, 11]], placement="strict_spread", cpus_per_actor=1,
                          threads_per_actor=1, optimizer={{"name": "sgd", "lr": 1e-3}}, step_timeout=600, **settings)
-    with Trainer(STAGE + STAGE, nn.functional.mse_loss, config) as trainer:
-        assert len({{i["node_id"] for i in trainer.stage_info()}}) == 2, "the two stages share a node"
+    with Trainer(FIRST + SECOND, nn.functional.mse_loss, config) as trainer:
+        nodes = [i["node_id"] for i in trainer.stage_info()]
+        assert len(set(nodes)) == 2 and here in nodes, "the stages share a node, or neither is on the driver's"
+        far = nodes.index(next(n for n in nodes if n != here))
+        feed = (x if far == 0 else y).numel() * 4  # the driver's bytes to the far stage, each step
         for mbit in json.loads('{rates}'):
             limit(mbit)
             trainer.step(x, y)
@@ -74,7 +87,9 @@ for name, settings in json.loads('{variants}').items():
                 metrics = trainer.step(x, y)
                 times.append(time.perf_counter() - started)
             sent = [s["sent_bytes"] for s in metrics["stages"]]
-            print("RESULT " + json.dumps({{"variant": name, "mbit": mbit, "step_s": times, "sent_bytes": sent}}),
+            out = sent[1 - far] + feed  # towards the far node: the near stage's sends and the driver's feed
+            print("RESULT " + json.dumps({{"variant": name, "mbit": mbit, "step_s": times, "sent_bytes": sent,
+                                           "wire_bytes": max(out, sent[far])}}),
                   flush=True)
 limit(None)
 """
@@ -125,7 +140,7 @@ def report(results: list[dict]) -> dict:
         step = statistics.median(r["step_s"])
         row = {"median_step_s": step, "step_s": r["step_s"], "sent_bytes_per_stage": r["sent_bytes"]}
         if r["mbit"]:
-            wire = max(r["sent_bytes"]) * 8 / (r["mbit"] * 1e6)  # the busier direction
+            wire = r["wire_bytes"] * 8 / (r["mbit"] * 1e6)  # the busier direction, the driver's feed included
             row["wire_s"] = wire
             if r["variant"] in compute:
                 c = compute[r["variant"]]
