@@ -133,18 +133,17 @@ def timed(
     Raises:
         ScheduleError: on a deadlock (see `simulate`).
     """
+    owner = owners(schedule)
     if callable(costs):
         cost = costs
     else:
         per_actor = [costs] * len(schedule) if isinstance(costs, Mapping) else list(costs)
         per_actor = [{BACKWARD: c.get(INPUT_GRAD, 0) + c.get(WEIGHT_GRAD, 0), **c} for c in per_actor]
-        where = owners(schedule)
 
         def cost(action: Action) -> float:
-            return per_actor[where[action.stage]][action.kind]
+            return per_actor[owner[action.stage]][action.kind]
 
     simulate(schedule, len(schedule))  # the deadlock check, with its message
-    owner = owners(schedule)
     num_virtual = len(owner)
     finished: dict[tuple[str, int, int], float] = {}
     link_free: dict[tuple[int, int], float] = {}  # per direction of a link: when it is next idle

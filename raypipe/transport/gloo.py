@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from raypipe.transport.stream import FLAG_BYTES, HEADER_BYTES, POISON, Outbox, PeerFailed, read_header
-from raypipe.transport.tree import Layout, flatten
+from raypipe.transport.tree import Layout
 
 LOOKAHEAD = 3  # receives posted per stream; refilled after each action, so two stay posted while it computes
 PAYLOAD_TAG = 1 << 24  # added to a message's tag for a varying stream's payload
@@ -78,10 +78,11 @@ class GlooOutbox(Outbox):
         self.sent = 0
 
     def send(self, value: Any, tag: int = 0) -> None:
-        if not self.started and not self.varying and self.capacity:
-            self.varying = flatten(value)[0].nbytes > self.capacity  # too large for the receives posted ahead
         super().send(value, tag)
         self.sent += 1
+
+    def _fits(self, layout: Layout) -> bool:
+        return not self.capacity or layout.nbytes <= self.capacity  # within the receives posted ahead
 
     def poison(self, tag: int = 0) -> None:
         filler = not self.started and self.sent < self.preposted  # the receive posted for this message
@@ -168,8 +169,7 @@ class GlooInbox:
             raise PeerFailed(f"world rank {self.src} failed earlier in this step")
         self.started = True
         if ahead and index > 0:  # the message itself follows its header on that tag
-            buffer = torch.empty(HEADER_BYTES, dtype=torch.uint8) if self.varying else _message(self.layout)
-            self.posted.appendleft((buffer, dist.irecv(buffer, self.src, tag=tag), tag))
+            self.posted.appendleft(self._receive(tag))
         self.refill()
 
     def _message(self) -> Any:
@@ -194,9 +194,12 @@ class GlooInbox:
         if not self.started:
             return
         while self.tags and len(self.posted) < LOOKAHEAD:
-            tag = self.tags.popleft()
-            buffer = torch.empty(HEADER_BYTES, dtype=torch.uint8) if self.varying else _message(self.layout)
-            self.posted.append((buffer, dist.irecv(buffer, self.src, tag=tag), tag))
+            self.posted.append(self._receive(self.tags.popleft()))
+
+    def _receive(self, tag: int) -> tuple[torch.Tensor, Any, int]:
+        """A receive posted for the message on `tag` of the started stream: its header when varying."""
+        buffer = torch.empty(HEADER_BYTES, dtype=torch.uint8) if self.varying else _message(self.layout)
+        return buffer, dist.irecv(buffer, self.src, tag=tag), tag
 
 
 def _message(layout: Layout) -> torch.Tensor:

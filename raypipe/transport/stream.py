@@ -97,6 +97,7 @@ class Outbox:
         """
         layout, leaves = flatten(value)
         if not self.started:
+            self.varying = self.varying or not self._fits(layout)
             self._post(self._header(header(None, varying=True) if self.varying else header(layout)), tag)
             self.layout, self.started = layout, True
         elif not self.varying:
@@ -134,6 +135,10 @@ class Outbox:
         if pinned:  # a transport may read the buffer at once: the copies out of the GPU must be done
             torch.cuda.current_stream().synchronize()
         return buffer
+
+    def _fits(self, layout: Layout) -> bool:
+        """Whether a stream of `layout` may go fixed (else it goes varying, each message described)."""
+        return True
 
     def _buffer(self, nbytes: int, leaves: list[torch.Tensor | None]) -> torch.Tensor:
         """An uninitialised buffer of `nbytes` for a message of `leaves`."""
