@@ -42,8 +42,8 @@ MUTATIONS = [
     Mutation(
         "1f1b-order",
         "raypipe/schedules/one_f_one_b.py",
-        "warmup = min(num_stages - s - 1, num_microbatches)",
-        "warmup = min(num_stages - s, num_microbatches)",
+        "return min(num_stages - stage - 1 + extra, num_microbatches)",
+        "return min(num_stages - stage + extra, num_microbatches)",
         (
             "tests/test_schedules.py",
             "tests/test_metrics.py::test_stashed_activations_gpipe_holds_all_1f1b_at_most_p_minus_s",
