@@ -49,6 +49,10 @@ VARIANTS = {
     "1f1b-fp32-e1": {"schedule": "1f1b", "boundary_dtype": "fp32", "extra_warmup": 1},
     "1f1b-fp32-m16-e1": {"schedule": "1f1b", "boundary_dtype": "fp32", "extra_warmup": 1, "microbatches": 16},
     "zb-h1-fp32-e1": {"schedule": "zb-h1", "boundary_dtype": "fp32", "extra_warmup": 1},
+    # the planner's pick: schedule, microbatches, warm-up and split chosen from the profiled layers,
+    # with the links measured at start (as a run does by default), and without (link-blind)
+    "planned": {"schedule": "auto", "partition": "profile", "planned": True},
+    "planned-blind": {"schedule": "auto", "partition": "profile", "planned": True, "probe_links": False},
 }
 
 DRIVER = """
@@ -69,28 +73,42 @@ def limit(mbit):  # the benchmark's process sets the link, then answers
     print("LIMIT " + json.dumps(mbit), flush=True)
     assert sys.stdin.readline().strip() == "ok"
 
+def measure(trainer, name, mbit):
+    nodes = [i["node_id"] for i in trainer.stage_info()]
+    assert len(set(nodes)) == 2 and here in nodes, "the stages share a node, or neither is on the driver's"
+    far = nodes.index(next(n for n in nodes if n != here))
+    feed = (x if far == 0 else y).numel() * 4  # the driver's bytes to the far stage, each step
+    trainer.step(x, y)
+    times = []
+    for _ in range({steps}):
+        started = time.perf_counter()
+        metrics = trainer.step(x, y)
+        times.append(time.perf_counter() - started)
+    sent = [s["sent_bytes"] for s in metrics["stages"]]
+    out = sent[1 - far] + feed  # towards the far node: the near stage's sends and the driver's feed
+    c = trainer.config
+    print("RESULT " + json.dumps({{"variant": name, "mbit": mbit, "step_s": times, "sent_bytes": sent,
+                                   "wire_bytes": max(out, sent[far]), "plan": trainer.plan, "schedule": c.schedule,
+                                   "microbatches": c.microbatches, "extra_warmup": c.extra_warmup}}), flush=True)
+
 for name, settings in json.loads('{variants}').items():
     settings = {{"microbatches": MICRO, **settings}}
-    config = TrainConfig(pp=2, shard_plan=[[0, 6], [6, 11]], placement="strict_spread", cpus_per_actor=1,
-                         threads_per_actor=1, optimizer={{"name": "sgd", "lr": 1e-3}}, step_timeout=600, **settings)
-    with Trainer(FIRST + SECOND, nn.functional.mse_loss, config) as trainer:
-        nodes = [i["node_id"] for i in trainer.stage_info()]
-        assert len(set(nodes)) == 2 and here in nodes, "the stages share a node, or neither is on the driver's"
-        far = nodes.index(next(n for n in nodes if n != here))
-        feed = (x if far == 0 else y).numel() * 4  # the driver's bytes to the far stage, each step
+    planned = settings.pop("planned", False)  # the planner splits and schedules: a trainer per link rate
+    split = {{}} if planned else {{"shard_plan": [[0, 6], [6, 11]]}}
+    config = TrainConfig(pp=2, placement="strict_spread", cpus_per_actor=1, threads_per_actor=1, step_timeout=600,
+                         optimizer={{"name": "sgd", "lr": 1e-3}}, **split, **settings)
+    make = lambda: Trainer(FIRST + SECOND, nn.functional.mse_loss, config, sample=(x, y) if planned else None,
+                           log=lambda line: print("LOG " + json.dumps(line), flush=True))
+    if planned:
         for mbit in json.loads('{rates}'):
             limit(mbit)
-            trainer.step(x, y)
-            times = []
-            for _ in range({steps}):
-                started = time.perf_counter()
-                metrics = trainer.step(x, y)
-                times.append(time.perf_counter() - started)
-            sent = [s["sent_bytes"] for s in metrics["stages"]]
-            out = sent[1 - far] + feed  # towards the far node: the near stage's sends and the driver's feed
-            print("RESULT " + json.dumps({{"variant": name, "mbit": mbit, "step_s": times, "sent_bytes": sent,
-                                           "wire_bytes": max(out, sent[far])}}),
-                  flush=True)
+            with make() as trainer:
+                measure(trainer, name, mbit)
+    else:
+        with make() as trainer:
+            for mbit in json.loads('{rates}'):
+                limit(mbit)
+                measure(trainer, name, mbit)
 limit(None)
 """
 
@@ -121,6 +139,8 @@ def drive(cluster: NetnsCluster, far: str, code: str, timeout: float) -> list[di
                 cluster.limit_link(far, mbit or None)
                 proc.stdin.write("ok\n")
                 proc.stdin.flush()
+            elif line.startswith("LOG "):
+                print(json.loads(line[len("LOG ") :]), file=sys.stderr, flush=True)
             elif line.startswith("RESULT "):
                 results.append(json.loads(line[len("RESULT ") :]))
                 print(line.strip(), file=sys.stderr, flush=True)
@@ -139,6 +159,7 @@ def report(results: list[dict]) -> dict:
     for r in results:
         step = statistics.median(r["step_s"])
         row = {"median_step_s": step, "step_s": r["step_s"], "sent_bytes_per_stage": r["sent_bytes"]}
+        row.update({k: r[k] for k in ("plan", "schedule", "microbatches", "extra_warmup")})
         if r["mbit"]:
             wire = r["wire_bytes"] * 8 / (r["mbit"] * 1e6)  # the busier direction, the driver's feed included
             row["wire_s"] = wire

@@ -71,7 +71,9 @@ def _plan(args: argparse.Namespace) -> int:
     train = config.train
     how = "shard_plan" if train.shard_plan is not None else f"partition={train.partition}"
     print(f"{len(specs)} layers, {sum(counts):,} parameters, pp={train.pp} ({how})")
-    if (train.partition == "profile" or train.schedule == "auto") and train.shard_plan is None:
+    if args.links:  # starts the stages where the run would, measures their links, plans for them
+        train, plan, report = _linked_plan(config)
+    elif (train.partition == "profile" or train.schedule == "auto") and train.shard_plan is None:
         train, report = _profiled_plan(config, specs)  # prints what it found; "auto" also picks the schedule
         plan = report.plan
     else:
@@ -86,6 +88,21 @@ def _plan(args: argparse.Namespace) -> int:
             json.dump(report.to_dict() if report else {"plan": [list(r) for r in plan]}, f, indent=1)
         print(f"wrote {args.json}")
     return 0
+
+
+def _linked_plan(config):
+    """Starts the job's stages on the cluster (without checkpoints or loggers), which measure the
+    links between them, and with a profiled plan plan again for those links; prints the links and
+    returns (the train config, the plan, the plan report or None)."""
+    from raypipe.trainer import Trainer
+
+    train = config.train.replace(checkpoint_dir=None, resume=False, loggers=[], name=None)
+    x, y = config.data.dataset(config.model.block_size).batch(0, config.job.batch_size, seed=train.seed)
+    with Trainer(config.model.build(), config=train, sample=(x, config.model.targets(x, y)), log=print) as trainer:
+        print("links between neighbouring stages:")
+        for link in trainer.group.links:
+            print(f"  {link}")
+        return trainer.config, trainer.plan, trainer.plan_report
 
 
 def _profiled_plan(config, specs):
@@ -157,6 +174,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     with_config(plan)
     plan.add_argument("--json", metavar="PATH", help="also write the plan (and, profiled, every layer's times) as JSON")
+    plan.add_argument(
+        "--links",
+        action="store_true",
+        help="start the stages where the run would, measure the links between them and plan for those "
+        "(partition=profile or schedule=auto)",
+    )
     plan.set_defaults(func=_plan)
 
     diagram = sub.add_parser("diagram", help="draw a job's stages, actors and boundary tensors (no cluster needed)")

@@ -67,7 +67,8 @@ class TrainConfig:
             microbatches' activations cross while the first one's gradient comes back, so the
             link stays busy instead of idling one round trip per microbatch. Each costs one more
             microbatch's stashed activations on those stages. 1 is enough on the links measured
-            (docs/BENCHMARKS.md, "A slow link"); schedule="auto" does not choose it yet.
+            (docs/BENCHMARKS.md, "A slow link"); schedule="auto" chooses it where the links
+            between stages were measured (`probe_links`).
         shard_plan: explicit contiguous [start, end) layer ranges, one per stage (per virtual
             stage with chunks, in virtual-stage order); overrides `partition`.
         partition: how to split layers when no shard_plan is given: "uniform" (layer count),
@@ -90,6 +91,13 @@ class TrainConfig:
             large for /dev/shm fall back to gloo) or "gloo" (loopback TCP). Stages on
             different nodes always use gloo. With "shm" the step's closing agreement (global
             norm, failures) also goes through pipes when every actor is on one node.
+        probe_links: measure the rate and latency each way of every link between neighbouring
+            stages on different nodes when the actors start (a fraction of a second per link,
+            over gloo; `Trainer.links()`, `stage_info()`). With partition="profile" or
+            schedule="auto" the trainer then plans again for the measured links: the split moves
+            to where boundaries are small or links fast, and "auto" picks the schedule, the
+            microbatches and `extra_warmup` that hide the link (the actors restart once when
+            the split or the chunks change). False: a link-blind plan, nothing measured.
         device_links: how p2p and compiled move boundary tensors between two CUDA (or ROCm)
             stages: "auto" keeps them on the device, over NCCL (RCCL), when the two stages hold
             different GPUs (on one node or not), and goes through host memory otherwise
@@ -165,6 +173,7 @@ class TrainConfig:
     grad_clip: float | None = None
     engine: str = "p2p"
     same_node_transport: str = "shm"
+    probe_links: bool = True
     device_links: str = "auto"
     precision: str = "fp32"
     boundary_dtype: str = "fp32"

@@ -84,6 +84,8 @@ def validate(c: Any) -> None:
     check_choice("engine", c.engine, ENGINES)
     check_choice("same_node_transport", c.same_node_transport, SAME_NODE_TRANSPORTS)
     check_choice("device_links", c.device_links, DEVICE_LINKS)
+    if not isinstance(c.probe_links, bool):
+        raise fail("probe_links", c.probe_links, "give true or false.")
     if not isinstance(c.activation_checkpointing, bool):
         raise fail("activation_checkpointing", c.activation_checkpointing, "give true or false.")
     if not isinstance(c.measure_activations, bool):

@@ -95,9 +95,10 @@ class Architecture:
     @classmethod
     def from_trainer(cls, trainer: Any, sample: torch.Tensor | None = None, title: str = "") -> Architecture:
         """A running trainer's architecture, with each actor's real node and device, and the
-        transport of each link between stages."""
+        transport of each link between stages (and its rate, where it was measured)."""
         arch = cls.from_config(trainer.specs, trainer.config, sample, title)
         by_name = {i["name"]: i for i in trainer.stage_info()}
+        rates = {(link.sender, link.receiver): link for link in trainer.group.links if link.measured}
         for stage in arch.stages:
             for actor in stage.actors:
                 info = by_name[actor.name]
@@ -110,6 +111,9 @@ class Architecture:
                 if (a.dp, a.tp) == (b.dp, b.tp)
             }
             stage.link = " + ".join(sorted(h for h in hows if h))
+            sender, receiver = (v.index if v.on_stage is None else v.on_stage for v in (stage, after))
+            if (link := rates.get((sender, receiver))) is not None:
+                stage.link += f" at {link.bytes_per_s * 8e-6:,.0f} Mbit/s"
         return arch
 
     # ----- drawing --------------------------------------------------------------------

@@ -237,7 +237,8 @@ def run(
 
     if config.data.uses_ray_data() and train.cpus_per_actor is None:
         train = _leave_a_cpu_for_ray_data(train)
-    profile_batch = batch(train_set, 0, train.seed) if train.partition == "profile" else None
+    profiled = train.partition == "profile" or train.schedule == "auto"
+    profile_batch = batch(train_set, 0, train.seed) if profiled else None
     with Trainer(model.build(), config=train, sample=profile_batch, log=log) as trainer:
         trainer.loggers.add_params(
             {

@@ -17,7 +17,17 @@ import torch
 
 from raypipe import driver
 from raypipe.config import TrainConfig, check_reconfigurable
-from raypipe.driver import checkpoints, chunks, fitting, inference, placement, registry, weights
+from raypipe.driver import (
+    checkpoints,
+    chunks,
+    fitting,
+    inference,
+    link_planning,
+    link_probe,
+    placement,
+    registry,
+    weights,
+)
 from raypipe.driver.feeds import make_feed
 from raypipe.driver.group import ActorGroup
 from raypipe.driver.run_state import RunState
@@ -28,6 +38,7 @@ from raypipe.loggers import Loggers, run_params
 from raypipe.model import Model, resolve
 from raypipe.nn.plan import check_stages_split
 from raypipe.planning.autoschedule import plan_run
+from raypipe.planning.links import Link
 from raypipe.planning.partition import first_plan
 from raypipe.planning.profiling import PlanReport
 from raypipe.progress import Progress
@@ -76,6 +87,7 @@ class Trainer:
             + [s.factory for s in self.specs]
             + [type(a) for s in self.specs for a in (*s.args, *s.kwargs.values())]
         )
+        asked = config  # before "auto" is chosen: the links may choose again
         if profiled:  # time every layer on each device kind of the run and split by those times
             cpus = placement.cpus_per_actor(config, len(Topology(config.pp, config.dp, config.tp, config.ep).names()))
             config, self.plan_report = plan_run(self.specs, loss_fn, sample, config, cpus, log)
@@ -89,8 +101,10 @@ class Trainer:
             run_name, uuid.uuid4().hex, Loggers(config, run_name, lambda: run_params(self.config, run_name, self.plan))
         )
         registry.replace_same_name(self)
-        self.group.start()
+        self.group.start()  # and measures the links between its stages (`config.probe_links`)
         registry.add(self)
+        if self.plan_report is not None:  # a profiled plan: made again for the links measured
+            link_planning.follow_links(self, asked, log)
         if config.resume is not False:
             try:
                 self.load(config.checkpoint_dir, step=None if config.resume is True else config.resume, log=log)
@@ -112,25 +126,19 @@ class Trainer:
     restarts = property(lambda self: self.state.restarts, doc="Recoveries and save retries spent of max_restarts.")
     loggers = property(lambda self: self.state.loggers, doc="The loggers `config.loggers` names.")
 
-    @property
-    def step_count(self) -> int:
-        """Optimizer steps applied so far (a load sets it to the checkpoint's step)."""
-        return self.state.step_count
-
-    @step_count.setter
-    def step_count(self, value: int) -> None:
-        self.state.step_count = value
+    step_count = property(
+        lambda self: self.state.step_count,
+        lambda self, value: setattr(self.state, "step_count", value),
+        doc="Optimizer steps applied so far (a load sets it to the checkpoint's step).",
+    )
 
     # ----- public API -------------------------------------------------------------
 
-    @property
-    def num_stages(self) -> int:
-        return self.config.pp
-
-    @property
-    def stage_names(self) -> list[str]:
-        """One actor name per stage (replica 0, tp rank 0), e.g. for labelling stages."""
-        return [self.names[r] for r in self.topology.lead_ranks()]
+    num_stages = property(lambda self: self.config.pp, doc="Pipeline stages (pp).")
+    stage_names = property(
+        lambda self: [self.names[r] for r in self.topology.lead_ranks()],
+        doc="One actor name per stage (replica 0, tp rank 0), e.g. for labelling stages.",
+    )
 
     def step(self, x: torch.Tensor, y: Any) -> dict[str, Any]:
         """Runs one optimizer step on the batch `(x, y)`, split into microbatches.
@@ -213,10 +221,9 @@ class Trainer:
     def load(self, path: str, step: int | None = None, log: Callable[[str], None] = print) -> Path:
         """Restores a checkpoint saved by any topology; training continues from its step.
 
-        `path` is a checkpoint directory (`.../step-N`) or a root holding several: the newest
-        valid one (or `step`'s) is restored, invalid ones are reported. Returns the directory.
-
-        It continues the run that saved it (its run id; `checkpoints.set_aside_future`).
+        `path` is a checkpoint directory (`.../step-N`) or a root holding several: the newest valid one
+        (or `step`'s) is restored, invalid ones reported; it continues the run that saved it (its run id;
+        `checkpoints.set_aside_future`). Returns the directory.
 
         Raises:
             CheckpointError: nothing valid to restore (missing, truncated, altered files), or a
@@ -330,8 +337,13 @@ class Trainer:
         self.group.configure(reset_optimizer=True)
 
     def stage_info(self) -> list[dict[str, Any]]:
-        """Per actor: name, layers, parameters, node, pid, device, threads, `links` (neighbour -> transport)."""
+        """Per actor: name, layers, node, device, threads, `links` and `link_rates` (`ActorGroup.info`)."""
         return self.group.info()
+
+    def links(self) -> list[Link]:
+        """Measures now both ways of each link between neighbouring stages on different nodes (`link_probe`)."""
+        self.group.links = link_probe.probe_links(self.group)
+        return self.group.links
 
     def shutdown(self) -> None:
         """Stops every actor this trainer started and closes its loggers. Safe to call twice."""
@@ -348,9 +360,8 @@ class Trainer:
         self.shutdown()
 
     def __repr__(self) -> str:
-        c = self.config
+        c, running = self.config, "running" if self.group.running else "shut down"
         return (
             f"Trainer(run={self.run_name!r}, pp={c.pp}, dp={c.dp}, tp={c.tp}, schedule={c.schedule!r}, "
-            f"microbatches={c.microbatches}, plan={self.plan}, steps={self.step_count}, "
-            f"{'running' if self.group.running else 'shut down'})"
+            f"microbatches={c.microbatches}, plan={self.plan}, steps={self.step_count}, {running})"
         )

@@ -3,12 +3,15 @@ stream whose last step was fixed has its first receives posted when the step beg
 "ready" notices do not queue behind bulk data mid-step, issue 36), and every turn a stream can
 take keeps both ends matched: the same size again, a larger value (sent as varying instead),
 a smaller one, poison before the stream starts, poison after, and a whole step of poison.
+The link probe then runs on the same world.
 The steps reuse their tags, as a trainer's do: a receive left posted would take a later step's
 message, and the values would come out wrong or the step would hang."""
 
 import pytest
 import ray
 import torch
+
+from raypipe.transport.probe import ProbesLinks
 
 WIDTH = 512  # floats per row: 64 rows make a 128 KiB message, worth posting ahead
 POISON = "poison"
@@ -32,7 +35,7 @@ STEPS = [
 
 
 @ray.remote(num_cpus=0)
-class End:
+class End(ProbesLinks):
     def address(self):
         from raypipe.transport.collective import rendezvous_address
 
@@ -88,6 +91,12 @@ def test_a_stream_posts_ahead_what_its_last_step_had_and_stays_matched_through_e
             for i, rows in enumerate(messages)
         ]
         assert got == want, f"step {s}"
+    # the link probe (`raypipe.transport.probe`, issue 36) on the same world: both ends agree on
+    # each direction's rate, here loopback's, far above any home link
+    first, second = ray.get([ends[0].probe_link.remote(1, True), ends[1].probe_link.remote(0, False)], timeout=60)
+    assert first["to_peer_bytes_per_s"] == second["from_peer_bytes_per_s"] > 30e6, (first, second)
+    assert first["from_peer_bytes_per_s"] == second["to_peer_bytes_per_s"] > 30e6, (first, second)
+    assert 0 < first["latency_s"] < 0.02 and first["probe_bytes"] >= 64 * 1024
     for end in ends:
         ray.kill(end)
 

@@ -10,7 +10,8 @@ through the fake-accelerator override, as cluster.yaml's start commands would on
   once no spare is left, the trainer fails within `actor_start_timeout` naming the lost node
   and the stage it held.
 - A host's link limited with `tc tbf` (`NetnsCluster.limit_link`, issue 36's slow-link condition)
-  carries its rate each way, and its full speed once lifted.
+  carries its rate each way, and its full speed once lifted; a run across such links measures
+  them when it starts and a profiled split moves to where the boundary is small.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import json, subprocess, tempfile, time
 import ray, torch
 from torch import nn
 from helpers import MLP7, batch, reference_run
-from raypipe import PlacementError, TrainConfig, Trainer
+from raypipe import LayerSpec, PlacementError, TrainConfig, Trainer
 from raypipe.diagram import Architecture
 ray.init(address="{address}", logging_level="ERROR", log_to_driver=False)
 NAMESPACES = json.loads('{namespaces}')  # node ip -> its network namespace
@@ -137,6 +138,60 @@ def test_pipelines_span_real_nodes_over_gloo_with_one_process_losses(cluster, tm
     assert len(set(run["where"].values())) == 3
     assert all(how == "gloo (ordered)" for links in run["links"].values() for how in links.values()), run["links"]
     assert run["losses"] == pytest.approx(out["reference"], rel=1e-5, abs=1e-6)
+
+
+LINKED = (
+    PRELUDE
+    + """
+WIDE = [LayerSpec(nn.Linear, 16, 512), LayerSpec(nn.Tanh), LayerSpec(nn.Linear, 512, 512), LayerSpec(nn.Tanh)]
+MODEL = WIDE + [LayerSpec(nn.Linear, 512, 8), LayerSpec(nn.Tanh), LayerSpec(nn.Linear, 8, 16)]
+data = lambda k: batch(k, 256, 16, 16)
+config = TrainConfig(pp=2, microbatches=4, partition="profile", devices=["cpu", "mps"], allow_cpu_fallback=True,
+                     placement="strict_spread", cpus_per_actor=0.25, optimizer=SGD, actor_start_timeout=90,
+                     name="linked")
+lines = []
+with Trainer(MODEL, nn.functional.mse_loss, config, sample=data(0), log=lines.append) as t:
+    losses = [t.step(*data(k))["loss"] for k in range(3)]
+    again = [link.to_dict() for link in t.links()]
+    out = {{"plan": t.plan, "lines": lines, "links": again, "losses": losses, "where": where(t),
+           "rates": {{i["name"]: i["link_rates"] for i in t.stage_info()}},
+           "report": t.plan_report.to_dict()["links"],
+           "diagram": Architecture.from_trainer(t, torch.zeros(64, 16)).to_mermaid()}}
+out["reference"] = reference_run(MODEL, 0, PLAIN_SGD, 3, microbatches=4, data=data)[0]
+print("RESULT " + json.dumps(out))
+"""
+)
+
+
+def test_links_are_measured_and_a_profiled_split_moves_to_a_narrow_boundary(cluster, tmp_path):
+    """Issue 36: the mps nodes' links limited to 20 Mbit/s, a pp = 2 run across them (a cpu stage and
+    an mps one, strict_spread) measures its link each way at its rate when it starts, shows it in
+    `stage_info()`, the plan report and the diagram, and plans again for it: the link-blind split
+    cuts the 512-wide activations (128 KiB per microbatch, 52 ms on the link), the split planned
+    for the link the 8-wide ones, and the restarted stages train exactly as one process does."""
+    limited = [cluster.nodes["mps-a"].name, cluster.nodes["mps-b"].name]
+    try:
+        for ns in limited:
+            cluster.limit_link(ns, 20)
+        out = drive(cluster, LINKED, tmp_path)
+    finally:
+        for ns in limited:
+            cluster.limit_link(ns, None)
+    assert len(set(out["where"].values())) == 2, out["where"]
+    print("\n" + "\n".join(out["lines"]))
+    for link in out["links"]:
+        assert link["transport"] == "gloo" and 12 < link["mbit_per_s"] < 22, out["links"]
+        assert 0 < link["latency_s"] < 0.05, out["links"]
+    log = "\n".join(out["lines"])
+    assert "links measured between stages:" in log and "starting the stages again with the new split" in log, log
+    blind = log.split("the link-blind plan (1f1b, m=4, ")[1].split(")]")[0]
+    assert blind.startswith("[(0, 2)") or blind.startswith("[(0, 3)") or blind.startswith("[(0, 4)"), log
+    assert out["plan"][0][1] in (5, 6), (out["plan"], log)  # after an 8-wide layer
+    assert out["losses"] == pytest.approx(out["reference"], rel=1e-5, abs=1e-6)
+    assert [r["sender"] for r in out["report"]] == [0, 1] and all(r["share_of_step"] > 0 for r in out["report"])
+    rates = [rate for per_actor in out["rates"].values() for rate in per_actor.values()]
+    assert len(rates) == 2 and all(12 < r["mbit_per_s"] < 22 for r in rates), out["rates"]
+    assert " float32 over gloo at 1" in out["diagram"] or " float32 over gloo at 2" in out["diagram"], out["diagram"]
 
 
 def test_a_lost_node_fails_over_to_a_spare_and_without_one_the_error_names_it(cluster, tmp_path):

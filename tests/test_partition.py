@@ -137,6 +137,9 @@ def test_profile_partition_balances_measured_layer_times(ray_session):
         assert t.step(x, y)["loss"] > 0
     forward = report.profiles["cpu"]["forward_s"]
     assert report.profiles["cpu"]["threads"] == 1  # as each of the 2 stages on the 2-CPU node computes
+    # each layer's output (4 rows x 8 float32), what would cross a link after it; the loss's none
+    assert report.profiles["cpu"]["output_float_bytes"] == [4 * 8 * 4] * 5 + [0]
+    assert report.profiles["cpu"]["output_float_elements"] == [4 * 8] * 5 + [0]
     # sleeps of 10 and 30 ms per forward: never measured shorter, and within 3x on a slow machine
     assert 0.0095 <= forward[0] < 0.03 and 0.0295 <= forward[5] < 0.09, forward
     assert 0.12 <= report.stage_seconds[1] < 0.36, report.stage_seconds  # 2 layers x (30 + 30) ms
@@ -161,3 +164,63 @@ def test_raypipe_plan_profiles_the_jobs_model_and_writes_json(ray_session, tmp_p
         t > 0 for t in report["profiles"]["cpu"]["forward_s"]
     )
     assert f"stage 1: layers [{report['plan'][1][0]}, 4)" in printed
+
+
+def _layers_profile(outputs: list[float], forward: float = 0.01) -> dict:
+    """A profile of len(outputs) equal layers (backward twice the forward) whose outputs are
+    `outputs` bytes of float32 (what crosses a link when a stage ends after that layer)."""
+    n = len(outputs)
+    return {
+        "forward_s": [forward] * n,
+        "backward_s": [2 * forward] * n,
+        "parameter_bytes": [1000] * n,
+        "activation_bytes": [100] * n,
+        "memory_bytes": 2**34,
+        "model": "test cpu",
+        "cpu_fallback": False,
+        "output_float_bytes": outputs,
+        "output_float_elements": [b // 4 for b in outputs],
+        "output_other_bytes": [0] * n,
+    }
+
+
+def test_a_measured_link_moves_the_split_to_a_narrow_boundary_and_auto_hides_it():
+    """Six equal layers whose second one outputs 64 KiB and the others 4 MiB, over a 200 Mbit/s
+    link: the link-blind split (3 + 3 layers) sends 4 MiB each way per microbatch, 1.2 s a step;
+    planned for the link, the split moves to the narrow boundary (2 + 4) and the step to 0.55 s,
+    as `schedules.timed` predicts with each message on the link. Under "auto" the link makes
+    more forwards in flight (`extra_warmup`) and more microbatches win where every boundary is wide."""
+    from raypipe import TrainConfig
+    from raypipe.planning.autoschedule import plan_for_links, predicted_seconds, rank
+    from raypipe.planning.links import Link, boundary_bytes
+    from raypipe.planning.profiling import plan_from_profiles
+
+    wide, narrow = 4 * 2**20, 64 * 2**10
+    profiles = {"cpu": _layers_profile([wide, narrow, wide, wide, wide, 0])}
+    rate = 200e6 / 8
+    links = {(0, 1): Link(0, 1, "gloo", rate, 1e-3), (1, 0): Link(1, 0, "gloo", rate / 2, 1e-3)}
+    config = TrainConfig(pp=2, microbatches=4, partition="profile")
+    blind = plan_from_profiles(profiles, ["cpu", "cpu"], config)
+    aware = plan_from_profiles(profiles, ["cpu", "cpu"], config, links)
+    assert blind.plan == [(0, 3), (3, 6)] and aware.plan == [(0, 2), (2, 6)]
+    on_link = predicted_seconds(config, blind, links)
+    assert predicted_seconds(config, aware, links) < 0.5 * on_link
+    assert on_link > 4 * wide / rate  # the activations alone, one way
+    # each link's messages per step: 4 microbatches of 64 KiB and 1 ms, at its own rate each way
+    wire = {(link.sender, link.receiver): seconds for link, seconds in aware.link_wire}
+    assert wire == pytest.approx({(0, 1): 4 * (1e-3 + narrow / rate), (1, 0): 4 * (1e-3 + narrow / (rate / 2))})
+    assert "stage 1 -> stage 0 over gloo: 100 Mbit/s, latency 1.00 ms:" in str(aware)
+    assert boundary_bytes(profiles["cpu"], 3, "bf16") == (wide / 2, wide / 2)  # 16-bit boundaries halve them
+    # plan_for_links: the same, from the link-blind report, and its account
+    running, report, before, after, account = plan_for_links(config, config, blind, list(range(6)), links)
+    assert report.plan == aware.plan and before == pytest.approx(on_link) and after < before
+    assert "stage 0 -> stage 1 over gloo: 200 Mbit/s" in account
+
+    # every boundary wide: auto runs more forwards ahead once it knows the link, and more microbatches
+    auto = TrainConfig(pp=2, microbatches=8, schedule="auto")
+    by_m = {m: {"cpu": _layers_profile([2 * 2**20 * 8 // m] * 5 + [0], 0.005 * 8 / m)} for m in (2, 4, 8, 16)}
+    links = {(0, 1): Link(0, 1, "gloo", rate, 1e-3), (1, 0): Link(1, 0, "gloo", rate, 1e-3)}
+    without, with_links = rank(by_m, list(range(6)), auto), rank(by_m, list(range(6)), auto, links)
+    assert without.chosen.extra_warmup == 0 and all(c.extra_warmup == 0 for c in without.candidates)
+    assert with_links.chosen.extra_warmup >= 1 and with_links.chosen.schedule in ("1f1b", "zb-h1")
+    assert with_links.chosen.microbatches == 16

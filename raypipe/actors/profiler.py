@@ -53,11 +53,14 @@ class LayerProfiler:
         warmup: int = 2,
         repeats: int = 5,
     ) -> dict[str, Any]:
-        """Per layer: median forward and backward seconds, parameter bytes, and the bytes
-        autograd saves for backward on this microbatch (what a stashed microbatch costs), timed
-        with `threads` torch threads, as a stage actor on this node would compute."""
+        """Per layer: median forward and backward seconds, parameter bytes, the bytes autograd
+        saves for backward on this microbatch (what a stashed microbatch costs), and its output's
+        size (what crosses a link when a stage ends there: floating leaves both ways, as the
+        activation and its gradient, the others forward only), timed with `threads` torch
+        threads, as a stage actor on this node would compute."""
         torch.set_num_threads(threads)
         forward_s, backward_s, parameter_bytes, activation_bytes = [], [], [], []
+        boundary: list[tuple[int, int, int]] = []  # per layer, its output's (float bytes, float elements, other bytes)
         h = x.to(self.device)
         for index, spec in enumerate(specs):
             layer = build_layer(spec, seed, index).to(self.device)
@@ -68,6 +71,8 @@ class LayerProfiler:
                 started = self._now()
                 with count_saved_bytes(r == 0, weight_storages(layer)) as counter:
                     out = layer(inp)
+                    if r == 0:
+                        boundary.append((0, 0, 0) if last else _sizes(out))
                     if last:
                         out = loss_fn(out, target.to(self.device) if torch.is_tensor(target) else target)
                 middle = self._now()
@@ -101,6 +106,9 @@ class LayerProfiler:
             "backward_s": backward_s,
             "parameter_bytes": parameter_bytes,
             "activation_bytes": activation_bytes,
+            "output_float_bytes": [b[0] for b in boundary],
+            "output_float_elements": [b[1] for b in boundary],
+            "output_other_bytes": [b[2] for b in boundary],
         }
 
     def _now(self) -> float:
@@ -109,3 +117,16 @@ class LayerProfiler:
         elif self.device.type == "mps":
             torch.mps.synchronize()
         return time.perf_counter()
+
+
+def _sizes(value: Any) -> tuple[int, int, int]:
+    """(bytes, elements) of a value's floating tensors, and bytes of its other tensors."""
+    import torch.utils._pytree as pytree
+
+    leaves = [t for t in pytree.tree_leaves(value) if torch.is_tensor(t)]
+    floats = [t for t in leaves if t.is_floating_point()]
+    return (
+        sum(t.numel() * t.element_size() for t in floats),
+        sum(t.numel() for t in floats),
+        sum(t.numel() * t.element_size() for t in leaves if not t.is_floating_point()),
+    )

@@ -35,12 +35,13 @@ from raypipe.nn import TensorParallelGroup
 from raypipe.nn.moe import ExpertParallelGroup, take_step_report
 from raypipe.protocol import ActorInfo, ActorSpec, CompiledCall, PeerStopped, StepCall, StepReport, WorldSpec
 from raypipe.transport import PeerFailed, agree
+from raypipe.transport.probe import ProbesLinks
 from raypipe.transport.wire import pack, unpack
 
 __all__ = ["StageActor", "StageSettings"]
 
 
-class StageActor(RefsCalls):
+class StageActor(RefsCalls, ProbesLinks):
     """Holds layers of the model (`spec`: which, where, with what) and runs their forward and backward."""
 
     def __init__(self, spec: ActorSpec) -> None:

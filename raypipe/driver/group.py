@@ -15,7 +15,7 @@ from typing import Any
 from raypipe.actors.settings import StageSettings
 from raypipe.config import TrainConfig
 from raypipe.data.batches import Prepared
-from raypipe.driver import checkpoints, chunks, placement, registry
+from raypipe.driver import checkpoints, chunks, link_probe, placement, registry
 from raypipe.driver.engines import Engine, StepInput, StepTarget, Wait, make_engine
 from raypipe.driver.engines.refs import submission_order
 from raypipe.driver.results import gather
@@ -23,6 +23,7 @@ from raypipe.driver.run_state import RunState
 from raypipe.driver.topology import Topology
 from raypipe.errors import RaypipeError
 from raypipe.layers import LayerSpec
+from raypipe.planning.links import Link
 from raypipe.schedules import build_schedule
 
 
@@ -65,6 +66,7 @@ class ActorGroup:
         self.actors: list[Any] = []  # world-rank order
         self.placement_group: Any = None  # reserved for the actors, released with them (None in a Tune trial)
         self.nodes: dict[str, str] = {}  # actor name -> the node it runs on, kept after a node is lost
+        self.links: list[Link] = []  # between neighbouring stages, measured at each start (`link_probe`)
         self.engine: Engine = make_engine(config.engine)
         self.calls = 0  # step calls issued, the id of the last one
         self.set_schedule(config)
@@ -99,6 +101,7 @@ class ActorGroup:
         self.actors, self.placement_group, self.nodes = started.actors, started.placement_group, started.nodes
         try:
             self.configure()
+            self.links = link_probe.probe_links(self) if self.config.probe_links else []
         except BaseException:
             self.shutdown()
             raise
@@ -196,8 +199,18 @@ class ActorGroup:
     # ----- where things are ------------------------------------------------------
 
     def info(self) -> list[dict[str, Any]]:
-        """Per actor: name, layers, parameters, node, pid, device, threads, `links` (neighbour -> transport)."""
-        return placement.name_links(gather([a.info.remote() for a in self.actors], "stage_info"), self.names)
+        """Per actor: name, layers, parameters, node, pid, device, threads, `links` (neighbour ->
+        transport) and `link_rates` (neighbour -> the measured link to it: Mbit/s and latency)."""
+        infos = placement.name_links(gather([a.info.remote() for a in self.actors], "stage_info"), self.names)
+        measured = {(link.sender, link.receiver): link for link in self.links if link.measured}
+        stage = {name: self.topology.place(rank)[1] for rank, name in enumerate(self.names)}
+        for info in infos:
+            info["link_rates"] = {
+                name: {"mbit_per_s": link.bytes_per_s * 8e-6, "latency_ms": 1e3 * (link.latency_s or 0.0)}
+                for name in info["links"]
+                if (link := measured.get((stage[info["name"]], stage[name]))) is not None
+            }
+        return infos
 
     @contextlib.contextmanager
     def whole_weights(self, gradients: bool = False) -> Iterator[None]:

@@ -9,11 +9,16 @@ predicted by running its action lists with the measured durations (`raypipe.sche
 plus a fixed engine cost per action. The cheapest candidate wins; every candidate and why the
 others lost is printed. The prediction is compared with measured steps in
 `tests/test_zero_bubble.py`.
+
+Once the trainer has measured the links between its stages (`raypipe.driver.link_probe`), it
+ranks the candidates again from the same profiles with every boundary message timed on its link
+(`rank`), and tries more forwards in flight too (`TrainConfig.extra_warmup`, 1F1B-ordered
+schedules), which keep a slow link busy while a gradient comes back.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +28,7 @@ from raypipe.config import TrainConfig
 from raypipe.data.batches import split_batch
 from raypipe.errors import ConfigError
 from raypipe.layers import LayerSpec
+from raypipe.planning.links import Link, message_seconds
 from raypipe.planning.profiling import PlanReport, plan_from_profiles, profile_layers, profiled_plan, scheduled_seconds
 from raypipe.schedules import SCHEDULES, build_schedule
 
@@ -30,6 +36,7 @@ from raypipe.schedules import SCHEDULES, build_schedule
 # (`benchmarks/pipeline_efficiency.py`: 0.1-0.4 ms); counted along the busiest actor's list.
 ACTION_OVERHEAD_S = 3e-4
 CHUNK_CHOICES = (2,)  # chunks tried for the schedules that let the config choose
+EXTRA_WARMUP_CHOICES = (0, 1, 2)  # tried where links were measured (without them more only costs memory)
 
 
 @dataclass
@@ -39,9 +46,11 @@ class Candidate:
     microbatches: int
     step_seconds: float | None  # predicted; None when it cannot run
     why_not: str = ""
+    extra_warmup: int = 0
 
     def __str__(self) -> str:
         what = self.schedule + (f" x{self.chunks} chunks" if self.chunks else "") + f", m={self.microbatches}"
+        what += f", extra_warmup={self.extra_warmup}" if self.extra_warmup else ""
         return f"{what}: " + (f"{1000 * self.step_seconds:.1f} ms" if self.step_seconds is not None else self.why_not)
 
 
@@ -66,11 +75,16 @@ def microbatch_options(rows: int, pp: int) -> list[int]:
     return options or [m for m in range(1, rows + 1) if rows % m == 0][-1:]
 
 
-def predicted_seconds(config: TrainConfig, report: PlanReport) -> float:
+def predicted_seconds(
+    config: TrainConfig, report: PlanReport, links: Mapping[tuple[int, int], Link] | None = None
+) -> float:
     """The step `report`'s plan takes under `config`'s schedule: its timed run with the profiled
-    durations, plus `ACTION_OVERHEAD_S` for each action of the busiest actor."""
+    durations (each message on its measured link, with `links`), plus `ACTION_OVERHEAD_S` for
+    each action of the busiest actor."""
     schedule = build_schedule(config.schedule, config.pp, config.microbatches, config.chunks, config.extra_warmup)
-    compute = scheduled_seconds(schedule, [report.profiles[k] for k in report.kinds], report.plan)
+    profiles = [report.profiles[k] for k in report.kinds]
+    transfer = message_seconds(links, profiles, report.plan, config.boundary_dtype) if links else None
+    compute = scheduled_seconds(schedule, profiles, report.plan, transfer)
     return compute + ACTION_OVERHEAD_S * max(len(actions) for actions in schedule)
 
 
@@ -83,7 +97,7 @@ def choose(
     cpus: float,
     split: Callable[[Any, Any, int], tuple[list, list]],
 ) -> ScheduleChoice:
-    """Profiles and predicts every candidate; returns the cheapest that fits.
+    """Profiles every microbatch count, predicts every candidate; returns the cheapest that fits.
 
     Args:
         x, y: a sample batch of the size training will use.
@@ -94,30 +108,57 @@ def choose(
     """
     kinds = config.stage_kinds()
     rows = len(split(x, y, config.dp)[0][0]) if config.dp > 1 else _rows(x)
-    candidates: list[Candidate] = []
-    best: tuple[float, Candidate, PlanReport] | None = None
+    profiled = {}
     for m in microbatch_options(rows, config.pp):
         inputs, targets = split(x, y, config.dp * m)
-        profiles = profile_layers(specs, loss_fn, inputs[0], targets[0], config, kinds, cpus)
+        profiled[m] = profile_layers(specs, loss_fn, inputs[0], targets[0], config, kinds, cpus)
+    return rank(profiled, specs, config)
+
+
+def rank(
+    profiled: dict[int, dict[str, dict[str, Any]]],
+    specs: Sequence[LayerSpec],
+    config: TrainConfig,
+    links: Mapping[tuple[int, int], Link] | None = None,
+) -> ScheduleChoice:
+    """Every candidate predicted from the profiles of each microbatch count (`profiled`), with
+    each boundary message timed on its measured link where `links` are given; the cheapest wins.
+
+    Raises:
+        ConfigError: no candidate fits (names each one's reason).
+    """
+    kinds = config.stage_kinds()
+    candidates: list[Candidate] = []
+    best: tuple[float, Candidate, PlanReport] | None = None
+    for m, profiles in profiled.items():
         for name, kind in SCHEDULES.items():
             for chunks in CHUNK_CHOICES if kind.chunks is None else (None,):
-                candidate = Candidate(name, chunks, m, None)
-                candidates.append(candidate)
-                try:
-                    cfg = config.replace(
-                        schedule=name, chunks=chunks, microbatches=m, partition="profile", shard_plan=None
-                    )
-                    if len(specs) < config.pp * cfg.num_chunks():
-                        raise ConfigError(f"{len(specs)} layers, fewer than its {config.pp * cfg.num_chunks()} chunks")
-                    report = plan_from_profiles(profiles, kinds, cfg)
-                except ConfigError as error:
-                    candidate.why_not = str(error).split(":")[0] if "layers" not in str(error) else str(error)
-                    continue
-                candidate.step_seconds = predicted_seconds(cfg, report)
-                if best is None or candidate.step_seconds < best[0]:
-                    best = (candidate.step_seconds, candidate, report)
+                for extra in EXTRA_WARMUP_CHOICES if links and kind.extra_warmup else (0,):
+                    candidate = Candidate(name, chunks, m, None, extra_warmup=extra)
+                    candidates.append(candidate)
+                    try:
+                        cfg = config.replace(
+                            schedule=name,
+                            chunks=chunks,
+                            microbatches=m,
+                            extra_warmup=extra,
+                            partition="profile",
+                            shard_plan=None,
+                        )
+                        if len(specs) < config.pp * cfg.num_chunks():
+                            raise ConfigError(
+                                f"{len(specs)} layers, fewer than its {config.pp * cfg.num_chunks()} chunks"
+                            )
+                        report = plan_from_profiles(profiles, kinds, cfg, links)
+                    except ConfigError as error:
+                        candidate.why_not = str(error).split(":")[0] if "layers" not in str(error) else str(error)
+                        continue
+                    candidate.step_seconds = predicted_seconds(cfg, report, links)
+                    if best is None or candidate.step_seconds < best[0]:
+                        best = (candidate.step_seconds, candidate, report)
     if best is None:
         raise ConfigError("schedule='auto' found no schedule that fits: " + "; ".join(str(c) for c in candidates))
+    best[2].profiled_microbatches = profiled
     return ScheduleChoice(best[1], best[2], candidates)
 
 
@@ -150,9 +191,39 @@ def plan_run(
         log(str(choice))
         chosen = choice.chosen
         return config.replace(
-            schedule=chosen.schedule, chunks=chosen.chunks, microbatches=chosen.microbatches
+            schedule=chosen.schedule,
+            chunks=chosen.chunks,
+            microbatches=chosen.microbatches,
+            extra_warmup=chosen.extra_warmup,
         ), choice.report
     inputs, targets = split(*sample, config.dp * config.microbatches)
     report = profiled_plan(specs, loss_fn, inputs[0], targets[0], config, cpus)
     log(str(report))
     return config, report
+
+
+def plan_for_links(
+    asked: TrainConfig,
+    running: TrainConfig,
+    report: PlanReport,
+    specs: Sequence[LayerSpec],
+    links: Mapping[tuple[int, int], Link],
+) -> tuple[TrainConfig, PlanReport, float, float, str]:
+    """The plan for the measured `links`, from the profiles the link-blind plan `report` was made
+    from (no profiling again): under `asked.schedule == "auto"` the schedule, chunks, microbatches
+    and extra warm-up too; else the split alone.
+
+    Returns:
+        (the config to run, its plan report, the predicted step on these links of the link-blind
+        plan and of this one, the planner's account in words).
+    """
+    blind = predicted_seconds(running, report, links)
+    if asked.schedule == "auto":
+        choice = rank(report.profiled_microbatches, specs, asked, links)
+        c = choice.chosen
+        config = running.replace(
+            schedule=c.schedule, chunks=c.chunks, microbatches=c.microbatches, extra_warmup=c.extra_warmup
+        )
+        return config, choice.report, blind, c.step_seconds or 0.0, str(choice)
+    new = plan_from_profiles(report.profiles, running.stage_kinds(), running, links)
+    return running, new, blind, predicted_seconds(running, new, links), str(new)

@@ -52,14 +52,17 @@ def balanced_plan(weights: Sequence[float], num_stages: int) -> Plan:
 def speed_aware_plan(
     times: Sequence[Sequence[float]],
     fits: Callable[[int, int, int], bool] | None = None,
+    boundary: Callable[[int, int], float] | None = None,
 ) -> Plan:
     """Contiguous non-empty ranges minimising the slowest stage, each stage at its own speed.
 
     `times[s][i]` is layer i's forward+backward time on stage s's device, so a slow
     device gets fewer layers; `fits(s, start, end)` says whether layers [start, end)
-    fit stage s's memory. Exact dynamic programming (O(p n^2)) over the prefix a stage
-    ends at; among plans with the same slowest stage, the one whose earlier stages
-    are lighter wins.
+    fit stage s's memory; `boundary(s, end)`, a microbatch's time on the link after stage s
+    when it ends before layer `end` (the link is a stage of the pipeline too, so a slow one
+    moves the split to where activations are small). Exact dynamic programming (O(p n^2))
+    over the prefix a stage ends at; among plans with the same slowest stage, the one whose
+    earlier stages are lighter wins.
 
     Raises:
         ConfigError: no split fits every stage's memory.
@@ -81,6 +84,8 @@ def speed_aware_plan(
                 if best[s - 1][j] == inf or (fits is not None and not fits(s - 1, j, i)):
                     continue
                 cost = max(best[s - 1][j], prefix[s - 1][i] - prefix[s - 1][j])
+                if boundary is not None and s < p:
+                    cost = max(cost, boundary(s - 1, i))
                 if cost < best[s][i]:
                     best[s][i], cut[s][i] = cost, j
     if best[p][n] == inf:

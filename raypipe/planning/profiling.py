@@ -16,7 +16,7 @@ estimate is high by up to the tp factor: a safe error.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +26,7 @@ from raypipe.config import TrainConfig
 from raypipe.devices import ray_options
 from raypipe.errors import PlacementError, StageError
 from raypipe.layers import LayerSpec
+from raypipe.planning.links import Link, boundary_bytes, message_seconds
 from raypipe.planning.partition import Plan, speed_aware_plan, uniform_plan
 from raypipe.planning.threads import fitting_threads, node_cpus, packed_on_node
 
@@ -47,6 +48,11 @@ class PlanReport:
             (m + p - 1) x the stage time when the stages are balanced.
         uniform_step_seconds: the same prediction for the uniform split, for comparison.
         profiles: the per-layer measurements of each kind (see `LayerProfiler.profile`).
+        link_wire: the measured links the plan was made for (`raypipe.planning.links`), each with
+            the seconds its boundary messages take on it per step (its share of the step is
+            this over `step_seconds`); empty when no link was measured.
+        profiled_microbatches: under schedule="auto", every microbatch count's profiles (to plan
+            again once the links are measured, without profiling again); not in `to_dict`.
     """
 
     plan: Plan
@@ -58,6 +64,8 @@ class PlanReport:
     uniform_step_seconds: float
     profiles: dict[str, dict[str, Any]] = field(default_factory=dict)
     stages: list[int] = field(default_factory=list)
+    link_wire: list[tuple[Link, float]] = field(default_factory=list)
+    profiled_microbatches: dict[int, dict[str, dict[str, Any]]] = field(default_factory=dict)
 
     def __str__(self) -> str:
         lines = [
@@ -73,6 +81,10 @@ class PlanReport:
                 f"{name}: layers [{a}, {b}) on {where}: {1000 * self.stage_seconds[s]:.2f} ms per microbatch, "
                 f"~{self.stage_memory_bytes[s] / 2**20:,.0f} of {self.capacity_bytes[s] / 2**20:,.0f} MiB"
             )
+        for link, wire in self.link_wire:
+            lines.append(
+                f"{link}: {1000 * wire:.1f} ms of messages per step, {wire / self.step_seconds:.0%} of the step"
+            )
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
@@ -86,6 +98,10 @@ class PlanReport:
             "uniform_step_seconds": self.uniform_step_seconds,
             "profiles": self.profiles,
             "stages": self.stages,
+            "links": [
+                {**link.to_dict(), "wire_seconds": wire, "share_of_step": wire / self.step_seconds}
+                for link, wire in self.link_wire
+            ],
         }
 
 
@@ -161,12 +177,22 @@ def profiled_plan(
     return plan_from_profiles(profile_layers(specs, loss_fn, x, target, config, kinds, cpus), kinds, config)
 
 
-def plan_from_profiles(profiles: dict[str, dict[str, Any]], kinds: Sequence[str], config: TrainConfig) -> PlanReport:
+def plan_from_profiles(
+    profiles: dict[str, dict[str, Any]],
+    kinds: Sequence[str],
+    config: TrainConfig,
+    links: Mapping[tuple[int, int], Link] | None = None,
+) -> PlanReport:
     """The exact speed-aware plan for stages of `kinds`, and its predictions.
 
     With model chunks the plan has one range per virtual stage, each timed on its actor's kind;
     an actor's memory budget is shared equally by its chunks, and each chunk keeps the
     activations of as many microbatches as the schedule stashes for it at most.
+
+    `links`: the measured links between stages, by (sender, receiver) stage (`planning.links`).
+    A link is then a stage of the pipeline too: the split minimises the slowest of stages and
+    links, is refined against the step predicted with every message timed on its link, and the
+    report gives each link's wire time per step.
     """
     from raypipe.schedules import SCHEDULES, build_schedule, owners, peak_in_flight
 
@@ -178,6 +204,7 @@ def plan_from_profiles(profiles: dict[str, dict[str, Any]], kinds: Sequence[str]
     actor_kinds, kinds = list(kinds), [kinds[s] for s in stage_of]  # per actor; per virtual stage
     p = len(kinds)
     times = [[f + b for f, b in zip(profiles[k]["forward_s"], profiles[k]["backward_s"])] for k in kinds]
+    links, by_virtual = dict(links or {}), [profiles[k] for k in kinds]
     states = 2 + _optimizer_slots(config.optimizer) / (config.dp if config.zero else 1)
     in_flight = [peak_in_flight([a for a in schedule[stage_of[v]] if a.stage == v]) for v in range(p)]
     cpu_stages = max(1, sum(k == "cpu" for k in actor_kinds))
@@ -197,14 +224,24 @@ def plan_from_profiles(profiles: dict[str, dict[str, Any]], kinds: Sequence[str]
         return memory(s, a, b) <= capacity[s]
 
     def step_seconds(split: Plan) -> float:
-        if chunks == 1 and not SCHEDULES[config.schedule].split_backward:
+        if chunks == 1 and not SCHEDULES[config.schedule].split_backward and not links:
             return pipeline_seconds([sum(times[s][a:b]) for s, (a, b) in enumerate(split)], m)
-        return scheduled_seconds(schedule, [profiles[k] for k in kinds], split)
+        transfer = message_seconds(links, by_virtual, split, config.boundary_dtype) if links else None
+        return scheduled_seconds(schedule, by_virtual, split, transfer)
 
-    plan = speed_aware_plan(times, fits)
+    def link_seconds(v: int, end: int) -> float:  # a microbatch on the busier way of the link after v
+        a, b = stage_of[v], stage_of[v + 1]
+        forward, backward = boundary_bytes(by_virtual[v], end, config.boundary_dtype)
+        return max(
+            links[(a, b)].seconds(forward) if (a, b) in links else 0.0,
+            links[(b, a)].seconds(backward) if (b, a) in links else 0.0,
+        )
+
+    plan = speed_aware_plan(times, fits, link_seconds if links else None)
     uniform = uniform_plan(len(times[0]), p)
-    if chunks > 1:  # an actor's load is the sum of its chunks: balancing each chunk alone is not the optimum
-        plan = min((refine(start, step_seconds, fits) for start in (plan, uniform)), key=step_seconds)
+    if chunks > 1 or links:  # an actor's load is the sum of its chunks, and links are timed as messages
+        starts = [plan, uniform] + ([speed_aware_plan(times, fits)] if links else [])
+        plan = min((refine(start, step_seconds, fits) for start in starts), key=step_seconds)
     stage_seconds = [sum(times[s][a:b]) for s, (a, b) in enumerate(plan)]
     return PlanReport(
         plan=plan,
@@ -216,7 +253,27 @@ def plan_from_profiles(profiles: dict[str, dict[str, Any]], kinds: Sequence[str]
         uniform_step_seconds=step_seconds(uniform),
         profiles=profiles,
         stages=stage_of if chunks > 1 else [],
+        link_wire=_link_wire(links, by_virtual, plan, stage_of, m, config.boundary_dtype),
     )
+
+
+def _link_wire(
+    links: Mapping[tuple[int, int], Link],
+    profiles: Sequence[dict[str, Any]],
+    plan: Plan,
+    stage_of: Sequence[int],
+    microbatches: int,
+    boundary_dtype: str,
+) -> list[tuple[Link, float]]:
+    """Each measured link with the seconds a step's messages take on it under `plan`."""
+    wire = dict.fromkeys(links, 0.0)
+    for v in range(len(plan) - 1):
+        a, b = stage_of[v], stage_of[v + 1]
+        forward, backward = boundary_bytes(profiles[v], plan[v][1], boundary_dtype)
+        for key, nbytes in (((a, b), forward), ((b, a), backward)):
+            if key in links:
+                wire[key] += microbatches * links[key].seconds(nbytes)
+    return [(links[key], seconds) for key, seconds in sorted(wire.items())]
 
 
 def pipeline_seconds(stage_seconds: Sequence[float], microbatches: int) -> float:
@@ -244,9 +301,15 @@ def refine(plan: Plan, cost: Callable[[Plan], float], fits: Callable[[int, int, 
     return best
 
 
-def scheduled_seconds(schedule: Any, profiles: Sequence[dict[str, Any]], plan: Plan) -> float:
+def scheduled_seconds(
+    schedule: Any,
+    profiles: Sequence[dict[str, Any]],
+    plan: Plan,
+    transfer: Callable[[int, int, str, int], float] | None = None,
+) -> float:
     """The step time of `schedule` run with each virtual stage's measured forward and backward
-    (`profiles`: per virtual stage, its kind's; a split backward's I and W half each)."""
+    (`profiles`: per virtual stage, its kind's; a split backward's I and W half each), each
+    boundary message taking `transfer`'s time on its link (`schedules.timed`)."""
     from raypipe.schedules import timed
 
     def seconds(action: Any) -> float:
@@ -255,7 +318,7 @@ def scheduled_seconds(schedule: Any, profiles: Sequence[dict[str, Any]], plan: P
         forward, backward = sum(prof["forward_s"][a:b]), sum(prof["backward_s"][a:b])
         return {"F": forward, "B": backward}.get(action.kind, backward / 2)
 
-    return max(end for run in timed(schedule, seconds) for _, _, end in run)
+    return max(end for run in timed(schedule, seconds, transfer) for _, _, end in run)
 
 
 def _optimizer_slots(optimizer: dict) -> int:
