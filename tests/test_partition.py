@@ -164,6 +164,10 @@ def test_raypipe_plan_profiles_the_jobs_model_and_writes_json(ray_session, tmp_p
         t > 0 for t in report["profiles"]["cpu"]["forward_s"]
     )
     assert f"stage 1: layers [{report['plan'][1][0]}, 4)" in printed
+    # --links starts the stages where a run would: here on one node, so nothing to measure
+    assert main(["plan", str(config), "--links", "--set", "partition=profile"]) == 0
+    printed = capsys.readouterr().out
+    assert "links between neighbouring stages:\n  stage 0 -> stage 1 over memory: one node, not measured" in printed
 
 
 def _layers_profile(outputs: list[float], forward: float = 0.01) -> dict:
