@@ -21,6 +21,7 @@ from raypipe.checks import (
 from raypipe.errors import ScheduleError
 from raypipe.loggers import check_loggers
 from raypipe.schedules import SCHEDULES, build_schedule
+from raypipe.transport.compress import CODECS
 
 SCHEDULE_NAMES = (*SCHEDULES, "auto")  # auto: chosen from profiled layers (`raypipe.planning.autoschedule`)
 ENGINES = ("refs", "p2p", "compiled")
@@ -84,6 +85,8 @@ def validate(c: Any) -> None:
     check_choice("engine", c.engine, ENGINES)
     check_choice("same_node_transport", c.same_node_transport, SAME_NODE_TRANSPORTS)
     check_choice("device_links", c.device_links, DEVICE_LINKS)
+    check_choice("compress_activations", c.compress_activations, CODECS)
+    check_choice("compress_gradients", c.compress_gradients, CODECS)
     if not isinstance(c.probe_links, bool):
         raise fail("probe_links", c.probe_links, "give true or false.")
     if not isinstance(c.activation_checkpointing, bool):
@@ -188,6 +191,8 @@ RECONFIGURABLE = (
     "grad_clip",
     "precision",
     "boundary_dtype",
+    "compress_activations",
+    "compress_gradients",
     "zero",
     "dp_bucket_mb",
     "activation_checkpointing",

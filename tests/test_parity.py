@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from raypipe import TrainConfig, Trainer, build_layers
+from raypipe.transport.compress import compress
 
 from helpers import MLP7, assert_close_dicts, batch, check_sgd_parity, reference_run
 
@@ -157,9 +158,16 @@ def test_bf16_boundaries_round_exactly_there_and_halve_the_bytes_sent(trainer, i
     pp = trainer.num_stages
     assert (fp32_sent[0] > 0) == (pp > 1)
 
+    assert_rounded_where_stages_meet(trainer, metrics, _RoundTrip.apply)
+
+
+def assert_rounded_where_stages_meet(trainer, metrics, rounding):
+    """The trainer's 3 steps (`metrics`, from `initial`) are one process's with `rounding` applied to
+    the output of each stage's last layer (and its gradient), and differ from the unrounded run."""
+
     def round_at_boundaries(model):
-        for _, end in trainer.plan[:-1]:  # the output of each stage's last layer
-            model[end - 1].register_forward_hook(lambda module, args, out: _RoundTrip.apply(out))
+        for _, end in trainer.plan[:-1]:
+            model[end - 1].register_forward_hook(lambda module, args, out: rounding(out))
 
     ref_losses, _, ref_final = reference_run(MLP7, SEED, sgd, steps=3, microbatches=4, prepare=round_at_boundaries)
     torch.testing.assert_close(
@@ -168,7 +176,35 @@ def test_bf16_boundaries_round_exactly_there_and_halve_the_bytes_sent(trainer, i
     assert_close_dicts(trainer.state_dict(), ref_final)
     _, _, unrounded = reference_run(MLP7, SEED, sgd, steps=3, microbatches=4)
     moved = max(float((trainer.state_dict()[k] - unrounded[k]).abs().max()) for k in unrounded)
-    assert (moved > 1e-6) == (pp > 1), moved  # the rounding is real, and only where stages meet
+    assert (moved > 1e-6) == (trainer.num_stages > 1), moved  # the rounding is real, and only where stages meet
+
+
+class _Compressed(torch.autograd.Function):
+    """What compressed boundaries do to a value and its gradient (`raypipe.transport.compress`)."""
+
+    @staticmethod
+    def forward(ctx, x, activations, gradients):
+        ctx.gradients = gradients
+        return compress(x, activations).restore()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return compress(grad, ctx.gradients).restore(), None, None
+
+
+def test_compressed_boundaries_round_exactly_there_and_send_a_quarter_of_the_bytes(trainer, initial):
+    """fp8 activations with a scale per row, int8 gradients, on every engine and transport: the
+    losses and weights of one process rounding the same values the same way, 20 bytes per 16-wide
+    row (16 + a float32 scale) instead of 64."""
+    trainer.reconfigure(schedule="1f1b", microbatches=4, optimizer=SGD)
+    trainer.reconfigure(compress_activations="fp8-row", compress_gradients="int8")
+    trainer.reset_optimizer()
+    trainer.load_state_dict(initial)
+    metrics = [trainer.step(*batch(k)) for k in range(3)]
+    trainer.reconfigure(compress_activations="none", compress_gradients="none")
+    if trainer.num_stages > 1:
+        assert metrics[0]["stages"][0]["sent_bytes"] == 4 * 4 * (16 + 4)  # the first stage's output: 16 wide
+    assert_rounded_where_stages_meet(trainer, metrics, lambda out: _Compressed.apply(out, "fp8-row", "int8"))
 
 
 def test_timeline_and_sent_bytes_come_from_the_actors(trainer, initial):

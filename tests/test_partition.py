@@ -214,7 +214,8 @@ def test_a_measured_link_moves_the_split_to_a_narrow_boundary_and_auto_hides_it(
     wire = {(link.sender, link.receiver): seconds for link, seconds in aware.link_wire}
     assert wire == pytest.approx({(0, 1): 4 * (1e-3 + narrow / rate), (1, 0): 4 * (1e-3 + narrow / (rate / 2))})
     assert "stage 1 -> stage 0 over gloo: 100 Mbit/s, latency 1.00 ms:" in str(aware)
-    assert boundary_bytes(profiles["cpu"], 3, "bf16") == (wide / 2, wide / 2)  # 16-bit boundaries halve them
+    assert boundary_bytes(profiles["cpu"], 3, config.replace(boundary_dtype="bf16")) == (wide / 2, wide / 2)
+    assert boundary_bytes(profiles["cpu"], 3, config.replace(compress_gradients="int8")) == (wide, wide / 4)
     # plan_for_links: the same, from the link-blind report, and its account
     running, report, before, after, account = plan_for_links(config, config, blind, list(range(6)), links)
     assert report.plan == aware.plan and before == pytest.approx(on_link) and after < before

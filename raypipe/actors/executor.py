@@ -23,6 +23,7 @@ from raypipe.actors.zero3 import ShardedStage
 from raypipe.errors import StageError
 from raypipe.nn.moe import RECORDER, reset_recorder
 from raypipe.schedules.actions import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD
+from raypipe.transport.compress import Compressed, compress, restore
 from raypipe.transport.stream import PeerFailed
 from raypipe.transport.tree import leaves, map_tensors, tensors
 
@@ -146,7 +147,7 @@ class Executor:
                 if not last:
                     self._stash((v, microbatch), (x, out), saved.bytes)
                     self._timed(FORWARD, started, microbatch)
-                    return self.send(out)
+                    return self.send(out, self.settings.compress_activations)
                 loss = self.loss_fn(out, map_tensors(lambda t: t.to(self.device), target))
             scale = self.loss_scale() * weight / self.settings.microbatches
             self._stash((v, microbatch), (x, loss.float() * scale), saved.bytes)
@@ -170,11 +171,11 @@ class Executor:
                 if out.requires_grad:
                     torch.autograd.backward(out)
             else:
-                pairs = self._pairs(out, grad)
+                pairs = self._pairs(out, restore(grad) if self.settings.compress_gradients != "none" else grad)
                 if pairs:
                     torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
             self._timed(BACKWARD, started, microbatch)
-            return None if first else self.send(self._input_grads(x))
+            return None if first else self.send(self._input_grads(x), self.settings.compress_gradients)
         except Exception as error:
             raise self.error(BACKWARD, microbatch, error, v) from error
 
@@ -188,13 +189,13 @@ class Executor:
             if last:
                 outputs, grads = ([out], None) if out.requires_grad else ([], None)
             else:
-                pairs = self._pairs(out, grad)
+                pairs = self._pairs(out, restore(grad) if self.settings.compress_gradients != "none" else grad)
                 outputs, grads = [o for o, _ in pairs], [g for _, g in pairs]
             inputs = [] if first else [t for t in tensors(x) if t.requires_grad]
             self.deferred[(v, microbatch)] = input_gradients(outputs, grads, inputs, self.model.trainable())
             self.timing["peak_awaiting_weight"] = max(self.timing["peak_awaiting_weight"], len(self.deferred))
             self._timed(INPUT_GRAD, started, microbatch)
-            return None if first else self.send(self._input_grads(x))
+            return None if first else self.send(self._input_grads(x), self.settings.compress_gradients)
         except Exception as error:
             raise self.error(INPUT_GRAD, microbatch, error, v) from error
 
@@ -272,17 +273,22 @@ class Executor:
             if hasattr(layer, "end_cache"):
                 layer.end_cache()
 
-    def send(self, value: Any) -> Any:
+    def send(self, value: Any, codec: str = "none") -> Any:
         """A boundary value as it leaves for another stage: its tensors detached, floating
-        activations (2 dimensions or more) in `boundary_dtype`, counted in this step's
+        activations (2 dimensions or more) in `boundary_dtype`, or compressed by `codec`
+        (`transport.compress`: the config's for activations or for gradients), counted in this step's
         `sent_bytes`. Scalars and vectors keep their dtype: they are few bytes, and a loss carried
         along or a MoE's routing counts (exact integers up to 2^24 in float32, 256 in bf16)
         must not round. They stay on this stage's device: the p2p engine copies them straight
         into its host message buffer, the refs engine moves them to host."""
         dtype = AUTOCAST_DTYPES.get(self.settings.boundary_dtype)
 
-        def leaving(t: torch.Tensor) -> torch.Tensor:
+        def leaving(t: torch.Tensor) -> torch.Tensor | Compressed:
             t = t.detach()
+            if codec != "none" and t.is_floating_point() and t.dim() >= 2:
+                packed = compress(t, codec)
+                self.timing["sent_bytes"] = self.timing.get("sent_bytes", 0) + packed.nbytes
+                return packed
             if dtype is not None and t.is_floating_point() and t.dim() >= 2:
                 t = t.to(dtype)
             self.timing["sent_bytes"] = self.timing.get("sent_bytes", 0) + t.numel() * t.element_size()
@@ -291,8 +297,8 @@ class Executor:
         return map_tensors(leaving, value)
 
     def received(self, x: Any) -> Any:
-        """A boundary value's tensors on this stage's device; those sent in a narrower
-        `boundary_dtype` are computed on in float32 again."""
+        """A boundary value's tensors on this stage's device; those sent narrower (`boundary_dtype`,
+        or compressed: restored on the device) are computed on in float32 again."""
         narrow = AUTOCAST_DTYPES.get(self.settings.boundary_dtype)
 
         def arriving(t: torch.Tensor) -> torch.Tensor:
@@ -302,7 +308,8 @@ class Executor:
             t = t.to(self.device, non_blocking=self.device.type == "cuda")
             return t.float() if narrow is not None and t.dtype == narrow else t
 
-        return map_tensors(arriving, x)
+        arrived = map_tensors(arriving, x)
+        return restore(arrived) if self.settings.compress_activations != "none" else arrived
 
     def autocast(self):
         dtype = AUTOCAST_DTYPES.get(self.settings.precision)

@@ -17,6 +17,8 @@ class StageSettings:
     grad_clip: float | None = None
     precision: str = "fp32"
     boundary_dtype: str = "fp32"
+    compress_activations: str = "none"
+    compress_gradients: str = "none"
     activation_checkpointing: bool = False
     measure_activations: bool = False
     zero: int = 0
@@ -35,6 +37,8 @@ class StageSettings:
             grad_clip=c.grad_clip,
             precision=c.precision,
             boundary_dtype=c.boundary_dtype,
+            compress_activations=c.compress_activations,
+            compress_gradients=c.compress_gradients,
             activation_checkpointing=c.activation_checkpointing,
             measure_activations=c.measure_activations,
             zero=c.zero,

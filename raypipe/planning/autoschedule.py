@@ -83,7 +83,7 @@ def predicted_seconds(
     each action of the busiest actor."""
     schedule = build_schedule(config.schedule, config.pp, config.microbatches, config.chunks, config.extra_warmup)
     profiles = [report.profiles[k] for k in report.kinds]
-    transfer = message_seconds(links, profiles, report.plan, config.boundary_dtype) if links else None
+    transfer = message_seconds(links, profiles, report.plan, config) if links else None
     compute = scheduled_seconds(schedule, profiles, report.plan, transfer)
     return compute + ACTION_OVERHEAD_S * max(len(actions) for actions in schedule)
 

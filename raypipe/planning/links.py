@@ -56,20 +56,25 @@ def link_map(links: Sequence[Link]) -> dict[tuple[int, int], Link]:
     return {(link.sender, link.receiver): link for link in links if link.measured}
 
 
-def boundary_bytes(profile: dict[str, Any], end: int, boundary_dtype: str) -> tuple[float, float]:
+def boundary_bytes(profile: dict[str, Any], end: int, config: Any) -> tuple[float, float]:
     """(activation bytes, gradient bytes) of the value a (virtual) stage ending before layer `end`
-    sends on, from a profile's output sizes (`LayerProfiler.profile`): floating leaves go both
-    ways, in 2 bytes each under a 16-bit `boundary_dtype`; the others go forward only."""
+    sends on, from a profile's output sizes (`LayerProfiler.profile`) and how `config` (a
+    `TrainConfig`) sends boundaries: floating leaves go both ways, in 2 bytes each under a 16-bit
+    `boundary_dtype`, 1 under compression (`compress_activations`, `compress_gradients`; their
+    scales left out); the others go forward only."""
     i = end - 1
-    floats = profile["output_float_elements"][i] * 2 if boundary_dtype != "fp32" else profile["output_float_bytes"][i]
-    return floats + profile["output_other_bytes"][i], floats
+    elements, as_is = profile["output_float_elements"][i], profile["output_float_bytes"][i]
+    floats = elements * 2 if config.boundary_dtype != "fp32" else as_is
+    forward = elements if config.compress_activations != "none" else floats
+    backward = elements if config.compress_gradients != "none" else floats
+    return forward + profile["output_other_bytes"][i], backward
 
 
 def message_seconds(
     links: Mapping[tuple[int, int], Link],
     profiles: Sequence[dict[str, Any]],
     plan: Sequence[tuple[int, int]],
-    boundary_dtype: str,
+    config: Any,
 ) -> Callable[[int, int, str, int], float]:
     """`schedules.timed`'s `transfer`: the seconds each boundary message of `plan` (per virtual
     stage, `profiles` likewise) takes on the measured link between its actors; none off them."""
@@ -78,7 +83,7 @@ def message_seconds(
         link = links.get((sender, receiver))
         if link is None:
             return 0.0
-        forward, backward = boundary_bytes(profiles[v - (what == "G")], plan[v - (what == "G")][1], boundary_dtype)
+        forward, backward = boundary_bytes(profiles[v - (what == "G")], plan[v - (what == "G")][1], config)
         return link.seconds(forward if what == "F" else backward)
 
     return seconds

@@ -226,12 +226,12 @@ def plan_from_profiles(
     def step_seconds(split: Plan) -> float:
         if chunks == 1 and not SCHEDULES[config.schedule].split_backward and not links:
             return pipeline_seconds([sum(times[s][a:b]) for s, (a, b) in enumerate(split)], m)
-        transfer = message_seconds(links, by_virtual, split, config.boundary_dtype) if links else None
+        transfer = message_seconds(links, by_virtual, split, config) if links else None
         return scheduled_seconds(schedule, by_virtual, split, transfer)
 
     def link_seconds(v: int, end: int) -> float:  # a microbatch on the busier way of the link after v
         a, b = stage_of[v], stage_of[v + 1]
-        forward, backward = boundary_bytes(by_virtual[v], end, config.boundary_dtype)
+        forward, backward = boundary_bytes(by_virtual[v], end, config)
         return max(
             links[(a, b)].seconds(forward) if (a, b) in links else 0.0,
             links[(b, a)].seconds(backward) if (b, a) in links else 0.0,
@@ -253,7 +253,7 @@ def plan_from_profiles(
         uniform_step_seconds=step_seconds(uniform),
         profiles=profiles,
         stages=stage_of if chunks > 1 else [],
-        link_wire=_link_wire(links, by_virtual, plan, stage_of, m, config.boundary_dtype),
+        link_wire=_link_wire(links, by_virtual, plan, stage_of, m, config),
     )
 
 
@@ -263,13 +263,13 @@ def _link_wire(
     plan: Plan,
     stage_of: Sequence[int],
     microbatches: int,
-    boundary_dtype: str,
+    config: Any,
 ) -> list[tuple[Link, float]]:
     """Each measured link with the seconds a step's messages take on it under `plan`."""
     wire = dict.fromkeys(links, 0.0)
     for v in range(len(plan) - 1):
         a, b = stage_of[v], stage_of[v + 1]
-        forward, backward = boundary_bytes(profiles[v], plan[v][1], boundary_dtype)
+        forward, backward = boundary_bytes(profiles[v], plan[v][1], config)
         for key, nbytes in (((a, b), forward), ((b, a), backward)):
             if key in links:
                 wire[key] += microbatches * links[key].seconds(nbytes)
