@@ -34,6 +34,9 @@ VARIANTS = {
     "int8": ["compress_activations=int8", "compress_gradients=int8"],
     "fp8-row-activations": ["compress_activations=fp8-row"],
     "fp8-row-gradients": ["compress_gradients=fp8-row"],
+    # the noise floor: the same training in fp32 with its sums in another order (8 microbatches of
+    # the same batch), which moves the loss curve as any rounding does
+    "fp32-reordered": ["microbatches=8"],
 }
 
 

@@ -57,6 +57,20 @@ VARIANTS = {
     # with the links measured at start (as a run does by default), and without (link-blind)
     "planned": {"schedule": "auto", "partition": "profile", "planned": True},
     "planned-blind": {"schedule": "auto", "partition": "profile", "planned": True, "probe_links": False},
+    # compressed boundaries (8 bits and a scale per row, both ways), by hand and planned
+    "1f1b-fp8-e1": {
+        "schedule": "1f1b",
+        "compress_activations": "fp8-row",
+        "compress_gradients": "fp8-row",
+        "extra_warmup": 1,
+    },
+    "planned-fp8": {
+        "schedule": "auto",
+        "partition": "profile",
+        "planned": True,
+        "compress_activations": "fp8-row",
+        "compress_gradients": "fp8-row",
+    },
 }
 
 DRIVER = """

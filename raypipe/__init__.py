@@ -19,6 +19,7 @@ from raypipe.errors import (
     StepTimeoutError,
 )
 from raypipe.layers import LayerSpec, build_layers
+from raypipe.planning.links import Link
 from raypipe.planning.profiling import PlanReport
 from raypipe.schedules import Action, bubble, build_schedule, format_schedule, peak_in_flight
 from raypipe.timeline import Timeline
@@ -34,6 +35,7 @@ __all__ = [
     "ConfigError",
     "NonFiniteError",
     "LayerSpec",
+    "Link",
     "PlacementError",
     "PlanReport",
     "RaypipeError",
