@@ -155,7 +155,8 @@ def test_raypipe_plan_profiles_the_jobs_model_and_writes_json(ray_session, tmp_p
 
     config = Path(__file__).parent.parent / "examples/configs/tiny.yaml"
     out = tmp_path / "plan.json"
-    assert main(["plan", str(config), "--set", "partition=profile", "--json", str(out)]) == 0
+    args = ["plan", str(config), "--set", "partition=profile", "--set", "compress_activations=int8"]
+    assert main(args + ["--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "speed-aware plan (partition=profile): predicted step" in printed
     report = json.loads(out.read_text())
@@ -164,6 +165,10 @@ def test_raypipe_plan_profiles_the_jobs_model_and_writes_json(ray_session, tmp_p
         t > 0 for t in report["profiles"]["cpu"]["forward_s"]
     )
     assert f"stage 1: layers [{report['plan'][1][0]}, 4)" in printed
+    # the codec's time on each layer's output, the way compression is on (activations), not the other
+    codec = report["profiles"]["cpu"]
+    assert all(t > 0 for t in codec["codec_forward_s"][:3]) and codec["codec_forward_s"][3] == 0
+    assert codec["codec_backward_s"] == [0.0] * 4
     # --links starts the stages where a run would: here on one node, so nothing to measure
     assert main(["plan", str(config), "--links", "--set", "partition=profile"]) == 0
     printed = capsys.readouterr().out
@@ -220,6 +225,14 @@ def test_a_measured_link_moves_the_split_to_a_narrow_boundary_and_auto_hides_it(
     running, report, before, after, account = plan_for_links(config, config, blind, list(range(6)), links)
     assert report.plan == aware.plan and before == pytest.approx(on_link) and after < before
     assert "stage 0 -> stage 1 over gloo: 200 Mbit/s" in account
+
+    # compressed boundaries cost the sending action the codec's profiled time, each way
+    from raypipe.planning.profiling import scheduled_seconds
+    from raypipe.schedules import build_schedule
+
+    coded = {**profiles["cpu"], "codec_forward_s": [0.005] * 6, "codec_backward_s": [0.007] * 6}
+    one = build_schedule("1f1b", 2, 1)  # F0 F1 B1 B0, one after another
+    assert scheduled_seconds(one, [coded] * 2, [(0, 3), (3, 6)]) == pytest.approx(6 * 0.03 + 0.005 + 0.007)
 
     # every boundary wide: auto runs more forwards ahead once it knows the link, and more microbatches
     auto = TrainConfig(pp=2, microbatches=8, schedule="auto")

@@ -52,15 +52,20 @@ class LayerProfiler:
         threads: int = 1,
         warmup: int = 2,
         repeats: int = 5,
+        codecs: tuple[str, str] = ("none", "none"),
     ) -> dict[str, Any]:
         """Per layer: median forward and backward seconds, parameter bytes, the bytes autograd
         saves for backward on this microbatch (what a stashed microbatch costs), and its output's
         size (what crosses a link when a stage ends there: floating leaves both ways, as the
         activation and its gradient, the others forward only), timed with `threads` torch
-        threads, as a stage actor on this node would compute."""
+        threads, as a stage actor on this node would compute; with `codecs` (the config's
+        `compress_activations`, `compress_gradients`), the seconds compressing and restoring its
+        output takes each way (`codec_forward_s`, `codec_backward_s`: what a boundary there costs
+        the stages beyond their layers)."""
         torch.set_num_threads(threads)
         forward_s, backward_s, parameter_bytes, activation_bytes = [], [], [], []
         boundary: list[tuple[int, int, int]] = []  # per layer, its output's (float bytes, float elements, other bytes)
+        codec_s: list[tuple[float, float]] = []  # per layer, compressing and restoring its output, each way
         h = x.to(self.device)
         for index, spec in enumerate(specs):
             layer = build_layer(spec, seed, index).to(self.device)
@@ -90,6 +95,7 @@ class LayerProfiler:
             backward_s.append(statistics.median(bwd))
             parameter_bytes.append(sum(p.numel() * p.element_size() for p in layer.parameters()))
             activation_bytes.append(saved)
+            codec_s.append((0.0, 0.0) if last else tuple(self._codec_seconds(out, c, repeats) for c in codecs))
             if not last:
                 with torch.no_grad():
                     h = layer(h.detach())
@@ -109,7 +115,27 @@ class LayerProfiler:
             "output_float_bytes": [b[0] for b in boundary],
             "output_float_elements": [b[1] for b in boundary],
             "output_other_bytes": [b[2] for b in boundary],
+            "codec_forward_s": [c[0] for c in codec_s],
+            "codec_backward_s": [c[1] for c in codec_s],
         }
+
+    def _codec_seconds(self, value: Any, codec: str, repeats: int) -> float:
+        """Median seconds to compress `value`'s floating tensors in `codec` and restore them."""
+        import torch.utils._pytree as pytree
+
+        from raypipe.transport.compress import compress
+
+        leaves = [t.detach() for t in pytree.tree_leaves(value) if torch.is_tensor(t) and t.is_floating_point()]
+        leaves = [t for t in leaves if t.dim() >= 2]
+        if codec == "none" or not leaves:
+            return 0.0
+        times = []
+        for _ in range(repeats):
+            started = self._now()
+            for t in leaves:
+                compress(t, codec).restore()
+            times.append(self._now() - started)
+        return statistics.median(times)
 
     def _now(self) -> float:
         if self.device.type == "cuda":

@@ -138,7 +138,11 @@ def profile_layers(
             or fitting_threads(cpus_of.get(n, 1.0), packed_on_node(cpus_of.get(n, 1.0), cpus, stages_of_kind[k]))
             for n, k in zip(nodes, unique)
         ]
-        refs = [a.profile.remote(list(specs), config.seed, x, target, loss_fn, t) for a, t in zip(actors, threads)]
+        codecs = (config.compress_activations, config.compress_gradients)
+        refs = [
+            a.profile.remote(list(specs), config.seed, x, target, loss_fn, t, codecs=codecs)
+            for a, t in zip(actors, threads)
+        ]
         return dict(zip(unique, _wait(actors, refs, unique, config.step_timeout, "finished")))
     finally:
         for actor in actors:
@@ -224,7 +228,8 @@ def plan_from_profiles(
         return memory(s, a, b) <= capacity[s]
 
     def step_seconds(split: Plan) -> float:
-        if chunks == 1 and not SCHEDULES[config.schedule].split_backward and not links:
+        compressed = (config.compress_activations, config.compress_gradients) != ("none", "none")
+        if chunks == 1 and not SCHEDULES[config.schedule].split_backward and not links and not compressed:
             return pipeline_seconds([sum(times[s][a:b]) for s, (a, b) in enumerate(split)], m)
         transfer = message_seconds(links, by_virtual, split, config) if links else None
         return scheduled_seconds(schedule, by_virtual, split, transfer)
@@ -309,14 +314,28 @@ def scheduled_seconds(
 ) -> float:
     """The step time of `schedule` run with each virtual stage's measured forward and backward
     (`profiles`: per virtual stage, its kind's; a split backward's I and W half each), each
-    boundary message taking `transfer`'s time on its link (`schedules.timed`)."""
-    from raypipe.schedules import timed
+    boundary message taking `transfer`'s time on its link (`schedules.timed`), and the action
+    that sends it to another actor the time compressing and restoring it takes (profiled where
+    the config compresses boundaries; charged to the sender)."""
+    from raypipe.schedules import owners, timed
+
+    owner = owners(schedule)
+
+    def codec(v: int, to: int, key: str) -> float:  # v's message to virtual stage `to`, if it leaves the actor
+        if to not in owner or owner[to] == owner[v]:
+            return 0.0
+        sender = min(v, to)  # the boundary is the output of the earlier stage's last layer
+        return profiles[sender].get(key, [0.0] * plan[sender][1])[plan[sender][1] - 1]
 
     def seconds(action: Any) -> float:
-        a, b = plan[action.stage]
-        prof = profiles[action.stage]
+        v = action.stage
+        a, b = plan[v]
+        prof = profiles[v]
         forward, backward = sum(prof["forward_s"][a:b]), sum(prof["backward_s"][a:b])
-        return {"F": forward, "B": backward}.get(action.kind, backward / 2)
+        if action.kind == "F":
+            return forward + codec(v, v + 1, "codec_forward_s")
+        gradient = codec(v, v - 1, "codec_backward_s")
+        return {"B": backward + gradient, "I": backward / 2 + gradient}.get(action.kind, backward / 2)
 
     return max(end for run in timed(schedule, seconds, transfer) for _, _, end in run)
 
