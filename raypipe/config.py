@@ -109,12 +109,13 @@ class TrainConfig:
         boundary_dtype: the dtype activations and their gradients travel in between
             stages: "fp32" (as computed), or "bf16" / "fp16" to halve the bytes sent; the
             receiving stage computes in float32 again.
-        compress_activations, compress_gradients: send the activations, or the gradients going
-            back, in 8 bits per element with a float32 scale, a quarter of fp32's bytes, for slow
-            links (`raypipe.transport.compress`): "fp8" (e4m3, a scale per tensor), "fp8-row" (a
-            scale per row), "int8" (a scale per row), or "none". Not exact: the loss they cost on
-            the main job and a Llama is in docs/BENCHMARKS.md ("Compressed boundaries"). Vectors
-            and scalars (losses, counts) stay exact.
+        compress_activations: send the activations between stages in 8 bits per element with a
+            float32 scale, a quarter of fp32's bytes, for slow links (`raypipe.transport.compress`):
+            "fp8" (e4m3, a scale per tensor), "fp8-row" (a scale per row), "int8" (a scale per
+            row), or "none". Not exact: the loss it costs on the main job and a Llama is in
+            docs/BENCHMARKS.md ("Narrow and compressed stage boundaries"). Vectors and scalars
+            (losses, counts) stay exact.
+        compress_gradients: the same for the gradients going back, separately.
         measure_activations: count the bytes autograd saves for backward per stashed
             microbatch (saved-tensor hooks; about 7 % slower forward on CPU), reported
             as `peak_stashed_bytes`. The count of stashed microbatches is always reported.

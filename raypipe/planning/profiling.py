@@ -271,6 +271,8 @@ def _link_wire(
     config: Any,
 ) -> list[tuple[Link, float]]:
     """Each measured link with the seconds a step's messages take on it under `plan`."""
+    if not links:  # (and profiles from before output sizes were recorded need none)
+        return []
     wire = dict.fromkeys(links, 0.0)
     for v in range(len(plan) - 1):
         a, b = stage_of[v], stage_of[v + 1]
