@@ -62,7 +62,7 @@ def _diagram(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     from raypipe.job import JobConfig
     from raypipe.layers import parameter_counts
-    from raypipe.planning.partition import make_plan
+    from raypipe.planning.partition import is_profiled, make_plan
     from raypipe.schedules import build_schedule, owners
 
     config = JobConfig.from_yaml(args.config, args.set)
@@ -73,7 +73,7 @@ def _plan(args: argparse.Namespace) -> int:
     print(f"{len(specs)} layers, {sum(counts):,} parameters, pp={train.pp} ({how})")
     if args.links:  # starts the stages where the run would, measures their links, plans for them
         train, plan, report = _linked_plan(config)
-    elif (train.partition == "profile" or train.schedule == "auto") and train.shard_plan is None:
+    elif is_profiled(train):
         train, report = _profiled_plan(config, specs)  # prints what it found; "auto" also picks the schedule
         plan = report.plan
     else:
@@ -97,8 +97,7 @@ def _linked_plan(config):
     from raypipe.trainer import Trainer
 
     train = config.train.replace(checkpoint_dir=None, resume=False, loggers=[], name=None)
-    x, y = config.data.dataset(config.model.block_size).batch(0, config.job.batch_size, seed=train.seed)
-    with Trainer(config.model.build(), config=train, sample=(x, config.model.targets(x, y)), log=print) as trainer:
+    with Trainer(config.model.build(), config=train, sample=_sample(config), log=print) as trainer:
         print("links between neighbouring stages:")
         for link in trainer.group.links:
             print(f"  {link}")
@@ -111,13 +110,17 @@ def _profiled_plan(config, specs):
     from raypipe import driver
     from raypipe.planning.autoschedule import plan_run
 
-    train, job = config.train, config.job
-    x, y = config.data.dataset(config.model.block_size).batch(0, job.batch_size, seed=train.seed)
-    y = config.model.targets(x, y)
+    train = config.train
     loss_fn = config.model.build().loss_fn
     driver.connect()
     driver.ship_user_code([loss_fn] + [s.factory for s in specs])
-    return plan_run(specs, loss_fn, (x, y), train, train.cpus_per_actor or 1.0, print)
+    return plan_run(specs, loss_fn, _sample(config), train, train.cpus_per_actor or 1.0, print)
+
+
+def _sample(config):
+    """The job's first batch and its targets: what a profiled plan times the layers on."""
+    x, y = config.data.dataset(config.model.block_size).batch(0, config.job.batch_size, seed=config.train.seed)
+    return x, config.model.targets(x, y)
 
 
 def _node_resources(args: argparse.Namespace) -> int:

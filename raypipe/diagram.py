@@ -98,7 +98,6 @@ class Architecture:
         transport of each link between stages (and its rate, where it was measured)."""
         arch = cls.from_config(trainer.specs, trainer.config, sample, title)
         by_name = {i["name"]: i for i in trainer.stage_info()}
-        rates = {(link.sender, link.receiver): link for link in trainer.group.links if link.measured}
         for stage in arch.stages:
             for actor in stage.actors:
                 info = by_name[actor.name]
@@ -111,9 +110,14 @@ class Architecture:
                 if (a.dp, a.tp) == (b.dp, b.tp)
             }
             stage.link = " + ".join(sorted(h for h in hows if h))
-            sender, receiver = (v.index if v.on_stage is None else v.on_stage for v in (stage, after))
-            if (link := rates.get((sender, receiver))) is not None:
-                stage.link += f" at {link.bytes_per_s * 8e-6:,.0f} Mbit/s"
+            rates = [  # measured where the link crosses nodes (`stage_info()["link_rates"]`)
+                rate["mbit_per_s"]
+                for a in stage.actors
+                for b in after.actors
+                if (a.dp, a.tp) == (b.dp, b.tp) and (rate := by_name[a.name]["link_rates"].get(b.name))
+            ]
+            if rates:
+                stage.link += f" at {min(rates):,.0f} Mbit/s"
         return arch
 
     # ----- drawing --------------------------------------------------------------------

@@ -26,6 +26,7 @@ from raypipe.config import TrainConfig, apply_overrides, load_yaml
 from raypipe.data import TokenDataset, stdlib_corpus
 from raypipe.errors import ConfigError, RaypipeError
 from raypipe.models.registry import JobModel, job_model
+from raypipe.planning.partition import is_profiled
 from raypipe.progress import Progress
 
 DATA_SOURCES = ("stdlib", "bin", "text", "sft")
@@ -237,8 +238,7 @@ def run(
 
     if config.data.uses_ray_data() and train.cpus_per_actor is None:
         train = _leave_a_cpu_for_ray_data(train)
-    profiled = train.partition == "profile" or train.schedule == "auto"
-    profile_batch = batch(train_set, 0, train.seed) if profiled else None
+    profile_batch = batch(train_set, 0, train.seed) if is_profiled(train) else None
     with Trainer(model.build(), config=train, sample=profile_batch, log=log) as trainer:
         trainer.loggers.add_params(
             {

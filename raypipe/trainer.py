@@ -23,7 +23,6 @@ from raypipe.driver import (
     fitting,
     inference,
     link_planning,
-    link_probe,
     placement,
     registry,
     weights,
@@ -342,8 +341,7 @@ class Trainer:
 
     def links(self) -> list[Link]:
         """Measures now both ways of each link between neighbouring stages on different nodes (`link_probe`)."""
-        self.group.links = link_probe.probe_links(self.group)
-        return self.group.links
+        return self.group.measure_links()
 
     def shutdown(self) -> None:
         """Stops every actor this trainer started and closes its loggers. Safe to call twice."""

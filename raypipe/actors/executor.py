@@ -171,7 +171,7 @@ class Executor:
                 if out.requires_grad:
                     torch.autograd.backward(out)
             else:
-                pairs = self._pairs(out, restore(grad) if self.settings.compress_gradients != "none" else grad)
+                pairs = self._pairs(out, grad)
                 if pairs:
                     torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
             self._timed(BACKWARD, started, microbatch)
@@ -189,7 +189,7 @@ class Executor:
             if last:
                 outputs, grads = ([out], None) if out.requires_grad else ([], None)
             else:
-                pairs = self._pairs(out, restore(grad) if self.settings.compress_gradients != "none" else grad)
+                pairs = self._pairs(out, grad)
                 outputs, grads = [o for o, _ in pairs], [g for _, g in pairs]
             inputs = [] if first else [t for t in tensors(x) if t.requires_grad]
             self.deferred[(v, microbatch)] = input_gradients(outputs, grads, inputs, self.model.trainable())
@@ -214,9 +214,10 @@ class Executor:
         except Exception as error:
             raise self.error(WEIGHT_GRAD, microbatch, error, v) from error
 
-    @staticmethod
-    def _pairs(out: Any, grad: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(output leaf, its gradient) for the leaves that need one; the others get None back."""
+    def _pairs(self, out: Any, grad: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(output leaf, its gradient) for the leaves that need one (the others get None back), a
+        compressed gradient restored."""
+        grad = restore(grad) if self.settings.compress_gradients != "none" else grad
         return [
             (o, g.to(o.device, o.dtype))
             for o, g in zip(leaves(out), leaves(grad))

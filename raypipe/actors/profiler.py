@@ -21,6 +21,7 @@ from raypipe.actors.memory import count_saved_bytes, weight_storages
 from raypipe.actors.model import resolve_device
 from raypipe.devices import SERVING_ENV, detect
 from raypipe.layers import LayerSpec, build_layer
+from raypipe.transport.tree import tensors
 
 
 class LayerProfiler:
@@ -121,12 +122,9 @@ class LayerProfiler:
 
     def _codec_seconds(self, value: Any, codec: str, repeats: int) -> float:
         """Median seconds to compress `value`'s floating tensors in `codec` and restore them."""
-        import torch.utils._pytree as pytree
-
         from raypipe.transport.compress import compress
 
-        leaves = [t.detach() for t in pytree.tree_leaves(value) if torch.is_tensor(t) and t.is_floating_point()]
-        leaves = [t for t in leaves if t.dim() >= 2]
+        leaves = [t.detach() for t in tensors(value) if t.is_floating_point() and t.dim() >= 2]
         if codec == "none" or not leaves:
             return 0.0
         times = []
@@ -147,9 +145,7 @@ class LayerProfiler:
 
 def _sizes(value: Any) -> tuple[int, int, int]:
     """(bytes, elements) of a value's floating tensors, and bytes of its other tensors."""
-    import torch.utils._pytree as pytree
-
-    leaves = [t for t in pytree.tree_leaves(value) if torch.is_tensor(t)]
+    leaves = tensors(value)
     floats = [t for t in leaves if t.is_floating_point()]
     return (
         sum(t.numel() * t.element_size() for t in floats),

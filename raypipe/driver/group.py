@@ -101,7 +101,7 @@ class ActorGroup:
         self.actors, self.placement_group, self.nodes = started.actors, started.placement_group, started.nodes
         try:
             self.configure()
-            self.links = link_probe.probe_links(self) if self.config.probe_links else []
+            self.links = self.measure_links() if self.config.probe_links else []
         except BaseException:
             self.shutdown()
             raise
@@ -197,6 +197,12 @@ class ActorGroup:
         return self.model.identity() if self.config.lora else None
 
     # ----- where things are ------------------------------------------------------
+
+    def measure_links(self) -> list[Link]:
+        """Measures both ways of each link between neighbouring stages on different nodes
+        (`link_probe`), keeps and returns them."""
+        self.links = link_probe.probe_links(self)
+        return self.links
 
     def info(self) -> list[dict[str, Any]]:
         """Per actor: name, layers, parameters, node, pid, device, threads, `links` (neighbour ->

@@ -25,12 +25,11 @@ def probe_links(group: Any) -> list[Link]:
     topology, names, actors = group.topology, group.names, group.actors
     infos: list[dict[str, Any]] = []
     pairs = sorted({(min(s, n), max(s, n)) for s, ns in enumerate(linked_stages(group.schedule)) for n in ns})
+    if not needs_world(group.config):
+        return [Link(s, r, "ray") for a, b in pairs for s, r in ((a, b), (b, a))]
     links: list[Link] = []
     for a, b in pairs:
         ra, rb = topology.rank(0, a, 0), topology.rank(0, b, 0)
-        if not needs_world(group.config):
-            links += [Link(a, b, "ray"), Link(b, a, "ray")]
-            continue
         if group.nodes.get(names[ra]) == group.nodes.get(names[rb]):
             links += [Link(a, b, "memory"), Link(b, a, "memory")]
             continue

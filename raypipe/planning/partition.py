@@ -164,6 +164,12 @@ def _ranges(sizes: Sequence[int]) -> Plan:
     return plan
 
 
+def is_profiled(config: Any) -> bool:
+    """Whether a `TrainConfig` plans from profiled layers (`partition="profile"` or
+    `schedule="auto"`, with no explicit `shard_plan`), which needs a sample batch."""
+    return (config.partition == "profile" or config.schedule == "auto") and config.shard_plan is None
+
+
 def first_plan(specs: Sequence[Any], config: Any, has_sample: bool) -> tuple[Plan, list[bool | None], bool]:
     """A trainer's plan before any actor starts, checked against the layers and tp.
 
@@ -179,7 +185,7 @@ def first_plan(specs: Sequence[Any], config: Any, has_sample: bool) -> tuple[Pla
     from raypipe.nn.moe import check_expert_parallel
     from raypipe.nn.plan import check_stages_split, check_tensor_parallel
 
-    profiled = (config.partition == "profile" or config.schedule == "auto") and config.shard_plan is None
+    profiled = is_profiled(config)
     if profiled and not has_sample:
         what = "schedule='auto'" if config.schedule == "auto" else "partition='profile'"
         raise ConfigError(

@@ -273,13 +273,13 @@ def _link_wire(
     """Each measured link with the seconds a step's messages take on it under `plan`."""
     if not links:  # (and profiles from before output sizes were recorded need none)
         return []
+    message = message_seconds(links, profiles, plan, config)
     wire = dict.fromkeys(links, 0.0)
     for v in range(len(plan) - 1):
         a, b = stage_of[v], stage_of[v + 1]
-        forward, backward = boundary_bytes(profiles[v], plan[v][1], config)
-        for key, nbytes in (((a, b), forward), ((b, a), backward)):
+        for key, what, sender in (((a, b), "F", v), ((b, a), "G", v + 1)):
             if key in links:
-                wire[key] += microbatches * links[key].seconds(nbytes)
+                wire[key] += microbatches * message(*key, what, sender)
     return [(links[key], seconds) for key, seconds in sorted(wire.items())]
 
 
