@@ -1,11 +1,18 @@
 """Time from losing a whole node to the next completed step, on a real cluster of four Ray nodes
 in network namespaces on this machine (`tests/netns_cluster.py`; needs root and `ip netns`).
 
-Each round trains pp = 2 (cpu, mps) with a checkpoint every 2 steps, SIGKILLs every process of
-the node holding the mps stage after step 5 and times until a step completes on the spare mps
-node; then a new mps node is started so the next round has a spare again. JSON out.
+`--case spare`: each round trains pp = 2 (cpu, mps) with a checkpoint every 2 steps, SIGKILLs
+every process of the node holding the mps stage after step 5 and times until a step completes
+on the spare mps node; then a new mps node is started so the next round has a spare again.
+
+`--case shrink` (issue 38, `TrainConfig.elastic`): no spare. Each round runs
+`tests/test_elastic.py`'s two runs, pp = 3 (cpu, mps, mps) and pp 2 x dp 2 on all four nodes,
+kills a node after step 3 and times until a step completes on the shrunk topology (pp = 2,
+dp = 1); the node restarted, each grows back at its next checkpoint. `--replace-wait`: the
+seconds each waits for a replacement first (part of the time measured). JSON out.
 
     sudo .venv/bin/python benchmarks/node_loss.py --rounds 3 --out node_loss.json
+    sudo .venv/bin/python benchmarks/node_loss.py --case shrink --replace-wait 1 --rounds 2
 """
 
 from __future__ import annotations
@@ -21,9 +28,9 @@ from pathlib import Path
 TESTS = Path(__file__).resolve().parent.parent / "tests"
 sys.path.insert(0, str(TESTS))
 
-from test_netns_cluster import LOSS_RUN, MPS, PRELUDE, drive  # noqa: E402
+from test_netns_cluster import LOSS_RUN, PRELUDE, drive  # noqa: E402
 
-from netns_cluster import NetnsCluster, available  # noqa: E402
+from netns_cluster import MPS, NetnsCluster, available  # noqa: E402
 
 ROUND = (
     PRELUDE
@@ -36,10 +43,34 @@ print("RESULT " + json.dumps({{k: result[k] for k in ("resumed", "restarts", "lo
 )
 
 
+def shrink_round(cluster: NetnsCluster, work: Path, replace_wait: float) -> dict:
+    """One round of `--case shrink`: kill -> next completed step of each elastic run, in seconds."""
+    from test_elastic import ELASTIC
+
+    def on_line(line: str) -> None:
+        if line.startswith("RESTART "):
+            cluster.restart_node(next(n for n, node in cluster.nodes.items() if node.ip == line.split()[1]))
+
+    namespaces = json.dumps({n.ip: n.name for n in cluster.nodes.values()})
+    code = ELASTIC.format(address=cluster.address, namespaces=namespaces, tmp=work).replace(
+        "replace_wait=5", f"replace_wait={replace_wait}"
+    )
+    stdout, stderr = cluster.run_python_live(code, on_line, timeout=600, env={"PYTHONPATH": str(TESTS)})
+    lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+    if not lines:
+        raise RuntimeError(stdout[-3000:] + stderr[-3000:])
+    out = json.loads(lines[-1][len("RESULT ") :])
+    return {case: round(out[case]["resumed"], 2) for case in ("pp", "dp")} | {
+        "log": [line for case in ("pp", "dp") for line in out[case]["log"] if "elastic" in line or "resumed" in line]
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--case", choices=("spare", "shrink"), default="spare")
+    parser.add_argument("--replace-wait", type=float, default=5.0, help="TrainConfig.replace_wait (--case shrink)")
     args = parser.parse_args()
     reason = available()
     if reason:
@@ -52,6 +83,10 @@ def main() -> None:
             cluster.start_node(name, num_cpus=1, fake_accelerator=kind)
             cluster.wait_nodes()
         for r in range(args.rounds):
+            if args.case == "shrink":
+                rounds.append(shrink_round(cluster, work, args.replace_wait))
+                print(f"round {r + 1}: {rounds[-1]}", flush=True)
+                continue
             result = drive(cluster, ROUND, work)
             rounds.append(result)
             print(
@@ -64,9 +99,11 @@ def main() -> None:
     finally:
         cluster.close()
         shutil.rmtree(work, ignore_errors=True)
-    seconds = [r["resumed"] for r in rounds]
+    seconds = [r["resumed"] for r in rounds] if args.case == "spare" else [r[c] for r in rounds for c in ("pp", "dp")]
     report = {
         "benchmark": "node_loss",
+        "case": args.case,
+        "replace_wait_s": args.replace_wait if args.case == "shrink" else None,
         "rounds": rounds,
         "kill_to_next_step_s": seconds,
         "median_s": statistics.median(seconds),

@@ -143,6 +143,15 @@ class TrainConfig:
             step N's (an int); false (a new run) refuses a directory holding another run's.
         max_restarts: how many times `Trainer.fit` rebuilds the actors after one dies,
             restoring the last checkpoint, before it gives up.
+        elastic: when a node is lost and no node takes its actors within `replace_wait`, go on
+            with what is left (`raypipe.driver.elastic`): fewer dp replicas (the global batch kept
+            by more microbatches) or fewer pipeline stages (the layers split again), from the last
+            checkpoint; grow back to this config at a checkpoint once a node joins. Needs
+            max_restarts >= 1 (each shrink or failed regrowth spends one).
+        min_pp: the fewest pipeline stages an elastic run may shrink to.
+        min_dp: the fewest dp replicas an elastic run may shrink to.
+        replace_wait: seconds an elastic run waits for a node to take a lost node's actors
+            before it shrinks (and for the configured topology to place when it grows back).
         nonfinite: what a NaN or infinite loss or gradient does: "error" stops with an
             error naming the step, "skip" skips that update and goes on. Weights are
             never updated from non-finite gradients.
@@ -200,6 +209,10 @@ class TrainConfig:
     keep_checkpoints: int = 3
     resume: bool | int = False
     max_restarts: int = 0
+    elastic: bool = False
+    min_pp: int = 1
+    min_dp: int = 1
+    replace_wait: float = 10.0
     nonfinite: str = "error"
     log_dir: str | None = None
     loggers: list = field(default_factory=lambda: ["tensorboard"])

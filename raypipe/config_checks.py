@@ -116,6 +116,7 @@ def validate(c: Any) -> None:
     if c.resume is not False and c.checkpoint_dir is None:
         raise fail("resume", c.resume, "resuming needs checkpoint_dir (the run's checkpoints); set it.")
     check_int("max_restarts", c.max_restarts, 0)
+    check_elastic(c)
     check_choice("nonfinite", c.nonfinite, NONFINITE_POLICIES)
     check_devices(c.devices, c.pp)
     if isinstance(c.devices, (list, tuple)):
@@ -128,6 +129,26 @@ def validate(c: Any) -> None:
     c.loggers = check_loggers(c.loggers)
     c.lora = lora.check(c.lora, c.tp)
     c.quantize = lora.check_quantize(c.quantize, c.lora, c.stage_kinds())
+
+
+def check_elastic(c: Any) -> None:
+    """The elastic limits fit the topology, and a shrink has restarts to spend."""
+    if not isinstance(c.elastic, bool):
+        raise fail("elastic", c.elastic, "give true or false.")
+    check_int("min_pp", c.min_pp, 1)
+    check_int("min_dp", c.min_dp, 1)
+    check_positive("replace_wait", c.replace_wait)
+    if c.min_pp > c.pp:
+        raise fail("min_pp", c.min_pp, f"the fewest stages an elastic run shrinks to: give at most pp={c.pp}.")
+    if c.min_dp > c.dp:
+        raise fail("min_dp", c.min_dp, f"the fewest replicas an elastic run shrinks to: give at most dp={c.dp}.")
+    if c.elastic and c.max_restarts < 1:
+        raise fail(
+            "elastic",
+            c.elastic,
+            "an elastic run rebuilds its actors after a loss, which spends TrainConfig.max_restarts: "
+            "set max_restarts >= 1 (e.g. 3).",
+        )
 
 
 def check_zero3(c: Any) -> None:
@@ -202,6 +223,10 @@ RECONFIGURABLE = (
     "checkpoint_every",
     "keep_checkpoints",
     "max_restarts",
+    "elastic",
+    "min_pp",
+    "min_dp",
+    "replace_wait",
     "nonfinite",
     "log_dir",
 )

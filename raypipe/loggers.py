@@ -74,7 +74,8 @@ def scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
     """A step's metrics (`raypipe.metrics.step_metrics`) as flat scalar tags, the same for every logger.
 
     Tags: train/loss, train/lr, train/grad_norm, train/tokens_per_s (or train/samples_per_s),
-    train/step_time, and per stage stage{s}/forward_s, stage{s}/backward_s,
+    train/step_time, train/pp and train/dp (the topology the step ran on: an elastic run's
+    changes), and per stage stage{s}/forward_s, stage{s}/backward_s,
     stage{s}/bubble_fraction, stage{s}/peak_memory_bytes and its split stage{s}/memory_{part}_bytes
     (part: parameters, gradients, optimizer_state, activations, other), stage{s}/peak_stashed_microbatches (kept
     for backward), stage{s}/peak_awaiting_weight_grad (split backwards: between input and weight
@@ -86,7 +87,7 @@ def scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
     rate = "tokens_per_s" if "tokens_per_s" in metrics else "samples_per_s"
     tags = {
         f"train/{key}": float(metrics[key])
-        for key in ("loss", "lr", "grad_norm", rate, "step_time", "loss_scale")
+        for key in ("loss", "lr", "grad_norm", rate, "step_time", "loss_scale", "pp", "dp")
         if key in metrics
     }
     for s, stage in enumerate(metrics.get("stages", [])):

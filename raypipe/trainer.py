@@ -39,7 +39,6 @@ from raypipe.nn.plan import check_stages_split
 from raypipe.planning.autoschedule import plan_run
 from raypipe.planning.links import Link
 from raypipe.planning.partition import first_plan
-from raypipe.planning.profiling import PlanReport
 from raypipe.progress import Progress
 from raypipe.timeline import Timeline
 
@@ -79,22 +78,22 @@ class Trainer:
         self.model, loss_fn, self.specs, config = resolve(layers, loss_fn, config)
         checkpoints.check_new_run(config.checkpoint_dir, config.resume)  # before any actor (the profiler's) starts
         plan, tp_splits, profiled = first_plan(self.specs, config, sample is not None)
-        self.plan_report: PlanReport | None = None
         driver.connect()
         driver.ship_user_code(
             [loss_fn]
             + [s.factory for s in self.specs]
             + [type(a) for s in self.specs for a in (*s.args, *s.kwargs.values())]
         )
-        asked = config  # before "auto" is chosen: the links may choose again
+        asked, report = config, None  # before "auto" is chosen: the links may choose again
         if profiled:  # time every layer on each device kind of the run and split by those times
             cpus = placement.cpus_per_actor(config, len(Topology(config.pp, config.dp, config.tp, config.ep).names()))
-            config, self.plan_report = plan_run(self.specs, loss_fn, sample, config, cpus, log)
-            plan = self.plan_report.plan
+            config, report = plan_run(self.specs, loss_fn, sample, config, cpus, log)
+            plan = report.plan
             check_stages_split(tp_splits, plan, config.tp)
         run_name = config.name or f"run-{uuid.uuid4().hex[:8]}"
         #: the running actors: names, topology, schedule, engine; every call that reaches them
         self.group = ActorGroup(config, self.specs, plan, loss_fn, run_name, self.model)
+        self.group.report = report
         #: the run's identity, progress and records (step count, restarts, loggers)
         self.state = RunState(
             run_name, uuid.uuid4().hex, Loggers(config, run_name, lambda: run_params(self.config, run_name, self.plan))
@@ -102,8 +101,8 @@ class Trainer:
         registry.replace_same_name(self)
         self.group.start()  # and measures the links between its stages (`config.probe_links`)
         registry.add(self)
-        if self.plan_report is not None:  # a profiled plan: made again for the links measured
-            link_planning.follow_links(self, asked, log)
+        if report is not None:  # a profiled plan: made again for the links measured
+            self.group = link_planning.follow_links(self.group, asked, log)
         if config.resume is not False:
             try:
                 self.load(config.checkpoint_dir, step=None if config.resume is True else config.resume, log=log)
@@ -115,6 +114,7 @@ class Trainer:
 
     config = property(lambda self: self.group.config, doc="The run's settings (`reconfigure` changes them).")
     plan = property(lambda self: self.group.plan, doc="The layer range [start, end) of each (virtual) stage.")
+    plan_report = property(lambda self: self.group.report, doc="A profiled plan's timings and predictions, or None.")
     topology = property(lambda self: self.group.topology, doc="Which actor is which stage, replica, tp rank.")
     names = property(
         lambda self: self.group.names, doc='Every actor\'s name, world-rank order: "stage{s}-dp{d}-tp{t}".'
@@ -148,9 +148,9 @@ class Trainer:
 
         Returns:
             A dict with `loss` (mean of the microbatch losses), `lr`, `grad_norm` (global,
-            before clipping), `step_time` (s), `samples`, `samples_per_s`, `tokens` /
-            `tokens_per_s` when `x` holds token ids, and `stages`: per stage its timings, bubble,
-            memory and bytes sent (`raypipe.metrics.stage_metrics`). Recorded by `config.loggers`.
+            before clipping), `step_time` (s), `samples`, `samples_per_s`, `tokens` / `tokens_per_s`
+            when `x` holds token ids, `pp` and `dp` (the topology it ran on), and `stages`: per stage
+            its timings, bubble, memory, bytes sent (`metrics.stage_metrics`). Recorded by `config.loggers`.
 
         Raises:
             BatchError: the batch cannot be split into dp x microbatches equal parts.

@@ -73,3 +73,53 @@ def dot():
             pytest.fail(f"{message}; CI must run the rendering tests, not skip them")
         pytest.skip(message)
     return path
+
+
+_NETNS: dict = {}  # the namespace cluster while its tests run (`netns_cluster`)
+
+
+@pytest.fixture(scope="session")
+def netns_cluster(tmp_path_factory):
+    """A real four-node Ray cluster in network namespaces (`tests/netns_cluster.py`): head, cpu,
+    mps-a, mps-b (the last two advertise mps through the fake-accelerator override), shared by the
+    tests of test_netns_cluster and test_elastic, which run one after the other and each leave it
+    whole (`revive` restarts what a test killed). Closed after its last user
+    (`pytest_runtest_teardown`), not at the session's end: four idle raylets would load the
+    2-core machine through every later test."""
+    from netns_cluster import MPS, NetnsCluster
+
+    made = NetnsCluster(tmp_path_factory.mktemp("netns"))
+    _NETNS["cluster"] = made
+    try:
+        for name, kind in [("head", None), ("cpu", None), ("mps-a", MPS), ("mps-b", MPS)]:
+            made.start_node(name, num_cpus=1, fake_accelerator=kind)
+            made.wait_nodes()  # one at a time: four raylets registering at once overload 2 cores
+    except BaseException:
+        _close_netns()
+        raise
+    yield made
+    _close_netns()
+
+
+def _close_netns() -> None:
+    made = _NETNS.pop("cluster", None)
+    if made is not None:
+        made.close()
+        assert made.leftovers() == [], made.leftovers()
+
+
+def pytest_collection_modifyitems(items):
+    """The namespace cluster's users run one after another (test_elastic's after
+    test_netns_cluster's), so that it is up only while they run."""
+    users = [i for i in items if "netns_cluster" in getattr(i, "fixturenames", ())]
+    if users:
+        at = items.index(users[0])
+        rest = [i for i in items if i not in set(users)]
+        items[:] = rest[:at] + users + rest[at:]
+
+
+def pytest_runtest_teardown(item, nextitem):
+    if "netns_cluster" in getattr(item, "fixturenames", ()) and (
+        nextitem is None or "netns_cluster" not in getattr(nextitem, "fixturenames", ())
+    ):
+        _close_netns()

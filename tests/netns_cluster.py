@@ -19,13 +19,16 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from ray_head import RAY, head_env
 
+MPS = "mps:1:Apple M3 Max"  # a node advertising one Apple GPU (the fake-accelerator override)
 PORT = 6379  # each namespace has its own ports: the head takes Ray's default, as on a real host
 
 
@@ -49,6 +52,8 @@ class Node:
     ip: str
     proc: subprocess.Popen
     log: Path
+    command: list[str]  # what started it: `restart_node` runs it again
+    env: dict[str, str]
 
 
 class NetnsCluster:
@@ -176,10 +181,22 @@ class NetnsCluster:
 
     def _launch(self, name: str, ns: str, ip: str, command: list[str], env: dict[str, str]) -> Node:
         log = self.workdir / f"{name}.log"
-        with open(log, "w") as out:
+        with open(log, "a") as out:
             proc = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        self.nodes[name] = Node(ns, ip, proc, log)
+        self.nodes[name] = Node(ns, ip, proc, log, command, env)
         return self.nodes[name]
+
+    def kill_node(self, name: str) -> None:
+        """Every process of node `name` at once, as a machine losing power."""
+        self._kill_namespace(self.nodes[name].name)
+        self.nodes[name].proc.wait(timeout=30)
+
+    def restart_node(self, name: str) -> Node:
+        """Starts node `name`'s Ray again on its host (after `kill_node`, or a kill from a driver):
+        the machine coming back; it joins as a new Ray node. Returns at once."""
+        node = self.nodes[name]
+        self._kill_namespace(node.name)  # what is left of the old one
+        return self._launch(name, node.name, node.ip, node.command, node.env)
 
     def wait_nodes(self, timeout: float = 180) -> None:
         """Waits until every node started (and not dropped from `nodes`) is alive in the cluster;
@@ -216,6 +233,68 @@ class NetnsCluster:
             timeout=timeout,
         )
 
+    def revive(self, timeout: float = 180) -> list[str]:
+        """Restarts every node whose Ray was killed and waits until each has joined again as a new
+        Ray node (its old one may still count as alive until Ray's health checks fail); returns
+        their names."""
+        dead = [name for name, node in self.nodes.items() if node.proc.poll() is not None]
+        if not dead:
+            return []
+        before = self.node_ids()
+        deadline = time.monotonic() + timeout
+        for name in dead:  # one at a time: raylets registering at once overload 2 cores
+            self.restart_node(name)
+            ip = self.nodes[name].ip
+            while not self.node_ids().get(ip, set()) - before.get(ip, set()):
+                if self.nodes[name].proc.poll() is not None:
+                    raise RuntimeError(f"node {name}'s ray start exited: {self.nodes[name].log.read_text()[-3000:]}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"node {name} did not join again within {timeout} s")
+                time.sleep(1)
+        return dead
+
+    def node_ids(self) -> dict[str, set[str]]:
+        """The cluster's alive Ray nodes: address -> node ids."""
+        probe = (
+            f"import ray; ray.init(address='{self.address}', logging_level='ERROR'); "
+            f"print(' '.join(n['NodeManagerAddress'] + '=' + n['NodeID'] for n in ray.nodes() if n['Alive']))"
+        )
+        out: dict[str, set[str]] = {}
+        for pair in self.run_python(probe, timeout=60).stdout.strip().splitlines()[-1:][0].split():
+            ip, node = pair.split("=")
+            out.setdefault(ip, set()).add(node)
+        return out
+
+    def run_python_live(
+        self, code: str, on_line: Callable[[str], None], timeout: float = 300, env: dict[str, str] | None = None
+    ) -> tuple[str, str]:
+        """Runs `code` as `run_python` does, calling `on_line` with each line of its stdout as it
+        comes (to act on the cluster mid-run); killed after `timeout` s. Returns (stdout, stderr)."""
+        head = next(iter(self.nodes.values()))
+        errors = tempfile.TemporaryFile(mode="w+")
+        proc = subprocess.Popen(
+            ["ip", "netns", "exec", head.name, sys.executable, "-c", code],
+            env={**self.env, **(env or {})},
+            stdout=subprocess.PIPE,
+            stderr=errors,
+            text=True,
+        )
+        watchdog = threading.Timer(timeout, proc.kill)
+        watchdog.start()
+        lines = []
+        try:
+            for line in proc.stdout:
+                lines.append(line)
+                on_line(line.rstrip("\n"))
+            proc.wait(timeout=30)
+        finally:
+            watchdog.cancel()
+            proc.kill()
+            proc.wait(timeout=30)
+        with errors:
+            errors.seek(0)
+            return "".join(lines), errors.read()
+
     def close(self) -> None:
         """Kills every process in the namespaces made, deletes them and the bridge; removes the temp dir."""
         for ns in self.namespaces:
@@ -231,7 +310,8 @@ class NetnsCluster:
                 node.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
-        shutil.rmtree(self.temp, ignore_errors=True)
+        if not os.environ.get("RAYPIPE_KEEP_NETNS_LOGS"):
+            shutil.rmtree(self.temp, ignore_errors=True)
 
     def leftovers(self) -> list[str]:
         """Namespaces and links of this cluster still present (none after `close()`)."""

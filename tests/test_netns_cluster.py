@@ -27,7 +27,6 @@ from netns_cluster import NetnsCluster, available
 REASON = available()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
 TESTS = Path(__file__).parent
-MPS = "mps:1:Apple M3 Max"
 
 PRELUDE = """
 import json, subprocess, tempfile, time
@@ -100,18 +99,11 @@ print("RESULT " + json.dumps(out))
 )
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("netns")
-    made = NetnsCluster(workdir)
-    try:
-        for name, kind in [("head", None), ("cpu", None), ("mps-a", MPS), ("mps-b", MPS)]:
-            made.start_node(name, num_cpus=1, fake_accelerator=kind)
-            made.wait_nodes()  # one at a time: four raylets registering at once overload 2 cores
-        yield made
-    finally:
-        made.close()
-    assert made.leftovers() == [], made.leftovers()
+@pytest.fixture
+def cluster(netns_cluster):
+    """The session's namespace cluster (conftest), whole: nodes an earlier test killed restarted."""
+    netns_cluster.revive()
+    return netns_cluster
 
 
 def drive(cluster: NetnsCluster, template: str, tmp_path: Path, timeout: float = 420) -> dict:

@@ -71,8 +71,11 @@ class DatasetReader:
             if count == 0:
                 raise BatchError(f"the dataset holds fewer than batch_size={self.batch_size} rows: not one batch")
 
-    def batch(self, step: int) -> Prepared:
-        """Step `step`'s batch, cut and stored: `Prepared.packed` holds the references."""
+    def batch(self, step: int, cut_for: tuple[int, int] | None = None) -> Prepared:
+        """Step `step`'s batch, cut and stored: `Prepared.packed` holds the references.
+        `cut_for`: (dp, microbatches) from now on (an elastic run's new topology)."""
+        if cut_for is not None:
+            self.dp, self.microbatches = cut_for
         import ray
 
         from raypipe.transport.wire import pack_microbatches

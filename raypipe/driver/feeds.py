@@ -106,17 +106,20 @@ class DatasetFeed:
             .options(num_cpus=0, max_restarts=0)
             .remote(dataset, batch_size, collate, c.dp, c.microbatches, group.loss_fn)
         )
-        self.asked: dict[int, Any] = {}
+        self.group, self.asked = group, {}  # step -> ((dp, microbatches) it was cut for, its reference)
         self.timeout = c.step_timeout
 
     def get(self, step: int) -> Prepared:
         import ray
 
+        cut = (self.group.config.dp, self.group.config.microbatches)  # an elastic shrink changes them
         for ahead in (step, step + 1):  # the reader answers in order: the next batch is read meanwhile
+            if self.asked.get(ahead, (cut,))[0] != cut:
+                del self.asked[ahead]
             if ahead not in self.asked:
-                self.asked[ahead] = self.reader.batch.remote(ahead)
+                self.asked[ahead] = (cut, self.reader.batch.remote(ahead, cut))
         try:
-            return ray.get(self.asked.pop(step), timeout=self.timeout)
+            return ray.get(self.asked.pop(step)[1], timeout=self.timeout)
         except ray.exceptions.GetTimeoutError:
             raise BatchError(
                 f"the dataset gave no batch for step {step + 1} within {self.timeout:.0f} s "
@@ -136,7 +139,7 @@ class DatasetFeed:
         that it does not die in the middle of Ray Data's work and report that."""
         import ray
 
-        pending, self.asked = list(self.asked.values()), {}
+        pending, self.asked = [ref for _, ref in self.asked.values()], {}
         if pending:
             ray.wait(pending, num_returns=len(pending), timeout=min(self.timeout, 30.0))
         ray.kill(self.reader)

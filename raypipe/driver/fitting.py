@@ -16,6 +16,7 @@ from raypipe.actors.settings import stops_on_nonfinite
 from raypipe.checkpoint import layout as ckpt
 from raypipe.checkpoint.layout import CheckpointError
 from raypipe.data.batches import prepare
+from raypipe.driver import elastic
 from raypipe.driver.group import ActorGroup, Submitted
 from raypipe.driver.interrupts import Terminated, sigterm_as_interrupt
 from raypipe.driver.recovery import recover
@@ -80,6 +81,7 @@ def complete(group: ActorGroup, run: RunState, submitted: Submitted) -> dict[str
         leads,
         config.precision == "fp16",
     )
+    metrics["pp"], metrics["dp"] = config.pp, config.dp  # an elastic run's topology changes
     run.last_events = [r.events for r in leads]
     run.record_on_dashboard(metrics, lead_ranks)
     every = config.checkpoint_every
@@ -181,6 +183,8 @@ def fit(
                     )
                 if "checkpoint" in metrics:
                     restored = metrics["step"]
+                    if group.shrunk is not None and not queue:  # an elastic run grows back here
+                        elastic.grow_back(group, run, metrics["checkpoint"], log)
                 feed.kept_from(restored if group.config.max_restarts else run.step_count)
                 history.append(metrics)
                 bar.update(metrics)

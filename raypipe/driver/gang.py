@@ -47,6 +47,7 @@ def reserve(
     asks: Sequence[str],
     offer: Callable[[], str],
     others: Callable[[], list[str]],
+    timeout_field: str = "actor_start_timeout",
 ) -> Any:
     """Reserves every bundle at once and waits up to `timeout` seconds for all of them.
 
@@ -91,7 +92,7 @@ def reserve(
             )
         raise PlacementError(
             f"the {len(bundles)} actors could not be reserved together within {timeout:.0f} s "
-            f"(TrainConfig.actor_start_timeout; placement={strategy!r}, all or nothing): {why}. The cluster offers: {offer()}; {ray.available_resources()} "  # noqa: E501
+            f"(TrainConfig.{timeout_field}; placement={strategy!r}, all or nothing): {why}. The cluster offers: {offer()}; {ray.available_resources()} "  # noqa: E501
             f"free in all. Free resources (another trainer may hold them), lower cpus_per_actor or gpus_per_actor, "
             f"add a node of the missing kind (`ray start ... $(raypipe node-resources)`), change "
             f"TrainConfig.devices, or use placement='pack'.{hint}"

@@ -24,6 +24,7 @@ from raypipe.driver.topology import Topology
 from raypipe.errors import RaypipeError
 from raypipe.layers import LayerSpec
 from raypipe.planning.links import Link
+from raypipe.planning.profiling import PlanReport
 from raypipe.schedules import build_schedule
 
 
@@ -59,18 +60,26 @@ class ActorGroup:
         run_name: str,
         model: Any,
     ) -> None:
-        self.config, self.specs, self.plan, self.loss_fn = config, list(specs), list(plan), loss_fn
-        self.run_name, self.model = run_name, model
-        self.topology = Topology(config.pp, config.dp, config.tp, config.ep)  # rank = (d * pp + s) * tp + t
-        self.names = self.topology.names()  # "stage{s}-dp{d}-tp{t}"
+        self.specs, self.loss_fn, self.run_name, self.model = list(specs), loss_fn, run_name, model
         self.actors: list[Any] = []  # world-rank order
         self.placement_group: Any = None  # reserved for the actors, released with them (None in a Tune trial)
         self.nodes: dict[str, str] = {}  # actor name -> the node it runs on, kept after a node is lost
         self.links: list[Link] = []  # between neighbouring stages, measured at each start (`link_probe`)
         self.engine: Engine = make_engine(config.engine)
         self.calls = 0  # step calls issued, the id of the last one
-        self.set_schedule(config)
+        self.report: PlanReport | None = None  # the profiled plan's report, which a shrink plans from
+        self.shrunk: Any = None  # after an elastic shrink: what it grows back to (`elastic.Shrunk`)
+        self.reshape(config, plan)
         self._finalizer: weakref.finalize | None = None
+
+    def reshape(self, config: TrainConfig, plan: Sequence[tuple[int, int]]) -> None:
+        """Gives the stopped group another topology and split (an elastic shrink or regrowth)."""
+        if self.actors:
+            raise RaypipeError("a running group cannot change its topology: shut it down first")
+        self.config, self.plan = config, list(plan)
+        self.topology = Topology(config.pp, config.dp, config.tp, config.ep)  # rank = (d * pp + s) * tp + t
+        self.names = self.topology.names()  # "stage{s}-dp{d}-tp{t}"
+        self.set_schedule(config)
 
     @property
     def running(self) -> bool:
@@ -78,11 +87,12 @@ class ActorGroup:
 
     # ----- life cycle ------------------------------------------------------------
 
-    def start(self) -> None:
+    def start(self, reserve_wait: float | None = None) -> None:
         """Starts, places and joins every actor; a failure stops those already started.
 
         Raises:
-            PlacementError: an actor could not be placed within `config.actor_start_timeout`.
+            PlacementError: the actors' resources were not reserved within `reserve_wait` s (by
+                default `config.actor_start_timeout`), or they were not built within the latter.
             StageError: a stage failed to build its layers.
         """
         self.engine = make_engine(self.config.engine)
@@ -97,6 +107,7 @@ class ActorGroup:
             self.run_name,
             lambda: registry.others_holding_actors(self),
             self.model.tied,
+            reserve_wait,
         )
         self.actors, self.placement_group, self.nodes = started.actors, started.placement_group, started.nodes
         try:
@@ -206,11 +217,16 @@ class ActorGroup:
 
     def info(self) -> list[dict[str, Any]]:
         """Per actor: name, layers, parameters, node, pid, device, threads, `links` (neighbour ->
-        transport) and `link_rates` (neighbour -> the measured link to it: Mbit/s and latency)."""
+        transport), `link_rates` (neighbour -> the measured link to it: Mbit/s and latency) and
+        `topology`: pp, dp, tp now and as configured (an elastic run's shrink shows here)."""
         infos = placement.name_links(gather([a.info.remote() for a in self.actors], "stage_info"), self.names)
+        full = self.shrunk.config if self.shrunk is not None else self.config
+        shape = {"pp": self.config.pp, "dp": self.config.dp, "tp": self.config.tp}
+        shape |= {"configured_pp": full.pp, "configured_dp": full.dp}
         measured = {(link.sender, link.receiver): link for link in self.links if link.measured}
         stage = {name: self.topology.place(rank)[1] for rank, name in enumerate(self.names)}
         for info in infos:
+            info["topology"] = shape
             info["link_rates"] = {
                 name: {"mbit_per_s": link.bytes_per_s * 8e-6, "latency_ms": 1e3 * (link.latency_s or 0.0)}
                 for name in info["links"]

@@ -9,40 +9,28 @@ them, so the actors are started again once (and their links measured again).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable
 
 from raypipe.config import TrainConfig
 from raypipe.driver.group import ActorGroup
-from raypipe.layers import LayerSpec
 from raypipe.planning.autoschedule import plan_for_links
 from raypipe.planning.links import link_map
-from raypipe.planning.profiling import PlanReport
 
 MIN_GAIN = 0.02  # the predicted share of the step a new plan must save to replace the running one
 
 
-def follow_links(trainer: Any, asked: TrainConfig, log: Callable[[str], None]) -> None:
-    """Gives `trainer` (its `group` and `plan_report`) the plan for the links its actors measured,
-    where one crosses nodes and the new plan is predicted to save `MIN_GAIN` of the step.
-    `asked`: the config as the user gave it (schedule "auto" before the link-blind choice)."""
-    trainer.group, trainer.plan_report = _followed(trainer.group, asked, trainer.plan_report, trainer.specs, log)
-
-
-def _followed(
-    group: ActorGroup,
-    asked: TrainConfig,
-    report: PlanReport,
-    specs: Sequence[LayerSpec],
-    log: Callable[[str], None],
-) -> tuple[ActorGroup, PlanReport]:
+def follow_links(group: ActorGroup, asked: TrainConfig, log: Callable[[str], None]) -> ActorGroup:
+    """The group (`group` itself, or one started again) running the plan for the links its actors
+    measured, where one crosses nodes and the new plan is predicted to save `MIN_GAIN` of the step;
+    its `report` is the plan's. `asked`: the config as the user gave it (schedule "auto" before the
+    link-blind choice)."""
     measured = link_map(group.links)
-    if not measured:
-        return group, report
-    config, new, blind, aware, account = plan_for_links(asked, group.config, report, specs, measured)
+    if not measured or group.report is None:
+        return group
+    config, new, blind, aware, account = plan_for_links(asked, group.config, group.report, group.specs, measured)
     if aware > (1 - MIN_GAIN) * blind:  # not worth a restart (nor a different plan than the one printed)
         log(f"links measured between stages: {'; '.join(map(str, group.links))}; the running plan stays")
-        return group, report
+        return group
     changed = new.plan != group.plan or config.num_chunks() != group.config.num_chunks()
     log(
         "links measured between stages:\n"
@@ -54,8 +42,9 @@ def _followed(
     )
     if changed:
         group.shutdown()
-        group = ActorGroup(config, specs, new.plan, group.loss_fn, group.run_name, group.model)
+        group = ActorGroup(config, group.specs, new.plan, group.loss_fn, group.run_name, group.model)
         group.start()
     elif config != group.config:
         group.reconfigure(config)
-    return group, new
+    group.report = new
+    return group

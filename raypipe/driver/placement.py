@@ -193,10 +193,13 @@ def start_gang(
     run_name: str,
     others: Callable[[], list[str]],
     tied: Sequence[Sequence[str]] = (),
+    reserve_wait: float | None = None,
 ) -> StartedActors:
     """Starts every stage actor, waits until all are placed and built, and joins them into the
     trainer's world when it needs one; on any failure kills those started, then raises.
-    `plan`: per virtual stage of `schedule`. `tied`: the model's tied weights (`raypipe.model.Model.tied`)."""
+    `plan`: per virtual stage of `schedule`. `tied`: the model's tied weights (`raypipe.model.Model.tied`).
+    `reserve_wait`: seconds to wait for the actors' resources (TrainConfig.replace_wait, after a
+    lost node), instead of `actor_start_timeout`, which still bounds their building."""
     cpus = cpus_per_actor(config, len(names))
     stages = [topology.place(r)[1] for r in range(len(names))]
     group, first = gang.enclosing(actor_bundles(config, topology, config.cpus_per_actor or 0.01)), 1
@@ -211,10 +214,11 @@ def start_gang(
                 actor_bundles(config, topology, cpus),
                 config.placement,
                 f"raypipe-{run_name}",
-                config.actor_start_timeout,
+                config.actor_start_timeout if reserve_wait is None else reserve_wait,
                 asks,
                 cluster_offer,
                 others,
+                "actor_start_timeout" if reserve_wait is None else "replace_wait",
             ),
             0,
         )

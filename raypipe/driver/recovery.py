@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from raypipe.checkpoint.layout import CheckpointError
-from raypipe.driver import nodes
+from raypipe.driver import elastic, nodes
 from raypipe.driver.checkpoints import last_valid
 from raypipe.driver.group import ActorGroup
 from raypipe.driver.run_state import RunState
@@ -43,7 +43,10 @@ def recover(group: ActorGroup, run: RunState, error: ActorDiedError, log: Callab
     if gone:
         log(f"raypipe: lost {nodes.describe(placed, gone)}; placing its actors on other nodes")
     try:
-        group.start()
+        if gone and config.elastic:  # no node to take them within replace_wait: go on with fewer
+            elastic.place(group, placed, gone, log)
+        else:
+            group.start()
     except PlacementError as failure:
         if not gone:
             raise

@@ -1,0 +1,156 @@
+"""Elastic training (issue 38): a run that loses a node with no spare goes on with fewer
+pipeline stages or replicas, and grows back to its configured topology once the node returns.
+
+On the namespace cluster (real nodes in network namespaces, real kills of every process of a
+node; conftest's `netns_cluster`):
+- pp = 3 (a cpu stage, two mps ones) loses an mps node: no node of that kind is left, so it
+  goes on at pp = 2 from its last checkpoint; the node restarted, it grows back to pp = 3 at the
+  next checkpoint. Every loss, replayed ones included, is one process's.
+- pp = 2 x dp = 2 on all four nodes loses one: it goes on at dp = 1 with 2 x the microbatches
+  (the same global batch, so the same losses), and grows back to dp = 2.
+
+On the test session's local Ray: each limit stops with an error naming it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).parent
+
+ELASTIC = """
+import json, subprocess, tempfile, time
+import ray
+from torch import nn
+from helpers import MLP7, batch, reference_run
+from raypipe import TrainConfig, Trainer
+ray.init(address="{address}", logging_level="ERROR", log_to_driver=False)
+NAMESPACES = json.loads('{namespaces}')  # node ip -> its network namespace
+
+def alive():
+    return {{n["NodeID"] for n in ray.nodes() if n["Alive"]}}
+
+def run(name, steps, lose, **shape):
+    config = TrainConfig(**shape, placement="strict_spread", cpus_per_actor=0.25, allow_cpu_fallback=True,
+                         optimizer={{"name": "sgd", "lr": 0.05}}, checkpoint_dir=tempfile.mkdtemp(dir="{tmp}"),
+                         checkpoint_every=2, max_restarts=2, elastic=True, replace_wait=5,
+                         actor_start_timeout=60, name=name)
+    steps_seen, log, marks = [], [], {{}}
+    with Trainer(MLP7, nn.functional.mse_loss, config) as t:
+        ips = {{n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}}
+        held = {{i["name"]: ips[i["node_id"]] for i in t.stage_info()}}
+        # never the head's node: this driver runs there
+        lost = next(held[name] for name in lose if held[name] != "{address}".split(":")[0])
+        def on_step(m):
+            steps_seen.append([m["step"], m["loss"], m["pp"], m["dp"]])
+            if m["step"] == 3 and "killed" not in marks:  # every process of the node at once
+                subprocess.run(f"ip netns pids {{NAMESPACES[lost]}} | xargs -r kill -9", shell=True, timeout=30)
+                marks["killed"], marks["nodes"] = time.monotonic(), alive()
+            elif "killed" in marks and "resumed" not in marks:
+                marks["resumed"] = time.monotonic() - marks["killed"]
+                marks["topology"] = t.stage_info()[0]["topology"]
+                print("RESTART " + lost, flush=True)  # the test starts the node's Ray again
+                deadline = time.monotonic() + 120
+                while not alive() - marks["nodes"] and time.monotonic() < deadline:
+                    time.sleep(0.5)
+        t.fit(lambda k: batch(k), steps, on_step=on_step, log=log.append)
+        return {{"steps": steps_seen, "log": log, "lost": lost, "resumed": marks["resumed"], "pp": t.config.pp,
+                 "dp": t.config.dp, "names": t.names, "restarts": t.restarts, "topology": marks["topology"]}}
+
+out = {{"reference": reference_run(MLP7, 0, lambda p: __import__("torch").optim.SGD(p, lr=0.05), 8, microbatches=2)[0]}}
+out["pp"] = run("elastic-pp", 8, ["stage2-dp0-tp0"], pp=3, devices=["cpu", "mps", "mps"], microbatches=2)
+out["dp"] = run("elastic-dp", 8, ["stage1-dp1-tp0", "stage0-dp1-tp0"], pp=2, dp=2, microbatches=2)
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.fixture
+def cluster(netns_cluster):
+    netns_cluster.revive()
+    return netns_cluster
+
+
+def check_run(run: dict, reference: list[float], small: tuple[int, int], full: tuple[int, int]) -> None:
+    """Steps 1-3 on the full topology; the lost step 4 replayed from step 2's checkpoint on the
+    small one up to step 4's checkpoint; then the full one again; every loss one process's."""
+    shapes = [(step, (pp, dp)) for step, _, pp, dp in run["steps"]]
+    assert shapes == [(1, full), (2, full), (3, full), (3, small), (4, small)] + [(k, full) for k in range(5, 9)], (
+        shapes,
+        run["log"],
+    )
+    for step, loss, _, _ in run["steps"]:
+        assert loss == pytest.approx(reference[step - 1], rel=1e-5, abs=1e-6), (step, run["log"])
+    assert (run["pp"], run["dp"]) == full and run["restarts"] == 1, run
+    shrunk = {"pp": small[0], "dp": small[1], "tp": 1, "configured_pp": full[0], "configured_dp": full[1]}
+    assert run["topology"] == shrunk, run["topology"]  # stage_info() while shrunk
+    log = "\n".join(run["log"])
+    assert f"raypipe: lost node {run['lost']} (id " in log, log
+    assert f"shrinking from pp={full[0]} x dp={full[1]}" in log and f"to pp={small[0]} x dp={small[1]}" in log, log
+    assert f"growing back from pp={small[0]} x dp={small[1]}" in log and "at step 4" in log, log
+
+
+def test_a_lost_node_shrinks_the_run_and_its_return_grows_it_back(cluster, tmp_path):
+    restarted = []
+
+    def on_line(line: str) -> None:
+        if line.startswith("RESTART "):
+            ip = line.split()[1]
+            name = next(n for n, node in cluster.nodes.items() if node.ip == ip)
+            cluster.restart_node(name)
+            restarted.append(name)
+
+    namespaces = json.dumps({n.ip: n.name for n in cluster.nodes.values()})
+    code = ELASTIC.format(address=cluster.address, namespaces=namespaces, tmp=tmp_path)
+    stdout, stderr = cluster.run_python_live(code, on_line, timeout=480, env={"PYTHONPATH": str(TESTS)})
+    lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, stdout[-4000:] + stderr[-4000:]
+    out = json.loads(lines[-1][len("RESULT ") :])
+    print("\n" + "\n".join(out["pp"]["log"] + out["dp"]["log"]))
+    # pp = 3 -> 2: the lost mps stage's layers split over a cpu and an mps stage (allow_cpu_fallback)
+    check_run(out["pp"], out["reference"], (2, 1), (3, 1))
+    # pp 2 x dp 2 -> dp 1: the surviving replica takes 4 microbatches, the global batch unchanged
+    check_run(out["dp"], out["reference"], (2, 1), (2, 2))
+    assert "(4 microbatches)" in "\n".join(out["dp"]["log"])
+    for case in ("pp", "dp"):
+        print(f"{case}: node lost after step 3 -> next step completed {out[case]['resumed']:.1f} s later (shrunk)")
+    assert len(restarted) == 2
+
+
+def test_each_elastic_limit_stops_with_an_error_naming_it(ray_session):
+    """Limits checked where the cluster is not needed: the shrink's choices (`elastic.smaller`)
+    and the error `elastic.place` raises when none is left, on the local Ray (a pp = 2 run whose
+    mps stage finds no mps node, as after losing the only one)."""
+    from torch import nn
+
+    from raypipe import PlacementError, TrainConfig
+    from raypipe.driver import elastic
+    from raypipe.driver.group import ActorGroup
+    from raypipe.model import resolve
+
+    from helpers import MLP7
+
+    def group(**fields):
+        config = TrainConfig(elastic=True, max_restarts=1, replace_wait=1, **fields)
+        model, loss_fn, specs, config = resolve(MLP7, nn.functional.mse_loss, config)
+        plan = elastic.first_plan(specs, config, False)[0]
+        return ActorGroup(config, specs, plan, loss_fn, "elastic-limits", model)
+
+    reasons = []
+    found = elastic.smaller(group(pp=2, dp=2, microbatches=3), {(1, 1)}, reasons)
+    assert [(c.pp, c.dp, c.microbatches) for c, _ in found] == [(2, 1, 6), (1, 2, 3)] and not reasons
+    assert found[1][1] == [(0, 7)]
+    reasons = []
+    assert elastic.smaller(group(pp=2, dp=2, min_pp=2, min_dp=2), {(1, 1)}, reasons) == []
+    assert "below TrainConfig.min_dp=2" in reasons[0] and "below TrainConfig.min_pp=2" in reasons[1], reasons
+    reasons = []
+    assert elastic.smaller(group(pp=2, devices=["cuda", "cpu"], gpus_per_actor=0.5), {(0, 0)}, reasons) == []
+    assert "layer 0 runs on a cuda stage and would move to a cpu one" in reasons[0], reasons
+
+    lonely = group(pp=2, devices=["cpu", "mps"], min_pp=2)
+    with pytest.raises(PlacementError) as caught:
+        elastic.place(lonely, {"stage1-dp0-tp0": "f" * 56}, {"f" * 56}, print)
+    assert "cannot shrink: pp=1 would go below TrainConfig.min_pp=2" in str(caught.value), caught.value
+    assert (lonely.config.pp, lonely.plan, lonely.actors) == (2, [(0, 3), (3, 7)], []), lonely.plan
