@@ -151,7 +151,7 @@ class TrainConfig:
         min_pp: the fewest pipeline stages an elastic run may shrink to.
         min_dp: the fewest dp replicas an elastic run may shrink to.
         replace_wait: seconds an elastic run waits for a node to take a lost node's actors
-            before it shrinks (and for the configured topology to place when it grows back).
+            before it shrinks (part of the time from the loss to the next step).
         nonfinite: what a NaN or infinite loss or gradient does: "error" stops with an
             error naming the step, "skip" skips that update and goes on. Weights are
             never updated from non-finite gradients.

@@ -11,7 +11,9 @@ within `TrainConfig.replace_wait`, goes on with what is left; it grows back once
   into another topology is exact, so the losses are those of an uninterrupted run.
 - Growing back: at each checkpoint of a shrunk run, if a node joined the cluster since the
   shrink, the actors stop and start again in the configured topology from that checkpoint; if it
-  does not place within `replace_wait`, the shrunk topology starts again from the same one.
+  does not place within `actor_start_timeout` (measured: with 1 s, a group released a moment
+  before sometimes does not reserve again in time), the shrunk topology starts again from the
+  same checkpoint.
 """
 
 from __future__ import annotations
@@ -167,7 +169,7 @@ def layer_kinds(config: TrainConfig, plan: Plan) -> list[str]:
 def grow_back(group: ActorGroup, run: RunState, where: str, log: Callable[[str], None]) -> None:
     """At checkpoint `where` of a shrunk run: back to the configured topology from it when a node
     joined since the shrink; otherwise nothing. If the configured topology does not place within
-    `replace_wait`, the shrunk one starts again from `where`, until another node joins."""
+    `actor_start_timeout`, the shrunk one starts again from `where`, until another node joins."""
     shrunk = group.shrunk
     joined = alive_nodes() - shrunk.nodes
     if not joined:
@@ -182,8 +184,8 @@ def grow_back(group: ActorGroup, run: RunState, where: str, log: Callable[[str],
     )
     group.shutdown()
     group.reshape(grown, shrunk.plan)
-    try:
-        group.start(reserve_wait=small.replace_wait)
+    try:  # within actor_start_timeout: a node has joined, and a group just released frees its bundles slowly
+        group.start()
         group.shrunk = None
     except PlacementError as failure:
         log(f"raypipe: elastic: {shape(grown)} did not place ({failure}); going on at {shape(small)}")
