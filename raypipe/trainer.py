@@ -102,7 +102,7 @@ class Trainer:
         self.group.start()  # and measures the links between its stages (`config.probe_links`)
         registry.add(self)
         if report is not None:  # a profiled plan: made again for the links measured
-            self.group = link_planning.follow_links(self.group, asked, log)
+            link_planning.follow_links(self.group, asked, log)
         if config.resume is not False:
             try:
                 self.load(config.checkpoint_dir, step=None if config.resume is True else config.resume, log=log)

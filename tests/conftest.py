@@ -101,6 +101,13 @@ def netns_cluster(tmp_path_factory):
     _close_netns()
 
 
+@pytest.fixture
+def cluster(netns_cluster):
+    """The namespace cluster, whole: nodes an earlier test killed are restarted first."""
+    netns_cluster.revive()
+    return netns_cluster
+
+
 def _close_netns() -> None:
     made = _NETNS.pop("cluster", None)
     if made is not None:

@@ -186,13 +186,8 @@ class NetnsCluster:
         self.nodes[name] = Node(ns, ip, proc, log, command, env)
         return self.nodes[name]
 
-    def kill_node(self, name: str) -> None:
-        """Every process of node `name` at once, as a machine losing power."""
-        self._kill_namespace(self.nodes[name].name)
-        self.nodes[name].proc.wait(timeout=30)
-
     def restart_node(self, name: str) -> Node:
-        """Starts node `name`'s Ray again on its host (after `kill_node`, or a kill from a driver):
+        """Starts node `name`'s Ray again on its host (after a driver killed every process of its namespace):
         the machine coming back; it joins as a new Ray node. Returns at once."""
         node = self.nodes[name]
         self._kill_namespace(node.name)  # what is left of the old one
@@ -260,7 +255,8 @@ class NetnsCluster:
             f"print(' '.join(n['NodeManagerAddress'] + '=' + n['NodeID'] for n in ray.nodes() if n['Alive']))"
         )
         out: dict[str, set[str]] = {}
-        for pair in self.run_python(probe, timeout=60).stdout.strip().splitlines()[-1:][0].split():
+        lines = self.run_python(probe, timeout=60).stdout.strip().splitlines()
+        for pair in (lines[-1] if lines else "").split():
             ip, node = pair.split("=")
             out.setdefault(ip, set()).add(node)
         return out

@@ -67,12 +67,6 @@ print("RESULT " + json.dumps(out))
 """
 
 
-@pytest.fixture
-def cluster(netns_cluster):
-    netns_cluster.revive()
-    return netns_cluster
-
-
 def check_run(run: dict, reference: list[float], small: tuple[int, int], full: tuple[int, int]) -> None:
     """Steps 1-3 on the full topology; the lost step 4 replayed from step 2's checkpoint on the
     small one up to step 4's checkpoint; then the full one again; every loss one process's."""

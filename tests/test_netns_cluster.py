@@ -99,13 +99,6 @@ print("RESULT " + json.dumps(out))
 )
 
 
-@pytest.fixture
-def cluster(netns_cluster):
-    """The session's namespace cluster (conftest), whole: nodes an earlier test killed restarted."""
-    netns_cluster.revive()
-    return netns_cluster
-
-
 def drive(cluster: NetnsCluster, template: str, tmp_path: Path, timeout: float = 420) -> dict:
     namespaces = json.dumps({n.ip: n.name for n in cluster.nodes.values()})
     code = template.format(address=cluster.address, namespaces=namespaces, tmp=tmp_path)

@@ -71,7 +71,7 @@ def place(group: ActorGroup, placed: dict[str, str], gone: set[str], log: Callab
         waited = failure
     lost = {group.topology.place(group.names.index(name))[:2] for name, node in placed.items() if node in gone}
     reasons: list[str] = []
-    full = group.shrunk or Shrunk(config, list(group.plan), set())
+    full = group.shrunk or Shrunk(config, plan_before, set())
     for candidate, plan in smaller(group, lost, reasons):
         log(
             f"raypipe: elastic: no node took the actors of {nodes.describe(placed, gone)} within "

@@ -19,18 +19,17 @@ from raypipe.planning.links import link_map
 MIN_GAIN = 0.02  # the predicted share of the step a new plan must save to replace the running one
 
 
-def follow_links(group: ActorGroup, asked: TrainConfig, log: Callable[[str], None]) -> ActorGroup:
-    """The group (`group` itself, or one started again) running the plan for the links its actors
-    measured, where one crosses nodes and the new plan is predicted to save `MIN_GAIN` of the step;
-    its `report` is the plan's. `asked`: the config as the user gave it (schedule "auto" before the
-    link-blind choice)."""
+def follow_links(group: ActorGroup, asked: TrainConfig, log: Callable[[str], None]) -> None:
+    """Gives `group` the plan for the links its actors measured (and makes it its `report`), where
+    one crosses nodes and the new plan is predicted to save `MIN_GAIN` of the step. `asked`: the
+    config as the user gave it (schedule "auto" before the link-blind choice)."""
     measured = link_map(group.links)
     if not measured or group.report is None:
-        return group
+        return
     config, new, blind, aware, account = plan_for_links(asked, group.config, group.report, group.specs, measured)
     if aware > (1 - MIN_GAIN) * blind:  # not worth a restart (nor a different plan than the one printed)
         log(f"links measured between stages: {'; '.join(map(str, group.links))}; the running plan stays")
-        return group
+        return
     changed = new.plan != group.plan or config.num_chunks() != group.config.num_chunks()
     log(
         "links measured between stages:\n"
@@ -42,9 +41,8 @@ def follow_links(group: ActorGroup, asked: TrainConfig, log: Callable[[str], Non
     )
     if changed:
         group.shutdown()
-        group = ActorGroup(config, group.specs, new.plan, group.loss_fn, group.run_name, group.model)
+        group.reshape(config, new.plan)
         group.start()
     elif config != group.config:
         group.reconfigure(config)
     group.report = new
-    return group
