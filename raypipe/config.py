@@ -143,11 +143,16 @@ class TrainConfig:
             step N's (an int); false (a new run) refuses a directory holding another run's.
         max_restarts: how many times `Trainer.fit` rebuilds the actors after one dies,
             restoring the last checkpoint, before it gives up.
+        restore_from_replicas: after a loss with dp > 1, the new actors take the surviving
+            replicas' weights and optimizer state from memory when they hold the whole model
+            (`raypipe.driver.replicas`): the failed step runs again and none is replayed. False
+            (or ZeRO, or dp = 1): always the last checkpoint.
         elastic: when a node is lost and no node takes its actors within `replace_wait`, go on
             with what is left (`raypipe.driver.elastic`): fewer dp replicas (the global batch kept
-            by more microbatches) or fewer pipeline stages (the layers split again), from the last
-            checkpoint; grow back to this config at a checkpoint once a node joins. Needs
-            max_restarts >= 1 (each shrink or failed regrowth spends one).
+            by more microbatches) or fewer pipeline stages (the layers split again), from the
+            surviving replicas (`restore_from_replicas`) or the last checkpoint; grow back to this
+            config at a checkpoint once a node joins. Needs max_restarts >= 1 (each shrink or
+            failed regrowth spends one).
         min_pp: the fewest pipeline stages an elastic run may shrink to.
         min_dp: the fewest dp replicas an elastic run may shrink to.
         replace_wait: seconds an elastic run waits for a node to take a lost node's actors
@@ -209,6 +214,7 @@ class TrainConfig:
     keep_checkpoints: int = 3
     resume: bool | int = False
     max_restarts: int = 0
+    restore_from_replicas: bool = True
     elastic: bool = False
     min_pp: int = 1
     min_dp: int = 1

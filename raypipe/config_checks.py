@@ -132,9 +132,11 @@ def validate(c: Any) -> None:
 
 
 def check_elastic(c: Any) -> None:
-    """The elastic limits fit the topology, and a shrink has restarts to spend."""
-    if not isinstance(c.elastic, bool):
-        raise fail("elastic", c.elastic, "give true or false.")
+    """The recovery switches are booleans, the elastic limits fit the topology, and a shrink has
+    restarts to spend."""
+    for name in ("elastic", "restore_from_replicas"):
+        if not isinstance(getattr(c, name), bool):
+            raise fail(name, getattr(c, name), "give true or false.")
     check_int("min_pp", c.min_pp, 1)
     check_int("min_dp", c.min_dp, 1)
     check_positive("replace_wait", c.replace_wait)
@@ -223,6 +225,7 @@ RECONFIGURABLE = (
     "checkpoint_every",
     "keep_checkpoints",
     "max_restarts",
+    "restore_from_replicas",
     "elastic",
     "min_pp",
     "min_dp",

@@ -5,7 +5,8 @@ know each other only through these types: an actor is built from an `ActorSpec` 
 trainer's world by a `WorldSpec`; a step call goes out (`StepCall`, or for the compiled engine
 one `CompiledCall` for all actors), each actor's `StepReport` comes back, and an actor stopped
 by a neighbour's failure raises `PeerStopped` so the driver can find the stage that failed
-first by type.
+first by type. After a node loss each surviving actor describes the state it hands over with a
+`HeldState` (the state itself goes from actor to actor through Ray's object store).
 
 Every type here is frozen: a value is built once by its sender and read by its receiver.
 """
@@ -17,7 +18,16 @@ from typing import Any
 
 from raypipe.errors import StageError
 
-__all__ = ["ActorInfo", "ActorSpec", "CompiledCall", "PeerStopped", "StepCall", "StepReport", "WorldSpec"]
+__all__ = [
+    "ActorInfo",
+    "ActorSpec",
+    "CompiledCall",
+    "HeldState",
+    "PeerStopped",
+    "StepCall",
+    "StepReport",
+    "WorldSpec",
+]
 
 
 @dataclass(frozen=True)
@@ -202,6 +212,30 @@ class ActorInfo:
 
     def to_dict(self) -> dict[str, Any]:
         return {f: getattr(self, f) for f in self.__dataclass_fields__}
+
+
+@dataclass(frozen=True)
+class HeldState:
+    """What a surviving actor hands over after a node loss (`StageActor.hand_over`), told to the
+    driver, which picks for each new actor the survivors holding its layers.
+
+    Attributes:
+        name, stage, dp_rank, tp_rank: the actor; ep_rank: its expert-parallel rank (which experts
+            its layers hold).
+        layers: the global indices of the layers whose state it hands over.
+        completed: the optimizer steps its weights include (the last applied step's index + 1): a
+            step that failed before its closing agreement is not among them.
+        nbytes: the size of what it hands over (weights, optimizer state, masters).
+    """
+
+    name: str
+    stage: int
+    dp_rank: int
+    tp_rank: int
+    ep_rank: int
+    layers: tuple
+    completed: int
+    nbytes: int
 
 
 class PeerStopped(StageError):

@@ -31,6 +31,7 @@ def test_defaults_are_valid_and_printable():
         ("compress_gradients", "int4", "none, fp8, fp8-row, int8"),
         ("probe_links", "yes", "TrainConfig.probe_links='yes'"),
         ("elastic", True, "set max_restarts >= 1"),
+        ("restore_from_replicas", "yes", "give true or false"),
         ("min_pp", 2, "give at most pp=1"),
         ("replace_wait", 0, "TrainConfig.replace_wait=0"),
         ("grad_clip", -1.0, "grad_clip"),

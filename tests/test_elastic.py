@@ -7,7 +7,10 @@ node; conftest's `netns_cluster`):
   goes on at pp = 2 from its last checkpoint; the node restarted, it grows back to pp = 3 at the
   next checkpoint. Every loss, replayed ones included, is one process's.
 - pp = 2 x dp = 2 on all four nodes loses one: it goes on at dp = 1 with 2 x the microbatches
-  (the same global batch, so the same losses), and grows back to dp = 2.
+  (the same global batch, so the same losses) from the surviving replica's state, replaying no
+  step, and grows back to dp = 2.
+- dp = 2 on two nodes loses one with a spare node up: the new replica starts there from the
+  survivor's state; the failed step runs again, none is replayed.
 
 On the test session's local Ray: each limit stops with an error naming it.
 """
@@ -21,7 +24,7 @@ import pytest
 
 TESTS = Path(__file__).parent
 
-ELASTIC = """
+ELASTIC_RUN = """
 import json, subprocess, tempfile, time
 import ray
 from torch import nn
@@ -33,10 +36,10 @@ NAMESPACES = json.loads('{namespaces}')  # node ip -> its network namespace
 def alive():
     return {{n["NodeID"] for n in ray.nodes() if n["Alive"]}}
 
-def run(name, steps, lose, **shape):
+def run(name, steps, lose, grow=True, elastic=True, **shape):
     config = TrainConfig(**shape, placement="strict_spread", cpus_per_actor=0.25, allow_cpu_fallback=True,
                          optimizer={{"name": "sgd", "lr": 0.05}}, checkpoint_dir=tempfile.mkdtemp(dir="{tmp}"),
-                         checkpoint_every=2, max_restarts=2, elastic=True, replace_wait=5,
+                         checkpoint_every=2, max_restarts=2, elastic=elastic, replace_wait=5,
                          actor_start_timeout=60, name=name)
     steps_seen, log, marks = [], [], {{}}
     with Trainer(MLP7, nn.functional.mse_loss, config) as t:
@@ -54,22 +57,36 @@ def run(name, steps, lose, **shape):
                 marks["topology"] = t.stage_info()[0]["topology"]
                 print("RESTART " + lost, flush=True)  # the test starts the node's Ray again
                 deadline = time.monotonic() + 120
-                while not alive() - marks["nodes"] and time.monotonic() < deadline:
+                while grow and not alive() - marks["nodes"] and time.monotonic() < deadline:
                     time.sleep(0.5)
-        t.fit(lambda k: batch(k), steps, on_step=on_step, log=log.append)
+        def noted(line):  # when the loss was noticed, for benchmarks/node_loss.py
+            if "killed" in marks and "noticed" not in marks:
+                marks["noticed"] = time.monotonic() - marks["killed"]
+            log.append(line)
+        t.fit(lambda k: batch(k), steps, on_step=on_step, log=noted)
         return {{"steps": steps_seen, "log": log, "lost": lost, "resumed": marks["resumed"], "pp": t.config.pp,
+                 "noticed": marks["noticed"],
                  "dp": t.config.dp, "names": t.names, "restarts": t.restarts, "topology": marks["topology"]}}
 
+"""
+
+ELASTIC = (
+    ELASTIC_RUN
+    + """
 out = {{"reference": reference_run(MLP7, 0, lambda p: __import__("torch").optim.SGD(p, lr=0.05), 8, microbatches=2)[0]}}
 out["pp"] = run("elastic-pp", 8, ["stage2-dp0-tp0"], pp=3, devices=["cpu", "mps", "mps"], microbatches=2)
 out["dp"] = run("elastic-dp", 8, ["stage1-dp1-tp0", "stage0-dp1-tp0"], pp=2, dp=2, microbatches=2)
+# a spare node up: the lost replica is replaced there, and the new actors take the survivor's state
+out["spare"] = run("replica-spare", 6, ["stage0-dp1-tp0", "stage0-dp0-tp0"], grow=False, elastic=False, dp=2,
+                   microbatches=1)
 print("RESULT " + json.dumps(out))
 """
+)
 
 
 def check_run(run: dict, reference: list[float], small: tuple[int, int], full: tuple[int, int]) -> None:
-    """Steps 1-3 on the full topology; the lost step 4 replayed from step 2's checkpoint on the
-    small one up to step 4's checkpoint; then the full one again; every loss one process's."""
+    """Steps 1-3 on the full topology; step 3 replayed from step 2's checkpoint on the small one up
+    to step 4's checkpoint; then the full one again; every loss one process's."""
     shapes = [(step, (pp, dp)) for step, _, pp, dp in run["steps"]]
     assert shapes == [(1, full), (2, full), (3, full), (3, small), (4, small)] + [(k, full) for k in range(5, 9)], (
         shapes,
@@ -86,7 +103,32 @@ def check_run(run: dict, reference: list[float], small: tuple[int, int], full: t
     assert f"growing back from pp={small[0]} x dp={small[1]}" in log and "at step 4" in log, log
 
 
+def check_memory_run(run: dict, reference: list[float], small: tuple[int, int], full: tuple[int, int]) -> None:
+    """A loss restored from the surviving replicas: every step once (none replayed), each loss one
+    process's; from the failed step (or, when the node died as step 4's checkpoint was written, the
+    step after it) on the `small` topology until the checkpoint at which it grows back to `full`."""
+    log = "\n".join(run["log"])
+    steps = [step for step, _, _, _ in run["steps"]]
+    assert steps == list(range(1, len(steps) + 1)), (steps, log)
+    for step, loss, _, _ in run["steps"]:
+        assert loss == pytest.approx(reference[step - 1], rel=1e-5, abs=1e-6), (step, log)
+    shapes = [(pp, dp) for _, _, pp, dp in run["steps"]]
+    shrunk = [k + 1 for k, shape in enumerate(shapes) if shape != full]
+    if small != full:
+        assert shrunk and shrunk == list(range(shrunk[0], shrunk[-1] + 1)), (shapes, log)
+        assert shrunk[0] in (4, 5) and shrunk[-1] % 2 == 0 and shapes[shrunk[0] - 1] == small, (shapes, log)
+        assert f"shrinking from pp={full[0]} x dp={full[1]} " in log, log
+        assert f"growing back from pp={small[0]} x dp={small[1]}" in log, log
+    else:
+        assert not shrunk, (shapes, log)
+    assert "from the surviving replicas" in log and "none is replayed" in log, log
+    assert "raypipe: resumed at step 2 from" not in log, log
+    assert (run["pp"], run["dp"]) == full and run["restarts"] == 1, run
+
+
 def test_a_lost_node_shrinks_the_run_and_its_return_grows_it_back(cluster, tmp_path):
+    """The three runs of `ELASTIC`: pp = 3 loses a stage (from the checkpoint), pp 2 x dp 2 a
+    replica and shrinks, dp = 2 a replica with a spare node up (both from the survivors' memory)."""
     restarted = []
 
     def on_line(line: str) -> None:
@@ -102,15 +144,20 @@ def test_a_lost_node_shrinks_the_run_and_its_return_grows_it_back(cluster, tmp_p
     lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
     assert lines, stdout[-4000:] + stderr[-4000:]
     out = json.loads(lines[-1][len("RESULT ") :])
-    print("\n" + "\n".join(out["pp"]["log"] + out["dp"]["log"]))
-    # pp = 3 -> 2: the lost mps stage's layers split over a cpu and an mps stage (allow_cpu_fallback)
+    print("\n" + "\n".join(out["pp"]["log"] + out["dp"]["log"] + out["spare"]["log"]))
+    # pp = 3 -> 2: the lost mps stage's layers split over a cpu and an mps stage (allow_cpu_fallback);
+    # no replica holds a copy, so the checkpoint is restored and the steps since replayed
     check_run(out["pp"], out["reference"], (2, 1), (3, 1))
-    # pp 2 x dp 2 -> dp 1: the surviving replica takes 4 microbatches, the global batch unchanged
-    check_run(out["dp"], out["reference"], (2, 1), (2, 2))
+    # pp 2 x dp 2 -> dp 1: the surviving replica takes 4 microbatches (the global batch unchanged)
+    # and the state it holds: nothing replayed
+    check_memory_run(out["dp"], out["reference"], (2, 1), (2, 2))
     assert "(4 microbatches)" in "\n".join(out["dp"]["log"])
-    for case in ("pp", "dp"):
-        print(f"{case}: node lost after step 3 -> next step completed {out[case]['resumed']:.1f} s later (shrunk)")
-    assert len(restarted) == 2
+    assert out["dp"]["topology"] == {"pp": 2, "dp": 1, "tp": 1, "configured_pp": 2, "configured_dp": 2}
+    # dp = 2 with a spare node: the lost replica starts there from the survivor's state
+    check_memory_run(out["spare"], out["reference"], (1, 2), (1, 2))
+    for case in ("pp", "dp", "spare"):
+        print(f"{case}: node lost after step 3 -> next step completed {out[case]['resumed']:.1f} s later")
+    assert len(restarted) == 3
 
 
 def test_each_elastic_limit_stops_with_an_error_naming_it(ray_session):
@@ -148,3 +195,36 @@ def test_each_elastic_limit_stops_with_an_error_naming_it(ray_session):
         elastic.place(lonely, {"stage1-dp0-tp0": "f" * 56}, {"f" * 56}, print)
     assert "cannot shrink: pp=1 would go below TrainConfig.min_pp=2" in str(caught.value), caught.value
     assert (lonely.config.pp, lonely.plan, lonely.actors) == (2, [(0, 3), (3, 7)], []), lonely.plan
+
+
+def test_a_restore_from_memory_needs_every_layer_of_each_rank_from_survivors():
+    """What decides between the survivors' memory and the checkpoint (`raypipe.driver.replicas`),
+    without Ray: the config allows it, and the survivors together hold every layer of each tp rank."""
+    from raypipe import TrainConfig
+    from raypipe.driver import replicas
+    from raypipe.protocol import HeldState
+
+    assert replicas.why_not(TrainConfig(dp=2)) is None
+    assert "ZeRO-1 share" in replicas.why_not(TrainConfig(dp=2, zero=1))
+    assert "restore_from_replicas is off" in replicas.why_not(TrainConfig(dp=2, restore_from_replicas=False))
+    assert "dp = 1" in replicas.why_not(TrainConfig(pp=2))
+
+    def held(name, layers, tp_rank=0):
+        s, d = int(name[5]), int(name[9])
+        return HeldState(name, s, d, tp_rank, 0, tuple(layers), 3, 0)
+
+    # pp 2 x dp 2 lost stage1-dp0 and stage0-dp1: each stage survives in one replica
+    survivors = [held("stage0-dp0-tp0", range(3)), held("stage1-dp1-tp0", range(3, 7))]
+    config = TrainConfig(pp=2, dp=2)
+    assert replicas.uncovered(survivors, config, 7) == ""
+    assert replicas.uncovered(survivors[:1], config, 7) == "layers 3-6 were held by lost actors only"
+    tp2 = TrainConfig(pp=2, dp=2, tp=2)
+    gaps = replicas.uncovered(survivors + [held("stage0-dp1-tp1", range(3), 1)], tp2, 7)
+    assert gaps == "layers 3-6 of tp rank 1 were held by lost actors only", gaps
+    # the new stage1-dp0 loads from the survivor of its stage; a single stage (pp shrunk to 1) from both
+    assert [
+        h.name for h, _ in replicas.donors([(h, None) for h in survivors], "stage1-dp0-tp0", 0, 0, [3, 4, 5, 6])
+    ] == ["stage1-dp1-tp0"]
+    both = replicas.donors([(h, None) for h in survivors], "stage0-dp0-tp0", 0, 0, list(range(7)))
+    assert [h.name for h, _ in both] == ["stage0-dp0-tp0", "stage1-dp1-tp0"]
+    assert replicas.compact([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8"

@@ -57,7 +57,9 @@ def save_stage(
         holds_experts = model.ep.size > 1 and optim.dp_rank < model.ep.size
         if optim.dp_rank != 0 and not holds_experts:  # replicas hold the same weights; replica 0 writes them
             return nothing
-        models = {index: _saved(layer.state_dict(), model.lora) for index, layer in zip(model.layers, model.module)}
+        models = {
+            index: saved_state(layer.state_dict(), model.lora) for index, layer in zip(model.layers, model.module)
+        }
         if holds_experts:
             models, states = _gather_experts(model, models, states, list(ep_ranks))
             if optim.dp_rank != 0:
@@ -212,7 +214,7 @@ def load_stage(
             for j, (index, layer) in enumerate(zip(model.layers, model.module)):
                 weights = ckpt.load_tensors(ckpt.existing(root / ckpt.layer_file("model", index)))
                 local = model.shard_state({f"{j}.{k}": v for k, v in weights.items()})
-                _load_layer(
+                load_layer(
                     layer, {k[len(f"{j}.") :]: v for k, v in local.items() if k not in model.foreign}, model.lora
                 )
                 state = (
@@ -253,7 +255,7 @@ def _load_layer_state(
         optimizer.state[optim.stepped(p)] = entries
 
 
-def _saved(state: dict[str, torch.Tensor], lora: bool) -> dict[str, torch.Tensor]:
+def saved_state(state: dict[str, torch.Tensor], lora: bool) -> dict[str, torch.Tensor]:
     """What a layer's checkpoint file holds: its whole state, or in a LoRA run its adapters only
     (the frozen base is the model directory's, which the manifest identifies)."""
     from raypipe.lora import is_adapter
@@ -261,7 +263,7 @@ def _saved(state: dict[str, torch.Tensor], lora: bool) -> dict[str, torch.Tensor
     return {k: v for k, v in state.items() if is_adapter(k)} if lora else state
 
 
-def _load_layer(layer: torch.nn.Module, state: dict[str, torch.Tensor], lora: bool) -> None:
+def load_layer(layer: torch.nn.Module, state: dict[str, torch.Tensor], lora: bool) -> None:
     """Loads a layer's checkpoint file: everything, or in a LoRA run exactly its adapters."""
     if not lora:
         layer.load_state_dict(state)

@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 from raypipe.actors.memory import count_saved_bytes, weight_storages
 from raypipe.actors.model import StageModel
+from raypipe.actors.replica_io import running_stats, step_start
 from raypipe.actors.settings import StageSettings
 from raypipe.actors.split_backward import Deferred, input_gradients, weight_gradients
 from raypipe.actors.zero3 import ShardedStage
@@ -74,6 +75,7 @@ class Executor:
         # the same parameters, so they are found once
         self.weights = weight_storages(model.module)
         self.sharding: ShardedStage | None = None  # ZeRO-3's gathering of the layers (`OptimizerState.sharded`)
+        self.running_stats, self.began_from = running_stats(model), None  # what a step began from (`replica_io`)
 
     def configure(self, settings: StageSettings, sharding: ShardedStage | None) -> None:
         if sharding is not None and self.sharding is None:  # ZeRO-3 gave the weights new storages
@@ -83,7 +85,7 @@ class Executor:
     def begin(self, call_id: int) -> None:
         """Starts a new step when `call_id` is new: fresh timings and stash, gradients zeroed."""
         if call_id != self.current_call:
-            self.current_call = call_id
+            self.current_call, self.began_from = call_id, step_start(self.running_stats)  # a survivor hands it over
             self.losses_finite = True
             self.timing = {
                 "forward_s": 0.0,

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 
 @dataclass
@@ -49,6 +48,8 @@ def input_gradients(
     if not weights:
         torch.autograd.backward(outputs, grads, inputs=list(inputs))
         return Deferred()
+    from torch.distributed.pipelining._backward import stage_backward_input  # ~1 s to import: at first use
+
     _, groups = stage_backward_input(outputs, grads, list(inputs), iter(weights))
     return Deferred(groups=groups)
 
@@ -59,4 +60,6 @@ def weight_gradients(deferred: Deferred, weights: Sequence[torch.nn.Parameter]) 
         outputs, grads = deferred.whole
         torch.autograd.backward(outputs, grads)
     elif deferred.groups:
+        from torch.distributed.pipelining._backward import stage_backward_weight
+
         stage_backward_weight(iter(weights), deferred.groups)

@@ -6,7 +6,8 @@ What it holds and does lives in plain parts, each usable without Ray:
   and a whole action list with its neighbours' links;
 - `OptimizerState` (`optimizer.py`): where the optimizer is stepped, with ZeRO-1 shares,
   fp16 loss scaling and the gradient statistics every stage agrees on;
-- `checkpoint_io.py`: its part of a checkpoint.
+- `checkpoint_io.py`: its part of a checkpoint; `replica_io.py`: its state handed to a new actor
+  after a node loss, from memory.
 This module joins them to Ray: the trainer's world and links (`join`), one call per step
 (`run_actions`) that ends with the step's closing agreement, and the per-action calls of
 the refs engine.
@@ -16,24 +17,32 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+import threading
 from typing import Any
 
 import torch
 
-from raypipe.actors import checkpoint_io, step_list, zero3
+from raypipe.actors import step_list
 from raypipe.actors.executor import Executor
 from raypipe.actors.memory import max_rss_bytes, memory_split
 from raypipe.actors.model import StageModel, gpu_identity, resolve_device
 from raypipe.actors.optimizer import OptimizerState
 from raypipe.actors.refs_calls import RefsCalls, to_host
 from raypipe.actors.settings import StageSettings
-from raypipe.checkpoint import storage
+from raypipe.actors.state_calls import StateCalls
 from raypipe.devices import SERVING_ENV
 from raypipe.errors import StageError
 from raypipe.nn import TensorParallelGroup
 from raypipe.nn.moe import ExpertParallelGroup, take_step_report
-from raypipe.protocol import ActorInfo, ActorSpec, CompiledCall, PeerStopped, StepCall, StepReport, WorldSpec
+from raypipe.protocol import (
+    ActorInfo,
+    ActorSpec,
+    CompiledCall,
+    PeerStopped,
+    StepCall,
+    StepReport,
+    WorldSpec,
+)
 from raypipe.transport import PeerFailed, agree
 from raypipe.transport.probe import ProbesLinks
 from raypipe.transport.wire import pack, unpack
@@ -41,7 +50,7 @@ from raypipe.transport.wire import pack, unpack
 __all__ = ["StageActor", "StageSettings"]
 
 
-class StageActor(RefsCalls, ProbesLinks):
+class StageActor(RefsCalls, StateCalls, ProbesLinks):
     """Holds layers of the model (`spec`: which, where, with what) and runs their forward and backward."""
 
     def __init__(self, spec: ActorSpec) -> None:
@@ -86,6 +95,9 @@ class StageActor(RefsCalls, ProbesLinks):
             self.num_virtual,
         )
         self.unapplied_call: int | None = None  # the last p2p step whose update was not applied
+        self.applied_call = -1  # the call id of the last step whose update it applied (or skipped)
+        self.completed = 0  # optimizer steps its weights include: the last applied step's index + 1
+        self.applying = threading.Lock()  # an update is atomic to `hand_over`, which another thread runs
         self.last_memory: dict[str, int] = {}  # its last step's peak memory split
 
     def __repr__(self) -> str:  # Ray's dashboard and logs show this as the actor's repr
@@ -266,7 +278,9 @@ class StageActor(RefsCalls, ProbesLinks):
 
     def _apply_step(self, step: int, total_norm: float, finite: bool, losses: list[float] | None) -> StepReport:
         """The optimizer's step (or skip), and this step's report: timings, events, peak memory."""
-        report = self.optim.apply_step(step, total_norm, finite)
+        with self.applying:
+            report = self.optim.apply_step(step, total_norm, finite)
+            self.applied_call, self.completed = self.executor.current_call, step + 1
         executor = self.executor
         peak = _peak_memory_bytes(self.model.device)
         self.last_memory = memory_split(peak, self.model, self.optim, int(executor.timing["peak_activation_bytes"]))
@@ -285,7 +299,7 @@ class StageActor(RefsCalls, ProbesLinks):
             self.last_memory,
         )
 
-    # ----- inference, weights, checkpoints ------------------------------------------
+    # ----- inference ------------------------------------------------------------------
 
     def generate_forward(self, x: Any, start: bool, cached: bool, v: int | None = None) -> Any:
         """One forward of generation through chunk `v` (`raypipe.driver.generation`): the output
@@ -295,72 +309,6 @@ class StageActor(RefsCalls, ProbesLinks):
 
     def end_generation(self) -> None:
         self.executor.end_generation()
-
-    def save_tensors(
-        self, path: str, names: dict[str, str | None], transpose: Sequence[str] = (), merge: bool = False
-    ) -> dict[str, int]:
-        """Writes this stage's base weights (LoRA adapters folded in when `merge`) to one safetensors
-        file under `names` (global key -> the file's key; None leaves a key out; keys in
-        `transpose` transposed), for exports such as `Trainer.save_pretrained`."""
-        return checkpoint_io.save_tensors(self.model.export_state(merge), names, path, transpose)
-
-    def adapters(self) -> dict[str, torch.Tensor]:
-        return self.model.adapters()
-
-    def load_adapters(self, state: dict[str, torch.Tensor]) -> None:
-        """Replaces this stage's LoRA adapters (global keys, every one of them)."""
-        with zero3.whole(self.optim.sharded, loading=True):
-            self.model.load_adapters(state, self.name)
-
-    def hold_weights(self, on: bool, gradients: bool = False) -> None:  # ActorGroup.whole_weights
-        zero3.hold(self.optim.sharded, on, gradients)
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """This stage's weights under global keys (`"<layer index>.<name>"`); this tp rank's shards."""
-        return self.model.state_dict()
-
-    def tensor_shards(self) -> dict[str, tuple[int, int]]:
-        """Global key -> (dim, chunks) of every tensor split across tp ranks, for merging."""
-        return self.model.tensor_shards()
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Loads this stage's full (unsplit) weights from global keys, keeping this rank's shards.
-
-        Every key of the stage must be present.
-        """
-        with zero3.whole(self.optim.sharded, loading=True):
-            self.model.load_state_dict(state, self.name)
-        self.optim.sync_masters()
-
-    def gradients(self) -> dict[str, torch.Tensor]:
-        """The last step's gradients (as the optimizer used them) under global keys; this rank's shards."""
-        return self.model.gradients()
-
-    def save_checkpoint(self, directory: str) -> dict[str, Any]:
-        """Writes this stage's layers, their optimizer state and its RNG state (`checkpoint_io`)."""
-        return checkpoint_io.save_stage(
-            self.model, self.optim, directory, self.stage, self.name, self.tp_ranks, self.ep_ranks
-        )
-
-    def read_text(self, path: str) -> str | None:  # does this node see checkpoint_dir? (checkpoints.check_reachable)
-        return storage.read_text(path)
-
-    def check_checkpoint(self, directory: str) -> list[str]:  # why it cannot load (checkpoint_io.check_stage)
-        return checkpoint_io.check_stage(self.model, directory, self.name)
-
-    def verify_checkpoint(self, directory: str) -> list[str]:  # its files' corruption (checkpoint_io.verify_stage)
-        return checkpoint_io.verify_stage(self.model, directory, self.stage, self.name)
-
-    def check_state_dict(self, state: dict[str, torch.Tensor]) -> list[str]:  # likewise for load_state_dict
-        return checkpoint_io.check_state(self.model, state)
-
-    def load_checkpoint(
-        self, directory: str, loss_scaler: dict, restore_rng: bool, optimizer_state: bool = True
-    ) -> None:
-        """Loads this stage's layers and optimizer state (or starts the optimizer afresh) from a checkpoint."""
-        checkpoint_io.load_stage(
-            self.model, self.optim, directory, self.stage, self.name, loss_scaler, restore_rng, optimizer_state
-        )
 
 
 def _peak_memory_bytes(device: torch.device) -> int:

@@ -120,7 +120,10 @@ def load(
         )
     same_split = meta["plan"] == [list(r) for r in plan]
     gather(
-        [a.load_checkpoint.remote(address(where), meta["loss_scaler"], same_split, same_optimizer) for a in actors],
+        [
+            a.load_checkpoint.remote(address(where), meta["loss_scaler"], same_split, same_optimizer, meta["step"])
+            for a in actors
+        ],
         "load",
         actors,
         names,

@@ -86,7 +86,11 @@ def complete(group: ActorGroup, run: RunState, submitted: Submitted) -> dict[str
     run.record_on_dashboard(metrics, lead_ranks)
     every = config.checkpoint_every
     if every and run.step_count % every == 0:  # before the loggers: a logger never costs a checkpoint
-        metrics["checkpoint"] = save_due(group, run, metrics)
+        try:
+            metrics["checkpoint"] = save_due(group, run, metrics)
+        except ActorDiedError as error:
+            error.booked = metrics  # the step ran and counts; a recovery from memory does not replay it
+            raise
     run.loggers.log(run.step_count, scalars(metrics))
     return metrics
 
@@ -170,7 +174,11 @@ def fit(
                     queue.clear()  # their calls end with the actors being replaced
                     recover(group, run, error, log)
                     bar.moved_to(run.step_count)
-                    continue
+                    metrics = error.booked
+                    if metrics is None or run.step_count < metrics["step"]:  # replayed from a checkpoint
+                        continue
+                    metrics["checkpoint"] = save_due(group, run, metrics)  # restored from memory: the step stands
+                    run.loggers.log(run.step_count, scalars(metrics))
                 except SaveFailed as failure:
                     queue.pop(0)
                     metrics = failure.metrics

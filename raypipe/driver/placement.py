@@ -28,6 +28,8 @@ from raypipe.planning.threads import threads_by_node
 from raypipe.protocol import ActorInfo, ActorSpec, WorldSpec
 from raypipe.schedules import Schedule, owners, virtual_stages
 
+CONTROL = "control"  # the stage actors' concurrency group for calls a busy actor still answers
+
 
 @dataclass(frozen=True)
 class StartedActors:
@@ -77,7 +79,9 @@ def start_actors(
     with the layers of the virtual stages `schedule` gives it (`plan` is per virtual stage), in
     its bundle (`first` + rank) of the placement `group` that reserved them (`gang.reserve`)."""
     threads = config.threads_per_actor or max(1, int(cpus))  # while building; `fit_threads` sets the rest
-    remote_cls = ray.remote(StageActor)
+    # "control": a thread of its own for `hand_over`, which must answer while a step stuck on a
+    # lost peer holds the actor's main thread
+    remote_cls = ray.remote(concurrency_groups={CONTROL: 1})(StageActor)
     kinds = config.stage_kinds()
     actors = []
     for rank, name in enumerate(names):

@@ -1,6 +1,8 @@
-"""Where recovery happens: after an actor dies, `fit` replaces every actor, restores the
-newest valid checkpoint (or the initial weights; one whose files the actors find corrupt is
-passed over for the next) and replays from there, up to `TrainConfig.max_restarts` times."""
+"""Where recovery happens: after an actor dies, `fit` replaces every actor, up to
+`TrainConfig.max_restarts` times. The new actors take the surviving data-parallel replicas'
+state when they hold the whole model at the current step (`replicas`): the failed step is run
+again and none is replayed. Otherwise they restore the newest valid checkpoint (or the initial
+weights; one whose files the actors find corrupt is passed over for the next) and replay from there."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from raypipe.checkpoint.layout import CheckpointError
-from raypipe.driver import elastic, nodes
+from raypipe.driver import elastic, nodes, replicas
 from raypipe.driver.checkpoints import last_valid
 from raypipe.driver.group import ActorGroup
 from raypipe.driver.run_state import RunState
@@ -38,8 +40,9 @@ def recover(group: ActorGroup, run: RunState, error: ActorDiedError, log: Callab
     started = time.monotonic()
     log(f"raypipe: {error}; restart {run.restarts} of {config.max_restarts}")
     placed = dict(group.nodes)
-    group.shutdown()
     gone = nodes.unreachable(placed)
+    held = replicas.take(group, gone, run.step_count, log)  # before the survivors stop
+    group.shutdown()
     if gone:
         log(f"raypipe: lost {nodes.describe(placed, gone)}; placing its actors on other nodes")
     try:
@@ -54,6 +57,13 @@ def recover(group: ActorGroup, run: RunState, error: ActorDiedError, log: Callab
             f"{error.actor} died with its node ({nodes.describe(placed, gone)}), and no node "
             f"left can take its place: {failure}"
         ) from None
+    starting = f"{time.monotonic() - started:.1f} s of it starting the actors"
+    if held is not None and replicas.restore(group, held, log):
+        log(
+            f"raypipe: resumed at step {run.step_count} from the surviving replicas in "
+            f"{time.monotonic() - started:.1f} s ({starting}): step {run.step_count + 1} runs again, none is replayed"
+        )
+        return
     where, corrupt = restore_point(config.checkpoint_dir, run), []
     while where is not None:  # the actors hash what they read: one found corrupt, the next older
         try:
@@ -67,7 +77,7 @@ def recover(group: ActorGroup, run: RunState, error: ActorDiedError, log: Callab
         run.step_count = 0  # new actors start from the initial weights
     log(
         f"raypipe: resumed at step {run.step_count} from {where[0] if where else 'the initial weights'} "
-        f"in {time.monotonic() - started:.1f} s"
+        f"in {time.monotonic() - started:.1f} s ({starting})"
     )
 
 

@@ -1,0 +1,118 @@
+"""The StageActor's calls on its state: its weights whole (state dicts, adapters, exports,
+gradients), its part of a checkpoint (`checkpoint_io`), and after a node loss its state handed
+to new actors from memory (`replica_io`). A base class of `StageActor`, using its model,
+optimizer state, executor and names."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from raypipe.actors import checkpoint_io, replica_io, zero3
+from raypipe.checkpoint import storage
+from raypipe.protocol import HeldState
+
+
+class StateCalls:
+    """Weights, checkpoints and hand-overs of one stage actor (`completed`, `applied_call` and the
+    `applying` lock are the actor's: `StageActor._apply_step` sets them)."""
+
+    def save_tensors(
+        self, path: str, names: dict[str, str | None], transpose: Sequence[str] = (), merge: bool = False
+    ) -> dict[str, int]:
+        """Writes this stage's base weights (LoRA adapters folded in when `merge`) to one safetensors
+        file under `names` (global key -> the file's key; None leaves a key out; keys in
+        `transpose` transposed), for exports such as `Trainer.save_pretrained`."""
+        return checkpoint_io.save_tensors(self.model.export_state(merge), names, path, transpose)
+
+    def adapters(self) -> dict[str, torch.Tensor]:
+        return self.model.adapters()
+
+    def load_adapters(self, state: dict[str, torch.Tensor]) -> None:
+        """Replaces this stage's LoRA adapters (global keys, every one of them)."""
+        with zero3.whole(self.optim.sharded, loading=True):
+            self.model.load_adapters(state, self.name)
+
+    def hold_weights(self, on: bool, gradients: bool = False) -> None:  # ActorGroup.whole_weights
+        zero3.hold(self.optim.sharded, on, gradients)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This stage's weights under global keys (`"<layer index>.<name>"`); this tp rank's shards."""
+        return self.model.state_dict()
+
+    def tensor_shards(self) -> dict[str, tuple[int, int]]:
+        """Global key -> (dim, chunks) of every tensor split across tp ranks, for merging."""
+        return self.model.tensor_shards()
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Loads this stage's full (unsplit) weights from global keys, keeping this rank's shards.
+
+        Every key of the stage must be present.
+        """
+        with zero3.whole(self.optim.sharded, loading=True):
+            self.model.load_state_dict(state, self.name)
+        self.optim.sync_masters()
+
+    def gradients(self) -> dict[str, torch.Tensor]:
+        """The last step's gradients (as the optimizer used them) under global keys; this rank's shards."""
+        return self.model.gradients()
+
+    def hand_over(self) -> tuple[HeldState, dict[str, Any]]:
+        """This actor's state for new actors after a node loss (`replica_io.take`), as of the step it
+        last completed: a step begun and not applied is undone (its RNG, running statistics). The
+        driver calls it in the "control" concurrency group, so it answers while a step stuck on a
+        lost peer still holds the actor's main thread.
+
+        Returns:
+            (what it holds, told to the driver; the state itself, passed on to the new actors).
+        """
+        with self.applying:
+            mid_step = self.executor.current_call != self.applied_call
+            state = replica_io.take(self.model, self.optim, self.executor.began_from if mid_step else None, self.name)
+            held = HeldState(
+                self.name,
+                self.stage,
+                self.optim.dp_rank,
+                self.tp.rank,
+                self.ep.rank,
+                tuple(self.model.layers),
+                self.completed,
+                replica_io.nbytes(state),
+            )
+        return held, state
+
+    def take_over(self, completed: int, *states: dict[str, Any]) -> None:
+        """Loads its layers from survivors' `hand_over` states (`replica_io.restore`); its weights
+        then include `completed` steps."""
+        replica_io.restore(self.model, self.optim, list(states), self.name)
+        self.completed = completed
+
+    def save_checkpoint(self, directory: str) -> dict[str, Any]:
+        """Writes this stage's layers, their optimizer state and its RNG state (`checkpoint_io`)."""
+        return checkpoint_io.save_stage(
+            self.model, self.optim, directory, self.stage, self.name, self.tp_ranks, self.ep_ranks
+        )
+
+    def read_text(self, path: str) -> str | None:  # does this node see checkpoint_dir? (checkpoints.check_reachable)
+        return storage.read_text(path)
+
+    def check_checkpoint(self, directory: str) -> list[str]:  # why it cannot load (checkpoint_io.check_stage)
+        return checkpoint_io.check_stage(self.model, directory, self.name)
+
+    def verify_checkpoint(self, directory: str) -> list[str]:  # its files' corruption (checkpoint_io.verify_stage)
+        return checkpoint_io.verify_stage(self.model, directory, self.stage, self.name)
+
+    def check_state_dict(self, state: dict[str, torch.Tensor]) -> list[str]:  # likewise for load_state_dict
+        return checkpoint_io.check_state(self.model, state)
+
+    def load_checkpoint(
+        self, directory: str, loss_scaler: dict, restore_rng: bool, optimizer_state: bool = True, step: int = 0
+    ) -> None:
+        """Loads this stage's layers and optimizer state (or starts the optimizer afresh) from the
+        checkpoint of step `step`."""
+        checkpoint_io.load_stage(
+            self.model, self.optim, directory, self.stage, self.name, loss_scaler, restore_rng, optimizer_state
+        )
+        self.completed = step
