@@ -89,13 +89,15 @@ def killable_by_function(ray_session, tmp_path_factory):
 
 @pytest.mark.parametrize("source", ["dataset", "iterable"])
 def test_a_stage_death_replays_the_same_batches(killable_by_function, tmp_path, source):
-    """Stage 1 dies in step 6; the recovery restores step 4's checkpoint and the feed gives steps 5..7
-    again (step 5 ran already): a Ray Dataset re-read from its start, an iterable from the batches it
-    kept since the checkpoint."""
+    """Stage 1 of replica 0 dies in step 6. From the checkpoint (the Dataset case,
+    `restore_from_replicas=False`) the recovery restores step 4's and the feed gives steps 5..7
+    again (step 5 ran already): a Ray Dataset re-read from its start. From the surviving replica's
+    memory (the iterable case) step 6 runs again on the batch the feed kept; nothing is replayed."""
     flag = tmp_path / "kill-now"
     layers = killable(flag)
     messages = []
-    cfg = config(checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=2, max_restarts=1)
+    memory = source == "iterable"
+    cfg = config(checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=2, max_restarts=1, restore_from_replicas=memory)
     with Trainer(layers, nn.functional.mse_loss, cfg) as t:
 
         def on_step(metrics):
@@ -105,7 +107,11 @@ def test_a_stage_death_replays_the_same_batches(killable_by_function, tmp_path, 
         data = dataset() if source == "dataset" else (batches(k) for k in range(STEPS))
         history = t.fit(data, STEPS, batch_size=BATCH, on_step=on_step, log=messages.append)
         assert t.restarts == 1
-    assert any("resumed at step 4 from" in m for m in messages), messages
+    if memory:
+        assert any("resumed at step 5 from the surviving replicas" in m for m in messages), messages
+        assert [m["step"] for m in history] == list(range(1, STEPS + 1)), messages
+    else:
+        assert any("resumed at step 4 from" in m for m in messages), messages
     losses = {m["step"]: m["loss"] for m in history}
     assert [losses[s] for s in range(1, STEPS + 1)] == pytest.approx(killable_by_function, rel=1e-6, abs=1e-7)
     assert [p.name for p in list_checkpoints(tmp_path / "ck")][-1] == "step-00000006"

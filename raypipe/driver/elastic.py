@@ -7,13 +7,15 @@ within `TrainConfig.replace_wait`, goes on with what is left; it grows back once
   again by the run's own partitioner (its profiles when it has them) over the stages left, each
   keeping its device kind. Never below `min_pp` / `min_dp`, and never moving a layer to a kind
   its stage's kind does not allow (another kind, or the CPU without `allow_cpu_fallback`).
-- The recovery then restores the last checkpoint into the new topology; loading a checkpoint
-  into another topology is exact, so the losses are those of an uninterrupted run.
-- Growing back: at each checkpoint of a shrunk run, if a node joined the cluster since the
-  shrink, the actors stop and start again in the configured topology from that checkpoint; if it
-  does not place within `actor_start_timeout` (measured: with 1 s, a group released a moment
-  before sometimes does not reserve again in time), the shrunk topology starts again from the
-  same checkpoint.
+- The recovery then restores the surviving replicas' state (`replicas`) or the last checkpoint
+  into the new topology; both load into another topology exactly, so the losses are those of an
+  uninterrupted run.
+- Growing back: at a step boundary of a shrunk run, if a node joined the cluster since the
+  shrink, the actors stop and start again in the configured topology, at once from the state
+  they hand over in memory (`replicas`), or, where they cannot (ZeRO, `restore_from_replicas`
+  off), at the next checkpoint from it; if it does not place within `actor_start_timeout`
+  (measured: with 1 s, a group released a moment before sometimes does not reserve again in
+  time), the shrunk topology starts again from the same state.
 """
 
 from __future__ import annotations
@@ -25,10 +27,11 @@ from dataclasses import dataclass
 import ray
 
 from raypipe.config import TrainConfig
-from raypipe.driver import chunks, nodes
+from raypipe.driver import chunks, nodes, replicas
+from raypipe.driver.checkpoints import last_valid
 from raypipe.driver.group import ActorGroup
 from raypipe.driver.run_state import RunState
-from raypipe.errors import ConfigError, PlacementError
+from raypipe.errors import ConfigError, PlacementError, RaypipeError
 from raypipe.planning.partition import first_plan
 from raypipe.planning.profiling import plan_from_profiles
 from raypipe.schedules import build_schedule
@@ -166,21 +169,26 @@ def layer_kinds(config: TrainConfig, plan: Plan) -> list[str]:
     return [out[layer] for layer in sorted(out)]
 
 
-def grow_back(group: ActorGroup, run: RunState, where: str, log: Callable[[str], None]) -> None:
-    """At checkpoint `where` of a shrunk run: back to the configured topology from it when a node
-    joined since the shrink; otherwise nothing. If the configured topology does not place within
-    `actor_start_timeout`, the shrunk one starts again from `where`, until another node joins."""
+def grow_back(group: ActorGroup, run: RunState, where: str | None, log: Callable[[str], None]) -> None:
+    """At a step boundary of a shrunk run (`where`: the checkpoint just written, else None): back
+    to the configured topology when a node joined since the shrink, at once with the actors' state
+    handed over in memory (`replicas`), or else at a checkpoint from it; otherwise nothing. If the
+    configured topology does not place within `actor_start_timeout`, the shrunk one starts again
+    from the same state, until another node joins."""
     shrunk = group.shrunk
-    joined = alive_nodes() - shrunk.nodes
-    if not joined:
-        return
     small, small_plan, full = group.config, group.plan, shrunk.config
     grown = dataclasses.replace(
         small, pp=full.pp, dp=full.dp, microbatches=full.microbatches, devices=full.devices, quantize=full.quantize
     )
+    memory = replicas.why_not(small, lost=False) is None and replicas.why_not(grown, lost=False) is None
+    if (where is None and not memory) or not alive_nodes() - shrunk.nodes:
+        return
+    held = replicas.take(group, set(), run.step_count, log, lost=False) if memory else None
+    if held is None and where is None:
+        return
     log(
-        f"raypipe: elastic: {len(joined)} node(s) joined; growing back from {shape(small)} to {shape(grown)} "
-        f"at step {run.step_count} ({where})"
+        f"raypipe: elastic: a node joined; growing back from {shape(small)} to {shape(grown)} at step "
+        f"{run.step_count} ({'from memory' if held is not None else where})"
     )
     group.shutdown()
     group.reshape(grown, shrunk.plan)
@@ -192,4 +200,11 @@ def grow_back(group: ActorGroup, run: RunState, where: str, log: Callable[[str],
         group.reshape(small, small_plan)
         group.start()
         shrunk.nodes = alive_nodes()
+    if held is not None and replicas.restore(group, held, log):
+        return
+    if where is None:  # the state did not load: the run's last checkpoint, and the steps since replayed
+        found = last_valid(group.config.checkpoint_dir, run.run_id)
+        if found is None:
+            raise RaypipeError(f"growing back at step {run.step_count}: the actors' state did not load, no checkpoint")
+        where = str(found[0])
     group.load(where, None, run, log)

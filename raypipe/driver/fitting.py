@@ -165,7 +165,8 @@ def fit(
                 if not queue:
                     queue.append(group.submit(feed.get(run.step_count), run.step_count))
                 ahead = run.step_count + len(queue)
-                if overlap and ahead < steps and not (every and ahead % every == 0):
+                # a shrunk run queues none: it may grow back at any step boundary
+                if overlap and ahead < steps and not (every and ahead % every == 0) and group.shrunk is None:
                     queue.append(group.submit(feed.get(ahead), ahead, after=queue[-1].call_id))
                 try:
                     metrics = complete(group, run, queue[0])
@@ -191,8 +192,8 @@ def fit(
                     )
                 if "checkpoint" in metrics:
                     restored = metrics["step"]
-                    if group.shrunk is not None and not queue:  # an elastic run grows back here
-                        elastic.grow_back(group, run, metrics["checkpoint"], log)
+                if group.shrunk is not None and not queue:  # an elastic run grows back here
+                    elastic.grow_back(group, run, metrics.get("checkpoint"), log)
                 feed.kept_from(restored if group.config.max_restarts else run.step_count)
                 history.append(metrics)
                 bar.update(metrics)

@@ -49,22 +49,25 @@ class Held:
         return sum(held.nbytes for held, _ in self.states)
 
 
-def why_not(config: TrainConfig) -> str | None:
-    """Why a run of `config` cannot be restored from its replicas' memory at all, or None."""
+def why_not(config: TrainConfig, lost: bool = True) -> str | None:
+    """Why a group of `config` cannot hand its state over in memory, or None. `lost`: after a loss,
+    when a copy must survive elsewhere (dp > 1); a whole group handing over (an elastic run growing
+    back) needs none."""
     if not config.restore_from_replicas:
         return "TrainConfig.restore_from_replicas is off"
-    if config.dp == 1:
+    if lost and config.dp == 1:
         return "dp = 1: no replica holds a copy"
-    if config.zero in (1, 3):
+    if config.zero in (1, 3) and config.dp > 1:
         return f"each replica holds a ZeRO-{config.zero} share of its stage's state only"
     return None
 
 
-def take(group: ActorGroup, gone: set[str], step: int, log: Callable[[str], None]) -> Held | None:
+def take(group: ActorGroup, gone: set[str], step: int, log: Callable[[str], None], lost: bool = True) -> Held | None:
     """Asks every actor of `group` not on a node of `gone` for its state (before the group stops);
-    returns what covers the model at `step`, or None (with the reason logged) when it does not."""
+    returns what covers the model at `step`, or None (with the reason logged) when it does not.
+    `lost`: after a loss (`why_not`)."""
     config = group.config
-    reason = why_not(config)
+    reason = why_not(config, lost)
     if reason is not None:
         if config.dp > 1:
             log(f"raypipe: not restoring from the surviving replicas: {reason}")
