@@ -229,3 +229,44 @@ def test_a_restore_from_memory_needs_every_layer_of_each_rank_from_survivors():
     both = replicas.donors([(h, None) for h in survivors], "stage0-dp0-tp0", 0, 0, list(range(7)))
     assert [h.name for h, _ in both] == ["stage0-dp0-tp0", "stage1-dp1-tp0"]
     assert replicas.compact([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8"
+
+
+def test_a_lost_tensor_parallel_rank_takes_its_shard_from_the_other_replica(ray_session):
+    """tp = 2 x dp = 2 with AdamW: the actor of replica 1's tp rank 1 is killed between steps 2 and
+    3; the new one loads replica 0's tp rank 1 shard (and its Adam moments) from memory, step 3
+    runs again, nothing is replayed, and every loss is one process's."""
+    import ray
+    import torch
+
+    from raypipe import TrainConfig, Trainer
+    from raypipe.models import gpt
+
+    from helpers import lm_tokens, reference_run
+
+    model = gpt.GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)
+
+    def data(k):
+        return lm_tokens(model, k, 8, seed=500)
+
+    adamw = {"name": "adamw", "lr": 0.01}
+    config = TrainConfig(dp=2, tp=2, microbatches=1, seed=3, optimizer=adamw, max_restarts=1, cpus_per_actor=0.2)
+    log = []
+    with Trainer(gpt.layers(model), gpt.loss_fn, config) as t:
+        victim = t.group.actors[t.names.index("stage0-dp1-tp1")]
+
+        def on_step(metrics):
+            if metrics["step"] == 2 and t.restarts == 0:
+                ray.kill(victim)
+
+        history = t.fit(data, 5, on_step=on_step, log=log.append)
+        assert t.restarts == 1
+    text = "\n".join(log)
+    assert [m["step"] for m in history] == [1, 2, 3, 4, 5], text
+    assert "took the state of step 2 from" in text and "stage0-dp0-tp1" in text, text
+    assert "resumed at step 2 from the surviving replicas" in text, text
+
+    def plain_adamw(params):
+        return torch.optim.AdamW(params, lr=0.01)
+
+    reference = reference_run(gpt.layers(model), 3, plain_adamw, 5, microbatches=2, loss_fn=gpt.loss_fn, data=data)
+    assert [m["loss"] for m in history] == pytest.approx(reference[0], rel=1e-5, abs=1e-6), text
