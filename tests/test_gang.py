@@ -105,3 +105,31 @@ def test_a_waiting_trainer_holds_nothing_and_strict_spread_needs_a_node_per_acto
         )
     with pytest.raises(ConfigError, match=r"TrainConfig.placement='scatter'"):
         TrainConfig(placement="scatter")
+
+
+def test_a_new_actor_waits_for_the_name_of_one_just_killed(ray_session):
+    """A recovery creates actors under the names of those it has just killed; Ray frees a name only
+    once its GCS has seen the actor die (seen once in a full test run). `placement.created` waits."""
+    from raypipe.driver.placement import created
+
+    @ray.remote(num_cpus=0)
+    class Named:
+        def ping(self) -> str:
+            return "up"
+
+    taken = {"tries": 0}
+
+    def make():
+        taken["tries"] += 1
+        if taken["tries"] < 3:  # as Ray answers while the old actor is still registered
+            raise ray.exceptions.ActorAlreadyExistsError("The name stage0-dp0-tp0 is already taken")
+        return Named.options(name="just-killed", namespace="gang-names").remote()
+
+    actor = created("just-killed", make)
+    assert ray.get(actor.ping.remote(), timeout=30) == "up" and taken["tries"] == 3
+    ray.kill(actor)
+    again = created("just-killed", lambda: Named.options(name="just-killed", namespace="gang-names").remote())
+    assert ray.get(again.ping.remote(), timeout=30) == "up"
+    ray.kill(again)
+    with pytest.raises(ray.exceptions.ActorAlreadyExistsError):
+        created("x", lambda: (_ for _ in ()).throw(ray.exceptions.ActorAlreadyExistsError("taken")), wait=0.2)

@@ -28,6 +28,7 @@ from raypipe.planning.threads import threads_by_node
 from raypipe.protocol import ActorInfo, ActorSpec, WorldSpec
 from raypipe.schedules import Schedule, owners, virtual_stages
 
+NAME_WAIT = 10.0  # seconds a new actor waits for the name of one just killed
 CONTROL = "control"  # the stage actors' concurrency group for calls a busy actor still answers
 
 
@@ -90,44 +91,56 @@ def start_actors(
         start = held[0][1]
         layers = [spec for _, a, b in held for spec in specs[a:b]]
         num_virtual = len(plan)
-        actors.append(
-            remote_cls.options(
-                name=name,
-                namespace=f"raypipe-{run_name}",
-                num_cpus=cpus,
-                max_restarts=0,
-                max_task_retries=0,
-                **(
-                    gang.in_bundle(group, first + rank, stage_options(config, s))
-                    if group is not None
-                    else stage_options(config, s)
-                ),
-            ).remote(
-                ActorSpec(
-                    name,
-                    s,
-                    config.pp,
-                    layers,
-                    start,
-                    config.seed,
-                    threads,
-                    loss_fn if any(v == num_virtual - 1 for v, _, _ in held) else None,
-                    d,
-                    config.dp,
-                    t,
-                    config.tp,
-                    kinds[s],
-                    config.allow_cpu_fallback,
-                    tuple(tied),
-                    config.lora,
-                    config.quantize[s] if config.quantize else None,
-                    tuple(held) if len(held) > 1 or held[0][0] != s else (),
-                    num_virtual,
-                    config.ep,
-                )
-            )
+        options = dict(
+            name=name,
+            namespace=f"raypipe-{run_name}",
+            num_cpus=cpus,
+            max_restarts=0,
+            max_task_retries=0,
+            **(
+                gang.in_bundle(group, first + rank, stage_options(config, s))
+                if group is not None
+                else stage_options(config, s)
+            ),
         )
+        spec = ActorSpec(
+            name,
+            s,
+            config.pp,
+            layers,
+            start,
+            config.seed,
+            threads,
+            loss_fn if any(v == num_virtual - 1 for v, _, _ in held) else None,
+            d,
+            config.dp,
+            t,
+            config.tp,
+            kinds[s],
+            config.allow_cpu_fallback,
+            tuple(tied),
+            config.lora,
+            config.quantize[s] if config.quantize else None,
+            tuple(held) if len(held) > 1 or held[0][0] != s else (),
+            num_virtual,
+            config.ep,
+        )
+        actors.append(created(name, lambda options=options, spec=spec: remote_cls.options(**options).remote(spec)))
     return actors
+
+
+def created(name: str, make: Callable[[], Any], wait: float = NAME_WAIT) -> Any:
+    """`make()`, a named actor's creation, tried again while Ray still holds the name: an actor
+    killed a moment before (a restart, a recovery) keeps it until the GCS has seen it die
+    (measured: once in a full test run, a recovery's new actor found its name taken)."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            return make()
+        except ray.exceptions.ActorAlreadyExistsError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
 def wait_for_actors(
