@@ -220,8 +220,7 @@ class HeldState:
     driver, which picks for each new actor the survivors holding its layers.
 
     Attributes:
-        name, stage, dp_rank, tp_rank: the actor; ep_rank: its expert-parallel rank (which experts
-            its layers hold).
+        name, tp_rank: the actor; ep_rank: its expert-parallel rank (which experts its layers hold).
         layers: the global indices of the layers whose state it hands over.
         completed: the optimizer steps its weights include (the last applied step's index + 1): a
             step that failed before its closing agreement is not among them.
@@ -229,8 +228,6 @@ class HeldState:
     """
 
     name: str
-    stage: int
-    dp_rank: int
     tp_rank: int
     ep_rank: int
     layers: tuple

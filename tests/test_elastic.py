@@ -211,8 +211,7 @@ def test_a_restore_from_memory_needs_every_layer_of_each_rank_from_survivors():
     assert "dp = 1" in replicas.why_not(TrainConfig(pp=2))
 
     def held(name, layers, tp_rank=0):
-        s, d = int(name[5]), int(name[9])
-        return HeldState(name, s, d, tp_rank, 0, tuple(layers), 3, 0)
+        return HeldState(name, tp_rank, 0, tuple(layers), 3, 0)
 
     # pp 2 x dp 2 lost stage1-dp0 and stage0-dp1: each stage survives in one replica
     survivors = [held("stage0-dp0-tp0", range(3)), held("stage1-dp1-tp0", range(3, 7))]

@@ -125,11 +125,11 @@ def test_a_new_actor_waits_for_the_name_of_one_just_killed(ray_session):
             raise ray.exceptions.ActorAlreadyExistsError("The name stage0-dp0-tp0 is already taken")
         return Named.options(name="just-killed", namespace="gang-names").remote()
 
-    actor = created("just-killed", make)
+    actor = created(make)
     assert ray.get(actor.ping.remote(), timeout=30) == "up" and taken["tries"] == 3
     ray.kill(actor)
-    again = created("just-killed", lambda: Named.options(name="just-killed", namespace="gang-names").remote())
+    again = created(lambda: Named.options(name="just-killed", namespace="gang-names").remote())
     assert ray.get(again.ping.remote(), timeout=30) == "up"
     ray.kill(again)
     with pytest.raises(ray.exceptions.ActorAlreadyExistsError):
-        created("x", lambda: (_ for _ in ()).throw(ray.exceptions.ActorAlreadyExistsError("taken")), wait=0.2)
+        created(lambda: (_ for _ in ()).throw(ray.exceptions.ActorAlreadyExistsError("taken")), wait=0.2)

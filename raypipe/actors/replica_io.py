@@ -45,18 +45,17 @@ def step_start(stats: list[tuple[int, str, torch.Tensor]]) -> dict[str, Any]:
     return {"rng": torch.get_rng_state(), "buffers": {(i, key): v.detach().clone() for i, key, v in stats}}
 
 
-def take(model: StageModel, optim: OptimizerState, started: dict[str, Any] | None, name: str) -> dict[str, Any]:
+def take(model: StageModel, optim: OptimizerState, started: dict[str, Any], name: str) -> dict[str, Any]:
     """This actor's state for another to load (`restore`), on the host: per layer its weights (in a
-    LoRA run its adapters: the base is rebuilt from the model), optimizer state and masters;
-    `started` (`step_start`) when a step began and was not applied, whose RNG and running
-    statistics replace the current ones.
+    LoRA run its adapters: the base is rebuilt from the model), optimizer state and masters, with
+    the RNG and running statistics of `started` (`step_start`: of a step begun and not applied,
+    or of now).
 
     Raises:
         StageError: the stage holds a ZeRO share of its state, not all of it.
     """
     if optim.zero_active() or optim.sharded is not None:
         raise StageError(f"{name} holds a ZeRO share of its stage's state: restore from a checkpoint")
-    started = started or step_start(running_stats(model))
     layers = {}
     for index, layer in zip(model.layers, model.module):
         weights = {k: v.detach().cpu().clone() for k, v in saved_state(layer.state_dict(), model.lora).items()}
@@ -94,14 +93,11 @@ def restore(model: StageModel, optim: OptimizerState, states: list[dict[str, Any
         StageError: a layer is in none of `states`, or does not fit.
     """
     by_layer: dict[int, dict[str, Any]] = {}
-    first = None
     for state in states:
         for index, entry in state["layers"].items():
             by_layer.setdefault(index, entry)
-            if index == model.layers[0] and first is None:
-                first = state
     missing = [index for index in model.layers if index not in by_layer]
-    if missing or first is None:
+    if missing:
         raise StageError(f"{name}: no surviving replica handed over layers {missing}")
     try:
         for index, layer in zip(model.layers, model.module):
@@ -125,5 +121,6 @@ def restore(model: StageModel, optim: OptimizerState, states: list[dict[str, Any
         raise StageError(
             f"{name} could not load a surviving replica's state: {type(error).__name__}: {error}"
         ) from error
+    first = next(state for state in states if model.layers[0] in state["layers"])
     torch.set_rng_state(first["rng"])
     optim.restore_scaler(first["scaler"])

@@ -69,12 +69,12 @@ class StateCalls:
             (what it holds, told to the driver; the state itself, passed on to the new actors).
         """
         with self.applying:
-            mid_step = self.executor.current_call != self.applied_call
-            state = replica_io.take(self.model, self.optim, self.executor.began_from if mid_step else None, self.name)
+            executor = self.executor
+            mid_step = executor.current_call != self.applied_call
+            started = executor.began_from if mid_step else replica_io.step_start(executor.running_stats)
+            state = replica_io.take(self.model, self.optim, started, self.name)
             held = HeldState(
                 self.name,
-                self.stage,
-                self.optim.dp_rank,
                 self.tp.rank,
                 self.ep.rank,
                 tuple(self.model.layers),

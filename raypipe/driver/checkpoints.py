@@ -12,6 +12,7 @@ from typing import Any
 from raypipe.checkpoint import layout as ckpt
 from raypipe.checkpoint.storage import location, redact, scrub
 from raypipe.driver.results import gather
+from raypipe.driver.run_state import RunState
 
 
 def run_meta(
@@ -244,3 +245,13 @@ def last_valid(checkpoint_dir: str | None, run_id: str, skip: Sequence[str] = ()
     except ckpt.CheckpointError:
         return None
     return where, meta["step"]
+
+
+def restore_point(checkpoint_dir: str | None, run: RunState, skip: Sequence[str] = ()) -> tuple[Any, int] | None:
+    """What a recovery restores: the newest of the run's own valid checkpoints in `checkpoint_dir`
+    and the checkpoint the run was last loaded from (a resume from elsewhere), or None (the initial
+    weights); never one named in `skip` (found corrupt), never another run's, whatever its step."""
+    found = [
+        p for p in (last_valid(checkpoint_dir, run.run_id, skip), run.restored_from) if p and p[0].name not in skip
+    ]
+    return max(found, key=lambda p: p[1]) if found else None

@@ -28,7 +28,7 @@ import ray
 
 from raypipe.config import TrainConfig
 from raypipe.driver import chunks, nodes, replicas
-from raypipe.driver.checkpoints import last_valid
+from raypipe.driver.checkpoints import restore_point
 from raypipe.driver.group import ActorGroup
 from raypipe.driver.run_state import RunState
 from raypipe.errors import ConfigError, PlacementError, RaypipeError
@@ -203,7 +203,7 @@ def grow_back(group: ActorGroup, run: RunState, where: str | None, log: Callable
     if held is not None and replicas.restore(group, held, log):
         return
     if where is None:  # the state did not load: the run's last checkpoint, and the steps since replayed
-        found = last_valid(group.config.checkpoint_dir, run.run_id)
+        found = restore_point(group.config.checkpoint_dir, run)
         if found is None:
             raise RaypipeError(f"growing back at step {run.step_count}: the actors' state did not load, no checkpoint")
         where = str(found[0])

@@ -125,11 +125,11 @@ def start_actors(
             num_virtual,
             config.ep,
         )
-        actors.append(created(name, lambda options=options, spec=spec: remote_cls.options(**options).remote(spec)))
+        actors.append(created(lambda options=options, spec=spec: remote_cls.options(**options).remote(spec)))
     return actors
 
 
-def created(name: str, make: Callable[[], Any], wait: float = NAME_WAIT) -> Any:
+def created(make: Callable[[], Any], wait: float = NAME_WAIT) -> Any:
     """`make()`, a named actor's creation, tried again while Ray still holds the name: an actor
     killed a moment before (a restart, a recovery) keeps it until the GCS has seen it die
     (measured: once in a full test run, a recovery's new actor found its name taken)."""

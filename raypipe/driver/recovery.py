@@ -7,12 +7,11 @@ weights; one whose files the actors find corrupt is passed over for the next) an
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable
 
 from raypipe.checkpoint.layout import CheckpointError
 from raypipe.driver import elastic, nodes, replicas
-from raypipe.driver.checkpoints import last_valid
+from raypipe.driver.checkpoints import restore_point
 from raypipe.driver.group import ActorGroup
 from raypipe.driver.run_state import RunState
 from raypipe.errors import ActorDiedError, PlacementError
@@ -79,13 +78,3 @@ def recover(group: ActorGroup, run: RunState, error: ActorDiedError, log: Callab
         f"raypipe: resumed at step {run.step_count} from {where[0] if where else 'the initial weights'} "
         f"in {time.monotonic() - started:.1f} s ({starting})"
     )
-
-
-def restore_point(checkpoint_dir: str | None, run: RunState, skip: Sequence[str] = ()) -> tuple[Any, int] | None:
-    """What a recovery restores: the newest of the run's own valid checkpoints in `checkpoint_dir`
-    and the checkpoint the run was last loaded from (a resume from elsewhere), or None (the initial
-    weights); never one named in `skip` (found corrupt), never another run's, whatever its step."""
-    found = [
-        p for p in (last_valid(checkpoint_dir, run.run_id, skip), run.restored_from) if p and p[0].name not in skip
-    ]
-    return max(found, key=lambda p: p[1]) if found else None
