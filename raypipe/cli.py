@@ -8,6 +8,7 @@ import json
 import sys
 
 from raypipe.errors import ConfigError, RaypipeError
+from raypipe.schedules import SCHEDULES
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -19,7 +20,15 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _schedule(args: argparse.Namespace) -> int:
-    from raypipe.schedules import SCHEDULES, bubble, build_schedule, format_schedule, peak_in_flight, virtual_stages
+    from raypipe.schedules import (
+        OVERLAPPED,
+        bubble,
+        build_schedule,
+        format_schedule,
+        overlapped_pairs,
+        peak_in_flight,
+        virtual_stages,
+    )
 
     if args.name not in SCHEDULES:
         raise ConfigError(f"schedule {args.name!r} is unknown: choose one of {', '.join(SCHEDULES)}.")
@@ -28,6 +37,10 @@ def _schedule(args: argparse.Namespace) -> int:
     print("virtual stages per actor:", virtual_stages(schedule))
     print("peak (chunk) microbatches in flight per actor:", [peak_in_flight(a) for a in schedule])
     print(f"planned bubble with F = I = W: {bubble(schedule, {'F': 1, 'I': 1, 'W': 1}):.3f}")
+    if SCHEDULES[args.name].overlapped:
+        pairs = sum(len(overlapped_pairs(a)) for a in schedule)
+        as_blocks = bubble(schedule, {"F": 1, "I": 1, "W": 1, OVERLAPPED: 3})
+        print(f"overlapped F&B pairs: {pairs}; planned bubble with each pair one block (F&B = F + B): {as_blocks:.3f}")
     if args.output:
         from raypipe.timeline import Timeline
 
@@ -199,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     node.set_defaults(func=_node_resources)
 
     sched = sub.add_parser("schedule", help="print a pipeline schedule's stage x time grid")
-    sched.add_argument("name", nargs="?", default="1f1b", help="gpipe, 1f1b, interleaved-1f1b, zb-h1 or zb-v")
+    sched.add_argument("name", nargs="?", default="1f1b", help=", ".join(SCHEDULES))
     sched.add_argument("--chunks", type=int, default=None, help="model chunks per actor (interleaved-1f1b)")
     sched.add_argument("--pp", type=int, default=4, help="pipeline stages")
     sched.add_argument("--microbatches", "-m", type=int, default=8)

@@ -55,13 +55,15 @@ class TrainConfig:
             (`chunks` model chunks per actor, chunk c of actor s being virtual stage c*pp+s: the
             bubble divided by the chunks; microbatches a multiple of pp), "zb-h1" (backward split
             into input and weight gradients, the weight gradients filling the bubble, at 1F1B's
-            peak memory) or "zb-v" (two chunks per actor in a V, virtual stages s and 2pp-1-s:
-            nearly no bubble). p2p and compiled engines only for the last three. "auto": the
+            peak memory), "zb-v" (two chunks per actor in a V, virtual stages s and 2pp-1-s:
+            nearly no bubble) or "dualpipe-v" (DeepSeek's DualPipeV: zb-v's V with each forward
+            paired with the other chunk's backward, communication hiding under compute; best from
+            2pp microbatches). p2p and compiled engines only for the last four. "auto": the
             schedule, chunks and microbatches with the least predicted step time that fit every
             device's memory, from the layers timed on each device kind (needs `Trainer(...,
             sample=(x, y))`; prints every candidate's prediction; `raypipe.planning.autoschedule`).
         chunks: model chunks per actor for "interleaved-1f1b" (default 2); the other schedules
-            fix their own (1, or 2 for "zb-v").
+            fix their own (1, or 2 for "zb-v" and "dualpipe-v").
         extra_warmup: forwards each stage but the last runs ahead before its first backward,
             beyond its schedule's warm-up ("1f1b" and "zb-h1"): over a slow link the next
             microbatches' activations cross while the first one's gradient comes back, so the

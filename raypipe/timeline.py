@@ -35,10 +35,12 @@ class Span:
     microbatch: int
     start: float
     end: float
+    virtual: int | None = None  # the virtual stage (model chunk) it ran, where known (planned)
 
     @property
     def label(self) -> str:
-        return f"{self.stage}{self.kind}{self.microbatch}"
+        """As the schedule prints the action: `3B1`, by virtual stage where known."""
+        return f"{self.stage if self.virtual is None else self.virtual}{self.kind}{self.microbatch}"
 
 
 @dataclass
@@ -76,7 +78,9 @@ class Timeline:
             runs = timed(schedule, costs)
         except ScheduleError as error:  # validate() rejects such schedules
             raise ValueError("the schedule deadlocks; build it with raypipe.build_schedule to see where") from error
-        spans = [Span(s, a.kind, a.microbatch, start, end) for s, run in enumerate(runs) for a, start, end in run]
+        spans = [
+            Span(s, a.kind, a.microbatch, start, end, a.stage) for s, run in enumerate(runs) for a, start, end in run
+        ]
         return cls(spans, p, title, unit)
 
     @classmethod

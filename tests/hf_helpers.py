@@ -121,12 +121,12 @@ def hf_reference(
     return losses, grads, {k.replace(".default.", "."): v for k, v in model.state_dict().items()}
 
 
-def run_schedules(trainer, start: dict, steps: int = 3, data=lm_batch):
+def run_schedules(trainer, start: dict, steps: int = 3, data=lm_batch, schedules=None):
     """Per schedule (1F1B, GPipe, and ZB-H1's split backward through the model's own layers and
-    adapters), from the weights `start` with fresh optimizer state: the losses of `steps` steps,
-    the first step's gradients and the final state dict."""
+    adapters, unless `schedules` are given), from the weights `start` with fresh optimizer state:
+    the losses of `steps` steps, the first step's gradients and the final state dict."""
     out = {}
-    for schedule in ("1f1b", "gpipe", "zb-h1"):
+    for schedule in schedules or ("1f1b", "gpipe", "zb-h1"):
         trainer.reconfigure(schedule=schedule)
         trainer.reset_optimizer()
         trainer.load_state_dict(start)

@@ -52,6 +52,24 @@ def peft_reference(directory, kind, initial):
 CASES = [("llama", 1, 1), ("llama", 2, 1), ("llama", 3, 1), ("gpt2", 2, 2)]
 
 
+def check_against_peft(trainer, model, kind, directory, schedules=None):
+    """Under each schedule (`run_schedules`' three unless given), from the trainer's first weights:
+    the losses, the adapters' first gradients and final weights are peft's in one process, and
+    the base weights are untouched bit for bit."""
+    start = trainer.state_dict()
+    prefixes = model.exporter.prefixes(trainer.specs)
+    initial = {k: v for k, v in start.items() if ".lora_" in k}
+    names = adapters.peft_names(list(initial), prefixes)
+    reference = peft_reference(directory, kind, {names[k]: v for k, v in initial.items()})
+    assert all(i["optimizer_state_bytes"] == 0 for i in trainer.stage_info())  # nothing stepped yet
+    for losses, grads, final in run_schedules(trainer, start, schedules=schedules).values():
+        assert set(grads) == set(initial)  # only adapters have gradients
+        assert_close_dicts({names[k]: v for k, v in grads.items()}, reference[1])
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference[0]), rtol=1e-5, atol=4e-5)
+        assert_close_dicts({names[k]: final[k] for k in initial}, reference[2])
+        assert all(torch.equal(final[k], v) for k, v in start.items() if k not in initial)  # base bit-identical
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind, pp, dp", CASES, ids=[f"{k}-pp{p}-dp{d}" for k, p, d in CASES])
 def test_lora_matches_peft_in_one_process_and_leaves_the_base_untouched(ray_session, saved, kind, pp, dp):
@@ -60,21 +78,29 @@ def test_lora_matches_peft_in_one_process_and_leaves_the_base_untouched(ray_sess
         pp=pp, dp=dp, microbatches=4 // dp, optimizer=SGD, lora=lora(kind), cpus_per_actor=0.25, threads_per_actor=1
     )
     with Trainer(model, config=config) as t:
-        start = t.state_dict()
-        prefixes = model.exporter.prefixes(t.specs)
-        initial = {k: v for k, v in start.items() if ".lora_" in k}
-        names = adapters.peft_names(list(initial), prefixes)
-        reference = peft_reference(saved[kind], kind, {names[k]: v for k, v in initial.items()})
-        assert all(i["optimizer_state_bytes"] == 0 for i in t.stage_info())  # nothing stepped yet
-        for losses, grads, final in run_schedules(t, start).values():
-            assert set(grads) == set(initial)  # only adapters have gradients
-            assert_close_dicts({names[k]: v for k, v in grads.items()}, reference[1])
-            torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference[0]), rtol=1e-5, atol=4e-5)
-            assert_close_dicts({names[k]: final[k] for k in initial}, reference[2])
-            assert all(torch.equal(final[k], v) for k, v in start.items() if k not in initial)  # base bit-identical
+        check_against_peft(t, model, kind, saved[kind])
 
 
 @pytest.mark.slow
+def test_lora_under_the_v_schedules_matches_peft(ray_session, saved):
+    """A transformers Llama's LoRA adapters in a V of chunks (pp 2, 4 virtual stages of its 6
+    layers): DualPipeV, its forwards paired with the other chunk's whole backwards, and ZB-V,
+    every backward split, where the frozen base leaves W the adapters alone."""
+    model = hf.from_pretrained(saved["llama"])
+    config = TrainConfig(
+        pp=2,
+        schedule="dualpipe-v",
+        microbatches=4,
+        optimizer=SGD,
+        lora=lora("llama"),
+        cpus_per_actor=0.25,
+        threads_per_actor=1,
+    )
+    with Trainer(model, config=config) as t:
+        assert [i["virtual_stages"] for i in t.stage_info()] == [[0, 3], [1, 2]]
+        check_against_peft(t, model, "llama", saved["llama"], schedules=("dualpipe-v", "zb-v"))
+
+
 def test_adapters_round_trip_through_peft_and_merge_into_transformers(ray_session, saved, tmp_path):
     from peft import PeftModel
 

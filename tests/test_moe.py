@@ -220,6 +220,27 @@ def test_zero_bubble_evaluation_and_generation_under_expert_parallelism(trainer,
     assert torch.equal(trainer.generate(prompt, max_new_tokens=4), ids)
 
 
+def test_dualpipe_v_pairs_forwards_with_backwards_across_the_all_to_all(ray_session):
+    """DualPipeV at pp 2 x dp 2 x ep 2: each MoE chunk's forward runs beside the other chunk's whole
+    backward, both through their all-to-alls with the other ep replica, and the run is the
+    one-process model's, tokens dropped alike (4 microbatches of one row per replica, 8 in one process)."""
+    config = TrainConfig(
+        pp=2,
+        dp=2,
+        ep=2,
+        schedule="dualpipe-v",
+        optimizer=SGD,
+        seed=SEED,
+        microbatches=4,
+        cpus_per_actor=0.1,
+        threads_per_actor=1,
+    )
+    reference = reference_run(LAYERS, SEED, sgd, steps=3, microbatches=8, loss_fn=gpt.loss_fn, data=tokens)
+    with Trainer(LAYERS, gpt.loss_fn, config) as t:
+        check_sgd_parity(t, t.state_dict(), reference, "dualpipe-v", 4, SGD, data=tokens)
+        assert all(stage["all_to_all_bytes"] > 0 for stage in t.step(*tokens(3))["stages"])
+
+
 # ----- checkpoints, reports ---------------------------------------------------------------
 
 

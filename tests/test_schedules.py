@@ -1,5 +1,7 @@
 """Schedules as data: completeness, dependency order, deadlock freedom, memory bound, printing."""
 
+import json
+
 import pytest
 
 from raypipe.errors import ScheduleError
@@ -7,6 +9,7 @@ from raypipe.schedules import (
     BACKWARD,
     FORWARD,
     INPUT_GRAD,
+    OVERLAPPED,
     SCHEDULES,
     WEIGHT_GRAD,
     Action,
@@ -15,8 +18,10 @@ from raypipe.schedules import (
     format_schedule,
     gpipe,
     one_f_one_b,
+    overlapped_pairs,
     peak_in_flight,
     simulate,
+    timed,
     validate,
     virtual_stages,
 )
@@ -35,7 +40,10 @@ def test_every_size_is_valid(name):
         schedule = build_schedule(name, p, m)  # validates
         chunks = kind.chunks_for(None)
         for actor, actions in enumerate(schedule):
-            assert len(actions) == (3 if kind.split_backward else 2) * m * chunks
+            if kind.overlapped:  # whole backwards in its steady state, split ones around it
+                assert sum(a.kind == FORWARD for a in actions) == m * chunks
+            else:
+                assert len(actions) == (3 if kind.split_backward else 2) * m * chunks
             assert len({a.stage for a in actions}) == chunks
 
 
@@ -252,3 +260,69 @@ def test_timed_messages_wait_for_their_link_one_at_a_time():
     # (3F after 0B0 at 14-16 arrives at 22: 1F3 22-23, 1B3 23-25) and the last lands at 30: 0B3 30-32
     slow, ahead = end(one_f_one_b(2, 4), 5.0), end(build_schedule("1f1b", 2, 4, extra_warmup=1), 5.0)
     assert ahead == 32.0 < slow
+
+
+# ----- DualPipeV ----------------------------------------------------------------------------
+
+
+def _torch_dualpipe_v(p, m, rank):
+    """torch.distributed.pipelining's ScheduleDualPipeV order for one rank, its F&B pairs unfolded."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import ScheduleDualPipeV
+
+    kinds = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
+    sizes = SimpleNamespace(pp_group_size=p, _n_microbatches=m)
+    plan = ScheduleDualPipeV._calculate_single_rank_operations(sizes, rank)
+    return [
+        f"{a.stage_index}{kinds[str(a.computation_type).split('.')[-1]]}{a.microbatch_index}"
+        for action in plan
+        for a in action.sub_actions or (action,)
+    ]
+
+
+def test_dualpipe_v_is_torchs_order_with_its_pairs_in_place():
+    for p in (2, 3, 4, 5):
+        for m in (2 * p, 2 * p + 1, 3 * p, 4 * p + 2):
+            schedule = build_schedule("dualpipe-v", p, m)
+            for rank, actions in enumerate(schedule):
+                assert [str(a) for a in actions] == _torch_dualpipe_v(p, m, rank), (p, m, rank)
+            # the steady state: one F&B pair per chunk and microbatch beyond the fill and drain
+            assert sum(len(overlapped_pairs(a)) for a in schedule) >= p * (2 * (m - 2 * p) + 1)
+    assert virtual_stages(build_schedule("dualpipe-v", 4, 8)) == [[0, 7], [1, 6], [2, 5], [3, 4]]
+
+
+def test_dualpipe_v_bubble_is_deepseeks_formula():
+    """Each F&B pair one block (DualPipe's overlap): every actor idles (PP/2 - 1)(F&B + B - 3W) with
+    PP = 2p virtual stages, at F&B = F + B and F <= I. Run one action after the other, as a CPU runs
+    a pair, the forward's send leaves before the backward: (p - 1)(F + B - 2W) where I <= F, ZB-H1's
+    over p actors of half the size. Activations: at most PP + 1 chunk-microbatches in flight."""
+    for p in (2, 3, 4, 6):
+        for m in (2 * p, 3 * p + 1, 4 * p):
+            schedule = build_schedule("dualpipe-v", p, m)
+            blocks = [(f, i, w, f + i + w) for f, i, w in ((1.0, 1.0, 1.0), (1.0, 2.0, 1.0), (0.5, 1.0, 0.7))]
+            in_turn = [(f, i, w, None) for f, i, w in ((1.0, 1.0, 1.0), (1.0, 1.0, 0.5), (2.0, 1.0, 1.0))]
+            for f, i, w, pair in blocks + in_turn:  # F <= I for the blocks' formula, I <= F in turn
+                b = i + w
+                costs = {FORWARD: f, INPUT_GRAD: i, WEIGHT_GRAD: w, **({OVERLAPPED: pair} if pair else {})}
+                formula = (2 * p / 2 - 1) * (pair + b - 3 * w) if pair else (p - 1) * (f + b - 2 * w)
+                runs = timed(schedule, costs)
+                span = max(end for run in runs for _, _, end in run)
+                for actor, run in enumerate(runs):
+                    idle = span - sum(end - start for _, start, end in run)
+                    assert idle == pytest.approx(formula), (p, m, costs, actor)
+            assert max(peak_in_flight(a) for a in schedule) <= 2 * p + 1
+    # against the other V at the issue's comparison point (p = 4, m = 16): no more bubble than ZB-V
+    assert bubble(build_schedule("dualpipe-v", 4, 16), UNIT) <= bubble(build_schedule("zb-v", 4, 16), UNIT) + 1e-9
+
+
+def test_dualpipe_v_prints_and_draws(capsys, tmp_path):
+    from raypipe.cli import main
+
+    assert main(["schedule", "dualpipe-v", "--pp", "2", "-m", "4", "-o", str(tmp_path / "dualpipe.json")]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].split()[2:7] == "0F0 0F1 0F2 3F0 3I0".split()
+    assert "virtual stages per actor: [[0, 3], [1, 2]]" in out
+    assert "overlapped F&B pairs: 7; planned bubble with each pair one block (F&B = F + B): 0.077" in out
+    events = json.loads((tmp_path / "dualpipe.json").read_text())["traceEvents"]
+    assert {e["name"] for e in events if e.get("ph") == "X"} >= {"0F0", "3B1", "3I0", "3W0"}

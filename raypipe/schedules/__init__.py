@@ -11,12 +11,14 @@ from raypipe.schedules.actions import (
     BACKWARD,
     FORWARD,
     INPUT_GRAD,
+    OVERLAPPED,
     WEIGHT_GRAD,
     Action,
     Schedule,
     bubble,
     format_grid,
     format_schedule,
+    overlapped_pairs,
     owners,
     peak_in_flight,
     simulate,
@@ -24,6 +26,7 @@ from raypipe.schedules.actions import (
     validate,
     virtual_stages,
 )
+from raypipe.schedules.dualpipe_v import dualpipe_v
 from raypipe.schedules.gpipe import gpipe
 from raypipe.schedules.interleaved import interleaved_1f1b
 from raypipe.schedules.one_f_one_b import one_f_one_b
@@ -41,6 +44,8 @@ class ScheduleKind:
         split_backward: whether its backwards are split into I and W.
         extra_warmup: whether it takes `extra_warmup` (more forwards in flight before the
             first backward, for slow links: `one_f_one_b`).
+        overlapped: whether its steady state pairs a forward with another chunk's backward to
+            overlap them (`overlapped_pairs`, DualPipe's F&B).
     """
 
     build: Callable[..., Schedule]
@@ -48,6 +53,7 @@ class ScheduleKind:
     split_backward: bool = False
     default_chunks: int = 2
     extra_warmup: bool = False
+    overlapped: bool = False
 
     def chunks_for(self, chunks: int | None) -> int:
         return self.chunks if self.chunks is not None else (chunks or self.default_chunks)
@@ -59,6 +65,7 @@ SCHEDULES: dict[str, ScheduleKind] = {
     "interleaved-1f1b": ScheduleKind(interleaved_1f1b, chunks=None),
     "zb-h1": ScheduleKind(zb_h1, split_backward=True, extra_warmup=True),
     "zb-v": ScheduleKind(zb_v, chunks=2, split_backward=True),
+    "dualpipe-v": ScheduleKind(dualpipe_v, chunks=2, split_backward=True, overlapped=True),
 }
 
 
@@ -101,17 +108,20 @@ __all__ = [
     "BACKWARD",
     "FORWARD",
     "INPUT_GRAD",
+    "OVERLAPPED",
     "WEIGHT_GRAD",
     "SCHEDULES",
     "Schedule",
     "ScheduleKind",
     "bubble",
     "build_schedule",
+    "dualpipe_v",
     "format_grid",
     "format_schedule",
     "gpipe",
     "interleaved_1f1b",
     "one_f_one_b",
+    "overlapped_pairs",
     "owners",
     "peak_in_flight",
     "simulate",

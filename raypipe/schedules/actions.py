@@ -27,6 +27,7 @@ WEIGHT_GRAD = "W"
 KINDS = (FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD)
 GRADIENT_KINDS = (BACKWARD, INPUT_GRAD)  # the kinds that send a gradient to the previous stage
 FREEING_KINDS = (BACKWARD, WEIGHT_GRAD)  # the kinds after which a microbatch's activations are gone
+OVERLAPPED = "F&B"  # the cost of an overlapped forward-and-backward pair (DualPipe), for `timed`
 
 
 @dataclass(frozen=True, order=True)
@@ -125,6 +126,12 @@ def timed(
     """Runs the schedule with each action taking `costs[kind]` (one mapping, or one per actor;
     per chunk; `B` defaults to I + W), or `costs(action)`: per actor, (action, start, end) in order.
 
+    With an `OVERLAPPED` ("F&B") cost, each of an actor's overlapped pairs (`overlapped_pairs`:
+    a forward directly followed by a whole backward of its other chunk) runs as one block of that
+    cost, as DualPipe's two streams run it: it starts once both halves' inputs are there, and both
+    halves' outputs leave when it ends. Without one the pair's halves run one after the other, as
+    the engines run them on a CPU: the forward's send leaves while the backward computes.
+
     `transfer(sender, receiver, what, v)`: seconds a boundary value takes from actor `sender` to
     actor `receiver` ("F": virtual stage v's activation, "G": its input gradient). Each direction
     of a link carries one message at a time, in the order its sender makes them, as a TCP stream
@@ -134,38 +141,67 @@ def timed(
         ScheduleError: on a deadlock (see `simulate`).
     """
     owner = owners(schedule)
+    overlapped: list[float | None] = [None] * len(schedule)
     if callable(costs):
         cost = costs
     else:
         per_actor = [costs] * len(schedule) if isinstance(costs, Mapping) else list(costs)
         per_actor = [{BACKWARD: c.get(INPUT_GRAD, 0) + c.get(WEIGHT_GRAD, 0), **c} for c in per_actor]
+        overlapped = [c.get(OVERLAPPED) for c in per_actor]
 
         def cost(action: Action) -> float:
             return per_actor[owner[action.stage]][action.kind]
 
     simulate(schedule, len(schedule))  # the deadlock check, with its message
+    units = [_units(actions, pair_cost is not None) for actions, pair_cost in zip(schedule, overlapped)]
     num_virtual = len(owner)
     finished: dict[tuple[str, int, int], float] = {}
     link_free: dict[tuple[int, int], float] = {}  # per direction of a link: when it is next idle
     free = [0.0] * len(schedule)
     position = [0] * len(schedule)
     runs: list[list[tuple[Action, float, float]]] = [[] for _ in schedule]
-    remaining = sum(len(actions) for actions in schedule)
+    remaining = sum(len(u) for u in units)
     while remaining:
-        for actor, actions in enumerate(schedule):
-            while position[actor] < len(actions):
-                action = actions[position[actor]]
-                deps = dependencies(action, num_virtual)
+        for actor, unit_list in enumerate(units):
+            while position[actor] < len(unit_list):
+                unit = unit_list[position[actor]]
+                deps = [d for action in unit for d in dependencies(action, num_virtual)]
                 if any(d not in finished for d in deps):
                     break
                 start = max([free[actor]] + [finished[d] for d in deps])
-                free[actor] = end = start + cost(action)
-                for e in events(action):
-                    finished[e] = _arrival(e, end, actor, owner, transfer, link_free)
-                runs[actor].append((action, start, end))
+                own = [cost(action) for action in unit]
+                scale = overlapped[actor] / sum(own) if len(unit) == 2 and sum(own) else 1.0
+                ends = [start + scale * sum(own[: i + 1]) for i in range(len(unit))]
+                for action, begins, end in zip(unit, [start, *ends[:-1]], ends):
+                    runs[actor].append((action, begins, end))
+                    leaves = ends[-1] if len(unit) == 2 else end  # a block's outputs leave when it ends
+                    for e in events(action):
+                        finished[e] = _arrival(e, leaves, actor, owner, transfer, link_free)
+                free[actor] = ends[-1]
                 position[actor] += 1
                 remaining -= 1
     return runs
+
+
+def overlapped_pairs(actions: Sequence[Action]) -> list[tuple[Action, Action]]:
+    """An actor's overlapped pairs (DualPipe's `F&B`): a forward directly followed by a whole
+    backward of another of the actor's chunks, neither waiting for the other."""
+    return [
+        (a, b) for a, b in zip(actions, actions[1:]) if a.kind == FORWARD and b.kind == BACKWARD and a.stage != b.stage
+    ]
+
+
+def _units(actions: Sequence[Action], pairs: bool) -> list[tuple[Action, ...]]:
+    """The actor's list as the blocks `timed` runs: its overlapped pairs as one (with `pairs`),
+    every other action alone."""
+    starts = {id(a) for a, _ in overlapped_pairs(actions)} if pairs else set()
+    units: list[tuple[Action, ...]] = []
+    i = 0
+    while i < len(actions):
+        take = 2 if id(actions[i]) in starts else 1
+        units.append(tuple(actions[i : i + take]))
+        i += take
+    return units
 
 
 def _arrival(
