@@ -7,6 +7,7 @@ paired with torch's of the same kind:
     interleaved-1f1b - ScheduleInterleaved1F1B (2 chunks per actor)
     zb-h1 - ScheduleInterleavedZeroBubble (one stage per rank: its ZB-H1)
     zb-v - ScheduleZBVZeroBubble (2 chunks per actor in a V)
+    dualpipe-v - ScheduleDualPipeV (the same V, forwards paired with the other chunk's backwards)
 
 The model is 2p `SimulatedCompute` layers whose backward is split into an input-gradient
 part and a weight-gradient part (`weight_s`), each layer sleeping t/2 in its forward, its
@@ -44,6 +45,7 @@ TORCH = {
     "interleaved-1f1b": ("ScheduleInterleaved1F1B", "loop", 2),
     "zb-h1": ("ScheduleInterleavedZeroBubble", "loop", 1),
     "zb-v": ("ScheduleZBVZeroBubble", "v", 2),
+    "dualpipe-v": ("ScheduleDualPipeV", "v", 2),
 }
 
 
@@ -167,7 +169,7 @@ def main() -> None:
         default=None,
         help="raypipe engine (p2p or compiled; p2p:gloo for gloo between same-node stages); default: TrainConfig's",
     )
-    parser.add_argument("--only", default=None, help="comma-separated schedules (default: all five)")
+    parser.add_argument("--only", default=None, help="comma-separated schedules (default: all six)")
     parser.add_argument(
         "--classic", action="store_true", help="the earlier rows: one layer per stage, tf = tb, no split"
     )

@@ -20,7 +20,7 @@ import torch
 from raypipe.actors.memory import count_saved_bytes, weight_storages
 from raypipe.actors.model import resolve_device
 from raypipe.devices import SERVING_ENV, detect
-from raypipe.layers import LayerSpec, build_layer
+from raypipe.layers import LayerSpec, build_layer, layer_seed
 from raypipe.transport.tree import tensors
 
 
@@ -54,6 +54,8 @@ class LayerProfiler:
         warmup: int = 2,
         repeats: int = 5,
         codecs: tuple[str, str] = ("none", "none"),
+        split: bool = False,
+        lora: dict | None = None,
     ) -> dict[str, Any]:
         """Per layer: median forward and backward seconds, parameter bytes, the bytes autograd
         saves for backward on this microbatch (what a stashed microbatch costs), and its output's
@@ -62,19 +64,30 @@ class LayerProfiler:
         threads, as a stage actor on this node would compute; with `codecs` (the config's
         `compress_activations`, `compress_gradients`), the seconds compressing and restoring its
         output takes each way (`codec_forward_s`, `codec_backward_s`: what a boundary there costs
-        the stages beyond their layers)."""
+        the stages beyond their layers). With `split`, the backward split as the zero-bubble
+        schedules split it, each half timed: `input_s` (I, the input gradient) and `weight_s`
+        (W, the weight gradients); with `lora` (`TrainConfig.lora`) the layers carry adapters
+        and a frozen base, as a stage's do, so B, I and W are what a LoRA run computes. On a CPU
+        device, `cpu_s`: the process's CPU seconds of each layer's forward and backward (a layer
+        that waits, on I/O or a sleep, takes less CPU than time: what the node's cores bound)."""
         torch.set_num_threads(threads)
         forward_s, backward_s, parameter_bytes, activation_bytes = [], [], [], []
         boundary: list[tuple[int, int, int]] = []  # per layer, its output's (float bytes, float elements, other bytes)
         codec_s: list[tuple[float, float]] = []  # per layer, compressing and restoring its output, each way
         h = x.to(self.device)
+        input_s, weight_s, cpu_s = [], [], []
         for index, spec in enumerate(specs):
-            layer = build_layer(spec, seed, index).to(self.device)
+            layer = build_layer(spec, seed, index)
+            if lora is not None:
+                from raypipe import lora as lora_
+
+                lora_.apply(torch.nn.Sequential(layer), lora, [layer_seed(seed, index) + 1])
+            layer = layer.to(self.device)
             last = index == len(specs) - 1
-            fwd, bwd, saved = [], [], 0
+            fwd, bwd, cpu, saved = [], [], [], 0
             for r in range(warmup + repeats):
                 inp = h.detach().requires_grad_(index > 0 and h.is_floating_point())
-                started = self._now()
+                started, cpu_started = self._now(), time.process_time()
                 with count_saved_bytes(r == 0, weight_storages(layer)) as counter:
                     out = layer(inp)
                     if r == 0:
@@ -85,15 +98,21 @@ class LayerProfiler:
                 if out.requires_grad:
                     grad = None if last else torch.randn_like(out)
                     torch.autograd.backward(out, grad)
-                ended = self._now()
+                ended, cpu_ended = self._now(), time.process_time()
                 layer.zero_grad(set_to_none=True)
                 if r == 0:
                     saved = counter.bytes or 0
                 if r >= warmup:
                     fwd.append(middle - started)
                     bwd.append(ended - middle)
+                    cpu.append(cpu_ended - cpu_started)
+            cpu_s.append(statistics.median(cpu))
             forward_s.append(statistics.median(fwd))
             backward_s.append(statistics.median(bwd))
+            if split:
+                halves = [self._split_backward(layer, h, index, last, target, loss_fn) for _ in range(warmup + repeats)]
+                input_s.append(statistics.median(i for i, _ in halves[warmup:]))
+                weight_s.append(statistics.median(w for _, w in halves[warmup:]))
             parameter_bytes.append(sum(p.numel() * p.element_size() for p in layer.parameters()))
             activation_bytes.append(saved)
             codec_s.append((0.0, 0.0) if last else tuple(self._codec_seconds(out, c, repeats) for c in codecs))
@@ -107,6 +126,7 @@ class LayerProfiler:
             "device": str(self.device),
             "cpu_fallback": self.fallback,
             "threads": torch.get_num_threads(),
+            "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
             "model": accelerator.model,
             "memory_bytes": accelerator.memory_bytes,
             "forward_s": forward_s,
@@ -118,7 +138,33 @@ class LayerProfiler:
             "output_other_bytes": [b[2] for b in boundary],
             "codec_forward_s": [c[0] for c in codec_s],
             "codec_backward_s": [c[1] for c in codec_s],
+            **({"input_s": input_s, "weight_s": weight_s} if split else {}),
+            **({"cpu_s": cpu_s} if self.device.type == "cpu" else {}),
         }
+
+    def _split_backward(
+        self, layer: torch.nn.Module, h: torch.Tensor, index: int, last: bool, target: Any, loss_fn: Callable
+    ) -> tuple[float, float]:
+        """(I, W) seconds of one microbatch's backward through `layer`, split as a stage splits it
+        (`actors.split_backward`): a layer whose input needs no gradient (token ids) has it all in
+        W, a layer without trainable weights all in I."""
+        from raypipe.actors.split_backward import input_gradients, weight_gradients
+
+        inp = h.detach().requires_grad_(index > 0 and h.is_floating_point())
+        out = layer(inp)
+        if last:
+            out = loss_fn(out, target.to(self.device) if torch.is_tensor(target) else target)
+        if not out.requires_grad:
+            return 0.0, 0.0
+        weights = [p for p in layer.parameters() if p.requires_grad]
+        started = self._now()
+        grads = None if last else [torch.randn_like(out)]
+        deferred = input_gradients([out], grads, [inp] if inp.requires_grad else [], weights)
+        middle = self._now()
+        weight_gradients(deferred, weights)
+        ended = self._now()
+        layer.zero_grad(set_to_none=True)
+        return middle - started, ended - middle
 
     def _codec_seconds(self, value: Any, codec: str, repeats: int) -> float:
         """Median seconds to compress `value`'s floating tensors in `codec` and restore them."""

@@ -30,11 +30,17 @@ from raypipe.errors import ConfigError
 from raypipe.layers import LayerSpec
 from raypipe.planning.links import Link, message_seconds
 from raypipe.planning.profiling import PlanReport, plan_from_profiles, profile_layers, profiled_plan, scheduled_seconds
-from raypipe.schedules import SCHEDULES, build_schedule
+from raypipe.schedules import SCHEDULES, Schedule, build_schedule
 
 # What the p2p engine adds to an action beyond its layers' compute on a loaded 2-core machine
 # (`benchmarks/pipeline_efficiency.py`: 0.1-0.4 ms); counted along the busiest actor's list.
 ACTION_OVERHEAD_S = 3e-4
+# The CPU an action costs beyond its layers (the call, its messages, Python), where cores bound
+# the step, and what a step costs per stage beyond its actions (the optimizer step, the closing
+# agreement, the report, the driver's calls): fitted to the main job's GPT on 2 cores
+# (`benchmarks/auto_schedule.py`, docs/BENCHMARKS.md).
+ACTION_CPU_S = 5e-4
+STEP_OVERHEAD_S = 6e-3
 CHUNK_CHOICES = (2,)  # chunks tried for the schedules that let the config choose
 EXTRA_WARMUP_CHOICES = (0, 1, 2)  # tried where links were measured (without them more only costs memory)
 
@@ -85,7 +91,22 @@ def predicted_seconds(
     profiles = [report.profiles[k] for k in report.kinds]
     transfer = message_seconds(links, profiles, report.plan, config) if links else None
     compute = scheduled_seconds(schedule, profiles, report.plan, transfer)
-    return compute + ACTION_OVERHEAD_S * max(len(actions) for actions in schedule)
+    busiest = compute + ACTION_OVERHEAD_S * max(len(actions) for actions in schedule)
+    return max(busiest, cores_bound(schedule, profiles, report.plan)) + STEP_OVERHEAD_S * config.pp
+
+
+def cores_bound(schedule: Schedule, profiles: Sequence[dict[str, Any]], plan: Sequence[tuple[int, int]]) -> float:
+    """The least time the step's CPU work takes on the cores its actors share (`shared_cores`,
+    profiled on a one-node cluster): every virtual stage's layers' CPU seconds on every
+    microbatch, and `ACTION_CPU_S` per action, over those cores; 0 when not known. When there
+    are fewer cores than actors computing, this and not the schedule's critical path sets the
+    step: the bubble is then time another actor computes in."""
+    cores = [p.get("shared_cores") for p in profiles]
+    if not cores or any(c is None or "cpu_s" not in p for c, p in zip(cores, profiles)):
+        return 0.0
+    microbatches = len({a.microbatch for actions in schedule for a in actions})
+    work = microbatches * sum(sum(p["cpu_s"][a:b]) for p, (a, b) in zip(profiles, plan))
+    return (work + ACTION_CPU_S * sum(len(actions) for actions in schedule)) / min(cores)
 
 
 def choose(

@@ -29,6 +29,7 @@ from raypipe.layers import LayerSpec
 from raypipe.planning.links import Link, boundary_bytes, message_seconds
 from raypipe.planning.partition import Plan, speed_aware_plan, uniform_plan
 from raypipe.planning.threads import fitting_threads, node_cpus, packed_on_node
+from raypipe.schedules import SCHEDULES
 
 MEMORY_HEADROOM = 0.9
 
@@ -116,7 +117,9 @@ def profile_layers(
 ) -> dict[str, dict[str, Any]]:
     """Per accelerator kind in `kinds` (each stage's), each layer's times and bytes on one
     microbatch `(x, target)`, timed with the threads a stage of that kind will get
-    (`raypipe.planning.threads`: its node's CPUs shared among the stages that pack there)."""
+    (`raypipe.planning.threads`: its node's CPUs shared among the stages that pack there). On a
+    cluster of one node, each CPU profile also says how many of its cores one pipeline replica's
+    actors share (`shared_cores`: the cores over dp x tp), which bounds a step from below."""
     import ray
 
     from raypipe.actors.profiler import LayerProfiler
@@ -139,11 +142,17 @@ def profile_layers(
             for n, k in zip(nodes, unique)
         ]
         codecs = (config.compress_activations, config.compress_gradients)
+        split = config.schedule == "auto" or SCHEDULES[config.schedule].split_backward  # I and W timed apart
+        extra = {"codecs": codecs, "split": split, "lora": config.lora}
         refs = [
-            a.profile.remote(list(specs), config.seed, x, target, loss_fn, t, codecs=codecs)
-            for a, t in zip(actors, threads)
+            a.profile.remote(list(specs), config.seed, x, target, loss_fn, t, **extra) for a, t in zip(actors, threads)
         ]
-        return dict(zip(unique, _wait(actors, refs, unique, config.step_timeout, "finished")))
+        profiles = dict(zip(unique, _wait(actors, refs, unique, config.step_timeout, "finished")))
+        if len(cpus_of) == 1:  # one node: a pipeline's actors share its cores with the other replicas'
+            for profile in profiles.values():
+                if "cpu_s" in profile:
+                    profile["shared_cores"] = profile["cores"] / (config.dp * config.tp)
+        return profiles
     finally:
         for actor in actors:
             ray.kill(actor, no_restart=True)
@@ -198,7 +207,7 @@ def plan_from_profiles(
     links, is refined against the step predicted with every message timed on its link, and the
     report gives each link's wire time per step.
     """
-    from raypipe.schedules import SCHEDULES, build_schedule, owners, peak_in_flight
+    from raypipe.schedules import build_schedule, owners, peak_in_flight
 
     m = config.microbatches
     schedule = build_schedule(config.schedule, config.pp, m, config.chunks, config.extra_warmup)
@@ -315,7 +324,8 @@ def scheduled_seconds(
     transfer: Callable[[int, int, str, int], float] | None = None,
 ) -> float:
     """The step time of `schedule` run with each virtual stage's measured forward and backward
-    (`profiles`: per virtual stage, its kind's; a split backward's I and W half each), each
+    (`profiles`: per virtual stage, its kind's; a split backward's I and W as profiled apart, or
+    half the backward each where they were not; the first stage's all at W, as it runs it), each
     boundary message taking `transfer`'s time on its link (`schedules.timed`), and the action
     that sends it to another actor the time compressing and restoring it takes (profiled where
     the config compresses boundaries; charged to the sender)."""
@@ -333,11 +343,18 @@ def scheduled_seconds(
         v = action.stage
         a, b = plan[v]
         prof = profiles[v]
-        forward, backward = sum(prof["forward_s"][a:b]), sum(prof["backward_s"][a:b])
         if action.kind == "F":
-            return forward + codec(v, v + 1, "codec_forward_s")
-        gradient = codec(v, v - 1, "codec_backward_s")
-        return {"B": backward + gradient, "I": backward / 2 + gradient}.get(action.kind, backward / 2)
+            return sum(prof["forward_s"][a:b]) + codec(v, v + 1, "codec_forward_s")
+        backward = sum(prof["backward_s"][a:b])
+        if action.kind == "B":
+            return backward + codec(v, v - 1, "codec_backward_s")
+        if v == 0:  # the first stage's inputs take no gradient: its whole backward runs at W
+            return 0.0 if action.kind == "I" else backward
+        if "input_s" not in prof:  # profiled without the split: half each
+            return backward / 2 + (codec(v, v - 1, "codec_backward_s") if action.kind == "I" else 0.0)
+        if action.kind == "I":
+            return sum(prof["input_s"][a:b]) + codec(v, v - 1, "codec_backward_s")
+        return sum(prof["weight_s"][a:b])
 
     return max(end for run in timed(schedule, seconds, transfer) for _, _, end in run)
 
