@@ -123,6 +123,14 @@ class TrainConfig:
             as `peak_stashed_bytes`. The count of stashed microbatches is always reported.
         activation_checkpointing: recompute each stage's forward during backward instead of
             keeping its intermediate activations.
+        compile: torch.compile each layer on its actor (per block, as torchtitan does; inductor
+            on CPU needs a C++ compiler; not engine="compiled", Ray's Compiled Graphs): the first
+            steps compile (the inductor cache on disk serves the other actors), then each layer
+            runs its compiled graph. Microbatches of varying length cost one recompile (dynamic
+            shapes after the first change); each step's stage report counts compiled graphs and
+            graph breaks (`compiled`). Under a split backward (zb-h1, zb-v, dualpipe-v) a
+            compiled stage makes its weight gradients with its input gradients, at I: exact,
+            without the zero-bubble gain. Reconfigurable.
         seed: seeds layer initialisation (per layer, so the same for any split) and data order.
         cpus_per_actor: logical CPUs each stage actor reserves; None fits the actors into the
             cluster's CPUs (at most 1 each).
@@ -203,6 +211,7 @@ class TrainConfig:
     compress_activations: str = "none"
     compress_gradients: str = "none"
     activation_checkpointing: bool = False
+    compile: bool = False
     measure_activations: bool = False
     seed: int = 0
     cpus_per_actor: float | None = None

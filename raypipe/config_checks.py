@@ -93,6 +93,7 @@ def validate(c: Any) -> None:
         raise fail("activation_checkpointing", c.activation_checkpointing, "give true or false.")
     if not isinstance(c.measure_activations, bool):
         raise fail("measure_activations", c.measure_activations, "give true or false.")
+    check_compile(c)
     check_int("seed", c.seed, 0)
     check_positive("cpus_per_actor", c.cpus_per_actor, allow_none=True)
     if c.threads_per_actor is not None:
@@ -169,6 +170,23 @@ def check_zero3(c: Any) -> None:
         raise fail("ep", c.ep, "zero=3 does not shard expert-parallel layers yet: use zero=1 with ep > 1.")
 
 
+def check_compile(c: Any) -> None:
+    """torch.compile'd layers fit the other fields: not where a layer's call runs collectives or
+    gathers (tp, ep, zero=3) or bitsandbytes kernels (quantize), which are not tested compiled."""
+    if not isinstance(c.compile, bool):
+        raise fail("compile", c.compile, "give true or false.")
+    if not c.compile:
+        return
+    for name, bad, why in (
+        ("tp", c.tp > 1, "its layers all-reduce inside their call"),
+        ("ep", c.ep > 1, "its MoE layers exchange tokens by all-to-all inside their call"),
+        ("zero", c.zero == 3, "zero=3 gathers each layer in hooks around its call"),
+        ("quantize", c.quantize is not None, "bitsandbytes' kernels are not compiled"),
+    ):
+        if bad:
+            raise fail(name, getattr(c, name), f"compile=True is not supported with it yet ({why}): use compile=False.")
+
+
 def check_schedule(c: Any) -> None:
     """The schedule fits the other fields: its chunks, its engine, pp and microbatches."""
     if c.schedule == "auto":
@@ -219,6 +237,7 @@ RECONFIGURABLE = (
     "zero",
     "dp_bucket_mb",
     "activation_checkpointing",
+    "compile",
     "measure_activations",
     "step_timeout",
     "checkpoint_dir",

@@ -15,7 +15,8 @@ def stage_metrics(reports: Sequence[StepReport]) -> list[dict[str, float]]:
     state / activations / other), `peak_stashed_microbatches` (kept for backward; a split
     backward's microbatch until its weight gradient), `peak_awaiting_weight_grad` (between input
     and weight gradient), `sent_bytes` (activations and input gradients sent to the neighbouring
-    stages, in `boundary_dtype`), with `measure_activations` `peak_stashed_bytes`, and in a model
+    stages, in `boundary_dtype`), with `measure_activations` `peak_stashed_bytes`, with `compile`
+    `compiled` (graphs and graph breaks so far), and in a model
     with MoE layers `all_to_all_s`, `all_to_all_bytes` and `experts` (routed and dropped).
 
     The bubble of a stage is the share of the pipeline's compute window (first action
@@ -42,6 +43,8 @@ def stage_metrics(reports: Sequence[StepReport]) -> list[dict[str, float]]:
                 "peak_awaiting_weight_grad": int(t.get("peak_awaiting_weight", 0)),
                 "sent_bytes": int(t.get("sent_bytes", 0)),
                 **({"peak_stashed_bytes": float(t["peak_stashed_bytes"])} if "peak_stashed_bytes" in t else {}),
+                # TrainConfig.compile: the actor's compiled graphs and graph breaks so far
+                **({"compiled": dict(t["compiled"])} if "compiled" in t else {}),
                 # MoE layers: seconds in all-to-all, bytes it sent, and per layer the assignments each
                 # expert received and those dropped over capacity (as this actor routed them)
                 **(

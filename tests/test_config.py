@@ -41,6 +41,7 @@ def test_defaults_are_valid_and_printable():
         ("lr_schedule", {"name": "cosine"}, "total_steps"),
         ("lr_schedule", {"name": "constant", "warmup": 3}, "Did you mean 'warmup_steps'"),
         ("activation_checkpointing", "yes", "true or false"),
+        ("compile", "yes", "true or false"),
         ("seed", -3, "seed"),
         ("step_timeout", 0, "step_timeout"),
         ("grad_clip", float("nan"), "finite number > 0"),
@@ -56,6 +57,17 @@ def test_bad_values_name_field_value_and_fix(field, value, words):
 def test_shard_plan_length_must_match_pp():
     with pytest.raises(ConfigError, match="2 ranges but pp=3"):
         TrainConfig(pp=3, shard_plan=[[0, 2], [2, 4]])
+
+
+def test_compile_is_refused_where_a_layer_runs_collectives_or_bitsandbytes():
+    for fields, named in (
+        ({"tp": 2}, "tp=2"),
+        ({"dp": 2, "ep": 2}, "ep=2"),
+        ({"dp": 2, "zero": 3}, "zero=3"),
+        ({"quantize": "nf4", "lora": {"r": 4, "target_modules": ["q_proj"]}}, "quantize='nf4'"),
+    ):
+        with pytest.raises(ConfigError, match=f"{named}.*compile=True is not supported with it yet"):
+            TrainConfig(compile=True, **fields)
 
 
 def test_yaml_sections_and_suggestions(tmp_path):

@@ -61,7 +61,6 @@ def check_against_peft(trainer, model, kind, directory, schedules=None):
     initial = {k: v for k, v in start.items() if ".lora_" in k}
     names = adapters.peft_names(list(initial), prefixes)
     reference = peft_reference(directory, kind, {names[k]: v for k, v in initial.items()})
-    assert all(i["optimizer_state_bytes"] == 0 for i in trainer.stage_info())  # nothing stepped yet
     for losses, grads, final in run_schedules(trainer, start, schedules=schedules).values():
         assert set(grads) == set(initial)  # only adapters have gradients
         assert_close_dicts({names[k]: v for k, v in grads.items()}, reference[1])
@@ -78,6 +77,7 @@ def test_lora_matches_peft_in_one_process_and_leaves_the_base_untouched(ray_sess
         pp=pp, dp=dp, microbatches=4 // dp, optimizer=SGD, lora=lora(kind), cpus_per_actor=0.25, threads_per_actor=1
     )
     with Trainer(model, config=config) as t:
+        assert all(i["optimizer_state_bytes"] == 0 for i in t.stage_info())  # nothing stepped yet
         check_against_peft(t, model, kind, saved[kind])
 
 
@@ -85,7 +85,8 @@ def test_lora_matches_peft_in_one_process_and_leaves_the_base_untouched(ray_sess
 def test_lora_under_the_v_schedules_matches_peft(ray_session, saved):
     """A transformers Llama's LoRA adapters in a V of chunks (pp 2, 4 virtual stages of its 6
     layers): DualPipeV, its forwards paired with the other chunk's whole backwards, and ZB-V,
-    every backward split, where the frozen base leaves W the adapters alone."""
+    every backward split, where the frozen base leaves W the adapters alone; then DualPipeV with
+    the layers compiled."""
     model = hf.from_pretrained(saved["llama"])
     config = TrainConfig(
         pp=2,
@@ -99,6 +100,9 @@ def test_lora_under_the_v_schedules_matches_peft(ray_session, saved):
     with Trainer(model, config=config) as t:
         assert [i["virtual_stages"] for i in t.stage_info()] == [[0, 3], [1, 2]]
         check_against_peft(t, model, "llama", saved["llama"], schedules=("dualpipe-v", "zb-v"))
+        t.reconfigure(compile=True)  # the decoder layers compiled with their adapters
+        check_against_peft(t, model, "llama", saved["llama"], schedules=("dualpipe-v",))
+        assert t.step(*lm_batch(0))["stages"][0]["compiled"]["graph_breaks"] == 0
 
 
 def test_adapters_round_trip_through_peft_and_merge_into_transformers(ray_session, saved, tmp_path):

@@ -188,13 +188,11 @@ class Executor:
         v, _, first, last = self.part(v)
         try:
             x, out = self.stash[(v, microbatch)]
-            if last:
-                outputs, grads = ([out], None) if out.requires_grad else ([], None)
-            else:
-                pairs = self._pairs(out, grad)
-                outputs, grads = [o for o, _ in pairs], [g for _, g in pairs]
+            pairs = ([(out, None)] if out.requires_grad else []) if last else self._pairs(out, grad)
+            outputs, grads = [o for o, _ in pairs], None if last else [g for _, g in pairs]  # last: the loss
             inputs = [] if first else [t for t in tensors(x) if t.requires_grad]
-            self.deferred[(v, microbatch)] = input_gradients(outputs, grads, inputs, self.model.trainable())
+            weights, compiled = self.model.trainable(), self.settings.compile  # compiled: W's work done at I
+            self.deferred[(v, microbatch)] = input_gradients(outputs, grads, inputs, weights, compiled)
             self.timing["peak_awaiting_weight"] = max(self.timing["peak_awaiting_weight"], len(self.deferred))
             self._timed(INPUT_GRAD, started, microbatch)
             return None if first else self.send(self._input_grads(x), self.settings.compress_gradients)

@@ -20,6 +20,7 @@ class StageSettings:
     compress_activations: str = "none"
     compress_gradients: str = "none"
     activation_checkpointing: bool = False
+    compile: bool = False
     measure_activations: bool = False
     zero: int = 0
     dp_bucket_bytes: int = 25 * 2**20
@@ -40,6 +41,7 @@ class StageSettings:
             compress_activations=c.compress_activations,
             compress_gradients=c.compress_gradients,
             activation_checkpointing=c.activation_checkpointing,
+            compile=c.compile,
             measure_activations=c.measure_activations,
             zero=c.zero,
             dp_bucket_bytes=max(1, int(c.dp_bucket_mb * 2**20)),

@@ -9,9 +9,11 @@ what stays alive between I and W is the part of the autograd graph the weight gr
 need. torch keeps these two functions in a private module (`_backward`); raypipe pins torch,
 and `tests/test_zero_bubble.py` checks them against a whole backward on every schedule.
 
-Two cases do not split: a stage whose inputs need no gradient (the first stage: token ids)
+Three cases do not split: a stage whose inputs need no gradient (the first stage: token ids)
 runs its whole backward at W, since nothing waits for its I; a stage with no trainable
-weights (LoRA stages without adapters) runs it at I, and W has nothing to do. A weight whose
+weights (LoRA stages without adapters) runs it at I, and W has nothing to do; so does a
+compiled stage (`actors.compiling`), whose layers' backwards are each one node making input
+and weight gradients together. A weight whose
 path never meets the inputs' (an output computed from weights alone) gets no gradient from
 the split, as in torch; such a stage should use a schedule without I/W.
 """
@@ -39,12 +41,18 @@ def input_gradients(
     grads: Sequence[torch.Tensor] | None,
     inputs: Sequence[torch.Tensor],
     weights: Sequence[torch.nn.Parameter],
+    compiled: bool = False,
 ) -> Deferred:
     """Sets `.grad` on each of `inputs` (tensors that require grad) from `outputs` and their
-    `grads` (None: `outputs` is the scaled loss); returns what `weight_gradients` needs."""
+    `grads` (None: `outputs` is the scaled loss); returns what `weight_gradients` needs.
+    `compiled`: the stage's layers run compiled, each one backward node that makes input and
+    weight gradients together: the whole backward runs here, W has nothing left."""
     outputs, grads = list(outputs), None if grads is None else list(grads)
     if not inputs:
         return Deferred(whole=(outputs, grads))
+    if compiled:
+        torch.autograd.backward(outputs, grads)
+        return Deferred()
     if not weights:
         torch.autograd.backward(outputs, grads, inputs=list(inputs))
         return Deferred()

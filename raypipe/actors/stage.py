@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from raypipe.actors import step_list
+from raypipe.actors.compiling import compile_layers, compile_report
 from raypipe.actors.executor import Executor
 from raypipe.actors.memory import max_rss_bytes, memory_split
 from raypipe.actors.model import StageModel, gpu_identity, resolve_device
@@ -189,6 +190,7 @@ class StageActor(RefsCalls, StateCalls, ProbesLinks):
         """Applies new settings; keeps optimizer state unless the optimizer kind changes."""
         self.optim.configure(settings, reset_optimizer)
         self.executor.configure(settings, self.optim.sharded)
+        compile_layers(self.model.module, settings.compile)  # TrainConfig.compile: per layer, in place
 
     # ----- one step: the p2p and compiled engines' call ---------------------------
 
@@ -293,7 +295,7 @@ class StageActor(RefsCalls, StateCalls, ProbesLinks):
             report["grad_norm"],
             report["skipped"],
             report["loss_scale"],
-            {**executor.timing, **routed},
+            {**executor.timing, **routed, **({"compiled": compile_report()} if executor.settings.compile else {})},
             list(executor.events),
             peak,
             self.last_memory,
