@@ -307,6 +307,31 @@ def test_the_diagram_draws_each_virtual_stage_on_its_actor(dot, tmp_path):
     assert "virtual stage 3 on stage 0" in svg and "(2, 8, 16) float32" in svg
 
 
+def test_where_the_cores_set_the_step_auto_takes_the_lighter_of_tied_schedules():
+    """Four actors' CPU work on one shared core: every schedule's step is that work, so GPipe and
+    1F1B tie, and 1F1B, stashing fewer microbatches, is chosen; the schedules with more actions
+    (split backwards, chunks) cost more of the core and lose."""
+    from raypipe.planning.autoschedule import rank
+
+    layer = [0.01] * 8
+    profile = {
+        "forward_s": layer,
+        "backward_s": [2 * t for t in layer],
+        "cpu_s": [3 * t for t in layer],
+        "shared_cores": 1.0,
+        "parameter_bytes": [1000] * 8,
+        "activation_bytes": [10**6] * 8,
+        "memory_bytes": 2**34,
+        "model": "test cpu",
+        "cpu_fallback": False,
+    }
+    specs = [LayerSpec(torch.nn.Identity)] * 8
+    choice = rank({8: {"cpu": profile}}, specs, TrainConfig(pp=4, schedule="auto"))
+    seconds = {c.schedule: c.step_seconds for c in choice.candidates}
+    assert seconds["gpipe"] == pytest.approx(seconds["1f1b"], rel=1e-9)
+    assert choice.chosen.schedule == "1f1b" and seconds["zb-h1"] > seconds["1f1b"], choice
+
+
 class Projections(torch.nn.Module):
     """A block of two wide linears, only `q_proj` a LoRA target."""
 

@@ -41,6 +41,7 @@ ACTION_OVERHEAD_S = 3e-4
 # (`benchmarks/auto_schedule.py`, docs/BENCHMARKS.md).
 ACTION_CPU_S = 5e-4
 STEP_OVERHEAD_S = 6e-3
+TIE = 1e-3  # predictions this close are a tie, decided by memory
 CHUNK_CHOICES = (2,)  # chunks tried for the schedules that let the config choose
 EXTRA_WARMUP_CHOICES = (0, 1, 2)  # tried where links were measured (without them more only costs memory)
 
@@ -175,12 +176,21 @@ def rank(
                         candidate.why_not = str(error).split(":")[0] if "layers" not in str(error) else str(error)
                         continue
                     candidate.step_seconds = predicted_seconds(cfg, report, links)
-                    if best is None or candidate.step_seconds < best[0]:
+                    if best is None or _better(candidate.step_seconds, report, best[0], best[2]):
                         best = (candidate.step_seconds, candidate, report)
     if best is None:
         raise ConfigError("schedule='auto' found no schedule that fits: " + "; ".join(str(c) for c in candidates))
     best[2].profiled_microbatches = profiled
     return ScheduleChoice(best[1], best[2], candidates)
+
+
+def _better(seconds: float, report: PlanReport, best_seconds: float, best: PlanReport) -> bool:
+    """Whether a candidate beats the best so far: faster by more than `TIE`, or as fast and
+    lighter on its fullest device (GPipe and 1F1B tie where the cores, not the schedule, set the
+    step: 1F1B, stashing fewer microbatches, then wins)."""
+    if seconds < best_seconds * (1 - TIE):
+        return True
+    return seconds <= best_seconds * (1 + TIE) and max(report.stage_memory_bytes) < max(best.stage_memory_bytes)
 
 
 def _rows(x: Any) -> int:

@@ -14,7 +14,7 @@ As data, a pair is its two actions one after the other, `F` of one chunk then `B
 the backward while the send is on its way (the backward's gradient was posted as a receive
 before the forward began): on a CPU, where two computations cannot overlap, the communication
 still hides under compute, and the forward's output leaves before the pair ends, so the
-sequential pair's bubble, (p - 1)(F + B - 2W) at F <= I, is below the block's. Needs at least
+sequential pair's bubble, (p - 1)(F + B - 2W) where I <= F, is below the block's. Needs at least
 2p microbatches for its steady state; fewer keep the order with the missing ones left out.
 """
 
