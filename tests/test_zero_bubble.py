@@ -396,14 +396,15 @@ def test_auto_picks_the_cheapest_predicted_schedule_and_each_candidate_takes_wha
             cfg = chosen.replace(schedule=c.schedule, chunks=c.chunks, microbatches=c.microbatches)
             if c.step_seconds is None or virtual_stages(build_schedule(c.schedule, 2, 2, c.chunks)) != layout:
                 continue
+            if c.microbatches > 8:  # 16 one-row microbatches: 0.9 s a step of sleeps, nothing new
+                continue
             # predicted for the split the trainer holds (each candidate's own may differ by a layer)
             report = replace(plan_from_profiles(profiled[c.microbatches], cfg.stage_kinds(), cfg), plan=t.plan)
             t.reconfigure(schedule=c.schedule, microbatches=c.microbatches)
-            for _ in range(2):
-                t.step(x, y)
+            t.step(x, y)
             measured = sorted(t.step(x, y)["step_time"] for _ in range(3))[1]
             checked.append((str(c), measured, predicted_seconds(cfg, report)))
-    assert len(checked) >= 4 and any(s == str(choice.chosen) for s, _, _ in checked), checked
+    assert len(checked) >= 3 and any(s == str(choice.chosen) for s, _, _ in checked), checked
     for what, measured, predicted in checked:
         assert measured == pytest.approx(predicted, rel=0.15), (what, measured, predicted)
     ranked = [line for line in lines[0].splitlines()[1:] if line.startswith("  ") and " ms" in line]
