@@ -177,7 +177,7 @@ class Executor:
                 if pairs:
                     torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
             self._timed(BACKWARD, started, microbatch)
-            return None if first else self.send(self._input_grads(x), self.settings.compress_gradients)
+            return None if first else self.send(input_grads(x), self.settings.compress_gradients)
         except Exception as error:
             raise self.error(BACKWARD, microbatch, error, v) from error
 
@@ -188,14 +188,17 @@ class Executor:
         v, _, first, last = self.part(v)
         try:
             x, out = self.stash[(v, microbatch)]
-            pairs = ([(out, None)] if out.requires_grad else []) if last else self._pairs(out, grad)
-            outputs, grads = [o for o, _ in pairs], None if last else [g for _, g in pairs]  # last: the loss
+            if last:
+                outputs, grads = ([out], None) if out.requires_grad else ([], None)
+            else:
+                pairs = self._pairs(out, grad)
+                outputs, grads = [o for o, _ in pairs], [g for _, g in pairs]
             inputs = [] if first else [t for t in tensors(x) if t.requires_grad]
             weights, compiled = self.model.trainable(), self.settings.compile  # compiled: W's work done at I
             self.deferred[(v, microbatch)] = input_gradients(outputs, grads, inputs, weights, compiled)
             self.timing["peak_awaiting_weight"] = max(self.timing["peak_awaiting_weight"], len(self.deferred))
             self._timed(INPUT_GRAD, started, microbatch)
-            return None if first else self.send(self._input_grads(x), self.settings.compress_gradients)
+            return None if first else self.send(input_grads(x), self.settings.compress_gradients)
         except Exception as error:
             raise self.error(INPUT_GRAD, microbatch, error, v) from error
 
@@ -223,10 +226,6 @@ class Executor:
             for o, g in zip(leaves(out), leaves(grad))
             if torch.is_tensor(o) and o.requires_grad and g is not None
         ]
-
-    @staticmethod
-    def _input_grads(x: Any) -> Any:
-        return map_tensors(lambda t: t.grad if t.requires_grad else None, x)
 
     @torch.no_grad()
     def forward_only(self, x: Any, target: Any = None, v: int | None = None) -> Any:
@@ -349,3 +348,9 @@ class Executor:
         self.timing["forward_s" if kind == FORWARD else "backward_s"] += ended - started
         self.timing["first_start"] = min(self.timing["first_start"], started)
         self.timing["last_end"] = ended
+
+
+def input_grads(x: Any) -> Any:
+    """The input's tree with each leaf's gradient, None where a leaf has none: what a backward
+    sends the previous stage."""
+    return map_tensors(lambda t: t.grad if t.requires_grad else None, x)

@@ -86,14 +86,14 @@ class LayerProfiler:
             last = index == len(specs) - 1
             fwd, bwd, cpu, saved = [], [], [], 0
             for r in range(warmup + repeats):
-                inp = h.detach().requires_grad_(index > 0 and h.is_floating_point())
+                inp = _input(h, index)
                 started, cpu_started = self._now(), time.process_time()
                 with count_saved_bytes(r == 0, weight_storages(layer)) as counter:
                     out = layer(inp)
                     if r == 0:
                         boundary.append((0, 0, 0) if last else _sizes(out))
                     if last:
-                        out = loss_fn(out, target.to(self.device) if torch.is_tensor(target) else target)
+                        out = self._loss(out, target, loss_fn)
                 middle = self._now()
                 if out.requires_grad:
                     grad = None if last else torch.randn_like(out)
@@ -150,10 +150,8 @@ class LayerProfiler:
         W, a layer without trainable weights all in I."""
         from raypipe.actors.split_backward import input_gradients, weight_gradients
 
-        inp = h.detach().requires_grad_(index > 0 and h.is_floating_point())
-        out = layer(inp)
-        if last:
-            out = loss_fn(out, target.to(self.device) if torch.is_tensor(target) else target)
+        inp = _input(h, index)
+        out = self._loss(layer(inp), target, loss_fn) if last else layer(inp)
         if not out.requires_grad:
             return 0.0, 0.0
         weights = [p for p in layer.parameters() if p.requires_grad]
@@ -165,6 +163,9 @@ class LayerProfiler:
         ended = self._now()
         layer.zero_grad(set_to_none=True)
         return middle - started, ended - middle
+
+    def _loss(self, out: Any, target: Any, loss_fn: Callable) -> torch.Tensor:
+        return loss_fn(out, target.to(self.device) if torch.is_tensor(target) else target)
 
     def _codec_seconds(self, value: Any, codec: str, repeats: int) -> float:
         """Median seconds to compress `value`'s floating tensors in `codec` and restore them."""
@@ -187,6 +188,12 @@ class LayerProfiler:
         elif self.device.type == "mps":
             torch.mps.synchronize()
         return time.perf_counter()
+
+
+def _input(h: torch.Tensor, index: int) -> torch.Tensor:
+    """Layer `index`'s input for one timed pass: a leaf that takes a gradient, as a stage's input
+    does, except the first layer's (token ids)."""
+    return h.detach().requires_grad_(index > 0 and h.is_floating_point())
 
 
 def _sizes(value: Any) -> tuple[int, int, int]:
