@@ -1,12 +1,14 @@
-"""The dataset reader: a Ray actor that reads a `ray.data.Dataset` in a fixed order, one batch
-per step, and cuts each batch into the step's parts for the stage actors.
+"""The dataset reader: a Ray actor that reads a `ray.data.Dataset` in a fixed order (or calls a
+function of the step), one batch per step, and cuts each batch into the step's parts for the
+stage actors.
 
 The parts go into Ray's object store and the driver receives only references to them, which it
 hands to the first and last stages' calls: the batches never pass through the driver process.
 Batch k is the k-th `batch_size` rows of the dataset read in order (`preserve_order`), epoch
 after epoch, so the data position of a run is its step: a resumed run, or steps replayed after
 a recovery, read the same batches (`batch(step)` re-reads from the start when asked for a step
-it has passed).
+it has passed). In an actor-driven run (`TrainConfig.actor_steps`) the stage actors ask it
+themselves, several for one step: the newest batches are kept, each read once.
 """
 
 from __future__ import annotations
@@ -40,9 +42,14 @@ def default_collate(batch: dict[str, np.ndarray]) -> tuple[Any, Any]:
     )
 
 
+KEPT = 16  # batches kept for the other actors asking for the same steps
+INLINE_BYTES = 64 * 1024  # a part this small travels inside the answer, not through the object store
+
+
 class DatasetReader:
     """Reads `dataset` in order, `batch_size` rows per step, each batch `collate`d into `(x, y)`
-    and cut for `dp` replicas x `microbatches` (`raypipe.data.batches.prepare`)."""
+    and cut for `dp` replicas x `microbatches` (`raypipe.data.batches.prepare`); or, with
+    `function` and no dataset, takes step k's `(x, y)` from `function(k)`."""
 
     def __init__(
         self,
@@ -52,15 +59,19 @@ class DatasetReader:
         dp: int,
         microbatches: int,
         loss_fn: Any,
+        function: Callable[[int], tuple[Any, Any]] | None = None,
     ) -> None:
+        self.function, self.kept = function, {}  # (step, cut) -> Prepared, the newest KEPT
+        self.dp, self.microbatches, self.loss_fn = dp, microbatches, loss_fn
+        self.rows: Iterator[dict] | None = None
+        self.position = 0  # the step whose batch comes next
+        if function is not None:
+            return
         context = dataset.context
         context.execution_options.preserve_order = True  # the same batches in the same order, every read
         context.enable_progress_bars = False
         context.print_on_execution_start = False
         self.dataset, self.batch_size, self.collate = dataset, batch_size, collate or default_collate
-        self.dp, self.microbatches, self.loss_fn = dp, microbatches, loss_fn
-        self.rows: Iterator[dict] | None = None
-        self.position = 0  # the step whose batch comes next
 
     def _epochs(self) -> Iterator[dict]:
         while True:
@@ -71,25 +82,60 @@ class DatasetReader:
             if count == 0:
                 raise BatchError(f"the dataset holds fewer than batch_size={self.batch_size} rows: not one batch")
 
-    def batch(self, step: int, cut_for: tuple[int, int] | None = None) -> Prepared:
-        """Step `step`'s batch, cut and stored: `Prepared.packed` holds the references.
+    def batch(self, step: int, cut_for: tuple[int, int] | None = None, inline: bool = False) -> Prepared:
+        """Step `step`'s batch, cut and stored: `Prepared.packed` holds the references (with
+        `inline`, small parts themselves: for the actors, never for the driver).
         `cut_for`: (dp, microbatches) from now on (an elastic run's new topology)."""
         if cut_for is not None:
             self.dp, self.microbatches = cut_for
+        key = (step, (self.dp, self.microbatches), inline)
+        if key not in self.kept:
+            self.kept[key] = self._read(step, inline)
+            for old in sorted(self.kept)[:-KEPT]:
+                del self.kept[old]
+        return self.kept[key]
+
+    def batches(self, first: int, count: int, cut_for: tuple[int, int] | None = None) -> list[Any]:
+        """The batches of `count` steps from `first` (`batch`), for an actor-driven run's actors,
+        which ask a few steps at a time; where one cannot be made, its error ends the list."""
+        made: list[Any] = []
+        for step in range(first, first + count):
+            try:
+                made.append(self.batch(step, cut_for, inline=True))
+            except Exception as error:  # noqa: BLE001 - raised by every actor at that step
+                made.append(error)
+                break
+        return made
+
+    def _read(self, step: int, inline: bool) -> Prepared:
         import ray
 
         from raypipe.transport.wire import pack_microbatches
 
+        if self.function is not None:
+            x, y = self.function(step)
+        else:
+            x, y = self._next_rows(step)
+        cut = prepare(x, y, self.dp, self.microbatches, self.loss_fn)
+        packed = [
+            (_stored(ray, pack_microbatches(list(xs)), inline), _stored(ray, pack_microbatches(list(ys)), inline))
+            for xs, ys in zip(cut.inputs, cut.targets)
+        ]
+        return Prepared(None, None, cut.weights, cut.samples, cut.tokens, cut.varying, packed)
+
+    def _next_rows(self, step: int) -> tuple[Any, Any]:
         if self.rows is None or step < self.position:
             self.rows, self.position = self._epochs(), 0
         while self.position < step:
             next(self.rows)
             self.position += 1
-        x, y = self.collate(next(self.rows))
+        rows = next(self.rows)
         self.position += 1
-        cut = prepare(x, y, self.dp, self.microbatches, self.loss_fn)
-        packed = [
-            (ray.put(pack_microbatches(list(xs))), ray.put(pack_microbatches(list(ys))))
-            for xs, ys in zip(cut.inputs, cut.targets)
-        ]
-        return Prepared(None, None, cut.weights, cut.samples, cut.tokens, cut.varying, packed)
+        return self.collate(rows)
+
+
+def _stored(ray: Any, part: Any, inline: bool) -> Any:
+    """A batch's part as it is handed on: stored once in Ray's object store and handed on by
+    reference; with `inline`, by value when small (one fetch less for each actor that takes it)."""
+    size = part.nbytes if torch.is_tensor(part) or isinstance(part, np.ndarray) else INLINE_BYTES
+    return part if inline and size < INLINE_BYTES else ray.put(part)

@@ -20,16 +20,47 @@ class FunctionFeed:
 
     def __init__(self, group: Any, batches: Callable[[int], tuple[Any, Any]]) -> None:
         self.group, self.batches = group, batches
+        self.reader: Any = None  # with TrainConfig.actor_steps: a reader actor calling `batches`
 
     def get(self, step: int) -> Prepared:
         c = self.group.config
         return prepare(*self.batches(step), c.dp, c.microbatches, self.group.loss_fn)
 
+    def reader_for_actors(self) -> Any:
+        """A reader actor that calls `batches(step)` for the actors of an actor-driven run."""
+        if self.reader is None:
+            import ray
+
+            from raypipe.actors.reader import DatasetReader
+            from raypipe.driver.connect import ship_user_code
+
+            c = self.group.config
+            code = getattr(self.batches, "__code__", None)
+            names = getattr(self.batches, "__globals__", {})  # what it calls from the user's modules too
+            ship_user_code([self.batches, *(names.get(n) for n in (code.co_names if code else ()) if n in names)])
+            try:
+                self.reader = (
+                    ray.remote(DatasetReader)
+                    .options(num_cpus=0, max_restarts=0)
+                    .remote(None, 0, None, c.dp, c.microbatches, self.group.loss_fn, self.batches)
+                )
+            except Exception as error:  # noqa: BLE001 - Ray could not pickle the function
+                raise ConfigError(
+                    f"TrainConfig.actor_steps={c.actor_steps}: the actors call batches(step) in a reader "
+                    f"actor, and it could not be sent there ({type(error).__name__}: {error}); give a "
+                    f"function Ray can pickle, a ray.data.Dataset, or actor_steps=0"
+                ) from error
+        return self.reader
+
     def kept_from(self, step: int) -> None:
         pass
 
     def close(self) -> None:
-        pass
+        if self.reader is not None:
+            import ray
+
+            ray.kill(self.reader)
+            self.reader = None
 
 
 class IterableFeed(FunctionFeed):
@@ -62,6 +93,12 @@ class IterableFeed(FunctionFeed):
                 self.kept[self.read] = item
             self.read += 1
         return self.kept[step]
+
+    def reader_for_actors(self) -> Any:
+        raise ConfigError(
+            f"TrainConfig.actor_steps={self.group.config.actor_steps}: an iterable of batches is read on the "
+            f"driver, one at a time; give batches(step) -> (x, y) or a ray.data.Dataset, or actor_steps=0"
+        )
 
     def kept_from(self, step: int) -> None:
         """No step before `step` will be replayed (it is checkpointed, or nothing restores earlier)."""
@@ -130,6 +167,10 @@ class DatasetFeed:
             if isinstance(error.cause, (BatchError, ConfigError)):  # the dataset's fault: said plainly
                 raise error.cause from None
             raise
+
+    def reader_for_actors(self) -> Any:
+        """The reader, which the actors of an actor-driven run ask themselves."""
+        return self.reader
 
     def kept_from(self, step: int) -> None:
         pass
