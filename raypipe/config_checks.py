@@ -83,6 +83,13 @@ def validate(c: Any) -> None:
     check_choice("precision", c.precision, PRECISIONS)
     check_choice("boundary_dtype", c.boundary_dtype, PRECISIONS)
     check_choice("engine", c.engine, ENGINES)
+    check_int("actor_steps", c.actor_steps, 0)
+    if c.actor_steps and c.engine != "p2p":
+        raise fail(
+            "actor_steps",
+            c.actor_steps,
+            f"actor-driven runs use the p2p engine, not {c.engine!r}: set engine='p2p' or actor_steps=0.",
+        )
     check_choice("same_node_transport", c.same_node_transport, SAME_NODE_TRANSPORTS)
     check_choice("device_links", c.device_links, DEVICE_LINKS)
     check_choice("compress_activations", c.compress_activations, CODECS)
@@ -224,6 +231,7 @@ def check_schedule(c: Any) -> None:
 # TrainConfig fields a running trainer can change between steps (`Trainer.reconfigure`);
 # the others shape the actors.
 RECONFIGURABLE = (
+    "actor_steps",
     "microbatches",
     "schedule",
     "extra_warmup",

@@ -24,6 +24,8 @@ __all__ = [
     "CompiledCall",
     "HeldState",
     "PeerStopped",
+    "RunCall",
+    "RunStep",
     "StepCall",
     "StepReport",
     "WorldSpec",
@@ -159,6 +161,55 @@ class CompiledCall:
             self.varying,
             self.weights[replica] if holds_last else None,
         )
+
+
+@dataclass(frozen=True)
+class RunCall:
+    """A run of `steps` steps an actor drives itself (`StageActor.run_steps`), one call per actor
+    for the whole run: each step's batch comes from the `reader` actor (`DatasetReader.batch`),
+    boundaries from its neighbours, and what the driver books goes to the `board` actor
+    (`StepBoard.report`) instead of back through the call.
+
+    Attributes:
+        call_id, step: the call id and 0-based step of the run's first step (then one more each).
+        actions, peers: as in `StepCall`, the same for every step of the run.
+        replica: its dp replica (which of a batch's parts it takes); rank: its world rank.
+        cut: (dp, microbatches) the reader cuts each batch for.
+        reports: it reports every step to the board (a stage lead, or the last stage's tp rank 0);
+            the others report only the steps they save.
+        saves: 0-based step -> the directory its checkpoint files go to (`checkpoints.begin_save`).
+        timeout: seconds it waits for a batch from the reader (`TrainConfig.step_timeout`).
+    """
+
+    call_id: int
+    step: int
+    steps: int
+    actions: list
+    peers: list
+    reader: Any
+    board: Any
+    replica: int
+    rank: int
+    cut: tuple
+    reports: bool
+    saves: dict
+    timeout: float
+
+
+@dataclass(frozen=True)
+class RunStep:
+    """One step of an actor-driven run as the board hands it to the driver once every reporter of
+    it has reported: the reporters' `StepReport`s by world rank, the losses in world-rank order
+    (already weighted), the batch's samples and tokens, each actor's checkpoint part on a saving
+    step (`save_checkpoint`'s answer, or {"error": text}), and the seconds since the step before."""
+
+    step: int
+    reports: dict
+    losses: list
+    samples: int
+    tokens: int | None
+    saves: dict
+    seconds: float
 
 
 @dataclass(frozen=True)

@@ -92,15 +92,23 @@ def reference_run(
     return losses, first_grads, model.state_dict()
 
 
-def check_sgd_parity(trainer, initial, reference, schedule, microbatches, optimizer, data=batch):
+def check_sgd_parity(trainer, initial, reference, schedule, microbatches, optimizer, data=batch, actors=False):
     """Restarts `trainer` from `initial` and checks 3 steps of `data(k)` against `reference_run`'s
-    output: every step's loss, the first step's gradients and global gradient norm, the final weights."""
+    output: every step's loss, the first step's gradients and global gradient norm, the final weights.
+    `actors`: the 3 steps are one run the actors drive (`actor_steps`): its losses and final weights."""
     ref_losses, ref_grads, ref_final = reference
     trainer.reconfigure(schedule=schedule, microbatches=microbatches, optimizer=optimizer)
     trainer.reset_optimizer()
     trainer.load_state_dict(initial)
     losses = []
-    for k in range(3):
+    if actors:
+        trainer.step_count = 0
+        trainer.reconfigure(actor_steps=3)
+        try:
+            losses = [m["loss"] for m in trainer.fit(data, 3)]
+        finally:
+            trainer.reconfigure(actor_steps=0)
+    for k in range(0 if actors else 3):
         metrics = trainer.step(*data(k))
         losses.append(metrics["loss"])
         if k == 0:

@@ -10,6 +10,8 @@ import pytest
 import ray
 import torch
 
+from raypipe.transport import agree
+
 SIZE = 3
 
 
@@ -64,8 +66,8 @@ def ranks(ray_session):
 
 def test_every_rank_gets_the_same_sums_round_after_round(ranks):
     g = torch.Generator().manual_seed(0)
-    rows = (torch.randn(6, SIZE, 3, generator=g, dtype=torch.float64) * 1e3).tolist()
-    rows[2][1] = [float("nan"), 1.0, 0.0]  # a non-finite vote travels too
+    rows = (torch.randn(6, SIZE, agree.VALUES, generator=g, dtype=torch.float64) * 1e3).tolist()
+    rows[2][1] = [float("nan"), 1.0, 0.0, 1.0]  # a non-finite vote travels too
     # ranks arrive in different orders; a fast rank's next round may come before a slow one read this round's
     delays = [[0.0, 0.2, 0.0], [0.2, 0.0, 0.0], [0.0, 0.0, 0.2], [0.0, 0.0, 0.0], [0.1, 0.0, 0.3], [0.0, 0.0, 0.0]]
     results = ray.get([r.sums.remote(rows, delays) for r in ranks], timeout=60)
@@ -80,9 +82,9 @@ def test_every_rank_gets_the_same_sums_round_after_round(ranks):
 def test_rounds_back_to_back_keep_each_rounds_numbers_apart(ranks):
     # with no pause between rounds a rank often reads the next round's record from a
     # faster peer together with this round's; it must keep it for the next round
-    rows = [[[float(rnd), float(r), 1.0] for r in range(SIZE)] for rnd in range(300)]
+    rows = [[[float(rnd), float(r), 1.0, 0.0] for r in range(SIZE)] for rnd in range(300)]
     results = ray.get([r.sums.remote(rows) for r in ranks], timeout=60)
-    expected = [[SIZE * float(rnd), float(sum(range(SIZE))), float(SIZE)] for rnd in range(300)]
+    expected = [[SIZE * float(rnd), float(sum(range(SIZE))), float(SIZE), 0.0] for rnd in range(300)]
     assert results == [expected] * SIZE
 
 
@@ -91,7 +93,7 @@ def test_nothing_is_left_in_shared_memory(ranks):
 
 
 def test_a_rank_whose_peer_exited_fails_instead_of_waiting(ranks):  # last: it ends the world
-    waiting = [r.sums.remote([[[1.0, 0.0, 0.0]] * SIZE]) for r in ranks[1:]]
+    waiting = [r.sums.remote([[[1.0, 0.0, 0.0, 0.0]] * SIZE]) for r in ranks[1:]]
     time.sleep(1.0)  # ranks 1 and 2 are waiting for rank 0
     ray.kill(ranks[0])
     started = time.monotonic()

@@ -42,6 +42,7 @@ def test_defaults_are_valid_and_printable():
         ("lr_schedule", {"name": "constant", "warmup": 3}, "Did you mean 'warmup_steps'"),
         ("activation_checkpointing", "yes", "true or false"),
         ("compile", "yes", "true or false"),
+        ("actor_steps", -1, "TrainConfig.actor_steps=-1"),
         ("seed", -3, "seed"),
         ("step_timeout", 0, "step_timeout"),
         ("grad_clip", float("nan"), "finite number > 0"),

@@ -116,21 +116,26 @@ def test_unplaceable_actors_fail_within_the_start_timeout(ray_session, trainer):
     assert ray_session.available_resources().get("CPU") == 1.5
 
 
-def test_a_stuck_step_times_out_naming_what_is_pending(ray_session):
+@pytest.mark.parametrize(
+    "actor_steps, pending",
+    [(0, "stage1-dp0-tp0: 1F0, 1B0"), (3, "no report yet from stage0-dp0-tp0, stage1-dp0-tp0")],
+    ids=["step", "actor-driven"],
+)
+def test_a_stuck_step_times_out_naming_what_is_pending(ray_session, actor_steps, pending):
     layers = [LayerSpec(nn.Linear, 4, 4), LayerSpec(Sleep, 30.0)]
-    with Trainer(
-        layers, nn.functional.mse_loss, TrainConfig(pp=2, microbatches=2, step_timeout=1.0, cpus_per_actor=QUARTER)
-    ) as t:
+    config = TrainConfig(pp=2, microbatches=2, step_timeout=1.0, cpus_per_actor=QUARTER, actor_steps=actor_steps)
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    with Trainer(layers, nn.functional.mse_loss, config) as t:
         started = time.monotonic()
         with pytest.raises(StepTimeoutError) as info:
-            t.step(torch.randn(4, 4), torch.randn(4, 4))
+            t.fit(lambda k: (x, y), 3) if actor_steps else t.step(x, y)
         assert time.monotonic() - started < 10
         assert t.group.actors == []  # the trainer stopped its actors
         with pytest.raises(Exception, match="no actors"):
             t.step(torch.randn(4, 4), torch.randn(4, 4))
     message = str(info.value)
     assert "no progress for 1 s" in message
-    assert "stage1-dp0-tp0: 1F0, 1B0" in message
+    assert pending in message
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
         alive = []

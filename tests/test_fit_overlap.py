@@ -1,12 +1,15 @@
 """Trainer.fit keeps the next step queued at the actors while it waits for the current
 one: the results are those of one step at a time, a failed step halts the step queued
-behind it, and a fit stopped early books the step that already ran."""
+behind it, and a fit stopped early books the step that already ran. With
+`TrainConfig.actor_steps` the actors drive runs of steps themselves: the same results, the same
+failures, checkpoints written at their steps, and a fit stopped early ends the run at a step."""
 
 import pytest
 import torch
 from torch import nn
 
-from raypipe import NonFiniteError, StageError, TrainConfig, Trainer
+from raypipe import ConfigError, NonFiniteError, StageError, TrainConfig, Trainer
+from raypipe.checkpoint.layout import list_checkpoints
 
 from helpers import MLP7, assert_close_dicts, batch, reference_run
 
@@ -26,8 +29,10 @@ def trainer(ray_session):
     t.shutdown()
 
 
-def restart(trainer: Trainer) -> None:
-    """Back to the initial weights, a fresh optimizer and step 0."""
+def restart(trainer: Trainer, actor_steps: int = 0) -> None:
+    """Back to the initial weights, a fresh optimizer and step 0 (and steps driven as told)."""
+    if trainer.config.actor_steps != actor_steps:
+        trainer.reconfigure(actor_steps=actor_steps)
     trainer.reset_optimizer()
     trainer.load_state_dict(reference_run(MLP7, 3, sgd, steps=0)[2])
     trainer.step_count = 0
@@ -73,8 +78,10 @@ def test_fit_with_on_step_waits_for_each_step_unless_told(trainer):
     ],
     ids=["stage-error", "non-finite"],
 )
-def test_a_failed_step_halts_the_step_queued_behind_it(trainer, spoil, error):
-    restart(trainer)
+@pytest.mark.parametrize("actor_steps", [0, 4], ids=["driver", "actors"])
+def test_a_failed_step_halts_the_step_queued_behind_it(trainer, spoil, error, actor_steps):
+    """Driven by the actors, the run's steps after the failed one are never run."""
+    restart(trainer, actor_steps)
     trainer.fit(batch, 1)
     before = trainer.state_dict()
 
@@ -104,3 +111,57 @@ def test_a_fit_stopped_by_its_batches_books_the_step_already_queued(trainer):
         trainer.fit(data, 4)
     assert trainer.step_count == 2  # step 2 was queued when batch 2 failed: it ran, so it counts
     assert_close_dicts(trainer.state_dict(), reference_run(MLP7, 3, sgd, steps=2)[2])
+
+
+def test_actor_driven_runs_train_exactly_like_single_steps(trainer, tmp_path):
+    """Runs of 3 steps over a fit of 7: the same losses and weights as one step at a time, the
+    batches made by a reader actor (the driver never calls the function), each due checkpoint
+    written by the actors inside the run, and the last step's timeline measured."""
+    restart(trainer)
+    singles = [trainer.step(*batch(k))["loss"] for k in range(7)]
+    expected = trainer.state_dict()
+    restart(trainer, actor_steps=3)
+    trainer.reconfigure(checkpoint_dir=str(tmp_path), checkpoint_every=2)
+    called = []
+
+    def data(k):
+        called.append(k)  # in the reader actor's process: not this list
+        return batch(k)
+
+    try:
+        history = trainer.fit(data, 7)
+    finally:
+        trainer.reconfigure(checkpoint_dir=None, checkpoint_every=0)
+    assert called == []
+    assert [m["loss"] for m in history] == singles
+    assert [m["step"] for m in history] == list(range(1, 8)) and all(m["samples"] == 16 for m in history)
+    actual = trainer.state_dict()
+    assert all(torch.equal(actual[k], expected[k]) for k in expected)
+    assert [p.name for p in list_checkpoints(tmp_path)][-3:] == ["step-00000002", "step-00000004", "step-00000006"]
+    assert [h["checkpoint"].endswith("step-00000004") for h in history if "checkpoint" in h] == [False, True, False]
+    assert {span.stage for span in trainer.timeline().spans} == {0, 1}
+    trainer.load(str(tmp_path), step=4, log=lambda line: None)  # the actors' checkpoint holds step 4's weights
+    assert_close_dicts(trainer.state_dict(), reference_run(MLP7, 3, sgd, steps=4, microbatches=4)[2])
+
+
+def test_a_fit_stopped_by_its_caller_ends_the_actors_run_at_a_step(trainer):
+    """on_step raising in step 2 of a 20-step run: the actors are told to stop, end after the step
+    under way, and every step they applied is booked; training then goes on exactly."""
+    restart(trainer, actor_steps=20)
+
+    def stop(metrics):
+        if metrics["step"] == 2:
+            raise KeyError("stop here")
+
+    with pytest.raises(KeyError, match="stop here"):
+        trainer.fit(batch, 20, on_step=stop)
+    stopped = trainer.step_count
+    assert 2 <= stopped < 20
+    assert_close_dicts(trainer.state_dict(), reference_run(MLP7, 3, sgd, steps=stopped, microbatches=4)[2])
+    trainer.fit(batch, stopped + 2)
+    assert_close_dicts(trainer.state_dict(), reference_run(MLP7, 3, sgd, steps=stopped + 2, microbatches=4)[2])
+    with pytest.raises(ConfigError, match="an iterable of batches is read on the driver"):
+        trainer.fit(iter([batch(0)]), trainer.step_count + 1)
+    with pytest.raises(ConfigError, match="actor-driven runs use the p2p engine"):
+        TrainConfig(actor_steps=2, engine="compiled")
+    restart(trainer)

@@ -48,7 +48,8 @@ def fed_by_function(ray_session):
 
 
 def test_dataset_losses_equal_the_same_batches_fed_by_a_function(fed_by_function, monkeypatch):
-    """...and the driver never cuts a batch: `prepare` fails if the driver process calls it."""
+    """...and the driver never cuts a batch: `prepare` fails if the driver process calls it. (Driven
+    by the actors, the same losses: `test_a_stage_death_replays_the_same_batches[dataset-actors]`.)"""
     import raypipe.driver.feeds as feeds
 
     def driver_cut(*args, **kwargs):
@@ -87,29 +88,41 @@ def killable_by_function(ray_session, tmp_path_factory):
         return [m["loss"] for m in t.fit(batches, STEPS)]
 
 
-@pytest.mark.parametrize("source", ["dataset", "iterable"])
+@pytest.mark.parametrize("source", ["dataset", "iterable", "dataset-actors"])
 def test_a_stage_death_replays_the_same_batches(killable_by_function, tmp_path, source):
     """Stage 1 of replica 0 dies in step 6. From the checkpoint (the Dataset case,
     `restore_from_replicas=False`) the recovery restores step 4's and the feed gives steps 5..7
     again (step 5 ran already): a Ray Dataset re-read from its start. From the surviving replica's
-    memory (the iterable case) step 6 runs again on the batch the feed kept; nothing is replayed."""
+    memory (the iterable case) step 6 runs again on the batch the feed kept; nothing is replayed.
+    Driven by the actors (runs of 4 steps, ahead of the driver's booking), it dies in the step
+    after the one the driver books second, and the run's checkpoints, written by the actors, restore."""
     flag = tmp_path / "kill-now"
     layers = killable(flag)
     messages = []
     memory = source == "iterable"
-    cfg = config(checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=2, max_restarts=1, restore_from_replicas=memory)
+    driven = source == "dataset-actors"
+    cfg = config(
+        checkpoint_dir=str(tmp_path / "ck"),
+        checkpoint_every=2,
+        max_restarts=1,
+        restore_from_replicas=memory,
+        actor_steps=4 if driven else 0,
+    )
     with Trainer(layers, nn.functional.mse_loss, cfg) as t:
 
         def on_step(metrics):
-            if metrics["step"] == 5 and t.restarts == 0:
-                flag.touch()  # stage 1 kills its own process in step 6's first forward
+            if metrics["step"] == (2 if driven else 5) and t.restarts == 0:
+                flag.touch()  # stage 1 kills its own process in the next step's first forward
 
-        data = dataset() if source == "dataset" else (batches(k) for k in range(STEPS))
+        data = (batches(k) for k in range(STEPS)) if memory else dataset()
         history = t.fit(data, STEPS, batch_size=BATCH, on_step=on_step, log=messages.append)
         assert t.restarts == 1
     if memory:
         assert any("resumed at step 5 from the surviving replicas" in m for m in messages), messages
         assert [m["step"] for m in history] == list(range(1, STEPS + 1)), messages
+    elif driven:
+        assert any("stage1-dp0-tp0 died" in m for m in messages), messages
+        assert any(f"resumed at step {s} from" in m for m in messages for s in (2, 4)), messages
     else:
         assert any("resumed at step 4 from" in m for m in messages), messages
     losses = {m["step"]: m["loss"] for m in history}

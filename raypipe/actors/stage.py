@@ -29,6 +29,7 @@ from raypipe.actors.memory import max_rss_bytes, memory_split
 from raypipe.actors.model import StageModel, gpu_identity, resolve_device
 from raypipe.actors.optimizer import OptimizerState
 from raypipe.actors.refs_calls import RefsCalls, to_host
+from raypipe.actors.run_loop import RunsSteps
 from raypipe.actors.settings import StageSettings
 from raypipe.actors.state_calls import StateCalls
 from raypipe.devices import SERVING_ENV
@@ -51,7 +52,7 @@ from raypipe.transport.wire import pack, unpack
 __all__ = ["StageActor", "StageSettings"]
 
 
-class StageActor(RefsCalls, StateCalls, ProbesLinks):
+class StageActor(RefsCalls, StateCalls, ProbesLinks, RunsSteps):
     """Holds layers of the model (`spec`: which, where, with what) and runs their forward and backward."""
 
     def __init__(self, spec: ActorSpec) -> None:
@@ -262,9 +263,11 @@ class StageActor(RefsCalls, StateCalls, ProbesLinks):
             optim.reduce_gradients()
         sq, finite = optim.grad_stats(self.executor.losses_finite) if failure is None else (0.0, True)
         # each actor's share counts every gradient once (`OptimizerState.norm_share`)
-        votes = torch.tensor([sq, float(not finite), float(failure is not None)], dtype=torch.float64)
+        stop = float(self.current_run is not None and self.stop_run == self.current_run)  # an actor-driven run ends
+        votes = torch.tensor([sq, float(not finite), float(failure is not None), stop], dtype=torch.float64)
         if dist.is_initialized():  # a lone actor (pp = dp = tp = 1) has no world to agree with
             votes = agree.all_sum(votes)
+        self.stop_voted = bool(votes[3] > 0)
         if votes[2] > 0:
             self.unapplied_call = self.executor.current_call
             self.executor.clear_stash()

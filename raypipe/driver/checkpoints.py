@@ -42,25 +42,48 @@ def save(actors: Sequence[Any], names: Sequence[str], root: str, step: int, meta
     Raises:
         CheckpointError: `step-<step>` is another run's complete checkpoint.
     """
-    run_id = meta["run_id"]
-    final = location(root) / ckpt.checkpoint_name(step)
-    manifest = ckpt.manifest_of(final)
-    owner = ckpt.run_of(final, manifest) if manifest is not None else run_id
-    if owner != run_id:
-        raise ckpt.CheckpointError(
-            f"{final} belongs to run {owner or 'unknown (written before run ids)'}; this is run {run_id}, "
-            f"which never replaces another run's checkpoint: save to a directory of its own."
-        )
-    ckpt.clean_partials(root, run_id, but=step)  # debris of this run's saves a killed driver left
-    partial = ckpt.begin(root, step, run_id)
+    partial = begin_saves(root, meta["run_id"], [step])[step]
     try:
         # every actor takes part: under ZeRO-1 each replica holds a share of the optimizer state
         parts = gather([a.save_checkpoint.remote(address(partial)) for a in actors], "save", actors, names)
-        files = {name: entry for part in parts for name, entry in part["files"].items()}
-        return ckpt.commit(partial, files, {**meta, "loss_scaler": parts[0]["loss_scaler"]}, keep)
+        return commit_save(partial, parts, meta, keep)
     except BaseException:
         ckpt.abort(partial)
         raise
+
+
+def begin_saves(root: str, run_id: str, steps: Sequence[int]) -> dict[int, Any]:
+    """The directories the actors write the checkpoints of `steps` to (their own saves, or an
+    actor-driven run's), after the debris of this run's earlier saves is swept.
+
+    Raises:
+        CheckpointError: one of them is another run's complete checkpoint.
+    """
+    for step in steps:
+        final = location(root) / ckpt.checkpoint_name(step)
+        manifest = ckpt.manifest_of(final)
+        owner = ckpt.run_of(final, manifest) if manifest is not None else run_id
+        if owner != run_id:
+            raise ckpt.CheckpointError(
+                f"{final} belongs to run {owner or 'unknown (written before run ids)'}; this is run {run_id}, "
+                f"which never replaces another run's checkpoint: save to a directory of its own."
+            )
+    ckpt.clean_partials(root, run_id)  # a killed driver's debris (`begin` clears its own directory anyway)
+    return {step: ckpt.begin(root, step, run_id) for step in steps}
+
+
+def commit_save(partial: Any, parts: Sequence[dict[str, Any]], meta: dict[str, Any], keep: int) -> Path:
+    """Commits the checkpoint the actors wrote to `partial` (`parts`: each actor's answer, in rank
+    order) with `meta`; returns where it is.
+
+    Raises:
+        CheckpointError: an actor could not write its part (its error).
+    """
+    failed = [part["error"] for part in parts if "error" in part]
+    if failed:
+        raise ckpt.CheckpointError("; ".join(failed[:4]))
+    files = {name: entry for part in parts for name, entry in part["files"].items()}
+    return ckpt.commit(partial, files, {**meta, "loss_scaler": parts[0]["loss_scaler"]}, keep)
 
 
 def load(

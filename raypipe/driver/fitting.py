@@ -16,7 +16,7 @@ from raypipe.actors.settings import stops_on_nonfinite
 from raypipe.checkpoint import layout as ckpt
 from raypipe.checkpoint.layout import CheckpointError
 from raypipe.data.batches import prepare
-from raypipe.driver import elastic
+from raypipe.driver import actor_runs, elastic
 from raypipe.driver.group import ActorGroup, Submitted
 from raypipe.driver.interrupts import Terminated, sigterm_as_interrupt
 from raypipe.driver.recovery import recover
@@ -71,12 +71,13 @@ def complete(group: ActorGroup, run: RunState, submitted: Submitted) -> dict[str
     lead_ranks = group.topology.lead_ranks()
     leads = [result.stage_reports[r] for r in lead_ranks]
     losses = result.losses if submitted.weights is None else [v * w for v, w in zip(result.losses, submitted.weights)]
+    samples, tokens = result.batch or (submitted.samples, submitted.tokens)  # an actor-driven run's, else the driver's
     metrics = step_metrics(
         run.step_count,
         losses,
         result.seconds,
-        submitted.samples,
-        submitted.tokens,
+        samples,
+        tokens,
         report,
         leads,
         config.precision == "fp16",
@@ -87,7 +88,7 @@ def complete(group: ActorGroup, run: RunState, submitted: Submitted) -> dict[str
     every = config.checkpoint_every
     if every and run.step_count % every == 0:  # before the loggers: a logger never costs a checkpoint
         try:
-            metrics["checkpoint"] = save_due(group, run, metrics)
+            metrics["checkpoint"] = save_due(group, run, metrics, result.saved)
         except ActorDiedError as error:
             error.booked = metrics  # the step ran and counts; a recovery from memory does not replay it
             raise
@@ -95,15 +96,16 @@ def complete(group: ActorGroup, run: RunState, submitted: Submitted) -> dict[str
     return metrics
 
 
-def save_due(group: ActorGroup, run: RunState, metrics: dict[str, Any]) -> str:
-    """Writes the checkpoint due after the step of `metrics`; returns where.
+def save_due(group: ActorGroup, run: RunState, metrics: dict[str, Any], written: Any = None) -> str:
+    """Writes the checkpoint due after the step of `metrics` (or commits the one an actor-driven
+    run `written`: its directory, each actor's part); returns where.
 
     Raises:
         SaveFailed: the save failed (disk full, a bucket error); the step itself stands.
         ActorDiedError: an actor died while saving (a recovery's matter).
     """
     try:
-        return str(group.save(group.config.checkpoint_dir, run))
+        return str(group.save(group.config.checkpoint_dir, run, written))
     except (ActorDiedError, KeyboardInterrupt):
         raise
     except Exception as error:  # noqa: BLE001
@@ -163,10 +165,17 @@ def fit(
             while run.step_count < steps:
                 every = group.config.checkpoint_every
                 if not queue:
-                    queue.append(group.submit(feed.get(run.step_count), run.step_count))
+                    queue.extend(next_steps(group, run, feed, steps))
                 ahead = run.step_count + len(queue)
-                # a shrunk run queues none: it may grow back at any step boundary
-                if overlap and ahead < steps and not (every and ahead % every == 0) and group.shrunk is None:
+                # a shrunk run queues none: it may grow back at any step boundary; an actor-driven run
+                # has its steps queued already
+                if (
+                    overlap
+                    and not group.config.actor_steps
+                    and ahead < steps
+                    and not (every and ahead % every == 0)
+                    and group.shrunk is None
+                ):
                     queue.append(group.submit(feed.get(ahead), ahead, after=queue[-1].call_id))
                 try:
                     metrics = complete(group, run, queue[0])
@@ -182,9 +191,14 @@ def fit(
                     run.loggers.log(run.step_count, scalars(metrics))
                 except SaveFailed as failure:
                     queue.pop(0)
+                    actor_runs.finish(group)  # an actor-driven run ends after a failed save: retried after it
                     metrics = failure.metrics
                     metrics["checkpoint"] = retry_save(group, run, failure, log)
                     run.loggers.log(run.step_count, scalars(metrics))
+                if metrics is None and group.config.actor_steps:  # the actors ended their run early
+                    actor_runs.finish(group)
+                    queue.clear()
+                    continue
                 if metrics is None:
                     raise RaypipeError(
                         f"step {run.step_count + 1} was halted by the actors, but the step "
@@ -208,6 +222,15 @@ def fit(
         if isinstance(stopped_by, KeyboardInterrupt):
             interrupted(group, run, stopped_by, log)
     return history
+
+
+def next_steps(group: ActorGroup, run: RunState, feed: Any, steps: int) -> list[Submitted]:
+    """The next step submitted, or with `TrainConfig.actor_steps` a run of up to that many handed
+    to the actors (`actor_runs`; not while an elastic run is shrunk: it may grow back at any step)."""
+    count = min(group.config.actor_steps, steps - run.step_count)
+    if count and group.shrunk is None:
+        return actor_runs.start(group, run, feed.reader_for_actors(), count)
+    return [group.submit(feed.get(run.step_count), run.step_count)]
 
 
 def interrupted(group: ActorGroup, run: RunState, error: KeyboardInterrupt, log: Callable[[str], None]) -> None:
@@ -236,6 +259,7 @@ def settle(group: ActorGroup, run: RunState, queue: list[Submitted]) -> None:
     """Books the steps still queued when `fit` stops early (an error, an interrupt): those
     behind a failed step were halted by the actors; the others ran and count, so
     `step_count` always matches the weights."""
+    actor_runs.stop(group)  # an actor-driven run ends after its step under way
     for submitted in queue:
         if not submitted.done and group.running:
             try:

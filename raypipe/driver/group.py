@@ -69,6 +69,8 @@ class ActorGroup:
         self.calls = 0  # step calls issued, the id of the last one
         self.report: PlanReport | None = None  # the profiled plan's report, which a shrink plans from
         self.shrunk: Any = None  # after an elastic shrink: what it grows back to (`elastic.Shrunk`)
+        self.board: Any = None  # the actor-driven runs' step board (`actor_runs`), made at the first
+        self.actor_run: Any = None  # the actor-driven run under way (`actor_runs.ActorRun`)
         self.reshape(config, plan)
         self._finalizer: weakref.finalize | None = None
 
@@ -123,8 +125,8 @@ class ActorGroup:
     def shutdown(self) -> None:
         """Stops every actor. Safe to call twice."""
         self.engine.close()
-        placement.kill(self.actors, self.placement_group)
-        self.actors, self.placement_group = [], None
+        placement.kill(self.actors + ([self.board] if self.board is not None else []), self.placement_group)
+        self.actors, self.placement_group, self.board, self.actor_run = [], None, None, None
         if self._finalizer is not None:
             self._finalizer.detach()
 
@@ -139,6 +141,7 @@ class ActorGroup:
 
     def reconfigure(self, config: TrainConfig, reset_optimizer: bool = False) -> None:
         """Applies new settings to the running actors (`Trainer.reconfigure`)."""
+        self.idle("reconfigure")
         self.set_schedule(config)  # refuses other chunks before anything changes
         self.config = config
         self.configure(reset_optimizer)
@@ -155,6 +158,7 @@ class ActorGroup:
         of the step queued ahead of it."""
         if not self.actors:
             raise RaypipeError("the trainer has no actors; build a new Trainer or call load() after a failure.")
+        self.idle("a step")
         self.calls += 1
         grid = self.topology.grid
         target = StepTarget(
@@ -173,19 +177,49 @@ class ActorGroup:
         weights = [w for replica in batch.weights for w in replica] if batch.weights is not None else None
         return Submitted(self.calls, batch.samples, batch.tokens, self.engine.submit(target, data, after), weights)
 
+    def idle(self, what: str) -> None:
+        """Raises when the actors are driving a run of steps (`actor_runs`): a call would wait
+        behind the whole run, and then see the weights of its end, not of the step being booked."""
+        if self.actor_run is not None:
+            raise RaypipeError(
+                f"{what} while the actors drive a run of steps (TrainConfig.actor_steps="
+                f"{self.config.actor_steps}): call it after fit returns, or from on_step with actor_steps=0"
+            )
+
     # ----- checkpoints -----------------------------------------------------------
 
-    def save(self, root: str, run: RunState) -> Path:
-        """Saves run `run`'s checkpoint of its current step under `root`, all actors in lock-step;
+    def save(self, root: str, run: RunState, written: Any = None) -> Path:
+        """Saves run `run`'s checkpoint of its current step under `root`, all actors in lock-step
+        (or commits the one an actor-driven run `written`: its directory, each actor's part);
         returns `<root>/step-<N>`."""
         meta = checkpoints.run_meta(
             run.step_count, len(self.specs), self.plan, run.run_name, run.run_id, self.config, self.base_identity()
         )
-        return checkpoints.save(self.actors, self.names, root, run.step_count, meta, self.config.keep_checkpoints)
+        if written is None:
+            self.idle("save")
+            return checkpoints.save(self.actors, self.names, root, run.step_count, meta, self.config.keep_checkpoints)
+        try:
+            return checkpoints.commit_save(*written, meta, self.config.keep_checkpoints)
+        except BaseException:
+            checkpoints.ckpt.abort(written[0])
+            raise
+
+    def step_board(self) -> Any:
+        """The actor-driven runs' board (`raypipe.actors.step_board`), on the driver's node."""
+        if self.board is None:
+            import ray
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            from raypipe.actors.step_board import StepBoard
+
+            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+            self.board = ray.remote(StepBoard).options(num_cpus=0, max_restarts=0, scheduling_strategy=here).remote()
+        return self.board
 
     def load(self, path: str, step: int | None, run: RunState, log: Callable[[str], None]) -> Path:
         """Restores a checkpoint into every actor (all or nothing); `run` continues the run that saved
         it from its step, and that run's checkpoints after the step are set aside."""
+        self.idle("load")
         where, meta = checkpoints.load(
             self.actors,
             self.names,
@@ -212,6 +246,7 @@ class ActorGroup:
     def measure_links(self) -> list[Link]:
         """Measures both ways of each link between neighbouring stages on different nodes
         (`link_probe`), keeps and returns them."""
+        self.idle("measuring links")
         self.links = link_probe.probe_links(self)
         return self.links
 
@@ -219,6 +254,7 @@ class ActorGroup:
         """Per actor: name, layers, parameters, node, pid, device, threads, `links` (neighbour ->
         transport), `link_rates` (neighbour -> the measured link to it: Mbit/s and latency) and
         `topology`: pp, dp, tp now and as configured (an elastic run's shrink shows here)."""
+        self.idle("stage_info")
         infos = placement.name_links(gather([a.info.remote() for a in self.actors], "stage_info"), self.names)
         full = self.shrunk.config if self.shrunk is not None else self.config
         shape = {"pp": self.config.pp, "dp": self.config.dp, "tp": self.config.tp}
@@ -239,6 +275,7 @@ class ActorGroup:
         """Under ZeRO-3 (`zero=3`, dp > 1) every actor holds its stage's weights whole inside the
         block (and the last step's gradients with `gradients`), for what reads them on one
         replica: evaluation, generation, state dicts, exports. Nothing otherwise."""
+        self.idle("reading the weights")
         if self.config.zero != 3 or self.config.dp == 1:
             yield
             return
@@ -250,10 +287,12 @@ class ActorGroup:
 
     def replica0(self) -> tuple[list[list[Any]], list[list[str]]]:
         """Replica 0's actors and their names, per stage and tp rank: where inference runs."""
+        self.idle("inference")
         return self.topology.grid(self.actors)[0], self.topology.grid(self.names)[0]
 
     def inference_path(self) -> tuple[list, list, list[int] | None]:
         """The actors a forward-only pass runs through, in virtual-stage order (`chunks.inference_path`)."""
+        self.idle("inference")
         return chunks.inference_path(*chunks.inference_group(self.topology, self.actors, self.names), self.schedule)
 
     def actor_plan(self) -> list[list[tuple[int, int]]]:

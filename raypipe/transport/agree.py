@@ -28,7 +28,7 @@ import torch.distributed as dist
 from raypipe.transport.pipes import owned, poller, sweep_stale, wait_alive
 from raypipe.transport.pipes import prefix as link_prefix
 
-VALUES = 3  # numbers each rank contributes
+VALUES = 4  # numbers each rank contributes
 RECORD = struct.Struct(f"<2q{VALUES}d")  # rank, round, values: written atomically (< PIPE_BUF)
 
 # this actor's pipes to every other rank of its world (`connect`): module state because an actor

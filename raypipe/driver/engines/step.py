@@ -58,5 +58,7 @@ class StepResult:
     """What one step produced: per-microbatch losses and each stage's optimizer report."""
 
     losses: list[float]
-    stage_reports: list[StepReport]  # world-rank order
+    stage_reports: list[StepReport] | dict[int, StepReport]  # by world rank (an actor-driven run: its reporters')
     seconds: float
+    batch: tuple[int, int | None] | None = None  # an actor-driven run's (samples, tokens), its losses weighted
+    saved: Any = None  # an actor-driven run's checkpoint of the step: (its directory, each actor's part)
