@@ -342,7 +342,7 @@ def test_where_the_cores_set_the_step_auto_takes_the_lighter_of_tied_schedules()
 class Projections(torch.nn.Module):
     """A block of two wide linears, only `q_proj` a LoRA target."""
 
-    def __init__(self, width: int = 384) -> None:
+    def __init__(self, width: int = 768) -> None:
         super().__init__()
         self.q_proj, self.up = torch.nn.Linear(width, width), torch.nn.Linear(width, width)
 
@@ -368,11 +368,11 @@ def test_profiles_time_input_and_weight_gradients_apart_and_lora_leaves_w_the_ad
     assert "input_s" not in profiler.profile(layers, 0, x, x, torch.nn.functional.mse_loss, repeats=1)
 
     wide = [LayerSpec(Projections)] * 2
-    h = torch.randn(256, 384)
+    h = torch.randn(256, 768)
     lora = {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj"]}
     loss = torch.nn.functional.mse_loss
     full, adapters = (profiler.profile(wide, 0, h, h, loss, split=True, lora=config) for config in (None, lora))
-    assert adapters["weight_s"][1] < 0.3 * full["weight_s"][1], (adapters["weight_s"], full["weight_s"])
+    assert adapters["weight_s"][1] < 0.5 * full["weight_s"][1], (adapters["weight_s"], full["weight_s"])
     assert adapters["backward_s"][1] < full["backward_s"][1]
 
 
