@@ -1,19 +1,24 @@
-"""What the driver spends per step as the actor count grows (issue 40, "measure first").
+"""What the driver spends per step as the actor count grows (issue 40).
 
-Tiny layers (an 8 x 8 linear per stage), so the step is the engine's and the driver's own cost.
-For each shape (pp x dp: 2, 4, 8, 16 and 32 actors), engine and input (a function of the step the
-driver calls and cuts, or a Ray Data dataset read by a reader actor beside the stages), one trainer
-runs `fit` for `--warmup` steps and then `--steps` more, and the report gives per step in that
-steady state: the driver process's CPU time (getrusage: user + system, every thread of the
-process, so the 2-core machine's contention does not hide it the way wall time would), the
-step's wall time (median of `step_time`), and the bytes the driver cut and shipped to the actors
-(the batch itself when driver-fed; none with Ray Data). Then the least-squares slope of driver CPU
-per added actor, per engine and input.
+Tiny layers (an 8 x 8 linear per stage; with tp, an 8-16-8 MLP split over the tp ranks), so the
+step is the engine's and the driver's own cost.
+For each shape (pp x dp, or pp x dp x tp: 2 to 32 actors), engine and input (a function of the
+step the driver calls and cuts, or a Ray Data dataset read by a reader actor beside the stages),
+one trainer runs `fit` for `--warmup` steps and then `--steps` more, and the report gives per
+step in that steady state (from the warm-up's last step booked to the last one): the driver
+process's CPU time (getrusage: user + system, every thread of the process, so the 2-core
+machine's contention does not hide it the way wall time would), the step's wall time (median of
+`step_time`), and the bytes the driver cut and shipped to the actors (the batch itself when
+driver-fed; none with Ray Data). Then the least-squares slope of driver CPU
+per added actor, per engine and input. On 2 cores the step's wall time grows with the actors,
+and a Ray driver spends CPU for every second a call of its is in flight (~10 ms/s measured here,
+whatever it waits on), so `--pace S` also runs each shape with every batch taking at least S s to
+come (a sleep in the reader): each shape's step then lasts about as long and the driver's CPU
+per step compares like with like. "actors" is the p2p engine with `TrainConfig.actor_steps`:
+the whole `fit` is one actor-driven run, begun in the warm-up.
 
-    .venv/bin/python benchmarks/driver_scaling.py --out driver_scaling.json  # ~11 min on 2 cores
-    .venv/bin/python benchmarks/driver_scaling.py --shapes 2x1 4x4 --engines p2p --inputs function  # quick
-
-Not measured yet: tensor-parallel shapes (pp x dp x tp).
+    .venv/bin/python benchmarks/driver_scaling.py --out driver_scaling.json  # ~25 min on 2 cores
+    .venv/bin/python benchmarks/driver_scaling.py --shapes 2x1 8x4 --engines p2p actors --inputs dataset  # quick
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ import json
 import resource
 import statistics
 import sys
+import time
+from typing import Any
 
 import numpy as np
 import ray
@@ -30,9 +37,20 @@ import torch
 from torch import nn
 
 from raypipe import LayerSpec, TrainConfig, Trainer
+from raypipe.actors.reader import default_collate
+from raypipe.nn import ColumnParallel, RowParallel
 
 WIDTH, ROWS_PER_MICROBATCH, MICROBATCHES = 8, 4, 4
-SHAPES = {"2x1": (2, 1), "2x2": (2, 2), "4x2": (4, 2), "4x4": (4, 4), "8x4": (8, 4)}
+SHAPES = {
+    "2x1": (2, 1, 1),
+    "2x2": (2, 2, 1),
+    "4x2": (4, 2, 1),
+    "4x4": (4, 4, 1),
+    "8x4": (8, 4, 1),
+    "2x2x2": (2, 2, 2),
+    "4x2x2": (4, 2, 2),
+    "4x4x2": (4, 4, 2),
+}
 
 
 def driver_cpu() -> float:
@@ -40,46 +58,76 @@ def driver_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def measure(pp: int, dp: int, engine: str, source: str, warmup: int, steps: int) -> dict:
+class Block(nn.Module):
+    """A tiny MLP block whose two linears split across tp ranks (the tp shapes' layer)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+    def tp_plan(self, tp_size: int) -> dict:
+        return {"fc1": ColumnParallel(), "fc2": RowParallel()}
+
+
+def paced(pace: float, make: Any) -> Any:
+    """`make`, taking at least `pace` s: every shape's step then lasts about as long."""
+
+    def batch(arg: Any) -> Any:
+        time.sleep(pace)
+        return make(arg)
+
+    return batch
+
+
+def measure(pp: int, dp: int, tp: int, engine: str, source: str, warmup: int, steps: int, pace: float) -> dict:
     rows = dp * MICROBATCHES * ROWS_PER_MICROBATCH
     x, y = torch.randn(rows, WIDTH), torch.randn(rows, WIDTH)
     config = TrainConfig(
         pp=pp,
         dp=dp,
+        tp=tp,
         microbatches=MICROBATCHES,
-        engine=engine,
+        engine="p2p" if engine == "actors" else engine,
+        actor_steps=warmup + steps if engine == "actors" else 0,
         cpus_per_actor=0.04,
         threads_per_actor=1,
         optimizer={"name": "sgd", "lr": 0.01},
         loggers=[],
         actor_start_timeout=600,
-        name=f"drv-{pp}x{dp}-{engine}-{source}",
+        name=f"drv-{pp}x{dp}x{tp}-{engine}-{source}",
     )
     if source == "dataset":
         data = ray.data.from_items(
             [{"x": x[i % rows].numpy(), "y": y[i % rows].numpy()} for i in range(rows * (warmup + steps))],
             override_num_blocks=4,
         )
-    layers = [LayerSpec(nn.Linear, WIDTH, WIDTH) for _ in range(pp)]
+    layers = [LayerSpec(nn.Linear, WIDTH, WIDTH) if tp == 1 else LayerSpec(Block, WIDTH) for _ in range(pp)]
+    spent, booked = [], []  # the driver's CPU time and the clock as each step is booked
     with Trainer(layers, nn.functional.mse_loss, config) as trainer:
-
-        def run(to: int) -> list[dict]:
-            if source == "dataset":
-                return trainer.fit(data, to, batch_size=rows, log=lambda line: None)
-            return trainer.fit(lambda k: (x, y), to, log=lambda line: None)
-
-        run(warmup)
-        before = driver_cpu()
-        history = run(warmup + steps)
-        spent = driver_cpu() - before
+        record = lambda metrics: (spent.append(driver_cpu()), booked.append(time.perf_counter()))  # noqa: E731
+        if source == "dataset":
+            collate = paced(pace, default_collate) if pace else None
+            history = trainer.fit(
+                data, warmup + steps, batch_size=rows, collate=collate, on_step=record, log=lambda line: None
+            )
+        else:
+            batches = paced(pace, lambda k: (x, y)) if pace else lambda k: (x, y)
+            history = trainer.fit(batches, warmup + steps, on_step=record, log=lambda line: None)
+    spent, wall = spent[-1] - spent[warmup - 1], booked[-1] - booked[warmup - 1]
     return {
         "pp": pp,
         "dp": dp,
-        "actors": pp * dp,
+        "tp": tp,
+        "actors": pp * dp * tp,
         "engine": engine,
         "input": source,
+        "pace_s": pace,
         "driver_cpu_ms_per_step": 1e3 * spent / steps,
         "step_ms": 1e3 * statistics.median(m["step_time"] for m in history[-steps:]),
+        "wall_ms_per_step": 1e3 * wall / steps,
         "driver_fed_bytes_per_step": 0 if source == "dataset" else x.nbytes + y.nbytes,
     }
 
@@ -87,14 +135,15 @@ def measure(pp: int, dp: int, engine: str, source: str, warmup: int, steps: int)
 def slopes(rows: list[dict]) -> dict:
     """Per engine and input: driver CPU ms per added actor (least squares) and the 32-to-2 ratio."""
     out = {}
-    for key in sorted({(r["engine"], r["input"]) for r in rows}):
-        mine = sorted((r for r in rows if (r["engine"], r["input"]) == key), key=lambda r: r["actors"])
+    for key in sorted({(r["engine"], r["input"], r["pace_s"]) for r in rows}):
+        mine = [r for r in rows if (r["engine"], r["input"], r["pace_s"]) == key and r["tp"] == 1]
+        mine.sort(key=lambda r: r["actors"])
         actors = np.array([r["actors"] for r in mine], dtype=float)
         cpu = np.array([r["driver_cpu_ms_per_step"] for r in mine])
         if len(mine) < 2:
             continue
         slope, intercept = np.polyfit(actors, cpu, 1)
-        out["/".join(key)] = {
+        out["/".join(map(str, key))] = {
             "ms_per_added_actor": float(slope),
             "ms_at_zero_actors": float(intercept),
             "largest_over_smallest": float(cpu[-1] / cpu[0]),
@@ -106,11 +155,13 @@ def slopes(rows: list[dict]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES), help="pp x dp")
-    parser.add_argument("--engines", nargs="+", default=["p2p", "compiled"], choices=["p2p", "compiled", "refs"])
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES), help="pp x dp (x tp)")
+    engines = ["p2p", "actors", "compiled", "refs"]
+    parser.add_argument("--engines", nargs="+", default=engines[:3], choices=engines)
     parser.add_argument("--inputs", nargs="+", default=["function", "dataset"], choices=["function", "dataset"])
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--pace", nargs="+", type=float, default=[0.0, 0.3], help="s each batch takes at least")
     parser.add_argument("--out", help="also write the JSON here (Ray's own warnings may share stdout)")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -121,9 +172,10 @@ def main() -> None:
         for shape in args.shapes:
             for engine in args.engines:
                 for source in args.inputs:
-                    row = measure(*SHAPES[shape], engine, source, args.warmup, args.steps)
-                    rows.append(row)
-                    print(json.dumps(row), file=sys.stderr, flush=True)
+                    for pace in args.pace:
+                        row = measure(*SHAPES[shape], engine, source, args.warmup, args.steps, pace)
+                        rows.append(row)
+                        print(json.dumps(row), file=sys.stderr, flush=True)
     finally:
         ray.shutdown()
     report = json.dumps({"benchmark": "driver_scaling", "cpus": 2, "rows": rows, "slopes": slopes(rows)}, indent=1)
