@@ -63,14 +63,15 @@ def test_device_configs_are_checked():
 
 def test_profile_partition_sizes_stages_to_their_device_speed(hetero):
     """rocm simulates a 2x slower device: the profiled split gives it a third of the work (4 + 2
-    layers of 40 ms), predicted within 10 % of the ideal balanced step, and clearly faster than
-    uniform in the same run."""
+    layers of 40 ms), predicted within 20 % of the ideal balanced step (never under it: the profile
+    adds each layer's overhead to its sleeps, ~10 % on a loaded 2-core machine), and clearly
+    faster than uniform in the same run."""
     balance = hetero["balance"]
     assert balance["uniform"]["plan"] == [[0, 3], [3, 6]]
     assert balance["profile"]["plan"] == [[0, 4], [4, 6]]
     per_microbatch = 6 / (1 / 0.04 + 1 / 0.08)  # all work split so both stages take equally long
     ideal = (8 + 2 - 1) * per_microbatch  # m + p - 1 slots of it
-    assert balance["profile"]["predicted"] == pytest.approx(ideal, rel=0.1)
+    assert 0.97 * ideal <= balance["profile"]["predicted"] <= 1.2 * ideal, (balance, ideal)
     # measured side by side in one run, so a slower machine slows both; the absolute step time
     # against the ideal is a benchmark's (benchmarks/hetero_balance.py), not a test's
     assert balance["uniform"]["step_time"] >= 1.3 * balance["profile"]["step_time"]
