@@ -137,5 +137,20 @@ class DatasetReader:
 def _stored(ray: Any, part: Any, inline: bool) -> Any:
     """A batch's part as it is handed on: stored once in Ray's object store and handed on by
     reference; with `inline`, by value when small (one fetch less for each actor that takes it)."""
-    size = part.nbytes if torch.is_tensor(part) or isinstance(part, np.ndarray) else INLINE_BYTES
-    return part if inline and size < INLINE_BYTES else ray.put(part)
+    return part if inline and _nbytes(part) < INLINE_BYTES else ray.put(part)
+
+
+def _nbytes(part: Any) -> int:
+    """The bytes of a packed part's arrays (`pack_microbatches`: a `Packed`, or a tree of them);
+    INLINE_BYTES for anything else, which then goes through the object store."""
+    from raypipe.transport.wire import Packed
+
+    if isinstance(part, Packed):
+        return part.array.nbytes
+    if torch.is_tensor(part) or isinstance(part, np.ndarray):
+        return part.nbytes
+    if isinstance(part, (list, tuple)):
+        return sum(_nbytes(item) for item in part)
+    if isinstance(part, dict):
+        return sum(_nbytes(item) for item in part.values())
+    return INLINE_BYTES
