@@ -14,7 +14,10 @@ per added actor, per engine and input. On 2 cores the step's wall time grows wit
 and a Ray driver spends CPU for every second a call of its is in flight (~10 ms/s measured here,
 whatever it waits on), so `--pace S` also runs each shape with every batch taking at least S s to
 come (a sleep in the reader): each shape's step then lasts about as long and the driver's CPU
-per step compares like with like. "actors" is the p2p engine with `TrainConfig.actor_steps`:
+per step compares like with like. After each shape's run the driver's idle CPU per second is
+measured for 5 s with the same actors alive (Ray's floor, which moves between runs more than
+between shapes), and each row also gives the run's CPU per second and what it spent above that
+floor per step. "actors" is the p2p engine with `TrainConfig.actor_steps`:
 the whole `fit` is one actor-driven run, begun in the warm-up.
 
     .venv/bin/python benchmarks/driver_scaling.py --out driver_scaling.json  # ~25 min on 2 cores
@@ -41,6 +44,7 @@ from raypipe.actors.reader import default_collate
 from raypipe.nn import ColumnParallel, RowParallel
 
 WIDTH, ROWS_PER_MICROBATCH, MICROBATCHES = 8, 4, 4
+IDLE_S = 5.0  # seconds each shape's idle floor is measured over, after its run
 SHAPES = {
     "2x1": (2, 1, 1),
     "2x2": (2, 2, 1),
@@ -51,6 +55,14 @@ SHAPES = {
     "4x2x2": (4, 2, 2),
     "4x4x2": (4, 4, 2),
 }
+
+
+def idle_cpu_per_s(seconds: float) -> float:
+    """The driver's CPU seconds per second while it waits on nothing: Ray's own floor (its core
+    worker's threads), which a driver pays whatever it asks, for as long as it runs."""
+    cpu, clock = driver_cpu(), time.perf_counter()
+    time.sleep(seconds)
+    return (driver_cpu() - cpu) / (time.perf_counter() - clock)
 
 
 def driver_cpu() -> float:
@@ -116,6 +128,7 @@ def measure(pp: int, dp: int, tp: int, engine: str, source: str, warmup: int, st
         else:
             batches = paced(pace, lambda k: (x, y)) if pace else lambda k: (x, y)
             history = trainer.fit(batches, warmup + steps, on_step=record, log=lambda line: None)
+        idle = idle_cpu_per_s(IDLE_S)  # the same actors alive, nothing asked of them
     spent, wall = spent[-1] - spent[warmup - 1], booked[-1] - booked[warmup - 1]
     return {
         "pp": pp,
@@ -126,6 +139,9 @@ def measure(pp: int, dp: int, tp: int, engine: str, source: str, warmup: int, st
         "input": source,
         "pace_s": pace,
         "driver_cpu_ms_per_step": 1e3 * spent / steps,
+        "driver_cpu_ms_per_s": 1e3 * spent / wall,
+        "idle_driver_cpu_ms_per_s": 1e3 * idle,
+        "above_idle_ms_per_step": 1e3 * (spent - idle * wall) / steps,
         "step_ms": 1e3 * statistics.median(m["step_time"] for m in history[-steps:]),
         "wall_ms_per_step": 1e3 * wall / steps,
         "driver_fed_bytes_per_step": 0 if source == "dataset" else x.nbytes + y.nbytes,
@@ -140,6 +156,7 @@ def slopes(rows: list[dict]) -> dict:
         mine.sort(key=lambda r: r["actors"])
         actors = np.array([r["actors"] for r in mine], dtype=float)
         cpu = np.array([r["driver_cpu_ms_per_step"] for r in mine])
+        per_s = [r["driver_cpu_ms_per_s"] for r in mine]
         if len(mine) < 2:
             continue
         slope, intercept = np.polyfit(actors, cpu, 1)
@@ -147,6 +164,8 @@ def slopes(rows: list[dict]) -> dict:
             "ms_per_added_actor": float(slope),
             "ms_at_zero_actors": float(intercept),
             "largest_over_smallest": float(cpu[-1] / cpu[0]),
+            # per second of the run: per step at equal step times (what a pace makes them)
+            "largest_over_smallest_per_s": float(per_s[-1] / per_s[0]),
             "at_1000_actors_ms": float(intercept + 1000 * slope),
             "at_10000_actors_ms": float(intercept + 10000 * slope),
         }
