@@ -40,6 +40,9 @@ def head_env(**extra: str) -> dict[str, str]:
     return env
 
 
+STOP_GRACE_S = 8.0  # how long a stopped head may take to stop its processes before they are killed
+
+
 class RayHead:
     """`ray start --head --block <shell_args>` on free ports; `stop()` ends its process group."""
 
@@ -110,8 +113,8 @@ class RayHead:
 
     def stop(self) -> None:
         self.proc.terminate()  # bash exec'd `ray start --block`, which stops the processes it started
-        try:
-            self.proc.wait(timeout=60)
+        try:  # idle it takes ~3 s; after a job, it waited ~30 s on processes a SIGKILL ends as well
+            self.proc.wait(timeout=STOP_GRACE_S)
         except subprocess.TimeoutExpired:
             pass
         try:
