@@ -4,6 +4,7 @@ at once, and each library's own reader gives back the step metrics and the run's
 import glob
 import json
 import struct
+import time
 
 import pytest
 from torch import nn
@@ -122,7 +123,10 @@ def test_replayed_steps_are_sent_to_wandb_once(tmp_path):
         logger.log(step, {"train/loss": float(step)})
     logger.close()
     (path,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
-    rows = history(wandb_records(path))
+    rows, deadline = [], time.monotonic() + 30
+    while len(rows) < 4 and time.monotonic() < deadline:  # W&B's service may write after finish() returns
+        rows = history(wandb_records(path))
+        time.sleep(0 if len(rows) >= 4 else 0.2)
     assert [(row["_step"], row["train/loss"]) for row in rows] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0)]
 
 
