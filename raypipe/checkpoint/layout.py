@@ -167,17 +167,16 @@ def prune(newest: Path | StoragePath, run_id: str, keep: int) -> None:
         remove(old)
 
 
-def clean_partials(root: str | Path, run_id: str, but: int | None = None) -> list[str]:
+def clean_partials(root: str | Path, run_id: str) -> list[str]:
     """Deletes the `step-N.partial` directories of run `run_id` (and those a save killed before it
-    named its run) that a killed driver left in a local `root`, but the one of step `but`.
-    Returns their names."""
+    named its run) that a killed driver left in a local `root`. Returns their names."""
     root = location(root)
     if isinstance(root, StoragePath) or not root.is_dir():
         return []
     removed = []
     for path in root.iterdir():
         match = _PARTIAL.match(path.name)
-        if match and int(match.group(1)) != but and run_of(path) in (run_id, None):
+        if match and run_of(path) in (run_id, None):
             remove(path)
             removed.append(path.name)
     return removed
