@@ -65,8 +65,7 @@ class StepBoard:
             return
         got = self.reports.setdefault(step, {})
         got[rank] = told
-        needed = self.expected | (self.savers if step in self.saving else set())
-        if needed <= set(got):
+        if self._needed(step) <= set(got):
             losses, samples, tokens = [], 0, None
             for r in sorted(got):
                 if got[r][2] is not None:
@@ -78,6 +77,10 @@ class StepBoard:
             self.done[step] = RunStep(step, reports, losses, samples, tokens, saves, seconds)
             del self.reports[step]
             self.event(step).set()
+
+    def _needed(self, step: int) -> set[int]:
+        """The ranks whose report step `step` waits for (every actor's on a saving step)."""
+        return self.expected | (self.savers if step in self.saving else set())
 
     def event(self, step: int) -> asyncio.Event:
         return self.ready.setdefault(step, asyncio.Event())
@@ -110,5 +113,4 @@ class StepBoard:
     async def missing(self, run: int, step: int) -> list[int]:
         """The ranks whose report of `step` has not come (for a stuck step's message)."""
         got = self.reports.get(step, {})
-        needed = self.expected | (self.savers if step in self.saving else set())
-        return sorted(needed - set(got)) if run == self.run else []
+        return sorted(self._needed(step) - set(got)) if run == self.run else []
