@@ -88,10 +88,11 @@ class TrainConfig:
             tensors sent actor to actor over torch.distributed (gloo) point to point;
             "compiled": p2p's step issued through a Ray Compiled Graph (one `execute`
             per step instead of one Ray task per actor).
-        actor_steps: 0: `fit` submits each step from the driver. N > 0: `fit` hands the actors runs of
-            up to N steps, which they drive themselves (batches from a reader actor, outcomes to a
-            board actor the driver reads once per step), so the driver's cost per step does not
-            grow with the actors; p2p engine, a ray.data.Dataset or batches(step) Ray can pickle.
+        actor_steps: 0: `fit` submits each step from the driver. N > 0: the actors drive runs of up to N
+            steps themselves (batches from a reader actor, outcomes to a board actor the driver reads
+            once per step): the driver's cost per step does not grow with the actors. p2p engine, a
+            Dataset or batches(step) Ray can pickle. "auto": runs of 256 where those hold and a fit of
+            100+ steps overlaps (no on_step, or overlap=True); a trainer's first starts the helpers.
         same_node_transport: how p2p and compiled move boundary tensors between neighbouring
             stages on one node: "shm" (shared memory and a pipe: one copy, no TCP; streams too
             large for /dev/shm fall back to gloo) or "gloo" (loopback TCP). Stages on
@@ -207,7 +208,7 @@ class TrainConfig:
     lr_schedule: dict = field(default_factory=lambda: {"name": "constant"})
     grad_clip: float | None = None
     engine: str = "p2p"
-    actor_steps: int = 0
+    actor_steps: int | str = "auto"
     same_node_transport: str = "shm"
     probe_links: bool = True
     device_links: str = "auto"

@@ -17,6 +17,7 @@ from raypipe.checks import (
     check_positive,
     check_shard_plan,
     fail,
+    is_int,
 )
 from raypipe.errors import ScheduleError
 from raypipe.loggers import check_loggers
@@ -83,8 +84,9 @@ def validate(c: Any) -> None:
     check_choice("precision", c.precision, PRECISIONS)
     check_choice("boundary_dtype", c.boundary_dtype, PRECISIONS)
     check_choice("engine", c.engine, ENGINES)
-    check_int("actor_steps", c.actor_steps, 0)
-    if c.actor_steps and c.engine != "p2p":
+    if c.actor_steps != "auto" and not (is_int(c.actor_steps) and c.actor_steps >= 0):
+        raise fail("actor_steps", c.actor_steps, 'give "auto" or a whole number >= 0 (0: the driver steps).')
+    if c.actor_steps not in (0, "auto") and c.engine != "p2p":
         raise fail(
             "actor_steps",
             c.actor_steps,

@@ -29,7 +29,7 @@ def trainer(ray_session):
     t.shutdown()
 
 
-def restart(trainer: Trainer, actor_steps: int = 0) -> None:
+def restart(trainer: Trainer, actor_steps: int | str = 0) -> None:
     """Back to the initial weights, a fresh optimizer and step 0 (and steps driven as told)."""
     if trainer.config.actor_steps != actor_steps:
         trainer.reconfigure(actor_steps=actor_steps)
@@ -164,6 +164,46 @@ def test_a_fit_stopped_by_its_caller_ends_the_actors_run_at_a_step(trainer):
         trainer.fit(iter([batch(0)]), trainer.step_count + 1)
     with pytest.raises(ConfigError, match="actor-driven runs use the p2p engine"):
         TrainConfig(actor_steps=2, engine="compiled")
+    restart(trainer)
+
+
+def test_auto_hands_the_actors_long_fits_that_nothing_watches_between_steps(trainer):
+    """actor_steps="auto" (the default): a fit of 100 steps without on_step is driven by the
+    actors (the driver never calls the function), with the same losses and weights as the
+    driver's steps; the trainer's reader is kept for its next fit and forgets the old function's
+    batches. The driver steps where on_step needs each step booked before the next (overlap
+    off), where a fit is short, and where the function cannot be sent to the reader (said)."""
+    import threading
+
+    called = []
+
+    def data(k):
+        called.append(k)  # in the driver's process only
+        return batch(k)
+
+    restart(trainer, "auto")
+    trainer.fit(lambda k: batch(k + 1), 100)
+    reader = trainer.group.reader
+    restart(trainer, "auto")
+    by_actors = trainer.fit(data, 100)
+    assert called == [] and trainer.group.reader is reader
+    weights = trainer.state_dict()
+    restart(trainer, "auto")
+    by_driver = trainer.fit(data, 100, on_step=lambda metrics: None)
+    assert called == list(range(100))
+    assert [m["loss"] for m in by_driver] == [m["loss"] for m in by_actors]  # old batches were forgotten
+    assert all(torch.equal(v, weights[k]) for k, v in trainer.state_dict().items())
+    trainer.fit(data, 105)
+    assert called[100:] == list(range(100, 105))
+    lock, lines = threading.Lock(), []
+
+    def locked(k):
+        with lock:
+            return data(k)
+
+    trainer.fit(locked, 205, log=lines.append)
+    assert called[105:] == list(range(105, 205))
+    assert any("the driver submits each step" in line and "could not be sent" in line for line in lines), lines
     restart(trainer)
 
 

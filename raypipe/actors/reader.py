@@ -65,13 +65,19 @@ class DatasetReader:
         self.dp, self.microbatches, self.loss_fn = dp, microbatches, loss_fn
         self.rows: Iterator[dict] | None = None
         self.position = 0  # the step whose batch comes next
-        if function is not None:
+        if dataset is None:  # a function's reader (`use` may set the function later)
             return
         context = dataset.context
         context.execution_options.preserve_order = True  # the same batches in the same order, every read
         context.enable_progress_bars = False
         context.print_on_execution_start = False
         self.dataset, self.batch_size, self.collate = dataset, batch_size, collate or default_collate
+
+    def use(self, function: Callable[[int], tuple[Any, Any]], dp: int, microbatches: int, loss_fn: Any) -> None:
+        """From now on step k's `(x, y)` is `function(k)`, cut for `dp` x `microbatches`: a function
+        reader kept for the next `fit` of the same trainer, which forgets the batches it made."""
+        self.function, self.kept = function, {}
+        self.dp, self.microbatches, self.loss_fn = dp, microbatches, loss_fn
 
     def _epochs(self) -> Iterator[dict]:
         while True:

@@ -14,6 +14,7 @@ interrupts are `fitting`'s, unchanged."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -30,6 +31,28 @@ from raypipe.errors import ActorDiedError, BatchError, ConfigError, StepTimeoutE
 from raypipe.protocol import RunCall, RunStep, StepReport
 
 HALTED = StepReport(halted=True)
+AUTO_MIN_STEPS = 100  # actor_steps="auto": a fit this long starts the run's helpers (once per trainer)
+AUTO_RUN_STEPS = 256  # actor_steps="auto": the steps of one run (its due checkpoints are prepared at its start)
+
+
+def length(group: ActorGroup, feed: Any, steps_left: int, overlap: bool, log: Callable[[str], None]) -> int:
+    """The steps of each actor-driven run of a `fit` with `steps_left` steps to go (0: the driver
+    submits each step). An int `TrainConfig.actor_steps` is taken as given; "auto" hands the
+    actors the steps where nothing tells the runs apart: the p2p engine, a fit that lets the next
+    step run before `on_step` sees this one (`overlap`), a feed the actors can read (a function Ray
+    can pickle, a Dataset) and at least AUTO_MIN_STEPS steps, which repay the seconds a trainer's
+    first run spends starting its board and reader."""
+    wanted = group.config.actor_steps
+    if wanted != "auto":
+        return wanted
+    if not overlap or group.config.engine != "p2p" or steps_left < AUTO_MIN_STEPS:
+        return 0
+    try:
+        feed.reader_for_actors()
+    except ConfigError as error:
+        log(f"raypipe: the driver submits each step: {error}")
+        return 0
+    return AUTO_RUN_STEPS
 
 
 def start(group: ActorGroup, run: RunState, reader: Any, count: int) -> list[Submitted]:

@@ -20,18 +20,23 @@ class FunctionFeed:
 
     def __init__(self, group: Any, batches: Callable[[int], tuple[Any, Any]]) -> None:
         self.group, self.batches = group, batches
-        self.reader: Any = None  # with TrainConfig.actor_steps: a reader actor calling `batches`
+        self.reader: Any = None  # in an actor-driven run: the trainer's reader actor, calling `batches`
 
     def get(self, step: int) -> Prepared:
         c = self.group.config
         return prepare(*self.batches(step), c.dp, c.microbatches, self.group.loss_fn)
 
     def reader_for_actors(self) -> Any:
-        """A reader actor that calls `batches(step)` for the actors of an actor-driven run."""
+        """A reader actor that calls `batches(step)` for the actors of an actor-driven run, on the
+        driver's node (where the function's files are); the trainer keeps it for its next `fit`,
+        since starting one takes seconds (a process that imports torch).
+
+        Raises:
+            ConfigError: Ray could not send the function to the reader.
+        """
         if self.reader is None:
             import ray
 
-            from raypipe.actors.reader import DatasetReader
             from raypipe.driver.connect import ship_user_code
 
             c = self.group.config
@@ -39,28 +44,35 @@ class FunctionFeed:
             names = getattr(self.batches, "__globals__", {})  # what it calls from the user's modules too
             ship_user_code([self.batches, *(names.get(n) for n in (code.co_names if code else ()) if n in names)])
             try:
-                self.reader = (
-                    ray.remote(DatasetReader)
-                    .options(num_cpus=0, max_restarts=0)
-                    .remote(None, 0, None, c.dp, c.microbatches, self.group.loss_fn, self.batches)
-                )
+                self.reader = self._told(ray)
             except Exception as error:  # noqa: BLE001 - Ray could not pickle the function
                 raise ConfigError(
-                    f"TrainConfig.actor_steps={c.actor_steps}: the actors call batches(step) in a reader "
+                    f"TrainConfig.actor_steps={c.actor_steps!r}: the actors call batches(step) in a reader "
                     f"actor, and it could not be sent there ({type(error).__name__}: {error}); give a "
                     f"function Ray can pickle, a ray.data.Dataset, or actor_steps=0"
                 ) from error
         return self.reader
 
+    def _told(self, ray: Any) -> Any:
+        """The trainer's reader, told to call `batches` from now on (a new one where it died)."""
+        c = self.group.config
+        for last in (False, True):
+            reader = self.group.function_reader()
+            try:
+                told = reader.use.remote(self.batches, c.dp, c.microbatches, self.group.loss_fn)
+                ray.get(told, timeout=c.actor_start_timeout)
+                return reader
+            except ray.exceptions.RayActorError:
+                if last:
+                    raise
+                self.group.reader = None
+        raise AssertionError("unreachable")
+
     def kept_from(self, step: int) -> None:
         pass
 
     def close(self) -> None:
-        if self.reader is not None:
-            import ray
-
-            ray.kill(self.reader)
-            self.reader = None
+        self.reader = None  # the trainer's, kept for its next fit
 
 
 class IterableFeed(FunctionFeed):

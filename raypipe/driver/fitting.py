@@ -160,18 +160,19 @@ def fit(
     queue: list[Submitted] = []  # submitted, not yet booked; the first is the oldest
     restored = run.step_count  # the oldest step a recovery may replay from (the last checkpoint)
     stopped_by: BaseException | None = None
+    run_steps = actor_runs.length(group, feed, steps - run.step_count, overlap, log)
     try:
         with sigterm_as_interrupt():
             while run.step_count < steps:
                 every = group.config.checkpoint_every
                 if not queue:
-                    queue.extend(next_steps(group, run, feed, steps))
+                    queue.extend(next_steps(group, run, feed, steps, run_steps))
                 ahead = run.step_count + len(queue)
                 # a shrunk run queues none: it may grow back at any step boundary; an actor-driven run
                 # has its steps queued already
                 if (
                     overlap
-                    and not group.config.actor_steps
+                    and not run_steps
                     and ahead < steps
                     and not (every and ahead % every == 0)
                     and group.shrunk is None
@@ -195,7 +196,7 @@ def fit(
                     metrics = failure.metrics
                     metrics["checkpoint"] = retry_save(group, run, failure, log)
                     run.loggers.log(run.step_count, scalars(metrics))
-                if metrics is None and group.config.actor_steps:  # the actors ended their run early
+                if metrics is None and run_steps:  # the actors ended their run early
                     actor_runs.finish(group)
                     queue.clear()
                     continue
@@ -224,10 +225,10 @@ def fit(
     return history
 
 
-def next_steps(group: ActorGroup, run: RunState, feed: Any, steps: int) -> list[Submitted]:
-    """The next step submitted, or with `TrainConfig.actor_steps` a run of up to that many handed
-    to the actors (`actor_runs`; not while an elastic run is shrunk: it may grow back at any step)."""
-    count = min(group.config.actor_steps, steps - run.step_count)
+def next_steps(group: ActorGroup, run: RunState, feed: Any, steps: int, run_steps: int) -> list[Submitted]:
+    """The next step submitted, or a run of up to `run_steps` handed to the actors (`actor_runs`;
+    not while an elastic run is shrunk: it may grow back at any step)."""
+    count = min(run_steps, steps - run.step_count)
     if count and group.shrunk is None:
         return actor_runs.start(group, run, feed.reader_for_actors(), count)
     return [group.submit(feed.get(run.step_count), run.step_count)]

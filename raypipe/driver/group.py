@@ -70,6 +70,7 @@ class ActorGroup:
         self.report: PlanReport | None = None  # the profiled plan's report, which a shrink plans from
         self.shrunk: Any = None  # after an elastic shrink: what it grows back to (`elastic.Shrunk`)
         self.board: Any = None  # the actor-driven runs' step board (`actor_runs`), made at the first
+        self.reader: Any = None  # the actor-driven runs' reader of a function's batches (`feeds`), likewise
         self.actor_run: Any = None  # the actor-driven run under way (`actor_runs.ActorRun`)
         self.reshape(config, plan)
         self._finalizer: weakref.finalize | None = None
@@ -125,8 +126,9 @@ class ActorGroup:
     def shutdown(self) -> None:
         """Stops every actor. Safe to call twice."""
         self.engine.close()
-        placement.kill(self.actors + ([self.board] if self.board is not None else []), self.placement_group)
-        self.actors, self.placement_group, self.board, self.actor_run = [], None, None, None
+        helpers = [a for a in (self.board, self.reader) if a is not None]
+        placement.kill(self.actors + helpers, self.placement_group)
+        self.actors, self.placement_group, self.board, self.reader, self.actor_run = [], None, None, None, None
         if self._finalizer is not None:
             self._finalizer.detach()
 
@@ -183,7 +185,8 @@ class ActorGroup:
         if self.actor_run is not None:
             raise RaypipeError(
                 f"{what} while the actors drive a run of steps (TrainConfig.actor_steps="
-                f"{self.config.actor_steps}): call it after fit returns, or from on_step with actor_steps=0"
+                f"{self.config.actor_steps!r}): call it after fit returns, or from on_step with "
+                f"fit(overlap=False) or actor_steps=0"
             )
 
     # ----- checkpoints -----------------------------------------------------------
@@ -207,14 +210,21 @@ class ActorGroup:
     def step_board(self) -> Any:
         """The actor-driven runs' board (`raypipe.actors.step_board`), on the driver's node."""
         if self.board is None:
-            import ray
-            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
             from raypipe.actors.step_board import StepBoard
 
-            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
-            self.board = ray.remote(StepBoard).options(num_cpus=0, max_restarts=0, scheduling_strategy=here).remote()
+            self.board = _on_driver_node(StepBoard)
         return self.board
+
+    def function_reader(self) -> Any:
+        """The actor-driven runs' reader of a function's batches (`raypipe.actors.reader`, its
+        function set by each `fit`), on the driver's node; the board starts with it, since a run
+        needs both and each is a process to start."""
+        if self.reader is None:
+            from raypipe.actors.reader import DatasetReader
+
+            self.step_board()
+            self.reader = _on_driver_node(DatasetReader, None, 0, None, 1, 1, None)
+        return self.reader
 
     def load(self, path: str, step: int | None, run: RunState, log: Callable[[str], None]) -> Path:
         """Restores a checkpoint into every actor (all or nothing); `run` continues the run that saved
@@ -298,3 +308,12 @@ class ActorGroup:
     def actor_plan(self) -> list[list[tuple[int, int]]]:
         """Per actor, the layer ranges of the virtual stages it holds."""
         return chunks.actor_plan(self.plan, self.schedule)
+
+
+def _on_driver_node(cls: type, *args: Any) -> Any:
+    """An actor of `cls` on the driver's node (soft: elsewhere if that node cannot take it)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+    return ray.remote(cls).options(num_cpus=0, max_restarts=0, scheduling_strategy=here).remote(*args)
