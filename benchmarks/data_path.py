@@ -81,6 +81,7 @@ def main() -> None:
         threads_per_actor=1,
         optimizer={"name": "adamw", "lr": 1e-3},
         name="data-path",
+        actor_steps=0,  # each step through the driver: the path measured (driver_scaling.py: actor-driven)
     )
     measured: dict[str, dict[str, list[float]]] = {
         p: {"cpu_s": [], "step_s": [], "samples_per_s": []} for p in ("driver", "ray_data")

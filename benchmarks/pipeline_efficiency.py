@@ -51,6 +51,7 @@ def simulated_trainer(t: float, engine: str = TrainConfig.engine) -> Trainer:
         engine=name,
         same_node_transport=transport or TrainConfig.same_node_transport,
         name=f"efficiency-{name}-{transport or 'default'}",
+        actor_steps=0,  # the driver books each step: on_step reads each step's timeline
     )
     return Trainer(layers, torch.nn.functional.mse_loss, config)
 

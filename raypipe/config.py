@@ -91,8 +91,8 @@ class TrainConfig:
         actor_steps: 0: `fit` submits each step from the driver. N > 0: the actors drive runs of up to N
             steps themselves (batches from a reader actor, outcomes to a board actor the driver reads
             once per step): the driver's cost per step does not grow with the actors. p2p engine, a
-            Dataset or batches(step) Ray can pickle. "auto": runs of 256 where those hold and a fit of
-            100+ steps overlaps (no on_step, or overlap=True); a trainer's first starts the helpers.
+            Dataset or batches(step) Ray can pickle. "auto": runs of 256 where those hold, the fit
+            overlaps (no on_step, or overlap=True) and its steps x actors >= 3000 (repays the helpers).
         same_node_transport: how p2p and compiled move boundary tensors between neighbouring
             stages on one node: "shm" (shared memory and a pipe: one copy, no TCP; streams too
             large for /dev/shm fall back to gloo) or "gloo" (loopback TCP). Stages on

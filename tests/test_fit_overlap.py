@@ -167,14 +167,18 @@ def test_a_fit_stopped_by_its_caller_ends_the_actors_run_at_a_step(trainer):
     restart(trainer)
 
 
-def test_auto_hands_the_actors_long_fits_that_nothing_watches_between_steps(trainer):
-    """actor_steps="auto" (the default): a fit of 100 steps without on_step is driven by the
-    actors (the driver never calls the function), with the same losses and weights as the
-    driver's steps; the trainer's reader is kept for its next fit and forgets the old function's
-    batches. The driver steps where on_step needs each step booked before the next (overlap
-    off), where a fit is short, and where the function cannot be sent to the reader (said)."""
+def test_auto_hands_the_actors_long_fits_that_nothing_watches_between_steps(trainer, monkeypatch):
+    """actor_steps="auto" (the default): a fit of enough steps x actors (here 100 x 2) without
+    on_step is driven by the actors (the driver never calls the function), with the same losses
+    and weights as the driver's steps; the trainer's reader is kept for its next fit and forgets
+    the old function's batches. The driver steps where on_step needs each step booked before the
+    next (overlap off), where a fit is short, and where the function cannot be sent to the
+    reader (said)."""
     import threading
 
+    from raypipe.driver import actor_runs
+
+    monkeypatch.setattr(actor_runs, "AUTO_ACTOR_STEPS", 200)  # 3000 by default: 1500 steps here
     called = []
 
     def data(k):

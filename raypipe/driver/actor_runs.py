@@ -31,7 +31,10 @@ from raypipe.errors import ActorDiedError, BatchError, ConfigError, StepTimeoutE
 from raypipe.protocol import RunCall, RunStep, StepReport
 
 HALTED = StepReport(halted=True)
-AUTO_MIN_STEPS = 100  # actor_steps="auto": a fit this long starts the run's helpers (once per trainer)
+# actor_steps="auto": a fit hands its steps to the actors from this many steps x actors on. Driven
+# from the driver, a step costs ~1 ms of driver CPU per actor (benchmarks/driver_scaling.py: 0.9-1.1);
+# a trainer's first actor-driven run starts its board and reader, ~3 s on 2 cores. 3000 repays that.
+AUTO_ACTOR_STEPS = 3000
 AUTO_RUN_STEPS = 256  # actor_steps="auto": the steps of one run (its due checkpoints are prepared at its start)
 
 
@@ -40,12 +43,12 @@ def length(group: ActorGroup, feed: Any, steps_left: int, overlap: bool, log: Ca
     submits each step). An int `TrainConfig.actor_steps` is taken as given; "auto" hands the
     actors the steps where nothing tells the runs apart: the p2p engine, a fit that lets the next
     step run before `on_step` sees this one (`overlap`), a feed the actors can read (a function Ray
-    can pickle, a Dataset) and at least AUTO_MIN_STEPS steps, which repay the seconds a trainer's
-    first run spends starting its board and reader."""
+    can pickle, a Dataset) and enough steps x actors (AUTO_ACTOR_STEPS) to repay the seconds a
+    trainer's first run spends starting its board and reader."""
     wanted = group.config.actor_steps
     if wanted != "auto":
         return wanted
-    if not overlap or group.config.engine != "p2p" or steps_left < AUTO_MIN_STEPS:
+    if not overlap or group.config.engine != "p2p" or steps_left * len(group.actors) < AUTO_ACTOR_STEPS:
         return 0
     try:
         feed.reader_for_actors()
