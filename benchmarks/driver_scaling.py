@@ -18,7 +18,8 @@ per step compares like with like. After each shape's run the driver's idle CPU p
 measured for 5 s with the same actors alive (Ray's floor, which moves between runs more than
 between shapes), and each row also gives the run's CPU per second and what it spent above that
 floor per step. "actors" is the p2p engine with `TrainConfig.actor_steps`:
-the whole `fit` is one actor-driven run, begun in the warm-up.
+the whole `fit` is one actor-driven run, begun in the warm-up. "auto" is the default config with
+`fit(overlap=True)`, the row's `driven_by` saying whether "auto" handed the actors the steps.
 
     .venv/bin/python benchmarks/driver_scaling.py --out driver_scaling.json  # ~25 min on 2 cores
     .venv/bin/python benchmarks/driver_scaling.py --shapes 2x1 8x4 --engines p2p actors --inputs dataset  # quick
@@ -102,8 +103,8 @@ def measure(pp: int, dp: int, tp: int, engine: str, source: str, warmup: int, st
         dp=dp,
         tp=tp,
         microbatches=MICROBATCHES,
-        engine="p2p" if engine == "actors" else engine,
-        actor_steps=warmup + steps if engine == "actors" else 0,
+        engine="p2p" if engine in ("actors", "auto") else engine,
+        actor_steps=warmup + steps if engine == "actors" else "auto" if engine == "auto" else 0,
         cpus_per_actor=0.04,
         threads_per_actor=1,
         optimizer={"name": "sgd", "lr": 0.01},
@@ -118,16 +119,24 @@ def measure(pp: int, dp: int, tp: int, engine: str, source: str, warmup: int, st
         )
     layers = [LayerSpec(nn.Linear, WIDTH, WIDTH) if tp == 1 else LayerSpec(Block, WIDTH) for _ in range(pp)]
     spent, booked = [], []  # the driver's CPU time and the clock as each step is booked
+    overlap = True if engine == "auto" else None  # on_step only reads: "auto" may hand the actors the fit
     with Trainer(layers, nn.functional.mse_loss, config) as trainer:
         record = lambda metrics: (spent.append(driver_cpu()), booked.append(time.perf_counter()))  # noqa: E731
         if source == "dataset":
             collate = paced(pace, default_collate) if pace else None
             history = trainer.fit(
-                data, warmup + steps, batch_size=rows, collate=collate, on_step=record, log=lambda line: None
+                data,
+                warmup + steps,
+                batch_size=rows,
+                collate=collate,
+                on_step=record,
+                log=lambda line: None,
+                overlap=overlap,
             )
         else:
             batches = paced(pace, lambda k: (x, y)) if pace else lambda k: (x, y)
-            history = trainer.fit(batches, warmup + steps, on_step=record, log=lambda line: None)
+            history = trainer.fit(batches, warmup + steps, on_step=record, log=lambda line: None, overlap=overlap)
+        driven_by = "actors" if trainer.group.board is not None else "driver"
         idle = idle_cpu_per_s(IDLE_S)  # the same actors alive, nothing asked of them
     spent, wall = spent[-1] - spent[warmup - 1], booked[-1] - booked[warmup - 1]
     return {
@@ -136,6 +145,7 @@ def measure(pp: int, dp: int, tp: int, engine: str, source: str, warmup: int, st
         "tp": tp,
         "actors": pp * dp * tp,
         "engine": engine,
+        "driven_by": driven_by,
         "input": source,
         "pace_s": pace,
         "driver_cpu_ms_per_step": 1e3 * spent / steps,
@@ -175,7 +185,7 @@ def slopes(rows: list[dict]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES), help="pp x dp (x tp)")
-    engines = ["p2p", "actors", "compiled", "refs"]
+    engines = ["p2p", "actors", "compiled", "refs", "auto"]
     parser.add_argument("--engines", nargs="+", default=engines[:3], choices=engines)
     parser.add_argument("--inputs", nargs="+", default=["function", "dataset"], choices=["function", "dataset"])
     parser.add_argument("--warmup", type=int, default=10)
