@@ -29,12 +29,13 @@ class FunctionFeed:
     def reader_for_actors(self) -> Any:
         """A reader actor that calls `batches(step)` for the actors of an actor-driven run, on the
         driver's node (where the function's files are); the trainer keeps it for its next `fit`,
-        since starting one takes seconds (a process that imports torch).
+        since starting one takes seconds (a process that imports torch), and makes another after
+        a restart of its actors, which stops it with them.
 
         Raises:
             ConfigError: Ray could not send the function to the reader.
         """
-        if self.reader is None:
+        if self.reader is None or self.reader is not self.group.reader:
             import ray
 
             from raypipe.driver.connect import ship_user_code
