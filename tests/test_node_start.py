@@ -28,21 +28,31 @@ CASES = {
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", CASES)
-def test_ray_start_takes_node_resources_output_on_a_gpu_or_mac_host(kind, tmp_path):
-    fake, resources, model = CASES[kind]
-    node = RayHead(
-        "$(raypipe node-resources)", head_env(RAYPIPE_FAKE_ACCELERATOR=fake), tmp_path / "ray.log", num_cpus=1
-    )
+def test_ray_start_takes_node_resources_output_on_a_gpu_or_mac_host(tmp_path):
+    """A cuda, a rocm and a Mac host, each a head started at once (their waits overlap)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    heads = {}
     try:
-        node.wait_gcs(timeout=120)
-        result = node.run_python(READ_NODE.format(address=node.address), timeout=120)
-        assert result.returncode == 0, result.stderr[-2000:] + node.log_tail()
-        seen = json.loads(result.stdout.strip().splitlines()[-1])
+        for kind, (fake, _, _) in CASES.items():
+            env = head_env(RAYPIPE_FAKE_ACCELERATOR=fake)
+            heads[kind] = RayHead("$(raypipe node-resources)", env, tmp_path / f"{kind}.log", num_cpus=1)
+
+        def read(node: RayHead) -> dict:
+            node.wait_gcs(timeout=120)
+            result = node.run_python(READ_NODE.format(address=node.address), timeout=120)
+            assert result.returncode == 0, result.stderr[-2000:] + node.log_tail()
+            return json.loads(result.stdout.strip().splitlines()[-1])
+
+        with ThreadPoolExecutor(len(heads)) as pool:
+            seen = dict(zip(heads, pool.map(read, heads.values())))
     finally:
-        node.stop()
-    assert {k: v for k, v in seen["resources"].items() if k in ("cuda", "rocm", "mps", "GPU")} == resources
-    assert seen["labels"][LABEL_KIND] == kind and seen["labels"][LABEL_MODEL] == model
+        with ThreadPoolExecutor(3) as pool:
+            list(pool.map(RayHead.stop, heads.values()))
+    for kind, (_, resources, model) in CASES.items():
+        found = {k: v for k, v in seen[kind]["resources"].items() if k in ("cuda", "rocm", "mps", "GPU")}
+        assert found == resources, (kind, seen[kind])
+        assert seen[kind]["labels"][LABEL_KIND] == kind and seen[kind]["labels"][LABEL_MODEL] == model
 
 
 PRELOADED = """
