@@ -161,9 +161,12 @@ class KillOnce(nn.Module):
         import signal
 
         if os.path.exists(self.flag):
-            with open(self.flag) as f:
-                pause = f.read().strip() == "pause"
-            os.remove(self.flag)
+            try:
+                with open(self.flag) as f:
+                    pause = f.read().strip() == "pause"
+                os.remove(self.flag)
+            except FileNotFoundError:  # another replica's copy of this layer took it first
+                return x
             if pause:
                 open(self.flag + ".paused", "w").close()
                 time.sleep(30)

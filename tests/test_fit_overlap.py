@@ -170,11 +170,13 @@ def test_a_fit_stopped_by_its_caller_ends_the_actors_run_at_a_step(trainer):
 def test_auto_hands_the_actors_long_fits_that_nothing_watches_between_steps(trainer, monkeypatch):
     """actor_steps="auto" (the default): a fit of enough steps x actors (here 100 x 2) without
     on_step is driven by the actors (the driver never calls the function), with the same losses
-    and weights as the driver's steps; the trainer's reader is kept for its next fit and forgets
-    the old function's batches. The driver steps where on_step needs each step booked before the
+    and weights as the driver's steps; the trainer's reader is kept for its next fit, its batches
+    freed when a fit ends. The driver steps where on_step needs each step booked before the
     next (overlap off), where a fit is short, and where the function cannot be sent to the
     reader (said)."""
     import threading
+
+    import ray
 
     from raypipe.driver import actor_runs
 
@@ -188,6 +190,7 @@ def test_auto_hands_the_actors_long_fits_that_nothing_watches_between_steps(trai
     restart(trainer, "auto")
     trainer.fit(lambda k: batch(k + 1), 100)
     reader = trainer.group.reader
+    assert ray.get(reader.__ray_call__.remote(lambda self: len(self.kept)), timeout=30) == 0  # freed when fit ends
     restart(trainer, "auto")
     by_actors = trainer.fit(data, 100)
     assert called == [] and trainer.group.reader is reader

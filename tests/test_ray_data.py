@@ -4,6 +4,7 @@ by a function; exact continuation across a resume, an epoch boundary and an acto
 iterables of batches."""
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -90,7 +91,7 @@ def killable_by_function(ray_session, tmp_path_factory):
 
 @pytest.mark.parametrize("source", ["dataset", "iterable", "dataset-actors"])
 def test_a_stage_death_replays_the_same_batches(killable_by_function, tmp_path, source):
-    """Stage 1 of replica 0 dies in step 6. From the checkpoint (the Dataset case,
+    """Stage 1 of a replica dies in step 6. From the checkpoint (the Dataset case,
     `restore_from_replicas=False`) the recovery restores step 4's and the feed gives steps 5..7
     again (step 5 ran already): a Ray Dataset re-read from its start. From the surviving replica's
     memory (the iterable case) step 6 runs again on the batch the feed kept; nothing is replayed.
@@ -121,7 +122,8 @@ def test_a_stage_death_replays_the_same_batches(killable_by_function, tmp_path, 
         assert any("resumed at step 5 from the surviving replicas" in m for m in messages), messages
         assert [m["step"] for m in history] == list(range(1, STEPS + 1)), messages
     elif driven:
-        assert any("stage1-dp0-tp0 died" in m for m in messages), messages
+        # both replicas' stage 1 hold the layer: the first to read the flag dies, whichever it is
+        assert any(re.search(r"stage1-dp\d-tp0 died", m) for m in messages), messages
         assert any(f"resumed at step {s} from" in m for m in messages for s in (2, 4)), messages
     else:
         assert any("resumed at step 4 from" in m for m in messages), messages

@@ -79,6 +79,10 @@ class DatasetReader:
         self.function, self.kept = function, {}
         self.dp, self.microbatches, self.loss_fn = dp, microbatches, loss_fn
 
+    def forget(self) -> None:
+        """Drops the batches kept for the actors (a fit ended: their stored parts are freed)."""
+        self.kept = {}
+
     def _epochs(self) -> Iterator[dict]:
         while True:
             count = 0

@@ -73,7 +73,10 @@ class FunctionFeed:
         pass
 
     def close(self) -> None:
-        self.reader = None  # the trainer's, kept for its next fit
+        """Lets go of the trainer's reader, kept for its next fit, and of the batches it made."""
+        if self.reader is not None and self.reader is self.group.reader:  # not one a restart stopped
+            self.reader.forget.remote()  # the parts it stored would stay pinned in the object store
+        self.reader = None
 
 
 class IterableFeed(FunctionFeed):
