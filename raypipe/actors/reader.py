@@ -76,8 +76,8 @@ class DatasetReader:
     def use(self, function: Callable[[int], tuple[Any, Any]], dp: int, microbatches: int, loss_fn: Any) -> None:
         """From now on step k's `(x, y)` is `function(k)`, cut for `dp` x `microbatches`: a function
         reader kept for the next `fit` of the same trainer, which forgets the batches it made."""
-        self.function, self.kept = function, {}
-        self.dp, self.microbatches, self.loss_fn = dp, microbatches, loss_fn
+        self.function, self.dp, self.microbatches, self.loss_fn = function, dp, microbatches, loss_fn
+        self.forget()
 
     def forget(self) -> None:
         """Drops the batches kept for the actors (a fit ended: their stored parts are freed)."""

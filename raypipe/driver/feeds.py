@@ -56,18 +56,17 @@ class FunctionFeed:
 
     def _told(self, ray: Any) -> Any:
         """The trainer's reader, told to call `batches` from now on (a new one where it died)."""
-        c = self.group.config
-        for last in (False, True):
-            reader = self.group.function_reader()
-            try:
-                told = reader.use.remote(self.batches, c.dp, c.microbatches, self.group.loss_fn)
-                ray.get(told, timeout=c.actor_start_timeout)
-                return reader
-            except ray.exceptions.RayActorError:
-                if last:
-                    raise
-                self.group.reader = None
-        raise AssertionError("unreachable")
+        try:
+            return self._tell(ray)
+        except ray.exceptions.RayActorError:  # it died since the last fit
+            self.group.reader = None
+            return self._tell(ray)
+
+    def _tell(self, ray: Any) -> Any:
+        c, reader = self.group.config, self.group.function_reader()
+        told = reader.use.remote(self.batches, c.dp, c.microbatches, self.group.loss_fn)
+        ray.get(told, timeout=c.actor_start_timeout)
+        return reader
 
     def kept_from(self, step: int) -> None:
         pass
