@@ -18,7 +18,9 @@ the same model. t in {10, 2} ms. The two frameworks alternate, schedule by sched
 torch ranks lined up before and after; raypipe's `Trainer.step`), their ratio (below 1:
 raypipe faster), each round's ratio, the same for steps back to back (torch's ranks
 looping; raypipe's `Trainer.fit`), raypipe's planned bubble and the bubble measured from
-its actors' own timestamps (idle share of the step's action span, all actors).
+its actors' own timestamps (idle share of the step's action span, all actors). The planned
+bubble is the engine's: a whole backward hands its input gradient on before its weight
+gradients (`--late-gradients` also runs raypipe sending it after them, as torch does).
 
 `--classic` runs the earlier comparison instead: one layer per stage, tf = tb, no split
 backward, GPipe and 1F1B only.
@@ -29,6 +31,7 @@ backward, GPipe and 1F1B only.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -149,6 +152,17 @@ def raypipe_trainer(schedule: str, t: float, classic: bool, engine: str | None):
     return Trainer(layers(t, classic), torch.nn.functional.mse_loss, config)
 
 
+@contextlib.contextmanager
+def late_gradients():
+    """RAYPIPE_LATE_GRADIENTS=1 while a trainer starts or reconfigures (read on the driver then):
+    its stages send a whole backward's input gradient after their weight gradients, as torch's."""
+    os.environ["RAYPIPE_LATE_GRADIENTS"] = "1"
+    try:
+        yield
+    finally:
+        del os.environ["RAYPIPE_LATE_GRADIENTS"]
+
+
 def measured_bubble(trainer) -> float:
     """The idle share of the last step's action span over all actors, from their timestamps."""
     line = trainer.timeline()
@@ -174,6 +188,11 @@ def main() -> None:
         "--classic", action="store_true", help="the earlier rows: one layer per stage, tf = tb, no split"
     )
     parser.add_argument("--times", default="10,2", help="t in ms, comma-separated")
+    parser.add_argument(
+        "--late-gradients",
+        action="store_true",
+        help="also run raypipe sending each whole backward's input gradient after its weight gradients, as torch does",
+    )
     args = parser.parse_args()
     import ray
     from pipeline_efficiency import measure  # the same raypipe timing as the efficiency benchmark
@@ -185,8 +204,13 @@ def main() -> None:
     rows = []
     for t in [float(v) / 1000 for v in args.times.split(",")]:
         for schedule in schedules:
-            with raypipe_trainer(schedule, t, args.classic, args.engine) as trainer:
-                torch_rounds, raypipe_rounds, torch_loops, raypipe_loops, bubbles = [], [], [], [], []
+            with contextlib.ExitStack() as stack:
+                trainer = stack.enter_context(raypipe_trainer(schedule, t, args.classic, args.engine))
+                late = None
+                if args.late_gradients:
+                    with late_gradients():
+                        late = stack.enter_context(raypipe_trainer(schedule, t, args.classic, args.engine))
+                torch_rounds, raypipe_rounds, torch_loops, raypipe_loops, bubbles, lates = [], [], [], [], [], []
                 for _ in range(args.rounds):
                     single, loop = torch_step_time(schedule, t, args.steps, args.classic)
                     torch_rounds.append(single)
@@ -196,11 +220,14 @@ def main() -> None:
                     raypipe_loops.append(result["fit_step_s"])
                     trainer.step(torch.randn(M, 8), torch.randn(M, 8))
                     bubbles.append(measured_bubble(trainer))
+                    if late is not None:
+                        with late_gradients():  # measure reconfigures: the setting is read again
+                            lates.append(measure(late, schedule, M, args.steps, t)["step_s"])
                 torch_s, raypipe_s = statistics.median(torch_rounds), statistics.median(raypipe_rounds)
                 torch_loop, raypipe_loop = statistics.median(torch_loops), statistics.median(raypipe_loops)
                 chunk = t / TORCH[schedule][2]  # one chunk's F, I and W
                 costs = {"F": t, "B": t} if args.classic else {"F": chunk, "I": chunk, "W": chunk}
-                planned = bubble(build_schedule(schedule, P, M), costs)
+                planned = bubble(build_schedule(schedule, P, M), costs, early_gradients=True)
                 work = M * (2 if args.classic else 3) * t  # one actor's compute per step
                 row = {
                     "engine": trainer.config.engine,
@@ -223,6 +250,10 @@ def main() -> None:
                     "ratio_loop_raypipe_over_torch": raypipe_loop / torch_loop,
                     "ratio_loop_per_round": [r / q for r, q in zip(raypipe_loops, torch_loops)],
                 }
+                if lates:
+                    row["raypipe_late_gradients_step_s"] = statistics.median(lates)
+                    row["ratio_early_over_late"] = raypipe_s / statistics.median(lates)
+                    row["ratio_early_over_late_per_round"] = [r / q for r, q in zip(raypipe_rounds, lates)]
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     ray.shutdown()

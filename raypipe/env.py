@@ -46,6 +46,15 @@ def trace_path() -> str | None:
     return os.environ.get("RAYPIPE_TRACE") or None
 
 
+def late_gradients() -> bool:
+    """RAYPIPE_LATE_GRADIENTS=1: a stage's whole backward sends its input gradient only after its
+    weight gradients, as torch.distributed.pipelining's schedules do, instead of as soon as it is
+    made (`Executor.hands_on_early`). Read on the driver when a trainer starts. For measuring what
+    sending early gains (`benchmarks/vs_torch_pipelining.py --late-gradients`); unset (the
+    default): early."""
+    return os.environ.get("RAYPIPE_LATE_GRADIENTS", "") not in ("", "0")
+
+
 # RAYPIPE_ACCELERATOR: set by raypipe itself in each stage or profiler process to the kind it
 # serves (`raypipe.devices.serving_kind`); not for users to set.
 SERVING_ENV = "RAYPIPE_ACCELERATOR"

@@ -190,28 +190,35 @@ class DictEmbed(nn.Module):
 
 
 class DictBlock(nn.Module):
-    """A residual block over the dict: masked update, position embedding, aux loss accumulated."""
+    """A residual block over the dict: masked update, position embedding, aux loss accumulated,
+    and a gain made from its weights alone (a leaf whose path never meets the stage's inputs,
+    which torch's split backward would leave without a gradient)."""
 
     def __init__(self, dim: int, positions: int) -> None:
         super().__init__()
         self.lin = nn.Linear(dim, dim)
         self.pos = nn.Embedding(positions, dim)
+        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, dim))
 
     def forward(self, x: dict) -> dict:
         h = x["h"] + torch.tanh(self.lin(x["h"])) * x["mask"].unsqueeze(-1) + self.pos(x["pos"])
         aux, nothing = x["aux"]
-        return {**x, "h": h, "aux": (aux + 0.01 * h.abs().mean(), nothing)}
+        gains = (*x.get("gains", ()), torch.tanh(self.gain))
+        return {**x, "h": h, "aux": (aux + 0.01 * h.abs().mean(), nothing), "gains": gains}
 
 
 class DictHead(nn.Module):
-    """The dict -> (outputs, aux loss) for `dict_loss`."""
+    """The dict -> (outputs, aux loss) for `dict_loss`, the hidden states scaled by the gains."""
 
     def __init__(self, dim: int, out: int) -> None:
         super().__init__()
         self.lin = nn.Linear(dim, out)
 
     def forward(self, x: dict) -> tuple:
-        return self.lin(x["h"].mean(dim=1)), x["aux"][0]
+        h = x["h"].mean(dim=1)
+        for gain in x["gains"]:
+            h = h * gain
+        return self.lin(h), x["aux"][0]
 
 
 def dict_loss(out, y):

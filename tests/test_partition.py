@@ -232,7 +232,12 @@ def test_a_measured_link_moves_the_split_to_a_narrow_boundary_and_auto_hides_it(
 
     coded = {**profiles["cpu"], "codec_forward_s": [0.005] * 6, "codec_backward_s": [0.007] * 6}
     one = build_schedule("1f1b", 2, 1)  # F0 F1 B1 B0, one after another
-    assert scheduled_seconds(one, [coded] * 2, [(0, 3), (3, 6)]) == pytest.approx(6 * 0.03 + 0.005 + 0.007)
+    late = scheduled_seconds(one, [coded] * 2, [(0, 3), (3, 6)], early_gradients=False)
+    assert late == pytest.approx(6 * 0.03 + 0.005 + 0.007)
+    # as the p2p engine runs it, B1 hands its input gradient on before its weight gradients: B0
+    # runs under B1's second half (half its backward, as profiled without the split)
+    early = scheduled_seconds(one, [coded] * 2, [(0, 3), (3, 6)])
+    assert early == pytest.approx(late - sum(coded["backward_s"][3:6]) / 2)
 
     # every boundary wide: auto runs more forwards ahead once it knows the link, and more microbatches
     auto = TrainConfig(pp=2, microbatches=8, schedule="auto")

@@ -1,7 +1,8 @@
 """Boundaries that are pytrees: a stage hands the next a dict with hidden states, a bool mask,
-integer positions, a (loss, None) tuple. Exact parity with the same layers in one process on
-every engine and both transports, and microbatches of different shapes within one step
-(unpadded sequences) on every engine."""
+integer positions, a (loss, None) tuple, and gains each made from a stage's weights alone (whose
+gradients torch's split backward drops: the engines' split must not). Exact parity with the same
+layers in one process on every engine and both transports, and microbatches of different
+shapes within one step (unpadded sequences) on every engine."""
 
 import pytest
 import torch

@@ -1,7 +1,7 @@
 """Where an action runs: one stage's forward and backward (whole, or split into input and weight
 gradients) per microbatch and model chunk, against a stash that keeps each microbatch's
-activations exactly until its backward is done; inference and generation through a chunk.
-A whole step's list runs in `step_list`. Plain Python and torch, no Ray."""
+activations exactly until its backward is done. A whole step's list runs in `step_list`;
+inference and generation through a chunk in `inference_passes`. Plain Python and torch, no Ray."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from raypipe.actors.memory import count_saved_bytes, weight_storages
 from raypipe.actors.model import StageModel
 from raypipe.actors.replica_io import running_stats, step_start
 from raypipe.actors.settings import StageSettings
-from raypipe.actors.split_backward import Deferred, input_gradients, weight_gradients
+from raypipe.actors.split_backward import Deferred, covers_every_weight, input_gradients, weight_gradients
 from raypipe.actors.zero3 import ShardedStage
 from raypipe.errors import StageError
 from raypipe.nn.moe import RECORDER, reset_recorder
@@ -70,6 +70,8 @@ class Executor:
         self.stash: dict[tuple[int, int], tuple[Any, Any]] = {}  # (virtual stage, microbatch) -> (input, output)
         self.stash_bytes: dict[tuple[int, int], int] = {}  # per stashed microbatch, bytes autograd saved for backward
         self.deferred: dict[tuple[int, int], Deferred] = {}  # what each pending W needs from its I
+        self.began_whole = 0.0  # when the whole backward handed on early began (`hands_on_early`)
+        self.split_covers: dict[int, bool] = {}  # per chunk: its split backward leaves no weight out
         self.saved_per_microbatch: dict[int, int] = {}  # per model chunk, its first microbatch's saved bytes
         # the parameters' storages (saved for backward, but not activations); loading copies into
         # the same parameters, so they are found once
@@ -181,9 +183,26 @@ class Executor:
         except Exception as error:
             raise self.error(BACKWARD, microbatch, error, v) from error
 
-    def backward_input(self, microbatch: int, grad: Any, v: int | None = None) -> Any:
+    def hands_on_early(self, v: int) -> bool:
+        """Whether a whole backward (B) of chunk `v` runs as its input gradient, handed on at once,
+        then its weight gradients (`backward_input`, the send, `backward_weight`, each `whole=True`):
+        the previous stage then waits for the input-gradient half only, which shortens every
+        gradient chain by the weight gradients' time. Not on the first stage (nothing waits for
+        its gradient) nor a compiled one (its backward does not split), nor a chunk whose split
+        would leave a weight without its gradient (`split_backward.covers_every_weight`, checked
+        on its first split backward)."""
+        return (
+            self.settings.early_gradients
+            and not self.part(v)[2]
+            and not self.settings.compile
+            and self.split_covers.get(v, True)
+        )
+
+    def backward_input(self, microbatch: int, grad: Any, v: int | None = None, whole: bool = False) -> Any:
         """The first half of a split backward (I): only the input gradient, returned as
-        `backward` returns it; what the weight gradient needs is kept for `backward_weight`."""
+        `backward` returns it; what the weight gradient needs is kept for `backward_weight`.
+        `whole`: the half of a whole backward handed on early (`hands_on_early`): recorded with
+        its W as one B."""
         started = time.time()
         v, _, first, last = self.part(v)
         try:
@@ -195,15 +214,22 @@ class Executor:
                 outputs, grads = [o for o, _ in pairs], [g for _, g in pairs]
             inputs = [] if first else [t for t in tensors(x) if t.requires_grad]
             weights, compiled = self.model.trainable(), self.settings.compile  # compiled: W's work done at I
-            self.deferred[(v, microbatch)] = input_gradients(outputs, grads, inputs, weights, compiled)
-            self.timing["peak_awaiting_weight"] = max(self.timing["peak_awaiting_weight"], len(self.deferred))
-            self._timed(INPUT_GRAD, started, microbatch)
+            if v not in self.split_covers and not compiled:
+                self.split_covers[v] = covers_every_weight(outputs, inputs, weights)
+            unsplit = compiled or not self.split_covers[v]  # the split would drop a gradient: none
+            self.deferred[(v, microbatch)] = input_gradients(outputs, grads, inputs, weights, unsplit)
+            if whole:
+                self.began_whole = started
+            else:
+                self.timing["peak_awaiting_weight"] = max(self.timing["peak_awaiting_weight"], len(self.deferred))
+                self._timed(INPUT_GRAD, started, microbatch)
             return None if first else self.send(input_grads(x), self.settings.compress_gradients)
         except Exception as error:
-            raise self.error(INPUT_GRAD, microbatch, error, v) from error
+            raise self.error(BACKWARD if whole else INPUT_GRAD, microbatch, error, v) from error
 
-    def backward_weight(self, microbatch: int, v: int | None = None) -> None:
-        """The second half of a split backward (W): the weight gradients; frees the microbatch."""
+    def backward_weight(self, microbatch: int, v: int | None = None, whole: bool = False) -> None:
+        """The second half of a split backward (W): the weight gradients; frees the microbatch.
+        `whole`: it ends a whole backward handed on early, recorded as one B from its I's start."""
         started = time.time()
         v, module, _, _ = self.part(v)
         try:
@@ -213,9 +239,12 @@ class Executor:
             weight_gradients(deferred, self.model.trainable())
             self.stash.pop((v, microbatch))
             self.stash_bytes.pop((v, microbatch), None)
-            self._timed(WEIGHT_GRAD, started, microbatch)
+            if whole:
+                self._timed(BACKWARD, self.began_whole, microbatch)
+            else:
+                self._timed(WEIGHT_GRAD, started, microbatch)
         except Exception as error:
-            raise self.error(WEIGHT_GRAD, microbatch, error, v) from error
+            raise self.error(BACKWARD if whole else WEIGHT_GRAD, microbatch, error, v) from error
 
     def _pairs(self, out: Any, grad: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(output leaf, its gradient) for the leaves that need one (the others get None back), a
@@ -226,52 +255,6 @@ class Executor:
             for o, g in zip(leaves(out), leaves(grad))
             if torch.is_tensor(o) and o.requires_grad and g is not None
         ]
-
-    @torch.no_grad()
-    def forward_only(self, x: Any, target: Any = None, v: int | None = None) -> Any:
-        """Inference through this stage's chunk `v` (eval mode, nothing stashed): the output, or on
-        the last stage the loss as a float when a target is given."""
-        v, module, _, last = self.part(v)
-        self.module.eval()
-        try:
-            with self.autocast():
-                out = module(self.received(x))
-                if last and target is not None:
-                    return float(self.loss_fn(out, map_tensors(lambda t: t.to(self.device), target)))
-            return map_tensors(lambda t: t.float() if t.is_floating_point() else t, out) if last else out
-        except Exception as error:
-            raise self.error(FORWARD, -1, error, v) from error
-        finally:
-            self.module.train()
-
-    @torch.no_grad()
-    def generate(self, x: Any, start: bool, cached: bool, v: int | None = None) -> Any:
-        """One generation forward through chunk `v` (eval mode, nothing stashed): the output, or on
-        the last stage the logits of the last position. `start` begins a new sequence; with
-        `cached`, the chunk's layers that keep a KV cache (`begin_cache`) share a fresh one."""
-        v, module, _, last = self.part(v)
-        if start:
-            shared: dict[str, Any] = {}
-            for layer in module:
-                if hasattr(layer, "end_cache"):
-                    layer.end_cache()
-                if cached and hasattr(layer, "begin_cache"):
-                    layer.begin_cache(shared)
-        self.module.eval()
-        try:
-            with self.autocast():
-                out = module(self.received(x))
-            return out[:, -1].float() if last else out
-        except Exception as error:
-            raise self.error(FORWARD, -1, error, v) from error
-        finally:
-            self.module.train()
-
-    def end_generation(self) -> None:
-        """Drops the layers' KV caches."""
-        for layer in self.module:
-            if hasattr(layer, "end_cache"):
-                layer.end_cache()
 
     def send(self, value: Any, codec: str = "none") -> Any:
         """A boundary value as it leaves for another stage: its tensors detached, floating

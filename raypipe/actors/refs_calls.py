@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from raypipe.actors.inference_passes import forward_only
 from raypipe.transport.tree import map_tensors
 from raypipe.transport.wire import pack, unpack
 
@@ -74,7 +75,7 @@ class RefsCalls:
         Returns the output, or on the last stage the loss as a float when a target is given;
         None on tp ranks other than 0 (their output is rank 0's).
         """
-        out = self.executor.forward_only(unpack(x), unpack(target), v)
+        out = forward_only(self.executor, unpack(x), unpack(target), v)
         if isinstance(out, float):  # the loss
             return out
         return pack(to_host(out)) if self.tp.rank == 0 else None

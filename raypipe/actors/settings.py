@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from raypipe.env import late_gradients
+
 
 @dataclass
 class StageSettings:
@@ -21,6 +23,7 @@ class StageSettings:
     compress_gradients: str = "none"
     activation_checkpointing: bool = False
     compile: bool = False
+    early_gradients: bool = True  # a whole backward hands its input gradient on first (`Executor.hands_on_early`)
     measure_activations: bool = False
     zero: int = 0
     dp_bucket_bytes: int = 25 * 2**20
@@ -42,6 +45,7 @@ class StageSettings:
             compress_gradients=c.compress_gradients,
             activation_checkpointing=c.activation_checkpointing,
             compile=c.compile,
+            early_gradients=not late_gradients(),
             measure_activations=c.measure_activations,
             zero=c.zero,
             dp_bucket_bytes=max(1, int(c.dp_bucket_mb * 2**20)),

@@ -9,13 +9,17 @@ what stays alive between I and W is the part of the autograd graph the weight gr
 need. torch keeps these two functions in a private module (`_backward`); raypipe pins torch,
 and `tests/test_zero_bubble.py` checks them against a whole backward on every schedule.
 
-Three cases do not split: a stage whose inputs need no gradient (the first stage: token ids)
+Some cases do not split: a stage whose inputs need no gradient (the first stage: token ids)
 runs its whole backward at W, since nothing waits for its I; a stage with no trainable
 weights (LoRA stages without adapters) runs it at I, and W has nothing to do; so does a
 compiled stage (`actors.compiling`), whose layers' backwards are each one node making input
-and weight gradients together. A weight whose
-path never meets the inputs' (an output computed from weights alone) gets no gradient from
-the split, as in torch; such a stage should use a schedule without I/W.
+and weight gradients together. A weight whose path never meets the inputs' (an output
+computed from weights alone) would get no gradient from torch's split: `covers_every_weight`
+checks a chunk's first split, and such a chunk runs its whole backward at I.
+
+The p2p engine also splits the whole backward (B) of GPipe, 1F1B, interleaved 1F1B and
+DualPipeV, to send the input gradient before the weight gradients are made
+(`Executor.hands_on_early`).
 """
 
 from __future__ import annotations
@@ -41,16 +45,17 @@ def input_gradients(
     grads: Sequence[torch.Tensor] | None,
     inputs: Sequence[torch.Tensor],
     weights: Sequence[torch.nn.Parameter],
-    compiled: bool = False,
+    unsplit: bool = False,
 ) -> Deferred:
     """Sets `.grad` on each of `inputs` (tensors that require grad) from `outputs` and their
     `grads` (None: `outputs` is the scaled loss); returns what `weight_gradients` needs.
-    `compiled`: the stage's layers run compiled, each one backward node that makes input and
-    weight gradients together: the whole backward runs here, W has nothing left."""
+    `unsplit`: the whole backward runs here and W has nothing left: a compiled stage (its
+    layers' backwards are each one node making input and weight gradients together), or one
+    whose split would leave a weight out (`covers_every_weight`)."""
     outputs, grads = list(outputs), None if grads is None else list(grads)
     if not inputs:
         return Deferred(whole=(outputs, grads))
-    if compiled:
+    if unsplit:
         torch.autograd.backward(outputs, grads)
         return Deferred()
     if not weights:
@@ -60,6 +65,29 @@ def input_gradients(
 
     _, groups = stage_backward_input(outputs, grads, list(inputs), iter(weights))
     return Deferred(groups=groups)
+
+
+def covers_every_weight(
+    outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], weights: Sequence[torch.nn.Parameter]
+) -> bool:
+    """Whether the split gives every weight the backward reaches its gradient: False when a
+    weight's path to the outputs never meets the inputs' (an output made from weights alone),
+    which torch's split drops. Walks the graph once more: for a stage's first split backward."""
+    from torch.distributed.pipelining._backward import (
+        _get_grad_fn_or_grad_acc,
+        construct_reverse_graph,
+        get_param_groups,
+    )
+
+    if not inputs or not weights:
+        return True  # nothing splits (`input_gradients`)
+    nodes = [n for n in map(_get_grad_fn_or_grad_acc, [o for o in outputs if o.grad_fn is not None]) if n is not None]
+    reverse = construct_reverse_graph(nodes)
+    weight_nodes = [n for n in map(_get_grad_fn_or_grad_acc, weights) if n is not None]
+    reached = {n for n in weight_nodes if n in reverse}  # before get_param_groups adds keys to it
+    input_nodes = [n for n in map(_get_grad_fn_or_grad_acc, inputs) if n is not None]
+    covered = set().union(*(g["params"] for g in get_param_groups(input_nodes, weight_nodes, reverse)))
+    return reached <= covered
 
 
 def weight_gradients(deferred: Deferred, weights: Sequence[torch.nn.Parameter]) -> None:

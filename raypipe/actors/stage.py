@@ -25,6 +25,7 @@ import torch
 from raypipe.actors import step_list
 from raypipe.actors.compiling import compile_layers, compile_report
 from raypipe.actors.executor import Executor
+from raypipe.actors.inference_passes import end_generation, generate
 from raypipe.actors.memory import max_rss_bytes, memory_split
 from raypipe.actors.model import StageModel, gpu_identity, resolve_device
 from raypipe.actors.optimizer import OptimizerState
@@ -309,11 +310,11 @@ class StageActor(RefsCalls, StateCalls, ProbesLinks, RunsSteps):
     def generate_forward(self, x: Any, start: bool, cached: bool, v: int | None = None) -> Any:
         """One forward of generation through chunk `v` (`raypipe.driver.generation`): the output
         (rank 0 of tp only), or on the last stage the last position's logits."""
-        out = self.executor.generate(unpack(x), start, cached, v)
+        out = generate(self.executor, unpack(x), start, cached, v)
         return pack(to_host(out)) if self.tp.rank == 0 else None
 
     def end_generation(self) -> None:
-        self.executor.end_generation()
+        end_generation(self.executor)
 
 
 def _peak_memory_bytes(device: torch.device) -> int:

@@ -112,10 +112,14 @@ def run_list(
                 box.refill()
         elif kind in (BACKWARD, INPUT_GRAD):
             grad_in, box = None, links.gradients.get(v)
+            early = kind == BACKWARD and v in links.to_prev and executor.hands_on_early(v)
             try:
                 grad = None if last else box.take() if box is not None else handed.pop(("G", v, m))
                 if failure is None:
-                    grad_in = (executor.backward if kind == BACKWARD else executor.backward_input)(m, grad, v)
+                    if kind == BACKWARD and not early:
+                        grad_in = executor.backward(m, grad, v)
+                    else:
+                        grad_in = executor.backward_input(m, grad, v, whole=early)
             except Exception as error:  # noqa: BLE001
                 failure = failure or error
             if first:
@@ -126,6 +130,11 @@ def run_list(
                 failure = send_or_poison(links.to_prev[v], grad_in, links.tag(v, m, "G"), failure)
             if box is not None:
                 box.refill()
+            if early and failure is None:  # the weight gradients, once the input gradient is on its way
+                try:
+                    executor.backward_weight(m, v, whole=True)
+                except Exception as error:  # noqa: BLE001
+                    failure = error
         elif failure is None:  # WEIGHT_GRAD: nothing crosses to another actor
             try:
                 executor.backward_weight(m, v)

@@ -29,7 +29,14 @@ from raypipe.data.batches import split_batch
 from raypipe.errors import ConfigError
 from raypipe.layers import LayerSpec
 from raypipe.planning.links import Link, message_seconds
-from raypipe.planning.profiling import PlanReport, plan_from_profiles, profile_layers, profiled_plan, scheduled_seconds
+from raypipe.planning.profiling import (
+    PlanReport,
+    hands_on_early,
+    plan_from_profiles,
+    profile_layers,
+    profiled_plan,
+    scheduled_seconds,
+)
 from raypipe.schedules import SCHEDULES, Schedule, build_schedule
 
 # What the p2p engine adds to an action beyond its layers' compute on a loaded 2-core machine
@@ -91,7 +98,7 @@ def predicted_seconds(
     schedule = build_schedule(config.schedule, config.pp, config.microbatches, config.chunks, config.extra_warmup)
     profiles = [report.profiles[k] for k in report.kinds]
     transfer = message_seconds(links, profiles, report.plan, config) if links else None
-    compute = scheduled_seconds(schedule, profiles, report.plan, transfer)
+    compute = scheduled_seconds(schedule, profiles, report.plan, transfer, hands_on_early(config))
     busiest = compute + ACTION_OVERHEAD_S * max(len(actions) for actions in schedule)
     return max(busiest, cores_bound(schedule, profiles, report.plan)) + STEP_OVERHEAD_S * config.pp
 

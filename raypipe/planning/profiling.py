@@ -24,6 +24,7 @@ import torch
 
 from raypipe.config import TrainConfig
 from raypipe.devices import ray_options
+from raypipe.env import late_gradients
 from raypipe.errors import PlacementError, StageError
 from raypipe.layers import LayerSpec
 from raypipe.planning.links import Link, boundary_bytes, message_seconds
@@ -241,7 +242,7 @@ def plan_from_profiles(
         if chunks == 1 and not SCHEDULES[config.schedule].split_backward and not links and not compressed:
             return pipeline_seconds([sum(times[s][a:b]) for s, (a, b) in enumerate(split)], m)
         transfer = message_seconds(links, by_virtual, split, config) if links else None
-        return scheduled_seconds(schedule, by_virtual, split, transfer)
+        return scheduled_seconds(schedule, by_virtual, split, transfer, hands_on_early(config))
 
     def link_seconds(v: int, end: int) -> float:  # a microbatch on the busier way of the link after v
         a, b = stage_of[v], stage_of[v + 1]
@@ -317,18 +318,26 @@ def refine(plan: Plan, cost: Callable[[Plan], float], fits: Callable[[int, int, 
     return best
 
 
+def hands_on_early(config: TrainConfig) -> bool:
+    """Whether `config`'s actors send a whole backward's input gradient before its weight
+    gradients (`Executor.hands_on_early`): the engines that run action lists, uncompiled stages."""
+    return config.engine != "refs" and not config.compile and not late_gradients()
+
+
 def scheduled_seconds(
     schedule: Any,
     profiles: Sequence[dict[str, Any]],
     plan: Plan,
     transfer: Callable[[int, int, str, int], float] | None = None,
+    early_gradients: bool = True,
 ) -> float:
     """The step time of `schedule` run with each virtual stage's measured forward and backward
     (`profiles`: per virtual stage, its kind's; a split backward's I and W as profiled apart, or
     half the backward each where they were not; the first stage's all at W, as it runs it), each
     boundary message taking `transfer`'s time on its link (`schedules.timed`), and the action
     that sends it to another actor the time compressing and restoring it takes (profiled where
-    the config compresses boundaries; charged to the sender)."""
+    the config compresses boundaries; charged to the sender). `early_gradients`: a whole backward
+    hands its input gradient on after its I part, as the p2p engine runs an uncompiled stage."""
     from raypipe.schedules import owners, timed
 
     owner = owners(schedule)
@@ -356,7 +365,7 @@ def scheduled_seconds(
             return sum(prof["input_s"][a:b]) + codec(v, v - 1, "codec_backward_s")
         return sum(prof["weight_s"][a:b])
 
-    return max(end for run in timed(schedule, seconds, transfer) for _, _, end in run)
+    return max(end for run in timed(schedule, seconds, transfer, early_gradients) for _, _, end in run)
 
 
 def _optimizer_slots(optimizer: dict) -> int:

@@ -122,6 +122,7 @@ def timed(
     schedule: Schedule,
     costs: Mapping[str, float] | Sequence[Mapping[str, float]] | Callable[[Action], float],
     transfer: Callable[[int, int, str, int], float] | None = None,
+    early_gradients: bool = False,
 ) -> list[list[tuple[Action, float, float]]]:
     """Runs the schedule with each action taking `costs[kind]` (one mapping, or one per actor;
     per chunk; `B` defaults to I + W), or `costs(action)`: per actor, (action, start, end) in order.
@@ -137,13 +138,22 @@ def timed(
     of a link carries one message at a time, in the order its sender makes them, as a TCP stream
     does; the receiver's action waits for its message's arrival. Without it messages are free.
 
+    `early_gradients`: a whole backward whose gradient goes to another actor hands it on once
+    its input-gradient part is done (`I`'s cost), its weight gradients after, as the p2p engine
+    runs it (`Executor.hands_on_early`); without an `I` cost, or False (the textbook model), the
+    gradient leaves when the backward ends.
+
     Raises:
         ScheduleError: on a deadlock (see `simulate`).
     """
     owner = owners(schedule)
     overlapped: list[float | None] = [None] * len(schedule)
+    input_part: Callable[[Action], float | None]
     if callable(costs):
         cost = costs
+
+        def input_part(action: Action) -> float | None:
+            return costs(Action(action.stage, INPUT_GRAD, action.microbatch))
     else:
         per_actor = [costs] * len(schedule) if isinstance(costs, Mapping) else list(costs)
         per_actor = [{BACKWARD: c.get(INPUT_GRAD, 0) + c.get(WEIGHT_GRAD, 0), **c} for c in per_actor]
@@ -151,6 +161,15 @@ def timed(
 
         def cost(action: Action) -> float:
             return per_actor[owner[action.stage]][action.kind]
+
+        def input_part(action: Action) -> float | None:
+            return per_actor[owner[action.stage]].get(INPUT_GRAD)
+
+    def handed_on(action: Action, actor: int) -> float | None:  # after how long B's gradient leaves early
+        v = action.stage
+        if not early_gradients or action.kind != BACKWARD or v == 0 or owner[v - 1] == actor:
+            return None
+        return input_part(action)
 
     simulate(schedule, len(schedule))  # the deadlock check, with its message
     units = [_units(actions, pair_cost is not None) for actions, pair_cost in zip(schedule, overlapped)]
@@ -174,7 +193,9 @@ def timed(
                 ends = [start + scale * sum(own[: i + 1]) for i in range(len(unit))]
                 for action, begins, end in zip(unit, [start, *ends[:-1]], ends):
                     runs[actor].append((action, begins, end))
-                    leaves = ends[-1] if len(unit) == 2 else end  # a block's outputs leave when it ends
+                    early = handed_on(action, actor) if len(unit) == 1 else None
+                    # a block's outputs leave when it ends; a backward handed on early, after its I
+                    leaves = ends[-1] if len(unit) == 2 else end if early is None else begins + early
                     for e in events(action):
                         finished[e] = _arrival(e, leaves, actor, owner, transfer, link_free)
                 free[actor] = ends[-1]
@@ -222,10 +243,10 @@ def _arrival(
     return arrives
 
 
-def bubble(schedule: Schedule, costs: Mapping[str, float]) -> float:
+def bubble(schedule: Schedule, costs: Mapping[str, float], early_gradients: bool = False) -> float:
     """The planned bubble: the share of actor time idle between the step's first start and its
     last end, with the action costs given (see `timed`)."""
-    runs = timed(schedule, costs)
+    runs = timed(schedule, costs, early_gradients=early_gradients)
     span = max(end for actor in runs for _, _, end in actor)
     busy = sum(end - start for actor in runs for _, start, end in actor)
     return 1.0 - busy / (span * len(runs))

@@ -1,0 +1,61 @@
+"""Inference and generation through a stage's model chunk: forwards in eval mode that keep
+nothing for a backward (`StageActor.forward_only`, `StageActor.generate_forward`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from raypipe.actors.executor import Executor
+from raypipe.schedules.actions import FORWARD
+from raypipe.transport.tree import map_tensors
+
+
+@torch.no_grad()
+def forward_only(executor: Executor, x: Any, target: Any = None, v: int | None = None) -> Any:
+    """Inference through this stage's chunk `v` (eval mode, nothing stashed): the output, or on
+    the last stage the loss as a float when a target is given."""
+    v, module, _, last = executor.part(v)
+    executor.module.eval()
+    try:
+        with executor.autocast():
+            out = module(executor.received(x))
+            if last and target is not None:
+                return float(executor.loss_fn(out, map_tensors(lambda t: t.to(executor.device), target)))
+        return map_tensors(lambda t: t.float() if t.is_floating_point() else t, out) if last else out
+    except Exception as error:
+        raise executor.error(FORWARD, -1, error, v) from error
+    finally:
+        executor.module.train()
+
+
+@torch.no_grad()
+def generate(executor: Executor, x: Any, start: bool, cached: bool, v: int | None = None) -> Any:
+    """One generation forward through chunk `v` (eval mode, nothing stashed): the output, or on
+    the last stage the logits of the last position. `start` begins a new sequence; with
+    `cached`, the chunk's layers that keep a KV cache (`begin_cache`) share a fresh one."""
+    v, module, _, last = executor.part(v)
+    if start:
+        shared: dict[str, Any] = {}
+        for layer in module:
+            if hasattr(layer, "end_cache"):
+                layer.end_cache()
+            if cached and hasattr(layer, "begin_cache"):
+                layer.begin_cache(shared)
+    executor.module.eval()
+    try:
+        with executor.autocast():
+            out = module(executor.received(x))
+        return out[:, -1].float() if last else out
+    except Exception as error:
+        raise executor.error(FORWARD, -1, error, v) from error
+    finally:
+        executor.module.train()
+
+
+def end_generation(executor: Executor) -> None:
+    """Drops the layers' KV caches."""
+    for layer in executor.module:
+        if hasattr(layer, "end_cache"):
+            layer.end_cache()
