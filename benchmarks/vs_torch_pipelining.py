@@ -134,7 +134,7 @@ def torch_step_time(schedule: str, t: float, steps: int, classic: bool) -> tuple
                 proc.kill()
 
 
-def raypipe_trainer(schedule: str, t: float, classic: bool, engine: str | None):
+def raypipe_trainer(schedule: str, t: float, classic: bool, engine: str | None, suffix: str = ""):
     from raypipe import TrainConfig, Trainer
 
     name, _, transport = (engine or TrainConfig.engine).partition(":")
@@ -147,7 +147,7 @@ def raypipe_trainer(schedule: str, t: float, classic: bool, engine: str | None):
         threads_per_actor=1,
         engine=name,
         same_node_transport=transport or TrainConfig.same_node_transport,
-        name=f"vs-torch-{schedule}-{name}",
+        name=f"vs-torch-{schedule}-{name}{suffix}",
     )
     return Trainer(layers(t, classic), torch.nn.functional.mse_loss, config)
 
@@ -209,7 +209,7 @@ def main() -> None:
                 late = None
                 if args.late_gradients:
                     with late_gradients():
-                        late = stack.enter_context(raypipe_trainer(schedule, t, args.classic, args.engine))
+                        late = stack.enter_context(raypipe_trainer(schedule, t, args.classic, args.engine, "-late"))
                 torch_rounds, raypipe_rounds, torch_loops, raypipe_loops, bubbles, lates = [], [], [], [], [], []
                 for _ in range(args.rounds):
                     single, loop = torch_step_time(schedule, t, args.steps, args.classic)

@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -113,14 +114,14 @@ def launched(tmp_path_factory):
         config = cluster_file(work, hosts)
         up = launcher(work, "up", "-y", "--no-config-cache", str(config), timeout=600)
         assert up.returncode == 0, up.stdout[-4000:] + up.stderr[-4000:]
-        nodes, deadline = [], 360  # the head's autoscaler starts the two workers over SSH
-        for _ in range(deadline // 10):
+        nodes, deadline = [], time.monotonic() + 360  # the head's autoscaler starts the two workers over SSH
+        while time.monotonic() < deadline:
             probe = launcher(work, "exec", str(config), PROBE, timeout=120)
             found = [line for line in probe.stdout.splitlines() if line.startswith("NODES ")]
             nodes = json.loads(found[-1][6:]) if found else []
             if len(nodes) == 3:
                 break
-            subprocess.run(["sleep", "10"])
+            time.sleep(3)  # each probe is a `ray exec` over SSH: seconds of its own
         yield {"work": work, "config": config, "hosts": hosts, "nodes": nodes, "up": up}
     finally:
         down = launcher(work, "down", "-y", str(config), timeout=300) if config is not None else None

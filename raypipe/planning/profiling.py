@@ -320,8 +320,9 @@ def refine(plan: Plan, cost: Callable[[Plan], float], fits: Callable[[int, int, 
 
 def hands_on_early(config: TrainConfig) -> bool:
     """Whether `config`'s actors send a whole backward's input gradient before its weight
-    gradients (`Executor.hands_on_early`): the engines that run action lists, uncompiled stages."""
-    return config.engine != "refs" and not config.compile and not late_gradients()
+    gradients (`Executor.hands_on_early`): the engines that run action lists, uncompiled stages
+    that train their weights (not LoRA's adapters alone)."""
+    return config.engine != "refs" and not config.compile and not config.lora and not late_gradients()
 
 
 def scheduled_seconds(
