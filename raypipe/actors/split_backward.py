@@ -17,7 +17,7 @@ and weight gradients together. A weight whose path never meets the inputs' (an o
 computed from weights alone) would get no gradient from torch's split: `covers_every_weight`
 checks a chunk's first split, and such a chunk runs its whole backward at I.
 
-The p2p engine also splits the whole backward (B) of GPipe, 1F1B, interleaved 1F1B and
+The p2p and compiled engines also split the whole backward (B) of GPipe, 1F1B, interleaved 1F1B and
 DualPipeV, to send the input gradient before the weight gradients are made
 (`Executor.hands_on_early`).
 """
@@ -81,8 +81,7 @@ def covers_every_weight(
 
     if not inputs or not weights:
         return True  # nothing splits (`input_gradients`)
-    nodes = [n for n in map(_get_grad_fn_or_grad_acc, [o for o in outputs if o.grad_fn is not None]) if n is not None]
-    reverse = construct_reverse_graph(nodes)
+    reverse = construct_reverse_graph([n for n in map(_get_grad_fn_or_grad_acc, outputs) if n is not None])
     weight_nodes = [n for n in map(_get_grad_fn_or_grad_acc, weights) if n is not None]
     reached = {n for n in weight_nodes if n in reverse}  # before get_param_groups adds keys to it
     input_nodes = [n for n in map(_get_grad_fn_or_grad_acc, inputs) if n is not None]
