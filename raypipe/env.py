@@ -46,13 +46,24 @@ def trace_path() -> str | None:
     return os.environ.get("RAYPIPE_TRACE") or None
 
 
-def late_gradients() -> bool:
-    """RAYPIPE_LATE_GRADIENTS=1: a stage's whole backward sends its input gradient only after its
-    weight gradients, as torch.distributed.pipelining's schedules do, instead of as soon as it is
-    made (`Executor.hands_on_early`). Read on the driver when a trainer starts. For measuring what
-    sending early gains (`benchmarks/vs_torch_pipelining.py --late-gradients`); unset (the
-    default): early."""
-    return os.environ.get("RAYPIPE_LATE_GRADIENTS", "") not in ("", "0")
+def gradient_hand_on() -> str:
+    """When a stage's whole backward sends its input gradient (`Executor.may_hand_on_early`), read on
+    the driver when a trainer starts or reconfigures:
+
+    - "measured" (the default): before its weight gradients on a chunk where the split backward
+      costs no more than the whole one, as each actor measures it in its first steps
+      (`raypipe.actors.hand_on`);
+    - "early" (RAYPIPE_EARLY_GRADIENTS=1): always before them, unmeasured;
+    - "late" (RAYPIPE_LATE_GRADIENTS=1, which wins): after them, as torch.distributed.pipelining's
+      schedules do.
+
+    The two variables are for measuring what sending early gains
+    (`benchmarks/vs_torch_pipelining.py --late-gradients`) and for tests."""
+    if os.environ.get("RAYPIPE_LATE_GRADIENTS", "") not in ("", "0"):
+        return "late"
+    if os.environ.get("RAYPIPE_EARLY_GRADIENTS", "") not in ("", "0"):
+        return "early"
+    return "measured"
 
 
 # RAYPIPE_ACCELERATOR: set by raypipe itself in each stage or profiler process to the kind it

@@ -127,3 +127,51 @@ def test_fit_shows_a_progress_bar_where_someone_watches(ray_session, monkeypatch
         t.fit(batch, 4, progress=True)
     err = capsys.readouterr().err
     assert "raypipe: 100%" in err and "4/4" in err and "loss=" in err and "samples/s=" in err
+
+
+def test_each_actor_hands_its_input_gradient_on_early_where_it_measures_the_split_free(ray_session, monkeypatch):
+    """A whole backward that costs the same split (simulated layers: I 5 ms, W 20 ms) hands its
+    input gradient on before its weight gradients once the actor has timed both ways (after its
+    first step, three of each): the previous stage's backward then starts inside this one.
+    RAYPIPE_LATE_GRADIENTS=1 (read at reconfigure) sends after the weight gradients, as torch does."""
+    from simulated import SimulatedCompute
+
+    layers = [LayerSpec(SimulatedCompute, 0.005, 0.005, weight_s=0.02) for _ in range(2)]
+    config = TrainConfig(
+        pp=2, microbatches=4, schedule="gpipe", optimizer={"name": "sgd", "lr": 0.01}, cpus_per_actor=0.01
+    )
+    with Trainer(layers, nn.functional.mse_loss, config.replace(name="hand-on")) as t:
+        x, y = torch.randn(8, 8), torch.randn(8, 8)
+
+        def overlaps() -> list[bool]:  # per microbatch: stage 0's B began before stage 1's ended
+            by = {(s.stage, s.kind, s.microbatch): s for s in t.timeline().spans}
+            return [by[(0, "B", m)].start < by[(1, "B", m)].end for m in range(4)]
+
+        for _ in range(4):  # the first step is not timed; two more time 3 B's each way
+            t.step(x, y)
+        assert overlaps() == [True] * 4
+        monkeypatch.setenv("RAYPIPE_LATE_GRADIENTS", "1")
+        t.reconfigure(microbatches=4)
+        t.step(x, y)
+        assert overlaps() == [False] * 4
+
+
+def test_the_hand_on_choice_times_both_ways_then_keeps_the_cheaper():
+    """After the first step a chunk's eligible backwards alternate whole and split until each way
+    has 3 timings; the split wins within 5 % of the whole. "early" and "late" choose unmeasured."""
+    from raypipe.actors.hand_on import HandOnChoice
+
+    for split_s, chosen in ((0.0104, True), (0.0110, False)):
+        choice = HandOnChoice("measured")
+        choice.begin_step()
+        assert not choice.early(1)
+        choice.record(1, False, 1.0)  # the first step's timings do not count
+        choice.begin_step()
+        ways = []
+        for _ in range(6):
+            way = choice.early(1)
+            ways.append(way)
+            choice.record(1, way, split_s if way else 0.010)
+        assert ways == [False, True] * 3 and choice.report() == {1: chosen}
+        assert [choice.early(1) for _ in range(3)] == [chosen] * 3 and choice.early(0) is False
+    assert HandOnChoice("early").early(0) and not HandOnChoice("late").early(0)

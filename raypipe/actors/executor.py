@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from raypipe.actors.hand_on import HandOnChoice
 from raypipe.actors.memory import count_saved_bytes, weight_storages
 from raypipe.actors.model import StageModel
 from raypipe.actors.replica_io import running_stats, step_start
@@ -70,7 +71,8 @@ class Executor:
         self.stash: dict[tuple[int, int], tuple[Any, Any]] = {}  # (virtual stage, microbatch) -> (input, output)
         self.stash_bytes: dict[tuple[int, int], int] = {}  # per stashed microbatch, bytes autograd saved for backward
         self.deferred: dict[tuple[int, int], Deferred] = {}  # what each pending W needs from its I
-        self.began_whole = 0.0  # when the whole backward handed on early began (`hands_on_early`)
+        self.began_whole = 0.0  # when the whole backward handed on early began (`may_hand_on_early`)
+        self.hand_on = HandOnChoice()  # per chunk: does a whole backward hand on early (measured)
         self.split_covers: dict[int, bool] = {}  # per chunk: its split backward leaves no weight out
         self.weight_share: dict[int, float] = {}  # per chunk: the share of its weights' elements it trains
         self.saved_per_microbatch: dict[int, int] = {}  # per model chunk, its first microbatch's saved bytes
@@ -84,6 +86,7 @@ class Executor:
         if sharding is not None and self.sharding is None:  # ZeRO-3 gave the weights new storages
             self.weights = weight_storages(self.model.module)
         self.settings, self.sharding = settings, sharding
+        self.hand_on = HandOnChoice(settings.gradient_hand_on)  # new settings, new costs: measured afresh
 
     def begin(self, call_id: int) -> None:
         """Starts a new step when `call_id` is new: fresh timings and stash, gradients zeroed."""
@@ -104,6 +107,7 @@ class Executor:
             if self.settings.measure_activations:
                 self.timing["peak_stashed_bytes"] = 0
             self.events = []
+            self.hand_on.begin_step()
             reset_recorder()  # all-to-all of inference since the last step is not this step's
             self.clear_stash()
             self.model.zero_grad()
@@ -184,16 +188,17 @@ class Executor:
         except Exception as error:
             raise self.error(BACKWARD, microbatch, error, v) from error
 
-    def hands_on_early(self, v: int) -> bool:
-        """Whether a whole backward (B) of chunk `v` runs as its input gradient, handed on at once,
-        then its weight gradients (`backward_input`, the send, `backward_weight`, each `whole=True`):
-        the previous stage then waits for the input-gradient half only, which shortens every
-        gradient chain by the weight gradients' time. Not on the first stage (nothing waits for
-        its gradient), a compiled one (its backward does not split), a chunk whose split would
-        leave a weight without its gradient (`split_backward.covers_every_weight`, checked on its
-        first split backward), nor one that trains few of its weights (LoRA)."""
+    def may_hand_on_early(self, v: int) -> bool:
+        """Whether a whole backward (B) of chunk `v` may run as its input gradient, handed on at
+        once, then its weight gradients (`backward_input`, the send, `backward_weight`, each
+        `whole=True`): the previous stage then waits for the input-gradient half only, which
+        shortens every gradient chain by the weight gradients' time. Not on the first stage
+        (nothing waits for its gradient), a compiled one (its backward does not split), a chunk
+        whose split would leave a weight without its gradient (`split_backward.covers_every_weight`,
+        checked on its first split backward), nor one that trains few of its weights (LoRA).
+        Whether it does is `hand_on`'s choice, measured (`raypipe.actors.hand_on`)."""
         return (
-            self.settings.early_gradients
+            self.settings.gradient_hand_on != "late"
             and not self.part(v)[2]
             and not self.settings.compile
             and self.split_covers.get(v, True)
@@ -214,7 +219,7 @@ class Executor:
     def backward_input(self, microbatch: int, grad: Any, v: int | None = None, whole: bool = False) -> Any:
         """The first half of a split backward (I): only the input gradient, returned as
         `backward` returns it; what the weight gradient needs is kept for `backward_weight`.
-        `whole`: the half of a whole backward handed on early (`hands_on_early`): recorded with
+        `whole`: the half of a whole backward handed on early (`may_hand_on_early`): recorded with
         its W as one B."""
         started = time.time()
         v, _, first, last = self.part(v)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from raypipe.env import late_gradients
+from raypipe.env import gradient_hand_on
 
 
 @dataclass
@@ -23,7 +23,8 @@ class StageSettings:
     compress_gradients: str = "none"
     activation_checkpointing: bool = False
     compile: bool = False
-    early_gradients: bool = True  # a whole backward hands its input gradient on first (`Executor.hands_on_early`)
+    # when a whole backward hands its input gradient on: "measured", "early" or "late" (`env.gradient_hand_on`)
+    gradient_hand_on: str = "measured"
     measure_activations: bool = False
     zero: int = 0
     dp_bucket_bytes: int = 25 * 2**20
@@ -45,7 +46,7 @@ class StageSettings:
             compress_gradients=c.compress_gradients,
             activation_checkpointing=c.activation_checkpointing,
             compile=c.compile,
-            early_gradients=not late_gradients(),
+            gradient_hand_on=gradient_hand_on(),
             measure_activations=c.measure_activations,
             zero=c.zero,
             dp_bucket_bytes=max(1, int(c.dp_bucket_mb * 2**20)),

@@ -19,7 +19,7 @@ checks a chunk's first split, and such a chunk runs its whole backward at I.
 
 The p2p and compiled engines also split the whole backward (B) of GPipe, 1F1B, interleaved 1F1B and
 DualPipeV, to send the input gradient before the weight gradients are made
-(`Executor.hands_on_early`).
+(`Executor.may_hand_on_early`).
 """
 
 from __future__ import annotations

@@ -112,7 +112,8 @@ def run_list(
                 box.refill()
         elif kind in (BACKWARD, INPUT_GRAD):
             grad_in, box = None, links.gradients.get(v)
-            early = kind == BACKWARD and v in links.to_prev and executor.hands_on_early(v)
+            eligible = kind == BACKWARD and v in links.to_prev and executor.may_hand_on_early(v)
+            early = eligible and executor.hand_on.early(v)
             try:
                 grad = None if last else box.take() if box is not None else handed.pop(("G", v, m))
                 if failure is None:
@@ -135,6 +136,9 @@ def run_list(
                     executor.backward_weight(m, v, whole=True)
                 except Exception as error:  # noqa: BLE001
                     failure = error
+            if eligible and failure is None:  # what this B took, whole or split (`hand_on`)
+                _, _, started, ended = executor.events[-1]
+                executor.hand_on.record(v, early, ended - started)
         elif failure is None:  # WEIGHT_GRAD: nothing crosses to another actor
             try:
                 executor.backward_weight(m, v)

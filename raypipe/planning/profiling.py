@@ -24,7 +24,7 @@ import torch
 
 from raypipe.config import TrainConfig
 from raypipe.devices import ray_options
-from raypipe.env import late_gradients
+from raypipe.env import gradient_hand_on
 from raypipe.errors import PlacementError, StageError
 from raypipe.layers import LayerSpec
 from raypipe.planning.links import Link, boundary_bytes, message_seconds
@@ -242,7 +242,7 @@ def plan_from_profiles(
         if chunks == 1 and not SCHEDULES[config.schedule].split_backward and not links and not compressed:
             return pipeline_seconds([sum(times[s][a:b]) for s, (a, b) in enumerate(split)], m)
         transfer = message_seconds(links, by_virtual, split, config) if links else None
-        return scheduled_seconds(schedule, by_virtual, split, transfer, hands_on_early(config))
+        return scheduled_seconds(schedule, by_virtual, split, transfer, hands_on_early(config, by_virtual))
 
     def link_seconds(v: int, end: int) -> float:  # a microbatch on the busier way of the link after v
         a, b = stage_of[v], stage_of[v + 1]
@@ -318,11 +318,23 @@ def refine(plan: Plan, cost: Callable[[Plan], float], fits: Callable[[int, int, 
     return best
 
 
-def hands_on_early(config: TrainConfig) -> bool:
-    """Whether `config`'s actors send a whole backward's input gradient before its weight
-    gradients (`Executor.hands_on_early`): the engines that run action lists, uncompiled stages
-    that train their weights (not LoRA's adapters alone)."""
-    return config.engine != "refs" and not config.compile and not config.lora and not late_gradients()
+def hands_on_early(config: TrainConfig, profiles: Sequence[dict[str, Any]]) -> bool:
+    """Whether `config`'s actors will send a whole backward's input gradient before its weight
+    gradients (`Executor.may_hand_on_early`), as they choose it (`raypipe.actors.hand_on`): only
+    on the engines that run action lists, uncompiled, training their weights (not LoRA's adapters
+    alone); then always with RAYPIPE_EARLY_GRADIENTS=1, else where the profiled split backward
+    (I + W) of every layer after the first costs at most `hand_on.MARGIN` times the whole one."""
+    from raypipe.actors.hand_on import MARGIN
+
+    mode = gradient_hand_on()
+    if mode == "late" or config.engine == "refs" or config.compile or config.lora:
+        return False
+    if mode == "early":
+        return True
+    if not profiles or any("input_s" not in p for p in profiles):
+        return False
+    split = sum(sum(p["input_s"][1:]) + sum(p["weight_s"][1:]) for p in profiles)
+    return split <= MARGIN * sum(sum(p["backward_s"][1:]) for p in profiles)
 
 
 def scheduled_seconds(
@@ -338,7 +350,7 @@ def scheduled_seconds(
     boundary message taking `transfer`'s time on its link (`schedules.timed`), and the action
     that sends it to another actor the time compressing and restoring it takes (profiled where
     the config compresses boundaries; charged to the sender). `early_gradients`: a whole backward
-    hands its input gradient on after its I part, as the p2p engine runs an uncompiled stage."""
+    runs split and hands its input gradient on after its I part (`hands_on_early`)."""
     from raypipe.schedules import owners, timed
 
     owner = owners(schedule)
@@ -357,6 +369,8 @@ def scheduled_seconds(
             return sum(prof["forward_s"][a:b]) + codec(v, v + 1, "codec_forward_s")
         backward = sum(prof["backward_s"][a:b])
         if action.kind == "B":
+            if early_gradients and v > 0 and "input_s" in prof:  # it runs split (`hands_on_early`)
+                backward = sum(prof["input_s"][a:b]) + sum(prof["weight_s"][a:b])
             return backward + codec(v, v - 1, "codec_backward_s")
         if v == 0:  # the first stage's inputs take no gradient: its whole backward runs at W
             return 0.0 if action.kind == "I" else backward

@@ -140,7 +140,7 @@ def timed(
 
     `early_gradients`: a whole backward whose gradient goes to another actor hands it on once
     its input-gradient part is done (`I`'s cost), its weight gradients after, as the p2p engine
-    runs it (`Executor.hands_on_early`); without an `I` cost, or False (the textbook model), the
+    runs it (`Executor.may_hand_on_early`); without an `I` cost, or False (the textbook model), the
     gradient leaves when the backward ends.
 
     Raises:
