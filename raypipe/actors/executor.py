@@ -72,6 +72,8 @@ class Executor:
         self.stash_bytes: dict[tuple[int, int], int] = {}  # per stashed microbatch, bytes autograd saved for backward
         self.deferred: dict[tuple[int, int], Deferred] = {}  # what each pending W needs from its I
         self.began_whole = 0.0  # when the whole backward handed on early began (`may_hand_on_early`)
+        self.input_part_s = 0.0  # how long its input half computed
+        self.split_s = 0.0  # how long the last one computed, both halves (not the send between them)
         self.hand_on = HandOnChoice()  # per chunk: does a whole backward hand on early (measured)
         self.split_covers: dict[int, bool] = {}  # per chunk: its split backward leaves no weight out
         self.weight_share: dict[int, float] = {}  # per chunk: the share of its weights' elements it trains
@@ -236,12 +238,13 @@ class Executor:
                 self.split_covers[v] = covers_every_weight(outputs, inputs, weights)
             unsplit = compiled or not self.split_covers[v]  # the split would drop a gradient: none
             self.deferred[(v, microbatch)] = input_gradients(outputs, grads, inputs, weights, unsplit)
+            leaving = None if first else self.send(input_grads(x), self.settings.compress_gradients)
             if whole:
-                self.began_whole = started
+                self.began_whole, self.input_part_s = started, time.time() - started
             else:
                 self.timing["peak_awaiting_weight"] = max(self.timing["peak_awaiting_weight"], len(self.deferred))
                 self._timed(INPUT_GRAD, started, microbatch)
-            return None if first else self.send(input_grads(x), self.settings.compress_gradients)
+            return leaving
         except Exception as error:
             raise self.error(BACKWARD if whole else INPUT_GRAD, microbatch, error, v) from error
 
@@ -258,6 +261,7 @@ class Executor:
             self.stash.pop((v, microbatch))
             self.stash_bytes.pop((v, microbatch), None)
             if whole:
+                self.split_s = self.input_part_s + time.time() - started
                 self._timed(BACKWARD, self.began_whole, microbatch)
             else:
                 self._timed(WEIGHT_GRAD, started, microbatch)

@@ -136,9 +136,9 @@ def run_list(
                     executor.backward_weight(m, v, whole=True)
                 except Exception as error:  # noqa: BLE001
                     failure = error
-            if eligible and failure is None:  # what this B took, whole or split (`hand_on`)
+            if eligible and failure is None:  # what this B computed, whole or split (`hand_on`)
                 _, _, started, ended = executor.events[-1]
-                executor.hand_on.record(v, early, ended - started)
+                executor.hand_on.record(v, early, executor.split_s if early else ended - started)
         elif failure is None:  # WEIGHT_GRAD: nothing crosses to another actor
             try:
                 executor.backward_weight(m, v)
