@@ -71,9 +71,9 @@ class Executor:
         self.stash: dict[tuple[int, int], tuple[Any, Any]] = {}  # (virtual stage, microbatch) -> (input, output)
         self.stash_bytes: dict[tuple[int, int], int] = {}  # per stashed microbatch, bytes autograd saved for backward
         self.deferred: dict[tuple[int, int], Deferred] = {}  # what each pending W needs from its I
-        self.began_whole = 0.0  # when the whole backward handed on early began (`may_hand_on_early`)
-        self.input_part_s = 0.0  # how long its input half computed
-        self.split_s = 0.0  # how long the last one computed, both halves (not the send between them)
+        # a whole backward handed on early (`may_hand_on_early`): when it began, how long its input half
+        # computed, and how long the last one computed, both halves (not the send between them)
+        self.began_whole, self.input_part_s, self.split_s = 0.0, 0.0, 0.0
         self.hand_on = HandOnChoice()  # per chunk: does a whole backward hand on early (measured)
         self.split_covers: dict[int, bool] = {}  # per chunk: its split backward leaves no weight out
         self.weight_share: dict[int, float] = {}  # per chunk: the share of its weights' elements it trains
@@ -191,14 +191,12 @@ class Executor:
             raise self.error(BACKWARD, microbatch, error, v) from error
 
     def may_hand_on_early(self, v: int) -> bool:
-        """Whether a whole backward (B) of chunk `v` may run as its input gradient, handed on at
-        once, then its weight gradients (`backward_input`, the send, `backward_weight`, each
-        `whole=True`): the previous stage then waits for the input-gradient half only, which
-        shortens every gradient chain by the weight gradients' time. Not on the first stage
-        (nothing waits for its gradient), a compiled one (its backward does not split), a chunk
-        whose split would leave a weight without its gradient (`split_backward.covers_every_weight`,
-        checked on its first split backward), nor one that trains few of its weights (LoRA).
-        Whether it does is `hand_on`'s choice, measured (`raypipe.actors.hand_on`)."""
+        """Whether a whole backward (B) of chunk `v` may run as its input gradient, handed on at once,
+        then its weight gradients (`backward_input`, the send, `backward_weight`, each `whole=True`),
+        so the previous stage waits for the input half only; whether it does is `hand_on`'s measured
+        choice. Not on the first stage (nothing waits for its gradient), a compiled one (its backward
+        does not split), a chunk whose split would leave a weight without its gradient
+        (`split_backward.covers_every_weight`), nor one that trains few of its weights (LoRA)."""
         return (
             self.settings.gradient_hand_on != "late"
             and not self.part(v)[2]
