@@ -19,8 +19,10 @@ torch ranks lined up before and after; raypipe's `Trainer.step`), their ratio (b
 raypipe faster), each round's ratio, the same for steps back to back (torch's ranks
 looping; raypipe's `Trainer.fit`), raypipe's planned bubble and the bubble measured from
 its actors' own timestamps (idle share of the step's action span, all actors). The planned
-bubble is the engine's: a whole backward hands its input gradient on before its weight
-gradients (`--late-gradients` also runs raypipe sending it after them, as torch does).
+bubble is the always-early one: a whole backward hands its input gradient on before its weight
+gradients, which each actor does where it measures the split cheap enough
+(`raypipe.actors.hand_on`; `--late-gradients` also runs raypipe always sending it after them,
+as torch does).
 
 `--classic` runs the earlier comparison instead: one layer per stage, tf = tb, no split
 backward, GPipe and 1F1B only.
