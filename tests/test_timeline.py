@@ -159,8 +159,8 @@ def test_each_actor_hands_its_input_gradient_on_early_where_it_measures_the_spli
 def test_the_hand_on_choice_times_both_ways_then_keeps_the_cheaper():
     """After the first step a chunk's eligible backwards alternate whole and split until each way
     has 3 timings, the first split not counted; the split wins within 10 % of the whole. "early" and
-    "late" choose unmeasured."""
-    from raypipe.actors.hand_on import HandOnChoice
+    "late" choose unmeasured, and so does tensor parallelism ("measured" runs late there)."""
+    from raypipe.actors.hand_on import HandOnChoice, hand_on_mode
 
     for split_s, chosen in ((0.0109, True), (0.0111, False)):
         choice = HandOnChoice("measured")
@@ -176,3 +176,6 @@ def test_the_hand_on_choice_times_both_ways_then_keeps_the_cheaper():
         assert ways == [False, True, True, False, True, False, True] and choice.report() == {1: chosen}
         assert [choice.early(1) for _ in range(3)] == [chosen] * 3 and choice.early(0) is False
     assert HandOnChoice("early").early(0) and not HandOnChoice("late").early(0)
+    # tensor-parallel ranks do not each choose by their own timings: they all run late, or as forced
+    assert [hand_on_mode(m, 2) for m in ("measured", "early", "late")] == ["late", "early", "late"]
+    assert hand_on_mode("measured", 1) == "measured"

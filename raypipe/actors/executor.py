@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from raypipe.actors.hand_on import HandOnChoice
+from raypipe.actors.hand_on import HandOnChoice, hand_on_mode
 from raypipe.actors.memory import count_saved_bytes, weight_storages
 from raypipe.actors.model import StageModel
 from raypipe.actors.replica_io import running_stats, step_start
@@ -88,7 +88,7 @@ class Executor:
         if sharding is not None and self.sharding is None:  # ZeRO-3 gave the weights new storages
             self.weights = weight_storages(self.model.module)
         self.settings, self.sharding = settings, sharding
-        self.hand_on = HandOnChoice(settings.gradient_hand_on)  # new settings, new costs: measured afresh
+        self.hand_on = HandOnChoice(hand_on_mode(settings.gradient_hand_on, self.model.tp.size))  # measured afresh
 
     def begin(self, call_id: int) -> None:
         """Starts a new step when `call_id` is new: fresh timings and stash, gradients zeroed."""

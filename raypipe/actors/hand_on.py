@@ -24,6 +24,14 @@ SAMPLES = 3  # timings of each way before the choice
 MARGIN = 1.10  # the split may cost this much more than the whole backward and still be chosen
 
 
+def hand_on_mode(mode: str, tp: int) -> str:
+    """The mode a stage of `tp` tensor-parallel ranks runs `mode` in: under tp > 1 "measured" is
+    "late", because each rank would time and choose alone while its replicated weights (norms,
+    biases outside the plan) get their gradients unreduced, so ranks choosing apart could drift
+    apart by rounding; "early" and "late" are the same on every rank."""
+    return "late" if mode == "measured" and tp > 1 else mode
+
+
 class HandOnChoice:
     """Per model chunk, early or late (`mode`: `raypipe.env.gradient_hand_on`'s "measured",
     "early" or "late"); measured ones start afresh when the actor's settings change."""

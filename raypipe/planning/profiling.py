@@ -322,11 +322,12 @@ def hands_on_early(config: TrainConfig, profiles: Sequence[dict[str, Any]]) -> b
     """Whether `config`'s actors will send a whole backward's input gradient before its weight
     gradients (`Executor.may_hand_on_early`), as they choose it (`raypipe.actors.hand_on`): only
     on the engines that run action lists, uncompiled, training their weights (not LoRA's adapters
-    alone); then always with RAYPIPE_EARLY_GRADIENTS=1, else where the profiled split backward
-    (I + W) of every layer after the first costs at most `hand_on.MARGIN` times the whole one."""
-    from raypipe.actors.hand_on import MARGIN
+    alone, not measured under tp > 1: `hand_on.hand_on_mode`); then always with
+    RAYPIPE_EARLY_GRADIENTS=1, else where the profiled split backward (I + W) of every layer after
+    the first costs at most `hand_on.MARGIN` times the whole one."""
+    from raypipe.actors.hand_on import MARGIN, hand_on_mode
 
-    mode = gradient_hand_on()
+    mode = hand_on_mode(gradient_hand_on(), config.tp)
     if mode == "late" or config.engine == "refs" or config.compile or config.lora:
         return False
     if mode == "early":
