@@ -71,9 +71,9 @@ class Executor:
         self.stash: dict[tuple[int, int], tuple[Any, Any]] = {}  # (virtual stage, microbatch) -> (input, output)
         self.stash_bytes: dict[tuple[int, int], int] = {}  # per stashed microbatch, bytes autograd saved for backward
         self.deferred: dict[tuple[int, int], Deferred] = {}  # what each pending W needs from its I
-        # a whole backward handed on early (`may_hand_on_early`): when it began, how long its input half
-        # computed, and how long the last one computed, both halves (not the send between them)
-        self.began_whole, self.input_part_s, self.split_s = 0.0, 0.0, 0.0
+        # a whole backward handed on early (`may_hand_on_early`): its start, its input half's compute, both
+        # halves' compute (not the send between them); and the last recorded action's duration (`_timed`)
+        self.began_whole, self.input_part_s, self.split_s, self.last_action_s = 0.0, 0.0, 0.0, 0.0
         self.hand_on = HandOnChoice()  # per chunk: does a whole backward hand on early (measured)
         self.split_covers: dict[int, bool] = {}  # per chunk: its split backward leaves no weight out
         self.weight_share: dict[int, float] = {}  # per chunk: the share of its weights' elements it trains
@@ -345,6 +345,7 @@ class Executor:
         the epoch for the step's timeline, followed by an "A" event for each all-to-all inside it."""
         ended = time.time()
         self.events.append((kind, microbatch, started, ended))
+        self.last_action_s = ended - started
         for a, b in RECORDER.take_intervals():  # a MoE layer's all-to-all inside this action
             self.events.append(("A", microbatch, a, b))
             self.timing["all_to_all_s"] += b - a

@@ -137,8 +137,7 @@ def run_list(
                 except Exception as error:  # noqa: BLE001
                     failure = error
             if eligible and failure is None:  # what this B computed, whole or split (`hand_on`)
-                _, _, started, ended = executor.events[-1]
-                executor.hand_on.record(v, early, executor.split_s if early else ended - started)
+                executor.hand_on.record(v, early, executor.split_s if early else executor.last_action_s)
         elif failure is None:  # WEIGHT_GRAD: nothing crosses to another actor
             try:
                 executor.backward_weight(m, v)
