@@ -173,7 +173,7 @@ def test_the_hand_on_choice_times_both_ways_then_keeps_the_cheaper():
             way = choice.early(1)
             ways.append(way)
             choice.record(1, way, split_s if way else 0.010)
-        assert ways == [False, True, True, False, True, False, True] and choice.report() == {1: chosen}
+        assert ways == [False, True, True, False, True, False, True] and choice.chosen == {1: chosen}
         assert [choice.early(1) for _ in range(3)] == [chosen] * 3 and choice.early(0) is False
     assert HandOnChoice("early").early(0) and not HandOnChoice("late").early(0)
     # tensor-parallel ranks do not each choose by their own timings: they all run late, or as forced

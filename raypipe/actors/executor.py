@@ -71,9 +71,9 @@ class Executor:
         self.stash: dict[tuple[int, int], tuple[Any, Any]] = {}  # (virtual stage, microbatch) -> (input, output)
         self.stash_bytes: dict[tuple[int, int], int] = {}  # per stashed microbatch, bytes autograd saved for backward
         self.deferred: dict[tuple[int, int], Deferred] = {}  # what each pending W needs from its I
-        # a whole backward handed on early (`may_hand_on_early`): its start, its input half's compute, both
-        # halves' compute (not the send between them); and the last recorded action's duration (`_timed`)
-        self.began_whole, self.input_part_s, self.split_s, self.last_action_s = 0.0, 0.0, 0.0, 0.0
+        # a whole backward handed on early (`may_hand_on_early`): its start, its input half's compute; and
+        # the last recorded action's compute (`_timed`; such a backward's halves, not the send between)
+        self.began_whole, self.input_part_s, self.last_action_s = 0.0, 0.0, 0.0
         self.hand_on = HandOnChoice()  # per chunk: does a whole backward hand on early (measured)
         self.split_covers: dict[int, bool] = {}  # per chunk: its split backward leaves no weight out
         self.weight_share: dict[int, float] = {}  # per chunk: the share of its weights' elements it trains
@@ -198,7 +198,7 @@ class Executor:
         does not split), a chunk whose split would leave a weight without its gradient
         (`split_backward.covers_every_weight`), nor one that trains few of its weights (LoRA)."""
         return (
-            self.settings.gradient_hand_on != "late"
+            self.hand_on.mode != "late"
             and not self.part(v)[2]
             and not self.settings.compile
             and self.split_covers.get(v, True)
@@ -258,9 +258,8 @@ class Executor:
             weight_gradients(deferred, self.model.trainable())
             self.stash.pop((v, microbatch))
             self.stash_bytes.pop((v, microbatch), None)
-            if whole:
-                self.split_s = self.input_part_s + time.time() - started
-                self._timed(BACKWARD, self.began_whole, microbatch)
+            if whole:  # computed: both halves, not the send between them
+                self._timed(BACKWARD, self.began_whole, microbatch, self.input_part_s + time.time() - started)
             else:
                 self._timed(WEIGHT_GRAD, started, microbatch)
         except Exception as error:
@@ -339,13 +338,14 @@ class Executor:
         if self.settings.measure_activations:
             self.timing["peak_stashed_bytes"] = max(self.timing["peak_stashed_bytes"], held)
 
-    def _timed(self, kind: str, started: float, microbatch: int) -> None:
+    def _timed(self, kind: str, started: float, microbatch: int, computed_s: float | None = None) -> None:
         """Records one action: its duration in this step's totals (a split backward's I and W
         both count as backward), and (kind, microbatch, start, end) in wall-clock seconds since
-        the epoch for the step's timeline, followed by an "A" event for each all-to-all inside it."""
+        the epoch for the step's timeline, followed by an "A" event for each all-to-all inside it.
+        `last_action_s`: `computed_s`, where less than the span computed, else the span."""
         ended = time.time()
         self.events.append((kind, microbatch, started, ended))
-        self.last_action_s = ended - started
+        self.last_action_s = ended - started if computed_s is None else computed_s
         for a, b in RECORDER.take_intervals():  # a MoE layer's all-to-all inside this action
             self.events.append(("A", microbatch, a, b))
             self.timing["all_to_all_s"] += b - a

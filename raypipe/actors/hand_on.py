@@ -67,7 +67,3 @@ class HandOnChoice:
         (splits if split else whole).append(seconds)
         if len(whole) >= SAMPLES and len(splits) >= SAMPLES:
             self.chosen[v] = min(splits) <= MARGIN * min(whole)
-
-    def report(self) -> dict[int, bool]:
-        """The choices made so far, per chunk (True: early)."""
-        return dict(self.chosen)

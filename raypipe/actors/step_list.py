@@ -137,7 +137,7 @@ def run_list(
                 except Exception as error:  # noqa: BLE001
                     failure = error
             if eligible and failure is None:  # what this B computed, whole or split (`hand_on`)
-                executor.hand_on.record(v, early, executor.split_s if early else executor.last_action_s)
+                executor.hand_on.record(v, early, executor.last_action_s)
         elif failure is None:  # WEIGHT_GRAD: nothing crosses to another actor
             try:
                 executor.backward_weight(m, v)

@@ -237,12 +237,14 @@ def plan_from_profiles(
     def fits(s: int, a: int, b: int) -> bool:
         return memory(s, a, b) <= capacity[s]
 
+    early = hands_on_early(config, by_virtual)
+
     def step_seconds(split: Plan) -> float:
         compressed = (config.compress_activations, config.compress_gradients) != ("none", "none")
         if chunks == 1 and not SCHEDULES[config.schedule].split_backward and not links and not compressed:
             return pipeline_seconds([sum(times[s][a:b]) for s, (a, b) in enumerate(split)], m)
         transfer = message_seconds(links, by_virtual, split, config) if links else None
-        return scheduled_seconds(schedule, by_virtual, split, transfer, hands_on_early(config, by_virtual))
+        return scheduled_seconds(schedule, by_virtual, split, transfer, early)
 
     def link_seconds(v: int, end: int) -> float:  # a microbatch on the busier way of the link after v
         a, b = stage_of[v], stage_of[v + 1]
