@@ -7,6 +7,7 @@ step again after a recovery or a resume: the data position of a run is its step.
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -215,8 +216,7 @@ def make_feed(group: Any, batches: Any, batch_size: int | None, collate: Callabl
 
 
 def _is_dataset(value: Any) -> bool:
-    try:
-        from ray.data import Dataset
-    except ImportError:
-        return False
-    return isinstance(value, Dataset)
+    """Whether `value` is a `ray.data.Dataset`, without importing Ray Data where nothing has (0.7 s
+    on 2 cores, paid by every first `fit` of a function or a list): a Dataset exists only once it has."""
+    dataset = getattr(sys.modules.get("ray.data"), "Dataset", None)
+    return dataset is not None and isinstance(value, dataset)
