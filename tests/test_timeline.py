@@ -156,14 +156,17 @@ def test_each_actor_hands_its_input_gradient_on_early_where_it_measures_the_spli
         assert overlaps() == [False] * 4
 
 
-def test_the_hand_on_choice_times_both_ways_then_keeps_the_cheaper():
+def test_the_hand_on_choice_times_both_ways_then_asks_the_schedule():
     """After the first step a chunk's eligible backwards alternate whole and split until each way
-    has 3 timings, the first split not counted; the split wins within 10 % of the whole. "early" and
-    "late" choose unmeasured, and so does tensor parallelism ("measured" runs late there)."""
+    has 3 timings, the first split not counted. With the schedule known the chunk sends early where
+    the action lists, timed with its costs, end sooner so: a split 5 % dearer pays in 1F1B, whose
+    every gradient chain crosses the pipeline, and not in interleaved 1F1B or DualPipeV; without it
+    the split wins within 10 %. "early" and "late" choose unmeasured, and so does tensor
+    parallelism ("measured" runs late there)."""
     from raypipe.actors.hand_on import HandOnChoice, hand_on_mode
 
-    for split_s, chosen in ((0.0109, True), (0.0111, False)):
-        choice = HandOnChoice("measured")
+    def measured(split_s: float, schedule=None) -> bool:  # forward 1 ms, whole backward 2 ms
+        choice = HandOnChoice("measured", schedule)
         choice.begin_step()
         assert not choice.early(1)
         choice.record(1, False, 1.0)  # the first step's timings do not count
@@ -172,9 +175,19 @@ def test_the_hand_on_choice_times_both_ways_then_keeps_the_cheaper():
         for _ in range(7):  # the first split is not counted either (first use)
             way = choice.early(1)
             ways.append(way)
-            choice.record(1, way, split_s if way else 0.010)
-        assert ways == [False, True, True, False, True, False, True] and choice.chosen == {1: chosen}
-        assert [choice.early(1) for _ in range(3)] == [chosen] * 3 and choice.early(0) is False
+            choice.forward(1, 0.001)
+            choice.record(1, way, split_s if way else 0.002, split_s / 2)
+        assert ways == [False, True, True, False, True, False, True] and 1 in choice.chosen
+        assert [choice.early(1) for _ in range(3)] == [choice.chosen[1]] * 3 and choice.early(0) is False
+        return choice.chosen[1]
+
+    assert measured(0.00218) and not measured(0.00222)
+    assert [measured(0.0021, build_schedule(name, 4, 16)) for name in ("1f1b", "interleaved-1f1b", "dualpipe-v")] == [
+        True,
+        False,
+        False,
+    ]
+    assert not measured(0.0023, build_schedule("1f1b", 4, 16))
     assert HandOnChoice("early").early(0) and not HandOnChoice("late").early(0)
     # tensor-parallel ranks do not each choose by their own timings: they all run late, or as forced
     assert [hand_on_mode(m, 2) for m in ("measured", "early", "late")] == ["late", "early", "late"]

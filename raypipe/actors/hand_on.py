@@ -7,21 +7,27 @@ on the main job's GPT (two blocks and the head, 8 x 64 tokens) a whole backward 
 the split 15.5 ms (the input half alone as long as the whole: torch's hooks keep each weight
 group's incoming gradient alive, and the weight half runs one autograd call per group), so the
 stage steps 10 % slower early. Where the split is free (compute that does not care, as the
-simulated stages of the benchmarks) early wins 4-5 % for 1F1B. No fixed rule gets both right, so
-each actor measures: after its first step (allocations, first calls), a chunk's eligible
-backwards alternate whole and split until each has `SAMPLES` timings (the split's compute, not
-the send between its halves; not its first, which checks the graph once and imports torch's
-split), and from then on the chunk sends early when the split's fastest is within `MARGIN` of
-the whole's (the fastest: what each way costs, less the other actors' preemptions). 10 % is where
-sending early still paid in `benchmarks/vs_torch_pipelining.py` on 2 cores: 1F1B at t = 2 ms
-gained 2 % with a split 9 % dearer; interleaved 1F1B, its split 11-15 % dearer, lost 4 %.
-Either way the step computes the same gradients; only when the input gradient leaves changes.
+simulated stages of the benchmarks) early wins 4-5 % for 1F1B. No fixed margin gets every
+schedule right either: on the same simulated stages a split 9 % dearer still gains 1F1B 2 % at
+t = 2 ms, where every gradient chain crosses the pipeline, while interleaved 1F1B and DualPipeV
+lose 2-3 % (their other
+chunk's work fills the wait the early gradient would save, so only the split's cost is left). So
+each actor measures, and asks its schedule: after its first step (allocations, first calls), a
+chunk's eligible backwards alternate whole and split until each has `SAMPLES` timings (the split's
+compute, not the send between its halves; not its first, which checks the graph once and imports
+torch's split), and from then on the chunk sends early where the step's action lists, timed with
+every chunk costing what this one measured (its fastest forward, whole backward, split halves: what
+each costs, less the other actors' preemptions), end sooner early than late (`early_is_faster`).
+Without the schedule the split must be within `MARGIN` of the whole backward. Either way the step
+computes the same gradients; only when the input gradient leaves changes.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 SAMPLES = 3  # timings of each way before the choice
-MARGIN = 1.10  # the split may cost this much more than the whole backward and still be chosen
+MARGIN = 1.10  # without a schedule to time: the split may cost this much more than the whole backward
 
 
 def hand_on_mode(mode: str, tp: int) -> str:
@@ -32,14 +38,36 @@ def hand_on_mode(mode: str, tp: int) -> str:
     return "late" if mode == "measured" and tp > 1 else mode
 
 
+def early_is_faster(schedule: Any, forward_s: float, whole_s: float, input_s: float, weight_s: float) -> bool:
+    """Whether `schedule`'s step ends sooner with its whole backwards split and handed on early
+    than run whole, every chunk of every actor costing as given (`schedules.timed`; the split
+    halves cost the same in its I and W actions either way; a first stage's backward stays whole)."""
+    from raypipe.schedules.actions import BACKWARD, FORWARD, INPUT_GRAD, Action, timed
+
+    late = {FORWARD: forward_s, BACKWARD: whole_s, INPUT_GRAD: input_s}
+    early = {**late, BACKWARD: input_s + weight_s}
+
+    def span(costs: dict[str, float], hand_on: bool) -> float:
+        def cost(action: Action) -> float:
+            first_whole = action.kind == BACKWARD and action.stage == 0
+            return costs.get(action.kind, weight_s) if not first_whole else whole_s
+
+        return max(end for actor in timed(schedule, cost, early_gradients=hand_on) for *_, end in actor)
+
+    return span(early, True) < span(late, False)
+
+
 class HandOnChoice:
     """Per model chunk, early or late (`mode`: `raypipe.env.gradient_hand_on`'s "measured",
-    "early" or "late"); measured ones start afresh when the actor's settings change."""
+    "early" or "late"); measured ones start afresh when the actor's settings change. `schedule`:
+    the step's action lists, all actors' (`early_is_faster`), where known."""
 
-    def __init__(self, mode: str = "measured") -> None:
-        self.mode = mode
+    def __init__(self, mode: str = "measured", schedule: Any = None) -> None:
+        self.mode, self.schedule = mode, schedule
         self.steps = 0  # steps begun under this choice
-        self.samples: dict[int, tuple[list[float], list[float]]] = {}  # chunk -> (whole s, split s)
+        # chunk -> (whole backwards' s, splits' (s, input half's s))
+        self.samples: dict[int, tuple[list[float], list[tuple[float, float]]]] = {}
+        self.forward_s: dict[int, float] = {}  # chunk -> its fastest forward while measuring
         self.chosen: dict[int, bool] = {}
         self.split_before: set[int] = set()  # chunks whose first split ran (not counted)
 
@@ -56,14 +84,32 @@ class HandOnChoice:
         whole, split = self.samples.get(v, ((), ()))
         return self.steps > 1 and len(split) < len(whole)
 
-    def record(self, v: int, split: bool, seconds: float) -> None:
-        """One eligible whole backward of chunk `v` took `seconds`, `split` or not."""
-        if self.mode != "measured" or v in self.chosen or self.steps <= 1:
+    def measuring(self, v: int) -> bool:
+        return self.mode == "measured" and v not in self.chosen and self.steps > 1
+
+    def forward(self, v: int, seconds: float) -> None:
+        """A forward of chunk `v` took `seconds`."""
+        if self.measuring(v):
+            self.forward_s[v] = min(seconds, self.forward_s.get(v, seconds))
+
+    def record(self, v: int, split: bool, seconds: float, input_s: float = 0.0) -> None:
+        """One eligible whole backward of chunk `v` took `seconds`, `split` (its input half
+        `input_s` of them) or not."""
+        if not self.measuring(v):
             return
         if split and v not in self.split_before:
             self.split_before.add(v)
             return
         whole, splits = self.samples.setdefault(v, ([], []))
-        (splits if split else whole).append(seconds)
+        if split:
+            splits.append((seconds, input_s))
+        else:
+            whole.append(seconds)
         if len(whole) >= SAMPLES and len(splits) >= SAMPLES:
-            self.chosen[v] = min(splits) <= MARGIN * min(whole)
+            fastest, (split_s, input_part) = min(whole), min(splits)
+            if self.schedule is None or v not in self.forward_s:
+                self.chosen[v] = split_s <= MARGIN * fastest
+            else:
+                self.chosen[v] = early_is_faster(
+                    self.schedule, self.forward_s[v], fastest, input_part, split_s - input_part
+                )

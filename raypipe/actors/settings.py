@@ -25,6 +25,7 @@ class StageSettings:
     compile: bool = False
     # when a whole backward hands its input gradient on: "measured", "early" or "late" (`env.gradient_hand_on`)
     gradient_hand_on: str = "measured"
+    schedule: Any = None  # the step's action lists, every actor's: what `hand_on` times both ways
     measure_activations: bool = False
     zero: int = 0
     dp_bucket_bytes: int = 25 * 2**20

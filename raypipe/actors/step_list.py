@@ -102,6 +102,8 @@ def run_list(
                     )
             except Exception as error:  # noqa: BLE001 - kept, raised after the list is done
                 failure = failure or error
+            if failure is None:
+                executor.hand_on.forward(v, executor.last_action_s)
             if last:
                 losses.append(out)
             elif v + 1 in executor.parts:
@@ -137,7 +139,7 @@ def run_list(
                 except Exception as error:  # noqa: BLE001
                     failure = error
             if eligible and failure is None:  # what this B computed, whole or split (`hand_on`)
-                executor.hand_on.record(v, early, executor.last_action_s)
+                executor.hand_on.record(v, early, executor.last_action_s, executor.input_part_s)
         elif failure is None:  # WEIGHT_GRAD: nothing crosses to another actor
             try:
                 executor.backward_weight(m, v)

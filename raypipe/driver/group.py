@@ -6,6 +6,7 @@ stops a trainer's actors."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -149,7 +150,7 @@ class ActorGroup:
         self.configure(reset_optimizer)
 
     def configure(self, reset_optimizer: bool = False) -> None:
-        settings = StageSettings.from_config(self.config)
+        settings = dataclasses.replace(StageSettings.from_config(self.config), schedule=self.schedule)
         gather([a.configure.remote(settings, reset_optimizer) for a in self.actors], "configure")
 
     # ----- steps -----------------------------------------------------------------

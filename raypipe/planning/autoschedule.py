@@ -98,7 +98,7 @@ def predicted_seconds(
     schedule = build_schedule(config.schedule, config.pp, config.microbatches, config.chunks, config.extra_warmup)
     profiles = [report.profiles[k] for k in report.kinds]
     transfer = message_seconds(links, profiles, report.plan, config) if links else None
-    compute = scheduled_seconds(schedule, profiles, report.plan, transfer, hands_on_early(config, profiles))
+    compute = scheduled_seconds(schedule, profiles, report.plan, transfer, hands_on_early(config, profiles, schedule))
     busiest = compute + ACTION_OVERHEAD_S * max(len(actions) for actions in schedule)
     return max(busiest, cores_bound(schedule, profiles, report.plan)) + STEP_OVERHEAD_S * config.pp
 

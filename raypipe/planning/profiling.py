@@ -237,7 +237,7 @@ def plan_from_profiles(
     def fits(s: int, a: int, b: int) -> bool:
         return memory(s, a, b) <= capacity[s]
 
-    early = hands_on_early(config, by_virtual)
+    early = hands_on_early(config, by_virtual, schedule)
 
     def step_seconds(split: Plan) -> float:
         compressed = (config.compress_activations, config.compress_gradients) != ("none", "none")
@@ -320,14 +320,15 @@ def refine(plan: Plan, cost: Callable[[Plan], float], fits: Callable[[int, int, 
     return best
 
 
-def hands_on_early(config: TrainConfig, profiles: Sequence[dict[str, Any]]) -> bool:
+def hands_on_early(config: TrainConfig, profiles: Sequence[dict[str, Any]], schedule: Any) -> bool:
     """Whether `config`'s actors will send a whole backward's input gradient before its weight
     gradients (`Executor.may_hand_on_early`), as they choose it (`raypipe.actors.hand_on`): only
     on the engines that run action lists, uncompiled, training their weights (not LoRA's adapters
     alone, not measured under tp > 1: `hand_on.hand_on_mode`); then always with
-    RAYPIPE_EARLY_GRADIENTS=1, else where the profiled split backward (I + W) of every layer after
-    the first costs at most `hand_on.MARGIN` times the whole one."""
-    from raypipe.actors.hand_on import MARGIN, hand_on_mode
+    RAYPIPE_EARLY_GRADIENTS=1, else where `schedule` timed with every chunk costing the profiled
+    layers' mean (the first layer left out: nothing waits for its input gradient) ends sooner so
+    (`hand_on.early_is_faster`, which each actor asks with its own timings)."""
+    from raypipe.actors.hand_on import early_is_faster, hand_on_mode
 
     mode = hand_on_mode(gradient_hand_on(), config.tp)
     if mode == "late" or config.engine == "refs" or config.compile or config.lora:
@@ -336,8 +337,12 @@ def hands_on_early(config: TrainConfig, profiles: Sequence[dict[str, Any]]) -> b
         return True
     if not profiles or any("input_s" not in p for p in profiles):
         return False
-    split = sum(sum(p["input_s"][1:]) + sum(p["weight_s"][1:]) for p in profiles)
-    return split <= MARGIN * sum(sum(p["backward_s"][1:]) for p in profiles)
+
+    def per_chunk(key: str) -> float:  # each profile holds every layer: a chunk's share of them
+        return sum(sum(p[key][1:]) for p in profiles) / len(profiles) ** 2
+
+    costs = (per_chunk(k) for k in ("forward_s", "backward_s", "input_s", "weight_s"))
+    return early_is_faster(schedule, *costs)
 
 
 def scheduled_seconds(
