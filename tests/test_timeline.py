@@ -163,7 +163,7 @@ def test_the_hand_on_choice_times_both_ways_then_asks_the_schedule():
     every gradient chain crosses the pipeline, and not in interleaved 1F1B or DualPipeV; without it
     the split wins within 10 %. "early" and "late" choose unmeasured, and so does tensor
     parallelism ("measured" runs late there)."""
-    from raypipe.actors.hand_on import HandOnChoice, hand_on_mode
+    from raypipe.actors.hand_on import HandOnChoice, hand_on_mode, timed_schedule
 
     def measured(split_s: float, schedule=None) -> bool:  # forward 1 ms, whole backward 2 ms
         choice = HandOnChoice("measured", schedule)
@@ -182,12 +182,15 @@ def test_the_hand_on_choice_times_both_ways_then_asks_the_schedule():
         return choice.chosen[1]
 
     assert measured(0.00218) and not measured(0.00222)
-    assert [measured(0.0021, build_schedule(name, 4, 16)) for name in ("1f1b", "interleaved-1f1b", "dualpipe-v")] == [
+    # the schedule as the driver hands it over: (name, pp, microbatches, chunks, extra_warmup)
+    assert [measured(0.0021, (name, 4, 16, None, 0)) for name in ("1f1b", "interleaved-1f1b", "dualpipe-v")] == [
         True,
         False,
         False,
     ]
     assert not measured(0.0023, build_schedule("1f1b", 4, 16))
+    long = timed_schedule(("1f1b", 4, 1024, None, 0))  # timed with 16 microbatches: milliseconds
+    assert max(a.microbatch for a in long[0]) == 15 and timed_schedule(None) is None
     assert HandOnChoice("early").early(0) and not HandOnChoice("late").early(0)
     # tensor-parallel ranks do not each choose by their own timings: they all run late, or as forced
     assert [hand_on_mode(m, 2) for m in ("measured", "early", "late")] == ["late", "early", "late"]

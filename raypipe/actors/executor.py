@@ -88,7 +88,7 @@ class Executor:
         if sharding is not None and self.sharding is None:  # ZeRO-3 gave the weights new storages
             self.weights = weight_storages(self.model.module)
         self.settings, self.sharding = settings, sharding
-        self.hand_on = HandOnChoice(hand_on_mode(settings.gradient_hand_on, self.model.tp.size), settings.schedule)
+        self.hand_on = HandOnChoice(hand_on_mode(settings.gradient_hand_on, self.model.tp.size), settings.schedule_spec)
 
     def begin(self, call_id: int) -> None:
         """Starts a new step when `call_id` is new: fresh timings and stash, gradients zeroed."""

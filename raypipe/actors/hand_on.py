@@ -28,6 +28,7 @@ from typing import Any
 
 SAMPLES = 3  # timings of each way before the choice
 MARGIN = 1.10  # without a schedule to time: the split may cost this much more than the whole backward
+TIMED_MICROBATCHES_PER_STAGE = 4  # a long schedule is timed with 4 microbatches per stage: its sign, not its size
 
 
 def hand_on_mode(mode: str, tp: int) -> str:
@@ -57,10 +58,30 @@ def early_is_faster(schedule: Any, forward_s: float, whole_s: float, input_s: fl
     return span(early, True) < span(late, False)
 
 
+def timed_schedule(spec: tuple | None) -> Any:
+    """The schedule `early_is_faster` times for `spec` (`StageSettings.schedule_spec`: name, pp,
+    microbatches, chunks, extra warm-up), with at most `TIMED_MICROBATCHES_PER_STAGE` x pp
+    microbatches, so that the timing stays milliseconds on long pipelines; None without a spec
+    (or one that does not build: the choice then falls back to `MARGIN`)."""
+    if spec is None:
+        return None
+    from raypipe.errors import ScheduleError
+    from raypipe.schedules import build_schedule
+
+    name, pp, m, chunks, extra_warmup = spec
+    for microbatches in (min(m, TIMED_MICROBATCHES_PER_STAGE * pp), m):  # whole where fewer do not build
+        try:
+            return build_schedule(name, pp, microbatches, chunks, extra_warmup)
+        except ScheduleError:
+            continue
+    return None
+
+
 class HandOnChoice:
     """Per model chunk, early or late (`mode`: `raypipe.env.gradient_hand_on`'s "measured",
     "early" or "late"); measured ones start afresh when the actor's settings change. `schedule`:
-    the step's action lists, all actors' (`early_is_faster`), where known."""
+    the step's action lists, all actors' (`early_is_faster`), or the spec they are built from
+    (`timed_schedule`), where known."""
 
     def __init__(self, mode: str = "measured", schedule: Any = None) -> None:
         self.mode, self.schedule = mode, schedule
@@ -107,6 +128,8 @@ class HandOnChoice:
             whole.append(seconds)
         if len(whole) >= SAMPLES and len(splits) >= SAMPLES:
             fastest, (split_s, input_part) = min(whole), min(splits)
+            if isinstance(self.schedule, tuple):  # built once, at the first chunk's choice
+                self.schedule = timed_schedule(self.schedule)
             if self.schedule is None or v not in self.forward_s:
                 self.chosen[v] = split_s <= MARGIN * fastest
             else:

@@ -25,7 +25,8 @@ class StageSettings:
     compile: bool = False
     # when a whole backward hands its input gradient on: "measured", "early" or "late" (`env.gradient_hand_on`)
     gradient_hand_on: str = "measured"
-    schedule: Any = None  # the step's action lists, every actor's: what `hand_on` times both ways
+    # the step's schedule as (name, pp, microbatches, chunks, extra_warmup): what `hand_on` times both ways
+    schedule_spec: tuple | None = None
     measure_activations: bool = False
     zero: int = 0
     dp_bucket_bytes: int = 25 * 2**20
@@ -48,6 +49,7 @@ class StageSettings:
             activation_checkpointing=c.activation_checkpointing,
             compile=c.compile,
             gradient_hand_on=gradient_hand_on(),
+            schedule_spec=(c.schedule, c.pp, c.microbatches, c.chunks, c.extra_warmup),
             measure_activations=c.measure_activations,
             zero=c.zero,
             dp_bucket_bytes=max(1, int(c.dp_bucket_mb * 2**20)),

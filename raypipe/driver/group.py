@@ -6,7 +6,6 @@ stops a trainer's actors."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -150,7 +149,7 @@ class ActorGroup:
         self.configure(reset_optimizer)
 
     def configure(self, reset_optimizer: bool = False) -> None:
-        settings = dataclasses.replace(StageSettings.from_config(self.config), schedule=self.schedule)
+        settings = StageSettings.from_config(self.config)
         gather([a.configure.remote(settings, reset_optimizer) for a in self.actors], "configure")
 
     # ----- steps -----------------------------------------------------------------
