@@ -21,8 +21,8 @@ looping; raypipe's `Trainer.fit`), raypipe's planned bubble and the bubble measu
 its actors' own timestamps (idle share of the step's action span, all actors). The planned
 bubble is the always-early one: a whole backward hands its input gradient on before its weight
 gradients, which each actor does where its timings of both ways, run through the schedule,
-say it pays (`raypipe.actors.hand_on`; `--late-gradients` also runs raypipe always sending it after them,
-as torch does).
+say it pays (`raypipe.actors.hand_on`; `--late-gradients` also runs raypipe always sending it
+after them, as torch does).
 
 `--classic` runs the earlier comparison instead: one layer per stage, tf = tb, no split
 backward, GPipe and 1F1B only.

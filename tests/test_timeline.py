@@ -165,8 +165,8 @@ def test_the_hand_on_choice_times_both_ways_then_asks_the_schedule():
     parallelism ("measured" runs late there)."""
     from raypipe.actors.hand_on import HandOnChoice, hand_on_mode, timed_schedule
 
-    def measured(split_s: float, schedule=None) -> bool:  # forward 1 ms, whole backward 2 ms
-        choice = HandOnChoice("measured", schedule)
+    def measured(split_s: float, spec=None) -> bool:  # forward 1 ms, whole backward 2 ms
+        choice = HandOnChoice("measured", spec)
         choice.begin_step()
         assert not choice.early(1)
         choice.record(1, False, 1.0)  # the first step's timings do not count
@@ -188,7 +188,7 @@ def test_the_hand_on_choice_times_both_ways_then_asks_the_schedule():
         False,
         False,
     ]
-    assert not measured(0.0023, build_schedule("1f1b", 4, 16))
+    assert not measured(0.0023, ("1f1b", 4, 16, None, 0))
     long = timed_schedule(("1f1b", 4, 1024, None, 0))  # timed with 16 microbatches: milliseconds
     assert max(a.microbatch for a in long[0]) == 15 and timed_schedule(None) is None
     assert HandOnChoice("early").early(0) and not HandOnChoice("late").early(0)

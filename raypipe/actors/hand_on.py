@@ -10,9 +10,8 @@ stage steps 10 % slower early. Where the split is free (compute that does not ca
 simulated stages of the benchmarks) early wins 4-5 % for 1F1B. No fixed margin gets every
 schedule right either: on the same simulated stages a split 9 % dearer still gains 1F1B 2 % at
 t = 2 ms, where every gradient chain crosses the pipeline, while interleaved 1F1B and DualPipeV
-lose 2-3 % (their other
-chunk's work fills the wait the early gradient would save, so only the split's cost is left). So
-each actor measures, and asks its schedule: after its first step (allocations, first calls), a
+lose 2-3 % (their other chunk's work fills the wait the early gradient would save, so only the
+split's cost is left). So each actor measures, and asks its schedule: after its first step (allocations, first calls), a
 chunk's eligible backwards alternate whole and split until each has `SAMPLES` timings (the split's
 compute, not the send between its halves; not its first, which checks the graph once and imports
 torch's split), and from then on the chunk sends early where the step's action lists, timed with
@@ -79,12 +78,12 @@ def timed_schedule(spec: tuple | None) -> Any:
 
 class HandOnChoice:
     """Per model chunk, early or late (`mode`: `raypipe.env.gradient_hand_on`'s "measured",
-    "early" or "late"); measured ones start afresh when the actor's settings change. `schedule`:
-    the step's action lists, all actors' (`early_is_faster`), or the spec they are built from
-    (`timed_schedule`), where known."""
+    "early" or "late"); measured ones start afresh when the actor's settings change. `spec`: the
+    step's schedule as `StageSettings.schedule_spec`, built at the first choice (`timed_schedule`)."""
 
-    def __init__(self, mode: str = "measured", schedule: Any = None) -> None:
-        self.mode, self.schedule = mode, schedule
+    def __init__(self, mode: str = "measured", spec: tuple | None = None) -> None:
+        self.mode, self.spec = mode, spec
+        self.schedule: Any = None  # built from `spec` at the first choice
         self.steps = 0  # steps begun under this choice
         # chunk -> (whole backwards' s, splits' (s, input half's s))
         self.samples: dict[int, tuple[list[float], list[tuple[float, float]]]] = {}
@@ -128,8 +127,8 @@ class HandOnChoice:
             whole.append(seconds)
         if len(whole) >= SAMPLES and len(splits) >= SAMPLES:
             fastest, (split_s, input_part) = min(whole), min(splits)
-            if isinstance(self.schedule, tuple):  # built once, at the first chunk's choice
-                self.schedule = timed_schedule(self.schedule)
+            if self.schedule is None:
+                self.schedule = timed_schedule(self.spec)
             if self.schedule is None or v not in self.forward_s:
                 self.chosen[v] = split_s <= MARGIN * fastest
             else:
