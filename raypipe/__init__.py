@@ -22,6 +22,7 @@ from raypipe.layers import LayerSpec, build_layers
 from raypipe.planning.links import Link
 from raypipe.planning.profiling import PlanReport
 from raypipe.schedules import Action, bubble, build_schedule, format_schedule, peak_in_flight
+from raypipe.step_breakdown import StepBreakdown
 from raypipe.timeline import Timeline
 from raypipe.trainer import Trainer
 
@@ -41,6 +42,7 @@ __all__ = [
     "RaypipeError",
     "ScheduleError",
     "StageError",
+    "StepBreakdown",
     "StepTimeoutError",
     "Timeline",
     "TrainConfig",

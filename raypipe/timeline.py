@@ -21,6 +21,7 @@ from xml.sax.saxutils import escape
 from raypipe.errors import ScheduleError
 from raypipe.schedules import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, Schedule
 from raypipe.schedules.actions import timed
+from raypipe.step_breakdown import StepBreakdown, breakdown
 
 # forward blue, backward orange; a split backward's input gradient orange, its weight gradient green
 COLOURS = {"F": "#4c8bd6", "B": "#f0a43a", "I": "#f0a43a", "W": "#59a14f", "A": "#d62728"}
@@ -52,6 +53,7 @@ class Timeline:
     title: str = ""
     unit: str = "ms"
     stage_names: Sequence[str] = ()
+    breakdown: StepBreakdown | None = None  # a measured step's: where its time went (`with_breakdown`)
 
     # ----- building ---------------------------------------------------------------
 
@@ -93,7 +95,7 @@ class Timeline:
         spans = [
             Span(s, kind, m, 1000 * (start - origin), 1000 * (end - origin))
             for s, stage in enumerate(events)
-            for kind, m, start, end in stage
+            for kind, m, start, end, *_ in stage
         ]
         return cls(spans, len(events), title, "ms", tuple(stage_names))
 
@@ -143,6 +145,18 @@ class Timeline:
 
             raise RaypipeError("no step has run yet: call step() first, or timeline(planned=True).")
         return cls.measured(events, title, stage_names)
+
+    def with_breakdown(
+        self, schedule: Schedule, events: Sequence[Sequence[tuple]], step_seconds: float | None
+    ) -> Timeline:
+        """This measured timeline with `breakdown` set from the step's `events` (unchanged when the
+        events are not the schedule's: an actor-driven run's steps report none)."""
+        if events:
+            try:
+                self.breakdown = breakdown(schedule, events, step_seconds)
+            except ValueError:
+                pass
+        return self
 
     # ----- reading ------------------------------------------------------------------
 

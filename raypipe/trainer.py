@@ -241,17 +241,17 @@ class Trainer:
             return inference.predict(self.group, x)
 
     def timeline(self, planned: bool = False) -> Timeline:
-        """The last step's schedule as each stage ran it (from the actors' own timestamps).
-
-        With `planned=True`, the current schedule as planned instead, each forward and
-        backward lasting what they took on average in the last step (1 and 2 ticks before
-        any step). Save it with `.save("t.svg" | "t.png" | "t.json")`; a notebook shows it inline.
-        """
-        c = self.config
+        """The last step's schedule as each stage ran it (from the actors' own timestamps), with
+        `.breakdown` saying where its time went (`raypipe.step_breakdown`). With `planned=True`,
+        the current schedule as planned instead, each forward and backward lasting what they took
+        on average in the last step (1 and 2 ticks before any step). Save it with
+        `.save("t.svg" | "t.png" | "t.json")`; a notebook shows it inline."""
+        c, state = self.config, self.state
         title = f"{c.schedule}, pp={c.pp}, m={c.microbatches}: " + (
             "planned" if planned else f"step {self.step_count} as measured"
         )
-        return Timeline.of_run(self.group.schedule, self.state.last_events, title, self.stage_names, planned)
+        line = Timeline.of_run(self.group.schedule, state.last_events, title, self.stage_names, planned)
+        return line if planned else line.with_breakdown(self.group.schedule, state.last_events, state.last_step_seconds)
 
     def save_pretrained(self, directory: str, merge_adapters: bool = False) -> Path:
         """Writes the model in its library's format (`Model.save_pretrained`: a directory transformers

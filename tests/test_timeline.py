@@ -10,6 +10,8 @@ from torch import nn
 
 from raypipe import LayerSpec, Timeline, TrainConfig, Trainer, build_schedule
 from raypipe.driver.engines.refs import submission_order
+from raypipe.schedules.actions import timed
+from raypipe.step_breakdown import breakdown
 
 from helpers import MLP7, Sleep, batch
 
@@ -87,6 +89,38 @@ def test_measured_timeline_follows_the_schedule(sleepy, tmp_path):
     planned = sleepy.timeline(planned=True)
     assert planned.unit == "ms" and planned.makespan == pytest.approx(line.makespan, rel=0.5)
     assert json.loads(line.save(tmp_path / "step.json").read_text())["traceEvents"]
+    # where the step went: the replay with the measured durations and free messages is no longer
+    # than the step's span, and leaves GPipe's bubble, at least one forward and one backward
+    parts = line.breakdown
+    assert max(parts.busy_ms) >= 4 * 20 and parts.step_ms > parts.span_ms >= parts.replay_ms - 1e-6
+    assert parts.schedule_idle_ms >= 20 and parts.outside_ms > 0 and "waiting for messages" in str(parts)
+    assert planned.breakdown is None
+
+
+def test_the_step_breakdown_replays_the_measured_durations_without_the_waits():
+    # a "measured" step: each message 7 ms on its way, the first stage's backwards handing on
+    # nothing (its inputs take no gradient), stage 1's whole backwards handing their input
+    # gradient on after their I part
+    schedule = build_schedule("1f1b", 2, 4)
+    costs = {"F": 0.010, "B": 0.020, "I": 0.008}
+    hops = timed(schedule, costs, transfer=lambda *_: 0.007, early_gradients=True)
+    events = [
+        [
+            (a.kind, a.microbatch, start, end, *([0.008] if a.stage == 1 and a.kind == "B" else []))
+            for a, start, end in run
+        ]
+        for run in hops
+    ]
+    parts = breakdown(schedule, events, step_seconds=1.0)
+    free = timed(schedule, costs, early_gradients=True)
+    assert parts.replay_ms == pytest.approx(1000 * max(end for run in free for _, _, end in run))
+    assert parts.span_ms == pytest.approx(1000 * max(end for run in hops for _, _, end in run))
+    assert parts.messages_ms > 7 and parts.outside_ms == pytest.approx(1000 - parts.span_ms)
+    assert parts.busy_ms == pytest.approx((120, 120))
+    late = timed(schedule, costs)  # without the hand-on moments the replay would wait for whole backwards
+    assert parts.replay_ms < 1000 * max(end for run in late for _, _, end in run)
+    with pytest.raises(ValueError, match="actor 1's events"):
+        breakdown(schedule, [events[0], events[1][:-1]])
 
 
 def test_raypipe_trace_lists_every_action_in_issue_order(sleepy, tmp_path, monkeypatch):

@@ -67,7 +67,7 @@ class Executor:
         self.current_call = -1
         self.losses_finite = True
         self.timing: dict[str, float] = {}
-        self.events: list[tuple[str, int, float, float]] = []
+        self.events: list[tuple] = []  # (kind, microbatch, start, end[, handed after]) (`_timed`)
         self.stash: dict[tuple[int, int], tuple[Any, Any]] = {}  # (virtual stage, microbatch) -> (input, output)
         self.stash_bytes: dict[tuple[int, int], int] = {}  # per stashed microbatch, bytes autograd saved for backward
         self.deferred: dict[tuple[int, int], Deferred] = {}  # what each pending W needs from its I
@@ -258,8 +258,8 @@ class Executor:
             weight_gradients(deferred, self.model.trainable())
             self.stash.pop((v, microbatch))
             self.stash_bytes.pop((v, microbatch), None)
-            if whole:  # computed: both halves, not the send between them
-                self._timed(BACKWARD, self.began_whole, microbatch, self.input_part_s + time.time() - started)
+            if whole:  # computed: both halves, not the send between them (it left after the first)
+                self._timed(BACKWARD, self.began_whole, microbatch, self.input_part_s + time.time() - started, True)
             else:
                 self._timed(WEIGHT_GRAD, started, microbatch)
         except Exception as error:
@@ -338,13 +338,13 @@ class Executor:
         if self.settings.measure_activations:
             self.timing["peak_stashed_bytes"] = max(self.timing["peak_stashed_bytes"], held)
 
-    def _timed(self, kind: str, started: float, microbatch: int, computed_s: float | None = None) -> None:
-        """Records one action: its duration in this step's totals (a split backward's I and W
-        both count as backward), and (kind, microbatch, start, end) in wall-clock seconds since
-        the epoch for the step's timeline, followed by an "A" event for each all-to-all inside it.
-        `last_action_s`: `computed_s`, where less than the span computed, else the span."""
+    def _timed(self, kind: str, started: float, microbatch: int, computed_s: float | None = None, handed=False) -> None:
+        """Records one action: its duration in this step's totals (a split backward's I and W both count
+        as backward), (kind, microbatch, start, end) in epoch seconds for the step's timeline (`handed`: a
+        whole backward that handed its gradient on early adds when, `input_part_s` after its start), then
+        an "A" event per all-to-all inside it. `last_action_s`: `computed_s` if less than the span, else it."""
         ended = time.time()
-        self.events.append((kind, microbatch, started, ended))
+        self.events.append((kind, microbatch, started, ended, *([self.input_part_s] if handed else [])))
         self.last_action_s = ended - started if computed_s is None else computed_s
         for a, b in RECORDER.take_intervals():  # a MoE layer's all-to-all inside this action
             self.events.append(("A", microbatch, a, b))

@@ -83,7 +83,7 @@ def complete(group: ActorGroup, run: RunState, submitted: Submitted) -> dict[str
         config.precision == "fp16",
     )
     metrics["pp"], metrics["dp"] = config.pp, config.dp  # an elastic run's topology changes
-    run.last_events = [r.events for r in leads]
+    run.last_events, run.last_step_seconds = [r.events for r in leads], result.seconds
     run.record_on_dashboard(metrics, lead_ranks)
     every = config.checkpoint_every
     if every and run.step_count % every == 0:  # before the loggers: a logger never costs a checkpoint

@@ -29,6 +29,7 @@ class RunState:
         last_result_at: `time.perf_counter()` when the last step's result came back (a queued
             step's time counts from there).
         last_events: the last step's (action, start, end) per stage, for `Trainer.timeline`.
+        last_step_seconds: that step's time as the driver saw it (`StepResult.seconds`).
     """
 
     run_name: str
@@ -39,6 +40,7 @@ class RunState:
     restored_from: tuple[Path, int] | None = None
     last_result_at: float = 0.0
     last_events: list[list[tuple]] = field(default_factory=list)
+    last_step_seconds: float | None = None
     ray_metrics: RayMetrics | None = None
 
     def record_on_dashboard(self, metrics: dict[str, Any], lead_ranks: list[int]) -> None:
