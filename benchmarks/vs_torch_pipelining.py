@@ -18,7 +18,10 @@ the same model. t in {10, 2} ms. The two frameworks alternate, schedule by sched
 torch ranks lined up before and after; raypipe's `Trainer.step`), their ratio (below 1:
 raypipe faster), each round's ratio, the same for steps back to back (torch's ranks
 looping; raypipe's `Trainer.fit`), raypipe's planned bubble and the bubble measured from
-its actors' own timestamps (idle share of the step's action span, all actors). The planned
+its actors' own timestamps (idle share of the step's action span, all actors), and where
+raypipe's step went (`Timeline.breakdown`: the busiest actor's actions, the idle time the
+schedule leaves with those durations, waits for messages beyond it, and the time around the
+actions: the call, the closing agreement, the optimizer step, the reply). The planned
 bubble is the always-early one: a whole backward hands its input gradient on before its weight
 gradients, which each actor does where its timings of both ways, run through the schedule,
 say it pays (`raypipe.actors.hand_on`; `--late-gradients` also runs raypipe always sending it
@@ -213,6 +216,7 @@ def main() -> None:
                     with late_gradients():
                         late = stack.enter_context(raypipe_trainer(schedule, t, args.classic, args.engine, "-late"))
                 torch_rounds, raypipe_rounds, torch_loops, raypipe_loops, bubbles, lates = [], [], [], [], [], []
+                breakdowns = []
                 for _ in range(args.rounds):
                     single, loop = torch_step_time(schedule, t, args.steps, args.classic)
                     torch_rounds.append(single)
@@ -222,6 +226,7 @@ def main() -> None:
                     raypipe_loops.append(result["fit_step_s"])
                     trainer.step(torch.randn(M, 8), torch.randn(M, 8))
                     bubbles.append(measured_bubble(trainer))
+                    breakdowns.append(trainer.timeline().breakdown.to_dict())
                     if late is not None:
                         with late_gradients():  # measure reconfigures: the setting is read again
                             lates.append(measure(late, schedule, M, args.steps, t)["step_s"])
@@ -243,6 +248,11 @@ def main() -> None:
                     "ideal_s": work / (1 - planned),
                     "planned_bubble": planned,
                     "measured_bubble": statistics.median(bubbles),
+                    # where raypipe's step went (`Timeline.breakdown`), medians over the rounds, ms
+                    "breakdown_ms": {
+                        key: statistics.median(max(b[key]) if key == "busy_ms" else b[key] for b in breakdowns)
+                        for key in ("step_ms", "busy_ms", "schedule_idle_ms", "messages_ms", "outside_ms")
+                    },
                     "torch_step_s": torch_s,
                     "raypipe_step_s": raypipe_s,
                     "ratio_raypipe_over_torch": raypipe_s / torch_s,
