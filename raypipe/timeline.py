@@ -150,7 +150,7 @@ class Timeline:
         self, schedule: Schedule, events: Sequence[Sequence[tuple]], step_seconds: float | None
     ) -> Timeline:
         """This measured timeline with `breakdown` set from the step's `events` (unchanged when the
-        events are not the schedule's: an actor-driven run's steps report none)."""
+        events are not the schedule's: a step from before a `reconfigure`)."""
         if events:
             try:
                 self.breakdown = breakdown(schedule, events, step_seconds)
