@@ -292,6 +292,7 @@ def run(
             bar.close()
             log = plain_log
         elapsed = time.perf_counter() - started
+        went = trainer.timeline().breakdown if trainer.state.last_events else None  # before evaluation
         last_val = validation() if validation else None
         if last_val is not None:
             log(f"step {job.steps:4d} | val loss {last_val:.4f}")
@@ -309,6 +310,8 @@ def run(
             f"done: {len(losses)} steps in {elapsed:.1f} s; mean loss of the first 10 steps {head:.4f}, "
             f"of the last 10 {tail:.4f}; {sum(rates) / max(1, len(rates)):,.0f} tok/s"
         )
+    if losses and went is not None:  # where the time goes, in the terms of docs/watching.md
+        log(f"the last step: {went}")
     if sample is not None:
         log("sample:\n" + sample)
     return {"losses": losses, "val_first": first_val, "val_last": last_val, "tokens_per_s": rates}

@@ -82,6 +82,7 @@ def test_raypipe_train_runs_the_job_saves_checkpoints_and_resumes_on_another_top
     out = first.stdout
     assert "stages: stage0-dp0-tp0 layers [0, 2), stage1-dp0-tp0 layers [2, 4)" in out
     assert "tok/s" in out and "sample:" in out
+    assert re.search(r"the last step: step [\d.]+ ms = [\d.]+ busiest actor's actions \+ [\d.]+ the schedule's", out)
     values = losses(out)
     assert len(values) >= 5 and values[-1] < values[0] - 1.0
     assert f"saved {ck}/step-00000040" in out
