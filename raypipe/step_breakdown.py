@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from raypipe.schedules import BACKWARD, INPUT_GRAD, Schedule
 from raypipe.schedules.actions import Action, timed
 
-ALL_TO_ALL = "A"  # a MoE all-to-all recorded inside an action: part of that action, not one of its own
+ALL_TO_ALL = "A"  # the event of a MoE all-to-all inside an action (`Executor._timed`): part of that action
 
 
 @dataclass(frozen=True)
@@ -102,8 +102,8 @@ def breakdown(
     runs = timed(schedule, seconds, early_gradients=True)
     starts = [e[2] for actor in events for e in actor]
     ends = [e[3] for actor in events for e in actor]
-    return StepBreakdown(
-        busy_ms=tuple(1000 * sum(e[3] - e[2] for e in actor if e[0] != ALL_TO_ALL) for actor in events),
+    return StepBreakdown(  # the replay's actions last what they measured: their sums are the actors' busy time
+        busy_ms=tuple(1000 * sum(end - start for _, start, end in run) for run in runs),
         replay_ms=1000 * max(end for run in runs for _, _, end in run),
         span_ms=1000 * (max(ends) - min(starts)),
         step_ms=None if step_seconds is None else 1000 * step_seconds,

@@ -21,11 +21,10 @@ from xml.sax.saxutils import escape
 from raypipe.errors import ScheduleError
 from raypipe.schedules import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, Schedule
 from raypipe.schedules.actions import timed
-from raypipe.step_breakdown import StepBreakdown, breakdown
+from raypipe.step_breakdown import ALL_TO_ALL, StepBreakdown, breakdown  # all-to-all: a thin bar, not busy
 
 # forward blue, backward orange; a split backward's input gradient orange, its weight gradient green
 COLOURS = {"F": "#4c8bd6", "B": "#f0a43a", "I": "#f0a43a", "W": "#59a14f", "A": "#d62728"}
-ALL_TO_ALL = "A"  # a MoE layer's all-to-all inside an action: drawn as a thin bar over it, not busy time
 ROW, LEFT, WIDTH, TOP = 30, 150, 900, 40  # svg layout in pixels
 
 
@@ -53,7 +52,7 @@ class Timeline:
     title: str = ""
     unit: str = "ms"
     stage_names: Sequence[str] = ()
-    breakdown: StepBreakdown | None = None  # a measured step's: where its time went (`with_breakdown`)
+    breakdown: StepBreakdown | None = None  # a measured step's: where its time went (`of_run`)
 
     # ----- building ---------------------------------------------------------------
 
@@ -128,12 +127,15 @@ class Timeline:
     def of_run(
         cls,
         schedule: Schedule,
-        events: Sequence[Sequence[tuple[str, int, float, float]]],
+        events: Sequence[Sequence[tuple]],
         title: str,
         stage_names: Sequence[str],
         planned: bool,
+        step_seconds: float | None = None,
     ) -> Timeline:
-        """A trainer's last step as measured (`events`), or with `planned` its schedule as planned.
+        """A trainer's last step as measured (`events`), with `breakdown` where the events are the
+        schedule's (not a step from before a `reconfigure`), `step_seconds` the driver's time of
+        it; or with `planned` its schedule as planned.
 
         Raises:
             RaypipeError: no step has run yet and the measured one is asked for.
@@ -144,19 +146,12 @@ class Timeline:
             from raypipe.errors import RaypipeError
 
             raise RaypipeError("no step has run yet: call step() first, or timeline(planned=True).")
-        return cls.measured(events, title, stage_names)
-
-    def with_breakdown(
-        self, schedule: Schedule, events: Sequence[Sequence[tuple]], step_seconds: float | None
-    ) -> Timeline:
-        """This measured timeline with `breakdown` set from the step's `events` (unchanged when the
-        events are not the schedule's: a step from before a `reconfigure`)."""
-        if events:
-            try:
-                self.breakdown = breakdown(schedule, events, step_seconds)
-            except ValueError:
-                pass
-        return self
+        line = cls.measured(events, title, stage_names)
+        try:
+            line.breakdown = breakdown(schedule, events, step_seconds)
+        except ValueError:
+            pass
+        return line
 
     # ----- reading ------------------------------------------------------------------
 

@@ -247,11 +247,10 @@ class Trainer:
         on average in the last step (1 and 2 ticks before any step). Save it with
         `.save("t.svg" | "t.png" | "t.json")`; a notebook shows it inline."""
         c, state = self.config, self.state
-        title = f"{c.schedule}, pp={c.pp}, m={c.microbatches}: " + (
-            "planned" if planned else f"step {self.step_count} as measured"
-        )
-        line = Timeline.of_run(self.group.schedule, state.last_events, title, self.stage_names, planned)
-        return line if planned else line.with_breakdown(self.group.schedule, state.last_events, state.last_step_seconds)
+        when = "planned" if planned else f"step {self.step_count} as measured"
+        title = f"{c.schedule}, pp={c.pp}, m={c.microbatches}: {when}"
+        args = (self.group.schedule, state.last_events, title, self.stage_names, planned, state.last_step_seconds)
+        return Timeline.of_run(*args)
 
     def save_pretrained(self, directory: str, merge_adapters: bool = False) -> Path:
         """Writes the model in its library's format (`Model.save_pretrained`: a directory transformers
