@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 CONFIG ?= examples/configs/gpt_pp2.yaml
 
-.PHONY: train test install clean
+.PHONY: train test install clean gpu-check
 
 install: $(STAMP)
 
@@ -38,6 +38,18 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+# On a lent GPU machine (docs/testing.md): every GPU path once, figures in $OUT (or gpu-check-out/).
+# Its image has no Ray: the bundle `bash ../shared/tools/device_bundle.sh` packed into .devbundle/
+# is unpacked first when Ray cannot be imported. No venv there: PYTHON is the image's python3.
+GPU_OUT ?= $(or $(OUT),gpu-check-out)
+GPU_SITE ?= /tmp/site
+gpu-check:
+	@$(PYTHON) -c "import ray" 2>/dev/null || [ -d $(GPU_SITE)/ray ] || { \
+	  [ -f .devbundle/site.tar.xz ] || { echo "error: Ray cannot be imported and .devbundle/site.tar.xz is missing: run 'bash ../shared/tools/device_bundle.sh' here and carry .devbundle" >&2; exit 1; }; \
+	  mkdir -p $(GPU_SITE) && tar xJf .devbundle/site.tar.xz -C $(GPU_SITE); }
+	PYTHONPATH=$(GPU_SITE):$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} PYTHONUNBUFFERED=1 \
+	  $(PYTHON) benchmarks/gpu_check.py --out $(GPU_OUT) $(GPU_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

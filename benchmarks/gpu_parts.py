@@ -1,0 +1,284 @@
+"""The parts of `gpu_check.py` that no other benchmark runs, one per call, printing one JSON line:
+
+- `llm_lora`: Llama-3-8B's shape (random bf16 weights made on the device, saved as transformers
+  saves them), LoRA r = 16 on q/k/v/o: peft in this process, then raypipe at pp = 1 and pp = 2
+  with both stages on the one device; tokens/s, each stage's peak device memory, load times;
+- `compile`: the GPT (GPT-2 small's shape) eager against torch.compile'd at pp = 1 and 2, eager
+  and compiled alternating on one trainer (`reconfigure(compile=...)`), the compile time apart;
+- `qlora`: the LLM of `llm_lora` at pp = 1 over an nf4 base (bitsandbytes).
+
+`--tiny`: a 2-layer Llama and GPT of width 64, for the CPU dry run.
+
+    python benchmarks/gpu_parts.py llm_lora --device cuda --work /tmp/gc
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import resource
+import statistics
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+LORA = {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+OPTIMIZER = {"name": "adamw", "lr": 1e-4}
+GiB = 2**30
+
+
+def llama_config(tiny: bool):
+    """Llama-3-8B's config (8.03 B parameters), or a 2-layer one of width 64."""
+    from transformers import LlamaConfig
+
+    if tiny:
+        shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+        return LlamaConfig(**shape, num_key_value_heads=2, vocab_size=256, max_position_embeddings=128)
+    return LlamaConfig(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=128000,
+        eos_token_id=128001,
+    )
+
+
+def saved_llm(work: Path, tiny: bool, device: torch.device) -> tuple[str, float]:
+    """The LLM's directory under `work` (made once, its weights random, made on `device`) and the
+    seconds making it took."""
+    from transformers import AutoModelForCausalLM
+
+    directory = work / "llm"
+    if (directory / "config.json").exists():
+        return str(directory), 0.0
+    started = time.perf_counter()
+    torch.manual_seed(0)
+    with warnings.catch_warnings(), torch.device(device):
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_config(llama_config(tiny), dtype=torch.bfloat16)
+    model.save_pretrained(directory, max_shard_size="5GB")
+    del model
+    _free(device)
+    return str(directory), time.perf_counter() - started
+
+
+def tokens(tiny: bool, vocab: int):
+    """The batch of step k: random token ids, (4, 1024), or (4, 32) when tiny."""
+    shape = (4, 32) if tiny else (4, 1024)
+
+    def batch(k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(k))
+        return ids, ids
+
+    return batch, shape[0] * shape[1]
+
+
+def timed_steps(step, warmup: int, count: int) -> list[float]:
+    for k in range(warmup):
+        step(k)
+    seconds = []
+    for k in range(count):
+        started = time.perf_counter()
+        step(warmup + k)
+        seconds.append(time.perf_counter() - started)
+    return seconds
+
+
+def peft_run(directory: str, device: torch.device, batch, warmup: int, count: int) -> dict:
+    """The plain transformers + peft loop in this process, bf16 weights under bf16 autocast."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from raypipe.lora import peft_config
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    started = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16, attn_implementation="sdpa")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = get_peft_model(model.to(device), peft_config(LORA))
+    load_s = time.perf_counter() - started
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+
+    def step(k: int) -> None:
+        ids, labels = (t.to(device) for t in batch(k))
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    seconds = timed_steps(step, warmup, count)
+    peak = _peak(device)
+    model = optimizer = None  # freed before raypipe's actors take the device  # noqa: F841
+    _free(device)
+    return {"step_s": statistics.median(seconds), "load_s": load_s, "peak_bytes": [peak]}
+
+
+def raypipe_run(directory: str, device: torch.device, batch, warmup: int, count: int, pp: int, **extra) -> dict:
+    """raypipe on the LLM at `pp` with every stage on the one device."""
+    from raypipe import TrainConfig, Trainer
+    from raypipe.models import hf
+
+    share = {"gpus_per_actor": 0.5} if device.type == "cuda" else {"cpus_per_actor": 0.5, "threads_per_actor": 1}
+    config = TrainConfig(
+        pp=pp,
+        microbatches=1 if pp == 1 else 4,
+        lora=LORA,
+        optimizer=OPTIMIZER,
+        precision="bf16",
+        devices=device.type,
+        name=f"gpu-check-llm-pp{pp}{'-' + extra['quantize'] if extra else ''}",
+        **share,
+        **extra,
+    )
+    started = time.perf_counter()
+    with Trainer(hf.from_pretrained(directory, dtype="bf16"), config=config) as trainer:
+        load_s = time.perf_counter() - started
+        seconds = timed_steps(lambda k: trainer.step(*batch(k)), warmup, count)
+        info = trainer.stage_info()
+    return {
+        "step_s": statistics.median(seconds),
+        "load_s": load_s,
+        "peak_bytes": [i["memory"]["peak"] for i in info],
+        "devices": [i["device"] for i in info],
+    }
+
+
+def llm_lora(args: argparse.Namespace, device: torch.device) -> dict:
+    directory, made_s = saved_llm(args.work, args.tiny, device)
+    batch, per_step = tokens(args.tiny, llama_config(args.tiny).vocab_size)
+    warmup, count = (1, 2) if args.tiny else (2, 5)
+    runs = {"peft": peft_run(directory, device, batch, warmup, count)}
+    for pp in (1, 2):
+        runs[f"raypipe_pp{pp}"] = raypipe_run(directory, device, batch, warmup, count, pp)
+    rate = {k: per_step / r["step_s"] for k, r in runs.items()}
+    return {
+        "part": "llm_lora",
+        "model": "tiny Llama" if args.tiny else "Llama-3-8B's shape, random bf16 weights",
+        "lora": LORA,
+        "tokens_per_step": per_step,
+        "made_and_saved_s": made_s,
+        "runs": runs,
+        "tokens_per_s": rate,
+        "raypipe_over_peft_tokens_per_s": {k: v / rate["peft"] for k, v in rate.items() if k != "peft"},
+        "peak_gib": {k: [round(b / GiB, 2) for b in r["peak_bytes"]] for k, r in runs.items()},
+        "load_s": {k: r["load_s"] for k, r in runs.items()},
+    }
+
+
+def qlora(args: argparse.Namespace, device: torch.device) -> dict:
+    directory, _ = saved_llm(args.work, args.tiny, device)
+    batch, per_step = tokens(args.tiny, llama_config(args.tiny).vocab_size)
+    warmup, count = (1, 2) if args.tiny else (2, 5)
+    run = raypipe_run(directory, device, batch, warmup, count, 1, quantize="nf4")
+    return {
+        "part": "qlora",
+        "run": run,
+        "tokens_per_s": per_step / run["step_s"],
+        "peak_gib": [round(b / GiB, 2) for b in run["peak_bytes"]],
+    }
+
+
+def compile_part(args: argparse.Namespace, device: torch.device) -> dict:
+    """Eager against compiled on one trainer per pp, alternating `rounds` times."""
+    from raypipe import TrainConfig, Trainer
+    from raypipe.models import gpt
+
+    if args.tiny:
+        cfg = gpt.GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=64)
+        shape, rounds, count = 4, 1, 2
+    else:
+        cfg, shape, rounds, count = gpt.GPTConfig(vocab_size=50304, block_size=1024), 8, 2, 5
+    tokens_per_step = shape * cfg.block_size
+
+    def batch(k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        seq = torch.randint(0, cfg.vocab_size, (shape, cfg.block_size + 1), generator=torch.Generator().manual_seed(k))
+        return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+
+    share = {"gpus_per_actor": 0.5} if device.type == "cuda" else {"cpus_per_actor": 0.5, "threads_per_actor": 1}
+    rows = []
+    for pp in (1,) if args.tiny else (1, 2):
+        config = TrainConfig(
+            pp=pp,
+            microbatches=4,
+            optimizer=OPTIMIZER,
+            precision="bf16" if device.type == "cuda" else "fp32",
+            devices=device.type,
+            name=f"gpu-check-compile-pp{pp}",
+            **share,
+        )
+        with Trainer(gpt.layers(cfg), gpt.loss_fn, config) as trainer:
+
+            def steps(n: int) -> list[float]:
+                return [trainer.step(*batch(k))["step_time"] for k in range(n)]
+
+            steps(1)
+            trainer.reconfigure(compile=True)
+            first = steps(1)[0]
+            times: dict[bool, list[float]] = {False: [], True: []}
+            for _ in range(rounds):
+                for compiled in (False, True):
+                    trainer.reconfigure(compile=compiled)
+                    steps(1)
+                    times[compiled] += steps(count)
+        eager, fast = statistics.median(times[False]), statistics.median(times[True])
+        rows.append(
+            {
+                "pp": pp,
+                "eager_tokens_per_s": tokens_per_step / eager,
+                "compiled_tokens_per_s": tokens_per_step / fast,
+                "compiled_over_eager_tokens_per_s": eager / fast,
+                "compile_s": first - fast,
+            }
+        )
+    return {"part": "compile", "model": f"GPT {cfg.n_layer}x{cfg.n_embd}", "rows": rows}
+
+
+def _peak(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("part", choices=["llm_lora", "compile", "qlora"])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
+    parser.add_argument("--work", type=Path, required=True, help="where the LLM's files are made and kept")
+    parser.add_argument("--tiny", action="store_true")
+    args = parser.parse_args()
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    import ray
+
+    from raypipe import driver
+
+    driver.connect()  # a local Ray advertising this machine's accelerators
+    try:
+        part = {"llm_lora": llm_lora, "compile": compile_part, "qlora": qlora}[args.part]
+        print(json.dumps(part(args, device)), flush=True)
+    finally:
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
