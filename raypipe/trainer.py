@@ -8,6 +8,8 @@ whole model; `state_dict()` gathers the stages' weights under the keys
 
 from __future__ import annotations
 
+import functools
+import threading
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -15,32 +17,40 @@ from typing import Any
 
 import torch
 
-from raypipe import driver
+from raypipe.checkpoint import lock as root_lock
 from raypipe.config import TrainConfig, check_reconfigurable
 from raypipe.driver import (
-    checkpoints,
     chunks,
     fitting,
     inference,
     link_planning,
-    placement,
+    planned,
     registry,
     weights,
 )
 from raypipe.driver.feeds import make_feed
 from raypipe.driver.group import ActorGroup
 from raypipe.driver.run_state import RunState
-from raypipe.driver.topology import Topology
 from raypipe.errors import ConfigError
 from raypipe.layers import LayerSpec
 from raypipe.loggers import Loggers, run_params
 from raypipe.model import Model, resolve
-from raypipe.nn.plan import check_stages_split
-from raypipe.planning.autoschedule import plan_run
 from raypipe.planning.links import Link
-from raypipe.planning.partition import first_plan
 from raypipe.progress import Progress
 from raypipe.timeline import Timeline
+
+
+def _one_call_at_a_time(method: Callable) -> Callable:
+    """Makes a Trainer method wait for any other thread's call to the actors to end first: every
+    actor must receive the steps in one order (two threads' `step`s interleaved at the actors
+    would train one stage on one batch's activations and the next on another's targets)."""
+
+    @functools.wraps(method)
+    def serialised(self: Trainer, *args: Any, **kwargs: Any) -> Any:
+        with self._one_call:
+            return method(self, *args, **kwargs)
+
+    return serialised
 
 
 class Trainer:
@@ -58,6 +68,8 @@ class Trainer:
             and split (and choose) by the times (see `plan_report`).
         log: where the profiled plan is printed.
 
+    From several threads, its calls that reach the actors (`step`, `fit`, `save`, ...) take turns.
+
     Raises:
         ConfigError: the config does not fit the model (e.g. a bad shard plan).
         PlacementError: an actor could not be placed within `config.actor_start_timeout`.
@@ -72,25 +84,24 @@ class Trainer:
         sample: tuple[torch.Tensor, Any] | None = None,
         log: Callable[[str], None] = print,
     ) -> None:
+        self._one_call = threading.RLock()  # `_one_call_at_a_time`; re-entrant: on_step may evaluate
         config = config if config is not None else TrainConfig()
         if not isinstance(config, TrainConfig):
             raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
         self.model, loss_fn, self.specs, config = resolve(layers, loss_fn, config)
-        checkpoints.check_new_run(config.checkpoint_dir, config.resume)  # before any actor (the profiler's) starts
-        plan, tp_splits, profiled = first_plan(self.specs, config, sample is not None)
-        driver.connect()
-        driver.ship_user_code(
-            [loss_fn]
-            + [s.factory for s in self.specs]
-            + [type(a) for s in self.specs for a in (*s.args, *s.kwargs.values())]
-        )
-        asked, report = config, None  # before "auto" is chosen: the links may choose again
-        if profiled:  # time every layer on each device kind of the run and split by those times
-            cpus = placement.cpus_per_actor(config, len(Topology(config.pp, config.dp, config.tp, config.ep).names()))
-            config, report = plan_run(self.specs, loss_fn, sample, config, cpus, log)
-            plan = report.plan
-            check_stages_split(tp_splits, plan, config.tp)
         run_name = config.name or f"run-{uuid.uuid4().hex[:8]}"
+        #: this process's hold on `config.checkpoint_dir` while the trainer lives (`raypipe.checkpoint.lock`)
+        self.root_lock = registry.hold_root(config.checkpoint_dir, run_name, self)  # released with the trainer
+        try:
+            self._start(config, loss_fn, sample, run_name, log)
+        except BaseException:
+            self.root_lock and self.root_lock.release()
+            raise
+
+    def _start(self, config: TrainConfig, loss_fn: Callable, sample: Any, run_name: str, log: Callable) -> None:
+        """Plans the run, starts its actors and, with `config.resume`, loads its checkpoint."""
+        asked = config  # before "auto" is chosen: the links may choose again
+        config, plan, report = planned.plan(self.specs, loss_fn, config, sample, log)
         #: the running actors: names, topology, schedule, engine; every call that reaches them
         self.group = ActorGroup(config, self.specs, plan, loss_fn, run_name, self.model)
         self.group.report = report
@@ -98,7 +109,7 @@ class Trainer:
         self.state = RunState(
             run_name, uuid.uuid4().hex, Loggers(config, run_name, lambda: run_params(self.config, run_name, self.plan))
         )
-        registry.replace_same_name(self)
+        registry.replace_same_name(run_name, self)
         self.group.start()  # and measures the links between its stages (`config.probe_links`)
         registry.add(self)
         if report is not None:  # a profiled plan: made again for the links measured
@@ -195,15 +206,8 @@ class Trainer:
             ActorDiedError: an actor died more than `config.max_restarts` times; the
                 message says which, why, and where the last checkpoint is.
         """
-        overlap = (on_step is None if overlap is None else overlap) and self.config.engine == "p2p"
-        bar = progress if isinstance(progress, Progress) else Progress(steps, self.step_count, bool(progress))
         feed = make_feed(self.group, batches, batch_size, collate)
-        try:
-            return fitting.fit(self.group, self.state, feed, steps, on_step, bar.writer(log), bar, overlap)
-        finally:
-            feed.close()
-            if bar is not progress:
-                bar.close()
+        return fitting.fit_with(self.group, self.state, feed, steps, on_step, log, progress, overlap)
 
     def log(self, values: dict[str, float], step: int | None = None) -> None:
         """Records your own scalars (`{"val/loss": 1.2}`) with `config.loggers` at `step` (default: steps taken)."""
@@ -272,9 +276,9 @@ class Trainer:
         """Loads LoRA adapters in peft's format into every stage (training continues from them)."""
         from raypipe.models.hf import adapters
 
-        g = self.group
-        with g.whole_weights():
-            adapters.load(g.actors, g.replica0()[0], self.specs, self.model, g.actor_plan(), str(directory))
+        load = functools.partial(adapters.load_group, directory=str(directory))
+        load(self.group)
+        self.state.loads.append((self.step_count, f"the adapters loaded from {directory}", load))  # for a recovery
 
     def generate(
         self,
@@ -308,7 +312,9 @@ class Trainer:
         Raises:
             KeyError: a key names no layer of this model, or a stage's key is missing.
         """
-        weights.load_into(self.group.actors, state, self.group.actor_plan(), self.config.tp)
+        load = functools.partial(weights.load_group, state=state)
+        load(self.group)
+        self.state.loads.append((self.step_count, "the state dict loaded", load))  # what a recovery restores
 
     def gradients(self) -> dict[str, torch.Tensor]:
         """The last step's gradients, keyed like `state_dict()` (as the optimizer used them)."""
@@ -328,7 +334,10 @@ class Trainer:
             ConfigError: for a field that needs a new Trainer (pp, shard_plan, ...) or a bad value.
         """
         check_reconfigurable(changes, self.config)
-        self.group.reconfigure(self.config.replace(**changes))
+        new = self.config.replace(**changes)
+        with root_lock.moving(self.root_lock, new.checkpoint_dir, self.run_name) as held:  # refused if in use
+            self.group.reconfigure(new)
+        self.root_lock = held
 
     def reset_optimizer(self) -> None:
         """Drops every stage's optimizer state (momentum, Adam moments, loss scale)."""
@@ -347,6 +356,8 @@ class Trainer:
         self.group.shutdown()
         self.loggers.close()
         registry.discard(self)
+        if self.root_lock is not None:
+            self.root_lock.release()
 
     def __enter__(self) -> Trainer:
         return self
@@ -362,3 +373,11 @@ class Trainer:
             f"Trainer(run={self.run_name!r}, pp={c.pp}, dp={c.dp}, tp={c.tp}, schedule={c.schedule!r}, "
             f"microbatches={c.microbatches}, plan={self.plan}, steps={self.step_count}, {running})"
         )
+
+
+# the calls that reach the actors take turns (`_one_call_at_a_time`)
+for _name in (
+    "step fit save load evaluate predict save_pretrained save_adapter load_adapter generate state_dict "
+    "load_state_dict gradients reconfigure reset_optimizer stage_info links"
+).split():
+    setattr(Trainer, _name, _one_call_at_a_time(getattr(Trainer, _name)))

@@ -67,7 +67,7 @@ def ranks(ray_session):
 def test_every_rank_gets_the_same_sums_round_after_round(ranks):
     g = torch.Generator().manual_seed(0)
     rows = (torch.randn(6, SIZE, agree.VALUES, generator=g, dtype=torch.float64) * 1e3).tolist()
-    rows[2][1] = [float("nan"), 1.0, 0.0, 1.0]  # a non-finite vote travels too
+    rows[2][1] = [float("nan"), 1.0, 0.0, 1.0] + [0.0] * (agree.VALUES - 4)  # a non-finite vote travels too
     # ranks arrive in different orders; a fast rank's next round may come before a slow one read this round's
     delays = [[0.0, 0.2, 0.0], [0.2, 0.0, 0.0], [0.0, 0.0, 0.2], [0.0, 0.0, 0.0], [0.1, 0.0, 0.3], [0.0, 0.0, 0.0]]
     results = ray.get([r.sums.remote(rows, delays) for r in ranks], timeout=60)

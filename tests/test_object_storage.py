@@ -156,3 +156,21 @@ def test_a_step_saved_again_in_the_bucket_is_replaced_only_once_the_new_one_is_c
     from raypipe.checkpoint.layout import load_tensors
 
     assert torch.equal(load_tensors(first / "model" / "layer-00000.safetensors")["weight"], state["0.weight"])
+
+
+def test_a_bucket_root_is_held_by_a_lease_that_refuses_a_second_run_and_lapses_with_its_holder(s3, monkeypatch):
+    import time
+
+    from raypipe.checkpoint import lock
+    from raypipe.checkpoint.layout import CheckpointError
+
+    root = s3()
+    held = lock.hold(root, "first")
+    with pytest.raises(CheckpointError, match=r"in use by run first \(pid"):
+        lock.RootLock(root, "second")._take_lease(StoragePath(root))  # another process's acquire: the lease says no
+    held.release()
+    assert not (StoragePath(root) / lock.LOCK).exists()
+    monkeypatch.setattr(lock, "LEASE_S", 0.5)  # a holder that died: its lease lapses, nobody renews it
+    lock.RootLock(root, "dead")._write_lease(StoragePath(root) / lock.LOCK)
+    time.sleep(0.6)
+    lock.hold(root, "third").release()

@@ -259,7 +259,8 @@ def test_a_full_disk_mid_save_leaves_no_debris_and_keeps_the_last_checkpoint(ray
             t.fit(batch, 4, **QUIET)
         assert t.step_count == 4  # the step ran; only its checkpoint is missing
         assert t.loggers.status == "FAILED"  # what the loggers will record: never FINISHED
-        assert sorted(p.name for p in root.iterdir()) == ["step-00000002"]  # no .partial, no temporary file
+        # no .partial, no temporary file: only the trainer's hold on the directory (`checkpoint.lock`)
+        assert sorted(p.name for p in root.iterdir()) == [".raypipe-lock", "step-00000002"]
         assert verify(root / "step-00000002")["step"] == 2
         shutil.rmtree(root / "step-00000002")  # space freed: the same trainer saves step 4
         assert t.save().name == "step-00000004" and verify(root / "step-00000004")["step"] == 4
@@ -350,7 +351,7 @@ def test_ctrl_c_saves_the_last_step_and_keeps_the_trainer_usable(ray_session, tm
         with pytest.raises(KeyboardInterrupt):
             t.fit(batch, 6, on_step=on_step, **QUIET)
         assert t.step_count == 3 and verify(root / "step-00000003")["step"] == 3
-        assert sorted(p.name for p in root.iterdir()) == ["step-00000001.partial", "step-00000003"]
+        assert sorted(p.name for p in root.iterdir()) == [".raypipe-lock", "step-00000001.partial", "step-00000003"]
         assert t.loggers.status == "KILLED"
         assert t.fit(batch, 4, **QUIET)[-1]["step"] == 4  # the notebook goes on from here
 

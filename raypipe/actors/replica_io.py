@@ -45,6 +45,17 @@ def step_start(stats: list[tuple[int, str, torch.Tensor]]) -> dict[str, Any]:
     return {"rng": torch.get_rng_state(), "buffers": {(i, key): v.detach().clone() for i, key, v in stats}}
 
 
+def rewind_running_stats(stats: list[tuple[int, str, torch.Tensor]], started: dict[str, Any] | None) -> None:
+    """Puts the running statistics `stats` back as the step `started` (`step_start`) found them: a
+    step whose update is not applied (skipped as non-finite, failed) leaves every buffer as it was,
+    so a NaN batch cannot poison a BatchNorm's statistics (and through them evaluation and checkpoints)."""
+    if started is None:
+        return
+    with torch.no_grad():
+        for index, key, value in stats:
+            value.copy_(started["buffers"][(index, key)])
+
+
 def take(model: StageModel, optim: OptimizerState, started: dict[str, Any], name: str) -> dict[str, Any]:
     """This actor's state for another to load (`restore`), on the host: per layer its weights (in a
     LoRA run its adapters: the base is rebuilt from the model), optimizer state and masters, with

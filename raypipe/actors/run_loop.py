@@ -114,7 +114,8 @@ class RunsSteps:
             saved, failed = self.save_checkpoint(directory), 0.0
         except Exception as error:  # noqa: BLE001 - the driver raises it, as for its own saves
             saved, failed = {"error": f"{self.name}: {type(error).__name__}: {error}"}, 1.0
-        votes = torch.tensor([failed, 0.0, 0.0, 0.0], dtype=torch.float64)
+        votes = torch.zeros(agree.VALUES, dtype=torch.float64)
+        votes[0] = failed
         if dist.is_initialized():
             votes = agree.all_sum(votes)
         self.stop_voted = bool(votes[0] > 0)

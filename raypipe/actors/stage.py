@@ -30,6 +30,7 @@ from raypipe.actors.memory import max_rss_bytes, memory_split
 from raypipe.actors.model import StageModel, gpu_identity, resolve_device
 from raypipe.actors.optimizer import OptimizerState
 from raypipe.actors.refs_calls import RefsCalls, to_host
+from raypipe.actors.replica_io import rewind_running_stats
 from raypipe.actors.run_loop import RunsSteps
 from raypipe.actors.settings import StageSettings
 from raypipe.actors.state_calls import StateCalls
@@ -265,13 +266,21 @@ class StageActor(RefsCalls, StateCalls, ProbesLinks, RunsSteps):
         sq, finite = optim.grad_stats(self.executor.losses_finite) if failure is None else (0.0, True)
         # each actor's share counts every gradient once (`OptimizerState.norm_share`)
         stop = float(self.current_run is not None and self.stop_run == self.current_run)  # an actor-driven run ends
-        votes = torch.tensor([sq, float(not finite), float(failure is not None), stop], dtype=torch.float64)
+        call = float(self.executor.current_call)  # every actor must have run the same call: sum and squares tell
+        votes = torch.tensor(
+            [sq, float(not finite), float(failure is not None), stop, call, call * call], dtype=torch.float64
+        )
         if dist.is_initialized():  # a lone actor (pp = dp = tp = 1) has no world to agree with
             votes = agree.all_sum(votes)
         self.stop_voted = bool(votes[3] > 0)
-        if votes[2] > 0:
+        size = dist.get_world_size() if dist.is_initialized() else 1
+        mixed = float(votes[4]) ** 2 != size * float(votes[5])  # equal only when every call id is the same
+        if votes[2] > 0 or mixed:
             self.unapplied_call = self.executor.current_call
             self.executor.clear_stash()
+            rewind_running_stats(self.executor.running_stats, self.executor.began_from)
+            if mixed:
+                raise StageError(mixed_calls_message(self.name, self.executor.current_call, float(votes[4]) / size))
             if failure is None or isinstance(failure, PeerFailed):
                 raise PeerStopped(
                     f"{self.name} stopped: world ranks failed earlier in this step (see that stage's error)"
@@ -286,6 +295,8 @@ class StageActor(RefsCalls, StateCalls, ProbesLinks, RunsSteps):
         """The optimizer's step (or skip), and this step's report: timings, events, peak memory."""
         with self.applying:
             report = self.optim.apply_step(step, total_norm, finite)
+            if report["skipped"]:  # nothing of the step stays: its forward's buffer updates go too
+                rewind_running_stats(self.executor.running_stats, self.executor.began_from)
             self.applied_call, self.completed = self.executor.current_call, step + 1
         executor = self.executor
         peak = _peak_memory_bytes(self.model.device)
@@ -315,6 +326,16 @@ class StageActor(RefsCalls, StateCalls, ProbesLinks, RunsSteps):
 
     def end_generation(self) -> None:
         end_generation(self.executor)
+
+
+def mixed_calls_message(name: str, call: int, mean: float) -> str:
+    """Why a step was refused when the actors' closing agreement joined different calls."""
+    return (
+        f"{name}: the actors ran different step calls together (this one call {call}, the world's mean "
+        f"{mean:.1f}): their messages were mixed, so no actor applied the step and the weights are those "
+        f"before it. Steps reached the actors in different orders; a Trainer takes one call at a time, so "
+        f"this means calls bypassed it (several drivers on one trainer's actors?)"
+    )
 
 
 def _peak_memory_bytes(device: torch.device) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -47,9 +48,12 @@ def write_atomic(path: Path | StoragePath, data: bytes) -> dict[str, Any]:
         path.write_bytes(data)
         return {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
     make_private_dir(path.parent)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    # a name nobody can guess, created afresh (O_EXCL) and never through a link (O_NOFOLLOW): a link
+    # planted at a predictable temporary name would have this write land in its target
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}-{uuid.uuid4().hex[:12]}")
     try:
-        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE), "wb") as f:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+        with os.fdopen(os.open(tmp, flags, PRIVATE_FILE), "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())

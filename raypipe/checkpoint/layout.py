@@ -34,6 +34,7 @@ import json
 import os
 import re
 import shutil
+import uuid
 from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
@@ -58,7 +59,11 @@ MANIFEST = "MANIFEST.json"
 META = "trainer.json"
 RUN = "RUN"  # in a checkpoint being written: the id of the run writing it, before any other file
 _NAME = re.compile(r"^step-(\d{8})$")
-_PARTIAL = re.compile(r"^step-(\d{8})\.partial$")
+PARTIAL = re.compile(r"^step-(\d{8})\.partial$")
+# a same-step re-save's old copy, moved aside until the new one is in place; a checkpoint being pruned
+REPLACED = re.compile(r"^\.step-(\d{8})\.replaced-[\w-]+$")
+DELETING = re.compile(r"^\.step-(\d{8})\.deleting-[\w-]+$")
+_STEP = re.compile(r"step-(\d{8})")
 
 
 def checkpoint_name(step: int) -> str:
@@ -87,15 +92,60 @@ def begin(root: str | Path, step: int, run_id: str) -> Path | StoragePath:
     """Where the actors write checkpoint `step` of run `run_id`: an empty `step-N.partial` directory;
     in an object store `step-N` itself, cleared of what a save cut short left there, or
     `step-N.partial` when `step-N` is complete (`commit` swaps it in once the new one is complete).
-    Its first file names the run, so that pruning and clean-up touch only the run's own debris."""
+    Its first file names the run, so that pruning and clean-up touch only the run's own debris.
+
+    Raises:
+        CheckpointError: the directory is another run's (nothing of it is deleted), or a symbolic
+            link (never followed: whoever can write the root could point a save at their files).
+    """
     root = location(root)
     path = partial_dir(root, step)
-    if isinstance(root, StoragePath) and not (root / checkpoint_name(step) / MANIFEST).exists():
-        path = root / checkpoint_name(step)
-    remove(path)
-    path.mkdir(parents=True, exist_ok=True) if isinstance(path, StoragePath) else make_private_dir(path)
+    if isinstance(root, StoragePath):
+        if not (root / checkpoint_name(step) / MANIFEST).exists():
+            path = root / checkpoint_name(step)
+        _clear_own(path, run_id)
+        path.mkdir(parents=True, exist_ok=True)
+    else:
+        refuse_link(path)
+        _clear_own(path, run_id)
+        make_private_dir(root)
+        try:
+            os.mkdir(path, PRIVATE_DIR)
+        except FileExistsError:
+            raise CheckpointError(
+                f"{path} appeared while this save began: another process writes under {root}"
+            ) from None
     write_atomic(path / RUN, run_id.encode())
     return path
+
+
+def refuse_link(path: Path) -> None:
+    """Raises CheckpointError when `path` (inside a checkpoint root) is a symbolic link."""
+    if os.path.islink(path):
+        raise CheckpointError(
+            f"{path} is a symbolic link (to {os.readlink(path)}): raypipe follows no link inside a checkpoint "
+            f"root, where anyone who can write the root could point a save or a load at other files. Remove it."
+        )
+
+
+def _clear_own(path: Path | StoragePath, run_id: str) -> None:
+    """Deletes a save cut short at `path` when this run wrote it, or nobody named (a save killed
+    before its first file, or an actor's late writes after its save was aborted: the run holds
+    the root, `raypipe.checkpoint.lock`, so no live writer is behind it).
+
+    Raises:
+        CheckpointError: another run's: left as it is.
+    """
+    if not path.exists():
+        return
+    owner = run_of(path)
+    if owner in (run_id, None):
+        remove(path)
+        return
+    raise CheckpointError(
+        f"{path} was left by run {owner}, not this run ({run_id}), which deletes only what it wrote: "
+        f"remove it, or save to a directory of this run's own."
+    )
 
 
 def abort(partial: Path | StoragePath) -> None:
@@ -114,18 +164,20 @@ def remove_file(path: Path | StoragePath) -> None:
 
 
 def remove(path: Path | StoragePath) -> None:
-    """Deletes a checkpoint directory (nothing when it is absent)."""
+    """Deletes a checkpoint directory (nothing when it is absent or a symbolic link: a link is never
+    followed). In an object store the manifest goes first, so a delete cut short leaves a save
+    without one, which the run's next prune finishes."""
     if isinstance(path, StoragePath):
+        if (path / MANIFEST).exists():
+            remove_file(path / MANIFEST)
         path.rmtree()
-    elif path.exists():
+    elif path.exists() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
 
 
-def commit(
-    partial: Path | StoragePath, files: dict[str, dict[str, Any]], meta: dict[str, Any], keep: int
-) -> Path | StoragePath:
-    """Writes trainer.json and the manifest, moves the directory into place (in an object store
-    the manifest is the commit), prunes the run's old ones.
+def commit(partial: Path | StoragePath, files: dict[str, dict[str, Any]], meta: dict[str, Any]) -> Path | StoragePath:
+    """Writes trainer.json and the manifest and moves the directory into place (in an object store
+    the manifest is the commit); `raypipe.checkpoint.tidy.prune` then prunes the run's old ones.
 
     A complete checkpoint of the same step is replaced only once the new one is complete (locally:
     moved aside, the new one renamed in, then deleted; in an object store: deleted, then the new
@@ -135,7 +187,6 @@ def commit(
         partial: the directory `begin` returned, with the actors' files in it.
         files: relative path -> {"sha256", "bytes"} for every file the actors wrote.
         meta: what trainer.json holds; its `run_id` is the run's, which pruning keeps to.
-        keep: how many complete checkpoints of the run to keep (newest first); 0 keeps all.
     """
     files = dict(files)
     files[META] = write_atomic(partial / META, json.dumps(meta, indent=2, sort_keys=True).encode())
@@ -143,7 +194,7 @@ def commit(
     write_atomic(partial / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True).encode())
     final = partial.with_name(checkpoint_name(meta["step"]))
     if not isinstance(partial, StoragePath):
-        replaced = final.with_name(f".{final.name}.replaced-{os.getpid()}")
+        replaced = final.with_name(f".{final.name}.replaced-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         if final.exists():
             os.replace(final, replaced)
         os.replace(partial, final)
@@ -151,39 +202,13 @@ def commit(
         remove(replaced)
     elif partial != final:  # the new one is complete beside the old: the old goes, the new moves in
         remove(final)
-        _move(partial, final, manifest_first=False)
-    if keep:
-        prune(final, meta["run_id"], keep)
+        move(partial, final, manifest_first=False)
     return final
 
 
-def prune(newest: Path | StoragePath, run_id: str, keep: int) -> None:
-    """Deletes run `run_id`'s complete checkpoints beyond the `keep` newest (never `newest`, the
-    one just written), and its saves cut short before `newest`. Other runs' checkpoints stay."""
-    own = [(p, manifest) for p, manifest, run in inventory(newest.parent) if run == run_id]
-    complete = [p for p, manifest in own if p != newest and manifest is not None]
-    cut_short = [p for p, manifest in own if manifest is None and step_of(p) < step_of(newest)]
-    for old in complete[: max(0, len(complete) - (keep - 1))] + cut_short:
-        remove(old)
-
-
-def clean_partials(root: str | Path, run_id: str) -> list[str]:
-    """Deletes the `step-N.partial` directories of run `run_id` (and those a save killed before it
-    named its run) that a killed driver left in a local `root`. Returns their names."""
-    root = location(root)
-    if isinstance(root, StoragePath) or not root.is_dir():
-        return []
-    removed = []
-    for path in root.iterdir():
-        match = _PARTIAL.match(path.name)
-        if match and run_of(path) in (run_id, None):
-            remove(path)
-            removed.append(path.name)
-    return removed
-
-
 def step_of(path: Path | StoragePath) -> int:
-    return int(_NAME.match(path.name).group(1))
+    """The step of a checkpoint's directory: `step-N`, or what stands in for a missing one."""
+    return int(_STEP.search(path.name).group(1))
 
 
 def inventory(root: str | Path) -> list[tuple[Path | StoragePath, dict[str, Any] | None, str | None]]:
@@ -224,22 +249,7 @@ def runs_in(root: str | Path) -> dict[str, int]:
     return {run or "unknown": step_of(path) for path, manifest, run in inventory(root) if manifest is not None}
 
 
-def set_aside(root: str | Path, run_id: str, after: int) -> list[str]:
-    """Moves run `run_id`'s checkpoints of steps after `after` (the future a resume from `after`
-    abandons) into `<root>/set-aside/<time>/`, where no reader looks: a later recovery of the run
-    cannot restore them, and nothing is deleted. Returns the names moved."""
-    import time
-
-    later = [p for p, _, run in inventory(root) if step_of(p) > after and run == run_id]
-    if not later:
-        return []
-    shelf = location(root) / "set-aside" / time.strftime("%Y%m%d-%H%M%S")
-    for path in later:
-        _move(path, shelf / path.name, manifest_first=True)
-    return [p.name for p in later]
-
-
-def _move(source: Path | StoragePath, target: Path | StoragePath, manifest_first: bool) -> None:
+def move(source: Path | StoragePath, target: Path | StoragePath, manifest_first: bool) -> None:
     """Moves a checkpoint directory; in an object store object by object, its manifest first (the
     source stops being a checkpoint before any of its files goes) or last (the target becomes one
     only when all its files are there)."""
@@ -254,12 +264,25 @@ def _move(source: Path | StoragePath, target: Path | StoragePath, manifest_first
 
 def list_checkpoints(root: str | Path) -> list[Path | StoragePath]:
     """Checkpoint directories under root, oldest first: complete ones (in an object store also
-    those a save left without a manifest, which `verify` refuses)."""
+    those a save left without a manifest, which `verify` refuses). Where a same-step re-save was
+    cut short between its two renames, leaving no `step-N`, the complete `step-N.partial` (the new
+    one) stands in for it, else the complete old copy it moved aside. Links are never followed."""
     root = location(root)
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if _NAME.match(p.name) and p.is_dir()]
-    return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))
+    if isinstance(root, StoragePath):
+        found = {step_of(p): p for p in root.iterdir() if _NAME.match(p.name) and p.is_dir()}
+        return [found[k] for k in sorted(found)]
+    entries = [p for p in root.iterdir() if not p.is_symlink() and p.is_dir()]
+    found = {step_of(p): p for p in entries if _NAME.match(p.name)}
+    stand_ins = sorted(
+        (p for p in entries if PARTIAL.match(p.name) or REPLACED.match(p.name)),
+        key=lambda p: (step_of(p), not PARTIAL.match(p.name), p.name),
+    )
+    for path in stand_ins:
+        if step_of(path) not in found and manifest_of(path) is not None:
+            found[step_of(path)] = path
+    return [found[k] for k in sorted(found)]
 
 
 def verify(path: str | Path, contents: bool = False) -> dict[str, Any]:

@@ -78,6 +78,11 @@ def split_batch(x: Any, y: Any, parts: int, dp: int, microbatches: int) -> tuple
     if any(t.dim() == 0 for t in leaves):
         raise BatchError("x must have a batch dimension (dim 0)")
     batch = leaves[0].shape[0]
+    if batch == 0:
+        raise BatchError(
+            f"x holds no samples (shape {tuple(leaves[0].shape)}): a step needs at least {parts} "
+            f"(one per microbatch{' and replica' if dp > 1 else ''}); skip empty batches before the step."
+        )
     if any(t.shape[0] != batch for t in leaves):
         raise BatchError(
             f"the tensors of x differ in batch size ({[t.shape[0] for t in leaves]}): give each one row per sample."

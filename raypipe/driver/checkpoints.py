@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from raypipe.checkpoint import layout as ckpt
+from raypipe.checkpoint import tidy
 from raypipe.checkpoint.storage import location, redact, scrub
 from raypipe.driver.results import gather
 from raypipe.driver.run_state import RunState
@@ -68,7 +69,7 @@ def begin_saves(root: str, run_id: str, steps: Sequence[int]) -> dict[int, Any]:
                 f"{final} belongs to run {owner or 'unknown (written before run ids)'}; this is run {run_id}, "
                 f"which never replaces another run's checkpoint: save to a directory of its own."
             )
-    ckpt.clean_partials(root, run_id)  # a killed driver's debris (`begin` clears its own directory anyway)
+    tidy.clean_partials(root, run_id)  # a killed driver's debris (`begin` clears its own directory anyway)
     return {step: ckpt.begin(root, step, run_id) for step in steps}
 
 
@@ -83,7 +84,10 @@ def commit_save(partial: Any, parts: Sequence[dict[str, Any]], meta: dict[str, A
     if failed:
         raise ckpt.CheckpointError("; ".join(failed[:4]))
     files = {name: entry for part in parts for name, entry in part["files"].items()}
-    return ckpt.commit(partial, files, {**meta, "loss_scaler": parts[0]["loss_scaler"]}, keep)
+    final = ckpt.commit(partial, files, {**meta, "loss_scaler": parts[0]["loss_scaler"]})
+    if keep:
+        tidy.prune(final, meta["run_id"], keep)
+    return final
 
 
 def load(
@@ -184,7 +188,7 @@ def verified(
 def set_aside_future(checkpoint_dir: str | None, run_id: str, step: int, log: Callable[[str], None]) -> None:
     """After a run is resumed at `step`: its checkpoints in `checkpoint_dir` after that step (a
     future now abandoned) move under `set-aside/`, where no recovery restores them."""
-    moved = ckpt.set_aside(checkpoint_dir, run_id, step) if checkpoint_dir is not None else []
+    moved = tidy.set_aside(checkpoint_dir, run_id, step) if checkpoint_dir is not None else []
     if moved:
         log(
             f"raypipe: resumed at step {step}; set aside the run's later checkpoints {', '.join(moved)} "

@@ -18,7 +18,7 @@ from raypipe.checkpoint.layout import CheckpointError
 from raypipe.data.batches import prepare
 from raypipe.driver import actor_runs, elastic
 from raypipe.driver.group import ActorGroup, Submitted
-from raypipe.driver.interrupts import Terminated, sigterm_as_interrupt
+from raypipe.driver.interrupts import Terminated, held_interrupts, sigterm_as_interrupt
 from raypipe.driver.recovery import recover
 from raypipe.driver.run_state import RunState
 from raypipe.errors import ActorDiedError, NonFiniteError, RaypipeError, StepTimeoutError
@@ -36,12 +36,15 @@ def submit(group: ActorGroup, x: Any, y: Any, index: int, after: int | None = No
 
 def step(group: ActorGroup, run: RunState, x: Any, y: Any) -> dict[str, Any] | None:
     """`Trainer.step`: one step submitted and booked. An interrupt while it runs lets the actors
-    finish it and books it before re-raising, so `step_count` always matches the weights."""
-    submitted = submit(group, x, y, run.step_count)
+    finish it and books it before re-raising, so `step_count` always matches the weights; one
+    while its calls go out waits until all are out (`held_interrupts`)."""
+    sent: list[Submitted] = []
     try:
-        return complete(group, run, submitted)
+        with held_interrupts():
+            sent.append(submit(group, x, y, run.step_count))
+        return complete(group, run, sent[0])
     except KeyboardInterrupt:
-        settle(group, run, [submitted])
+        settle(group, run, sent)
         raise
 
 
@@ -143,6 +146,28 @@ def retry_save(group: ActorGroup, run: RunState, failure: SaveFailed, log: Calla
     ) from None
 
 
+def fit_with(
+    group: ActorGroup,
+    run: RunState,
+    feed: Any,
+    steps: int,
+    on_step: Callable[[dict[str, Any]], None] | None,
+    log: Callable[[str], None],
+    progress: bool | Progress,
+    overlap: bool | None,
+) -> list[dict[str, Any]]:
+    """`Trainer.fit`: `fit` with its progress bar (`progress`: shown or not, or the caller's own)
+    and its overlap decided (None: overlap when no `on_step` sees each step), the feed closed after."""
+    overlap = (on_step is None if overlap is None else overlap) and group.config.engine == "p2p"
+    bar = progress if isinstance(progress, Progress) else Progress(steps, run.step_count, bool(progress))
+    try:
+        return fit(group, run, feed, steps, on_step, bar.writer(log), bar, overlap)
+    finally:
+        feed.close()
+        if bar is not progress:
+            bar.close()
+
+
 def fit(
     group: ActorGroup,
     run: RunState,
@@ -166,7 +191,7 @@ def fit(
             while run.step_count < steps:
                 every = group.config.checkpoint_every
                 if not queue:
-                    queue.extend(next_steps(group, run, feed, steps, run_steps))
+                    queue_next(group, run, feed, steps, run_steps, queue)
                 ahead = run.step_count + len(queue)
                 # a shrunk run queues none: it may grow back at any step boundary; an actor-driven run
                 # has its steps queued already
@@ -177,7 +202,9 @@ def fit(
                     and not (every and ahead % every == 0)
                     and group.shrunk is None
                 ):
-                    queue.append(group.submit(feed.get(ahead), ahead, after=queue[-1].call_id))
+                    batch = feed.get(ahead)
+                    with held_interrupts():  # queued before an interrupt raises: `settle` books it
+                        queue.append(group.submit(batch, ahead, after=queue[-1].call_id))
                 try:
                     metrics = complete(group, run, queue[0])
                     queue.pop(0)
@@ -225,13 +252,19 @@ def fit(
     return history
 
 
-def next_steps(group: ActorGroup, run: RunState, feed: Any, steps: int, run_steps: int) -> list[Submitted]:
-    """The next step submitted, or a run of up to `run_steps` handed to the actors (`actor_runs`;
-    not while an elastic run is shrunk: it may grow back at any step)."""
+def queue_next(group: ActorGroup, run: RunState, feed: Any, steps: int, run_steps: int, queue: list) -> None:
+    """Queues the next step submitted, or a run of up to `run_steps` handed to the actors
+    (`actor_runs`; not while an elastic run is shrunk: it may grow back at any step). An interrupt
+    waits until the calls are out and queued (`held_interrupts`), so `settle` books what they do."""
     count = min(run_steps, steps - run.step_count)
     if count and group.shrunk is None:
-        return actor_runs.start(group, run, feed.reader_for_actors(), count)
-    return [group.submit(feed.get(run.step_count), run.step_count)]
+        reader = feed.reader_for_actors()
+        with held_interrupts():
+            queue.extend(actor_runs.start(group, run, reader, count))
+        return
+    batch = feed.get(run.step_count)
+    with held_interrupts():
+        queue.append(group.submit(batch, run.step_count))
 
 
 def interrupted(group: ActorGroup, run: RunState, error: KeyboardInterrupt, log: Callable[[str], None]) -> None:

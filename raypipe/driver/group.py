@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from raypipe.actors.settings import StageSettings
+from raypipe.checkpoint import lock as root_lock
 from raypipe.config import TrainConfig
 from raypipe.data.batches import Prepared
 from raypipe.driver import checkpoints, chunks, link_probe, placement, registry
@@ -198,14 +199,20 @@ class ActorGroup:
         meta = checkpoints.run_meta(
             run.step_count, len(self.specs), self.plan, run.run_name, run.run_id, self.config, self.base_identity()
         )
-        if written is None:
-            self.idle("save")
-            return checkpoints.save(self.actors, self.names, root, run.step_count, meta, self.config.keep_checkpoints)
-        try:
-            return checkpoints.commit_save(*written, meta, self.config.keep_checkpoints)
-        except BaseException:
-            checkpoints.ckpt.abort(written[0])
-            raise
+        with root_lock.held_by(root, run.run_name):  # no other live run writes there meanwhile
+            if written is None:
+                self.idle("save")
+                where = checkpoints.save(
+                    self.actors, self.names, root, run.step_count, meta, self.config.keep_checkpoints
+                )
+            else:
+                try:
+                    where = checkpoints.commit_save(*written, meta, self.config.keep_checkpoints)
+                except BaseException:
+                    checkpoints.ckpt.abort(written[0])
+                    raise
+        run.loads.clear()  # the checkpoint holds what was loaded before it: a recovery restores that
+        return where
 
     def step_board(self) -> Any:
         """The actor-driven runs' board (`raypipe.actors.step_board`), on the driver's node."""
@@ -244,6 +251,7 @@ class ActorGroup:
         run.step_count = meta["step"]
         run.run_id = meta.get("run_id") or run.run_id  # checkpoints from before run ids: this run goes on
         run.restored_from = (where, run.step_count)
+        run.loads.clear()  # the checkpoint replaces whatever was loaded before it
         checkpoints.set_aside_future(self.config.checkpoint_dir, run.run_id, run.step_count, log)
         return where
 

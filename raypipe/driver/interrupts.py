@@ -33,3 +33,30 @@ def sigterm_as_interrupt() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
+@contextmanager
+def held_interrupts() -> Iterator[None]:
+    """Within the block Ctrl-C (SIGINT) and SIGTERM wait, their handlers running as the block
+    ends: a step's calls then go out to every actor or to none. A step sent to some of its actors
+    only would leave those waiting for neighbours that never run it, until `step_timeout`, with
+    every later call (a Ctrl-C save too) queued behind it. Sending takes milliseconds; elsewhere
+    than the main thread (where no signal lands) it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    arrived: list[int] = []
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    for s in previous:
+        signal.signal(s, lambda signum, frame: arrived.append(signum))
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+        if arrived:  # as it would have been handled, now that the calls are out
+            handler = previous[arrived[0]]
+            if callable(handler):
+                handler(arrived[0], None)
+            elif handler == signal.SIG_DFL:
+                signal.raise_signal(arrived[0])

@@ -74,7 +74,17 @@ def recover(group: ActorGroup, run: RunState, error: ActorDiedError, log: Callab
             where = restore_point(config.checkpoint_dir, run, corrupt)
     if where is None:
         run.step_count = 0  # new actors start from the initial weights
-    log(
-        f"raypipe: resumed at step {run.step_count} from {where[0] if where else 'the initial weights'} "
-        f"in {time.monotonic() - started:.1f} s ({starting})"
-    )
+    source = str(where[0]) if where else "the initial weights"
+    if run.loads:  # loaded after the last checkpoint: the trainer held those, not the checkpoint's
+        source += " and " + reload(group, run)
+    log(f"raypipe: resumed at step {run.step_count} from {source} in {time.monotonic() - started:.1f} s ({starting})")
+
+
+def reload(group: ActorGroup, run: RunState) -> str:
+    """Loads again into the new actors what was loaded since the run's last checkpoint
+    (`RunState.loads`), in order; the run goes on from the step of the last. Returns what it loaded.
+    The optimizer state is the checkpoint's (or fresh), as a load does not change it either."""
+    for step, _, load in run.loads:
+        load(group)
+        run.step_count = step
+    return ", then ".join(f"{what} at step {step}" for step, what, _ in run.loads)

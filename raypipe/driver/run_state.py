@@ -30,6 +30,10 @@ class RunState:
             step's time counts from there).
         last_events: the last step's (action, start, end) per stage, for `Trainer.timeline`.
         last_step_seconds: that step's time as the driver saw it (`StepResult.seconds`).
+        loads: what was loaded into the actors since the run's last checkpoint, in order: (step
+            count then, what it was, `load(group)` loading it again). A recovery loads them again
+            after the checkpoint (or the initial weights); a save or a checkpoint load empties it.
+            A loaded state dict is held by reference (not copied) until then.
     """
 
     run_name: str
@@ -42,6 +46,7 @@ class RunState:
     last_events: list[list[tuple]] = field(default_factory=list)
     last_step_seconds: float | None = None
     ray_metrics: RayMetrics | None = None
+    loads: list[tuple[int, str, Any]] = field(default_factory=list)
 
     def record_on_dashboard(self, metrics: dict[str, Any], lead_ranks: list[int]) -> None:
         """Exports a step's metrics to the Ray dashboard (the series are made at the first step)."""

@@ -95,3 +95,9 @@ def stage_of(plan: Sequence[Sequence[tuple[int, int]]], layer: int) -> int | Non
         if any(start <= layer < end for start, end in ranges):
             return s
     return None
+
+
+def load_group(group: Any, state: dict[str, torch.Tensor]) -> None:
+    """`load_into` every actor of `group` (an `ActorGroup`): `Trainer.load_state_dict`, and a
+    recovery loading it again."""
+    load_into(group.actors, state, group.actor_plan(), group.config.tp)

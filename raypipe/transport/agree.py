@@ -1,11 +1,12 @@
 """The end-of-step agreement of every actor of a world, through pipes when all share a node.
 
 A p2p step ends with every actor of the trainer's world summing a few numbers (the
-squared gradient norm, non-finite and failure votes), so all clip, skip or raise alike.
+squared gradient norm, non-finite and failure votes, the step's call id and its square), so all
+clip, skip or raise alike, and all learn whether they ran the same call.
 Through gloo that is a ring all-reduce: 2 (n - 1) sequential loopback-TCP exchanges,
 2.7 ms after the last of 4 actors arrived on the project's 2-core machine, on the
 critical path of every step. When the whole world is on one node, each rank instead
-writes its numbers as one 40-byte record into every other rank's named pipe and reads
+writes its numbers as one 64-byte record into every other rank's named pipe and reads
 the others' from its own: one wake-up per rank. Every rank adds the records up in rank
 order, so all get the same bits. Worlds that span nodes keep gloo.
 
@@ -28,7 +29,7 @@ import torch.distributed as dist
 from raypipe.transport.pipes import owned, poller, sweep_stale, wait_alive
 from raypipe.transport.pipes import prefix as link_prefix
 
-VALUES = 4  # numbers each rank contributes
+VALUES = 6  # numbers each rank contributes (`StageActor._finish_step`'s votes)
 RECORD = struct.Struct(f"<2q{VALUES}d")  # rank, round, values: written atomically (< PIPE_BUF)
 
 # this actor's pipes to every other rank of its world (`connect`): module state because an actor
@@ -91,7 +92,7 @@ def disconnect() -> None:
 
 
 def all_sum(values: torch.Tensor) -> torch.Tensor:
-    """`values` (float64, VALUES long) summed over every rank of the world, on every rank."""
+    """`values` (float64, at most VALUES long) summed over every rank of the world, on every rank."""
     if _board is not None:
         return _board.sum(values)
     dist.all_reduce(values)
@@ -111,7 +112,8 @@ class Board:
 
     def sum(self, values: torch.Tensor) -> torch.Tensor:
         self.round += 1
-        mine = tuple(float(v) for v in values.tolist())
+        given = values.tolist()  # at most VALUES numbers, the rest sent as zeros
+        mine = tuple(float(v) for v in given) + (0.0,) * (VALUES - len(given))
         record = RECORD.pack(self.rank, self.round, *mine)
         for r, fd in self.fds.items():
             if r != self.rank:
@@ -125,7 +127,7 @@ class Board:
         total = [0.0] * VALUES
         for r in range(len(self.pids)):  # rank order: every rank adds the same numbers the same way
             total = [a + b for a, b in zip(total, rows[r])]
-        return torch.tensor(total, dtype=values.dtype)
+        return torch.tensor(total[: len(given)], dtype=values.dtype)
 
     def _write(self, fd: int, record: bytes, peer: int) -> None:
         while True:

@@ -12,7 +12,7 @@ message carries its own (`stream`).
 
 from __future__ import annotations
 
-import pickle
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,18 +45,34 @@ class Layout:
         return sum(_aligned(_nbytes(leaf)) for leaf in self.leaves if leaf is not None)
 
     def encode(self) -> bytes:
-        """The layout as bytes: the tree's structure as torch's JSON (a pickled TreeSpec warns
-        on load in torch 2.13), or pickled where that cannot describe it (a user's namedtuple)."""
+        """The layout as JSON bytes: the tree's structure as torch's JSON, each leaf as its dtype's
+        name and shape. Nothing that decodes it can run code (a pickle could: anyone who reaches a
+        link's port could then run code in the actor, not only send it tensors).
+
+        Raises:
+            ValueError: a container torch's JSON cannot describe (a user's namedtuple); checked
+                before sending.
+        """
         try:
             spec = pytree.treespec_dumps(self.spec)
-        except Exception:  # noqa: BLE001 - types torch's JSON does not know
-            spec = self.spec
-        return pickle.dumps((spec, self.leaves))
+        except Exception as error:  # noqa: BLE001 - types torch's JSON does not know
+            raise ValueError(
+                f"a boundary value's structure ({self.spec}) cannot be described without pickle "
+                f"({type(error).__name__}: {error}): hand tuples, lists or dicts of tensors between stages."
+            ) from None
+        leaves = [
+            None if leaf is None else [str(leaf[0]).removeprefix("torch."), list(leaf[1])] for leaf in self.leaves
+        ]
+        return json.dumps({"spec": spec, "leaves": leaves}, separators=(",", ":")).encode()
 
     @staticmethod
     def decode(data: bytes) -> Layout:
-        spec, leaves = pickle.loads(data)
-        return Layout(pytree.treespec_loads(spec) if isinstance(spec, str) else spec, leaves)
+        """The layout `encode` wrote. Raises ValueError for anything else (a dtype torch lacks)."""
+        message = json.loads(data)
+        leaves = tuple(
+            None if leaf is None else (_dtype(leaf[0]), tuple(int(n) for n in leaf[1])) for leaf in message["leaves"]
+        )
+        return Layout(pytree.treespec_loads(message["spec"]), leaves)
 
     def views(self, payload: torch.Tensor) -> list[torch.Tensor | None]:
         """The leaves as views of `payload` (uint8 bytes laid out by this layout), no copy."""
@@ -79,6 +95,13 @@ class Layout:
             or (t is not None and m is not None and t.dtype == m[0] and tuple(t.shape) == m[1])
             for t, m in zip(leaves, self.leaves)
         )
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, str(name), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"a boundary header names dtype {name!r}, which torch does not have")
+    return dtype
 
 
 def flatten(value: Any) -> tuple[Layout, list[torch.Tensor | None]]:

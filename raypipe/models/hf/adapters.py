@@ -97,6 +97,13 @@ def load(
     gather([a.load_adapters.remote(parts[rank % len(plan)]) for rank, a in enumerate(actors)], "load_adapter")
 
 
+def load_group(group: Any, directory: str) -> None:
+    """`load` into every actor of `group` (an `ActorGroup`): `Trainer.load_adapter`, and a recovery
+    loading them again."""
+    with group.whole_weights():
+        load(group.actors, group.replica0()[0], group.specs, group.model, group.actor_plan(), directory)
+
+
 def _exporter(model: Any) -> Any:
     """The transformers key mapping of `model` (peft's format names tensors by it)."""
     exporter = getattr(model, "exporter", None)
