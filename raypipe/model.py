@@ -91,7 +91,17 @@ def resolve(layers: Any, loss_fn: Any, config: Any) -> tuple[Model, Callable, li
         TypeError: no callable loss. ConfigError: no layers, or split points that do not match pp.
     """
     from raypipe.layers import as_spec
+    from raypipe.models.hf import is_transformers_model
 
+    if is_transformers_model(layers):  # a transformers causal LM object: its weights read per stage
+        from raypipe.models.hf import from_model
+
+        layers = from_model(layers)
+    if not isinstance(layers, Model) and not hasattr(layers, "__iter__"):
+        raise TypeError(
+            f"Trainer takes a list of LayerSpecs, a raypipe Model, or a transformers causal LM; got a "
+            f"{type(layers).__name__}: split an nn.Module with raypipe.models.module.split(model, loss_fn)."
+        )
     model = layers if isinstance(layers, Model) else Model(list(layers), loss_fn)
     loss_fn = loss_fn if loss_fn is not None else model.loss_fn
     if not callable(loss_fn):

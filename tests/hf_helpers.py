@@ -10,6 +10,20 @@ import torch
 VOCAB = 48
 
 
+FAMILY_SHAPE = dict(
+    hidden_size=16,
+    intermediate_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=VOCAB,
+    max_position_embeddings=32,
+    bos_token_id=0,
+    eos_token_id=None,
+    pad_token_id=None,
+)
+
+
 def tiny_config(kind: str, **overrides):
     """A GPT-2 (tied head) or Llama (grouped-query attention, untied) config of a few kB of weights,
     dropout off so training is deterministic, no end-of-sequence token so generation never stops."""
@@ -33,23 +47,7 @@ def tiny_config(kind: str, **overrides):
                 **overrides,
             }
         )
-    return LlamaConfig(
-        **{
-            **dict(
-                hidden_size=16,
-                intermediate_size=32,
-                num_hidden_layers=4,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                vocab_size=VOCAB,
-                max_position_embeddings=32,
-                bos_token_id=0,
-                eos_token_id=None,
-                pad_token_id=None,
-            ),
-            **overrides,
-        }
-    )
+    return LlamaConfig(**{**FAMILY_SHAPE, "num_hidden_layers": 4, **overrides})
 
 
 def save_tiny(kind: str, directory: str, seed: int = 0, **overrides) -> str:
@@ -63,9 +61,11 @@ def save_tiny(kind: str, directory: str, seed: int = 0, **overrides) -> str:
 
 
 def load(directory: str):
+    """The model transformers loads from `directory`, with the attention it picks (sdpa where the
+    family has it), as raypipe picks by default."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(directory, attn_implementation="sdpa")
+    return AutoModelForCausalLM.from_pretrained(directory)
 
 
 def lm_batch(k: int, size: int = 8, length: int = 10):
@@ -198,3 +198,64 @@ def hf_microbatch_reference(
             grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         opt.step()
     return losses, grads, model.state_dict()
+
+
+def family_config(kind: str):
+    """A tiny config of one of the families transformers declares a pipeline plan for, its
+    distinguishing settings on: Gemma 3's sliding and full layers, Granite's multipliers, a mixture
+    of experts with its routing loss on, DeepSeek-V3's latent attention and shared experts."""
+    import transformers as T
+
+    shape = FAMILY_SHAPE
+    configs = {
+        "qwen3": lambda: T.Qwen3Config(**shape, head_dim=8),
+        "qwen3_moe": lambda: T.Qwen3MoeConfig(
+            **shape,
+            head_dim=8,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            output_router_logits=True,
+            router_aux_loss_coef=0.1,
+        ),
+        "gemma3": lambda: T.Gemma3TextConfig(
+            **shape,
+            head_dim=8,
+            sliding_window=4,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        ),
+        "gemma2": lambda: T.Gemma2Config(**shape, head_dim=8, sliding_window=4),
+        "phi3": lambda: T.Phi3Config(**{**shape, "pad_token_id": 1}),
+        "olmo2": lambda: T.Olmo2Config(**shape),
+        "gpt_neox": lambda: T.GPTNeoXConfig(
+            **{k: v for k, v in shape.items() if k != "num_key_value_heads"}, use_parallel_residual=True
+        ),
+        "granite": lambda: T.GraniteConfig(
+            **shape, embedding_multiplier=3.0, logits_scaling=2.0, residual_multiplier=0.5, attention_multiplier=0.3
+        ),
+        "deepseek_v3": lambda: T.DeepseekV3Config(
+            **{**shape, "num_key_value_heads": 4},
+            kv_lora_rank=8,
+            q_lora_rank=8,
+            qk_rope_head_dim=4,
+            qk_nope_head_dim=4,
+            v_head_dim=4,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+        ),
+    }
+    return configs[kind]()
+
+
+def save_family(kind: str, directory: str, seed: int = 0) -> str:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        AutoModelForCausalLM.from_config(family_config(kind)).save_pretrained(directory)
+    return directory

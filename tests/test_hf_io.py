@@ -14,7 +14,7 @@ from raypipe import ConfigError, TrainConfig, Trainer
 from raypipe.models import hf
 from raypipe.models.hf import weights
 
-from hf_helpers import VOCAB, lm_batch, load, save_tiny, tiny_config
+from hf_helpers import FAMILY_SHAPE, VOCAB, lm_batch, load, save_tiny, tiny_config
 
 pytest.importorskip("transformers")
 
@@ -128,10 +128,10 @@ def test_a_model_from_config_trains_with_its_tied_copies_equal(ray_session):
         assert torch.equal(state["0.wte.weight"], state[f"{last}.lm_head.weight"])
 
 
-def test_an_unsupported_model_type_is_named_with_what_is_supported():
+def test_a_model_type_without_a_pipeline_plan_is_named_with_the_layerspec_way_out():
     from transformers import BertConfig
 
-    with pytest.raises(ConfigError, match=r"'bert'.*\['gpt2', 'llama', 'mistral', 'mixtral', 'qwen2'\]"):
+    with pytest.raises(ConfigError, match=r"(?s)'bert'.*declares no base_model_pp_plan.*LayerSpec\(MyBlock, cfg, i\)"):
         hf.from_config(BertConfig())
     with pytest.raises(ConfigError, match="no such directory"):
         hf.from_pretrained("/nonexistent/model")
@@ -221,17 +221,7 @@ def test_mistral_and_qwen2_layers_give_transformers_logits(tmp_path, kind):
 
     from raypipe import build_layers
 
-    common = dict(
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        max_position_embeddings=32,
-        bos_token_id=0,
-        eos_token_id=None,
-    )
+    common = {**FAMILY_SHAPE, "num_hidden_layers": 2}
     config = (
         MistralConfig(sliding_window=4, **common)
         if kind == "mistral"

@@ -24,12 +24,17 @@ from torch import nn
 
 
 def compile_layers(module: nn.Sequential, on: bool) -> None:
-    """Compiles each layer of `module` in place (`on`), or returns it to eager."""
+    """Compiles each layer of `module` in place (`on`), or returns it to eager. A layer may name
+    the parts to compile instead of itself (`compile_targets()`): a transformers decoder layer
+    compiles transformers' own layer, while the code around it (its masks, made by running
+    transformers' forward up to it) stays eager, where it would break the graph."""
     for layer in module:
-        if on and getattr(layer, "_compiled_call_impl", None) is None:
-            layer.compile(dynamic=None)
-        elif not on:
-            layer._compiled_call_impl = None
+        targets = layer.compile_targets() if hasattr(layer, "compile_targets") else [layer]
+        for target in targets:
+            if on and getattr(target, "_compiled_call_impl", None) is None:
+                target.compile(dynamic=None)
+            elif not on:
+                target._compiled_call_impl = None
 
 
 def compile_report() -> dict[str, Any]:

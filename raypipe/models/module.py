@@ -52,6 +52,14 @@ def split(
         ConfigError: the forward is not a chain of submodules (the message names what is
             computed in between), or a split point is not one of them.
     """
+    from raypipe.models.hf import is_transformers_model
+
+    if is_transformers_model(model):
+        raise ConfigError(
+            f"{type(model).__name__} is a transformers model: pass it to Trainer(model, config=...) as it is, or "
+            f"use raypipe.models.hf.from_model(model) (or hf.from_pretrained(dir)): raypipe splits it where "
+            f"transformers' own pipeline plan says, each stage reading only its layers."
+        )
     units = chain(model)
     if split_points is None:
         plan = None

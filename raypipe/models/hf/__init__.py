@@ -21,15 +21,16 @@ import copy
 import os
 from typing import Any
 
+import torch
+
 from raypipe.errors import ConfigError
 from raypipe.layers import LayerSpec
 from raypipe.model import Model
-from raypipe.models.hf.families import FAMILIES, family_of
 from raypipe.models.hf.layers import ConfigRef, build
 from raypipe.models.hf.loss import CausalLMLoss
 from raypipe.models.hf.weights import DTYPES
 
-__all__ = ["FAMILIES", "CausalLMLoss", "HFModel", "from_config", "from_pretrained"]
+__all__ = ["CausalLMLoss", "HFModel", "from_config", "from_model", "from_pretrained"]
 
 
 class HFModel(Model):
@@ -62,12 +63,17 @@ class HFModel(Model):
         return {"path": self.source, "hash": digest.hexdigest()[:16], "dtype": self.dtype}
 
 
-def from_pretrained(path: str, dtype: str = "fp32", attn_implementation: str = "sdpa") -> HFModel:
+def from_pretrained(
+    path: str, dtype: str = "fp32", attn_implementation: str | None = None, verify: bool = True
+) -> HFModel:
     """A model from a local transformers model directory (config.json and safetensors weights).
 
     Args:
         dtype: "fp32" or "bf16", the dtype the weights are kept and trained in.
-        attn_implementation: transformers' attention kernel, "sdpa" (its default) or "eager".
+        attn_implementation: transformers' attention kernel, "sdpa" or "eager"; by default the one
+            transformers picks for the model (sdpa where the family supports it).
+        verify: check the model type's split against transformers' own forward first, on a small
+            model of the same flags (`raypipe.models.hf.verify`, cached per machine); False skips it.
 
     Raises:
         ConfigError: no such directory, an unsupported model type, or a bad dtype.
@@ -89,21 +95,57 @@ def from_pretrained(path: str, dtype: str = "fp32", attn_implementation: str = "
     from raypipe.models.hf.weights import check_files
 
     check_files(path)  # a truncated or malformed weights file: named now, not in an actor
-    return _model(config, os.path.abspath(path), dtype, attn_implementation)
+    return _model(config, os.path.abspath(path), dtype, attn_implementation, verify)
 
 
-def from_config(config: Any, dtype: str = "fp32", attn_implementation: str = "sdpa") -> HFModel:
+def from_config(
+    config: Any, dtype: str = "fp32", attn_implementation: str | None = None, verify: bool = True
+) -> HFModel:
     """A model with fresh weights from a transformers config (e.g. `LlamaConfig(...)`), each layer
     initialised on its actor as transformers initialises the whole model, under the run seed."""
-    return _model(config, None, dtype, attn_implementation)
+    return _model(config, None, dtype, attn_implementation, verify)
 
 
-def _model(config: Any, source: str | None, dtype: str, attn_implementation: str) -> HFModel:
+def from_model(model: Any, directory: str | None = None, dtype: str | None = None, verify: bool = True) -> HFModel:
+    """A transformers causal LM this process holds (made, or loaded with `from_pretrained`), as a
+    raypipe model: written once to `directory` as transformers saves it (a temporary directory,
+    removed at exit, by default; on a cluster give one every node sees), then read per stage from
+    there as `from_pretrained` reads: the driver keeps no second copy of the weights in memory, and
+    each stage reads only its own. `Trainer(model)` does this for you.
+
+    Args:
+        dtype: "fp32" or "bf16"; by default the model's own.
+    """
+    import atexit
+    import shutil
+    import tempfile
+
+    if directory is None:
+        directory = tempfile.mkdtemp(prefix="raypipe-model-")
+        atexit.register(shutil.rmtree, directory, True)
+    if dtype is None:
+        dtype = "bf16" if next(model.parameters()).dtype == torch.bfloat16 else "fp32"
+    model.save_pretrained(directory)
+    return from_pretrained(directory, dtype=dtype, verify=verify)
+
+
+def is_transformers_model(value: Any) -> bool:
+    """Whether `value` is a transformers `PreTrainedModel` (without importing transformers)."""
+    return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers") for c in type(value).__mro__)
+
+
+def _model(config: Any, source: str | None, dtype: str, attn_implementation: str | None, verify: bool) -> HFModel:
     if dtype not in DTYPES:
         raise ConfigError(f"dtype={dtype!r} is invalid: use one of {sorted(DTYPES)}.")
-    family = family_of(config)
+    from raypipe.models.hf.skeleton import plan_of
+
     config = copy.deepcopy(config)
-    config._attn_implementation = attn_implementation
+    if attn_implementation is not None:
+        config._attn_implementation = attn_implementation
+    plan = plan_of(config)  # a model without a pipeline plan is refused here, naming the way out
+    from raypipe.models.hf import verify as check
+
+    aux = check.verdict(config)["aux_loss"] if verify else bool(getattr(config, "router_aux_loss_coef", 0.0))
     n, ref = config.num_hidden_layers, ConfigRef(config)
     specs = (
         [LayerSpec(build, "embedding", ref, None, source, dtype)]
@@ -111,16 +153,18 @@ def _model(config: Any, source: str | None, dtype: str, attn_implementation: str
         + [LayerSpec(build, "head", ref, None, source, dtype)]
     )
     tied = (
-        [(f"0.{family.token_embedding}.weight", f"{n + 1}.lm_head.weight")]
+        [(f"0.{emb.removeprefix(plan.base + '.')}", f"{n + 1}.{head}") for head, emb in plan.tied.items()]
         if getattr(config, "tie_word_embeddings", False)
         else []
     )
-    loss = CausalLMLoss(
-        config.vocab_size, getattr(config, "num_local_experts", 0) or 0, getattr(config, "router_aux_loss_coef", 0.0)
-    )
+    experts = next((getattr(config, k) for k in EXPERT_COUNTS if getattr(config, k, None)), 0)
+    loss = CausalLMLoss(config.vocab_size, experts if aux else 0, getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
     model = HFModel(specs, loss, tied, kv_cache=True, vocab_size=config.vocab_size)
     model.config, model.source, model.dtype = config, source, dtype
     from raypipe.models.hf.export import HFExporter
 
-    model.exporter = HFExporter(config, family)
+    model.exporter = HFExporter(config, plan)
     return model
+
+
+EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")  # a MoE config's experts, by family

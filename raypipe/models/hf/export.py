@@ -12,27 +12,27 @@ from typing import Any
 import torch
 
 from raypipe.layers import LayerSpec
-from raypipe.models.hf.families import Family
 from raypipe.models.hf.layers import checkpoint_keys
+from raypipe.models.hf.skeleton import Plan, causal_lm_class
 from raypipe.models.hf.weights import INDEX
 
 
 class HFExporter:
     """How a model's raypipe keys (`"<layer>.<name>"`) map onto its transformers checkpoint."""
 
-    def __init__(self, config: Any, family: Family) -> None:
-        self.config, self.family = config, family
+    def __init__(self, config: Any, plan: Plan) -> None:
+        self.config, self.plan = config, plan
 
     def names(self, specs: Sequence[LayerSpec]) -> dict[str, str | None]:
         """raypipe key -> checkpoint key, None for a tied head (transformers ties it on load).
         The layers are built on the meta device: nothing is allocated."""
-        tied = bool(getattr(self.config, "tie_word_embeddings", False))
+        tied = set(self.plan.tied) if getattr(self.config, "tie_word_embeddings", False) else set()
         names: dict[str, str | None] = {}
         for i, spec in enumerate(specs):
             with torch.device("meta"):
                 module = spec.build()
             for local, key in checkpoint_keys(module).items():
-                names[f"{i}.{local}"] = None if tied and key == "lm_head.weight" else key
+                names[f"{i}.{local}"] = None if key in tied else key
         return names
 
     def save(
@@ -106,4 +106,4 @@ def write_index(directory: str, written: Sequence[tuple[str, dict[str, int]]]) -
 
 
 def _causal_lm_class(config: Any) -> str:
-    return {"gpt2": "GPT2LMHeadModel"}.get(config.model_type, f"{type(config).__name__[:-6]}ForCausalLM")
+    return causal_lm_class(config).__name__

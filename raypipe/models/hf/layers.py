@@ -1,48 +1,50 @@
 """A HuggingFace causal LM as raypipe layers: the embeddings, each decoder layer, and the final
-norm with the head, each a module holding transformers' own classes under transformers' own
-attribute names, so their weights map one to one onto the checkpoint's keys.
+norm with the head, each a module holding transformers' own modules under transformers' own
+attribute names (copied from the model's skeleton, `skeleton.py`), so their weights map one to
+one onto the checkpoint's keys, wherever the model's plan says they are (`skeleton.Plan`).
 
 What one layer hands the next is a dict: `hidden_states`, the 2-D `attention_mask` (or None)
-and `position_ids` (integers, so they get no gradient); in a Mixtral-shaped model trained with
-`output_router_logits`, also `router_stats`, the routing sums its loss balances (`moe.py`).
-Every decoder layer makes its mask and rotary embedding from them with transformers' own functions,
-exactly as the whole model does once for all of its layers.
+and `position_ids` (integers, so they get no gradient); in a mixture-of-experts model trained
+with `output_router_logits`, also `router_stats`, the routing sums its loss balances (`moe.py`).
+Each layer runs what transformers' forward does around it from transformers' own code: the
+embedding its scale, a decoder layer its masks and rotary embedding for its layer type, the head
+its logits' soft-cap or scale (`skeleton.embed`, `layer_inputs`, `head_logits`).
 
 Layers are built on the actor that runs them (`build`): from a checkpoint, each is made on
 the meta device and takes the tensors read for it as its parameters (`weights.read`: its own
-tensors only, in its dtype, on its stage's device); from a config, it is initialised as
-transformers initialises the whole model.
+tensors only, in its dtype, on its stage's device); from a config, it is initialised by
+transformers' own `_init_weights`.
 """
 
 from __future__ import annotations
 
-import math
+import copy
 from typing import Any
 
 import torch
 from torch import nn
 
 from raypipe import layers
-from raypipe.models.hf import weights
-from raypipe.models.hf.families import family_of
-from raypipe.models.hf.moe import SparseMoeBlock, add_stats, is_moe, routing_stats
+from raypipe.models.hf import conversions, skeleton, weights
+from raypipe.models.hf.moe import SparseMoeBlock, add_stats, is_moe, router_stats, routing_stats
 
 
 class HFEmbedding(nn.Module):
-    """Token (and, for GPT-2, position) embeddings: input ids, or a dict with `input_ids` and
-    optionally `attention_mask` and `position_ids`, in; the boundary dict out."""
+    """The base model's modules before its decoder layers (token embedding; GPT-2's positions and
+    dropout): input ids, or a dict with `input_ids` and optionally `attention_mask` and
+    `position_ids`, in; the boundary dict out."""
 
     def __init__(self, config: Any) -> None:
         super().__init__()
-        self.config, family = config, family_of(config)
-        self.prefixes = [("", family.base)]
-        hidden = config.hidden_size
-        if family.base == "transformer.":  # GPT-2: learned positions, dropout
-            self.wte = nn.Embedding(config.vocab_size, hidden)
-            self.wpe = nn.Embedding(config.max_position_embeddings, hidden)
-            self.drop = nn.Dropout(config.embd_pdrop)
-        else:
-            self.embed_tokens = nn.Embedding(config.vocab_size, hidden, config.pad_token_id)
+        plan = skeleton.plan_of(config)
+        self.config, self.names = config, plan.embeddings
+        base = getattr(skeleton.skeleton(config), plan.base)
+        for name in plan.embeddings:
+            setattr(self, name, copy.deepcopy(base._modules[name]))
+        self.prefixes = [("", f"{plan.base}.")]
+
+    def compile_targets(self) -> list[nn.Module]:
+        return [getattr(self, name) for name in self.names]
 
     def forward(self, x: Any) -> dict[str, Any]:
         inputs = {"input_ids": x} if torch.is_tensor(x) else x
@@ -50,48 +52,46 @@ class HFEmbedding(nn.Module):
         mask, positions = inputs.get("attention_mask"), inputs.get("position_ids")
         if positions is None:  # as the whole model numbers them without a cache
             positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
-        if hasattr(self, "wte"):
-            hidden = self.drop(self.wte(ids) + self.wpe(positions))
-        else:
-            hidden = self.embed_tokens(ids)
         if mask is not None:
             mask = mask.view(ids.shape[0], -1)
+        held = {name: getattr(self, name) for name in self.names}
+        hidden = skeleton.embed(
+            self.config, held, {"input_ids": ids, "attention_mask": mask, "position_ids": positions}
+        )
         return {"hidden_states": hidden, "attention_mask": mask, "position_ids": positions}
 
 
 class HFDecoderLayer(nn.Module):
-    """One of the model's decoder layers (`index` among them), with its mask and rotary embedding
-    made from the boundary dict; during generation it reads and extends the stage's KV cache."""
+    """One of the model's decoder layers (`index` among them), run with the keyword arguments the
+    whole model would pass it; during generation it reads and extends the stage's KV cache."""
 
     def __init__(self, config: Any, index: int) -> None:
         super().__init__()
-        self.config, self.index, family = config, index, family_of(config)
-        classes = family.classes()
-        self.block = getattr(classes, family.decoder)(config, layer_idx=index)
-        self.prefixes = [("block.", family.decoder_prefix(index))]
+        plan = skeleton.plan_of(config)
+        self.config, self.index = config, index
+        base = getattr(skeleton.skeleton(config), plan.base)
+        self.block = copy.deepcopy(getattr(base, plan.layers)[index])
+        prefix = plan.checkpoint_prefix(f"{plan.layers}.{index}")
+        self.prefixes = [("block.", prefix)]
         moe = SparseMoeBlock(config) if is_moe(config) else None
         object.__setattr__(self, "moe", moe)  # a second name for block.mlp, not a second submodule
-        if moe is not None:  # experts one by one, under the checkpoint's names (`moe.py`)
+        if moe is not None:  # Mixtral's experts one by one, under the checkpoint's names (`moe.py`)
             self.block.mlp = moe
-            moe_prefix = f"{family.decoder_prefix(index)}block_sparse_moe."
+            moe_prefix = f"{prefix}block_sparse_moe."
             self.prefixes = [("block.mlp.router.", moe_prefix + "gate."), ("block.mlp.", moe_prefix)] + self.prefixes
-        # not a submodule: its buffers are computed, never stored, so they stay out of the state
-        # dict and survive materialisation from the meta device
-        with torch.device("cpu"):
-            rotary = getattr(classes, family.rotary)(config) if family.rotary else None
-        object.__setattr__(self, "rotary", rotary)
+        self.routers = router_stats(self.block, config)  # another MoE's router logits, as its forward makes them
         self.cache: Any = None
-        self.sliding = _is_sliding(config, index)
 
     def tp_plan(self, tp_size: int) -> dict[str, Any]:
-        """transformers' own `base_model_tp_plan` for this layer: colwise and rowwise linears."""
+        """transformers' own `base_model_tp_plan` for this layer: colwise and rowwise linears, the
+        rest replicated."""
         from raypipe.errors import ConfigError
         from raypipe.nn import ColumnParallel, RowParallel
 
-        styles = {"colwise": ColumnParallel(), "rowwise": RowParallel()}
+        styles = {"colwise": ColumnParallel(), "rowwise": RowParallel(), "replicated_with_grad_allreduce": None}
         plan = {}
+        prefix = f"{skeleton.plan_of(self.config).layers}.*."
         for pattern, style in (getattr(self.config, "base_model_tp_plan", None) or {}).items():
-            prefix = f"{family_of(self.config).layers}.*."
             if not pattern.startswith(prefix) or (self.moe is not None and ".mlp." in pattern):
                 continue
             if style not in styles:
@@ -99,7 +99,8 @@ class HFDecoderLayer(nn.Module):
                     f"{self.config.model_type}'s tp plan splits {pattern} as {style!r}; raypipe "
                     f"supports {sorted(styles)}: use tp=1 for this model."
                 )
-            plan["block." + pattern[len(prefix) :]] = styles[style]
+            if styles[style] is not None:
+                plan["block." + pattern[len(prefix) :]] = styles[style]
         for e in range(self.moe.num_experts if self.moe is not None else 0):  # each expert as a SwiGLU MLP
             plan.update(
                 {
@@ -112,60 +113,58 @@ class HFDecoderLayer(nn.Module):
             raise ConfigError(f"{self.config.model_type} declares no base_model_tp_plan for its layers: use tp=1.")
         return plan
 
-    def begin_cache(self, shared: dict[str, Any]) -> None:
-        """Starts generation: every decoder layer of the stage shares one transformers cache."""
-        from transformers import DynamicCache
+    def compile_targets(self) -> list[nn.Module]:
+        """What `TrainConfig.compile` compiles: transformers' decoder layer (its inputs are made eagerly)."""
+        return [self.block]
 
-        self.cache = shared.setdefault("kv", DynamicCache(config=self.config))
+    def begin_cache(self, shared: dict[str, Any]) -> None:
+        """Starts generation: every decoder layer of the stage shares one transformers cache, whose
+        layers held elsewhere mirror one held here (`skeleton.stage_cache`)."""
+        shared.setdefault("held", []).append(self.index)
+        self.cache = shared.setdefault("kv", skeleton.StageCache(self.config, shared["held"]))
 
     def end_cache(self) -> None:
         self.cache = None
 
     def forward(self, x: dict[str, Any]) -> dict[str, Any]:
-        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-
-        hidden, positions = x["hidden_states"], x["position_ids"]
-        make_mask = create_sliding_window_causal_mask if self.sliding else create_causal_mask
-        mask = make_mask(
-            config=self.config,
-            inputs_embeds=hidden,
-            attention_mask=x["attention_mask"],
-            past_key_values=self.cache,
-            position_ids=positions,
-            **({"layer_idx": self.index} if self.cache is not None and not self.sliding else {}),
-        )
-        extra = {"position_embeddings": self.rotary(hidden, position_ids=positions)} if self.rotary else {}
-        hidden = self.block(
-            hidden,
-            attention_mask=mask,
-            position_ids=positions,
-            past_key_values=self.cache,
-            use_cache=self.cache is not None,
-            **extra,
-        )
-        if self.moe is not None and self.training and getattr(self.config, "output_router_logits", False):
-            stats = add_stats(x.get("router_stats"), routing_stats(self.moe, x["attention_mask"]))
-            return {**x, "hidden_states": hidden, "router_stats": stats}
+        hidden = x["hidden_states"]
+        inputs = {"attention_mask": x["attention_mask"], "position_ids": x["position_ids"]}
+        if self.cache is not None:
+            args, kwargs = self.cache.inputs(self.index, hidden, inputs)
+        else:
+            args, kwargs = skeleton.layer_inputs(self.config, [self.index], hidden, {**inputs, "use_cache": False})[
+                self.index
+            ]
+        out = self.block(hidden, *args, **kwargs)
+        hidden = out[0] if isinstance(out, tuple) else out
+        if self.training and getattr(self.config, "output_router_logits", False):
+            logits = self.moe.router_logits if self.moe is not None else self.routers.take()
+            if logits is not None:
+                stats = routing_stats(logits, self.config, x["attention_mask"])
+                return {**x, "hidden_states": hidden, "router_stats": add_stats(x.get("router_stats"), stats)}
         return {**x, "hidden_states": hidden}
 
 
 class HFHead(nn.Module):
-    """The final norm and the language-model head: the boundary dict in, logits out."""
+    """The final norm and the language-model head: the boundary dict in, logits out (as the causal
+    LM's forward makes them: soft-capped, scaled)."""
 
     def __init__(self, config: Any) -> None:
         super().__init__()
-        self.config, family = config, family_of(config)
-        eps = getattr(config, "layer_norm_epsilon", None) or config.rms_norm_eps
-        norm_class = nn.LayerNorm if family.norm_class == "LayerNorm" else getattr(family.classes(), family.norm_class)
-        setattr(self, family.norm, norm_class(config.hidden_size, eps=eps))
-        self.norm_name = family.norm
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.prefixes = [("lm_head.", "lm_head."), ("", family.base)]
+        plan = skeleton.plan_of(config)
+        self.config, self.norm_name, self.head_name = config, plan.norm, plan.head
+        model = skeleton.skeleton(config)
+        setattr(self, plan.norm, copy.deepcopy(getattr(model, plan.base)._modules[plan.norm]))
+        setattr(self, plan.head, copy.deepcopy(model._modules[plan.head]))
+        self.prefixes = [(f"{plan.head}.", f"{plan.head}."), ("", f"{plan.base}.")]
+
+    def compile_targets(self) -> list[nn.Module]:
+        return [getattr(self, self.norm_name), getattr(self, self.head_name)]
 
     def forward(self, x: Any) -> Any:
         hidden = x["hidden_states"] if isinstance(x, dict) else x
-        logits = self.lm_head(getattr(self, self.norm_name)(hidden))
-        if isinstance(x, dict) and "router_stats" in x:  # training a Mixtral: the loss balances the routing
+        logits = skeleton.head_logits(self.config, getattr(self, self.norm_name), getattr(self, self.head_name), hidden)
+        if isinstance(x, dict) and "router_stats" in x:  # training a MoE: the loss balances the routing
             return logits, x["router_stats"]
         return logits
 
@@ -180,8 +179,11 @@ def checkpoint_key(prefixes: list[tuple[str, str]], local: str) -> str:
 def checkpoint_keys(module: nn.Module, tied: bool = False) -> dict[str, str]:
     """The module's state-dict keys -> the checkpoint's keys (a tied head reads the embedding)."""
     keys = {local: checkpoint_key(module.prefixes, local) for local in module.state_dict()}
-    if tied and "lm_head.weight" in keys:
-        keys["lm_head.weight"] = family_of(module.config).tied_key()
+    if tied:
+        for head, embedding in skeleton.plan_of(module.config).tied.items():
+            for local, key in keys.items():
+                if key == head:
+                    keys[local] = embedding
     return keys
 
 
@@ -211,55 +213,37 @@ def build(kind: str, ref: ConfigRef, index: int | None, source: str | None, dtyp
     """
     config = ref.config
     args = (config, index) if kind == "decoder" else (config,)
-    if source is None:
-        module = KINDS[kind](*args)
-        _init_like_transformers(module, config)
-        return module.to(weights.DTYPES[dtype])
     with torch.device("meta"):
         module = KINDS[kind](*args)
     if torch.get_default_device().type == "meta":  # only counting parameters (the driver's partitioner)
         return module
-    keys = checkpoint_keys(module, tied=bool(getattr(config, "tie_word_embeddings", False)))
     loading = layers.loading()
-    device = loading.device
-    tensors = weights.read(source, keys.values(), weights.DTYPES[dtype], device)
+    device = loading.device or torch.device("cpu")
+    buffers = {n: b for n, b in module.named_buffers() if not b.is_meta}  # computed (rotary frequencies)
+    if source is None:
+        module.to_empty(device=device)
+        skeleton.initialise(module, config)
+        _put_buffers(module, buffers, device)
+        return module.to(weights.DTYPES[dtype])
+    keys = checkpoint_keys(module, tied=bool(getattr(config, "tie_word_embeddings", False)))
+    tensors = conversions.read(source, config, keys.values(), weights.DTYPES[dtype], device)
     # the tensors read become the parameters: nothing allocated twice, nothing initialised in vain
     module.load_state_dict({local: tensors[key] for local, key in keys.items()}, strict=True, assign=True)
     del tensors
     state = module.state_dict(keep_vars=True)
     loading.keep({key: state[local] for local, key in keys.items()})
-    for sub in module.modules():  # a buffer outside the state dict has no value in the files
-        for name, buffer in list(sub.named_buffers(recurse=False)):
-            if buffer.is_meta:
-                sub.register_buffer(name, torch.zeros_like(buffer, device=device or "cpu"), persistent=False)
+    _put_buffers(module, {n: b for n, b in buffers.items() if n not in state}, device)
     module.read_keys = dict(weights.last_read)  # what this layer read, for `StageActor.info`
     return module
 
 
-def _init_like_transformers(module: nn.Module, config: Any) -> None:
-    """transformers' initialisation: normal(0, initializer_range) weights and zero biases for
-    linears and embeddings, unit norms; GPT-2 scales its residual projections by 1/sqrt(2 n_layer)."""
-    std = config.initializer_range
-    for name, sub in module.named_modules():
-        weight = getattr(sub, "weight", None)
-        if not isinstance(weight, torch.Tensor) or not isinstance(weight, nn.Parameter):
-            continue
-        with torch.no_grad():
-            if weight.dim() >= 2:
-                scaled = name.endswith("c_proj") and config.model_type == "gpt2"
-                weight.normal_(0.0, std / math.sqrt(2 * config.num_hidden_layers) if scaled else std)
-            else:
-                weight.fill_(1.0)
-            bias = getattr(sub, "bias", None)
-            if isinstance(bias, nn.Parameter):
-                bias.zero_()
-            if isinstance(sub, nn.Embedding) and sub.padding_idx is not None:
-                weight[sub.padding_idx].zero_()
-
-
-def _is_sliding(config: Any, index: int) -> bool:
-    """Whether decoder layer `index` attends within a sliding window (Mistral, some Qwen2 layers)."""
-    types = getattr(config, "layer_types", None)
-    if types:
-        return types[index] == "sliding_attention"
-    return config.model_type in ("mistral", "mixtral") and getattr(config, "sliding_window", None) is not None
+def _put_buffers(module: nn.Module, buffers: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Gives `module` the buffers the files do not hold (computed when transformers built the
+    skeleton, such as rotary frequencies), on `device`; zeros where none was computed."""
+    for name, buffer in list(module.named_buffers()):
+        if name in buffers or buffer.is_meta:
+            owner, _, attr = name.rpartition(".")
+            sub = module.get_submodule(owner) if owner else module
+            value = buffers[name] if name in buffers else torch.zeros_like(buffer, device=device)
+            persistent = attr not in sub._non_persistent_buffers_set
+            sub.register_buffer(attr, value.to(device), persistent=persistent)

@@ -28,7 +28,8 @@ from raypipe.nn.moe import MoE
 
 
 def is_moe(config: Any) -> bool:
-    return bool(getattr(config, "num_local_experts", 0))
+    """Whether the model is a Mixtral, whose experts raypipe holds one by one (expert parallelism)."""
+    return getattr(config, "model_type", None) == "mixtral"
 
 
 class SwiGLUExpert(nn.Module):
@@ -71,18 +72,48 @@ class SparseMoeBlock(MoE):
         return super().forward(hidden)[0]
 
 
-def routing_stats(moe: MoE, attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(assignments per expert, summed router probability per expert, rows) of the layer's last
-    forward, padding rows left out as transformers' `load_balancing_loss_func` leaves them."""
-    probs = moe.router_logits.softmax(dim=-1)
-    chosen = probs.topk(moe.top_k, dim=-1).indices
+def routing_stats(
+    logits: torch.Tensor, config: Any, attention_mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(assignments per expert, summed router probability per expert, rows) of one layer's router
+    `logits` (rows x experts), padding rows left out as transformers' `load_balancing_loss_func`
+    leaves them."""
+    probs = logits.softmax(dim=-1)
+    top_k = config.num_experts_per_tok
+    chosen = probs.topk(top_k, dim=-1).indices
     if attention_mask is None:
         weight = probs.new_ones(probs.shape[0], dtype=torch.float32)
     else:
         weight = attention_mask.reshape(-1).to(torch.float32)
-    counts = torch.zeros(moe.num_experts, dtype=torch.float32, device=probs.device)
-    counts = counts.scatter_add(0, chosen.reshape(-1), weight.repeat_interleave(moe.top_k))
+    counts = torch.zeros(probs.shape[-1], dtype=torch.float32, device=probs.device)
+    counts = counts.scatter_add(0, chosen.reshape(-1), weight.repeat_interleave(top_k))
     return counts, (probs.float() * weight.unsqueeze(-1)).sum(dim=0), weight.sum()
+
+
+class RouterTap:
+    """The router logits a decoder layer's forward makes, caught where transformers records them
+    (`_can_record_outputs["router_logits"]`: a module class, and which of its outputs)."""
+
+    def __init__(self, block: nn.Module, config: Any) -> None:
+        self.logits: torch.Tensor | None = None
+        from raypipe.models.hf.skeleton import causal_lm_class
+
+        recorder = (getattr(causal_lm_class(config), "_can_record_outputs", None) or {}).get("router_logits")
+        target = getattr(recorder, "target_class", None)
+        index = getattr(recorder, "index", 0) or 0
+        if target is None:
+            return
+        for module in block.modules():
+            if isinstance(module, target):
+                module.register_forward_hook(lambda _m, _i, out: setattr(self, "logits", out[index]))
+
+    def take(self) -> torch.Tensor | None:
+        logits, self.logits = self.logits, None
+        return logits
+
+
+def router_stats(block: nn.Module, config: Any) -> RouterTap:
+    return RouterTap(block, config)
 
 
 def add_stats(so_far: Any, layer: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
