@@ -100,3 +100,13 @@ def test_a_split_that_differs_from_transformers_is_refused_naming_where(monkeypa
     monkeypatch.setenv("RAYPIPE_CACHE_DIR", str(tmp_path / "fresh"))
     monkeypatch.setattr(verify, "_verdicts", {})
     assert hf.from_config(family_config("qwen3")).config.model_type == "qwen3"
+
+
+def test_the_families_table_in_the_docs_is_current():
+    import transformers
+
+    from raypipe.models.hf import table
+
+    version, types = table.written_table(table.DOCS.read_text())
+    assert version == transformers.__version__, "run: python -m raypipe.models.hf.table"
+    assert types == table.model_types(), "run: python -m raypipe.models.hf.table"

@@ -92,10 +92,17 @@ def small(config: Any) -> Any:
     kv, heads = values.get(name("num_key_value_heads")), values.get(name("num_attention_heads"))
     if kv is not None and heads is not None:  # grouped when the model groups, else one per head
         change[name("num_key_value_heads")] = 4 if kv == heads else 2
-    types = values.get("layer_types")
-    if types:  # both kinds of attention where the model has both
-        kinds = list(dict.fromkeys(types))
-        change["layer_types"] = (kinds * 2)[:2]
+    layers = values.get(name("num_hidden_layers"))
+    types = values.get("layer_types") or []
+    # two layers of different kinds where the model has several: every per-layer list keeps those two
+    keep = [0, next((i for i, t in enumerate(types) if t != types[0]), 1 if (layers or 0) > 1 else 0)]
+    for key, value in values.items():
+        if isinstance(value, list) and layers and len(value) == layers:
+            change[key] = [value[i] for i in keep]
+    vocab = change.get(name("vocab_size"), values.get(name("vocab_size")))
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):  # token ids the small vocabulary lacks
+        if isinstance(values.get(key), int) and vocab is not None and values[key] >= vocab:
+            change[key] = None if key != "pad_token_id" else 0
     for name, value in values.items():  # dropout off: a training-mode forward must be deterministic
         if isinstance(value, float) and ("dropout" in name or "pdrop" in name):
             change[name] = 0.0
