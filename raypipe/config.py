@@ -186,8 +186,9 @@ class TrainConfig:
             two stages on one GPU).
         allow_cpu_fallback: let a cuda/rocm/mps stage run on the CPU when its node has
             no such device (tests and demos); the actor reports that it did.
-        lora: low-rank adapters through peft, `{"r", "alpha", "dropout", "target_modules"}` or a
-            `peft.LoraConfig` (`raypipe.lora`): the base weights are frozen, only adapters train.
+        lora: low-rank adapters through peft: a `peft.LoraConfig` or its fields (`r`, `lora_alpha`
+            or `alpha`, `target_modules` as names, a regex or "all-linear", `use_rslora`, `bias`, ...),
+            each meaning what peft means (`raypipe.lora`); what peft trains trains, the rest is frozen.
         quantize: QLoRA: "nf4" or "int8" stores the frozen base's linears through bitsandbytes
             (cpu, cuda, rocm stages), or one entry per stage (null keeps a stage's dtype).
     """

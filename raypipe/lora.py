@@ -1,15 +1,25 @@
 """LoRA settings (`TrainConfig.lora`) and what each stage does with them, through `peft`.
 
+`TrainConfig.lora` takes a `peft.LoraConfig` or its fields as a dict, and means what peft means
+by every field it honours: `target_modules` as a list, a string or regex, or "all-linear";
+`exclude_modules`, `layers_to_transform` with `layers_pattern`, `rank_pattern`, `alpha_pattern`,
+`use_rslora`, `bias`, `modules_to_save`, `init_lora_weights` (True, False, "gaussian"). Fields
+raypipe cannot honour (DoRA, initialisations that rewrite the base, ...) are refused by name.
+
 Each stage actor injects peft's LoRA layers into the layers it builds (`apply`), right after
 building them, under a seed of its own per layer, so the adapters start the same however the
-model is split. The base weights are frozen: only the adapters get gradients, optimizer
-state, the dp all-reduce and ZeRO shares. Adapters leave and enter in peft's own format
-(`Trainer.save_adapter`, `load_adapter`); `dense_state` folds them into the base weights
-for `save_pretrained(merge_adapters=True)`.
+model is split. peft sees each layer under the names it has in the whole model (`named_view`:
+a transformers layer's `model.layers.3.self_attn.q_proj`), so its matching, layer filters,
+patterns and saved names are the whole model's. What peft leaves trainable (the adapters, the
+biases `bias` trains, `modules_to_save`'s copies) trains; the rest is frozen. Adapters leave and
+enter in peft's own format (`peft_state`, `load_peft_state`; `Trainer.save_adapter`,
+`load_adapter`); `dense_state` folds them into the base weights for
+`save_pretrained(merge_adapters=True)`.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -17,12 +27,29 @@ from torch import nn
 
 from raypipe.errors import ConfigError
 
-FIELDS = {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": None}
 ADAPTER = "default"  # peft's adapter name; its state-dict keys carry it, its files do not
+ALIASES = {"alpha": "lora_alpha", "dropout": "lora_dropout"}  # raypipe's short names, still taken
+# fields of a LoraConfig that describe the saved file, not the training: kept as peft writes them
+IGNORED = ("task_type", "peft_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision")
+# fields raypipe cannot honour where they differ from peft's default, and why
+REFUSED = {
+    "use_dora": "DoRA's magnitude vectors are not split across stages yet",
+    "use_qalora": "QA-LoRA needs GPTQ-quantized layers",
+    "lora_bias": "a LoRA bias on the B matrix is not carried to the exported adapters yet",
+    "layer_replication": "replicated layers would be built on several stages",
+    "trainable_token_indices": "token-level training of the embedding is not supported",
+    "target_parameters": "parameters as targets (not modules) are not supported",
+    "megatron_config": "Megatron's parallel layers are not raypipe's",
+    "alora_invocation_tokens": "activated LoRA is not supported",
+    "use_bdlora": "block-diagonal LoRA is not supported",
+}
+INITS = (True, False, "gaussian")  # initialisations that leave the base as it is
 
 
 def check(value: Any, tp: int) -> dict[str, Any] | None:
-    """`TrainConfig.lora` as a plain dict (from a dict or a `peft.LoraConfig`), checked.
+    """`TrainConfig.lora` as a plain dict of `peft.LoraConfig`'s fields (from a LoraConfig or a
+    dict of its fields; "alpha" and "dropout" stand for lora_alpha and lora_dropout), checked by
+    peft itself and for what raypipe honours.
 
     Raises:
         ConfigError: naming the field, the value and what to give instead.
@@ -30,52 +57,74 @@ def check(value: Any, tp: int) -> dict[str, Any] | None:
     if value is None:
         return None
     if type(value).__name__ == "LoraConfig":  # a peft.LoraConfig
-        value = {
-            "r": value.r,
-            "alpha": value.lora_alpha,
-            "dropout": value.lora_dropout,
-            "target_modules": sorted(value.target_modules) if value.target_modules else None,
-        }
+        value = value.to_dict()
     if not isinstance(value, dict):
         raise ConfigError(
-            f"lora={value!r} is invalid: give a mapping such as {{'r': 8, 'alpha': 16, "
+            f"lora={value!r} is invalid: give a mapping such as {{'r': 8, 'lora_alpha': 16, "
             f"'target_modules': ['q_proj', 'v_proj']}}, a peft.LoraConfig, or null."
         )
-    unknown = sorted(set(value) - set(FIELDS))
-    if unknown:
-        raise ConfigError(f"lora has unknown fields {unknown}: it takes {sorted(FIELDS)}.")
-    out = {**FIELDS, **value}
-    if not isinstance(out["r"], int) or isinstance(out["r"], bool) or out["r"] < 1:
-        raise ConfigError(f"lora.r={out['r']!r} is invalid: give the adapters' rank, a whole number >= 1.")
-    if not isinstance(out["alpha"], (int, float)) or isinstance(out["alpha"], bool) or out["alpha"] <= 0:
-        raise ConfigError(f"lora.alpha={out['alpha']!r} is invalid: give a positive number (the scale is alpha / r).")
-    if not isinstance(out["dropout"], (int, float)) or isinstance(out["dropout"], bool) or not 0 <= out["dropout"] < 1:
-        raise ConfigError(f"lora.dropout={out['dropout']!r} is invalid: give a number in [0, 1).")
-    targets = out["target_modules"]
-    if not targets or not isinstance(targets, (list, tuple)) or not all(isinstance(t, str) for t in targets):
+    fields = {ALIASES.get(k, k): v for k, v in value.items() if k not in IGNORED}
+    r, targets = fields.get("r", 8), fields.get("target_modules")
+    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+        raise ConfigError(f"lora.r={r!r} is invalid: give the adapters' rank, a whole number >= 1.")
+    if not targets or not (isinstance(targets, str) or all(isinstance(t, str) for t in targets)):
         raise ConfigError(
-            f"lora.target_modules={targets!r} is invalid: name the linear layers to adapt, "
-            f"e.g. ['q_proj', 'v_proj'] (Llama) or ['c_attn'] (GPT-2)."
+            f"lora.target_modules={targets!r} is invalid: name the linear layers to adapt, e.g. ['q_proj', "
+            f"'v_proj'] (Llama) or ['c_attn'] (GPT-2), a regex matched against their full names, or 'all-linear'."
         )
-    out["target_modules"] = list(targets)
+    config = _peft(fields)
+    for name, why in REFUSED.items():
+        if getattr(config, name, None) not in (None, False, [], {}):
+            raise ConfigError(f"lora.{name}={getattr(config, name)!r} is refused: {why}. Leave it at peft's default.")
+    if config.init_lora_weights not in INITS:
+        raise ConfigError(
+            f"lora.init_lora_weights={config.init_lora_weights!r} is refused: it rewrites the base weights, which "
+            f"each stage reads from the model directory. Use one of {list(INITS)}."
+        )
     if tp > 1:
         raise ConfigError(
             f"lora with tp={tp} is not supported: peft cannot wrap raypipe's tensor-parallel "
             f"linears. Use tp=1 (pp and dp work with LoRA)."
         )
-    return out
+    return _plain({k: v for k, v in config.to_dict().items() if k not in IGNORED})
+
+
+def _peft(fields: dict[str, Any]) -> Any:
+    """peft's LoraConfig of `fields`, its own checks turned into errors naming the field."""
+    import inspect
+
+    from peft import LoraConfig
+
+    known = set(inspect.signature(LoraConfig).parameters)
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise ConfigError(
+            f"lora has unknown fields {unknown}: it takes peft.LoraConfig's fields, e.g. r, lora_alpha, "
+            f"lora_dropout, target_modules, exclude_modules, use_rslora, bias, modules_to_save, rank_pattern."
+        )
+    try:
+        return LoraConfig(**fields)
+    except (ValueError, TypeError) as error:
+        raise ConfigError(f"lora is invalid, as peft says: {error}") from None
+
+
+def _plain(value: Any) -> Any:
+    """`value` with sets as sorted lists and enums as their values: what YAML and JSON hold."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (set, frozenset)):
+        return sorted(value)
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return getattr(value, "value", value) if type(value).__module__.startswith("peft") else value
 
 
 def peft_config(lora: dict[str, Any]) -> Any:
+    """peft's own LoraConfig of `TrainConfig.lora` (its short names taken too)."""
     from peft import LoraConfig
 
-    return LoraConfig(
-        r=lora["r"],
-        lora_alpha=lora["alpha"],
-        lora_dropout=lora["dropout"],
-        target_modules=list(lora["target_modules"]),
-        task_type="CAUSAL_LM",
-    )
+    fields = {ALIASES.get(k, k): v for k, v in lora.items() if k not in IGNORED}
+    return LoraConfig(**{**fields, "task_type": "CAUSAL_LM"})
 
 
 QUANTIZE = ("nf4", "int8")
@@ -167,28 +216,141 @@ def dense_weight(module: nn.Module) -> torch.Tensor:
     return weight
 
 
+def resolve(lora: dict[str, Any], layers: list[nn.Module], whole: nn.Module | None) -> dict[str, Any]:
+    """The run's LoRA settings with "all-linear" made the list of names peft makes of it (on the
+    whole transformers model `whole`, whose output layer it leaves out; else every linear), checked
+    against the model's layers (built on the meta device): targets that match nothing are refused,
+    as peft refuses them.
+
+    Raises:
+        ConfigError: no module of the model matches the targets (peft's words, and its fields).
+    """
+    from peft.tuners.tuners_utils import _maybe_include_all_linear_layers, check_target_module_exists
+
+    config = peft_config(lora)
+    if config.target_modules == "all-linear":
+        if whole is not None:
+            config = _maybe_include_all_linear_layers(config, whole)
+        else:
+            linear = {n.rpartition(".")[2] for layer in layers for n, m in layer.named_modules() if _linear(m)}
+            config.target_modules = linear
+    names = [name for layer in layers for name, _ in named_view(layer).named_modules() if name]
+    if not any(check_target_module_exists(config, name) for name in names):
+        raise ConfigError(
+            f"lora.target_modules={lora['target_modules']!r} (exclude_modules={config.exclude_modules!r}, "
+            f"layers_to_transform={config.layers_to_transform!r}): Target modules not found in the base model, "
+            f"as peft says. Its modules are named like {names[-4:]}."
+        )
+    return {**lora, "target_modules": _plain(config.target_modules)}
+
+
+def _linear(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
+
+
 def apply(module: nn.Sequential, lora: dict[str, Any], seeds: list[int], quantized: str | None = None) -> None:
     """Injects LoRA adapters into every layer of `module` holding a target (layer j's under
     `seeds[j]`; in fp32 over a bf16 base, as peft keeps them), after storing the layers' linears
-    in `quantized` bits ("nf4", "int8") when given, then freezes everything but the adapters."""
+    in `quantized` bits ("nf4", "int8") when given. peft sees each layer under its whole-model
+    names (`named_view`) and leaves trainable what it trains; every other weight is frozen."""
     from peft import inject_adapter_in_model
-    from peft.tuners.tuners_utils import cast_adapter_dtype
+    from peft.tuners.tuners_utils import cast_adapter_dtype, check_target_module_exists
 
     config = peft_config(lora)
-    targets = set(lora["target_modules"])
     for layer in module if quantized else []:
         if not hasattr(layer, "lm_head"):  # QLoRA keeps the head in full precision
             quantize(layer, quantized)
+    for p in module.parameters():
+        p.requires_grad_(False)
     for layer, seed in zip(module, seeds):
-        if not any(name.rpartition(".")[2] in targets for name, _ in layer.named_modules()):
+        view = named_view(layer)
+        names = [name for name, _ in view.named_modules() if name]
+        if any(check_target_module_exists(config, name) for name in names):
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                inject_adapter_in_model(copy.deepcopy(config), view)
+        elif any(name.rpartition(".")[2] in (config.modules_to_save or ()) for name in names):
+            # a layer with modules to save but no target: peft's own wrapper, as get_peft_model wraps them
+            from peft.utils.other import _set_trainable
+
+            _set_trainable(view, ADAPTER, module_names=config.modules_to_save, inference_mode=False)
+            view.peft_config = {ADAPTER: copy.deepcopy(config)}
+        else:
             continue
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            inject_adapter_in_model(config, layer)
+        _take_back(layer, view)
+        object.__setattr__(layer, "lora_view", view)  # peft's config is on it: what saving and loading ask
         # adapters over a bf16 (or fp16) base are kept in fp32, as get_peft_model keeps them
-        cast_adapter_dtype(layer, ADAPTER, autocast_adapter_dtype=True)
-    for name, p in module.named_parameters():
-        p.requires_grad_(is_adapter(name))
+        cast_adapter_dtype(view, ADAPTER, autocast_adapter_dtype=True)
+
+
+def named_view(layer: nn.Module) -> nn.Module:
+    """`layer`'s submodules under the names the whole model gives them: a transformers layer's by
+    its `prefixes` (its decoder block as `model.layers.3`), so peft matches, ranks and saves them as
+    in the whole model; any other layer is its own view."""
+    prefixes = getattr(layer, "prefixes", None)
+    if not prefixes:
+        return layer
+    from raypipe.models.hf.layers import checkpoint_key
+
+    root = nn.Module()
+    for name, child in layer.named_children():
+        *path, leaf = checkpoint_key(prefixes, name + ".").rstrip(".").split(".")
+        parent = root
+        for part in path:
+            if part not in parent._modules:
+                parent.add_module(part, nn.Module())
+            parent = parent._modules[part]
+        parent.add_module(leaf, child)
+    return root
+
+
+def _take_back(layer: nn.Module, view: nn.Module) -> None:
+    """Puts back into `layer` the children peft replaced in its view (a target or a module to save
+    that is one of the layer's own children, such as a head)."""
+    if view is layer:
+        return
+    from raypipe.models.hf.layers import checkpoint_key
+
+    for name, child in list(layer.named_children()):
+        now = view.get_submodule(checkpoint_key(layer.prefixes, name + ".").rstrip("."))
+        if now is not child:
+            setattr(layer, name, now)
+
+
+def trained_keys(layer: nn.Module) -> set[str]:
+    """The state keys of `layer` a LoRA run trains (and so saves): what peft left trainable."""
+    return {name for name, p in layer.named_parameters() if p.requires_grad}
+
+
+def peft_state(layer: nn.Module) -> dict[str, torch.Tensor]:
+    """What peft saves of `layer`'s adapters, under the names it saves them by (`named_view`'s,
+    without the adapter's name): its `get_peft_model_state_dict`."""
+    from peft import get_peft_model_state_dict
+
+    view = getattr(layer, "lora_view", None)
+    if view is None:
+        return {}
+    return {k: v.detach().cpu().clone() for k, v in get_peft_model_state_dict(view, adapter_name=ADAPTER).items()}
+
+
+def load_peft_state(layer: nn.Module, state: dict[str, torch.Tensor]) -> set[str]:
+    """Loads the adapters of `state` (peft's saved names) that belong to `layer`; returns the keys
+    it took. A layer that trains something must find all of it in `state`.
+
+    Raises:
+        ValueError: naming the adapter keys of the layer missing from `state`.
+    """
+    from peft import set_peft_model_state_dict
+
+    view = getattr(layer, "lora_view", None)
+    if view is None:
+        return set()
+    mine = set(peft_state(layer))
+    missing = sorted(mine - set(state))
+    if missing:
+        raise ValueError(f"the adapters lack {missing[:3]} (another rank, target_modules or model?)")
+    set_peft_model_state_dict(view, {k: state[k] for k in mine}, adapter_name=ADAPTER)
+    return mine
 
 
 def is_adapter(key: str) -> bool:
@@ -216,6 +378,10 @@ def dense_state(module: nn.Module, merge: bool) -> dict[str, torch.Tensor]:
     for key, value in module.state_dict().items():
         if is_adapter(key):
             continue
+        if ".original_module." in key or f".modules_to_save.{ADAPTER}." in key:  # peft's modules_to_save
+            if (".original_module." in key) == merge:  # merged: the trained copy; else the base
+                continue
+            key = key.replace(".original_module.", ".").replace(f".modules_to_save.{ADAPTER}.", ".")
         key = base_key(key)
         owner = next((m for m in dense if key.startswith(m + ".")), None)
         if owner is None:

@@ -101,7 +101,7 @@ class Trainer:
     def _start(self, config: TrainConfig, loss_fn: Callable, sample: Any, run_name: str, log: Callable) -> None:
         """Plans the run, starts its actors and, with `config.resume`, loads its checkpoint."""
         asked = config  # before "auto" is chosen: the links may choose again
-        config, plan, report = planned.plan(self.specs, loss_fn, config, sample, log)
+        config, plan, report = planned.plan(self.specs, loss_fn, config, sample, log, self.model)
         #: the running actors: names, topology, schedule, engine; every call that reaches them
         self.group = ActorGroup(config, self.specs, plan, loss_fn, run_name, self.model)
         self.group.report = report
@@ -269,7 +269,7 @@ class Trainer:
         from raypipe.models.hf import adapters
 
         with self.group.whole_weights():
-            adapters.save(self.group.replica0()[0], self.specs, self.model, self.config.lora, str(directory))
+            adapters.save(self.group.replica0()[0], self.model, self.config.lora, str(directory))
         return Path(directory)
 
     def load_adapter(self, directory: str) -> None:

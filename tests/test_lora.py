@@ -145,12 +145,104 @@ def test_lora_settings_are_checked_with_what_to_give():
         TrainConfig(tp=2, lora={"target_modules": ["q_proj"]})
     from peft import LoraConfig
 
-    assert TrainConfig(lora=LoraConfig(r=2, lora_alpha=4, target_modules=["v_proj"])).lora == {
+    given = TrainConfig(lora=LoraConfig(r=2, lora_alpha=4, target_modules=["v_proj"], use_rslora=True)).lora
+    assert {k: given[k] for k in ("r", "lora_alpha", "lora_dropout", "target_modules", "use_rslora")} == {
         "r": 2,
-        "alpha": 4,
-        "dropout": 0.0,
+        "lora_alpha": 4,
+        "lora_dropout": 0.0,
         "target_modules": ["v_proj"],
+        "use_rslora": True,
     }
+    assert TrainConfig(lora={"r": 2, "alpha": 4, "target_modules": "q_proj"}).lora["lora_alpha"] == 4
+    with pytest.raises(ConfigError, match=r"lora.use_dora=True is refused"):
+        TrainConfig(lora={"target_modules": ["q_proj"], "use_dora": True})
+    with pytest.raises(ConfigError, match=r"lora.init_lora_weights='pissa' is refused: it rewrites the base"):
+        TrainConfig(lora={"target_modules": ["q_proj"], "init_lora_weights": "pissa"})
+    with pytest.raises(ConfigError, match=r"lora has unknown fields \['ranks'\]"):
+        TrainConfig(lora={"target_modules": ["q_proj"], "ranks": 3})
+    with pytest.raises(
+        ConfigError, match=r"as peft says: `layers_to_transform` cannot be used when `target_modules` is a str"
+    ):
+        TrainConfig(lora={"target_modules": "q_proj", "layers_to_transform": [0]})
+
+
+OPTIONS = {
+    "regex-rslora-bias-saved-head": dict(
+        r=4,
+        lora_alpha=8,
+        target_modules=r".*\.(q_proj|v_proj)",
+        use_rslora=True,
+        bias="lora_only",
+        alpha_pattern={"q_proj": 16},
+        modules_to_save=["lm_head"],
+    ),
+    "all-linear-excluded-layers-patterns": dict(
+        r=4,
+        lora_alpha=8,
+        target_modules="all-linear",
+        exclude_modules=["o_proj"],
+        bias="all",
+        init_lora_weights="gaussian",
+    ),
+    "layers-ranks-zero-init": dict(
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj", "v_proj", "up_proj"],
+        rank_pattern={"v_proj": 2},
+        layers_to_transform=[0, 2],
+        layers_pattern="layers",
+        init_lora_weights=False,
+    ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_every_peft_option_means_what_peft_means(ray_session, tmp_path, option):
+    """peft's own model with the same LoraConfig, from raypipe's first adapters, trains alike; the
+    saved adapters are peft's (same keys, same config) and give raypipe's logits in peft."""
+    import json
+    import warnings
+
+    from peft import PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    directory = save_tiny("llama", str(tmp_path / "model"), attention_bias=True, mlp_bias=True)
+    config = TrainConfig(
+        pp=2, microbatches=2, optimizer=SGD, lora=OPTIONS[option], cpus_per_actor=0.25, threads_per_actor=1
+    )
+    x, _ = lm_batch(9)
+    with Trainer(hf.from_pretrained(directory), config=config) as t:
+        t.save_adapter(str(tmp_path / "first"))
+        losses = [t.step(*lm_batch(k))["loss"] for k in range(3)]
+        t.save_adapter(str(tmp_path / "trained"))
+        trained = t.predict(x)
+    first = load_file(str(tmp_path / "first" / "adapter_model.safetensors"))
+
+    def prepare(model):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = get_peft_model(model, lora_peft_config(config.lora))
+        assert not set_peft_model_state_dict(model, first).unexpected_keys
+        return model
+
+    reference = hf_reference(directory, prepare=prepare)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference[0]), rtol=1e-5, atol=4e-5)
+    ours = load_file(str(tmp_path / "trained" / "adapter_model.safetensors"))
+    peft_model = prepare(load(directory))
+    assert set(ours) == set(get_peft_model_state_dict(peft_model))  # what peft saves, and no more
+    saved_config = json.loads((tmp_path / "trained" / "adapter_config.json").read_text())
+    assert saved_config["use_rslora"] == OPTIONS[option].get("use_rslora", False)
+    assert saved_config["bias"] == OPTIONS[option].get("bias", "none")
+    reloaded = PeftModel.from_pretrained(load(directory), str(tmp_path / "trained"))
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(**x).logits, trained, rtol=1e-5, atol=1e-5)
+
+
+def lora_peft_config(lora):
+    from raypipe.lora import peft_config
+
+    return peft_config(lora)
 
 
 @pytest.mark.slow

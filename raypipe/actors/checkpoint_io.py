@@ -57,9 +57,7 @@ def save_stage(
         holds_experts = model.ep.size > 1 and optim.dp_rank < model.ep.size
         if optim.dp_rank != 0 and not holds_experts:  # replicas hold the same weights; replica 0 writes them
             return nothing
-        models = {
-            index: saved_state(layer.state_dict(), model.lora) for index, layer in zip(model.layers, model.module)
-        }
+        models = {index: saved_state(layer, model.lora) for index, layer in zip(model.layers, model.module)}
         if holds_experts:
             models, states = _gather_experts(model, models, states, list(ep_ranks))
             if optim.dp_rank != 0:
@@ -101,11 +99,12 @@ def expected_tensors(
     shards put back together), a floating-point one; None for what is not floating point (a
     quantized base's packed storage, whose shape is not the weight's: its presence is checked);
     and the names of the experts other ep ranks hold (present, not checked)."""
-    from raypipe.lora import is_adapter
+    from raypipe.lora import trained_keys
 
+    trained = trained_keys(layer)
     expected = {}
     for key, value in layer.state_dict().items():
-        if adapters_only and not is_adapter(key):
+        if adapters_only and key not in trained:
             continue
         if not value.is_floating_point():  # packed 4-bit weights, quantization state, counters
             expected[key] = None
@@ -255,22 +254,27 @@ def _load_layer_state(
         optimizer.state[optim.stepped(p)] = entries
 
 
-def saved_state(state: dict[str, torch.Tensor], lora: bool) -> dict[str, torch.Tensor]:
-    """What a layer's checkpoint file holds: its whole state, or in a LoRA run its adapters only
-    (the frozen base is the model directory's, which the manifest identifies)."""
-    from raypipe.lora import is_adapter
+def saved_state(layer: torch.nn.Module, lora: bool) -> dict[str, torch.Tensor]:
+    """What a layer's checkpoint file holds: its whole state, or in a LoRA run what the run trains
+    (the adapters, and the biases and module copies peft trains: `lora.trained_keys`; the frozen
+    base is the model directory's, which the manifest identifies)."""
+    state = layer.state_dict()
+    if not lora:
+        return state
+    from raypipe.lora import trained_keys
 
-    return {k: v for k, v in state.items() if is_adapter(k)} if lora else state
+    trained = trained_keys(layer)
+    return {k: v for k, v in state.items() if k in trained}
 
 
 def load_layer(layer: torch.nn.Module, state: dict[str, torch.Tensor], lora: bool) -> None:
-    """Loads a layer's checkpoint file: everything, or in a LoRA run exactly its adapters."""
+    """Loads a layer's checkpoint file: everything, or in a LoRA run exactly what the run trains."""
     if not lora:
         layer.load_state_dict(state)
         return
-    from raypipe.lora import is_adapter
+    from raypipe.lora import trained_keys
 
-    expected = {k for k in layer.state_dict() if is_adapter(k)}
+    expected = trained_keys(layer)
     if set(state) != expected:
         raise StageError(f"the checkpoint's adapters {sorted(state)[:2]} are not this layer's {sorted(expected)[:2]}")
     layer.load_state_dict(state, strict=False)

@@ -144,10 +144,23 @@ class StageModel:
             raise StageError(f"{name}: load_state_dict: missing keys {missing}, unexpected keys {unexpected}")
 
     def adapters(self) -> dict[str, torch.Tensor]:
-        """This stage's LoRA adapter weights under global keys (none without `TrainConfig.lora`)."""
-        from raypipe.lora import is_adapter
+        """What this stage's LoRA run trains (adapters, and the biases and module copies peft
+        trains), under global keys; none without `TrainConfig.lora`."""
+        if not self.lora:
+            return {}
+        return {self.global_key(k): p.detach().clone() for k, p in self.module.named_parameters() if p.requires_grad}
 
-        return {k: v for k, v in self.state_dict().items() if is_adapter(k)}
+    def peft_adapters(self) -> dict[str, torch.Tensor]:
+        """This stage's adapters as peft saves them (`lora.peft_state`)."""
+        from raypipe.lora import peft_state
+
+        return {k: v for layer in self.module for k, v in peft_state(layer).items()}
+
+    def load_peft_adapters(self, state: dict[str, torch.Tensor]) -> list[str]:
+        """Loads this stage's adapters from peft's saved names (`lora.load_peft_state`); returns the keys taken."""
+        from raypipe.lora import load_peft_state
+
+        return sorted(k for layer in self.module for k in load_peft_state(layer, state))
 
     def load_adapters(self, state: dict[str, torch.Tensor], name: str) -> None:
         """Replaces this stage's adapters from global keys.

@@ -69,7 +69,7 @@ def take(model: StageModel, optim: OptimizerState, started: dict[str, Any], name
         raise StageError(f"{name} holds a ZeRO share of its stage's state: restore from a checkpoint")
     layers = {}
     for index, layer in zip(model.layers, model.module):
-        weights = {k: v.detach().cpu().clone() for k, v in saved_state(layer.state_dict(), model.lora).items()}
+        weights = {k: v.detach().cpu().clone() for k, v in saved_state(layer, model.lora).items()}
         weights |= {key: value.cpu() for (i, key), value in started["buffers"].items() if i == index}
         optimizer, masters = {}, {}
         for param_name, p in layer.named_parameters():

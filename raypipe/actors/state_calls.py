@@ -30,6 +30,14 @@ class StateCalls:
     def adapters(self) -> dict[str, torch.Tensor]:
         return self.model.adapters()
 
+    def peft_adapters(self) -> dict[str, torch.Tensor]:
+        return self.model.peft_adapters()
+
+    def load_peft_adapters(self, state: dict[str, torch.Tensor]) -> list[str]:
+        """Loads this stage's adapters from peft's saved names; returns the keys it took."""
+        with zero3.whole(self.optim.sharded, loading=True):
+            return self.model.load_peft_adapters(state)
+
     def load_adapters(self, state: dict[str, torch.Tensor]) -> None:
         """Replaces this stage's LoRA adapters (global keys, every one of them)."""
         with zero3.whole(self.optim.sharded, loading=True):

@@ -19,16 +19,23 @@ from raypipe.planning.profiling import PlanReport
 
 
 def plan(
-    specs: Sequence[LayerSpec], loss_fn: Callable, config: TrainConfig, sample: Any, log: Callable[[str], None]
+    specs: Sequence[LayerSpec],
+    loss_fn: Callable,
+    config: TrainConfig,
+    sample: Any,
+    log: Callable[[str], None],
+    model: Any = None,
 ) -> tuple[TrainConfig, list[tuple[int, int]], PlanReport | None]:
-    """The config to run (with "auto" chosen), the layer range of each (virtual) stage, and the
-    profiled plan's report (None when the split was not profiled).
+    """The config to run (with "auto" chosen, LoRA's targets resolved), the layer range of each
+    (virtual) stage, and the profiled plan's report (None when the split was not profiled).
 
     Raises:
         CheckpointError: a new run's checkpoint_dir holds another run's checkpoints.
         ConfigError: the config does not fit the model.
     """
     checkpoints.check_new_run(config.checkpoint_dir, config.resume)  # before any actor (the profiler's) starts
+    if config.lora is not None:  # "all-linear" made a list, and targets that match nothing refused, as peft does
+        config = config.replace(lora=lora_targets(specs, config.lora, model))
     layer_plan, tp_splits, profiled = first_plan(specs, config, sample is not None)
     connect()
     ship_user_code(
@@ -41,3 +48,15 @@ def plan(
     config, report = plan_run(specs, loss_fn, sample, config, cpus, log)
     check_stages_split(tp_splits, report.plan, config.tp)
     return config, report.plan, report
+
+
+def lora_targets(specs: Sequence[LayerSpec], lora: dict[str, Any], model: Any) -> dict[str, Any]:
+    """`lora.resolve` on the model's layers built on the meta device (and its transformers skeleton)."""
+    import torch
+
+    from raypipe import lora as lora_
+
+    with torch.device("meta"):
+        layers = [spec.build() for spec in specs]
+    whole = model.skeleton() if hasattr(model, "skeleton") else None  # a transformers model's whole, on meta
+    return lora_.resolve(lora, layers, whole)

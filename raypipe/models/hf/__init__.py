@@ -41,6 +41,12 @@ class HFModel(Model):
     source: str | None
     dtype: str
 
+    def skeleton(self) -> Any:
+        """transformers' whole model of this config, its weights on the meta device (`skeleton.py`)."""
+        from raypipe.models.hf.skeleton import skeleton
+
+        return skeleton(self.config)
+
     def identity(self) -> dict[str, Any]:
         """The base model a LoRA run's adapters belong to: its directory, and a hash of its
         config.json and of every safetensors file's size and header (tensor names, dtypes,
