@@ -9,7 +9,7 @@ short still says what it found:
   CPU process);
 - `gpt`: the main job's GPT (GPT-2 small's shape on a GPU) against plain PyTorch on the same
   device, pp = 1 and pp = 2 sharing it: tokens/s and MFU (`gpt_gpu.py`);
-- `llm_lora`: Llama-3-8B's shape with random bf16 weights made here (no download), LoRA r = 16
+- `llm_lora`: Qwen3-8B's shape with random bf16 weights made here (no download), LoRA r = 16
   on the attention projections, peft in one process against raypipe at pp = 1 and pp = 2 (both
   stages on the GPU): tokens/s, each stage's peak device memory, the load times (`gpu_parts.py`);
 - `compile`: torch.compile'd stages against eager on the GPT, pp = 1 and 2 (`gpu_parts.py`);

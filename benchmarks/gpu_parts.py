@@ -1,13 +1,13 @@
 """The parts of `gpu_check.py` that no other benchmark runs, one per call, printing one JSON line:
 
-- `llm_lora`: Llama-3-8B's shape (random bf16 weights made on the device, saved as transformers
+- `llm_lora`: Qwen3-8B's shape (random bf16 weights made on the device, saved as transformers
   saves them), LoRA r = 16 on q/k/v/o: peft in this process, then raypipe at pp = 1 and pp = 2
   with both stages on the one device; tokens/s, each stage's peak device memory, load times;
 - `compile`: the GPT (GPT-2 small's shape) eager against torch.compile'd at pp = 1 and 2, eager
   and compiled alternating on one trainer (`reconfigure(compile=...)`), the compile time apart;
 - `qlora`: the LLM of `llm_lora` at pp = 1 over an nf4 base (bitsandbytes).
 
-`--tiny`: a 2-layer Llama and GPT of width 64, for the CPU dry run.
+`--tiny`: a 2-layer Qwen3 and GPT of width 64, for the CPU dry run.
 
     python benchmarks/gpu_parts.py llm_lora --device cuda --work /tmp/gc
 """
@@ -31,25 +31,25 @@ GiB = 2**30
 
 
 def llama_config(tiny: bool):
-    """Llama-3-8B's config (8.03 B parameters), or a 2-layer one of width 64."""
-    from transformers import LlamaConfig
+    """Qwen3-8B's config (8.2 B parameters: 36 layers of width 4096, grouped-query attention with
+    per-head q/k norms, a 151,936-token untied vocabulary), or a 2-layer Qwen3 of width 64."""
+    from transformers import Qwen3Config
 
     if tiny:
         shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
-        return LlamaConfig(**shape, num_key_value_heads=2, vocab_size=256, max_position_embeddings=128)
-    return LlamaConfig(
+        return Qwen3Config(**shape, num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=128)
+    return Qwen3Config(
         hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
+        intermediate_size=12288,
+        num_hidden_layers=36,
         num_attention_heads=32,
         num_key_value_heads=8,
-        vocab_size=128256,
-        max_position_embeddings=8192,
-        rope_theta=500000.0,
-        rms_norm_eps=1e-5,
+        head_dim=128,
+        vocab_size=151936,
+        max_position_embeddings=40960,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
         tie_word_embeddings=False,
-        bos_token_id=128000,
-        eos_token_id=128001,
     )
 
 
@@ -168,7 +168,7 @@ def llm_lora(args: argparse.Namespace, device: torch.device) -> dict:
     rate = {k: per_step / r["step_s"] for k, r in runs.items()}
     return {
         "part": "llm_lora",
-        "model": "tiny Llama" if args.tiny else "Llama-3-8B's shape, random bf16 weights",
+        "model": "tiny Qwen3" if args.tiny else "Qwen3-8B's shape, random bf16 weights",
         "lora": LORA,
         "tokens_per_step": per_step,
         "made_and_saved_s": made_s,

@@ -39,15 +39,20 @@ FAMILIES = [
 ]
 
 
+CASES = [(kind, pp, 1) for kind, pp in FAMILIES] + [("qwen3", 1, 2), ("gemma2", 1, 2)]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("kind, pp", FAMILIES, ids=[f"{k}-pp{p}" for k, p in FAMILIES])
-def test_a_family_from_its_pipeline_plan_trains_like_transformers(ray_session, tmp_path, kind, pp):
+@pytest.mark.parametrize("kind, pp, tp", CASES, ids=[f"{k}-pp{p}-tp{t}" for k, p, t in CASES])
+def test_a_family_from_its_pipeline_plan_trains_like_transformers(ray_session, tmp_path, kind, pp, tp):
+    """tp = 2 splits from the model's own `base_model_tp_plan`: Qwen3's per-head q and k norms,
+    replicated, have their gradients summed over the ranks, as the plan says."""
     directory = save_family(kind, str(tmp_path / "model"))
     # transformers computes a routing loss per forward call: the reference takes the same microbatches
     moe = kind == "qwen3_moe"
     ref_losses, ref_grads, ref_final = hf_microbatch_reference(directory, 4) if moe else hf_reference(directory)
     model = hf.from_pretrained(directory)
-    config = TrainConfig(pp=pp, microbatches=4, optimizer=SGD, cpus_per_actor=0.25, threads_per_actor=1)
+    config = TrainConfig(pp=pp, tp=tp, microbatches=4, optimizer=SGD, cpus_per_actor=0.25, threads_per_actor=1)
     with Trainer(model, config=config) as t:
         names = model.exporter.names(t.specs)
         ((losses, grads, final),) = run_schedules(t, t.state_dict(), schedules=("1f1b",)).values()

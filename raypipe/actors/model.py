@@ -76,6 +76,15 @@ class StageModel:
         self.expert_params = expert_parameters(self.module) if self.ep.size > 1 else set()
         self.moes = keyed_moe_layers(zip(self.indices, self.module))
         self.norm_params = [p for p in self.params if tp.rank == 0 or id(p) in self.sharded_params]
+        # replicated weights that see only this rank's share of their input (a per-head norm after a
+        # column-split projection): their gradients are summed over the tp ranks (`tp_summed` of a layer)
+        self.tp_summed = [
+            p
+            for layer in self.module
+            for name in getattr(layer, "tp_summed", ())
+            if tp.size > 1
+            for p in layer.get_submodule(name).parameters()
+        ]
 
     @property
     def layers(self) -> list[int]:

@@ -261,6 +261,10 @@ class StageActor(RefsCalls, StateCalls, ProbesLinks, RunsSteps):
         if optim.sharded is not None:  # ZeRO-3: the step's last gather (or its failure's) is met
             optim.sharded.end_step(failure is not None)
         optim.reduce_tied()  # collectives: every holder and replica gets here, failed or not
+        for p in self.model.tp_summed:  # replicated weights whose input this tp rank holds a share of
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, group=self.tp.group)
         if optim.dp_size > 1:
             optim.reduce_gradients()
         sq, finite = optim.grad_stats(self.executor.losses_finite) if failure is None else (0.0, True)

@@ -91,8 +91,10 @@ def read(
 def to_checkpoint(config: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A state dict under the model's keys as transformers' `save_pretrained` writes it (renamings
     and conversions reverted)."""
-    from transformers.core_model_loading import revert_weight_conversion
-
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # a transformers without conversions: its files name tensors as its modules do
+        return state
     return revert_weight_conversion(skeleton.skeleton(config), state)
 
 

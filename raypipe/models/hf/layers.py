@@ -89,7 +89,7 @@ class HFDecoderLayer(nn.Module):
         from raypipe.nn import ColumnParallel, RowParallel
 
         styles = {"colwise": ColumnParallel(), "rowwise": RowParallel(), "replicated_with_grad_allreduce": None}
-        plan = {}
+        plan, self.tp_summed = {}, []
         prefix = f"{skeleton.plan_of(self.config).layers}.*."
         for pattern, style in (getattr(self.config, "base_model_tp_plan", None) or {}).items():
             if not pattern.startswith(prefix) or (self.moe is not None and ".mlp." in pattern):
@@ -101,6 +101,8 @@ class HFDecoderLayer(nn.Module):
                 )
             if styles[style] is not None:
                 plan["block." + pattern[len(prefix) :]] = styles[style]
+            else:  # replicated, its gradient summed over the tp ranks (`StageModel.tp_summed`)
+                self.tp_summed.append("block." + pattern[len(prefix) :])
         for e in range(self.moe.num_experts if self.moe is not None else 0):  # each expert as a SwiGLU MLP
             plan.update(
                 {
