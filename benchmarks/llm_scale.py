@@ -25,6 +25,11 @@ their ratio to ZeRO-0's, and the step time of each (one trainer after the other:
     python benchmarks/llm_scale.py --dir /tmp/qwen2-0.5b > llm_scale.json   # about 6 minutes on 2 cores
     python benchmarks/llm_scale.py --layers 2 --rounds 1 --steps 1          # the script itself, small
     python benchmarks/llm_scale.py --dir /tmp/qwen2-8l --layers 8 --full-ft > zero3.json  # ~6 minutes
+    python benchmarks/llm_scale.py --dir /tmp/qwen2-0.5b --save-memory > saves.json  # ~3 minutes
+
+With `--save-memory`, instead: what saving costs a stage (issue 59): at pp = 2 under LoRA, each
+stage's peak right after loading, after `save_adapter`, after `save_pretrained(merge_adapters=True)`
+and after a step, in that order (a process's peak only grows, so each save's growth is its own).
 """
 
 from __future__ import annotations
@@ -143,6 +148,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="measured steps per round")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="the plain loop's torch threads")
     parser.add_argument("--full-ft", action="store_true", help="full fine-tuning at pp 2 x dp 2: ZeRO-0 vs ZeRO-3")
+    parser.add_argument("--save-memory", action="store_true", help="each stage's peak as saves go, at pp 2")
     args = parser.parse_args()
 
     import peft
@@ -159,6 +165,9 @@ def main() -> None:
 
     if args.full_ft:
         print(json.dumps(full_fine_tuning(directory, batch, args), indent=2))
+        return
+    if args.save_memory:
+        print(json.dumps(save_memory(directory, batch, args), indent=2))
         return
     plain_start = rss_bytes()  # torch, transformers and peft imported, no model yet
     started = time.perf_counter()
@@ -254,6 +263,34 @@ def main() -> None:
         "driver_rss_growth_bytes_pp1": driver_growth,
     }
     print(json.dumps(result, indent=2))
+
+
+def save_memory(directory: str, batch, args) -> dict:
+    """Each stage's peak over its parameter bytes at pp = 2 under LoRA: loaded, then after each save."""
+    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, logging_level="ERROR")
+    config = TrainConfig(pp=2, microbatches=4, lora=LORA, optimizer=OPTIMIZER)
+    out: dict[str, list] = {}
+    with Trainer(hf.from_pretrained(directory), config=config) as t:
+        out["loaded"] = stage_memory(t)
+        t.save_adapter(tempfile.mkdtemp(prefix="llm_scale-adapter-"))
+        out["after_save_adapter"] = stage_memory(t)
+        t.save_pretrained(tempfile.mkdtemp(prefix="llm_scale-merged-"), merge_adapters=True)
+        out["after_save_pretrained_merged"] = stage_memory(t)
+        t.step(*batch(0))
+        out["after_a_step"] = stage_memory(t)
+    ray.shutdown()
+    return {
+        "benchmark": "llm_scale --save-memory",
+        "model": {"shape": "Qwen2-0.5B", "layers": args.layers, "dtype": "fp32"},
+        "lora": LORA,
+        "peak_gb": {k: [round(s["peak_bytes"] / 1e9, 3) for s in v] for k, v in out.items()},
+        "parameter_gb": [round(s["parameter_bytes"] / 1e9, 3) for s in out["loaded"]],
+        "growth_over_loaded_gb": {
+            k: [round((s["peak_bytes"] - b["peak_bytes"]) / 1e9, 3) for s, b in zip(v, out["loaded"])]
+            for k, v in out.items()
+            if k != "loaded"
+        },
+    }
 
 
 def full_fine_tuning(directory: str, batch, args) -> dict:

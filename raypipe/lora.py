@@ -364,7 +364,8 @@ def base_key(key: str) -> str:
 
 def dense_state(module: nn.Module, merge: bool) -> dict[str, torch.Tensor]:
     """The layers' base weights under the base keys, quantized ones dequantized (their statistics
-    left out), with every adapter folded in when `merge`: what a transformers directory holds."""
+    left out), with every adapter folded in when `merge`: what a transformers directory holds. The
+    base's own tensors are returned as they are (not copied): call it per layer to bound memory."""
     from peft.tuners.lora import LoraLayer
 
     dense: dict[str, torch.Tensor] = {}  # module path -> its dense weight
@@ -385,9 +386,9 @@ def dense_state(module: nn.Module, merge: bool) -> dict[str, torch.Tensor]:
         key = base_key(key)
         owner = next((m for m in dense if key.startswith(m + ".")), None)
         if owner is None:
-            state[key] = value.detach().clone()
+            state[key] = value.detach()
         elif key == f"{owner}.weight":
-            state[key] = dense[owner].detach().clone()
+            state[key] = dense[owner].detach()
         elif key == f"{owner}.bias":
-            state[key] = value.detach().clone()
+            state[key] = value.detach()
     return state

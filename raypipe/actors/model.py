@@ -8,7 +8,7 @@ on how the model is split.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -186,14 +186,15 @@ class StageModel:
             for key, value in state.items():
                 params[self.local_key(key)].copy_(value)
 
-    def export_state(self, merge: bool) -> dict[str, torch.Tensor]:
-        """This stage's base weights under global keys without peft's wrapping, with the adapters
-        folded in when `merge` (what a library's own format holds)."""
+    def export_layers(self, merge: bool) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+        """Each layer's base weights under global keys without peft's wrapping, with the adapters
+        folded in when `merge` (what a library's own format holds), one layer at a time and
+        uncopied where nothing changes them, so an export holds one layer's new tensors at most."""
         from raypipe.lora import dense_state
 
-        if self.lora:
-            return {self.global_key(k): v for k, v in dense_state(self.module, merge).items()}
-        return self.state_dict()
+        for j, layer in enumerate(self.module):
+            state = dense_state(layer, merge) if self.lora else layer.state_dict()
+            yield self.indices[j], {f"{self.indices[j]}.{k}": v.detach() for k, v in state.items()}
 
     def gradients(self) -> dict[str, torch.Tensor]:
         """The last step's gradients under global keys (every key of a tied weight); this rank's shards."""

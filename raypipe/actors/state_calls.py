@@ -20,12 +20,27 @@ class StateCalls:
     `applying` lock are the actor's: `StageActor._apply_step` sets them)."""
 
     def save_tensors(
-        self, path: str, names: dict[str, str | None], transpose: Sequence[str] = (), merge: bool = False
-    ) -> dict[str, int]:
-        """Writes this stage's base weights (LoRA adapters folded in when `merge`) to one safetensors
-        file under `names` (global key -> the file's key; None leaves a key out; keys in
-        `transpose` transposed), for exports such as `Trainer.save_pretrained`."""
-        return checkpoint_io.save_tensors(self.model.export_state(merge), names, path, transpose)
+        self,
+        directory: str,
+        names: dict[str, str | None],
+        layers: int,
+        transpose: Sequence[str] = (),
+        merge: bool = False,
+    ) -> list[tuple[str, dict[str, int]]]:
+        """Writes this stage's base weights (LoRA adapters folded in when `merge`) to `directory`, one
+        safetensors file per layer (`model-<layer>-of-<layers>.safetensors`: a stage's memory grows by
+        one layer's bytes at most) under `names` (global key -> the file's key; None leaves a key out;
+        keys in `transpose` transposed), for exports such as `Trainer.save_pretrained`. Returns each
+        file's name with the keys it holds and their sizes."""
+        import os
+
+        written = []
+        for index, state in self.model.export_layers(merge):
+            name = f"model-{index + 1:05d}-of-{layers:05d}.safetensors"
+            sizes = checkpoint_io.save_tensors(state, names, os.path.join(directory, name), transpose)
+            if sizes:
+                written.append((name, sizes))
+        return written
 
     def adapters(self) -> dict[str, torch.Tensor]:
         return self.model.adapters()

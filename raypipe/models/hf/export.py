@@ -65,31 +65,30 @@ def save_shards(
     transpose: Sequence[str] = (),
     merge: bool = False,
 ) -> torch.dtype:
-    """Writes one replica's weights as one safetensors shard per stage under `names` (raypipe key
-    -> checkpoint key), with their index; returns the weights' dtype. With tp = 1 each stage's
-    actor writes its own shard; tp shards are merged through the driver one stage at a time, and
-    so are the experts of a stage whose list holds the actors of several ep ranks (tp each).
+    """Writes one replica's weights as safetensors shards under `names` (raypipe key -> checkpoint
+    key), with their index; returns the weights' dtype. With tp = 1 each stage's actor writes its
+    own layers, a shard each (its memory grows by one layer's bytes at most); tp shards are merged
+    through the driver one stage at a time, a shard per stage, and so are the experts of a stage
+    whose list holds the actors of several ep ranks (tp each).
     `transpose`: raypipe keys stored transposed in the checkpoint (GPT-2's Conv1D weights)."""
     from raypipe.actors.checkpoint_io import save_tensors
     from raypipe.driver.results import gather
     from raypipe.driver.weights import merged
 
     os.makedirs(directory, exist_ok=True)
-    files = [shard_name(s, len(stages)) for s in range(len(stages))]
-    paths = [os.path.join(directory, f) for f in files]
-    if all(len(stage) == tp == 1 for stage in stages):
-        written = gather(
-            [stage[0].save_tensors.remote(path, names, list(transpose), merge) for stage, path in zip(stages, paths)],
-            "save_pretrained",
-        )
+    if all(len(stage) == tp == 1 for stage in stages):  # each actor writes its layers, one file each
+        layers = 1 + max(int(k.partition(".")[0]) for k in names)
+        calls = [stage[0].save_tensors.remote(directory, names, layers, list(transpose), merge) for stage in stages]
+        write_index(directory, [file for part in gather(calls, "save_pretrained") for file in part])
     else:
+        files = [shard_name(s, len(stages)) for s in range(len(stages))]
         written = []
-        for stage, path in zip(stages, paths):
+        for stage, path in zip(stages, [os.path.join(directory, f) for f in files]):
             state: dict[str, torch.Tensor] = {}
             for first in range(0, len(stage), tp):  # each ep rank's actors: its experts
                 state.update(merged([stage[first : first + tp]], "state_dict", tp))
             written.append(save_tensors(state, names, path, transpose))
-    write_index(directory, list(zip(files, written)))
+        write_index(directory, list(zip(files, written)))
     return getattr(torch, gather([stages[0][0].info.remote()], "save_pretrained")[0].dtype)
 
 
