@@ -95,7 +95,7 @@ class Trainer:
         try:
             self._start(config, loss_fn, sample, run_name, log)
         except BaseException:
-            self.root_lock and self.root_lock.release()
+            root_lock.release(self.root_lock)
             raise
 
     def _start(self, config: TrainConfig, loss_fn: Callable, sample: Any, run_name: str, log: Callable) -> None:
@@ -127,9 +127,7 @@ class Trainer:
     plan = property(lambda self: self.group.plan, doc="The layer range [start, end) of each (virtual) stage.")
     plan_report = property(lambda self: self.group.report, doc="A profiled plan's timings and predictions, or None.")
     topology = property(lambda self: self.group.topology, doc="Which actor is which stage, replica, tp rank.")
-    names = property(
-        lambda self: self.group.names, doc='Every actor\'s name, world-rank order: "stage{s}-dp{d}-tp{t}".'
-    )
+    names = property(lambda self: self.group.names, doc='Every actor\'s name, rank order: "stage{s}-dp{d}-tp{t}".')
     run_name = property(lambda self: self.state.run_name, doc="The run's name (`config.name`, or `run-<hex>`).")
     run_id = property(lambda self: self.state.run_id, doc="The run's identity in its checkpoints; a load takes theirs.")
     restored_from = property(lambda self: self.state.restored_from, doc="The checkpoint last loaded, and its step.")
@@ -299,12 +297,14 @@ class Trainer:
         with self.group.whole_weights():
             return generate(*self.group.inference_path(), input_ids, *sampling, attention_mask, eos_token_id, seed)
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The full model's weights, keyed as `nn.Sequential(*layers).state_dict()`, tp shards and ep experts merged."""
+    def state_dict(self, keys: str = "raypipe") -> dict[str, torch.Tensor]:
+        """The full model's weights, keyed as `nn.Sequential(*layers).state_dict()` (`keys="transformers"`:
+        a transformers model's by transformers' own names), tp shards and ep experts merged."""
         with self.group.whole_weights():
-            return weights.merged_replicas(
+            state = weights.merged_replicas(
                 self.topology.grid(self.group.actors), "state_dict", self.config.tp, self.config.ep
             )
+        return weights.named(state, keys, self.model, self.specs)
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Loads full-model weights (keys as `state_dict()` gives them) into every stage.
@@ -356,8 +356,7 @@ class Trainer:
         self.group.shutdown()
         self.loggers.close()
         registry.discard(self)
-        if self.root_lock is not None:
-            self.root_lock.release()
+        root_lock.release(self.root_lock)
 
     def __enter__(self) -> Trainer:
         return self

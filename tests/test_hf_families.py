@@ -84,6 +84,7 @@ def test_a_model_object_trains_without_a_directory_and_module_split_points_to_it
             expected = model(**x, labels=labels)
         assert t.evaluate(x, labels) == pytest.approx(expected.loss.item(), rel=1e-5)
         torch.testing.assert_close(t.predict(x), expected.logits, rtol=1e-5, atol=1e-5)
+        assert_close_dicts(t.state_dict(keys="transformers"), model.state_dict(), rtol=0, atol=0)
 
 
 def test_a_split_that_differs_from_transformers_is_refused_naming_where(monkeypatch, tmp_path):

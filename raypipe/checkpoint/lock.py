@@ -192,6 +192,12 @@ def hold(root: str | None, holder: str) -> RootLock | None:
     return RootLock(root, holder).acquire() if root is not None else None
 
 
+def release(held: RootLock | None) -> None:
+    """Gives up `held` (nothing for None)."""
+    if held is not None:
+        held.release()
+
+
 @contextlib.contextmanager
 def held_by(root: str, holder: str) -> Iterator[None]:
     """Within the block `root` is held for run `holder`: by the hold it has already (its own

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from raypipe.driver.results import gather
-from raypipe.errors import StageError
+from raypipe.errors import ConfigError, StageError
 from raypipe.nn import ShardSpec, merge
 
 
@@ -101,3 +101,18 @@ def load_group(group: Any, state: dict[str, torch.Tensor]) -> None:
     """`load_into` every actor of `group` (an `ActorGroup`): `Trainer.load_state_dict`, and a
     recovery loading it again."""
     load_into(group.actors, state, group.actor_plan(), group.config.tp)
+
+
+def named(state: dict[str, torch.Tensor], keys: str, model: Any, specs: Sequence[Any]) -> dict[str, torch.Tensor]:
+    """`state` under raypipe's keys (`keys="raypipe"`), or under transformers' own names for a
+    transformers model (`"transformers"`: as its `PreTrainedModel.state_dict()` names them; a tied
+    head once)."""
+    if keys == "raypipe":
+        return state
+    exporter = getattr(model, "exporter", None)
+    if keys != "transformers" or exporter is None or not hasattr(exporter, "plan"):
+        raise ConfigError(
+            f"state_dict(keys={keys!r}) is invalid: give 'raypipe', or 'transformers' for a model of raypipe.models.hf."
+        )
+    names = exporter.names(specs)
+    return {names[k]: v for k, v in state.items() if names.get(k)}
