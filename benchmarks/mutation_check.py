@@ -246,7 +246,7 @@ MUTATIONS = [
     ),
     Mutation(
         "storage-prune",
-        "raypipe/checkpoint/layout.py",
+        "raypipe/checkpoint/tidy.py",
         "if manifest is None and step_of(p) < step_of(newest)]",
         "if step_of(p) < step_of(newest)]",
         ("tests/test_object_storage.py",),
