@@ -229,6 +229,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, RaypipeError, ValueError) as error:
         print(f"raypipe: error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as stop:  # Ctrl-C, `ray job stop`: one line, no traceback
+        from raypipe.job import stop_code
+
+        return stop_code(stop)
 
 
 if __name__ == "__main__":

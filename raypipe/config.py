@@ -324,7 +324,15 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist.")
-    data = parse_yaml(path.read_text()) or {}
+    try:
+        data = parse_yaml(path.read_text()) or {}
+    except yaml.YAMLError as error:  # a syntax error: where, and what the parser expected
+        where = getattr(error, "problem_mark", None)
+        at = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""
+        raise ConfigError(
+            f"config file {str(path)!r} is not valid YAML{at}: {getattr(error, 'problem', None) or error}. "
+            f"Fix that line (indentation, a missing ':' or quote)."
+        ) from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(path)!r} must hold a mapping, got {type(data).__name__}.")
     return data

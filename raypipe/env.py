@@ -11,6 +11,14 @@ def cache_dir() -> Path:
     return Path(os.environ.get("RAYPIPE_CACHE_DIR", Path.home() / ".cache" / "raypipe"))
 
 
+def runs_dir() -> Path | None:
+    """RAYPIPE_RUNS_DIR: where a job's relative output paths (checkpoint_dir, log_dir, exports)
+    resolve; unset: the working directory, except inside a `ray job submit --working-dir` copy,
+    where `~/raypipe-runs` (`raypipe.driver.outputs`)."""
+    value = os.environ.get("RAYPIPE_RUNS_DIR")
+    return Path(value).expanduser() if value else None
+
+
 def ray_address() -> str | None:
     """RAY_ADDRESS: the cluster to join; unset means start an embedded local Ray."""
     return os.environ.get("RAY_ADDRESS") or None

@@ -24,6 +24,7 @@ from raypipe.checkpoint.storage import redact_values
 from raypipe.checks import check_whole_number, nearest
 from raypipe.config import TrainConfig, apply_overrides, load_yaml
 from raypipe.data import TokenDataset, stdlib_corpus
+from raypipe.driver import fitting, outputs
 from raypipe.errors import ConfigError, RaypipeError
 from raypipe.models.registry import JobModel, job_model
 from raypipe.planning.partition import is_profiled
@@ -69,6 +70,9 @@ class DataConfig:
             )
         if self.source == "bin" and not self.path:
             raise ConfigError("data.path is missing: source 'bin' needs the path of a uint16 token file.")
+        for name, path in [("path", self.path)] + [(f"paths[{i}]", p) for i, p in enumerate(self.paths or ())]:
+            if path and not Path(path).is_file():
+                raise ConfigError(f"data.{name}={path!r}: no such file (relative paths are from {Path.cwd()}).")
         if self.source == "text" and not self.paths:
             raise ConfigError("data.paths is missing: source 'text' needs a list of text files.")
         if not 0.0 <= self.val_fraction < 1.0:
@@ -199,6 +203,9 @@ def run(
     from raypipe.trainer import Trainer
 
     model, job, train = config.model, config.job, config.train
+    train, job, root, why = outputs.durable(train, job)  # relative outputs that outlive a `ray job submit`
+    if any(p is not None for p in (train.checkpoint_dir, train.log_dir, job.save_pretrained, job.save_adapter)):
+        log(f"raypipe: outputs under {root} ({why})")
     if (resume or resume_step is not None) and train.checkpoint_dir is None:
         raise ConfigError("resuming needs checkpoint_dir in the config (or --set checkpoint_dir=PATH).")
     if resume or resume_step is not None:
@@ -247,6 +254,8 @@ def run(
                 "job": dataclasses.asdict(job),
             }
         )
+        for line in outputs.watch_lines(trainer.run_name, train.log_dir):
+            log(line)
         lead = [i for i in trainer.stage_info() if i["dp_rank"] == 0 and i["tp_rank"] == 0]
         held = [i["layers"] if isinstance(i["layers"], list) else [i["layers"]] for i in lead]  # ranges: model chunks
         log(
@@ -293,6 +302,9 @@ def run(
             log = plain_log
         elapsed = time.perf_counter() - started
         went = trainer.timeline().breakdown if trainer.state.last_events else None  # before evaluation
+        final = fitting.save_last(trainer.group, trainer.state)  # a normal end leaves its last step saved
+        if final is not None:
+            log(f"step {trainer.step_count:4d} | the last step's checkpoint: {final}")
         last_val = validation() if validation else None
         if last_val is not None:
             log(f"step {job.steps:4d} | val loss {last_val:.4f}")
@@ -386,4 +398,18 @@ def main(argv: list[str] | None = None) -> int:
     except RaypipeError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as stop:
+        return stop_code(stop)
     return 0
+
+
+def stop_code(stop: KeyboardInterrupt) -> int:
+    """A job stopped by Ctrl-C or SIGTERM (`ray job stop`) ends without a traceback: `fit` has said
+    in one line where it saved (else this says it stopped), and the exit code is the shell's for
+    the signal (130 for SIGINT, 143 for SIGTERM)."""
+    from raypipe.driver.interrupts import Terminated
+
+    terminated = isinstance(stop, Terminated)
+    if not getattr(stop, "reported", False):
+        print(f"raypipe: stopped by {'SIGTERM' if terminated else 'an interrupt'}", flush=True)
+    return 143 if terminated else 130

@@ -30,7 +30,8 @@ class StepBreakdown:
         replay_ms: the schedule run with each action lasting what it measured and messages free.
         span_ms: from the first action's start to the last one's end, over every actor.
         step_ms: the step as the driver saw it (call to result; in `fit`, from the previous
-            step's result), or None where not known.
+            step's result), or None where not known or shorter than the span (a step queued behind
+            another, or driven by the actors, began before that clock: nothing is said around it).
     """
 
     busy_ms: tuple[float, ...]
@@ -102,9 +103,12 @@ def breakdown(
     runs = timed(schedule, seconds, early_gradients=True)
     starts = [e[2] for actor in events for e in actor]
     ends = [e[3] for actor in events for e in actor]
+    span = max(ends) - min(starts)
+    if step_seconds is not None and step_seconds < span:  # the step began before the driver's clock did
+        step_seconds = None  # (queued behind the one before, or run by the actors): no figure around it
     return StepBreakdown(  # the replay's actions last what they measured: their sums are the actors' busy time
         busy_ms=tuple(1000 * sum(end - start for _, start, end in run) for run in runs),
         replay_ms=1000 * max(end for run in runs for _, _, end in run),
-        span_ms=1000 * (max(ends) - min(starts)),
+        span_ms=1000 * span,
         step_ms=None if step_seconds is None else 1000 * step_seconds,
     )

@@ -162,3 +162,26 @@ def test_a_dropped_trainer_frees_its_actors(ray_session):
     while ray_session.available_resources().get("CPU") != free + 2 * QUARTER and time.monotonic() < deadline:
         time.sleep(0.1)
     assert ray_session.available_resources().get("CPU") == free + 2 * QUARTER
+
+
+def test_a_job_user_meets_each_error_with_its_file_field_value_and_fix(tmp_path):
+    """Issue 60: errors that named nothing of the user's (a YAML traceback, numpy's missing file, a
+    pp the user never wrote) now say where and what to do, before anything starts."""
+    from raypipe import ConfigError
+    from raypipe.checkpoint.layout import CheckpointError, find_valid
+    from raypipe.job import JobConfig
+
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("pp: 2\nmicrobatches: [4\nschedule: 1f1b\n")
+    with pytest.raises(ConfigError, match=r"broken.yaml' is not valid YAML at line 3"):
+        JobConfig.from_yaml(broken)
+    job = tmp_path / "job.yaml"
+    job.write_text("data: {source: bin, path: tokens/missing.bin}\n")
+    with pytest.raises(ConfigError, match=r"data.path='tokens/missing.bin': no such file \(relative paths are from"):
+        JobConfig.from_yaml(job)
+    (tmp_path / "ck" / "step-00000002").mkdir(parents=True)
+    (tmp_path / "ck" / "step-00000004").mkdir()
+    with pytest.raises(CheckpointError, match=r"no checkpoint for step 40 under .*: it holds steps \[2, 4\]"):
+        find_valid(tmp_path / "ck", step=40)
+    with pytest.raises(ConfigError, match=r"pp=4 is invalid with schedule='dualpipe-v': .* 8 in all, .* 7 layers"):
+        Trainer(MLP7, nn.functional.mse_loss, TrainConfig(pp=4, schedule="dualpipe-v", microbatches=8))

@@ -1,5 +1,8 @@
 """A real Ray head started by `ray start`, used as on a cluster: `ray job submit` runs the
-main job, and Ray's state API (through the head's dashboard) lists its stage actors by name."""
+main job, and Ray's state API (through the head's dashboard) lists its stage actors by name.
+Its relative checkpoint_dir lands outside Ray's copy of the working directory, under the runs
+root, so a second submission after a file of the directory changed resumes it; `ray job stop`
+ends that one with a line naming its checkpoint and no traceback (issue 60)."""
 
 import json
 import re
@@ -22,14 +25,18 @@ RUN = "ray-job-test"
 def head(tmp_path_factory):
     """`ray start --head --block $(raypipe node-resources)` through bash, as cluster.yaml starts a
     host, with the dashboard on; stopped by its own process group at the end."""
-    env = head_env(RAYPIPE_CACHE_DIR=str(tmp_path_factory.mktemp("cache")))
+    # a home of its own: the job's relative outputs go to ~/raypipe-runs; `ray job stop` leaves a save 30 s
+    home = tmp_path_factory.mktemp("home")
+    env = head_env(
+        RAYPIPE_CACHE_DIR=str(tmp_path_factory.mktemp("cache")), HOME=str(home), RAY_JOB_STOP_WAIT_TIME_S="30"
+    )
     node = RayHead("$(raypipe node-resources)", env, tmp_path_factory.mktemp("head") / "ray-start.log", dashboard=True)
     try:
         try:
             node.wait_dashboard(timeout=120)
         except (RuntimeError, TimeoutError) as error:
             pytest.fail(str(error))
-        yield {"url": node.url, "env": env}
+        yield {"url": node.url, "env": env, "home": home}
     finally:
         node.stop()
 
@@ -64,13 +71,17 @@ def submitted(head, tmp_path_factory):
             "job.sample_tokens=0",
             "--set",
             f"loggers=[tensorboard, {{mlflow: {{tracking_uri: '{tracking}'}}}}]",
+            "--set",
+            "checkpoint_dir=runs/ck",
+            "--set",
+            "checkpoint_every=15",
         ],
         env=head["env"],
         capture_output=True,
         text=True,
         timeout=300,
     )
-    result.tracking = tracking
+    result.tracking, result.work = tracking, work
     return result
 
 
@@ -88,6 +99,12 @@ def test_ray_job_submit_trains_and_succeeds(head, submitted):
     assert len(losses) >= 4 and losses[-1] < losses[0] - 0.5, losses
     assert "step/s" not in out and "s/step" not in out  # no progress bar in a job's log: plain lines
     assert "data: 20 batches through Ray Data" in out  # on a cluster the job reads its data through Ray Data
+    # nothing in the log reads as a crash (the reader of Ray Data's batches ends before the driver)
+    assert "Traceback" not in out and "Ray is not initialized" not in out, out[out.find("Traceback") - 2000 :][:5000]
+    assert "the last step: " in out and " + -" not in out  # a breakdown, and never a negative part
+    runs = head["home"] / "raypipe-runs"
+    assert f"outputs under {runs} (a ray job's working-dir copy" in out and f"run {RUN} " in out
+    assert (runs / "runs" / "ck" / "step-00000020" / "MANIFEST.json").is_file()  # the normal end's last step
 
 
 def test_the_jobs_losses_and_validation_reach_mlflow(submitted):
@@ -136,3 +153,36 @@ def test_head_advertises_what_node_resources_printed(head):
     (labels,) = json.loads(result.stdout.strip().splitlines()[-1])
     assert {k: v for k, v in labels.items() if k.startswith("raypipe.io/")} == detect().ray_labels()
     assert labels[LABEL_KIND] == "cpu"
+
+
+def test_a_resubmission_after_the_clone_changed_resumes_and_ray_job_stop_ends_it_cleanly(head, submitted):
+    """The working directory changes (Ray unpacks it anew); the job resumes from the first one's
+    last checkpoint all the same. `ray job stop` then ends it: a checkpoint and one line, no traceback."""
+    import time
+
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    assert submitted.returncode == 0, submitted.stderr[-3000:]
+    (submitted.work / "notes.txt").write_text("a changed clone\n")
+    command = [
+        RAY, "job", "submit", "--no-wait", "--address", head["url"], "--working-dir", str(submitted.work), "--",
+        sys.executable, "train.py", "--config", "job.yaml", "--resume", "--set", f"name={RUN}",
+        "--set", "job.steps=400", "--set", "job.sample_tokens=0", "--set", "checkpoint_dir=runs/ck",
+        "--set", "checkpoint_every=1000",
+    ]  # fmt: skip
+    out = subprocess.run(command, env=head["env"], capture_output=True, text=True, timeout=120).stdout
+    job_id = re.search(r"Job '(raysubmit_\w+)' submitted successfully", out).group(1)
+    client = JobSubmissionClient(head["url"])
+    deadline = time.monotonic() + 180
+    while "step   25 |" not in client.get_job_logs(job_id) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert "resumed from" in client.get_job_logs(job_id) and "step-00000020 at step 20" in client.get_job_logs(job_id)
+    subprocess.run([RAY, "job", "stop", "--address", head["url"], job_id], env=head["env"], timeout=120)
+    while client.get_job_status(job_id) not in (JobStatus.STOPPED, JobStatus.FAILED, JobStatus.SUCCEEDED):
+        assert time.monotonic() < deadline + 60
+        time.sleep(1)
+    logs = client.get_job_logs(job_id)
+    assert client.get_job_status(job_id) == JobStatus.STOPPED
+    stopped = re.search(r"raypipe: stopped by SIGTERM after step (\d+); saved (\S+)", logs)
+    assert stopped and Path(stopped.group(2), "MANIFEST.json").is_file(), logs[-3000:]
+    assert "Traceback" not in logs, logs[-3000:]

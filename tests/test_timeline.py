@@ -121,6 +121,8 @@ def test_the_step_breakdown_replays_the_measured_durations_without_the_waits():
     assert parts.replay_ms < 1000 * max(end for run in late for _, _, end in run)
     with pytest.raises(ValueError, match="actor 1's events"):
         breakdown(schedule, [events[0], events[1][:-1]])
+    queued = breakdown(schedule, events, step_seconds=0.05)  # a clock started after the actors did
+    assert queued.step_ms is None and queued.outside_ms is None and "around" not in str(queued)
 
 
 def test_raypipe_trace_lists_every_action_in_issue_order(sleepy, tmp_path, monkeypatch):

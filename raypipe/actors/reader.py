@@ -83,6 +83,26 @@ class DatasetReader:
         """Drops the batches kept for the actors (a fit ended: their stored parts are freed)."""
         self.kept = {}
 
+    def stop(self) -> None:
+        """Ends the read (Ray Data's executor shut down in order) and then this actor, so that it
+        never dies in the middle of Ray Data's work, whose threads would then report a Ray gone
+        (or, racing its shutdown, start a Ray of their own)."""
+        import ray
+
+        if self.rows is not None:
+            self.rows.close()  # the generator's end shuts the dataset's streaming executor down
+            self.rows = None
+        self.kept = {}
+        ray.actor.exit_actor()
+
+    def __repr__(self) -> str:  # the Ray dashboard shows it as the actor's name
+        what = (
+            "a function's batches"
+            if self.function is not None
+            else f"a Dataset, {getattr(self, 'batch_size', '?')} rows a step"
+        )
+        return f"DatasetReader({what}, at step {self.position})"
+
     def _epochs(self) -> Iterator[dict]:
         while True:
             count = 0

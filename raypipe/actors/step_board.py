@@ -19,6 +19,9 @@ from raypipe.protocol import RunStep, StepReport
 class StepBoard:
     """The steps of the current run, kept until the driver has taken them."""
 
+    def __repr__(self) -> str:  # the Ray dashboard shows it as the actor's name
+        return f"StepBoard(run call {self.run}, {len(getattr(self, 'calls', []))} actors reporting)"
+
     def __init__(self) -> None:
         self.run = -1  # the call id of the run being booked
         self.calls: list[Any] = []  # the run's calls, one per stage actor, in rank order

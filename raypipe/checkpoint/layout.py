@@ -357,9 +357,11 @@ def find_valid(
     """
     candidates = list_checkpoints(root) if run_id is None else [p for p, _, run in inventory(root) if run == run_id]
     if step is not None:
-        candidates = [p for p in candidates if p.name == checkpoint_name(step)]
+        found = sorted(step_of(p) for p in candidates)
+        candidates = [p for p in candidates if step_of(p) == step]
         if not candidates:
-            raise CheckpointError(f"no checkpoint for step {step} under {redact(str(root))}")
+            held = f"it holds steps {found}" if found else "it holds no checkpoint"
+            raise CheckpointError(f"no checkpoint for step {step} under {redact(str(root))}: {held}")
     for path in reversed([p for p in candidates if p.name not in skip]):
         try:
             return path, verify(path, contents)

@@ -154,9 +154,11 @@ class DatasetFeed:
                 f"never comes.",
                 stacklevel=3,
             )
+        from raypipe.driver.group import helper_options
+
         self.reader = (
             ray.remote(DatasetReader)
-            .options(num_cpus=0, max_restarts=0)
+            .options(num_cpus=0, max_restarts=0, **helper_options(group.run_name, "dataset-reader"))
             .remote(dataset, batch_size, collate, c.dp, c.microbatches, group.loss_fn)
         )
         self.group, self.asked = group, {}  # step -> ((dp, microbatches) it was cut for, its reference)
@@ -199,6 +201,10 @@ class DatasetFeed:
         pending, self.asked = [ref for _, ref in self.asked.values()], {}
         if pending:
             ray.wait(pending, num_returns=len(pending), timeout=min(self.timeout, 30.0))
+        try:  # it ends its read and exits; killed only when it does not within 30 s
+            ray.get(self.reader.stop.remote(), timeout=30.0)
+        except Exception:  # noqa: BLE001 - exiting ends the call with the actor's death: expected
+            pass
         ray.kill(self.reader)
 
 

@@ -219,7 +219,7 @@ class ActorGroup:
         if self.board is None:
             from raypipe.actors.step_board import StepBoard
 
-            self.board = _on_driver_node(StepBoard)
+            self.board = _on_driver_node(StepBoard, self.run_name, "step-board")
         return self.board
 
     def function_reader(self) -> Any:
@@ -230,7 +230,7 @@ class ActorGroup:
             from raypipe.actors.reader import DatasetReader
 
             self.step_board()
-            self.reader = _on_driver_node(DatasetReader, None, 0, None, 1, 1, None)
+            self.reader = _on_driver_node(DatasetReader, self.run_name, "function-reader", None, 0, None, 1, 1, None)
         return self.reader
 
     def load(self, path: str, step: int | None, run: RunState, log: Callable[[str], None]) -> Path:
@@ -318,10 +318,20 @@ class ActorGroup:
         return chunks.actor_plan(self.plan, self.schedule)
 
 
-def _on_driver_node(cls: type, *args: Any) -> Any:
-    """An actor of `cls` on the driver's node (soft: elsewhere if that node cannot take it)."""
+def _on_driver_node(cls: type, run_name: str, role: str, *args: Any) -> Any:
+    """An actor of `cls` on the driver's node (soft: elsewhere if that node cannot take it), named
+    `<role>-<hex>` in the run's namespace beside its stage actors (the Ray dashboard shows whose)."""
+
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
-    return ray.remote(cls).options(num_cpus=0, max_restarts=0, scheduling_strategy=here).remote(*args)
+    named = helper_options(run_name, role)
+    return ray.remote(cls).options(num_cpus=0, max_restarts=0, scheduling_strategy=here, **named).remote(*args)
+
+
+def helper_options(run_name: str, role: str) -> dict[str, str]:
+    """A helper actor's name and namespace: `<role>-<hex>` beside the run's stage actors."""
+    import uuid
+
+    return {"name": f"{role}-{uuid.uuid4().hex[:6]}", "namespace": f"raypipe-{run_name}"}

@@ -141,10 +141,20 @@ def make_plan(
     partition: str = "uniform",
     shard_plan: Sequence[Sequence[int]] | None = None,
     parameter_counts: Sequence[int] | None = None,
+    chunks: int = 1,
+    schedule: str = "",
 ) -> Plan:
-    """The plan a config asks for: the explicit one, or one computed by `partition`."""
+    """The plan a config asks for: the explicit one, or one computed by `partition`. `num_stages`
+    counts virtual stages: pp x `chunks` (the model chunks each actor holds under `schedule`)."""
     if shard_plan is not None:
         return check_plan(shard_plan, num_layers, num_stages)
+    if num_layers < num_stages and chunks > 1:
+        pp = num_stages // chunks
+        raise ConfigError(
+            f"TrainConfig.pp={pp} is invalid with schedule={schedule!r}: it gives each stage {chunks} model chunks, "
+            f"{num_stages} in all, but the model has only {num_layers} layers. Use pp <= {num_layers // chunks}, or "
+            f"a schedule of one chunk per stage (1f1b, gpipe, zb-h1)."
+        )
     if num_layers < num_stages:
         raise ConfigError(
             f"TrainConfig.pp={num_stages} is invalid: the model has only {num_layers} layers; use pp <= {num_layers}."
@@ -201,6 +211,8 @@ def first_plan(specs: Sequence[Any], config: Any, has_sample: bool) -> tuple[Pla
         "uniform" if profiled else config.partition,
         config.shard_plan,
         counts,
+        config.num_chunks(),
+        config.schedule,
     )
     tp_splits = check_tensor_parallel(specs, config.tp)
     check_expert_parallel(specs, config.ep)
