@@ -185,3 +185,12 @@ def test_a_job_user_meets_each_error_with_its_file_field_value_and_fix(tmp_path)
         find_valid(tmp_path / "ck", step=40)
     with pytest.raises(ConfigError, match=r"pp=4 is invalid with schedule='dualpipe-v': .* 8 in all, .* 7 layers"):
         Trainer(MLP7, nn.functional.mse_loss, TrainConfig(pp=4, schedule="dualpipe-v", microbatches=8))
+
+
+def test_a_kind_no_node_has_fails_fast_naming_the_fallback(ray_session):
+    """Issue 60: `devices: cuda` on a CPU-only cluster with no autoscaler launching nodes fails in
+    seconds, not after the whole actor_start_timeout, and says how to try it on the CPU."""
+    started = time.monotonic()
+    with pytest.raises(PlacementError, match=r"no node can ever hold .*'cuda'.*allow_cpu_fallback=True"):
+        Trainer(MLP7, nn.functional.mse_loss, TrainConfig(pp=2, devices="cuda", actor_start_timeout=120))
+    assert time.monotonic() - started < 40

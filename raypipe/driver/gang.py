@@ -67,7 +67,7 @@ def reserve(
         bundle_label_selector=selectors if any(selectors) else None,
     )
     try:
-        ready, _ = ray.wait([group.ready()], timeout=timeout)
+        ready = _wait(group, bundles, timeout)
     except BaseException:  # Ctrl-C or SIGTERM while waiting: a pending group would take the resources later
         remove_placement_group(group)
         raise
@@ -84,6 +84,11 @@ def reserve(
         nodes = sum(1 for node in ray.nodes() if node.get("Alive"))
         if nowhere:
             why = f"no node can ever hold {'; '.join(nowhere[:6])}"
+            if any(kind in ask for ask in nowhere for kind in ("'cuda'", "'rocm'", "'mps'")):
+                why += (
+                    " (to try a cuda, rocm or mps stage on a CPU node, as tests and demos do: "
+                    "TrainConfig(allow_cpu_fallback=True))"
+                )
         elif strategy == "strict_spread" and len(bundles) > nodes:
             why = f"strict_spread puts each of the {len(bundles)} actors on a node of its own, and {nodes} are alive"
         else:
@@ -123,6 +128,40 @@ def enclosing(bundles: Sequence[tuple[dict[str, float], dict[str, str]]]) -> Any
             f"Reserve them with the trial: tune.with_resources(train_fn, raypipe.tune.resources(config))."
         )
     return group
+
+
+GRACE_S = 10.0  # how long a request no node can hold waits for an autoscaler to start launching one
+
+
+def _wait(group: Any, bundles: Sequence[tuple[dict[str, float], dict[str, str]]], timeout: float) -> bool:
+    """Whether the group was reserved within `timeout`; False sooner, after `GRACE_S`, when some
+    bundle fits no node alive and no autoscaler launches one (nothing will change)."""
+    import time
+
+    started = time.monotonic()
+    while True:
+        left = timeout - (time.monotonic() - started)
+        ready, _ = ray.wait([group.ready()], timeout=max(0.0, min(1.0, left)))
+        if ready:
+            return True
+        if left <= 1.0:
+            return False
+        waited = time.monotonic() - started
+        if waited >= GRACE_S and not _launching() and not all(_fits_some_node(b, s) for b, s in bundles):
+            return False
+
+
+def _launching() -> bool:
+    """Whether the cluster's autoscaler is launching nodes (its status, which Ray's monitor keeps)."""
+    import json
+
+    try:
+        from ray.experimental.internal_kv import _internal_kv_get
+
+        report = json.loads(_internal_kv_get("__autoscaling_status") or b"{}").get("autoscaler_report") or {}
+    except Exception:  # noqa: BLE001 - no status to read: assume it may launch, as before
+        return True
+    return bool(report.get("pending_launches") or report.get("pending_nodes"))
 
 
 def _fits_some_node(resources: dict[str, float], selector: dict[str, str]) -> bool:
