@@ -47,5 +47,20 @@ def test_notebook_runs_and_reruns_in_one_kernel(tmp_path, monkeypatch):
     assert "<svg" in texts[timeline] and "stage1-dp0-tp0" in texts[timeline]
     actors = next(i for i in code if "list_actors" in nb.cells[i].source)
     assert "live stage actors: ['stage0-dp0-tp0', 'stage1-dp0-tp0']" in texts[actors]  # after the re-run too
-    assert re.search(r"saved runs/notebook/[0-9a-f]{8}/step-00000050", texts[actors - 1]), texts[actors - 1]
+    saving = next(i for i in code if "trainer.save(" in nb.cells[i].source)
+    assert re.search(r"saved runs/notebook/[0-9a-f]{8}/step-00000050", texts[saving]), texts[saving]
     assert "shut down)" in texts[code[-1]]
+    # what a person does by hand: one step's metrics, a held-out loss, where the step's time went,
+    # the stages, a sample, a checkpoint loaded back (weights and step as saved)
+    one = next(i for i in code if "trainer.step(*batches(0))" in nb.cells[i].source)
+    assert "'loss':" in texts[one] and "'tokens_per_s':" in texts[one] and "'bubble':" in texts[one]
+    held = next(i for i in code if "trainer.evaluate(" in nb.cells[i].source)
+    assert re.search(r"held-out loss \d+\.\d+ at step 30", texts[held]), texts[held]
+    assert "busiest actor's actions" in texts[timeline]
+    stages = next(i for i in code if "stage_info()" in nb.cells[i].source)
+    assert "stage0-dp0-tp0 layers" in texts[stages] and "cpu" in texts[stages]
+    sample = next(i for i in code if "trainer.generate(" in nb.cells[i].source)
+    assert texts[sample].startswith("def ") and len(texts[sample]) > 20, texts[sample]
+    loaded = next(i for i in code if "trainer.load(" in nb.cells[i].source)
+    assert "step 50, weights as saved: True" in texts[loaded], texts[loaded]
+    assert "runs no step" not in "".join(texts.values())  # the re-run continued: never 0 steps silently

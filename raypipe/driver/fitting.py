@@ -158,6 +158,11 @@ def fit_with(
 ) -> list[dict[str, Any]]:
     """`Trainer.fit`: `fit` with its progress bar (`progress`: shown or not, or the caller's own)
     and its overlap decided (None: overlap when no `on_step` sees each step), the feed closed after."""
+    if steps <= run.step_count:  # `steps` is the count to reach: a notebook's re-run cell would train nothing
+        log(
+            f"raypipe: fit(..., {steps}) runs no step: the trainer is at step {run.step_count} already (steps is "
+            f"the step count to reach; fit(batches, {run.step_count + steps}) runs {steps} more)"
+        )
     overlap = (on_step is None if overlap is None else overlap) and group.config.engine == "p2p"
     bar = progress if isinstance(progress, Progress) else Progress(steps, run.step_count, bool(progress))
     try:
