@@ -23,6 +23,11 @@ $(STAMP): pyproject.toml constraints.txt
 	  { apt-get install -y -qq openssh-server rsync >/dev/null 2>&1 || \
 	    { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq openssh-server rsync >/dev/null 2>&1; }; }; } || \
 	  echo "note: sshd or rsync is not installed (apt-get install openssh-server rsync); the ray up test is skipped"
+	@# Prometheus (Debian's) for the test that scrapes a head through Ray's own service discovery
+	@command -v prometheus >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  { apt-get install -y -qq --no-install-recommends prometheus >/dev/null 2>&1 || \
+	    { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq --no-install-recommends prometheus >/dev/null 2>&1; }; }; } || \
+	  echo "note: prometheus is not installed (apt-get install prometheus); the Prometheus test is skipped"
 	@# Debian and Ubuntu ship Python without venv's ensurepip until python3-venv is installed
 	@test -x $(BIN)/python || $(PYTHON) -c "import venv, ensurepip" 2>/dev/null || { \
 	  echo "error: $(PYTHON) cannot make a virtual environment (no venv/ensurepip): run 'sudo apt-get install python3-venv' (Debian/Ubuntu; python3.X-venv for another version), then make again" >&2; exit 1; }

@@ -1,5 +1,7 @@
 """Per-stage timing and TensorBoard event files, read back with TensorBoard's own reader."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -7,6 +9,8 @@ from torch import nn
 from raypipe import LayerSpec, TrainConfig, Trainer
 
 from helpers import MLP7, Sleep, batch
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_tensorboard_scalars_match_the_step_metrics(ray_session, tmp_path):
@@ -92,6 +96,15 @@ def test_ray_metrics_reach_the_nodes_prometheus_endpoint(ray_session, metrics_po
     busy = series(text, "raypipe_stage_busy_fraction")
     assert len(busy) == 2 and all(0.0 < v <= 1.0 for v in busy.values())
     assert any('stage="1"' in tags and 'rank="1"' in tags for tags in busy)
+    # every series docs/watching.md names, and every one the Grafana dashboard reads, is exported so
+    from raypipe import grafana
+
+    documented = set(re.findall(r"`(ray_raypipe_\w+?)`", (ROOT / "docs" / "watching.md").read_text()))
+    exported = {n.split("{")[0] for n in text.splitlines() if n.startswith("ray_")}
+    float_inputs = {"ray_raypipe_tokens_per_second"}  # MLP7 takes no token ids: set by a language model only
+    assert documented and set(grafana.SERIES) - float_inputs <= exported
+    for name in documented - float_inputs:
+        assert re.search(rf"^{name}(_bucket|_sum|_count)?\{{", text, re.MULTILINE), name
 
 
 def test_stashed_activations_gpipe_holds_all_1f1b_at_most_p_minus_s(ray_session):

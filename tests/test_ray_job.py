@@ -36,7 +36,7 @@ def head(tmp_path_factory):
             node.wait_dashboard(timeout=120)
         except (RuntimeError, TimeoutError) as error:
             pytest.fail(str(error))
-        yield {"url": node.url, "env": env, "home": home}
+        yield {"url": node.url, "env": env, "home": home, "temp": node.temp}
     finally:
         node.stop()
 
@@ -105,6 +105,10 @@ def test_ray_job_submit_trains_and_succeeds(head, submitted):
     runs = head["home"] / "raypipe-runs"
     assert f"outputs under {runs} (a ray job's working-dir copy" in out and f"run {RUN} " in out
     assert (runs / "runs" / "ck" / "step-00000020" / "MANIFEST.json").is_file()  # the normal end's last step
+    placed = re.search(r"Grafana dashboard 'raypipe' in (\S+) ", out).group(1)  # beside Ray's own, for its Grafana
+    assert {"raypipe_grafana_dashboard.json", "train_grafana_dashboard.json"} <= {
+        p.name for p in Path(placed).iterdir()
+    }
 
 
 def test_the_jobs_losses_and_validation_reach_mlflow(submitted):
@@ -170,6 +174,7 @@ def test_a_resubmission_after_the_clone_changed_resumes_and_ray_job_stop_ends_it
         "--set", "job.steps=400", "--set", "job.sample_tokens=0", "--set", "checkpoint_dir=runs/ck",
         "--set", "checkpoint_every=1000",
     ]  # fmt: skip
+    prometheus = start_prometheus(head, submitted.work.parent)  # scraping the head as Ray's prometheus.yml says
     out = subprocess.run(command, env=head["env"], capture_output=True, text=True, timeout=120).stdout
     job_id = re.search(r"Job '(raysubmit_\w+)' submitted successfully", out).group(1)
     client = JobSubmissionClient(head["url"])
@@ -177,6 +182,10 @@ def test_a_resubmission_after_the_clone_changed_resumes_and_ray_job_stop_ends_it
     while "step   25 |" not in client.get_job_logs(job_id) and time.monotonic() < deadline:
         time.sleep(1)
     assert "resumed from" in client.get_job_logs(job_id) and "step-00000020 at step 20" in client.get_job_logs(job_id)
+    if prometheus is not None:  # while the job trains: raypipe's series over Prometheus' HTTP API
+        SCRAPED["steps"] = query_prometheus(prometheus, f'ray_raypipe_steps_total{{run="{RUN}"}}', deadline)
+        prometheus[0].terminate()
+        prometheus[0].wait(timeout=30)
     subprocess.run([RAY, "job", "stop", "--address", head["url"], job_id], env=head["env"], timeout=120)
     while client.get_job_status(job_id) not in (JobStatus.STOPPED, JobStatus.FAILED, JobStatus.SUCCEEDED):
         assert time.monotonic() < deadline + 60
@@ -186,3 +195,56 @@ def test_a_resubmission_after_the_clone_changed_resumes_and_ray_job_stop_ends_it
     stopped = re.search(r"raypipe: stopped by SIGTERM after step (\d+); saved (\S+)", logs)
     assert stopped and Path(stopped.group(2), "MANIFEST.json").is_file(), logs[-3000:]
     assert "Traceback" not in logs, logs[-3000:]
+
+
+SCRAPED: dict = {}  # what the resubmitted job's Prometheus returned (`start_prometheus`)
+
+
+def start_prometheus(head, folder):
+    """Debian's prometheus, scraping every 1 s the targets of Ray's own service-discovery file (as
+    the prometheus.yml Ray writes for the head says); None where prometheus is not installed."""
+    import socket
+
+    binary = shutil.which("prometheus")
+    if binary is None:
+        return None
+    ray_config = next(Path(head["temp"]).glob("session_*/metrics/prometheus/prometheus.yml")).read_text()
+    discovery = re.search(r"- '([^']+prom_metrics_service_discovery.json)'", ray_config).group(1)
+    config = folder / "prometheus.yml"
+    scrape = f"scrape_configs:\n- job_name: ray\n  file_sd_configs:\n  - files: ['{discovery}']\n"
+    config.write_text("global: {scrape_interval: 1s}\n" + scrape)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    flags = [
+        f"--config.file={config}",
+        f"--web.listen-address=127.0.0.1:{port}",
+        f"--storage.tsdb.path={folder / 'tsdb'}",
+    ]
+    return subprocess.Popen([binary, *flags], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), port
+
+
+def query_prometheus(prometheus, query, deadline):
+    """The value of `query` once Prometheus has it (its HTTP API), or None by `deadline`."""
+    import json
+    import time
+    import urllib.parse
+    import urllib.request
+
+    url = f"http://127.0.0.1:{prometheus[1]}/api/v1/query?{urllib.parse.urlencode({'query': query})}"
+    while time.monotonic() < deadline:
+        try:
+            result = json.loads(urllib.request.urlopen(url, timeout=5).read())["data"]["result"]
+            if result:
+                return float(result[0]["value"][1])
+        except OSError:
+            pass
+        time.sleep(1)
+    return None
+
+
+def test_a_real_prometheus_scraping_the_head_reads_raypipes_series():
+    """Issue 60: a Prometheus set up from Ray's own files reads the run's step counter."""
+    if shutil.which("prometheus") is None:
+        pytest.skip("prometheus is not installed (apt-get install prometheus; `make install` does it as root)")
+    assert SCRAPED.get("steps") is not None and SCRAPED["steps"] >= 20, SCRAPED  # resumed at 20, then trained on

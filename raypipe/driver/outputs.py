@@ -68,4 +68,11 @@ def watch_lines(run_name: str, log_dir: str | None) -> list[str]:
         pass
     if log_dir is not None:
         lines.append(f"raypipe: TensorBoard: tensorboard --logdir {log_dir}")
+    from raypipe import grafana
+
+    placed = grafana.install()  # on the head: Ray's Grafana provisioning shows it beside Ray's dashboards
+    if placed is not None:
+        lines.append(
+            f"raypipe: Grafana dashboard 'raypipe' in {placed.parent} (docs/watching.md: Prometheus and Grafana)"
+        )
     return lines
