@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -106,10 +107,14 @@ class RayHead:
             try:
                 urllib.request.urlopen(f"{self.url}/api/version", timeout=2).read()
                 return
+            except urllib.error.HTTPError as error:
+                if error.code in (401, 403):  # it answers, with token authentication only to the token
+                    return
             except OSError:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"the dashboard at {self.url} did not answer within {timeout} s")
-                time.sleep(1)
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the dashboard at {self.url} did not answer within {timeout} s")
+            time.sleep(1)
 
     def stop(self) -> None:
         self.proc.terminate()  # bash exec'd `ray start --block`, which stops the processes it started

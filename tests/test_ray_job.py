@@ -1,6 +1,7 @@
-"""A real Ray head started by `ray start`, used as on a cluster: `ray job submit` runs the
-main job, and Ray's state API (through the head's dashboard) lists its stage actors by name.
-Its relative checkpoint_dir lands outside Ray's copy of the working directory, under the runs
+"""A real Ray head started by `ray start`, used as on a cluster and set up as docs/clusters.md
+says (token authentication included): its `ray job submit` block runs as written, then jobs
+with more settings; Ray's state API (through the head's dashboard) lists the stage actors by name.
+A relative checkpoint_dir lands outside Ray's copy of the working directory, under the runs
 root, so a second submission after a file of the directory changed resumes it; `ray job stop`
 ends that one with a line naming its checkpoint and no traceback (issue 60)."""
 
@@ -21,24 +22,78 @@ ROOT = Path(__file__).resolve().parents[1]
 RUN = "ray-job-test"
 
 
+def docs_job_block() -> list[str]:
+    """The commands of docs/clusters.md's `ray job submit` block, continuation lines joined,
+    comments dropped."""
+    text = (ROOT / "docs" / "clusters.md").read_text()
+    block = next(b for b in re.findall(r"```bash\n(.*?)```", text, re.S) if "ray start --head --dash" in b)
+    return [re.sub(r"\s+#.*", "", line).strip() for line in re.sub(r"\\\n\s*", "", block).splitlines()]
+
+
+DOCS_HEAD = "ray start --head --dashboard-host=127.0.0.1"
+
+
 @pytest.fixture(scope="module")
 def head(tmp_path_factory):
-    """`ray start --head --block $(raypipe node-resources)` through bash, as cluster.yaml starts a
-    host, with the dashboard on; stopped by its own process group at the end."""
-    # a home of its own: the job's relative outputs go to ~/raypipe-runs; `ray job stop` leaves a save 30 s
+    """Set up as docs/clusters.md's block says: its token made by its own command, its
+    `export`s in the environment, then `ray start --head --block $(raypipe node-resources)` through
+    bash, as cluster.yaml starts a host, with the block's flags (and free ports); stopped by
+    its own process group at the end."""
+    # a home of its own: the token and the job's relative outputs (~/raypipe-runs); `ray job stop` leaves a save 30 s
     home = tmp_path_factory.mktemp("home")
     env = head_env(
         RAYPIPE_CACHE_DIR=str(tmp_path_factory.mktemp("cache")), HOME=str(home), RAY_JOB_STOP_WAIT_TIME_S="30"
     )
-    node = RayHead("$(raypipe node-resources)", env, tmp_path_factory.mktemp("head") / "ray-start.log", dashboard=True)
+    block = docs_job_block()
+    assert block[0] == "ray get-auth-token --generate" and DOCS_HEAD in block, block
+    made = subprocess.run(["bash", "-c", block[0]], env=env, capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0 and (home / ".ray" / "auth_token").is_file(), made.stderr[-2000:]
+    for line in block:
+        if line.startswith("export "):
+            name, value = line.removeprefix("export ").split("=", 1)
+            env[name] = value
+    assert env["RAY_AUTH_MODE"] == "token"
+    args = "$(raypipe node-resources)"
+    node = RayHead(args, env, tmp_path_factory.mktemp("head") / "ray-start.log", dashboard=True)
+    assert all(flag in node.command for flag in DOCS_HEAD.removeprefix("ray start ").split())
     try:
         try:
             node.wait_dashboard(timeout=120)
         except (RuntimeError, TimeoutError) as error:
             pytest.fail(str(error))
-        yield {"url": node.url, "env": env, "home": home, "temp": node.temp}
+        token = (home / ".ray" / "auth_token").read_text().strip()
+        yield {
+            "url": node.url,
+            "env": env,
+            "home": home,
+            "temp": node.temp,
+            "block": block,
+            "headers": {"Authorization": f"Bearer {token}"},
+        }
     finally:
         node.stop()
+
+
+def test_the_job_block_of_docs_clusters_md_runs_as_written(head):
+    """Issue 60: the block's `ray job submit` line, run by bash in the clone's root with only the
+    dashboard's port changed, trains and succeeds; without the token the same head refuses."""
+    (submit,) = [line for line in head["block"] if line.startswith("ray job submit")]
+    assert "--address http://127.0.0.1:8265 " in submit and submit.endswith("--config examples/configs/tiny.yaml")
+    command = submit.replace("http://127.0.0.1:8265", head["url"])
+    done = subprocess.run(
+        ["bash", "-c", command], cwd=ROOT, env=head["env"], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "succeeded" in done.stdout and "step   30 | loss" in done.stdout, done.stdout[-3000:]
+    assert "Traceback" not in done.stdout, done.stdout[-3000:]
+    refused = subprocess.run(
+        [RAY, "job", "list", "--address", head["url"]],
+        env={**head["env"], "HOME": str(head["home"] / "elsewhere"), "RAY_AUTH_MODE": "token"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert refused.returncode != 0 and "token" in (refused.stdout + refused.stderr).lower()
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +232,7 @@ def test_a_resubmission_after_the_clone_changed_resumes_and_ray_job_stop_ends_it
     prometheus = start_prometheus(head, submitted.work.parent)  # scraping the head as Ray's prometheus.yml says
     out = subprocess.run(command, env=head["env"], capture_output=True, text=True, timeout=120).stdout
     job_id = re.search(r"Job '(raysubmit_\w+)' submitted successfully", out).group(1)
-    client = JobSubmissionClient(head["url"])
+    client = JobSubmissionClient(head["url"], headers=head["headers"])
     deadline = time.monotonic() + 180
     while "step   25 |" not in client.get_job_logs(job_id) and time.monotonic() < deadline:
         time.sleep(1)
