@@ -49,7 +49,10 @@ INLINE_BYTES = 64 * 1024  # a part this small travels inside the answer, not thr
 class DatasetReader:
     """Reads `dataset` in order, `batch_size` rows per step, each batch `collate`d into `(x, y)`
     and cut for `dp` replicas x `microbatches` (`raypipe.data.batches.prepare`); or, with
-    `function` and no dataset, takes step k's `(x, y)` from `function(k)`."""
+    `function` and no dataset, takes step k's `(x, y)` from `function(k)`. `cpus`: the CPUs Ray
+    Data may use where the dataset sets no limit of its own (those free beside the trainer's actors):
+    its executor then neither queues tasks no CPU is left for nor asks an autoscaler for more, which
+    Ray's status would show as pending demands while training is healthy."""
 
     def __init__(
         self,
@@ -60,6 +63,7 @@ class DatasetReader:
         microbatches: int,
         loss_fn: Any,
         function: Callable[[int], tuple[Any, Any]] | None = None,
+        cpus: float | None = None,
     ) -> None:
         self.function, self.kept = function, {}  # (step, cut) -> Prepared, the newest KEPT
         self.dp, self.microbatches, self.loss_fn = dp, microbatches, loss_fn
@@ -71,6 +75,9 @@ class DatasetReader:
         context.execution_options.preserve_order = True  # the same batches in the same order, every read
         context.enable_progress_bars = False
         context.print_on_execution_start = False
+        limits = context.execution_options.resource_limits
+        if cpus is not None and limits.cpu == float("inf"):
+            context.execution_options.resource_limits = limits.copy(cpu=max(1.0, cpus))
         self.dataset, self.batch_size, self.collate = dataset, batch_size, collate or default_collate
 
     def use(self, function: Callable[[int], tuple[Any, Any]], dp: int, microbatches: int, loss_fn: Any) -> None:
@@ -95,13 +102,13 @@ class DatasetReader:
         self.kept = {}
         ray.actor.exit_actor()
 
-    def __repr__(self) -> str:  # the Ray dashboard shows it as the actor's name
+    def __repr__(self) -> str:  # the Ray dashboard and its log lines show it; Ray reads it once, as it starts
         what = (
             "a function's batches"
             if self.function is not None
             else f"a Dataset, {getattr(self, 'batch_size', '?')} rows a step"
         )
-        return f"DatasetReader({what}, at step {self.position})"
+        return f"DatasetReader({what})"
 
     def _epochs(self) -> Iterator[dict]:
         while True:

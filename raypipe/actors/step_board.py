@@ -19,8 +19,8 @@ from raypipe.protocol import RunStep, StepReport
 class StepBoard:
     """The steps of the current run, kept until the driver has taken them."""
 
-    def __repr__(self) -> str:  # the Ray dashboard shows it as the actor's name
-        return f"StepBoard(run call {self.run}, {len(getattr(self, 'calls', []))} actors reporting)"
+    def __repr__(self) -> str:  # the Ray dashboard shows it; Ray reads it once, as the actor starts
+        return "StepBoard(each step's reports from the stage actors)"
 
     def __init__(self) -> None:
         self.run = -1  # the call id of the run being booked

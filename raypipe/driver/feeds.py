@@ -159,7 +159,7 @@ class DatasetFeed:
         self.reader = (
             ray.remote(DatasetReader)
             .options(num_cpus=0, max_restarts=0, **helper_options(group.run_name, "dataset-reader"))
-            .remote(dataset, batch_size, collate, c.dp, c.microbatches, group.loss_fn)
+            .remote(dataset, batch_size, collate, c.dp, c.microbatches, group.loss_fn, cpus=free)
         )
         self.group, self.asked = group, {}  # step -> ((dp, microbatches) it was cut for, its reference)
         self.timeout = c.step_timeout
