@@ -355,4 +355,5 @@ def test_the_moe_job_file_trains(ray_session, tmp_path):
     summary = run(JobConfig.from_yaml("examples/configs/moe_gpt_ep2.yaml", overrides), log=lines.append)
     assert summary["losses"][-1] < summary["losses"][0]
     assert any("val loss" in line for line in lines) and any(line.startswith("sample:") for line in lines), lines
-    assert "2 MoE blocks of 8 experts, top 2" in lines[0] and "dp=2 (ep=2)" in lines[0], lines[0]
+    summary_line = next(line for line in lines if line.startswith("raypipe: ") and "pp=" in line)
+    assert "2 MoE blocks of 8 experts, top 2" in summary_line and "dp=2 (ep=2)" in summary_line, summary_line
