@@ -19,7 +19,7 @@ short still says what it found:
 
 A part that cannot run here records `skipped` with the reason; one that failed, `error` with
 the end of its output. `--device cpu --tiny` runs every part small on the CPU (the suite does:
-tests/test_gpu_check.py), so the script cannot rot before a GPU is lent.
+tests/tooling/test_gpu_check.py), so the script cannot rot before a GPU is lent.
 
     make gpu-check                                         # on the GPU machine (docs/testing.md)
     python benchmarks/gpu_check.py --device cpu --tiny --out /tmp/gc
@@ -125,7 +125,7 @@ def part_command(part: str, device: str, tiny: bool, work: Path) -> list[str] | 
     """The command running `part`, or why it cannot run here."""
     py = sys.executable
     if part == "pytest_gpu":
-        return [py, "-m", "pytest", "-m", "gpu", "-q", "-rs", "-p", "no:cacheprovider", "tests/test_gpu.py"]
+        return [py, "-m", "pytest", "-m", "gpu", "-q", "-rs", "-p", "no:cacheprovider", "tests/parity/test_gpu.py"]
     if part == "gpt":
         small = ["--size", "tiny", "--rounds", "1", "--steps", "2"] if tiny else ["--rounds", "2", "--steps", "5"]
         return [py, str(HERE / "gpt_gpu.py"), "--device", device, *small]

@@ -27,9 +27,8 @@ from ray.cluster_utils import Cluster
 
 from raypipe import LayerSpec, TrainConfig, Trainer
 from raypipe.devices import LABEL_KIND
+from raypipe.models.simulated import SimulatedCompute
 from raypipe.planning.profiling import pipeline_seconds
-
-from simulated import SimulatedCompute
 
 MS = [5, 5, 10, 10, 20, 20, 10, 10]  # forward (= backward) time of each layer on the fast kind
 SLOWDOWN = {"rocm": 2.0}

@@ -45,8 +45,8 @@ MUTATIONS = [
         "return min(num_stages - stage - 1 + extra, num_microbatches)",
         "return min(num_stages - stage + extra, num_microbatches)",
         (
-            "tests/test_schedules.py",
-            "tests/test_metrics.py::test_stashed_activations_gpipe_holds_all_1f1b_at_most_p_minus_s",
+            "tests/units/test_schedules.py",
+            "tests/interfaces/test_metrics.py::test_stashed_activations_gpipe_holds_all_1f1b_at_most_p_minus_s",
         ),
         "1F1B runs one warm-up forward too many (holds p - s + 1 microbatches)",
     ),
@@ -55,7 +55,7 @@ MUTATIONS = [
         "raypipe/transport/collective.py",
         "    flat.div_(size)\n",
         "",
-        ("tests/test_data_parallel.py",),
+        ("tests/parity/test_data_parallel.py",),
         "the dp all-reduce sums instead of averaging",
     ),
     Mutation(
@@ -63,7 +63,7 @@ MUTATIONS = [
         "raypipe/transport/collective.py",
         "    for bucket in bucket_plan(tensors, bucket_bytes):",
         "    for bucket in bucket_plan(tensors, bucket_bytes)[:-1]:",
-        ("tests/test_dp_buckets.py",),
+        ("tests/parity/test_dp_buckets.py",),
         "the last gradient bucket is never reduced",
     ),
     Mutation(
@@ -71,7 +71,7 @@ MUTATIONS = [
         "raypipe/actors/optimizer.py",
         "        if not skipped and self.zero_active():\n            self.broadcast_owned()\n",
         "",
-        ("tests/test_data_parallel.py",),
+        ("tests/parity/test_data_parallel.py",),
         "ZeRO-1 replicas never receive the shares the others stepped",
     ),
     Mutation(
@@ -79,7 +79,7 @@ MUTATIONS = [
         "raypipe/checkpoint/layout.py",
         "if contents and sha256_file(file) != sha:",
         "if False:",
-        ("tests/test_checkpoint.py",),
+        ("tests/recovery/test_checkpoint.py",),
         "a checkpoint's checksums are not verified on load (by the actors, or anywhere)",
     ),
     Mutation(
@@ -87,7 +87,7 @@ MUTATIONS = [
         "raypipe/actors/optimizer.py",
         "            torch._foreach_div_(grads, self.scaler.scale)\n",
         "            pass\n",
-        ("tests/test_precision.py",),
+        ("tests/parity/test_precision.py",),
         "fp16 gradients are never unscaled",
     ),
     Mutation(
@@ -95,7 +95,7 @@ MUTATIONS = [
         "raypipe/actors/executor.py",
         "dtype = AUTOCAST_DTYPES.get(self.settings.precision)\n        if dtype is None:",
         "dtype = AUTOCAST_DTYPES.get(self.settings.precision)\n        if dtype is None or dtype == torch.bfloat16:",
-        ("tests/test_precision.py",),
+        ("tests/parity/test_precision.py",),
         "bf16 autocast silently off",
     ),
     Mutation(
@@ -103,7 +103,7 @@ MUTATIONS = [
         "raypipe/optim.py",
         "        return base_lr * (step + 1) / warmup\n",
         "        return base_lr\n",
-        ("tests/test_metrics.py::test_learning_rate_of_every_step_reaches_the_optimizer_and_tensorboard",),
+        ("tests/interfaces/test_metrics.py::test_learning_rate_of_every_step_reaches_the_optimizer_and_tensorboard",),
         "learning-rate warm-up ignored",
     ),
     Mutation(
@@ -111,7 +111,7 @@ MUTATIONS = [
         "raypipe/actors/executor.py",
         "if self.settings.activation_checkpointing and torch.is_grad_enabled():",
         "if False and self.settings.activation_checkpointing:",
-        ("tests/test_parity.py::test_activation_checkpointing_recomputes_and_changes_nothing_numerically",),
+        ("tests/parity/test_parity.py::test_activation_checkpointing_recomputes_and_changes_nothing_numerically",),
         "activation_checkpointing=True does nothing",
     ),
     Mutation(
@@ -119,7 +119,7 @@ MUTATIONS = [
         "raypipe/actors/optimizer.py",
         "            dist.all_reduce(param.grad, group=group)\n",
         "            pass\n",
-        ("tests/test_hf.py::test_training_matches_transformers_in_one_process",),
+        ("tests/parity/test_hf.py::test_training_matches_transformers_in_one_process",),
         "a weight tied across stages (GPT-2's head) never gets the other holder's gradient",
     ),
     Mutation(
@@ -127,7 +127,7 @@ MUTATIONS = [
         "raypipe/data/batches.py",
         '    count = getattr(loss_fn, "count", None)\n',
         "    count = None\n",
-        ("tests/test_hf.py::test_training_matches_transformers_in_one_process",),
+        ("tests/parity/test_hf.py::test_training_matches_transformers_in_one_process",),
         "microbatches weigh the same whatever tokens their labels ignore",
     ),
     Mutation(
@@ -135,7 +135,7 @@ MUTATIONS = [
         "raypipe/actors/optimizer.py",
         "                master.grad = None if p.grad is None else p.grad.float()\n",
         "                master.grad = None if p.grad is None else p.grad.float()\n                master.copy_(p)\n",
-        ("tests/test_hf.py::test_bf16_weights_train_through_fp32_master_copies",),
+        ("tests/parity/test_hf.py::test_bf16_weights_train_through_fp32_master_copies",),
         "bf16 weights' masters are reset to the rounded weights every step (no fp32 accumulation)",
     ),
     Mutation(
@@ -143,7 +143,7 @@ MUTATIONS = [
         "raypipe/actors/executor.py",
         "if torch.is_tensor(o) and o.requires_grad and g is not None\n        ]\n",
         "if torch.is_tensor(o) and o.requires_grad and g is not None\n        ][:1]\n",
-        ("tests/test_pytree_boundaries.py",),
+        ("tests/parity/test_pytree_boundaries.py",),
         "only the first tensor of a pytree boundary gets its gradient back",
     ),
     Mutation(
@@ -151,7 +151,7 @@ MUTATIONS = [
         "raypipe/actors/split_backward.py",
         "        stage_backward_weight(iter(weights), deferred.groups)\n",
         "        pass\n",
-        ("tests/test_zero_bubble.py::test_parity_with_one_process",),
+        ("tests/parity/test_zero_bubble.py::test_parity_with_one_process",),
         "a split backward's W computes no weight gradients (only the first stage's whole backward runs)",
     ),
     Mutation(
@@ -159,7 +159,7 @@ MUTATIONS = [
         "raypipe/schedules/interleaved.py",
         "            chunk = v - 1 - chunk\n",
         "            pass\n",
-        ("tests/test_schedules.py",),
+        ("tests/units/test_schedules.py",),
         "interleaved 1F1B walks the chunks forward in its backwards too",
     ),
     Mutation(
@@ -167,7 +167,7 @@ MUTATIONS = [
         "raypipe/actors/step_list.py",
         '                handed[("F", v + 1, m)] = out\n',
         '                handed[("F", v + 1, m)] = x\n',
-        ("tests/test_zero_bubble.py::test_parity_with_one_process",),
+        ("tests/parity/test_zero_bubble.py::test_parity_with_one_process",),
         "at the turn of a V the next chunk gets the chunk's input instead of its output",
     ),
     Mutation(
@@ -177,7 +177,7 @@ MUTATIONS = [
         "        gate = gates.t().reshape(-1)\n",
         "        expert = chosen.reshape(-1)\n        token = torch.arange(n, device=x.device).repeat_interleave(self.top_k)\n"  # noqa: E501
         "        gate = gates.reshape(-1)\n",
-        ("tests/test_moe.py::test_capacity_keeps_first_choices_first_and_counts_drops",),
+        ("tests/parity/test_moe.py::test_capacity_keeps_first_choices_first_and_counts_drops",),
         "capacity keeps a token's second choice before later tokens' first choices",
     ),
     Mutation(
@@ -185,7 +185,7 @@ MUTATIONS = [
         "raypipe/actors/optimizer.py",
         "                torch._foreach_div_(grads, self.dp_size)\n",
         "                pass\n",
-        ("tests/test_moe.py::test_parity_with_the_one_process_model",),
+        ("tests/parity/test_moe.py::test_parity_with_the_one_process_model",),
         "expert gradients (summed over the ep group's tokens) are not divided by dp when ep = dp",
     ),
     Mutation(
@@ -193,7 +193,7 @@ MUTATIONS = [
         "raypipe/actors/optimizer.py",
         "all_reduce_mean(grads, self.expert_group, self.dp_size, self.settings.dp_bucket_bytes)",
         "all_reduce_mean(grads, self.expert_group, len(self.expert_ranks), self.settings.dp_bucket_bytes)",
-        ("tests/test_moe.py::test_parity_with_the_one_process_model",),
+        ("tests/parity/test_moe.py::test_parity_with_the_one_process_model",),
         "expert gradients averaged over their holders instead of divided by dp (too large by ep)",
     ),
     Mutation(
@@ -201,7 +201,7 @@ MUTATIONS = [
         "raypipe/actors/optimizer.py",
         "(experts if self.dp_rank < self.ep_size else [])",
         "(experts if self.dp_rank == 0 else [])",
-        ("tests/test_moe.py::test_parity_with_the_one_process_model",),
+        ("tests/parity/test_moe.py::test_parity_with_the_one_process_model",),
         "the global gradient norm counts only replica 0's experts",
     ),
     Mutation(
@@ -209,7 +209,7 @@ MUTATIONS = [
         "raypipe/nn/moe.py",
         "        return _exchange(grad, ctx.recv, ctx.send, ctx.group), None, None, None",
         "        return _exchange(grad, ctx.recv, ctx.send, ctx.group) * 0, None, None, None",
-        ("tests/test_moe.py::test_parity_with_the_one_process_model",),
+        ("tests/parity/test_moe.py::test_parity_with_the_one_process_model",),
         "tokens' gradients never come back from their experts (all-to-all backward drops them)",
     ),
     Mutation(
@@ -217,7 +217,7 @@ MUTATIONS = [
         "raypipe/driver/placement.py",
         "            gang.reserve(\n",
         "            None and gang.reserve(\n",
-        ("tests/test_gang.py::test_a_waiting_trainer_holds_nothing_and_strict_spread_needs_a_node_per_actor",),
+        ("tests/cluster/test_gang.py::test_a_waiting_trainer_holds_nothing_and_strict_spread_needs_a_node_per_actor",),
         "actors are started one by one outside their reserved group (a trainer can hold half a cluster)",
     ),
     Mutation(
@@ -225,7 +225,7 @@ MUTATIONS = [
         "raypipe/checkpoint/files.py",
         "    if path.suffix == LEGACY:\n        return torch.load",
         "    if True:\n        return torch.load",
-        ("tests/test_checkpoint.py::test_loading_unpickles_nothing_and_pickle_checkpoints_still_load",),
+        ("tests/recovery/test_checkpoint.py::test_loading_unpickles_nothing_and_pickle_checkpoints_still_load",),
         "checkpoint tensors are read through torch.load (unpickling)",
     ),
     Mutation(
@@ -233,7 +233,7 @@ MUTATIONS = [
         "raypipe/actors/reader.py",
         "        if self.rows is None or step < self.position:\n",
         "        if self.rows is None:\n",
-        ("tests/test_ray_data.py::test_a_stage_death_replays_the_same_batches",),
+        ("tests/interfaces/test_ray_data.py::test_a_stage_death_replays_the_same_batches",),
         "the dataset reader does not go back for the steps a recovery replays",
     ),
     Mutation(
@@ -241,7 +241,7 @@ MUTATIONS = [
         "raypipe/driver/fitting.py",
         "feed.kept_from(restored if group.config.max_restarts else run.step_count)",
         "feed.kept_from(run.step_count)",
-        ("tests/test_ray_data.py::test_a_stage_death_replays_the_same_batches",),
+        ("tests/interfaces/test_ray_data.py::test_a_stage_death_replays_the_same_batches",),
         "an iterable's batches since the last checkpoint are dropped, so a recovery cannot replay them",
     ),
     Mutation(
@@ -249,7 +249,7 @@ MUTATIONS = [
         "raypipe/checkpoint/tidy.py",
         "if manifest is None and step_of(p) < step_of(newest)]",
         "if step_of(p) < step_of(newest)]",
-        ("tests/test_object_storage.py",),
+        ("tests/recovery/test_object_storage.py",),
         "pruning an object store also deletes complete checkpoints older than the newest",
     ),
     Mutation(
@@ -257,7 +257,7 @@ MUTATIONS = [
         "raypipe/driver/fitting.py",
         "    run.loggers.log(run.step_count, scalars(metrics))\n    return metrics",
         "    run.loggers.log(run.step_count - 1, scalars(metrics))\n    return metrics",
-        ("tests/test_loggers.py",),
+        ("tests/interfaces/test_loggers.py",),
         "the loggers record each step's scalars one step early",
     ),
     Mutation(
@@ -265,7 +265,7 @@ MUTATIONS = [
         "raypipe/transport/stream.py",
         "        message[:FLAG_BYTES].view(torch.int64).fill_(POISON)\n        self._post(message, tag)\n",
         "        message[:FLAG_BYTES].view(torch.int64).fill_(POISON)\n",
-        ("tests/test_device_links.py::test_a_failed_step_leaves_every_stream_in_step",),
+        ("tests/parity/test_device_links.py::test_a_failed_step_leaves_every_stream_in_step",),
         "a failed stage's stream (NCCL's or gloo's) skips its poison, so the receiver takes the next "
         "message in its place",
     ),
@@ -274,7 +274,7 @@ MUTATIONS = [
         "raypipe/driver/links.py",
         'return "nccl" if all(cuda) and not shares_gpu(infos, [a, b]) else None',
         'return "nccl" if all(cuda) else None',
-        ("tests/test_device_links.py",),
+        ("tests/parity/test_device_links.py",),
         "two stages sharing a GPU are linked over NCCL, which refuses two ranks on one device",
     ),
 ]

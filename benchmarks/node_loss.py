@@ -6,7 +6,7 @@ every process of the node holding the mps stage after step 5 and times until a s
 on the spare mps node; then a new mps node is started so the next round has a spare again.
 
 `--case shrink` (issue 38, `TrainConfig.elastic`): no spare. Each round runs
-`tests/test_elastic.py`'s two runs, pp = 3 (cpu, mps, mps) and pp 2 x dp 2 on all four nodes,
+`tests/recovery/test_elastic.py`'s two runs, pp = 3 (cpu, mps, mps) and pp 2 x dp 2 on all four nodes,
 kills a node after step 3 and times until a step completes on the shrunk topology (pp = 2,
 dp = 1); the node restarted, each grows back at its next checkpoint. `--replace-wait`: the
 seconds each waits for a replacement first (part of the time measured). The pp run restores its

@@ -29,8 +29,7 @@ import ray
 import torch
 
 from raypipe import LayerSpec, TrainConfig, Trainer
-
-from simulated import SimulatedCompute
+from raypipe.models.simulated import SimulatedCompute
 
 P = 4
 

@@ -66,8 +66,7 @@ def _free_port() -> int:
 def layers(t: float, classic: bool) -> list:
     """The model: p layers of (t, t) for the classic rows, else 2p of (t/2, t/2, weight t/2)."""
     from raypipe import LayerSpec
-
-    from simulated import SimulatedCompute
+    from raypipe.models.simulated import SimulatedCompute
 
     if classic:
         return [LayerSpec(SimulatedCompute, t, t) for _ in range(P)]

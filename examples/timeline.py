@@ -12,15 +12,12 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import sys
 from pathlib import Path
 
 import torch
 
 from raypipe import LayerSpec, TrainConfig, Trainer
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
-from simulated import SimulatedCompute  # noqa: E402 - layers of a set compute time
+from raypipe.models.simulated import SimulatedCompute  # layers of a set compute time
 
 
 def main() -> None:

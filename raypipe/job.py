@@ -27,8 +27,8 @@ from raypipe.data import TokenDataset, stdlib_corpus
 from raypipe.driver import fitting, outputs
 from raypipe.errors import ConfigError, RaypipeError
 from raypipe.models.registry import JobModel, job_model
+from raypipe.observability.progress import Progress
 from raypipe.planning.partition import is_profiled
-from raypipe.progress import Progress
 
 DATA_SOURCES = ("stdlib", "bin", "text", "sft")
 DATA_READERS = ("auto", "driver", "ray_data")

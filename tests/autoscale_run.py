@@ -1,4 +1,4 @@
-"""Run by tests/test_autoscaling.py in its own process: Ray's fake multi-node autoscaler with the
+"""Run by tests/cluster/test_autoscaling.py in its own process: Ray's fake multi-node autoscaler with the
 node types of examples/clusters/aws-nvidia-amd.yaml, and a pipeline needing a cuda and a rocm
 stage. Starts `RAY_FAKE_CLUSTER=1 ray start --head --block --autoscaling-config=...` on free
 ports, trains one step, reports which node types came up, and stops every process it started

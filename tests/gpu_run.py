@@ -1,4 +1,4 @@
-"""Run by tests/test_gpu.py on a machine with a GPU, in its own process and its own local Ray
+"""Run by tests/parity/test_gpu.py on a machine with a GPU, in its own process and its own local Ray
 (which advertises the GPU as `raypipe node-resources` would), against one process on the CPU.
 Prints one JSON object.
 

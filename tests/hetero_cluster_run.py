@@ -1,4 +1,4 @@
-"""Run by tests/test_placement.py in its own process: a `ray.cluster_utils.Cluster` of fake
+"""Run by tests/cluster/test_placement.py in its own process: a `ray.cluster_utils.Cluster` of fake
 nodes that advertise cuda, rocm and mps (resources and labels, as `raypipe node-resources`
 prints them), and raypipe placing one stage on each. Prints one JSON object."""
 
@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))  # simulated.py
 
 import ray  # noqa: E402
 import torch  # noqa: E402
@@ -17,9 +16,9 @@ from torch import nn  # noqa: E402
 
 from raypipe import LayerSpec, PlacementError, StageError, TrainConfig, Trainer  # noqa: E402
 from raypipe.devices import LABEL_KIND  # noqa: E402
+from raypipe.models.simulated import SimulatedCompute  # noqa: E402
 
 from helpers import MLP7, batch, reference_run  # noqa: E402
-from simulated import SimulatedCompute  # noqa: E402
 
 SEED, SGD = 5, {"name": "sgd", "lr": 0.05, "momentum": 0.9}
 

@@ -7,7 +7,7 @@ inputs' (torch.distributed.pipelining's `stage_backward_input`); W then back-pro
 those nodes to the weights alone (`stage_backward_weight`). Nothing is computed twice, and
 what stays alive between I and W is the part of the autograd graph the weight gradients
 need. torch keeps these two functions in a private module (`_backward`); raypipe pins torch,
-and `tests/test_zero_bubble.py` checks them against a whole backward on every schedule.
+and `tests/parity/test_zero_bubble.py` checks them against a whole backward on every schedule.
 
 Some cases do not split: a stage whose inputs need no gradient (the first stage: token ids)
 runs its whole backward at W, since nothing waits for its I; a stage with no trainable

@@ -8,7 +8,7 @@ partitioned for those times (`plan_from_profiles`: per virtual stage, memory che
 predicted by running its action lists with the measured durations (`raypipe.schedules.timed`),
 plus a fixed engine cost per action. The cheapest candidate wins; every candidate and why the
 others lost is printed. The prediction is compared with measured steps in
-`tests/test_zero_bubble.py`.
+`tests/parity/test_zero_bubble.py`.
 
 Once the trainer has measured the links between its stages (`raypipe.driver.link_probe`), it
 ranks the candidates again from the same profiles with every boundary message timed on its link

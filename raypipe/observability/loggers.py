@@ -1,0 +1,333 @@
+"""Experiment loggers: the same scalars of every step to TensorBoard, MLflow and Weights & Biases.
+
+`TrainConfig.loggers` names them (`["tensorboard", "mlflow", "wandb"]`, each optionally with
+its options, `{"mlflow": {"tracking_uri": "sqlite:///runs.db"}}`). The driver records each
+step's metrics, as `scalars` flattens them, and anything passed to `Trainer.log` (the job's
+validation loss); each logger opens its run at the first record, with the run name and the
+configuration, and closes it when the trainer shuts down.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from raypipe.checks import fail, nearest
+
+# name -> (module it imports, the raypipe-train extra that installs it, the options it takes)
+LOGGERS: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "tensorboard": ("tensorboard", "tensorboard", ("log_dir",)),
+    "mlflow": ("mlflow", "mlflow", ("tracking_uri", "experiment")),
+    "wandb": ("wandb", "wandb", ("project", "entity", "mode", "dir", "tags")),
+}
+
+
+def check_loggers(value: Any) -> list[str | dict[str, dict[str, Any]]]:
+    """`TrainConfig.loggers`, checked: a list of logger names or one-key mappings `{name: options}`.
+
+    Raises ConfigError for an unknown name or option, a repeated logger, or a logger whose
+    package is not installed (naming the extra that installs it).
+    """
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        raise fail(
+            "loggers",
+            value,
+            f"give a list of logger names, from {', '.join(LOGGERS)} (e.g. ['tensorboard', 'mlflow']), or [] for none.",
+        )
+    seen, result = set(), []
+    for entry in value:
+        name, options = _entry(entry)
+        if name not in LOGGERS:
+            hint = nearest(name, tuple(LOGGERS)) if isinstance(name, str) else ""
+            raise fail("loggers", value, f"{name!r} is not a logger: choose from {', '.join(LOGGERS)}.{hint}")
+        if name in seen:
+            raise fail("loggers", value, f"{name!r} is listed twice: list each logger once.")
+        seen.add(name)
+        module, extra, allowed = LOGGERS[name]
+        unknown = sorted(set(options) - set(allowed))
+        if unknown:
+            raise fail("loggers", value, f"{name} takes the options {', '.join(allowed)}, not {', '.join(unknown)}.")
+        if importlib.util.find_spec(module) is None:
+            raise fail(
+                "loggers",
+                value,
+                f"the {name} logger needs the {module} package, which is not installed: "
+                f"pip install 'raypipe-train[{extra}]' (or leave {name} out).",
+            )
+        result.append({name: dict(options)} if options else name)
+    return result
+
+
+def _entry(entry: Any) -> tuple[Any, dict[str, Any]]:
+    if isinstance(entry, Mapping) and len(entry) == 1:
+        ((name, options),) = entry.items()
+        if options is None or isinstance(options, Mapping):
+            return name, dict(options or {})
+    if isinstance(entry, str):
+        return entry, {}
+    raise fail("loggers", entry, "give each logger as its name, or as {name: {option: value}}.")
+
+
+def scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """A step's metrics (`raypipe.observability.metrics.step_metrics`) as flat scalar tags, the same for every logger.
+
+    Tags: train/loss, train/lr, train/grad_norm, train/tokens_per_s (or train/samples_per_s),
+    train/step_time, train/pp and train/dp (the topology the step ran on: an elastic run's
+    changes), and per stage stage{s}/forward_s, stage{s}/backward_s,
+    stage{s}/bubble_fraction, stage{s}/peak_memory_bytes and its split stage{s}/memory_{part}_bytes
+    (part: parameters, gradients, optimizer_state, activations, other), stage{s}/peak_stashed_microbatches (kept
+    for backward), stage{s}/peak_awaiting_weight_grad (split backwards: between input and weight
+    gradient), stage{s}/sent_bytes (activations and gradients sent to the neighbouring stages) and,
+    when measured, stage{s}/peak_stashed_bytes. A model with MoE layers adds stage{s}/all_to_all_s
+    and stage{s}/all_to_all_bytes, and per MoE layer (keyed by its global layer index)
+    moe/layer{l}/expert{e}_tokens and moe/layer{l}/dropped_tokens. Under fp16, train/loss_scale.
+    """
+    rate = "tokens_per_s" if "tokens_per_s" in metrics else "samples_per_s"
+    tags = {
+        f"train/{key}": float(metrics[key])
+        for key in ("loss", "lr", "grad_norm", rate, "step_time", "loss_scale", "pp", "dp")
+        if key in metrics
+    }
+    for s, stage in enumerate(metrics.get("stages", [])):
+        for key, tag in (
+            ("forward_s", "forward_s"),
+            ("backward_s", "backward_s"),
+            ("bubble", "bubble_fraction"),
+            ("peak_memory_bytes", "peak_memory_bytes"),
+            ("peak_stashed_microbatches", None),
+            ("peak_awaiting_weight_grad", None),
+            ("sent_bytes", None),
+            ("peak_stashed_bytes", None),
+            ("all_to_all_s", None),
+            ("all_to_all_bytes", None),
+        ):
+            if key in stage:
+                tags[f"stage{s}/{tag or key}"] = float(stage[key])
+        for part, value in stage.get("memory", {}).items():
+            if part != "peak":
+                tags[f"stage{s}/memory_{part}_bytes"] = float(value)
+        for layer, routed in stage.get("experts", {}).items():
+            for e, count in enumerate(routed["routed"]):
+                tags[f"moe/layer{layer}/expert{e}_tokens"] = float(count)
+            tags[f"moe/layer{layer}/dropped_tokens"] = float(routed["dropped"])
+    return tags
+
+
+def run_params(config: Any, run_name: str, plan: Any) -> dict[str, Any]:
+    """What a logger records once about the run: the TrainConfig's fields, the run name and the split."""
+    from raypipe import __version__
+
+    return {**config.to_dict(), "run_name": run_name, "plan": [list(p) for p in plan], "raypipe_version": __version__}
+
+
+def flat(params: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    """Nested parameters as `a.b` keys with string values, for stores that keep flat strings (MLflow)."""
+    out: dict[str, str] = {}
+    for key, value in params.items():
+        if isinstance(value, Mapping) and value:
+            out.update(flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = str(value)
+    return out
+
+
+class TensorBoardLogger:
+    """Writes the scalars as TensorBoard events under `log_dir`."""
+
+    def __init__(self, run_name: str, params: dict[str, Any], log_dir: str) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=log_dir)
+
+    def log(self, step: int, values: Mapping[str, float]) -> None:
+        for tag, value in values.items():
+            self.writer.add_scalar(tag, value, step)
+
+    def close(self, status: str = "FINISHED") -> None:
+        self.writer.flush()
+        self.writer.close()
+
+
+class MLflowLogger:
+    """Logs to an MLflow run: the active run of the process when there is one (so a script's own
+    `mlflow.start_run()` holds the training), else a new run named after the trainer in
+    `experiment`, ended when the trainer shuts down. `tracking_uri` defaults to MLflow's own
+    (`MLFLOW_TRACKING_URI`). Steps are written by MLflow's async logging thread, off the training
+    loop's path (`benchmarks/loggers.py`), and waited for when the trainer shuts down."""
+
+    def __init__(
+        self, run_name: str, params: dict[str, Any], tracking_uri: str | None = None, experiment: str = "raypipe"
+    ) -> None:
+        import mlflow
+        from mlflow.entities import Param
+        from mlflow.tracking import MlflowClient
+
+        self.client = MlflowClient(tracking_uri)
+        active = mlflow.active_run()
+        self.owned = active is None or (tracking_uri is not None and tracking_uri != mlflow.get_tracking_uri())
+        if self.owned:
+            found = self.client.get_experiment_by_name(experiment)
+            experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
+            run = self.client.create_run(experiment_id, run_name=run_name, tags={"raypipe.run": run_name})
+            self.run_id = run.info.run_id
+        else:
+            self.run_id = active.info.run_id
+        self.pending: list[Any] = []
+        values = [Param(k, v[:6000]) for k, v in flat(params).items()]
+        for i in range(0, len(values), 100):  # MLflow takes at most 100 parameters per batch
+            self.client.log_batch(self.run_id, params=values[i : i + 100])
+
+    def log(self, step: int, values: Mapping[str, float]) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        metrics = [Metric(tag, value, now, step) for tag, value in values.items()]
+        for i in range(0, len(metrics), 1000):  # and at most 1000 metrics; written by MLflow's own thread
+            self.pending.append(self.client.log_batch(self.run_id, metrics=metrics[i : i + 1000], synchronous=False))
+
+    def close(self, status: str = "FINISHED") -> None:
+        pending, self.pending = self.pending, []
+        for operation in pending:  # every step is in the store before the run ends
+            operation.wait()
+        if self.owned:
+            self.client.set_terminated(self.run_id, status=status)
+
+
+class WandbLogger:
+    """Logs to a Weights & Biases run named after the trainer, in `project` ("raypipe"); `mode`
+    "offline" writes it under `dir` for `wandb sync` later. W&B keeps a run's steps increasing, so
+    the steps a recovery replays (the same values again) are not sent twice."""
+
+    def __init__(
+        self,
+        run_name: str,
+        params: dict[str, Any],
+        project: str = "raypipe",
+        entity: str | None = None,
+        mode: str | None = None,
+        dir: str | None = None,
+        tags: list[str] | None = None,
+    ) -> None:
+        import wandb
+
+        self.run = wandb.init(
+            project=project,
+            entity=entity,
+            name=run_name,
+            config=params,
+            mode=mode,
+            dir=dir,
+            tags=tags,
+            reinit="create_new",
+        )
+        self.last = 0
+
+    def log(self, step: int, values: Mapping[str, float]) -> None:
+        if step >= self.last:
+            self.run.log(dict(values), step=step)
+            self.last = step
+
+    def close(self, status: str = "FINISHED") -> None:
+        self.run.finish(exit_code=0 if status == "FINISHED" else 1)
+
+
+class Loggers:
+    """The loggers `config.loggers` names, each opened at its first record. TensorBoard writes to
+    its `log_dir` option or `config.log_dir`, and is off when neither is set (the default config)."""
+
+    KINDS = {"tensorboard": TensorBoardLogger, "mlflow": MLflowLogger, "wandb": WandbLogger}
+
+    def __init__(self, config: Any, run_name: str, params: Callable[[], dict[str, Any]]) -> None:
+        self.wanted = []
+        for entry in config.loggers:
+            name, options = _entry(entry)
+            if name == "tensorboard":
+                options.setdefault("log_dir", config.log_dir)
+                if options["log_dir"] is None:
+                    continue
+            self.wanted.append((name, options))
+        self.run_name, self.params, self.extra, self.open, self.opened = run_name, params, {}, [], False
+        self.status = "FINISHED"  # how the run ends for the loggers: FAILED or KILLED when fit did not finish
+        self.broken: set[int] = set()  # loggers that raised; reported once, then skipped
+
+    def add_params(self, params: Mapping[str, Any]) -> None:
+        """Adds to what each logger records once about the run (a job adds its model, data and job
+        settings). Before the first record: a logger's run description is written when it opens."""
+        if self.opened:
+            raise RuntimeError(
+                "Loggers.add_params: the loggers have recorded already; add parameters before "
+                "the first step or Trainer.log"
+            )
+        self.extra.update(params)
+
+    def log(self, step: int, values: Mapping[str, float]) -> None:
+        if not self.opened:
+            self.opened, params = True, {**self.params(), **self.extra}
+            for name, options in self.wanted:  # one that cannot open (its server down) is reported, not fatal
+                try:
+                    self.open.append(self.KINDS[name](self.run_name, params, **options))
+                except Exception as error:  # noqa: BLE001
+                    self._report(name, "open", error)
+        for logger in self.open:
+            self._guarded(logger, "log", step, values)
+
+    def ended(self, error: BaseException | None) -> None:
+        """Records how a `fit` ended, for the loggers' run status at close: FINISHED, or KILLED
+        (an interrupt, a SIGTERM) or FAILED (an error); a failed run is never reported finished."""
+        if error is None:
+            self.status = "FINISHED"
+        else:
+            self.status = "KILLED" if isinstance(error, (KeyboardInterrupt, SystemExit)) else "FAILED"
+
+    def close(self) -> None:
+        """Ends every logger's run with `status`, each waited for at most RAYPIPE_CALL_TIMEOUT s (a
+        tracking server that stopped answering must not hang the shutdown)."""
+        from raypipe.env import call_timeout
+
+        loggers, self.open, self.opened = self.open, [], False
+        for logger in loggers:
+            self._guarded(logger, "close", self.status, timeout=call_timeout())
+
+    def _guarded(self, logger: Any, method: str, *args: Any, timeout: float | None = None) -> None:
+        """Calls a logger; one that raises (an MLflow server down) is reported once on stderr and
+        skipped from then on, so it never stops training or a due checkpoint. With `timeout`, the
+        call runs in a thread of its own and is given up after that many seconds."""
+        if id(logger) in self.broken:
+            return
+        if timeout is not None:
+            import threading
+
+            outcome: list[BaseException | None] = []
+
+            def call() -> None:
+                try:
+                    getattr(logger, method)(*args)
+                    outcome.append(None)
+                except Exception as error:  # noqa: BLE001
+                    outcome.append(error)
+
+            worker = threading.Thread(target=call, name=f"raypipe-logger-{method}", daemon=True)
+            worker.start()
+            worker.join(timeout)
+            error = outcome[0] if outcome else TimeoutError(f"no answer within {timeout:.0f} s (RAYPIPE_CALL_TIMEOUT)")
+            if error is not None:
+                self.broken.add(id(logger))
+                self._report(type(logger).__name__, method, error)
+            return
+        try:
+            getattr(logger, method)(*args)
+        except Exception as error:  # noqa: BLE001 - any logger failure: training goes on
+            self.broken.add(id(logger))
+            self._report(type(logger).__name__, method, error)
+
+    @staticmethod
+    def _report(name: str, method: str, error: Exception) -> None:
+        import sys
+
+        print(
+            f"raypipe: logger {name}.{method} failed ({type(error).__name__}: {error}); it records nothing "
+            f"more this run, training goes on",
+            file=sys.stderr,
+        )

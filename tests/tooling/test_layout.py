@@ -1,0 +1,72 @@
+"""The layout follows the process boundary (../shared/DESIGN.md, "Layout"): code that runs in the
+actors never imports the driver's, and no two packages import each other. Read from the source
+with `ast`, function-local imports included, so no test run can miss one."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).parents[2] / "raypipe"
+ACTOR_SIDE = ("raypipe.actors", "raypipe.transport")
+DRIVER_SIDE = ("raypipe.driver", "raypipe.trainer", "raypipe.job", "raypipe.cli", "raypipe.tune")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: Path) -> set[str]:
+    """Every module `path` imports, anywhere in it (`from a import b` counts a.b as well as a)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return {name for name in found if name.split(".")[0] == "raypipe"}
+
+
+MODULES = {module_name(p): imports(p) for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def within(name: str, packages: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in packages)
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if within(m, ACTOR_SIDE)))
+def test_actor_side_code_never_imports_the_driver(module):
+    assert not [name for name in MODULES[module] if within(name, DRIVER_SIDE)]
+
+
+def package_of(module: str) -> str | None:
+    """The subpackage a module belongs to (`raypipe.driver.engines.p2p` -> `raypipe.driver`), None
+    for the top-level modules, which are the shared ground every package may stand on."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 1 and (PACKAGE / parts[1]).is_dir() else None
+
+
+def test_no_two_packages_import_each_other():
+    edges: dict[str, set[str]] = {}
+    for module, names in MODULES.items():
+        source = package_of(module)
+        for name in names:
+            target = package_of(name)
+            if source and target and target != source:
+                edges.setdefault(source, set()).add(target)
+
+    def reaches(start: str, goal: str, seen: set[str]) -> bool:
+        return any(n == goal or (n not in seen and reaches(n, goal, seen | {n})) for n in edges.get(start, ()))
+
+    cycles = sorted(f"{a} <-> {b}" for a in edges for b in edges[a] if a < b and reaches(b, a, {b}))
+    assert not cycles, "package cycles: " + ", ".join(cycles)
+
+
+def test_the_check_sees_a_forbidden_import(tmp_path):
+    """The checks read what they claim to: a function-local import of the driver is found."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f():\n    from raypipe.driver import fitting\n")
+    assert within("raypipe.driver.fitting", DRIVER_SIDE) and "raypipe.driver.fitting" in imports(bad)
+    assert package_of("raypipe.driver.engines.p2p") == "raypipe.driver" and package_of("raypipe.config.X") is None
