@@ -42,7 +42,9 @@ def main() -> None:
     seconds: dict[str, list[float]] = {"separate": [], "one": [], "separate_submit": [], "one_submit": []}
     for k in range(args.calls + 10):
         for kind in ("separate", "one") if k % 2 else ("one", "separate"):
-            call = StepCall(k, k, actions, batch, None, None, 1, None)
+            call = StepCall(
+                call_id=k, step=k, actions=actions, inputs=batch, targets=None, peers=None, after=1, varying=None
+            )
             started = time.perf_counter()
             ref = actor.separate.remote(*call) if kind == "separate" else actor.one.remote(call)
             submitted = time.perf_counter()

@@ -113,7 +113,7 @@ class WorldSpec:
     streams: tuple = ()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StepCall:
     """One actor's share of a p2p step (`StageActor.run_actions`), sent as one argument.
 
@@ -151,15 +151,15 @@ class CompiledCall:
         """The `StepCall` the p2p engine would have sent the actor `name` of `replica`."""
         actions, peers = self.lists[name]
         return StepCall(
-            self.call_id,
-            self.step,
-            actions,
-            self.inputs[replica] if holds_first else None,
-            self.targets[replica] if holds_last else None,
-            peers,
-            None,
-            self.varying,
-            self.weights[replica] if holds_last else None,
+            call_id=self.call_id,
+            step=self.step,
+            actions=actions,
+            inputs=self.inputs[replica] if holds_first else None,
+            targets=self.targets[replica] if holds_last else None,
+            peers=peers,
+            after=None,
+            varying=self.varying,
+            weights=self.weights[replica] if holds_last else None,
         )
 
 
@@ -212,7 +212,7 @@ class RunStep:
     seconds: float
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StepReport:
     """One actor's answer to a step: what its optimizer did, what it timed, and the losses it
     computed (the last stage's tp rank 0 only). `halted`: the step was not run because the one
@@ -230,7 +230,7 @@ class StepReport:
     memory: dict = field(default_factory=dict)  # peak_memory_bytes split (`raypipe.actors.memory.memory_split`)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ActorInfo:
     """Where a stage actor runs and what it holds (`StageActor.info`; `Trainer.stage_info()` gives
     these as dicts, each link keyed by the neighbour's name)."""

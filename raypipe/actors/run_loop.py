@@ -67,15 +67,15 @@ class RunsSteps:
                 weights = batch.weights[call.replica] if batch.weights is not None and self.is_last else None
                 report = self.run_actions(
                     StepCall(
-                        call.call_id + i,
-                        step,
-                        call.actions,
-                        inputs if self.holds_first else None,
-                        targets if self.is_last else None,
-                        call.peers,
-                        None,
-                        batch.varying,
-                        weights,
+                        call_id=call.call_id + i,
+                        step=step,
+                        actions=call.actions,
+                        inputs=inputs if self.holds_first else None,
+                        targets=targets if self.is_last else None,
+                        peers=call.peers,
+                        after=None,
+                        varying=batch.varying,
+                        weights=weights,
                     )
                 )
                 last = i + 1 == call.steps or self.stop_voted

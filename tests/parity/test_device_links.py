@@ -138,7 +138,7 @@ def test_a_recovery_makes_new_streams_and_replays_the_uninterrupted_losses(ray_s
 
 def infos(*where):
     """Actor infos from (device, node, GPU id) triples."""
-    return [ActorInfo(f"actor{r}", device=d, node_id=n, gpu=g) for r, (d, n, g) in enumerate(where)]
+    return [ActorInfo(name=f"actor{r}", device=d, node_id=n, gpu=g) for r, (d, n, g) in enumerate(where)]
 
 
 def streams_of(plan):

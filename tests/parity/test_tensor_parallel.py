@@ -166,7 +166,7 @@ def test_each_group_takes_the_backend_of_its_members_tensors():
 
     def infos(*devices):  # each on a GPU of its own where on cuda
         return [
-            ActorInfo(f"a{i}", device=d, node_id="n", gpu=f"GPU-{i}" if d.startswith("cuda") else None)
+            ActorInfo(name=f"a{i}", device=d, node_id="n", gpu=f"GPU-{i}" if d.startswith("cuda") else None)
             for i, d in enumerate(devices)
         ]
 

@@ -112,7 +112,14 @@ def test_calls_reaching_the_actors_in_different_orders_are_refused_and_change_no
         xs, ys = pack_microbatches(list(x.chunk(2))), pack_microbatches(list(y.chunk(2)))
         calls.append(
             [
-                StepCall(call_id, t.step_count, lst.actions, xs if lst.holds_first else None, ys, lst.peers)
+                StepCall(
+                    call_id=call_id,
+                    step=t.step_count,
+                    actions=lst.actions,
+                    inputs=xs if lst.holds_first else None,
+                    targets=ys,
+                    peers=lst.peers,
+                )
                 for lst in lists
             ]
         )

@@ -63,15 +63,15 @@ def submit_step_p2p(
         weights = data.weights[lst.replica] if data.weights is not None and lst.holds_last else None
         ref = lst.actor.run_actions.remote(
             StepCall(
-                call_id,
-                step,
-                lst.actions,
-                batch if lst.holds_first else None,
-                labels if lst.holds_last else None,
-                lst.peers,
-                after,
-                data.varying,
-                weights,
+                call_id=call_id,
+                step=step,
+                actions=lst.actions,
+                inputs=batch if lst.holds_first else None,
+                targets=labels if lst.holds_last else None,
+                peers=lst.peers,
+                after=after,
+                varying=data.varying,
+                weights=weights,
             )
         )
         runs.append((ref, lst))
