@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 CONFIG ?= examples/configs/gpt_pp2.yaml
 
-.PHONY: train test install clean gpu-check
+.PHONY: train test test-fast install clean gpu-check
 
 install: $(STAMP)
 
@@ -43,6 +43,11 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+# Every parity axis once and the Ray-free units, in at most 5 minutes on 2 cores (tests/fast_tier.py):
+# run it on every change; `make test` before an issue is resolved.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m fast
 
 # On a lent GPU machine (docs/testing.md): every GPU path once, figures in $OUT (or gpu-check-out/).
 # Its image has no Ray: the bundle `bash ../shared/tools/device_bundle.sh` packed into .devbundle/

@@ -118,9 +118,15 @@ def _close_netns() -> None:
         assert made.leftovers() == [], made.leftovers()
 
 
-def pytest_collection_modifyitems(items):
-    """The namespace cluster's users run one after another (test_elastic's after
+def pytest_collection_modifyitems(config, items):
+    """Marks the fast tier (`tests/fast_tier.py`, `make test-fast`), refusing a listed case that no
+    longer exists; and runs the namespace cluster's users one after another (test_elastic's after
     test_netns_cluster's), so that it is up only while they run."""
+    import fast_tier
+
+    unmatched = fast_tier.mark(items, pytest.mark.fast)
+    if unmatched and config.getoption("markexpr") == "fast":
+        raise pytest.UsageError(f"tests/fast_tier.py lists cases that are not collected: {unmatched}")
     users = [i for i in items if "netns_cluster" in getattr(i, "fixturenames", ())]
     if users:
         at = items.index(users[0])
