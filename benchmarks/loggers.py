@@ -1,7 +1,7 @@
 """What each experiment logger costs the driver per step: TensorBoard (event files), MLflow (a
 local sqlite store) and W&B (offline run files), recording a real pp = 2 step's scalars.
 
-One trainer takes one step to get real metrics (`raypipe.observability.loggers.scalars`: 25 scalars at pp = 2
+One trainer takes one step to get real metrics (`raypipe.observe.loggers.scalars`: 25 scalars at pp = 2
 for the MLP below); then each logger records them for `--steps` steps in turn, in rounds, and the
 driver's wall and CPU time per record is reported (median over rounds), beside the step time of
 that trainer for scale. Opening a run and closing it (MLflow's close waits for its asynchronous
@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from raypipe import LayerSpec, TrainConfig, Trainer
-from raypipe.observability.loggers import MLflowLogger, TensorBoardLogger, WandbLogger, scalars
+from raypipe.observe.loggers import MLflowLogger, TensorBoardLogger, WandbLogger, scalars
 
 
 def main() -> None:

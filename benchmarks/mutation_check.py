@@ -45,7 +45,7 @@ MUTATIONS = [
         "return min(num_stages - stage - 1 + extra, num_microbatches)",
         "return min(num_stages - stage + extra, num_microbatches)",
         (
-            "tests/units/test_schedules.py",
+            "tests/unit/test_schedules.py",
             "tests/interfaces/test_metrics.py::test_stashed_activations_gpipe_holds_all_1f1b_at_most_p_minus_s",
         ),
         "1F1B runs one warm-up forward too many (holds p - s + 1 microbatches)",
@@ -159,7 +159,7 @@ MUTATIONS = [
         "raypipe/schedules/interleaved.py",
         "            chunk = v - 1 - chunk\n",
         "            pass\n",
-        ("tests/units/test_schedules.py",),
+        ("tests/unit/test_schedules.py",),
         "interleaved 1F1B walks the chunks forward in its backwards too",
     ),
     Mutation(

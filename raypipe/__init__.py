@@ -19,8 +19,8 @@ from raypipe.errors import (
     StepTimeoutError,
 )
 from raypipe.layers import LayerSpec, build_layers
-from raypipe.observability.step_breakdown import StepBreakdown
-from raypipe.observability.timeline import Timeline
+from raypipe.observe.step_breakdown import StepBreakdown
+from raypipe.observe.timeline import Timeline
 from raypipe.planning.links import Link
 from raypipe.planning.profiling import PlanReport
 from raypipe.schedules import Action, bubble, build_schedule, format_schedule, peak_in_flight

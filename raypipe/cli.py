@@ -42,7 +42,7 @@ def _schedule(args: argparse.Namespace) -> int:
         as_blocks = bubble(schedule, {"F": 1, "I": 1, "W": 1, OVERLAPPED: 3})
         print(f"overlapped F&B pairs: {pairs}; planned bubble with each pair one block (F&B = F + B): {as_blocks:.3f}")
     if args.output:
-        from raypipe.observability.timeline import Timeline
+        from raypipe.observe.timeline import Timeline
 
         title = f"{args.name}, p={args.pp}, m={args.microbatches} (planned; backward = {args.backward:g} x forward)"
         path = Timeline.planned(schedule, 1.0, args.backward, title).save(args.output)
@@ -54,7 +54,7 @@ def _diagram(args: argparse.Namespace) -> int:
     import torch
 
     from raypipe.job import JobConfig
-    from raypipe.observability.diagram import Architecture
+    from raypipe.observe.diagram import Architecture
 
     config = JobConfig.from_yaml(args.config, args.set)
     train, model = config.train, config.model

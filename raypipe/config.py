@@ -176,7 +176,7 @@ class TrainConfig:
             error naming the step, "skip" skips that update and goes on. Weights are
             never updated from non-finite gradients.
         log_dir: write TensorBoard scalars here (per step and per stage); None: off.
-        loggers: where each step's scalars go (`raypipe.observability.loggers`): "tensorboard" (to `log_dir`),
+        loggers: where each step's scalars go (`raypipe.observe.loggers`): "tensorboard" (to `log_dir`),
             "mlflow", "wandb", each a name or `{name: {option: value}}`, e.g.
             `[tensorboard, {mlflow: {tracking_uri: "sqlite:///runs.db"}}]`.
         devices: the accelerator kind of every stage ("cpu", "cuda", "rocm", "mps"), or a

@@ -20,7 +20,7 @@ from raypipe.checks import (
     is_int,
 )
 from raypipe.errors import ScheduleError
-from raypipe.observability.loggers import check_loggers
+from raypipe.observe.loggers import check_loggers
 from raypipe.schedules import SCHEDULES, build_schedule
 from raypipe.transport.compress import CODECS
 

@@ -27,7 +27,7 @@ from raypipe.data import TokenDataset, stdlib_corpus
 from raypipe.driver import fitting, outputs
 from raypipe.errors import ConfigError, RaypipeError
 from raypipe.models.registry import JobModel, job_model
-from raypipe.observability.progress import Progress
+from raypipe.observe.progress import Progress
 from raypipe.planning.partition import is_profiled
 
 DATA_SOURCES = ("stdlib", "bin", "text", "sft")

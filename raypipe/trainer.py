@@ -34,9 +34,9 @@ from raypipe.driver.run_state import RunState
 from raypipe.errors import ConfigError
 from raypipe.layers import LayerSpec
 from raypipe.model import Model, resolve
-from raypipe.observability.loggers import Loggers, run_params
-from raypipe.observability.progress import Progress
-from raypipe.observability.timeline import Timeline
+from raypipe.observe.loggers import Loggers, run_params
+from raypipe.observe.progress import Progress
+from raypipe.observe.timeline import Timeline
 from raypipe.planning.links import Link
 
 
@@ -192,7 +192,7 @@ class Trainer:
             on_step: called with each step's metrics.
             log: where recovery messages go.
             progress: show a tqdm bar (terminal or notebook) with loss and tokens/s; or a
-                `raypipe.observability.progress.Progress` the caller made (and closes).
+                `raypipe.observe.progress.Progress` the caller made (and closes).
             overlap: keep the next step queued at the actors while the driver waits for the current
                 one (engine "p2p"; the same results). None: when there is no `on_step`, which would
                 otherwise see a step's metrics while the next one runs (True if it only reads them).
@@ -244,7 +244,7 @@ class Trainer:
 
     def timeline(self, planned: bool = False) -> Timeline:
         """The last step's schedule as each stage ran it (from the actors' own timestamps), with
-        `.breakdown` saying where its time went (`raypipe.observability.step_breakdown`). With `planned=True`,
+        `.breakdown` saying where its time went (`raypipe.observe.step_breakdown`). With `planned=True`,
         the current schedule as planned instead, each forward and backward lasting what they took
         on average in the last step (1 and 2 ticks before any step). Save it with
         `.save("t.svg" | "t.png" | "t.json")`; a notebook shows it inline."""

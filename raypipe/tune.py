@@ -28,7 +28,7 @@ from typing import Any
 
 from raypipe.config import TrainConfig
 from raypipe.driver.gang import STRATEGIES
-from raypipe.observability.loggers import scalars
+from raypipe.observe.loggers import scalars
 
 REPORTED = ("step", "loss", "lr", "grad_norm", "step_time", "samples_per_s", "tokens_per_s")
 
@@ -72,7 +72,7 @@ def trainable(train_fn: Callable[[dict[str, Any]], Any], config: TrainConfig, tr
 def report(metrics: Mapping[str, Any]) -> None:
     """Reports a step's metrics to the Tune trial (`Trainer.fit(..., on_step=raypipe.tune.report)`):
     step, loss, lr, grad_norm, step_time, throughput, and every scalar the loggers record
-    (`raypipe.observability.loggers.scalars`: train/..., stage{s}/...). Also takes your own dict (`{"val_loss": v}`)."""
+    (`raypipe.observe.loggers.scalars`: train/..., stage{s}/...). Also takes your own dict (`{"val_loss": v}`)."""
     from ray import tune
 
     values = {key: metrics[key] for key in REPORTED if key in metrics}

@@ -2,7 +2,7 @@
 checks and every parity axis once, in at most 5 minutes on 2 cores, to run on every change.
 The whole suite (`make test`) runs each axis across its grid before an issue is resolved.
 
-An entry is a folder (`units/`), a file, a test (every parametrisation of it) or one case by
+An entry is a folder (`unit/`), a file, a test (every parametrisation of it) or one case by
 its id, relative to tests/. conftest marks what they name and refuses an entry that names
 nothing, so a renamed case cannot drop out of the tier unnoticed. Entries under SKIPPED leave
 the named tests out again (a slow one inside a listed folder).
@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 FAST: dict[str, str] = {
-    "units/": "schedules, configs, data, optimizers, shard plans, the wire and the p2p protocol, no Ray",
+    "unit/": "schedules, configs, data, optimizers, shard plans, the wire and the p2p protocol, no Ray",
     "tooling/": "layout, ruff, this tier's list, docs' examples, packaging, the Makefile, benchmark machinery",
     "parity/test_parity.py::test_sgd_momentum_parity[pp4-p2p-shm-8-1f1b]": "pp 4, 1F1B, the p2p engine over shm",
     "parity/test_parity.py::test_sgd_momentum_parity[pp3-refs-shm-4-gpipe]": "GPipe, the refs engine",
@@ -54,8 +54,8 @@ SKIPPED: dict[str, str] = {
     "tooling/test_gpu_check.py::test_the_gpu_check_runs_every_part_tiny_on_the_cpu_and_writes_its_report": (
         "two minutes: the whole suite runs it"
     ),
-    "units/test_partition.py::test_raypipe_plan_profiles_the_jobs_model_and_writes_json": "profiles a real model",
-    "units/test_partition.py::test_profile_partition_balances_measured_layer_times": "profiles on real actors",
+    "unit/test_partition.py::test_raypipe_plan_profiles_the_jobs_model_and_writes_json": "profiles a real model",
+    "unit/test_partition.py::test_profile_partition_balances_measured_layer_times": "profiles on real actors",
 }
 
 

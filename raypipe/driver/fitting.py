@@ -22,9 +22,9 @@ from raypipe.driver.interrupts import Terminated, held_interrupts, sigterm_as_in
 from raypipe.driver.recovery import recover
 from raypipe.driver.run_state import RunState
 from raypipe.errors import ActorDiedError, NonFiniteError, RaypipeError, StepTimeoutError
-from raypipe.observability.loggers import scalars
-from raypipe.observability.metrics import step_metrics
-from raypipe.observability.progress import Progress
+from raypipe.observe.loggers import scalars
+from raypipe.observe.metrics import step_metrics
+from raypipe.observe.progress import Progress
 
 
 def submit(group: ActorGroup, x: Any, y: Any, index: int, after: int | None = None) -> Submitted:

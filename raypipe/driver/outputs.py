@@ -68,7 +68,7 @@ def watch_lines(run_name: str, log_dir: str | None) -> list[str]:
         pass
     if log_dir is not None:
         lines.append(f"raypipe: TensorBoard: tensorboard --logdir {log_dir}")
-    from raypipe.observability import grafana
+    from raypipe.observe import grafana
 
     placed = grafana.install()  # on the head: Ray's Grafana provisioning shows it beside Ray's dashboards
     if placed is not None:

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from raypipe.observability.loggers import Loggers
-from raypipe.observability.metrics import RayMetrics
+from raypipe.observe.loggers import Loggers
+from raypipe.observe.metrics import RayMetrics
 
 
 @dataclass

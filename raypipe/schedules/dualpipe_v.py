@@ -7,7 +7,7 @@ communication (its boundary sends, a MoE layer's all-to-all) can hide under the 
 Its bubble per actor is DeepSeek's (PP/2 - 1)(F&B + B - 3W) with PP = 2p, the virtual stages
 of the V, F, B and W one chunk's forward, whole backward and weight gradient, and F&B an
 overlapped pair run as one block (`timed` with an "F&B" cost): equal to it when F&B = F + B and
-F <= I (tests/units/test_schedules.py), against 1F1B's (PP - 1)(F + B) over as many stages.
+F <= I (tests/unit/test_schedules.py), against 1F1B's (PP - 1)(F + B) over as many stages.
 
 As data, a pair is its two actions one after the other, `F` of one chunk then `B` of the other
 (`actions.overlapped_pairs` finds them). The engines run the forward, post its send, and run

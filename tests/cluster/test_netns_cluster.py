@@ -34,7 +34,7 @@ import ray, torch
 from torch import nn
 from helpers import MLP7, batch, reference_run
 from raypipe import LayerSpec, PlacementError, TrainConfig, Trainer
-from raypipe.observability.diagram import Architecture
+from raypipe.observe.diagram import Architecture
 ray.init(address="{address}", logging_level="ERROR", log_to_driver=False)
 NAMESPACES = json.loads('{namespaces}')  # node ip -> its network namespace
 SGD, PLAIN_SGD = {{"name": "sgd", "lr": 0.05}}, lambda params: torch.optim.SGD(params, lr=0.05)

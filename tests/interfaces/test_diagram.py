@@ -10,7 +10,7 @@ from torch import nn
 from raypipe import TrainConfig, Trainer
 from raypipe.cli import main as cli
 from raypipe.models import gpt
-from raypipe.observability.diagram import Architecture
+from raypipe.observe.diagram import Architecture
 
 from helpers import MLP7
 

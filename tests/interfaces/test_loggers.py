@@ -10,7 +10,7 @@ import pytest
 from torch import nn
 
 from raypipe import ConfigError, TrainConfig, Trainer
-from raypipe.observability import loggers as loggers_module
+from raypipe.observe import loggers as loggers_module
 
 from helpers import MLP7, batch
 

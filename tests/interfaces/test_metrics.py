@@ -97,7 +97,7 @@ def test_ray_metrics_reach_the_nodes_prometheus_endpoint(ray_session, metrics_po
     assert len(busy) == 2 and all(0.0 < v <= 1.0 for v in busy.values())
     assert any('stage="1"' in tags and 'rank="1"' in tags for tags in busy)
     # every series docs/watching.md names, and every one the Grafana dashboard reads, is exported so
-    from raypipe.observability import grafana
+    from raypipe.observe import grafana
 
     documented = set(re.findall(r"`(ray_raypipe_\w+?)`", (ROOT / "docs" / "watching.md").read_text()))
     exported = {n.split("{")[0] for n in text.splitlines() if n.startswith("ray_")}

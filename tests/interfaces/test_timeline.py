@@ -10,7 +10,7 @@ from torch import nn
 
 from raypipe import LayerSpec, Timeline, TrainConfig, Trainer, build_schedule
 from raypipe.driver.engines.refs import submission_order
-from raypipe.observability.step_breakdown import breakdown
+from raypipe.observe.step_breakdown import breakdown
 from raypipe.schedules.actions import timed
 
 from helpers import MLP7, Sleep, batch
@@ -153,13 +153,13 @@ def test_raypipe_trace_lists_every_action_in_issue_order(sleepy, tmp_path, monke
 
 
 def test_fit_shows_a_progress_bar_where_someone_watches(ray_session, monkeypatch, capsys):
-    import raypipe.observability.progress
+    import raypipe.observe.progress
 
     config = TrainConfig(optimizer={"name": "sgd", "lr": 0.05}, cpus_per_actor=0.5)
     with Trainer(MLP7, nn.functional.mse_loss, config) as t:
         t.fit(batch, 2, progress=True)  # pytest captures output: not a terminal, so no bar
         assert "raypipe:" not in capsys.readouterr().err
-        monkeypatch.setattr(raypipe.observability.progress, "interactive", lambda: True)
+        monkeypatch.setattr(raypipe.observe.progress, "interactive", lambda: True)
         t.fit(batch, 4, progress=True)
     err = capsys.readouterr().err
     assert "raypipe: 100%" in err and "4/4" in err and "loss=" in err and "samples/s=" in err

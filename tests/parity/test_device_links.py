@@ -15,7 +15,7 @@ from raypipe import LayerSpec, PlacementError, StageError, TrainConfig, Trainer
 from raypipe.driver import links
 from raypipe.driver.topology import Topology
 from raypipe.models import gpt
-from raypipe.observability.diagram import Architecture
+from raypipe.observe.diagram import Architecture
 from raypipe.protocol import ActorInfo
 from raypipe.schedules import build_schedule
 

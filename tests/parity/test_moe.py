@@ -12,7 +12,7 @@ from torch import nn
 from raypipe import ConfigError, LayerSpec, TrainConfig, Trainer, build_layers
 from raypipe.models import gpt
 from raypipe.nn.moe import MoE, moe_layers
-from raypipe.observability.diagram import Architecture
+from raypipe.observe.diagram import Architecture
 
 from helpers import assert_close_dicts, check_sgd_parity, lm_tokens, reference_run
 

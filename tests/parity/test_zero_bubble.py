@@ -296,7 +296,7 @@ def test_profiled_plans_split_per_virtual_stage_and_predict_by_simulating_the_sc
 
 
 def test_the_diagram_draws_each_virtual_stage_on_its_actor(dot, tmp_path):
-    from raypipe.observability.diagram import Architecture
+    from raypipe.observe.diagram import Architecture
 
     sample = torch.zeros(2, GPT.block_size, dtype=torch.long)
     arch = Architecture.from_config(LAYERS, TrainConfig(pp=2, schedule="zb-v", microbatches=4), sample)
@@ -413,7 +413,7 @@ def test_auto_picks_the_cheapest_predicted_schedule_and_each_candidate_takes_wha
 
 
 def test_timelines_draw_weight_gradients_in_their_own_colour(tmp_path):
-    from raypipe.observability.timeline import COLOURS, Timeline
+    from raypipe.observe.timeline import COLOURS, Timeline
 
     line = Timeline.planned(build_schedule("zb-h1", 3, 4), 1.0, 2.0, "zb-h1")
     kinds = {span.kind for span in line.spans}

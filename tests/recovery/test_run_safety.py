@@ -125,7 +125,7 @@ def test_a_secret_with_every_awkward_character_is_parsed_and_never_shown():
     assert (parts.user, parts.secret, parts.rest) == ("AKIAEXAMPLE", SECRET, "bucket/runs/a")
     assert redact(uri) == "s3://AKIAEXAMPLE:***@bucket/runs/a?endpoint_override=127.0.0.1:9&session_token=***"
     cfg = TrainConfig(checkpoint_dir=uri, loggers=[{"mlflow": {"tracking_uri": f"http://me:{SECRET}@host/x"}}])
-    from raypipe.observability.loggers import run_params
+    from raypipe.observe.loggers import run_params
 
     for shown in (str(cfg), json.dumps(cfg.to_dict()), json.dumps(run_params(cfg, "r", [[0, 7]]))):
         assert "wJal" not in shown and "RfiCY" not in shown and "***" in shown
@@ -357,7 +357,7 @@ def test_ctrl_c_saves_the_last_step_and_keeps_the_trainer_usable(ray_session, tm
 
 
 def test_a_logger_that_hangs_at_shutdown_is_given_up_after_the_call_timeout(monkeypatch, capfd):
-    from raypipe.observability.loggers import Loggers
+    from raypipe.observe.loggers import Loggers
 
     class Hanging:
         def close(self, status):

@@ -15,12 +15,12 @@ def test_entries_name_folders_tests_and_cases_and_unmatched_ones_are_reported(mo
     monkeypatch.setattr(
         fast_tier,
         "FAST",
-        {"units/": "", "parity/test_a.py::test_b": "", "parity/test_a.py::test_c[x]": "", "gone/": ""},
+        {"unit/": "", "parity/test_a.py::test_b": "", "parity/test_a.py::test_c[x]": "", "gone/": ""},
     )
-    monkeypatch.setattr(fast_tier, "SKIPPED", {"units/test_slow.py": ""})
+    monkeypatch.setattr(fast_tier, "SKIPPED", {"unit/test_slow.py": ""})
     ids = [
-        "tests/units/test_x.py::test_y",
-        "tests/units/test_slow.py::test_z",
+        "tests/unit/test_x.py::test_y",
+        "tests/unit/test_slow.py::test_z",
         "tests/parity/test_a.py::test_b[1]",
         "tests/parity/test_a.py::test_bb",
         "tests/parity/test_a.py::test_c[x]",

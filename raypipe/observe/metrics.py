@@ -1,5 +1,5 @@
 """Training metrics: per-stage timing from the actors' own timestamps, and the Ray dashboard's series
-(the experiment loggers, TensorBoard among them, are `raypipe.observability.loggers`)."""
+(the experiment loggers, TensorBoard among them, are `raypipe.observe.loggers`)."""
 
 from __future__ import annotations
 

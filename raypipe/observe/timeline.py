@@ -19,7 +19,7 @@ from pathlib import Path
 from xml.sax.saxutils import escape
 
 from raypipe.errors import ScheduleError
-from raypipe.observability.step_breakdown import (  # all-to-all: a thin bar, not busy
+from raypipe.observe.step_breakdown import (  # all-to-all: a thin bar, not busy
     ALL_TO_ALL,
     StepBreakdown,
     breakdown,

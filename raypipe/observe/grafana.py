@@ -5,7 +5,7 @@ Ray writes a Grafana provisioning folder into each head's session directory
 pointing Grafana at them) but runs neither Prometheus nor Grafana. `install()` puts raypipe's
 dashboard into that `dashboards/` folder, so a Grafana started with Ray's `grafana.ini` shows it in
 Ray's folder beside Ray's own; a job does it as it starts on the head. Its panels read the series
-`raypipe.observability.metrics.RayMetrics` exports (`SERIES`), per run: steps per second, loss, tokens/s, step
+`raypipe.observe.metrics.RayMetrics` exports (`SERIES`), per run: steps per second, loss, tokens/s, step
 time quantiles and each stage's busy fraction. docs/watching.md has the steps.
 """
 

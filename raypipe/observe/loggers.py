@@ -71,7 +71,7 @@ def _entry(entry: Any) -> tuple[Any, dict[str, Any]]:
 
 
 def scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
-    """A step's metrics (`raypipe.observability.metrics.step_metrics`) as flat scalar tags, the same for every logger.
+    """A step's metrics (`raypipe.observe.metrics.step_metrics`) as flat scalar tags, the same for every logger.
 
     Tags: train/loss, train/lr, train/grad_norm, train/tokens_per_s (or train/samples_per_s),
     train/step_time, train/pp and train/dp (the topology the step ran on: an elastic run's
