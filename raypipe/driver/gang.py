@@ -130,12 +130,15 @@ def enclosing(bundles: Sequence[tuple[dict[str, float], dict[str, str]]]) -> Any
     return group
 
 
-GRACE_S = 10.0  # how long a request no node can hold waits for an autoscaler to start launching one
+GRACE_S = 10.0  # how long a request no node can hold waits before a fixed cluster refuses it
 
 
 def _wait(group: Any, bundles: Sequence[tuple[dict[str, float], dict[str, str]]], timeout: float) -> bool:
     """Whether the group was reserved within `timeout`; False sooner, after `GRACE_S`, when some
-    bundle fits no node alive and no autoscaler launches one (nothing will change)."""
+    bundle fits no node alive and the cluster has no autoscaler (nothing will change). With one,
+    the whole `timeout`: it launches node types one update after another, so "nothing pending
+    now" does not mean "nothing will come" (a cuda + rocm request saw its rocm node up and its
+    cuda node not yet asked for)."""
     import time
 
     started = time.monotonic()
@@ -147,21 +150,26 @@ def _wait(group: Any, bundles: Sequence[tuple[dict[str, float], dict[str, str]]]
         if left <= 1.0:
             return False
         waited = time.monotonic() - started
-        if waited >= GRACE_S and not _launching() and not all(_fits_some_node(b, s) for b, s in bundles):
+        if waited >= GRACE_S and not _autoscaled() and not all(_fits_some_node(b, s) for b, s in bundles):
             return False
 
 
-def _launching() -> bool:
-    """Whether the cluster's autoscaler is launching nodes (its status, which Ray's monitor keeps)."""
+def _autoscaled() -> bool:
+    """Whether the cluster has an autoscaler that may still launch nodes. Ray's monitor reports
+    on every head, but on a fixed cluster through a read-only provider that names each node's
+    type `node_<its id>`; an autoscaler's node types are the ones its config names."""
     import json
 
     try:
         from ray.experimental.internal_kv import _internal_kv_get
 
-        report = json.loads(_internal_kv_get("__autoscaling_status") or b"{}").get("autoscaler_report") or {}
-    except Exception:  # noqa: BLE001 - no status to read: assume it may launch, as before
+        status = json.loads(_internal_kv_get("__autoscaling_status") or b"{}")
+    except Exception:  # noqa: BLE001 - no status to read: assume one may launch, as before
         return True
-    return bool(report.get("pending_launches") or report.get("pending_nodes"))
+    report = status.get("autoscaler_report") or {}
+    if report.get("pending_launches") or report.get("pending_nodes"):
+        return True
+    return any(kind != f"node_{node}" for node, kind in (report.get("node_type_mapping") or {}).items())
 
 
 def _fits_some_node(resources: dict[str, float], selector: dict[str, str]) -> bool:
