@@ -9,7 +9,7 @@ import pytest
 
 PACKAGE = Path(__file__).parents[2] / "raypipe"
 ACTOR_SIDE = ("raypipe.actors", "raypipe.transport")
-DRIVER_SIDE = ("raypipe.driver", "raypipe.trainer", "raypipe.job", "raypipe.cli", "raypipe.tune")
+DRIVER_SIDE = ("raypipe.driver", "raypipe.observe", "raypipe.trainer", "raypipe.job", "raypipe.cli", "raypipe.tune")
 
 
 def module_name(path: Path) -> str:
