@@ -4,11 +4,11 @@ weights were loaded, a skipped step's buffers, two runs on one directory, links 
 checkpoint root, a same-step re-save cut short between its renames, a prune cut short, empty
 batches, and stream headers that could run code. One pp = 2 trainer serves the in-memory cases."""
 
+import _thread
 import json
 import os
 import pickle
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -41,7 +41,7 @@ def sgd(params):
 
 class Target:
     """A microbatch's target whose pickling on the driver, as its step's calls go out, sends this
-    process SIGINT (`interrupt`: a Ctrl-C landing mid-send) or sleeps `pause` seconds (another
+    process a Ctrl-C (`interrupt`: one landing mid-send) or sleeps `pause` seconds (another
     thread then runs meanwhile)."""
 
     def __init__(self, value, interrupt=False, pause=0.0):
@@ -50,7 +50,7 @@ class Target:
     def __reduce__(self):
         time.sleep(self.pause)
         if self.interrupt:
-            os.kill(os.getpid(), signal.SIGINT)
+            _thread.interrupt_main()  # what Python does on SIGINT, whichever thread the OS hands it to
         return (Target, (self.value,))
 
 
