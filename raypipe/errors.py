@@ -37,14 +37,11 @@ class ActorDiedError(StageError):
     Attributes:
         actor: the actor's name, e.g. "stage1-dp0-tp0".
         cause: Ray's account of the death.
-        booked: the metrics of a step that ran and was booked before the actor died while
-            writing its checkpoint (the step counts); None when it died in a step.
     """
 
     def __init__(self, message: str, actor: str = "?", cause: str = "") -> None:
         super().__init__(message)
         self.actor, self.cause = actor, cause
-        self.booked: dict | None = None
 
 
 class NonFiniteError(RaypipeError):

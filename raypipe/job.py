@@ -24,7 +24,8 @@ from raypipe.checkpoint.storage import redact_values
 from raypipe.checks import check_whole_number, nearest
 from raypipe.config import TrainConfig, apply_overrides, load_yaml
 from raypipe.data import TokenDataset, stdlib_corpus
-from raypipe.driver import fitting, outputs
+from raypipe.driver import outputs
+from raypipe.driver.run import ending
 from raypipe.errors import ConfigError, RaypipeError
 from raypipe.models.registry import JobModel, job_model
 from raypipe.observe.progress import Progress
@@ -302,7 +303,7 @@ def run(
             log = plain_log
         elapsed = time.perf_counter() - started
         went = trainer.timeline().breakdown if trainer.state.last_events else None  # before evaluation
-        final = fitting.save_last(trainer.group, trainer.state)  # a normal end leaves its last step saved
+        final = ending.save_last(trainer.group, trainer.state)  # a normal end leaves its last step saved
         if final is not None:
             log(f"step {trainer.step_count:4d} | the last step's checkpoint: {final}")
         last_val = validation() if validation else None

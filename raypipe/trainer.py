@@ -21,7 +21,6 @@ from raypipe.checkpoint import lock as root_lock
 from raypipe.config import TrainConfig, check_reconfigurable
 from raypipe.driver import (
     chunks,
-    fitting,
     inference,
     link_planning,
     planned,
@@ -30,6 +29,8 @@ from raypipe.driver import (
 )
 from raypipe.driver.feeds import make_feed
 from raypipe.driver.group import ActorGroup
+from raypipe.driver.run import controller
+from raypipe.driver.run import step as one_step
 from raypipe.driver.run_state import RunState
 from raypipe.errors import ConfigError
 from raypipe.layers import LayerSpec
@@ -166,7 +167,7 @@ class Trainer:
             StageError: an action failed on a stage (its message names stage and action).
             StepTimeoutError: no action finished for `config.step_timeout` seconds.
         """
-        return fitting.step(self.group, self.state, x, y)
+        return one_step.train_step(self.group, self.state, x, y)
 
     def fit(
         self,
@@ -205,7 +206,7 @@ class Trainer:
                 message says which, why, and where the last checkpoint is.
         """
         feed = make_feed(self.group, batches, batch_size, collate)
-        return fitting.fit_with(self.group, self.state, feed, steps, on_step, log, progress, overlap)
+        return controller.fit_with(self.group, self.state, feed, steps, on_step, log, progress, overlap)
 
     def log(self, values: dict[str, float], step: int | None = None) -> None:
         """Records your own scalars (`{"val/loss": 1.2}`) with `config.loggers` at `step` (default: steps taken)."""

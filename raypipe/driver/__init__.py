@@ -1,8 +1,9 @@
 """What runs on the driver: everything between `Trainer` and the actors.
 
 - `connect`: joining Ray (or starting an embedded one) and shipping the user's code.
-- `fitting`: one step submitted and booked, and the loop behind `Trainer.fit`; `recovery` after
-  an actor death; `feeds`: where each step's batch comes from; `interrupts`: SIGTERM in `fit`.
+- `run/`: the run controller: one step submitted and booked, the loop behind `Trainer.fit`, the
+  recovery policy and restarts, interrupts; `feeds`: where each step's batch comes from;
+  `replicas`, `elastic`: restoring from the survivors' memory, shrinking and growing back.
 - `engines/`: `p2p`, `compiled` and `refs`, the three ways a step reaches the actors;
   `results`: waiting for a step, timeouts that name what is pending, the root cause of a
   failed step; `trace`: RAYPIPE_TRACE.

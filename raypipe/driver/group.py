@@ -31,7 +31,7 @@ from raypipe.schedules import build_schedule
 
 @dataclass
 class Submitted:
-    """A step sent to the actors and not yet booked (`fitting.complete`)."""
+    """A step sent to the actors and not yet booked (`run.step.book`)."""
 
     call_id: int
     samples: int

@@ -2,7 +2,7 @@
 (name, id), how far it got (steps booked, restarts spent, the checkpoint last restored) and what
 it records (the loggers, the Ray dashboard's series, the last step's timeline events).
 
-`Trainer` holds one; `fitting` and `recovery` read and write it, never the trainer itself."""
+`Trainer` holds one; the run controller (`raypipe.driver.run`) reads and writes it, never the trainer itself."""
 
 from __future__ import annotations
 

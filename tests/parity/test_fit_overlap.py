@@ -178,7 +178,7 @@ def test_auto_hands_the_actors_long_fits_that_nothing_watches_between_steps(trai
 
     import ray
 
-    from raypipe.driver import actor_runs
+    from raypipe.driver.run import actor_runs
 
     monkeypatch.setattr(actor_runs, "AUTO_ACTOR_STEPS", 200)  # 3000 by default: 1500 steps here
     called = []

@@ -67,6 +67,6 @@ def test_no_two_packages_import_each_other():
 def test_the_check_sees_a_forbidden_import(tmp_path):
     """The checks read what they claim to: a function-local import of the driver is found."""
     bad = tmp_path / "bad.py"
-    bad.write_text("def f():\n    from raypipe.driver import fitting\n")
-    assert within("raypipe.driver.fitting", DRIVER_SIDE) and "raypipe.driver.fitting" in imports(bad)
+    bad.write_text("def f():\n    from raypipe.driver.run import controller\n")
+    assert within("raypipe.driver.run.controller", DRIVER_SIDE) and "raypipe.driver.run.controller" in imports(bad)
     assert package_of("raypipe.driver.engines.p2p") == "raypipe.driver" and package_of("raypipe.config.X") is None

@@ -1,8 +1,9 @@
-"""Where recovery happens: after an actor dies, `fit` replaces every actor, up to
-`TrainConfig.max_restarts` times. The new actors take the surviving data-parallel replicas'
-state when they hold the whole model at the current step (`replicas`): the failed step is run
-again and none is replayed. Otherwise they restore the newest valid checkpoint (or the initial
-weights; one whose files the actors find corrupt is passed over for the next) and replay from there."""
+"""A restart carried out: after an actor dies, `fit` replaces every actor, up to
+`TrainConfig.max_restarts` times, as the run's `RecoveryPolicy` decides. The new actors take the
+surviving data-parallel replicas' state when they hold the whole model at the current step
+(`replicas`): the failed step is run again and none is replayed. Otherwise they restore the
+newest valid checkpoint (or the initial weights; one whose files the actors find corrupt is
+passed over for the next) and replay from there."""
 
 from __future__ import annotations
 
@@ -13,12 +14,15 @@ from raypipe.checkpoint.layout import CheckpointError
 from raypipe.driver import elastic, nodes, replicas
 from raypipe.driver.checkpoints import restore_point
 from raypipe.driver.group import ActorGroup
+from raypipe.driver.run.policy import RecoveryPolicy
 from raypipe.driver.run_state import RunState
 from raypipe.errors import ActorDiedError, PlacementError
 
 
-def recover(group: ActorGroup, run: RunState, error: ActorDiedError, log: Callable[[str], None]) -> None:
-    """Restarts the run's actors after `error` and restores its last checkpoint.
+def recover(
+    group: ActorGroup, run: RunState, error: ActorDiedError, log: Callable[[str], None], policy: RecoveryPolicy
+) -> None:
+    """Restarts the run's actors after `error` as `policy` decides and restores their state.
 
     Raises:
         ActorDiedError: the restarts are used up; says which actor died, why, and where the
@@ -27,25 +31,29 @@ def recover(group: ActorGroup, run: RunState, error: ActorDiedError, log: Callab
             node was lost and no other can hold them); names the lost nodes and what they held.
     """
     config = group.config
-    if run.restarts >= config.max_restarts:
+    placed = dict(group.nodes)
+    gone = nodes.unreachable(placed)
+    decision = policy.after_death(run, gone)
+    if decision.action == "raise":
         where = restore_point(config.checkpoint_dir, run)
         raise ActorDiedError(
-            f"{error} -- after {run.restarts} restarts (TrainConfig.max_restarts="
-            f"{config.max_restarts}); last checkpoint: {where[0] if where else 'none'}",
+            f"{error} -- {decision.reason}; last checkpoint: {where[0] if where else 'none'}",
             actor=error.actor,
             cause=error.cause,
         ) from None
     run.restarts += 1
     started = time.monotonic()
     log(f"raypipe: {error}; restart {run.restarts} of {config.max_restarts}")
-    placed = dict(group.nodes)
-    gone = nodes.unreachable(placed)
-    held = replicas.take(group, gone, run.step_count, log)  # before the survivors stop
+    held = None
+    if decision.restore == "replicas":
+        held = replicas.take(group, gone, run.step_count, log)  # before the survivors stop
+    elif config.dp > 1:
+        log(f"raypipe: not restoring from the surviving replicas: {decision.reason}")
     group.shutdown()
     if gone:
         log(f"raypipe: lost {nodes.describe(placed, gone)}; placing its actors on other nodes")
     try:
-        if gone and config.elastic:  # no node to take them within replace_wait: go on with fewer
+        if decision.place == "elastic":  # no node to take them within replace_wait: go on with fewer
             elastic.place(group, placed, gone, log)
         else:
             group.start()

@@ -7,9 +7,9 @@ the p2p engine would, write due checkpoints themselves (the driver prepares thei
 before the run and commits each when it books its step) and report to the board
 (`raypipe.actors.step_board`). A run ends early only where every actor agrees it does: a failed
 step, a non-finite step that stops the run, a checkpoint an actor could not write, or a stop the
-driver asks for (`request_stop`). Each step comes back to `fitting` as a `Submitted` whose
+driver asks for (`request_stop`). Each step comes back to the fit loop as a `Submitted` whose
 wait gives the same `StepResult` a p2p step gives, so booking, checkpoints, recovery and
-interrupts are `fitting`'s, unchanged."""
+interrupts are the loop's, unchanged (`sources.ActorRunSteps`)."""
 
 from __future__ import annotations
 
