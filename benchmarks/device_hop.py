@@ -42,7 +42,7 @@ class End:
         return rendezvous_address()
 
     def info(self):
-        from raypipe.actors.model import gpu_identity
+        from raypipe.actors.stage_model import gpu_identity
 
         return {
             "device": str(self.device),

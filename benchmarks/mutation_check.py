@@ -214,7 +214,7 @@ MUTATIONS = [
     ),
     Mutation(
         "gang-placement",
-        "raypipe/driver/placement.py",
+        "raypipe/driver/cluster/placement.py",
         "            gang.reserve(\n",
         "            None and gang.reserve(\n",
         ("tests/cluster/test_gang.py::test_a_waiting_trainer_holds_nothing_and_strict_spread_needs_a_node_per_actor",),
@@ -271,7 +271,7 @@ MUTATIONS = [
     ),
     Mutation(
         "nccl-shared-gpu",
-        "raypipe/driver/links.py",
+        "raypipe/driver/links/ways.py",
         'return "nccl" if all(cuda) and not shares_gpu(infos, [a, b]) else None',
         'return "nccl" if all(cuda) else None',
         ("tests/parity/test_device_links.py",),

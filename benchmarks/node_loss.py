@@ -34,7 +34,7 @@ import tempfile
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent.parent / "tests"
-sys.path.insert(0, str(TESTS))
+sys.path[:0] = [str(TESTS), str(TESTS / "cluster"), str(TESTS / "recovery")]  # support modules; tests it drives
 
 from test_netns_cluster import LOSS_RUN, PRELUDE, drive  # noqa: E402
 

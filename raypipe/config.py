@@ -160,10 +160,10 @@ class TrainConfig:
             restoring the last checkpoint, before it gives up.
         restore_from_replicas: after a loss with dp > 1, the new actors take the surviving
             replicas' weights and optimizer state from memory when they hold the whole model
-            (`raypipe.driver.replicas`): the failed step runs again and none is replayed. False
+            (`raypipe.driver.run.replicas`): the failed step runs again and none is replayed. False
             (or ZeRO, or dp = 1): always the last checkpoint.
         elastic: when a node is lost and no node takes its actors within `replace_wait`, go on
-            with what is left (`raypipe.driver.elastic`): fewer dp replicas (the global batch kept
+            with what is left (`raypipe.driver.run.elastic`): fewer dp replicas (the global batch kept
             by more microbatches) or fewer pipeline stages (the layers split again), from the
             surviving replicas (`restore_from_replicas`) or the last checkpoint; grow back to this
             config at a checkpoint once a node joins. Needs max_restarts >= 1 (each shrink or

@@ -27,11 +27,11 @@ from raypipe.transport.compress import CODECS
 SCHEDULE_NAMES = (*SCHEDULES, "auto")  # auto: chosen from profiled layers (`raypipe.planning.autoschedule`)
 ENGINES = ("refs", "p2p", "compiled")
 SAME_NODE_TRANSPORTS = ("shm", "gloo")
-DEVICE_LINKS = ("auto", "nccl", "host")  # raypipe.driver.links
+DEVICE_LINKS = ("auto", "nccl", "host")  # raypipe.driver.links.ways
 PARTITION_NAMES = ("uniform", "parameters", "profile")
 PRECISIONS = ("fp32", "bf16", "fp16")
 NONFINITE_POLICIES = ("error", "skip")
-PLACEMENTS = ("pack", "spread", "strict_spread")  # raypipe.driver.gang.STRATEGIES
+PLACEMENTS = ("pack", "spread", "strict_spread")  # raypipe.driver.cluster.gang.STRATEGIES
 
 
 def validate(c: Any) -> None:

@@ -290,7 +290,7 @@ def named_view(layer: nn.Module) -> nn.Module:
     prefixes = getattr(layer, "prefixes", None)
     if not prefixes:
         return layer
-    from raypipe.models.hf.layers import checkpoint_key
+    from raypipe.models.hf.causal_lm_layers import checkpoint_key
 
     root = nn.Module()
     for name, child in layer.named_children():
@@ -309,7 +309,7 @@ def _take_back(layer: nn.Module, view: nn.Module) -> None:
     that is one of the layer's own children, such as a head)."""
     if view is layer:
         return
-    from raypipe.models.hf.layers import checkpoint_key
+    from raypipe.models.hf.causal_lm_layers import checkpoint_key
 
     for name, child in list(layer.named_children()):
         now = view.get_submodule(checkpoint_key(layer.prefixes, name + ".").rstrip("."))

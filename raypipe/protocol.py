@@ -93,7 +93,7 @@ class WorldSpec:
         ep_group: the ranks its MoE layers exchange tokens with; expert_group: the replicas
             holding the same experts (ep > 1 only).
         streams: (index in `groups`, sender, receiver, sending virtual stage, "F" or "G") for each
-            device link stream it is in (`raypipe.driver.links`).
+            device link stream it is in (`raypipe.driver.links.ways`).
     """
 
     address: str

@@ -19,16 +19,12 @@ import torch
 
 from raypipe.checkpoint import lock as root_lock
 from raypipe.config import TrainConfig, check_reconfigurable
-from raypipe.driver import (
-    chunks,
-    inference,
-    link_planning,
-    planned,
-    registry,
-    weights,
-)
+from raypipe.driver import chunks, planned, whole_weights
+from raypipe.driver.actor_group import ActorGroup
+from raypipe.driver.cluster import live_trainers
 from raypipe.driver.feeds import make_feed
-from raypipe.driver.group import ActorGroup
+from raypipe.driver.inference import forward
+from raypipe.driver.links import replan
 from raypipe.driver.run import controller
 from raypipe.driver.run import step as one_step
 from raypipe.driver.run_state import RunState
@@ -92,7 +88,7 @@ class Trainer:
         self.model, loss_fn, self.specs, config = resolve(layers, loss_fn, config)
         run_name = config.name or f"run-{uuid.uuid4().hex[:8]}"
         #: this process's hold on `config.checkpoint_dir` while the trainer lives (`raypipe.checkpoint.lock`)
-        self.root_lock = registry.hold_root(config.checkpoint_dir, run_name, self)  # released with the trainer
+        self.root_lock = live_trainers.hold_root(config.checkpoint_dir, run_name, self)  # released with the trainer
         try:
             self._start(config, loss_fn, sample, run_name, log)
         except BaseException:
@@ -110,11 +106,11 @@ class Trainer:
         self.state = RunState(
             run_name, uuid.uuid4().hex, Loggers(config, run_name, lambda: run_params(self.config, run_name, self.plan))
         )
-        registry.replace_same_name(run_name, self)
+        live_trainers.replace_same_name(run_name, self)
         self.group.start()  # and measures the links between its stages (`config.probe_links`)
-        registry.add(self)
+        live_trainers.add(self)
         if report is not None:  # a profiled plan: made again for the links measured
-            link_planning.follow_links(self.group, asked, log)
+            replan.follow_links(self.group, asked, log)
         if config.resume is not False:
             try:
                 self.load(config.checkpoint_dir, step=None if config.resume is True else config.resume, log=log)
@@ -236,12 +232,12 @@ class Trainer:
     def evaluate(self, x: torch.Tensor, y: Any) -> float:
         """The mean loss on `(x, y)` without training (eval mode, no gradients, weights unchanged)."""
         with self.group.whole_weights():
-            return inference.evaluate(self.group, x, y)
+            return forward.evaluate(self.group, x, y)
 
     def predict(self, x: torch.Tensor) -> torch.Tensor:
         """The model's output for `x` (eval mode, no gradients), run through the pipeline."""
         with self.group.whole_weights():
-            return inference.predict(self.group, x)
+            return forward.predict(self.group, x)
 
     def timeline(self, planned: bool = False) -> Timeline:
         """The last step's schedule as each stage ran it (from the actors' own timestamps), with
@@ -291,8 +287,8 @@ class Trainer:
     ) -> torch.Tensor:
         """The prompt `input_ids` followed by up to `max_new_tokens` tokens generated through the
         pipeline: greedy by default, else sampled at `temperature` from the `top_k` most likely
-        (`raypipe.driver.generation`). The model's output must be logits (batch, sequence, vocab)."""
-        from raypipe.driver.generation import generate
+        (`raypipe.driver.inference.generation`). The model's output must be logits (batch, sequence, vocab)."""
+        from raypipe.driver.inference.generation import generate
 
         sampling = (max_new_tokens, temperature, top_k, self.model.kv_cache, self.config.step_timeout)
         with self.group.whole_weights():
@@ -302,10 +298,10 @@ class Trainer:
         """The full model's weights, keyed as `nn.Sequential(*layers).state_dict()` (`keys="transformers"`:
         a transformers model's by transformers' own names), tp shards and ep experts merged."""
         with self.group.whole_weights():
-            state = weights.merged_replicas(
+            state = whole_weights.merged_replicas(
                 self.topology.grid(self.group.actors), "state_dict", self.config.tp, self.config.ep
             )
-        return weights.named(state, keys, self.model, self.specs)
+        return whole_weights.named(state, keys, self.model, self.specs)
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Loads full-model weights (keys as `state_dict()` gives them) into every stage.
@@ -313,14 +309,14 @@ class Trainer:
         Raises:
             KeyError: a key names no layer of this model, or a stage's key is missing.
         """
-        load = functools.partial(weights.load_group, state=state)
+        load = functools.partial(whole_weights.load_group, state=state)
         load(self.group)
         self.state.loads.append((self.step_count, "the state dict loaded", load))  # what a recovery restores
 
     def gradients(self) -> dict[str, torch.Tensor]:
         """The last step's gradients, keyed like `state_dict()` (as the optimizer used them)."""
         with self.group.whole_weights(gradients=True):
-            return weights.merged_replicas(
+            return whole_weights.merged_replicas(
                 self.topology.grid(self.group.actors), "gradients", self.config.tp, self.config.ep
             )
 
@@ -349,14 +345,14 @@ class Trainer:
         return self.group.info()
 
     def links(self) -> list[Link]:
-        """Measures now both ways of each link between neighbouring stages on different nodes (`link_probe`)."""
+        """Measures now both ways of each link between neighbouring stages on different nodes (`links.measure`)."""
         return self.group.measure_links()
 
     def shutdown(self) -> None:
         """Stops every actor this trainer started and closes its loggers. Safe to call twice."""
         self.group.shutdown()
         self.loggers.close()
-        registry.discard(self)
+        live_trainers.discard(self)
         root_lock.release(self.root_lock)
 
     def __enter__(self) -> Trainer:

@@ -17,7 +17,7 @@ does and shipping `train_fn`'s module to the workers when it is not installed (a
 neighbour). `resources` is the trial's placement-group factory: the trial function's own bundle, then one
 bundle per actor with its CPUs and its accelerator kind's resources, so Tune starts a trial only
 when all of its pipeline fits, and a Trainer built inside the trial starts its actors in those
-bundles instead of reserving a group of its own (`raypipe.driver.gang.enclosing`). When Tune ends
+bundles instead of reserving a group of its own (`raypipe.driver.cluster.gang.enclosing`). When Tune ends
 a trial its actors end with it.
 """
 
@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from raypipe.config import TrainConfig
-from raypipe.driver.gang import STRATEGIES
+from raypipe.driver.cluster.gang import STRATEGIES
 from raypipe.observe.loggers import scalars
 
 REPORTED = ("step", "loss", "lr", "grad_norm", "step_time", "samples_per_s", "tokens_per_s")
@@ -43,8 +43,8 @@ def resources(config: TrainConfig, trial_cpus: float = 0.25) -> Any:
     import ray
     from ray.tune import PlacementGroupFactory
 
-    from raypipe.driver.placement import actor_bundles
-    from raypipe.driver.topology import Topology
+    from raypipe.driver.cluster.placement import actor_bundles
+    from raypipe.driver.cluster.topology import Topology
 
     topology = Topology(config.pp, config.dp, config.tp, config.ep)
     count = len(topology.names())

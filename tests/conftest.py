@@ -24,7 +24,7 @@ def ray_session():
     """The local Ray every in-process test shares; its node serves Prometheus text on METRICS_PORT."""
     import ray
 
-    from raypipe.driver.connect import system_config
+    from raypipe.driver.cluster.connect import system_config
 
     os.environ["RAY_metrics_report_interval_ms"] = "1000"  # metrics reach the endpoint within ~1 s
     ray.init(

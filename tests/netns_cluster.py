@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from raypipe.driver.connect import system_config
+from raypipe.driver.cluster.connect import system_config
 
 from ray_head import RAY, head_env
 

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from raypipe.actors import zero3
-from raypipe.actors.model import StageModel
 from raypipe.actors.optimizer import OptimizerState
+from raypipe.actors.stage_model import StageModel
 from raypipe.checkpoint import layout as ckpt
 from raypipe.checkpoint.storage import location, redact, scrub
 from raypipe.errors import StageError

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from raypipe.actors import zero
-from raypipe.actors.model import StageModel
 from raypipe.actors.settings import StageSettings
+from raypipe.actors.stage_model import StageModel
 from raypipe.actors.zero3 import ShardedStage
 from raypipe.optim import LossScaler, build_optimizer, learning_rate
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from raypipe.actors.memory import count_saved_bytes, weight_storages
-from raypipe.actors.model import resolve_device
+from raypipe.actors.stage_model import resolve_device
 from raypipe.devices import SERVING_ENV, detect
 from raypipe.layers import LayerSpec, build_layer, layer_seed
 from raypipe.transport.tree import tensors

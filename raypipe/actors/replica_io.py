@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from raypipe.actors.checkpoint_io import load_layer, saved_state
-from raypipe.actors.model import StageModel
 from raypipe.actors.optimizer import OptimizerState
+from raypipe.actors.stage_model import StageModel
 from raypipe.errors import StageError
 
 # the buffers a training forward changes: BatchNorm's (and its kin's) running statistics

@@ -27,12 +27,12 @@ from raypipe.actors.compiling import compile_layers, compile_report
 from raypipe.actors.executor import Executor
 from raypipe.actors.inference_passes import end_generation, generate
 from raypipe.actors.memory import max_rss_bytes, memory_split
-from raypipe.actors.model import StageModel, gpu_identity, resolve_device
 from raypipe.actors.optimizer import OptimizerState
 from raypipe.actors.refs_calls import RefsCalls, to_host
 from raypipe.actors.replica_io import rewind_running_stats
 from raypipe.actors.run_loop import RunsSteps
 from raypipe.actors.settings import StageSettings
+from raypipe.actors.stage_model import StageModel, gpu_identity, resolve_device
 from raypipe.actors.state_calls import StateCalls
 from raypipe.devices import SERVING_ENV
 from raypipe.errors import StageError
@@ -327,7 +327,7 @@ class StageActor(RefsCalls, StateCalls, ProbesLinks, RunsSteps):
     # ----- inference ------------------------------------------------------------------
 
     def generate_forward(self, x: Any, start: bool, cached: bool, v: int | None = None) -> Any:
-        """One forward of generation through chunk `v` (`raypipe.driver.generation`): the output
+        """One forward of generation through chunk `v` (`raypipe.driver.inference.generation`): the output
         (rank 0 of tp only), or on the last stage the last position's logits."""
         out = generate(self.executor, unpack(x), start, cached, v)
         return pack(to_host(out)) if self.tp.rank == 0 else None

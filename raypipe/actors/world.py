@@ -1,6 +1,6 @@
 """What a stage actor sets up once it has joined the trainer's world: the groups it is in (by
 members), its tied weights' groups, and its links to its pipeline neighbours: device streams on
-groups of their own where the driver planned them (`raypipe.driver.links`), shared memory to
+groups of their own where the driver planned them (`raypipe.driver.links.ways`), shared memory to
 neighbours on this node, gloo to the others."""
 
 from __future__ import annotations

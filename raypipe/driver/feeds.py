@@ -39,7 +39,7 @@ class FunctionFeed:
         if self.reader is None or self.reader is not self.group.reader:
             import ray
 
-            from raypipe.driver.connect import ship_user_code
+            from raypipe.driver.cluster.connect import ship_user_code
 
             c = self.group.config
             code = getattr(self.batches, "__code__", None)
@@ -132,7 +132,7 @@ class DatasetFeed:
         import ray
 
         from raypipe.actors.reader import DatasetReader
-        from raypipe.driver.placement import cpus_per_actor
+        from raypipe.driver.cluster.placement import cpus_per_actor
 
         c = group.config
         if c.engine == "refs":
@@ -154,7 +154,7 @@ class DatasetFeed:
                 f"never comes.",
                 stacklevel=3,
             )
-        from raypipe.driver.group import helper_options
+        from raypipe.driver.actor_group import helper_options
 
         self.reader = (
             ray.remote(DatasetReader)

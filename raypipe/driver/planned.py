@@ -8,9 +8,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from raypipe.config import TrainConfig
-from raypipe.driver import checkpoints, placement
-from raypipe.driver.connect import connect, ship_user_code
-from raypipe.driver.topology import Topology
+from raypipe.driver import checkpoints
+from raypipe.driver.cluster import placement
+from raypipe.driver.cluster.connect import connect, ship_user_code
+from raypipe.driver.cluster.topology import Topology
 from raypipe.layers import LayerSpec
 from raypipe.nn.plan import check_stages_split
 from raypipe.planning.autoschedule import plan_run

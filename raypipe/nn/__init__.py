@@ -4,10 +4,10 @@ vocabularies (`chunked_cross_entropy`)."""
 
 from raypipe.nn.cross_entropy import chunked_cross_entropy
 from raypipe.nn.group import TensorParallelGroup, current
-from raypipe.nn.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from raypipe.nn.moe import ExpertMLP, ExpertParallelGroup, MoE
 from raypipe.nn.plan import ColumnParallel, RowParallel, VocabParallel, parallelize, shard_specs
 from raypipe.nn.shard import ShardSpec, merge, shard
+from raypipe.nn.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 __all__ = [
     "ColumnParallel",

@@ -23,8 +23,8 @@ from torch import nn
 
 from raypipe.errors import ConfigError
 from raypipe.nn.group import TensorParallelGroup
-from raypipe.nn.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from raypipe.nn.shard import ShardSpec
+from raypipe.nn.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ plus a fixed engine cost per action. The cheapest candidate wins; every candidat
 others lost is printed. The prediction is compared with measured steps in
 `tests/parity/test_zero_bubble.py`.
 
-Once the trainer has measured the links between its stages (`raypipe.driver.link_probe`), it
+Once the trainer has measured the links between its stages (`raypipe.driver.links.measure`), it
 ranks the candidates again from the same profiles with every boundary message timed on its link
 (`rank`), and tries more forwards in flight too (`TrainConfig.extra_warmup`, 1F1B-ordered
 schedules), which keep a slow link busy while a gradient comes back.

@@ -1,5 +1,5 @@
 """A link between two neighbouring stages as the planner sees it: its measured rate and latency
-each way (`raypipe.driver.link_probe` measures them), and the time a boundary value takes on it.
+each way (`raypipe.driver.links.measure` measures them), and the time a boundary value takes on it.
 """
 
 from __future__ import annotations

@@ -110,7 +110,7 @@ def test_a_waiting_trainer_holds_nothing_and_strict_spread_needs_a_node_per_acto
 def test_a_new_actor_waits_for_the_name_of_one_just_killed(ray_session):
     """A recovery creates actors under the names of those it has just killed; Ray frees a name only
     once its GCS has seen the actor die (seen once in a full test run). `placement.created` waits."""
-    from raypipe.driver.placement import created
+    from raypipe.driver.cluster.placement import created
 
     @ray.remote(num_cpus=0)
     class Named:

@@ -57,7 +57,7 @@ def test_ray_start_takes_node_resources_output_on_a_gpu_or_mac_host(tmp_path):
 
 PRELOADED = """
 import sys, ray
-from raypipe.driver.connect import connect
+from raypipe.driver.cluster.connect import connect
 connect()  # an embedded local Ray, as a script's Trainer starts one
 @ray.remote(num_cpus=0)
 def preloaded():  # pickled by value from __main__: the worker imports nothing for it

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from raypipe import LayerSpec, PlacementError, StageError, TrainConfig, Trainer
-from raypipe.driver import links
-from raypipe.driver.topology import Topology
+from raypipe.driver.cluster.topology import Topology
+from raypipe.driver.links import ways
 from raypipe.models import gpt
 from raypipe.observe.diagram import Architecture
 from raypipe.protocol import ActorInfo
@@ -148,7 +148,7 @@ def streams_of(plan):
 def test_cuda_stages_on_their_own_gpus_link_on_the_device_one_stream_per_direction():
     topology, schedule = Topology(pp=3, dp=1, tp=1), build_schedule("1f1b", 3, 4)
     where = infos(("cuda:0", "n1", "GPU-a"), ("cuda:0", "n1", "GPU-b"), ("cuda:0", "n2", "GPU-a"))
-    plan = links.plan_links(topology, schedule, where, ["s0", "s1", "s2"], "auto")
+    plan = ways.plan_links(topology, schedule, where, ["s0", "s1", "s2"], "auto")
     assert streams_of(plan) == [
         (0, 1, 0, "F", "nccl"),
         (1, 0, 1, "G", "nccl"),
@@ -156,34 +156,34 @@ def test_cuda_stages_on_their_own_gpus_link_on_the_device_one_stream_per_directi
         (2, 1, 2, "G", "nccl"),
     ]
     assert [i for i, _ in plan.of(1)] == [0, 1, 2, 3] and [i for i, _ in plan.of(2)] == [2, 3]
-    assert links.plan_links(topology, schedule, where, ["s0", "s1", "s2"], "host").streams == []
+    assert ways.plan_links(topology, schedule, where, ["s0", "s1", "s2"], "host").streams == []
 
 
 def test_stages_sharing_a_gpu_or_of_mixed_kinds_go_through_host_memory():
     topology, schedule = Topology(pp=3, dp=1, tp=1), build_schedule("1f1b", 3, 4)
     where = infos(("cuda:0", "n1", "GPU-a"), ("cuda:0", "n1", "GPU-a"), ("mps", "n2", None))
-    assert links.plan_links(topology, schedule, where, ["s0", "s1", "s2"], "auto").streams == []
+    assert ways.plan_links(topology, schedule, where, ["s0", "s1", "s2"], "auto").streams == []
     with pytest.raises(PlacementError, match=r"s0 and s1 share one GPU.*gpus_per_actor=1.*device_links='auto'"):
-        links.plan_links(topology, schedule, where, ["s0", "s1", "s2"], "nccl")
+        ways.plan_links(topology, schedule, where, ["s0", "s1", "s2"], "nccl")
     # asked for on host stages, the streams run over gloo; a GPU to a Mac never goes on them
     cpu = infos(("cpu", "n1", None), ("cuda:0", "n1", "GPU-b"), ("mps", "n2", None))
-    assert streams_of(links.plan_links(Topology(pp=3, dp=1, tp=1), schedule, cpu, ["a", "b", "c"], "nccl")) == []
+    assert streams_of(ways.plan_links(Topology(pp=3, dp=1, tp=1), schedule, cpu, ["a", "b", "c"], "nccl")) == []
     cpus = infos(("cpu", "n1", None), ("cpu", "n1", None), ("mps", "n2", None))
-    assert {s[4] for s in streams_of(links.plan_links(topology, schedule, cpus, ["a", "b", "c"], "nccl"))} == {"gloo"}
+    assert {s[4] for s in streams_of(ways.plan_links(topology, schedule, cpus, ["a", "b", "c"], "nccl"))} == {"gloo"}
 
 
 def test_a_collective_group_with_two_members_on_one_gpu_reduces_over_gloo():
     where = infos(("cuda:0", "n1", "GPU-a"), ("cuda:0", "n1", "GPU-a"), ("cuda:0", "n2", "GPU-a"), ("mps", "n3", None))
-    assert links.group_backend(where, [0, 2]) == "nccl"  # the same GPU model on two nodes is two GPUs
-    assert links.group_backend(where, [0, 1]) == "gloo"  # NCCL: "Duplicate GPU detected"
-    assert links.group_backend(where, [2, 3]) == "gloo"
-    assert links.group_backend(infos(("cpu", "n1", None), ("cpu", "n1", None)), [0, 1]) == "gloo"
+    assert ways.group_backend(where, [0, 2]) == "nccl"  # the same GPU model on two nodes is two GPUs
+    assert ways.group_backend(where, [0, 1]) == "gloo"  # NCCL: "Duplicate GPU detected"
+    assert ways.group_backend(where, [2, 3]) == "gloo"
+    assert ways.group_backend(infos(("cpu", "n1", None), ("cpu", "n1", None)), [0, 1]) == "gloo"
 
 
 def test_each_dp_replica_and_tp_rank_gets_its_own_streams():
     topology, schedule = Topology(pp=2, dp=2, tp=2), build_schedule("1f1b", 2, 4)
     where = infos(*[("cuda:0", "n1", f"GPU-{r}") for r in range(8)])
-    plan = links.plan_links(topology, schedule, where, [str(r) for r in range(8)], "auto")
+    plan = ways.plan_links(topology, schedule, where, [str(r) for r in range(8)], "auto")
     pairs = {(s.sender, s.receiver) for s in plan.streams if s.what == "F"}
     assert pairs == {(topology.rank(d, 0, t), topology.rank(d, 1, t)) for d in range(2) for t in range(2)}
     assert len(plan.streams) == 8

@@ -12,7 +12,7 @@ import torch
 
 from raypipe import ConfigError, TrainConfig, Trainer
 from raypipe.models import hf
-from raypipe.models.hf import weights
+from raypipe.models.hf import tensor_files
 
 from hf_helpers import FAMILY_SHAPE, VOCAB, lm_batch, load, save_tiny, tiny_config
 
@@ -27,7 +27,7 @@ def file_tensors(directory):
     from safetensors import safe_open
 
     sizes = {}
-    for key, path in weights.files_by_key(directory).items():
+    for key, path in tensor_files.files_by_key(directory).items():
         with safe_open(path, framework="pt") as f:
             t = f.get_slice(key)
             sizes[key] = int(torch.Size(t.get_shape()).numel()) * {"F32": 4, "BF16": 2}[t.get_dtype()]
@@ -42,7 +42,7 @@ def llama(ray_session, tmp_path_factory):
 
     save_tiny("llama", directory)
     AutoModelForCausalLM.from_pretrained(directory).save_pretrained(directory, max_shard_size="20KB")
-    weights.last_read.clear()  # what earlier tests' one-process references read in this process
+    tensor_files.last_read.clear()  # what earlier tests' one-process references read in this process
     with Trainer(hf.from_pretrained(directory), config=TrainConfig(pp=3, **CONFIG)) as t:
         yield t, directory
 
@@ -56,7 +56,7 @@ def gpt2(ray_session, tmp_path_factory):
 
 def test_each_actor_reads_only_its_own_tensors_and_the_driver_none(llama):
     trainer, directory = llama
-    assert os.path.exists(os.path.join(directory, weights.INDEX))  # sharded: the index is honoured
+    assert os.path.exists(os.path.join(directory, tensor_files.INDEX))  # sharded: the index is honoured
     on_disk = file_tensors(directory)
     read = [info["weights_read"] for info in trainer.stage_info()]
     keys = [set(r) for r in read]
@@ -66,7 +66,7 @@ def test_each_actor_reads_only_its_own_tensors_and_the_driver_none(llama):
     names = hf.from_pretrained(directory).exporter.names(trainer.specs)
     for (start, end), mine in zip(trainer.plan, keys):  # exactly the tensors of its own layers
         assert mine == {names[k] for k in names if start <= int(k.split(".")[0]) < end}
-    assert weights.last_read == {}  # this process (the driver) read no tensor
+    assert tensor_files.last_read == {}  # this process (the driver) read no tensor
 
 
 def test_a_tied_head_reads_the_embedding_on_its_own_stage(gpt2):
@@ -83,7 +83,7 @@ def test_a_trained_model_saved_in_hf_format_loads_in_transformers_with_the_same_
     for k in range(2):
         trainer.step(*lm_batch(k))
     out = trainer.save_pretrained(str(tmp_path / "out"))
-    index = json.loads((out / weights.INDEX).read_text())
+    index = json.loads((out / tensor_files.INDEX).read_text())
     files = sorted(set(index["weight_map"].values()))
     # one file per layer, each written by its stage's actor: a stage's memory grows by a layer at most
     assert files == [f"model-{i:05d}-of-00006.safetensors" for i in range(1, 7)]
@@ -185,7 +185,7 @@ def test_the_example_jobs_train_a_llama_from_config_then_fine_tune_its_export(ra
     summary = run(second, log=lines.append)
     # it starts from the exported weights: the same validation loss, now in three stages
     assert summary["val_first"] == pytest.approx(trained["val_last"], rel=1e-5)
-    assert (tmp_path / "tuned" / weights.INDEX).exists()
+    assert (tmp_path / "tuned" / tensor_files.INDEX).exists()
 
 
 @pytest.mark.slow
@@ -282,7 +282,7 @@ def test_a_malformed_or_truncated_model_directory_is_named_before_any_actor_star
 def test_a_stage_reads_each_tensor_once_straight_into_its_parameters(tmp_path, dtype):
     """A stage holding a tied head and its embedding: the head takes the embedding's tensor instead
     of reading a copy; every weight equals transformers' own load, in the asked dtype."""
-    from raypipe.actors.model import StageModel
+    from raypipe.actors.stage_model import StageModel
     from raypipe.nn import TensorParallelGroup
 
     directory = save_tiny("gpt2", str(tmp_path / "gpt2"))
@@ -291,10 +291,10 @@ def test_a_stage_reads_each_tensor_once_straight_into_its_parameters(tmp_path, d
     embedding, head = stage.module[0], stage.module[-1]
     assert "transformer.wte.weight" in embedding.read_keys and "transformer.wte.weight" not in head.read_keys
     assert head.lm_head.weight.untyped_storage().data_ptr() == embedding.wte.weight.untyped_storage().data_ptr()
-    expected = load(directory).to(weights.DTYPES[dtype]).state_dict()
+    expected = load(directory).to(tensor_files.DTYPES[dtype]).state_dict()
     names = model.exporter.names(model.layers)
     state = stage.state_dict()
     assert {names[k] for k in state if names[k]} == set(expected) - {"lm_head.weight"}
     for key, value in state.items():
         if names[key]:
-            assert value.dtype == weights.DTYPES[dtype] and torch.equal(value, expected[names[key]]), key
+            assert value.dtype == tensor_files.DTYPES[dtype] and torch.equal(value, expected[names[key]]), key

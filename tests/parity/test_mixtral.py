@@ -85,7 +85,7 @@ def test_mixtral_at_dp2_ep2_pp2_matches_transformers(ray_session, saved, tmp_pat
 
 def test_router_jitter_is_refused():
     from raypipe import ConfigError
-    from raypipe.models.hf.moe import SparseMoeBlock
+    from raypipe.models.hf.sparse_moe import SparseMoeBlock
 
     with pytest.raises(ConfigError, match="router_jitter_noise=0.1"):
         SparseMoeBlock(tiny_mixtral(router_jitter_noise=0.1))

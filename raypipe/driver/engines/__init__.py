@@ -16,7 +16,7 @@ from collections.abc import Callable
 from raypipe.driver.engines.compiled import CompiledStep
 from raypipe.driver.engines.p2p import submit_step_p2p
 from raypipe.driver.engines.refs import run_step
-from raypipe.driver.engines.step import StepInput, StepResult, StepTarget
+from raypipe.driver.engines.step_io import StepInput, StepResult, StepTarget
 
 __all__ = ["ENGINES", "Engine", "StepInput", "StepTarget", "Wait", "make_engine"]
 

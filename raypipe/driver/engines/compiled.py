@@ -24,7 +24,7 @@ from typing import Any
 import ray
 
 from raypipe.driver.engines.p2p import ActionList
-from raypipe.driver.engines.step import StepInput
+from raypipe.driver.engines.step_io import StepInput
 from raypipe.driver.results import cause_message, root_failure
 from raypipe.errors import ActorDiedError, StageError, StepTimeoutError
 from raypipe.protocol import CompiledCall

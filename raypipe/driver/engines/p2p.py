@@ -11,7 +11,7 @@ from typing import Any
 
 import ray
 
-from raypipe.driver.engines.step import StepInput, StepResult, StepTarget
+from raypipe.driver.engines.step_io import StepInput, StepResult, StepTarget
 from raypipe.driver.results import gather, raise_if_died, root_failure, wait_for_progress
 from raypipe.driver.trace import trace_lists
 from raypipe.errors import ActorDiedError, StageError

@@ -19,7 +19,7 @@ import time
 import ray
 
 from raypipe import env
-from raypipe.driver.engines.step import StepInput, StepResult, StepTarget
+from raypipe.driver.engines.step_io import StepInput, StepResult, StepTarget
 from raypipe.driver.results import gather, wait_for_progress
 from raypipe.driver.trace import write_trace
 from raypipe.schedules import BACKWARD, FORWARD, Action, Schedule, simulate

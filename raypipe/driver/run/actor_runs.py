@@ -20,10 +20,10 @@ from typing import Any
 import ray
 
 from raypipe.driver import checkpoints
+from raypipe.driver.actor_group import ActorGroup, Submitted
+from raypipe.driver.cluster.placement import CONTROL
 from raypipe.driver.engines.p2p import action_lists
-from raypipe.driver.engines.step import StepResult
-from raypipe.driver.group import ActorGroup, Submitted
-from raypipe.driver.placement import CONTROL
+from raypipe.driver.engines.step_io import StepResult
 from raypipe.driver.results import gather, root_failure
 from raypipe.driver.run_state import RunState
 from raypipe.driver.trace import trace_lists

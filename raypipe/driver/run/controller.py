@@ -11,9 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from raypipe.driver import elastic
-from raypipe.driver.group import ActorGroup, Submitted
-from raypipe.driver.run import actor_runs
+from raypipe.driver.actor_group import ActorGroup, Submitted
+from raypipe.driver.run import actor_runs, elastic
 from raypipe.driver.run.ending import interrupted
 from raypipe.driver.run.interrupts import sigterm_as_interrupt
 from raypipe.driver.run.policy import RecoveryPolicy

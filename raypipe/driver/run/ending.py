@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from raypipe.checkpoint import layout as ckpt
-from raypipe.driver.group import ActorGroup
+from raypipe.driver.actor_group import ActorGroup
 from raypipe.driver.run.interrupts import Terminated
 from raypipe.driver.run.step import stop
 from raypipe.driver.run_state import RunState

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from raypipe.config import TrainConfig
-from raypipe.driver.replicas import why_not
+from raypipe.driver.run.replicas import why_not
 from raypipe.driver.run_state import RunState
 
 

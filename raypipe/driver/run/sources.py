@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from raypipe.driver.group import ActorGroup, Submitted
+from raypipe.driver.actor_group import ActorGroup, Submitted
 from raypipe.driver.run import actor_runs
 from raypipe.driver.run.interrupts import held_interrupts
 from raypipe.driver.run_state import RunState

@@ -15,8 +15,8 @@ from typing import Any, Literal
 from raypipe.actors.settings import stops_on_nonfinite
 from raypipe.checkpoint.layout import CheckpointError
 from raypipe.data.batches import prepare
-from raypipe.driver.engines.step import StepResult
-from raypipe.driver.group import ActorGroup, Submitted
+from raypipe.driver.actor_group import ActorGroup, Submitted
+from raypipe.driver.engines.step_io import StepResult
 from raypipe.driver.run import actor_runs
 from raypipe.driver.run.interrupts import held_interrupts
 from raypipe.driver.run_state import RunState

@@ -26,9 +26,9 @@ import torch
 from raypipe.errors import ConfigError
 from raypipe.layers import LayerSpec
 from raypipe.model import Model
-from raypipe.models.hf.layers import ConfigRef, build
+from raypipe.models.hf.causal_lm_layers import ConfigRef, build
 from raypipe.models.hf.loss import CausalLMLoss
-from raypipe.models.hf.weights import DTYPES
+from raypipe.models.hf.tensor_files import DTYPES
 
 __all__ = ["CausalLMLoss", "HFModel", "from_config", "from_model", "from_pretrained"]
 
@@ -98,7 +98,7 @@ def from_pretrained(
             f"{os.path.join(path, 'config.json')} cannot be read as a transformers config "
             f"({type(error).__name__}: {error}): save the model again."
         ) from None
-    from raypipe.models.hf.weights import check_files
+    from raypipe.models.hf.tensor_files import check_files
 
     check_files(path)  # a truncated or malformed weights file: named now, not in an actor
     return _model(config, os.path.abspath(path), dtype, attn_implementation, verify)

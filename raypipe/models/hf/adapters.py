@@ -14,7 +14,7 @@ import torch
 from raypipe.driver.results import gather
 from raypipe.errors import ConfigError
 from raypipe.lora import ADAPTER, peft_config
-from raypipe.models.hf.layers import checkpoint_key
+from raypipe.models.hf.causal_lm_layers import checkpoint_key
 
 WEIGHTS, CONFIG = "adapter_model.safetensors", "adapter_config.json"
 PREFIX = "base_model.model."

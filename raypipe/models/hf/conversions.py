@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from raypipe.models.hf import skeleton, weights
+from raypipe.models.hf import skeleton, tensor_files
 
 _sources: dict[tuple[str, int], dict[str, list[tuple[str, str | None]]]] = {}  # (directory, config) -> targets
 _lock = threading.Lock()
@@ -46,7 +46,7 @@ def sources(directory: str, config: Any) -> dict[str, list[tuple[str, str | None
 
             renamings, converters = transforms(config)
             targets: dict[str, list[tuple[str, str | None]]] = {}
-            for name in weights.files_by_key(directory):
+            for name in tensor_files.files_by_key(directory):
                 target, pattern = rename_source_key(name, renamings, converters)
                 targets.setdefault(target, []).append((name, pattern))
             _sources[key] = targets
@@ -56,21 +56,21 @@ def sources(directory: str, config: Any) -> dict[str, list[tuple[str, str | None
 def read(
     directory: str, config: Any, wanted: Iterable[str], dtype: torch.dtype, device: Any
 ) -> dict[str, torch.Tensor]:
-    """The model's tensors under `wanted` keys, read from `directory` (`weights.read`: only the
+    """The model's tensors under `wanted` keys, read from `directory` (`tensor_files.read`: only the
     checkpoint tensors they are made from) and converted as transformers converts them.
 
     Raises:
         KeyError: a key nothing in the checkpoint makes.
     """
     wanted = list(wanted)
-    where = weights.files_by_key(directory)
+    where = tensor_files.files_by_key(directory)
     if all(k in where for k in wanted):  # the common case: the checkpoint names the model's tensors
-        return weights.read(directory, wanted, dtype, device)
+        return tensor_files.read(directory, wanted, dtype, device)
     made = sources(directory, config)
     missing = [k for k in wanted if k not in made]
     if missing:
         raise KeyError(f"{directory} has no tensor that makes {missing[0]!r} (it has e.g. {sorted(where)[:3]})")
-    read_now = weights.read(directory, [s for k in wanted for s, _ in made[k]], dtype, device)
+    read_now = tensor_files.read(directory, [s for k in wanted for s, _ in made[k]], dtype, device)
     _, converters = transforms(config)
     by_pattern = {p: c for c in converters for p in c.source_patterns}
     out = {}

@@ -12,9 +12,9 @@ from typing import Any
 import torch
 
 from raypipe.layers import LayerSpec
-from raypipe.models.hf.layers import checkpoint_keys
+from raypipe.models.hf.causal_lm_layers import checkpoint_keys
 from raypipe.models.hf.skeleton import Plan, causal_lm_class
-from raypipe.models.hf.weights import INDEX
+from raypipe.models.hf.tensor_files import INDEX
 
 
 class HFExporter:
@@ -73,7 +73,7 @@ def save_shards(
     `transpose`: raypipe keys stored transposed in the checkpoint (GPT-2's Conv1D weights)."""
     from raypipe.actors.checkpoint_io import save_tensors
     from raypipe.driver.results import gather
-    from raypipe.driver.weights import merged
+    from raypipe.driver.whole_weights import merged
 
     os.makedirs(directory, exist_ok=True)
     if all(len(stage) == tp == 1 for stage in stages):  # each actor writes its layers, one file each

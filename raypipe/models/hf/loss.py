@@ -36,7 +36,7 @@ class CausalLMLoss:
             shifted = torch.nn.functional.pad(labels.to(logits.device), (0, 1), value=IGNORE)[..., 1:]
             loss = chunked_cross_entropy(logits, shifted, IGNORE)
         if stats is not None:
-            from raypipe.models.hf.moe import balancing_loss
+            from raypipe.models.hf.sparse_moe import balancing_loss
 
             loss = loss + self.router_aux_loss_coef * balancing_loss(stats, self.num_experts).to(loss.device)
         return loss

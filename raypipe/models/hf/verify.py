@@ -130,8 +130,8 @@ def _compare(config: Any) -> dict[str, Any]:
 
 def _run(tiny: Any, reference: Any) -> dict[str, Any]:
     """Both forwards on one batch, compared output by output."""
+    from raypipe.models.hf.causal_lm_layers import HFDecoderLayer, HFEmbedding, HFHead, checkpoint_keys
     from raypipe.models.hf.conversions import to_checkpoint
-    from raypipe.models.hf.layers import HFDecoderLayer, HFEmbedding, HFHead, checkpoint_keys
     from raypipe.models.hf.loss import CausalLMLoss
 
     state = reference.state_dict()

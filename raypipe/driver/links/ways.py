@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from raypipe.driver.topology import Topology
+from raypipe.driver.cluster.topology import Topology
 from raypipe.errors import PlacementError
 from raypipe.protocol import ActorInfo
 from raypipe.schedules.actions import Schedule, owners

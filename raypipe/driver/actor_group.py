@@ -16,12 +16,14 @@ from raypipe.actors.settings import StageSettings
 from raypipe.checkpoint import lock as root_lock
 from raypipe.config import TrainConfig
 from raypipe.data.batches import Prepared
-from raypipe.driver import checkpoints, chunks, link_probe, placement, registry
+from raypipe.driver import checkpoints, chunks
+from raypipe.driver.cluster import live_trainers, placement
+from raypipe.driver.cluster.topology import Topology
 from raypipe.driver.engines import Engine, StepInput, StepTarget, Wait, make_engine
 from raypipe.driver.engines.refs import submission_order
+from raypipe.driver.links import measure
 from raypipe.driver.results import gather
 from raypipe.driver.run_state import RunState
-from raypipe.driver.topology import Topology
 from raypipe.errors import RaypipeError
 from raypipe.layers import LayerSpec
 from raypipe.planning.links import Link
@@ -65,7 +67,7 @@ class ActorGroup:
         self.actors: list[Any] = []  # world-rank order
         self.placement_group: Any = None  # reserved for the actors, released with them (None in a Tune trial)
         self.nodes: dict[str, str] = {}  # actor name -> the node it runs on, kept after a node is lost
-        self.links: list[Link] = []  # between neighbouring stages, measured at each start (`link_probe`)
+        self.links: list[Link] = []  # between neighbouring stages, measured at each start (`links.measure`)
         self.engine: Engine = make_engine(config.engine)
         self.calls = 0  # step calls issued, the id of the last one
         self.report: PlanReport | None = None  # the profiled plan's report, which a shrink plans from
@@ -109,7 +111,7 @@ class ActorGroup:
             self.schedule,
             self.loss_fn,
             self.run_name,
-            lambda: registry.others_holding_actors(self),
+            lambda: live_trainers.others_holding_actors(self),
             self.model.tied,
             reserve_wait,
         )
@@ -263,9 +265,9 @@ class ActorGroup:
 
     def measure_links(self) -> list[Link]:
         """Measures both ways of each link between neighbouring stages on different nodes
-        (`link_probe`), keeps and returns them."""
+        (`links.measure`), keeps and returns them."""
         self.idle("measuring links")
-        self.links = link_probe.probe_links(self)
+        self.links = measure.probe_links(self)
         return self.links
 
     def info(self) -> list[dict[str, Any]]:

@@ -20,7 +20,7 @@ from raypipe.planning.links import Link
 def probe_links(group: Any) -> list[Link]:
     """Both directions of every link between neighbouring stages of `group` (an `ActorGroup`),
     measured where they cross nodes; in (sender, receiver) order."""
-    from raypipe.driver.placement import linked_stages, needs_world
+    from raypipe.driver.cluster.placement import linked_stages, needs_world
 
     topology, names, actors = group.topology, group.names, group.actors
     infos: list[dict[str, Any]] = []

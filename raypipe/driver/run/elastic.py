@@ -27,9 +27,11 @@ from dataclasses import dataclass
 import ray
 
 from raypipe.config import TrainConfig
-from raypipe.driver import chunks, nodes, replicas
+from raypipe.driver import chunks
+from raypipe.driver.actor_group import ActorGroup
 from raypipe.driver.checkpoints import restore_point
-from raypipe.driver.group import ActorGroup
+from raypipe.driver.cluster import nodes
+from raypipe.driver.run import replicas
 from raypipe.driver.run_state import RunState
 from raypipe.errors import ConfigError, PlacementError, RaypipeError
 from raypipe.planning.partition import first_plan

@@ -16,11 +16,12 @@ import ray
 from raypipe.actors.stage import StageActor
 from raypipe.config import TrainConfig
 from raypipe.devices import ray_options
-from raypipe.driver import gang, links
 from raypipe.driver.checkpoints import check_reachable
 from raypipe.driver.chunks import actor_chunks, actor_plan
+from raypipe.driver.cluster import gang
+from raypipe.driver.cluster.topology import Topology
+from raypipe.driver.links import ways
 from raypipe.driver.results import gather, last_line
-from raypipe.driver.topology import Topology
 from raypipe.errors import PlacementError, StageError
 from raypipe.layers import LayerSpec
 from raypipe.model import tied_stages
@@ -301,7 +302,7 @@ def join_world(
     Each actor is in one dp group (its stage and tp rank across replicas) and one tp
     group (its stage's ranks within its replica); the groups overlap in membership.
     `shared`: (tied group index, its stages) for each weight tied across stages; the
-    holders of each (replica, tp rank) get a group of their own. Device links (`links.plan_links`)
+    holders of each (replica, tp rank) get a group of their own. Device links (`ways.plan_links`)
     get a two-rank group per stream, after all the others. `infos`: each actor's `info()`.
     """
     pp, tp = topology.pp, topology.tp
@@ -313,8 +314,8 @@ def join_world(
     ]
     groups = [g for g in dp_groups + tp_groups if len(g) > 1] + [ranks for _, ranks in tied_groups]
     groups += [list(g) for g in topology.expert_groups() if len(g) > 1 and list(g) not in groups]
-    backends = [links.group_backend(infos, g) for g in groups]
-    device_links = links.plan_links(topology, schedule, infos, names, config.device_links)
+    backends = [ways.group_backend(infos, g) for g in groups]
+    device_links = ways.plan_links(topology, schedule, infos, names, config.device_links)
     first_stream = len(groups)
     groups += [s.ranks for s in device_links.streams]
     backends += [s.backend for s in device_links.streams]

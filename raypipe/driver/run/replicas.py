@@ -27,8 +27,8 @@ from typing import Any
 import ray
 
 from raypipe.config import TrainConfig
-from raypipe.driver.group import ActorGroup
-from raypipe.driver.placement import CONTROL
+from raypipe.driver.actor_group import ActorGroup
+from raypipe.driver.cluster.placement import CONTROL
 from raypipe.driver.results import gather
 from raypipe.errors import ActorDiedError, RaypipeError
 from raypipe.protocol import HeldState

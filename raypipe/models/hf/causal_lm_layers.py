@@ -11,7 +11,7 @@ embedding its scale, a decoder layer its masks and rotary embedding for its laye
 its logits' soft-cap or scale (`skeleton.embed`, `layer_inputs`, `head_logits`).
 
 Layers are built on the actor that runs them (`build`): from a checkpoint, each is made on
-the meta device and takes the tensors read for it as its parameters (`weights.read`: its own
+the meta device and takes the tensors read for it as its parameters (`tensor_files.read`: its own
 tensors only, in its dtype, on its stage's device); from a config, it is initialised by
 transformers' own `_init_weights`.
 """
@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 from raypipe import layers
-from raypipe.models.hf import conversions, skeleton, weights
-from raypipe.models.hf.moe import SparseMoeBlock, add_stats, is_moe, router_stats, routing_stats
+from raypipe.models.hf import conversions, skeleton, tensor_files
+from raypipe.models.hf.sparse_moe import SparseMoeBlock, add_stats, is_moe, router_stats, routing_stats
 
 
 class HFEmbedding(nn.Module):
@@ -226,16 +226,16 @@ def build(kind: str, ref: ConfigRef, index: int | None, source: str | None, dtyp
         module.to_empty(device=device)
         skeleton.initialise(module, config)
         _put_buffers(module, buffers, device)
-        return module.to(weights.DTYPES[dtype])
+        return module.to(tensor_files.DTYPES[dtype])
     keys = checkpoint_keys(module, tied=bool(getattr(config, "tie_word_embeddings", False)))
-    tensors = conversions.read(source, config, keys.values(), weights.DTYPES[dtype], device)
+    tensors = conversions.read(source, config, keys.values(), tensor_files.DTYPES[dtype], device)
     # the tensors read become the parameters: nothing allocated twice, nothing initialised in vain
     module.load_state_dict({local: tensors[key] for local, key in keys.items()}, strict=True, assign=True)
     del tensors
     state = module.state_dict(keep_vars=True)
     loading.keep({key: state[local] for local, key in keys.items()})
     _put_buffers(module, {n: b for n, b in buffers.items() if n not in state}, device)
-    module.read_keys = dict(weights.last_read)  # what this layer read, for `StageActor.info`
+    module.read_keys = dict(tensor_files.last_read)  # what this layer read, for `StageActor.info`
     return module
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from raypipe.config import TrainConfig
-from raypipe.driver.group import ActorGroup
+from raypipe.driver.actor_group import ActorGroup
 from raypipe.planning.autoschedule import plan_for_links
 from raypipe.planning.links import link_map
 
