@@ -323,7 +323,7 @@ class Trainer:
     def reconfigure(self, **changes: Any) -> None:
         """Changes training settings between steps, keeping the actors and weights.
 
-        Fields: those in `raypipe.config_checks.RECONFIGURABLE` (microbatches, schedule, optimizer,
+        Fields: those in `raypipe.config.validation.RECONFIGURABLE` (microbatches, schedule, optimizer,
         precision, zero, ... and the timeout, checkpoint, restart and non-finite policies). Optimizer
         state is kept while the optimizer's name stays (hyperparameters updated in place).
 

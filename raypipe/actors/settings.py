@@ -1,5 +1,5 @@
 """The settings a stage actor trains by, which a running trainer may change between steps
-(`Trainer.reconfigure`; which `TrainConfig` fields may change: `raypipe.config_checks.RECONFIGURABLE`)."""
+(`Trainer.reconfigure`; which `TrainConfig` fields may change: `raypipe.config.validation.RECONFIGURABLE`)."""
 
 from __future__ import annotations
 

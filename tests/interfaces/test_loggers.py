@@ -10,6 +10,7 @@ import pytest
 from torch import nn
 
 from raypipe import ConfigError, TrainConfig, Trainer
+from raypipe.config import loggers as logger_table
 from raypipe.observe import loggers as loggers_module
 
 from helpers import MLP7, batch
@@ -147,7 +148,7 @@ def test_bad_loggers_are_refused_naming_the_fix(loggers, message):
 
 
 def test_a_logger_that_is_not_installed_names_the_extra(monkeypatch):
-    monkeypatch.setitem(loggers_module.LOGGERS, "wandb", ("raypipe_no_such_module", "wandb", ("mode",)))
+    monkeypatch.setitem(logger_table.LOGGERS, "wandb", ("raypipe_no_such_module", "wandb", ("mode",)))
     with pytest.raises(
         ConfigError, match=r"needs the raypipe_no_such_module package.*pip install 'raypipe-train\[wandb\]'"
     ):

@@ -69,4 +69,4 @@ def test_the_check_sees_a_forbidden_import(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("def f():\n    from raypipe.driver.run import controller\n")
     assert within("raypipe.driver.run.controller", DRIVER_SIDE) and "raypipe.driver.run.controller" in imports(bad)
-    assert package_of("raypipe.driver.engines.p2p") == "raypipe.driver" and package_of("raypipe.config.X") is None
+    assert package_of("raypipe.driver.engines.p2p") == "raypipe.driver" and package_of("raypipe.errors") is None

@@ -54,12 +54,11 @@ def test_the_readme_is_short_and_links_every_guide():
 def test_the_configuration_guide_is_generated_from_trainconfig():
     import dataclasses
 
-    from raypipe import config_docs
-    from raypipe.config import TrainConfig
+    from raypipe.config import TrainConfig, guide
 
-    documented = config_docs.field_docs()
+    documented = guide.field_docs()
     assert [f.name for f in dataclasses.fields(TrainConfig) if not documented.get(f.name)] == []
     assert set(documented) <= {f.name for f in dataclasses.fields(TrainConfig)}, "a documented field that is gone"
-    assert set(config_docs.RECONFIGURABLE) <= set(documented), "a reconfigurable field that is gone"
-    text = config_docs.GUIDE.read_text()
-    assert config_docs.rendered(text) == text, "docs/configuration.md is stale: python -m raypipe.config_docs"
+    assert set(guide.RECONFIGURABLE) <= set(documented), "a reconfigurable field that is gone"
+    text = guide.GUIDE.read_text()
+    assert guide.rendered(text) == text, "docs/configuration.md is stale: python -m raypipe.config.guide"

@@ -15,7 +15,25 @@ from raypipe.job import JobConfig
 def test_defaults_are_valid_and_printable():
     cfg = TrainConfig()
     assert cfg.pp == 1 and cfg.schedule == "1f1b"
-    assert yaml.safe_load(str(cfg))["optimizer"] == {"name": "adamw", "lr": 1e-3}
+    assert yaml.safe_load(str(cfg))["optim"]["optimizer"] == {"name": "adamw", "lr": 1e-3}
+
+
+def test_every_field_is_in_one_section_and_the_sections_read_back():
+    from raypipe.config import SECTIONS
+
+    listed = [name for names in SECTIONS.values() for name in names]
+    assert sorted(listed) == sorted(TrainConfig.field_names())  # each field once, none left out
+    assert not set(SECTIONS) & set(listed)  # a section named as a field could not be reached
+    cfg = TrainConfig(pp=2, microbatches=4, checkpoint_dir="ck", checkpoint_every=5, loggers=[])
+    assert cfg.parallel.pp == 2 and cfg.pipeline.microbatches == 4 and cfg.pipeline.schedule == "1f1b"
+    assert dict(cfg.checkpoint)["checkpoint_every"] == 5 and cfg.recovery.max_restarts == 0
+    assert TrainConfig.from_dict(yaml.safe_load(str(cfg))) == cfg  # the printout, in sections, reads back
+    with pytest.raises(AttributeError, match="its fields: pp, dp"):
+        _ = cfg.parallel.microbatches
+    with pytest.raises(AttributeError, match="read-only"):
+        cfg.parallel.pp = 3
+    with pytest.raises(AttributeError, match="no field or section 'paralel'"):
+        _ = cfg.paralel
 
 
 @pytest.mark.parametrize(

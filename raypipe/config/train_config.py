@@ -2,7 +2,8 @@
 
 Every field is checked when the config is built, and a bad value raises
 `ConfigError` naming the field, the value and the fix. YAML files may group
-fields in sections (`parallel: {pp: 2}`); the field names stay the same.
+fields in sections (`parallel: {pp: 2}`, the sections of `raypipe.config.sections` or any
+other name); the field names stay the same.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import yaml
 
 from raypipe.checkpoint.storage import redact_values
 from raypipe.checks import nearest
-from raypipe.config_checks import RECONFIGURABLE, validate
+from raypipe.config.sections import SECTIONS, SectionView
+from raypipe.config.validation import RECONFIGURABLE, validate
 from raypipe.errors import ConfigError
 from raypipe.schedules import SCHEDULES
 
@@ -249,6 +251,12 @@ class TrainConfig:
     def __post_init__(self) -> None:
         validate(self)  # raises ConfigError naming the field, the value and the fix
 
+    def __getattr__(self, name: str) -> SectionView:
+        """A section of the fields, read-only (`config.parallel.pp`; `SECTIONS` lists them)."""
+        if name in SECTIONS:
+            return SectionView(self, name)
+        raise AttributeError(f"TrainConfig has no field or section {name!r}")
+
     def num_chunks(self) -> int:
         """Model chunks per actor: the schedule's own, or `chunks` where it lets the config choose
         (1 for "auto" until the trainer has chosen)."""
@@ -316,7 +324,10 @@ class TrainConfig:
         return dataclasses.replace(self, **changes)
 
     def __str__(self) -> str:
-        return yaml.safe_dump(self.to_dict(), sort_keys=False).rstrip()
+        """The fields as YAML in their sections, which `from_yaml` reads back."""
+        flat = self.to_dict()
+        grouped = {section: {name: flat[name] for name in names} for section, names in SECTIONS.items()}
+        return yaml.safe_dump(grouped, sort_keys=False).rstrip()
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:

@@ -19,8 +19,8 @@ from raypipe.checks import (
     fail,
     is_int,
 )
+from raypipe.config.loggers import check_loggers
 from raypipe.errors import ScheduleError
-from raypipe.observe.loggers import check_loggers
 from raypipe.schedules import SCHEDULES, build_schedule
 from raypipe.transport.compress import CODECS
 

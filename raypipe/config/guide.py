@@ -1,10 +1,11 @@
 """The configuration guide's table of `TrainConfig` fields, made from the class itself: each
-field's meaning from its docstring's `Attributes:` section, its default from the dataclass,
+field in its section (`sections`), its meaning from the docstring's `Attributes:` section, its
+default from the dataclass,
 whether `Trainer.reconfigure` may change it from `RECONFIGURABLE`. One source: a field
 documented nowhere else can never be documented wrongly elsewhere.
 
-    python -m raypipe.config_docs            # rewrites the table in docs/configuration.md
-    python -m raypipe.config_docs --check    # exits 1 when the guide is out of date
+    python -m raypipe.config.guide            # rewrites the table in docs/configuration.md
+    python -m raypipe.config.guide --check    # exits 1 when the guide is out of date
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ import re
 import sys
 from pathlib import Path
 
-from raypipe.config import TrainConfig
-from raypipe.config_checks import RECONFIGURABLE
+from raypipe.config.sections import SECTIONS
+from raypipe.config.train_config import TrainConfig
+from raypipe.config.validation import RECONFIGURABLE
 
-GUIDE = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
-BEGIN = "<!-- the table below is generated from TrainConfig: python -m raypipe.config_docs -->"
+GUIDE = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
+BEGIN = "<!-- the table below is generated from TrainConfig: python -m raypipe.config.guide -->"
 END = "<!-- end of the generated table -->"
 
 
@@ -43,12 +45,15 @@ def default_of(f: dataclasses.Field) -> str:
 
 
 def table() -> str:
-    """The markdown table: field, default, reconfigurable, meaning."""
-    docs = field_docs()
-    rows = ["| field | default | reconfigure | meaning |", "|---|---|---|---|"]
-    for f in dataclasses.fields(TrainConfig):
-        meaning = docs.get(f.name, "").replace("|", "\\|")
-        rows.append(f"| `{f.name}` | {default_of(f)} | {'yes' if f.name in RECONFIGURABLE else ''} | {meaning} |")
+    """The markdown table, one row per field in its section's order (`SECTIONS`): section, field,
+    default, reconfigurable, meaning."""
+    docs, fields = field_docs(), {f.name: f for f in dataclasses.fields(TrainConfig)}
+    rows = ["| section | field | default | reconfigure | meaning |", "|---|---|---|---|---|"]
+    for section, names in SECTIONS.items():
+        for name in names:
+            meaning = docs.get(name, "").replace("|", "\\|")
+            again = "yes" if name in RECONFIGURABLE else ""
+            rows.append(f"| {section} | `{name}` | {default_of(fields[name])} | {again} | {meaning} |")
     return "\n".join(rows)
 
 
@@ -62,7 +67,7 @@ def main(argv: list[str]) -> int:
     text = GUIDE.read_text()
     if "--check" in argv:
         if rendered(text) != text:
-            print(f"{GUIDE} is out of date: run python -m raypipe.config_docs", file=sys.stderr)
+            print(f"{GUIDE} is out of date: run python -m raypipe.config.guide", file=sys.stderr)
             return 1
         return 0
     GUIDE.write_text(rendered(text))
