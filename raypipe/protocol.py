@@ -133,6 +133,37 @@ class StepCall:
     varying: bool = False  # the step's microbatches differ in shape: boundary messages describe themselves
     weights: Any = None  # last stage: each microbatch's loss weight (`Executor.forward`), or None
 
+    @classmethod
+    def for_stage(
+        cls,
+        *,
+        call_id: int,
+        step: int,
+        actions: list,
+        peers: list,
+        batch: tuple[Any, Any],
+        weights: Any,
+        varying: bool,
+        holds_first: bool,
+        holds_last: bool,
+        after: int | None = None,
+    ) -> StepCall:
+        """The one way a step's call is made (p2p engine, compiled graph, actor-driven run): the
+        replica's `batch` (inputs, targets) and loss `weights` cut to what the actor's virtual
+        stages use, the inputs for the first stage's holder, targets and weights for the last's."""
+        inputs, targets = batch
+        return cls(
+            call_id=call_id,
+            step=step,
+            actions=actions,
+            inputs=inputs if holds_first else None,
+            targets=targets if holds_last else None,
+            peers=peers,
+            after=after,
+            varying=varying,
+            weights=weights if holds_last else None,
+        )
+
 
 @dataclass(frozen=True)
 class CompiledCall:
@@ -150,16 +181,16 @@ class CompiledCall:
     def for_actor(self, name: str, replica: int, holds_first: bool, holds_last: bool) -> StepCall:
         """The `StepCall` the p2p engine would have sent the actor `name` of `replica`."""
         actions, peers = self.lists[name]
-        return StepCall(
+        return StepCall.for_stage(
             call_id=self.call_id,
             step=self.step,
             actions=actions,
-            inputs=self.inputs[replica] if holds_first else None,
-            targets=self.targets[replica] if holds_last else None,
             peers=peers,
-            after=None,
+            batch=(self.inputs[replica], self.targets[replica]),
+            weights=self.weights[replica],
             varying=self.varying,
-            weights=self.weights[replica] if holds_last else None,
+            holds_first=holds_first,
+            holds_last=holds_last,
         )
 
 

@@ -63,19 +63,18 @@ class RunsSteps:
                             f"the batch of step {step + 1} could not be made: {type(batch).__name__}: {batch}"
                         )
                     )
-                inputs, targets = batch.packed[call.replica]
-                weights = batch.weights[call.replica] if batch.weights is not None and self.is_last else None
+                weights = batch.weights[call.replica] if batch.weights is not None else None
                 report = self.run_actions(
-                    StepCall(
+                    StepCall.for_stage(
                         call_id=call.call_id + i,
                         step=step,
                         actions=call.actions,
-                        inputs=inputs if self.holds_first else None,
-                        targets=targets if self.is_last else None,
                         peers=call.peers,
-                        after=None,
-                        varying=batch.varying,
+                        batch=batch.packed[call.replica],
                         weights=weights,
+                        varying=batch.varying,
+                        holds_first=self.holds_first,
+                        holds_last=self.is_last,
                     )
                 )
                 last = i + 1 == call.steps or self.stop_voted
@@ -88,7 +87,14 @@ class RunsSteps:
                 if call.reports or saved is not None:
                     told_since = told_since if told else now
                     # the step's time, from the end of the one before, on this actor
-                    told.append((step, call.rank, *_told(report, saved, batch, weights, last), now - ended))
+                    told.append(
+                        (
+                            step,
+                            call.rank,
+                            *_told(report, saved, batch, weights if self.is_last else None, last),
+                            now - ended,
+                        )
+                    )
                 ended = now
                 # fast steps' reports go a few in one call; a slow step's at once (the driver's timeout)
                 if told and (len(told) == CHUNK or last or now - told_since > REPORT_EVERY_S):

@@ -59,19 +59,18 @@ def submit_step_p2p(
         batches.append((batch, labels))
     runs = []
     for lst in lists:
-        batch, labels = batches[lst.replica]
-        weights = data.weights[lst.replica] if data.weights is not None and lst.holds_last else None
         ref = lst.actor.run_actions.remote(
-            StepCall(
+            StepCall.for_stage(
                 call_id=call_id,
                 step=step,
                 actions=lst.actions,
-                inputs=batch if lst.holds_first else None,
-                targets=labels if lst.holds_last else None,
                 peers=lst.peers,
-                after=after,
+                batch=batches[lst.replica],
+                weights=data.weights[lst.replica] if data.weights is not None else None,
                 varying=data.varying,
-                weights=weights,
+                holds_first=lst.holds_first,
+                holds_last=lst.holds_last,
+                after=after,
             )
         )
         runs.append((ref, lst))
