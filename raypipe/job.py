@@ -408,7 +408,7 @@ def stop_code(stop: KeyboardInterrupt) -> int:
     """A job stopped by Ctrl-C or SIGTERM (`ray job stop`) ends without a traceback: `fit` has said
     in one line where it saved (else this says it stopped), and the exit code is the shell's for
     the signal (130 for SIGINT, 143 for SIGTERM)."""
-    from raypipe.driver.interrupts import Terminated
+    from raypipe.driver.run.interrupts import Terminated
 
     terminated = isinstance(stop, Terminated)
     if not getattr(stop, "reported", False):
