@@ -70,3 +70,29 @@ def test_the_check_sees_a_forbidden_import(tmp_path):
     bad.write_text("def f():\n    from raypipe.driver.run import controller\n")
     assert within("raypipe.driver.run.controller", DRIVER_SIDE) and "raypipe.driver.run.controller" in imports(bad)
     assert package_of("raypipe.driver.engines.p2p") == "raypipe.driver" and package_of("raypipe.errors") is None
+
+
+def test_every_raypipe_import_names_a_module_and_a_name_that_exist():
+    """A function-local import of a moved module fails only when its line runs (a job's SIGTERM
+    path did, once): every `from raypipe... import x` in the package, the tests, the benchmarks and
+    the examples must name an existing module and an existing name or submodule in it."""
+    import importlib
+
+    root = PACKAGE.parent
+    stale = []
+    for path in [*PACKAGE.rglob("*.py"), *(root / "tests").rglob("*.py"), *(root / "benchmarks").rglob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("raypipe")):
+                continue
+            try:
+                module = importlib.import_module(node.module)
+            except ImportError:
+                stale.append(f"{path.relative_to(root)}:{node.lineno}: {node.module}")
+                continue
+            for alias in node.names:
+                if alias.name != "*" and not hasattr(module, alias.name):
+                    try:
+                        importlib.import_module(f"{node.module}.{alias.name}")
+                    except ImportError:
+                        stale.append(f"{path.relative_to(root)}:{node.lineno}: {node.module}.{alias.name}")
+    assert not stale, stale
