@@ -12,6 +12,7 @@ trial is the one with the lowest mean loss over its last 10 steps.
 from __future__ import annotations
 
 import argparse
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +43,16 @@ def sweep(
         tune_config=tune.TuneConfig(metric="loss", mode="min"),
         run_config=tune.RunConfig(name="lr-sweep", storage_path=str(Path(storage).resolve()), verbose=0),
     )
-    return tuner.fit()
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGUSR1)}
+    try:
+        return tuner.fit()
+    finally:
+        # Tune installs its own Ctrl-C handler and leaves it after a sweep that ends normally
+        # (ray.tune.tune._setup_signal_catching): the next Ctrl-C in this process, a notebook's stop
+        # button while a Trainer trains, would only set Tune's stale flag. Put the previous ones back.
+        for s, handler in before.items():
+            if handler is not None:
+                signal.signal(s, handler)
 
 
 def main() -> None:
