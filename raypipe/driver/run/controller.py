@@ -75,7 +75,12 @@ class FitLoop:
         self.queue: list[Submitted] = []  # submitted, not yet booked; the first is the oldest
         self.restored = run.step_count  # the oldest step a recovery may replay from (the last checkpoint)
         self.history: list[dict[str, Any]] = []
-        self.state = "shrunk" if group.shrunk is not None else "running"
+        self.phase: str | None = None  # "recovering" or "stopping" while it lasts
+
+    @property
+    def state(self) -> str:
+        """ "running", "recovering", "shrunk" (an elastic run on fewer actors) or "stopping"."""
+        return self.phase or ("shrunk" if self.group.shrunk is not None else "running")
 
     def run_to_end(self) -> list[dict[str, Any]]:
         stopped_by: BaseException | None = None
@@ -87,7 +92,7 @@ class FitLoop:
                     if metrics is not None:
                         self.booked(metrics)
         except BaseException as error:
-            stopped_by, self.state = error, "stopping"
+            stopped_by, self.phase = error, "stopping"
             raise
         finally:
             settle(self.group, self.run, self.queue)
@@ -113,9 +118,9 @@ class FitLoop:
             metrics["checkpoint"] = self.retry_save(outcome.error)
         else:  # "died": its calls end with the actors being replaced
             self.queue.clear()
-            self.state = "recovering"
+            self.phase = "recovering"
             recover(group, run, outcome.error, self.log, self.policy)
-            self.state = "shrunk" if group.shrunk is not None else "running"
+            self.phase = None
             self.bar.moved_to(run.step_count)
             if metrics is None or run.step_count < metrics["step"]:  # replayed from a checkpoint
                 return None
@@ -130,7 +135,6 @@ class FitLoop:
             self.restored = metrics["step"]
         if self.group.shrunk is not None and not self.queue:
             elastic.grow_back(self.group, self.run, metrics.get("checkpoint"), self.log)
-            self.state = "shrunk" if self.group.shrunk is not None else "running"
         self.feed.kept_from(self.restored if self.group.config.max_restarts else self.run.step_count)
         self.history.append(metrics)
         self.bar.update(metrics)

@@ -23,6 +23,7 @@ from raypipe.driver.run_state import RunState
 from raypipe.errors import ActorDiedError, NonFiniteError, StepTimeoutError
 from raypipe.observe.loggers import scalars
 from raypipe.observe.metrics import step_metrics
+from raypipe.protocol import StepReport
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,7 +112,7 @@ def book(group: ActorGroup, run: RunState, submitted: Submitted) -> Outcome:
             f"after step {run.step_count}. Set TrainConfig.nonfinite='skip' to skip such steps."
         )
     run.step_count += 1
-    metrics = recorded(group, run, submitted, result)
+    metrics = recorded(group, run, submitted, result, report)
     every = group.config.checkpoint_every
     if every and run.step_count % every == 0:  # before the loggers: a logger never costs a checkpoint
         try:
@@ -124,15 +125,16 @@ def book(group: ActorGroup, run: RunState, submitted: Submitted) -> Outcome:
     return Outcome(kind="booked", metrics=metrics)
 
 
-def recorded(group: ActorGroup, run: RunState, submitted: Submitted, result: StepResult) -> dict[str, Any]:
-    """A ran step's metrics (`Trainer.step`'s dict), also on the dashboard and in the run's last
-    events (`Trainer.timeline`)."""
+def recorded(
+    group: ActorGroup, run: RunState, submitted: Submitted, result: StepResult, first: StepReport
+) -> dict[str, Any]:
+    """A ran step's metrics (`Trainer.step`'s dict; `first`: the first stage's report), also on the
+    dashboard and in the run's last events (`Trainer.timeline`)."""
     config = group.config
     lead_ranks = group.topology.lead_ranks()
     leads = [result.stage_reports[r] for r in lead_ranks]
     losses = result.losses if submitted.weights is None else [v * w for v, w in zip(result.losses, submitted.weights)]
     samples, tokens = result.batch or (submitted.samples, submitted.tokens)  # an actor-driven run's, else the driver's
-    first = result.stage_reports[0]
     metrics = step_metrics(
         run.step_count, losses, result.seconds, samples, tokens, first, leads, config.precision == "fp16"
     )
