@@ -1,8 +1,7 @@
 """The configuration guide's table of `TrainConfig` fields, made from the class itself: each
 field in its section (`sections`), its meaning from the docstring's `Attributes:` section, its
-default from the dataclass,
-whether `Trainer.reconfigure` may change it from `RECONFIGURABLE`. One source: a field
-documented nowhere else can never be documented wrongly elsewhere.
+default from the dataclass, whether `Trainer.reconfigure` may change it from `RECONFIGURABLE`.
+One source: a field documented nowhere else can never be documented wrongly elsewhere.
 
     python -m raypipe.config.guide            # rewrites the table in docs/configuration.md
     python -m raypipe.config.guide --check    # exits 1 when the guide is out of date
