@@ -17,10 +17,13 @@ import torch
 from torch import nn
 
 from raypipe.actors import zero
+from raypipe.actors.lazy_dynamo import defer_dynamo_import, step_optimizer
 from raypipe.actors.settings import StageSettings
 from raypipe.actors.stage_model import StageModel
 from raypipe.actors.zero3 import ShardedStage
 from raypipe.optim import LossScaler, build_optimizer, learning_rate
+
+defer_dynamo_import()  # an actor that compiles nothing never imports the compiler (lazy_dynamo.py)
 
 
 class OptimizerState:
@@ -189,7 +192,7 @@ class OptimizerState:
                     torch._foreach_mul_(grads, coef)
             for p, master in self.masters.items():
                 master.grad = None if p.grad is None else p.grad.float()
-            self.optimizer.step()
+            step_optimizer(self.optimizer)
             with torch.no_grad():
                 for p, master in self.masters.items():
                     p.copy_(master)
