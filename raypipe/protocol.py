@@ -1,21 +1,24 @@
 """What crosses between the driver and the actors, as typed values.
 
 The driver (`raypipe.driver`) and the actors (`raypipe.actors`) run in different processes and
-know each other only through these types: an actor is built from an `ActorSpec` and joins the
-trainer's world by a `WorldSpec`; a step call goes out (`StepCall`, or for the compiled engine
-one `CompiledCall` for all actors), each actor's `StepReport` comes back, and an actor stopped
-by a neighbour's failure raises `PeerStopped` so the driver can find the stage that failed
-first by type. After a node loss each surviving actor describes the state it hands over with a
-`HeldState` (the state itself goes from actor to actor through Ray's object store).
+know each other only through these types: an actor is built from an `ActorSpec`, joins the
+trainer's world by a `WorldSpec` and trains by `StageSettings`; a step call goes out
+(`StepCall`, or for the compiled engine one `CompiledCall` for all actors), each actor's
+`StepReport` comes back, and an actor stopped by a neighbour's failure raises `PeerStopped` so
+the driver can find the stage that failed first by type. After a node loss each surviving actor
+describes the state it hands over with a `HeldState` (the state itself goes from actor to actor
+through Ray's object store).
 
 Every type here is frozen: a value is built once by its sender and read by its receiver.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from raypipe.env import gradient_hand_on
 from raypipe.errors import StageError
 
 __all__ = [
@@ -26,8 +29,10 @@ __all__ = [
     "PeerStopped",
     "RunCall",
     "RunStep",
+    "StageSettings",
     "StepCall",
     "StepReport",
+    "StepTimings",
     "WorldSpec",
 ]
 
@@ -244,6 +249,26 @@ class RunStep:
 
 
 @dataclass(frozen=True, kw_only=True)
+class StepTimings:
+    """What one actor timed and counted in a step (`Executor.timing`, MoE routing, compile), read by
+    `raypipe.observe.metrics.stage_metrics`. The fields of a feature not in use stay None."""
+
+    forward_s: float = 0.0  # seconds in forwards
+    backward_s: float = 0.0  # seconds in backwards (input and weight gradients)
+    first_start: float = math.inf  # wall clock of its first action's start (the bubble's window)
+    last_end: float = 0.0  # and of its last action's end
+    peak_stashed: int = 0  # microbatches kept for their backward at once
+    peak_awaiting_weight: int = 0  # split backwards: microbatches between input and weight gradient
+    sent_bytes: int = 0  # activations and input gradients sent to neighbours
+    peak_activation_bytes: int = 0  # the stash's peak bytes (the memory split's activations)
+    peak_stashed_bytes: int | None = None  # TrainConfig.measure_activations: the same, reported
+    all_to_all_s: float = 0.0  # MoE: seconds in all-to-all
+    all_to_all_bytes: int | None = None  # MoE: bytes it sent
+    experts: dict | None = None  # MoE: per layer, assignments each expert received and those dropped
+    compiled: dict | None = None  # TrainConfig.compile: compiled graphs and graph breaks so far
+
+
+@dataclass(frozen=True, kw_only=True)
 class StepReport:
     """One actor's answer to a step: what its optimizer did, what it timed, and the losses it
     computed (the last stage's tp rank 0 only). `halted`: the step was not run because the one
@@ -255,7 +280,7 @@ class StepReport:
     grad_norm: float = 0.0
     skipped: bool = False  # non-finite loss or gradients: the update was not applied
     loss_scale: float = 1.0  # fp16's dynamic loss scale after the step
-    timing: dict[str, Any] = field(default_factory=dict)  # `Executor.timing` and MoE routing (`stage_metrics`)
+    timing: StepTimings = field(default_factory=StepTimings)
     events: list[tuple] = field(default_factory=list)  # (action, start, end) as this actor ran them
     peak_memory_bytes: int = 0
     memory: dict = field(default_factory=dict)  # peak_memory_bytes split (`raypipe.actors.memory.memory_split`)
@@ -320,3 +345,59 @@ class HeldState:
 class PeerStopped(StageError):
     """An actor stopped its step because another actor of the world failed earlier in it: never
     the root cause (`raypipe.driver.results.root_failure` skips it)."""
+
+
+@dataclass(frozen=True)
+class StageSettings:
+    """The settings a stage actor trains by (`StageActor.configure`): what a running trainer may change
+    between steps without rebuilding actors (`Trainer.reconfigure`; which `TrainConfig` fields may
+    change: `raypipe.config.validation.RECONFIGURABLE`)."""
+
+    microbatches: int
+    optimizer: dict
+    lr_schedule: dict = field(default_factory=lambda: {"name": "constant"})
+    grad_clip: float | None = None
+    precision: str = "fp32"
+    boundary_dtype: str = "fp32"
+    compress_activations: str = "none"
+    compress_gradients: str = "none"
+    activation_checkpointing: bool = False
+    compile: bool = False
+    # when a whole backward hands its input gradient on: "measured", "early" or "late" (`env.gradient_hand_on`)
+    gradient_hand_on: str = "measured"
+    # the step's schedule as (name, pp, microbatches, chunks, extra_warmup): what `hand_on` times both ways
+    schedule_spec: tuple | None = None
+    measure_activations: bool = False
+    zero: int = 0
+    dp_bucket_bytes: int = 25 * 2**20
+    # a non-finite step ends training (TrainConfig.nonfinite="error", not fp16's loss scaling):
+    # steps queued behind it must not run
+    stop_on_nonfinite: bool = True
+
+    @classmethod
+    def from_config(cls, c: Any) -> StageSettings:
+        """The settings of a `TrainConfig`."""
+        return cls(
+            microbatches=c.microbatches,
+            optimizer=dict(c.optimizer),
+            lr_schedule=dict(c.lr_schedule),
+            grad_clip=c.grad_clip,
+            precision=c.precision,
+            boundary_dtype=c.boundary_dtype,
+            compress_activations=c.compress_activations,
+            compress_gradients=c.compress_gradients,
+            activation_checkpointing=c.activation_checkpointing,
+            compile=c.compile,
+            gradient_hand_on=gradient_hand_on(),
+            schedule_spec=(c.schedule, c.pp, c.microbatches, c.chunks, c.extra_warmup),
+            measure_activations=c.measure_activations,
+            zero=c.zero,
+            dp_bucket_bytes=max(1, int(c.dp_bucket_mb * 2**20)),
+            stop_on_nonfinite=stops_on_nonfinite(c),
+        )
+
+
+def stops_on_nonfinite(config: Any) -> bool:
+    """Whether a non-finite step ends training: nonfinite="error", except under fp16, whose
+    loss scaling skips such steps by design."""
+    return config.nonfinite == "error" and config.precision != "fp16"

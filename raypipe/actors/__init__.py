@@ -1,6 +1,6 @@
-"""Ray actors that hold model pieces."""
+"""Ray actors that hold model pieces: the `StageActor` shell around a plain `Stage`."""
 
-from raypipe.actors.settings import StageSettings
-from raypipe.actors.stage import StageActor
+from raypipe.actors.stage_actor import StageActor
+from raypipe.protocol import StageSettings
 
 __all__ = ["StageActor", "StageSettings"]

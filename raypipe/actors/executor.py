@@ -18,12 +18,12 @@ from torch.utils.checkpoint import checkpoint
 from raypipe.actors.hand_on import HandOnChoice, hand_on_mode
 from raypipe.actors.memory import count_saved_bytes, weight_storages
 from raypipe.actors.replica_io import running_stats, step_start
-from raypipe.actors.settings import StageSettings
 from raypipe.actors.split_backward import Deferred, covers_every_weight, input_gradients, weight_gradients
 from raypipe.actors.stage_model import StageModel
 from raypipe.actors.zero3 import ShardedStage
 from raypipe.errors import StageError
 from raypipe.nn.moe import RECORDER, reset_recorder
+from raypipe.protocol import StageSettings
 from raypipe.schedules.actions import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD
 from raypipe.transport.compress import Compressed, compress, restore
 from raypipe.transport.stream import PeerFailed

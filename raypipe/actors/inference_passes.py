@@ -1,15 +1,19 @@
 """Inference and generation through a stage's model chunk: forwards in eval mode that keep
-nothing for a backward (`StageActor.forward_only`, `StageActor.generate_forward`)."""
+nothing for a backward. `InferenceCalls` is the part of `StageActor` that answers them."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from raypipe.actors.executor import Executor
 from raypipe.schedules.actions import FORWARD
-from raypipe.transport.tree import map_tensors
+from raypipe.transport.tree import map_tensors, to_host
+from raypipe.transport.wire import pack, unpack
+
+if TYPE_CHECKING:
+    from raypipe.actors.stage import Stage
 
 
 @torch.no_grad()
@@ -59,3 +63,31 @@ def end_generation(executor: Executor) -> None:
     for layer in executor.module:
         if hasattr(layer, "end_cache"):
             layer.end_cache()
+
+
+class InferenceCalls:
+    """A stage's inference calls (`raypipe.driver.inference`): boundaries as packed host values,
+    like the refs engine's."""
+
+    def __init__(self, stage: Stage) -> None:
+        self.stage = stage
+
+    def forward_only(self, x: Any, target: Any = None, v: int | None = None) -> Any:
+        """Inference through this stage's chunk `v` (eval mode, no activations kept).
+
+        Returns the output, or on the last stage the loss as a float when a target is given;
+        None on tp ranks other than 0 (their output is rank 0's).
+        """
+        out = forward_only(self.stage.executor, unpack(x), unpack(target), v)
+        if isinstance(out, float):  # the loss
+            return out
+        return pack(to_host(out)) if self.stage.tp.rank == 0 else None
+
+    def generate_forward(self, x: Any, start: bool, cached: bool, v: int | None = None) -> Any:
+        """One forward of generation through chunk `v` (`raypipe.driver.inference.generation`): the output
+        (rank 0 of tp only), or on the last stage the last position's logits."""
+        out = generate(self.stage.executor, unpack(x), start, cached, v)
+        return pack(to_host(out)) if self.stage.tp.rank == 0 else None
+
+    def end_generation(self) -> None:
+        end_generation(self.stage.executor)

@@ -18,10 +18,10 @@ from torch import nn
 
 from raypipe.actors import zero
 from raypipe.actors.lazy_dynamo import defer_dynamo_import, step_optimizer
-from raypipe.actors.settings import StageSettings
 from raypipe.actors.stage_model import StageModel
 from raypipe.actors.zero3 import ShardedStage
 from raypipe.optim import LossScaler, build_optimizer, learning_rate
+from raypipe.protocol import StageSettings
 
 defer_dynamo_import()  # an actor that compiles nothing never imports the compiler (lazy_dynamo.py)
 

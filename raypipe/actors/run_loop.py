@@ -1,7 +1,7 @@
 """Runs of steps the actors drive themselves (`TrainConfig.actor_steps`): one call per actor for
 many steps instead of one per step, so the driver's cost per step does not grow with the actors.
 
-Each step is the p2p engine's step (`StageActor.run_actions`) with its batch taken from the
+Each step is the p2p engine's step (`Stage.step`, through `StageActor.run_actions`) with its batch taken from the
 reader actor (the next one asked for while this one runs) and its outcome told to the board
 actor (`StepBoard`) by the actors the driver books it from. Every actor ends the run at the same
 step, as every end is decided by the step's closing agreement: a failure (every actor raises, as
@@ -12,29 +12,40 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from raypipe.errors import BatchError, ConfigError, StageError
 from raypipe.protocol import RunCall, StepCall, StepReport
 
+if TYPE_CHECKING:
+    from raypipe.actors.stage import Stage
+
 REPORT_WAIT_S = 30.0  # how long a run's end waits for its last reports to reach the board
 REPORT_EVERY_S = 0.2  # reports wait at most this long to go with the next steps' (and at most CHUNK)
 CHUNK = 4  # steps whose batches an actor asks the reader for at once (the next ones while these run)
 
 
-class RunsSteps:
-    """StageActor's actor-driven runs."""
+class ActorRuns:
+    """A stage's actor-driven runs: a part of `StageActor`. Its `Stage` holds the run's flags
+    (`current_run`, `stop_run`, `stop_voted`), which the step's closing agreement reads and sets.
 
-    current_run: int | None = None  # the first call id of the run under way
-    stop_run: int | None = None  # the run the driver asked to end after its step under way
-    stop_voted = False  # the last step's agreement: some actor was asked to stop
+    Args:
+        run_step: one step with its batch's references resolved (`StageActor.run_actions`).
+        save: writes the stage's part of a checkpoint (`StateCalls.save_checkpoint`).
+    """
+
+    def __init__(
+        self, stage: Stage, run_step: Callable[[StepCall], StepReport], save: Callable[[str], dict[str, Any]]
+    ) -> None:
+        self.stage, self.run_step, self.save = stage, run_step, save
 
     def request_stop(self, run: int) -> None:
         """Ends run `run` after the step under way, on every actor (its closing agreement carries the
         request). The driver calls it in the "control" concurrency group, so it lands mid-run."""
-        self.stop_run = run
+        self.stage.stop_run = run
 
     def run_steps(self, call: RunCall) -> None:
         """Runs up to `call.steps` steps from `call.step` on its own (`RunCall`). Raises as
@@ -46,7 +57,7 @@ class RunsSteps:
         told_since = ended = time.perf_counter()  # `ended`: when its step before ended (or the run began)
         end = call.step + call.steps
         fetch = lambda first: call.reader.batches.remote(first, min(CHUNK, end - first), call.cut)  # noqa: E731
-        self.current_run, self.stop_voted = call.call_id, False
+        self.stage.current_run, self.stage.stop_voted = call.call_id, False
         try:
             ahead, chunk = fetch(call.step), []
             for i in range(call.steps):
@@ -64,7 +75,7 @@ class RunsSteps:
                         )
                     )
                 weights = batch.weights[call.replica] if batch.weights is not None else None
-                report = self.run_actions(
+                report = self.run_step(
                     StepCall.for_stage(
                         call_id=call.call_id + i,
                         step=step,
@@ -73,16 +84,16 @@ class RunsSteps:
                         batch=batch.packed[call.replica],
                         weights=weights,
                         varying=batch.varying,
-                        holds_first=self.holds_first,
-                        holds_last=self.is_last,
+                        holds_first=self.stage.holds_first,
+                        holds_last=self.stage.is_last,
                     )
                 )
-                last = i + 1 == call.steps or self.stop_voted
-                last = last or (report.skipped and self.optim.settings.stop_on_nonfinite)
+                last = i + 1 == call.steps or self.stage.stop_voted
+                last = last or (report.skipped and self.stage.optim.settings.stop_on_nonfinite)
                 saved = None
                 if step in call.saves:
                     saved = self._save_in_run(call.saves[step])
-                    last = last or self.stop_voted
+                    last = last or self.stage.stop_voted
                 now = time.perf_counter()
                 if call.reports or saved is not None:
                     told_since = told_since if told else now
@@ -91,7 +102,7 @@ class RunsSteps:
                         (
                             step,
                             call.rank,
-                            *_told(report, saved, batch, weights if self.is_last else None, last),
+                            *_told(report, saved, batch, weights if self.stage.is_last else None, last),
                             now - ended,
                         )
                     )
@@ -103,7 +114,7 @@ class RunsSteps:
                 if last:
                     break
         finally:
-            self.current_run = None
+            self.stage.current_run = None
             if told:
                 sent.append(call.board.report.remote(call.call_id, told))
             if sent:  # reported before the call ends, so the driver books them before any failure
@@ -117,14 +128,14 @@ class RunsSteps:
         from raypipe.transport import agree
 
         try:
-            saved, failed = self.save_checkpoint(directory), 0.0
+            saved, failed = self.save(directory), 0.0
         except Exception as error:  # noqa: BLE001 - the driver raises it, as for its own saves
-            saved, failed = {"error": f"{self.name}: {type(error).__name__}: {error}"}, 1.0
+            saved, failed = {"error": f"{self.stage.name}: {type(error).__name__}: {error}"}, 1.0
         votes = torch.zeros(agree.VALUES, dtype=torch.float64)
         votes[0] = failed
         if dist.is_initialized():
             votes = agree.all_sum(votes)
-        self.stop_voted = bool(votes[0] > 0)
+        self.stage.stop_voted = bool(votes[0] > 0)
         return saved
 
 

@@ -1,16 +1,18 @@
-"""The StageActor: one pipeline stage in its own Ray actor process, a thin Ray-facing shell.
+"""A pipeline stage as a plain object: what one stage actor holds and does in a training step.
 
-What it holds and does lives in plain parts, each usable without Ray:
-- `StageModel` (`model.py`): the layers it holds, built and sharded, weights under global keys;
-- `Executor` (`executor.py`): where an action runs, forward and backward against a stash,
-  and a whole action list with its neighbours' links;
-- `OptimizerState` (`optimizer.py`): where the optimizer is stepped, with ZeRO-1 shares,
-  fp16 loss scaling and the gradient statistics every stage agrees on;
-- `checkpoint_io.py`: its part of a checkpoint; `replica_io.py`: its state handed to a new actor
-  after a node loss, from memory.
-This module joins them to Ray: the trainer's world and links (`join`), one call per step
-(`run_actions`) that ends with the step's closing agreement, and the per-action calls of
-the refs engine.
+`Stage.step(call) -> StepReport` runs the stage's action list (`step_list`, through the
+`Executor`), then the step's closing agreement with every actor of the world (`transport.agree`:
+the gradient norm, non-finite values, failures, the call every actor ran) and the optimizer's
+step (`OptimizerState`), or its skip, alike everywhere. It holds:
+- `StageModel` (`stage_model.py`): the layers, built and sharded, weights under global keys;
+- `Executor` (`executor.py`): where an action runs, forward and backward against a stash;
+- `OptimizerState` (`optimizer.py`): the optimizer, ZeRO shares, fp16 loss scaling, gradient
+  statistics;
+- what the step's bookkeeping needs: the last applied call and completed steps (`hand_over` reads
+  them under `applying`), the last unapplied call (steps queued behind it halt), an actor-driven
+  run's stop request.
+No Ray here: `StageActor` (`stage_actor.py`) is the Ray shell around it and its other parts
+(`StateCalls`, `RefsCalls`, `InferenceCalls`, `ActorRuns`).
 """
 
 from __future__ import annotations
@@ -25,15 +27,10 @@ import torch
 from raypipe.actors import step_list
 from raypipe.actors.compiling import compile_layers, compile_report
 from raypipe.actors.executor import Executor
-from raypipe.actors.inference_passes import end_generation, generate
 from raypipe.actors.memory import max_rss_bytes, memory_split
 from raypipe.actors.optimizer import OptimizerState
-from raypipe.actors.refs_calls import RefsCalls, to_host
 from raypipe.actors.replica_io import rewind_running_stats
-from raypipe.actors.run_loop import RunsSteps
-from raypipe.actors.settings import StageSettings
 from raypipe.actors.stage_model import StageModel, gpu_identity, resolve_device
-from raypipe.actors.state_calls import StateCalls
 from raypipe.devices import SERVING_ENV
 from raypipe.errors import StageError
 from raypipe.nn import TensorParallelGroup
@@ -41,25 +38,25 @@ from raypipe.nn.moe import ExpertParallelGroup, take_step_report
 from raypipe.protocol import (
     ActorInfo,
     ActorSpec,
-    CompiledCall,
     PeerStopped,
+    StageSettings,
     StepCall,
     StepReport,
+    StepTimings,
     WorldSpec,
 )
 from raypipe.transport import PeerFailed, agree
-from raypipe.transport.probe import ProbesLinks
-from raypipe.transport.wire import pack, unpack
+from raypipe.transport.wire import unpack
 
-__all__ = ["StageActor", "StageSettings"]
+__all__ = ["Stage"]
 
 
-class StageActor(RefsCalls, StateCalls, ProbesLinks, RunsSteps):
-    """Holds layers of the model (`spec`: which, where, with what) and runs their forward and backward."""
+class Stage:
+    """Holds layers of the model (`spec`: which, where, with what) and trains them, one step per call."""
 
     def __init__(self, spec: ActorSpec) -> None:
         torch.set_num_threads(spec.threads)
-        self.stage, self.num_stages, self.name, self.device_kind = (
+        self.index, self.num_stages, self.name, self.device_kind = (
             spec.stage,
             spec.num_stages,
             spec.name,
@@ -103,28 +100,24 @@ class StageActor(RefsCalls, StateCalls, ProbesLinks, RunsSteps):
         self.completed = 0  # optimizer steps its weights include: the last applied step's index + 1
         self.applying = threading.Lock()  # an update is atomic to `hand_over`, which another thread runs
         self.last_memory: dict[str, int] = {}  # its last step's peak memory split
-
-    def __repr__(self) -> str:  # Ray's dashboard and logs show this as the actor's repr
-        if not hasattr(self, "model"):
-            return "StageActor(starting)"
-        return f"StageActor({self.name}, layers {' + '.join(f'[{a}, {b})' for a, b in self.model.ranges())})"
+        self.current_run: int | None = None  # the first call id of the actor-driven run under way
+        self.stop_run: int | None = None  # the run the driver asked to end after its step under way
+        self.stop_voted = False  # the last step's agreement: some actor was asked to stop
 
     # ----- set-up -------------------------------------------------------------
 
-    def info(self) -> ActorInfo:
-        """Where this actor runs and what it holds (also proves the actor started)."""
-        import ray
-
+    def info(self, node_id: str) -> ActorInfo:
+        """Where this stage runs (on Ray's node `node_id`) and what it holds."""
         model = self.model
         return ActorInfo(
             name=self.name,
-            stage=self.stage,
+            stage=self.index,
             dp_rank=self.optim.dp_rank,
             tp_rank=self.tp.rank,
             layers=ranges[0] if len(ranges := model.ranges()) == 1 else ranges,
             virtual_stages=[v for v, _, _ in self.chunks],
             parameters=model.parameter_count(),
-            node_id=ray.get_runtime_context().get_node_id(),
+            node_id=node_id,
             pid=os.getpid(),
             device=str(model.device),
             gpu=gpu_identity(model.device),
@@ -143,17 +136,6 @@ class StageActor(RefsCalls, StateCalls, ProbesLinks, RunsSteps):
             optimizer_state_bytes=self.optim.state_bytes(),
             memory=self.last_memory or memory_split(_peak_memory_bytes(model.device), model, self.optim, 0),
         )
-
-    def set_threads(self, threads: int) -> int:
-        """Computes with `threads` torch intra-op threads from now on; returns how many it has."""
-        torch.set_num_threads(threads)
-        return torch.get_num_threads()
-
-    def rendezvous_address(self) -> tuple[str, int]:
-        """Rank 0's address and a free port, which every actor then joins."""
-        from raypipe.transport.collective import rendezvous_address
-
-        return rendezvous_address()
 
     def join(self, w: WorldSpec) -> list[int]:
         """Joins the trainer's torch.distributed world (`w`), keeps its dp, tp and ep groups and its
@@ -195,10 +177,10 @@ class StageActor(RefsCalls, StateCalls, ProbesLinks, RunsSteps):
         self.executor.configure(settings, self.optim.sharded)
         compile_layers(self.model.module, settings.compile)  # TrainConfig.compile: per layer, in place
 
-    # ----- one step: the p2p and compiled engines' call ---------------------------
+    # ----- one step -----------------------------------------------------------------
 
-    def run_actions(self, call: StepCall) -> StepReport:
-        """Runs this stage's whole step ("p2p" engine): its action list `call.actions` in
+    def step(self, call: StepCall) -> StepReport:
+        """Runs this stage's whole step (the "p2p" engine's call): its action list `call.actions` in
         order, then the gradient reduction and the optimizer step, agreed on with every
         actor of the world.
 
@@ -222,36 +204,18 @@ class StageActor(RefsCalls, StateCalls, ProbesLinks, RunsSteps):
         Raises:
             PeerStopped: another actor failed in this step (this one did nothing wrong).
         """
-        import ray
-
         if call.after is not None and call.after == self.unapplied_call:
             self.unapplied_call = call.call_id  # and so on down the queue
             return StepReport(halted=True)
         self.executor.begin(call.call_id)
-        # stored once for several tp ranks: Ray resolves only top-level references
-        inputs, targets = (ray.get(v) if isinstance(v, ray.ObjectRef) else v for v in (call.inputs, call.targets))
-        inputs, targets = unpack(inputs), unpack(targets)
+        inputs, targets = unpack(call.inputs), unpack(call.targets)
         links = step_list.links_for(
             self.executor, call.actions, call.peers, call.varying, self.num_virtual, self.streams
         )
         losses, failure = step_list.run_list(self.executor, call.actions, inputs, targets, links, weights=call.weights)
-        return self._finish_step(call.step, failure, losses if self.is_last and self.tp.rank == 0 else None)
+        return self.finish_step(call.step, failure, losses if self.is_last and self.tp.rank == 0 else None)
 
-    def run_compiled(self, call: CompiledCall) -> StepReport | StageError:
-        """`run_actions` as a node of the trainer's compiled graph ("compiled" engine):
-        the call holds every actor's list and every replica's batch; this actor runs its own.
-
-        Returns `run_actions`' result, or the exception it raised: a compiled graph reports
-        one node's exception as every node's, and the driver needs each actor's own to
-        name the stage that failed first."""
-        try:
-            return self.run_actions(call.for_actor(self.name, self.optim.dp_rank, self.holds_first, self.is_last))
-        except Exception as error:  # noqa: BLE001 - handed to the driver, which raises it
-            return (
-                error if isinstance(error, StageError) else StageError(f"{self.name}: {type(error).__name__}: {error}")
-            )
-
-    def _finish_step(self, step: int, failure: Exception | None, losses: list[float] | None) -> StepReport:
+    def finish_step(self, step: int, failure: Exception | None, losses: list[float] | None) -> StepReport:
         """Reduces gradients over dp, then agrees with every actor through one all-reduce on
         the global gradient norm, non-finite values and failures (`transport.agree`: pipes when
         the world shares a node, else gloo), and steps (or raises) alike."""
@@ -293,9 +257,9 @@ class StageActor(RefsCalls, StateCalls, ProbesLinks, RunsSteps):
         finite = votes[1] == 0
         if not finite and optim.settings.stop_on_nonfinite:
             self.unapplied_call = self.executor.current_call
-        return self._apply_step(step, math.sqrt(float(votes[0])) if finite else math.nan, bool(finite), losses)
+        return self.apply_step(step, math.sqrt(float(votes[0])) if finite else math.nan, bool(finite), losses)
 
-    def _apply_step(self, step: int, total_norm: float, finite: bool, losses: list[float] | None) -> StepReport:
+    def apply_step(self, step: int, total_norm: float, finite: bool, losses: list[float] | None) -> StepReport:
         """The optimizer's step (or skip), and this step's report: timings, events, peak memory."""
         with self.applying:
             report = self.optim.apply_step(step, total_norm, finite)
@@ -314,26 +278,15 @@ class StageActor(RefsCalls, StateCalls, ProbesLinks, RunsSteps):
             grad_norm=report["grad_norm"],
             skipped=report["skipped"],
             loss_scale=report["loss_scale"],
-            timing={
+            timing=StepTimings(
                 **executor.timing,
                 **routed,
-                **({"compiled": compile_report()} if executor.settings.compile else {}),
-            },
+                compiled=compile_report() if executor.settings.compile else None,
+            ),
             events=list(executor.events),
             peak_memory_bytes=peak,
             memory=self.last_memory,
         )
-
-    # ----- inference ------------------------------------------------------------------
-
-    def generate_forward(self, x: Any, start: bool, cached: bool, v: int | None = None) -> Any:
-        """One forward of generation through chunk `v` (`raypipe.driver.inference.generation`): the output
-        (rank 0 of tp only), or on the last stage the last position's logits."""
-        out = generate(self.executor, unpack(x), start, cached, v)
-        return pack(to_host(out)) if self.tp.rank == 0 else None
-
-    def end_generation(self) -> None:
-        end_generation(self.executor)
 
 
 def mixed_calls_message(name: str, call: int, mean: float) -> str:

@@ -1,12 +1,12 @@
-"""The StageActor's calls on its state: its weights whole (state dicts, adapters, exports,
-gradients), its part of a checkpoint (`checkpoint_io`), and after a node loss its state handed
-to new actors from memory (`replica_io`). A base class of `StageActor`, using its model,
-optimizer state, executor and names."""
+"""A stage's calls on its state: its weights whole (state dicts, adapters, exports, gradients),
+its part of a checkpoint (`checkpoint_io`), and after a node loss its state handed to new actors
+from memory (`replica_io`). A part of `StageActor`, over its `Stage`'s model, optimizer state,
+executor and names."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -14,10 +14,16 @@ from raypipe.actors import checkpoint_io, replica_io, zero3
 from raypipe.checkpoint import storage
 from raypipe.protocol import HeldState
 
+if TYPE_CHECKING:
+    from raypipe.actors.stage import Stage
+
 
 class StateCalls:
-    """Weights, checkpoints and hand-overs of one stage actor (`completed`, `applied_call` and the
-    `applying` lock are the actor's: `StageActor._apply_step` sets them)."""
+    """Weights, checkpoints and hand-overs of one stage (`completed`, `applied_call` and the
+    `applying` lock are the `Stage`'s: `Stage.apply_step` sets them)."""
+
+    def __init__(self, stage: Stage) -> None:
+        self.stage = stage
 
     def save_tensors(
         self,
@@ -35,7 +41,7 @@ class StateCalls:
         import os
 
         written = []
-        for index, state in self.model.export_layers(merge):
+        for index, state in self.stage.model.export_layers(merge):
             name = f"model-{index + 1:05d}-of-{layers:05d}.safetensors"
             sizes = checkpoint_io.save_tensors(state, names, os.path.join(directory, name), transpose)
             if sizes:
@@ -43,44 +49,44 @@ class StateCalls:
         return written
 
     def adapters(self) -> dict[str, torch.Tensor]:
-        return self.model.adapters()
+        return self.stage.model.adapters()
 
     def peft_adapters(self) -> dict[str, torch.Tensor]:
-        return self.model.peft_adapters()
+        return self.stage.model.peft_adapters()
 
     def load_peft_adapters(self, state: dict[str, torch.Tensor]) -> list[str]:
         """Loads this stage's adapters from peft's saved names; returns the keys it took."""
-        with zero3.whole(self.optim.sharded, loading=True):
-            return self.model.load_peft_adapters(state)
+        with zero3.whole(self.stage.optim.sharded, loading=True):
+            return self.stage.model.load_peft_adapters(state)
 
     def load_adapters(self, state: dict[str, torch.Tensor]) -> None:
         """Replaces this stage's LoRA adapters (global keys, every one of them)."""
-        with zero3.whole(self.optim.sharded, loading=True):
-            self.model.load_adapters(state, self.name)
+        with zero3.whole(self.stage.optim.sharded, loading=True):
+            self.stage.model.load_adapters(state, self.stage.name)
 
     def hold_weights(self, on: bool, gradients: bool = False) -> None:  # ActorGroup.whole_weights
-        zero3.hold(self.optim.sharded, on, gradients)
+        zero3.hold(self.stage.optim.sharded, on, gradients)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This stage's weights under global keys (`"<layer index>.<name>"`); this tp rank's shards."""
-        return self.model.state_dict()
+        return self.stage.model.state_dict()
 
     def tensor_shards(self) -> dict[str, tuple[int, int]]:
         """Global key -> (dim, chunks) of every tensor split across tp ranks, for merging."""
-        return self.model.tensor_shards()
+        return self.stage.model.tensor_shards()
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Loads this stage's full (unsplit) weights from global keys, keeping this rank's shards.
 
         Every key of the stage must be present.
         """
-        with zero3.whole(self.optim.sharded, loading=True):
-            self.model.load_state_dict(state, self.name)
-        self.optim.sync_masters()
+        with zero3.whole(self.stage.optim.sharded, loading=True):
+            self.stage.model.load_state_dict(state, self.stage.name)
+        self.stage.optim.sync_masters()
 
     def gradients(self) -> dict[str, torch.Tensor]:
         """The last step's gradients (as the optimizer used them) under global keys; this rank's shards."""
-        return self.model.gradients()
+        return self.stage.model.gradients()
 
     def hand_over(self) -> tuple[HeldState, dict[str, Any]]:
         """This actor's state for new actors after a node loss (`replica_io.take`), as of the step it
@@ -91,17 +97,17 @@ class StateCalls:
         Returns:
             (what it holds, told to the driver; the state itself, passed on to the new actors).
         """
-        with self.applying:
-            executor = self.executor
-            mid_step = executor.current_call != self.applied_call
+        with self.stage.applying:
+            executor = self.stage.executor
+            mid_step = executor.current_call != self.stage.applied_call
             started = executor.began_from if mid_step else replica_io.step_start(executor.running_stats)
-            state = replica_io.take(self.model, self.optim, started, self.name)
+            state = replica_io.take(self.stage.model, self.stage.optim, started, self.stage.name)
             held = HeldState(
-                self.name,
-                self.tp.rank,
-                self.ep.rank,
-                tuple(self.model.layers),
-                self.completed,
+                self.stage.name,
+                self.stage.tp.rank,
+                self.stage.ep.rank,
+                tuple(self.stage.model.layers),
+                self.stage.completed,
                 replica_io.nbytes(state),
             )
         return held, state
@@ -109,33 +115,33 @@ class StateCalls:
     def take_over(self, completed: int, *states: dict[str, Any]) -> None:
         """Loads its layers from survivors' `hand_over` states (`replica_io.restore`); its weights
         then include `completed` steps."""
-        replica_io.restore(self.model, self.optim, list(states), self.name)
-        self.completed = completed
+        replica_io.restore(self.stage.model, self.stage.optim, list(states), self.stage.name)
+        self.stage.completed = completed
 
     def save_checkpoint(self, directory: str) -> dict[str, Any]:
         """Writes this stage's layers, their optimizer state and its RNG state (`checkpoint_io`)."""
-        return checkpoint_io.save_stage(
-            self.model, self.optim, directory, self.stage, self.name, self.tp_ranks, self.ep_ranks
-        )
+        s = self.stage
+        return checkpoint_io.save_stage(s.model, s.optim, directory, s.index, s.name, s.tp_ranks, s.ep_ranks)
 
     def read_text(self, path: str) -> str | None:  # does this node see checkpoint_dir? (checkpoints.check_reachable)
         return storage.read_text(path)
 
     def check_checkpoint(self, directory: str) -> list[str]:  # why it cannot load (checkpoint_io.check_stage)
-        return checkpoint_io.check_stage(self.model, directory, self.name)
+        return checkpoint_io.check_stage(self.stage.model, directory, self.stage.name)
 
     def verify_checkpoint(self, directory: str) -> list[str]:  # its files' corruption (checkpoint_io.verify_stage)
-        return checkpoint_io.verify_stage(self.model, directory, self.stage, self.name)
+        return checkpoint_io.verify_stage(self.stage.model, directory, self.stage.index, self.stage.name)
 
     def check_state_dict(self, state: dict[str, torch.Tensor]) -> list[str]:  # likewise for load_state_dict
-        return checkpoint_io.check_state(self.model, state)
+        return checkpoint_io.check_state(self.stage.model, state)
 
     def load_checkpoint(
         self, directory: str, loss_scaler: dict, restore_rng: bool, optimizer_state: bool = True, step: int = 0
     ) -> None:
         """Loads this stage's layers and optimizer state (or starts the optimizer afresh) from the
         checkpoint of step `step`."""
+        s = self.stage
         checkpoint_io.load_stage(
-            self.model, self.optim, directory, self.stage, self.name, loss_scaler, restore_rng, optimizer_state
+            s.model, s.optim, directory, s.index, s.name, loss_scaler, restore_rng, optimizer_state
         )
-        self.completed = step
+        s.completed = step

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from raypipe.actors.settings import StageSettings
 from raypipe.checkpoint import lock as root_lock
 from raypipe.config import TrainConfig
 from raypipe.data.batches import Prepared
@@ -28,6 +27,7 @@ from raypipe.errors import RaypipeError
 from raypipe.layers import LayerSpec
 from raypipe.planning.links import Link
 from raypipe.planning.profiling import PlanReport
+from raypipe.protocol import StageSettings
 from raypipe.schedules import build_schedule
 
 

@@ -24,36 +24,32 @@ def stage_metrics(reports: Sequence[StepReport]) -> list[dict[str, float]]:
     timestamps are each actor's wall clock, so across machines clock skew blurs it.
     """
     timings = [r.timing for r in reports]
-    starts = [t["first_start"] for t in timings if t.get("forward_s", 0) > 0]
-    ends = [t["last_end"] for t in timings if t.get("forward_s", 0) > 0]
+    starts = [t.first_start for t in timings if t.forward_s > 0]
+    ends = [t.last_end for t in timings if t.forward_s > 0]
     window = (max(ends) - min(starts)) if starts else 0.0
     result = []
     for report, t in zip(reports, timings):
-        busy = t.get("forward_s", 0.0) + t.get("backward_s", 0.0)
+        busy = t.forward_s + t.backward_s
         result.append(
             {
-                "forward_s": t.get("forward_s", 0.0),
-                "backward_s": t.get("backward_s", 0.0),
+                "forward_s": t.forward_s,
+                "backward_s": t.backward_s,
                 "bubble": max(0.0, 1.0 - busy / window) if window > 0 else 0.0,
                 "peak_memory_bytes": float(report.peak_memory_bytes),
                 # the peak split: parameters, gradients, optimizer_state, activations, other
                 "memory": dict(report.memory),
-                "peak_stashed_microbatches": int(t.get("peak_stashed", 0)),
+                "peak_stashed_microbatches": int(t.peak_stashed),
                 # split backwards: microbatches between their input and weight gradients at once
-                "peak_awaiting_weight_grad": int(t.get("peak_awaiting_weight", 0)),
-                "sent_bytes": int(t.get("sent_bytes", 0)),
-                **({"peak_stashed_bytes": float(t["peak_stashed_bytes"])} if "peak_stashed_bytes" in t else {}),
+                "peak_awaiting_weight_grad": int(t.peak_awaiting_weight),
+                "sent_bytes": int(t.sent_bytes),
+                **({"peak_stashed_bytes": float(t.peak_stashed_bytes)} if t.peak_stashed_bytes is not None else {}),
                 # TrainConfig.compile: the actor's compiled graphs and graph breaks so far
-                **({"compiled": dict(t["compiled"])} if "compiled" in t else {}),
+                **({"compiled": dict(t.compiled)} if t.compiled is not None else {}),
                 # MoE layers: seconds in all-to-all, bytes it sent, and per layer the assignments each
                 # expert received and those dropped over capacity (as this actor routed them)
                 **(
-                    {
-                        "all_to_all_s": t.get("all_to_all_s", 0.0),
-                        "all_to_all_bytes": int(t["all_to_all_bytes"]),
-                        "experts": t["experts"],
-                    }
-                    if "experts" in t
+                    {"all_to_all_s": t.all_to_all_s, "all_to_all_bytes": int(t.all_to_all_bytes), "experts": t.experts}
+                    if t.experts is not None
                     else {}
                 ),
             }

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from raypipe.transport.pipes import owned, poller, sweep_stale, wait_alive
 from raypipe.transport.pipes import prefix as link_prefix
 
-VALUES = 6  # numbers each rank contributes (`StageActor._finish_step`'s votes)
+VALUES = 6  # numbers each rank contributes (`Stage.finish_step`'s votes)
 RECORD = struct.Struct(f"<2q{VALUES}d")  # rank, round, values: written atomically (< PIPE_BUF)
 
 # this actor's pipes to every other rank of its world (`connect`): module state because an actor

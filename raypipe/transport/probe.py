@@ -81,11 +81,3 @@ def _direction(peer: int, sending: bool, round_trip: float, min_seconds: float, 
         if rate[0] > 0:
             return float(rate[0]), sent
         nbytes *= 2
-
-
-class ProbesLinks:
-    """A stage actor's part in `probe_link` (a mixin: `StageActor` calls it `probe_link`)."""
-
-    def probe_link(self, peer: int, first: bool) -> dict[str, Any]:
-        """Measures the link to world rank `peer` together with it."""
-        return probe_link(peer, first)

@@ -155,3 +155,9 @@ def _nbytes(leaf: tuple[torch.dtype, tuple[int, ...]]) -> int:
 
 def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
+
+
+def to_host(value: Any) -> Any:
+    """Boundary values cross to other stages (maybe another kind of device) through host
+    memory; anything but a device tensor (a loss as a float, None) passes unchanged."""
+    return map_tensors(lambda t: t.cpu() if t.device.type != "cpu" else t, value)

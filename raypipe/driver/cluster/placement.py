@@ -13,7 +13,7 @@ from typing import Any
 
 import ray
 
-from raypipe.actors.stage import StageActor
+from raypipe.actors.stage_actor import StageActor
 from raypipe.config import TrainConfig
 from raypipe.devices import ray_options
 from raypipe.driver.checkpoints import check_reachable

@@ -12,7 +12,6 @@ import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from raypipe.actors.settings import stops_on_nonfinite
 from raypipe.checkpoint.layout import CheckpointError
 from raypipe.data.batches import prepare
 from raypipe.driver.actor_group import ActorGroup, Submitted
@@ -23,7 +22,7 @@ from raypipe.driver.run_state import RunState
 from raypipe.errors import ActorDiedError, NonFiniteError, StepTimeoutError
 from raypipe.observe.loggers import scalars
 from raypipe.observe.metrics import step_metrics
-from raypipe.protocol import StepReport
+from raypipe.protocol import StepReport, stops_on_nonfinite
 
 
 @dataclass(frozen=True, kw_only=True)
