@@ -84,8 +84,8 @@ class Model:
 
 def resolve(layers: Any, loss_fn: Any, config: Any) -> tuple[Model, Callable, list[LayerSpec], Any]:
     """What `Trainer(layers, loss_fn, config)` trains: the model object (made from a bare list of
-    layers), its loss, its layer specs, and the config with the model's split points as its
-    shard plan when the config names none.
+    layers), its loss (`config.objective`'s when set), its layer specs, and the config with the
+    model's split points as its shard plan when the config names none.
 
     Raises:
         TypeError: no callable loss. ConfigError: no layers, or split points that do not match pp.
@@ -104,6 +104,10 @@ def resolve(layers: Any, loss_fn: Any, config: Any) -> tuple[Model, Callable, li
         )
     model = layers if isinstance(layers, Model) else Model(list(layers), loss_fn)
     loss_fn = loss_fn if loss_fn is not None else model.loss_fn
+    if config.objective is not None:  # a preference run: its loss in place of the model's
+        from raypipe.objectives import DPOLoss
+
+        loss_fn = DPOLoss(config.objective["beta"], config.objective["loss_type"])
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {loss_fn!r}")
     specs = [as_spec(layer, i) for i, layer in enumerate(model.layers)]

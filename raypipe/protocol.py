@@ -275,6 +275,7 @@ class StepReport:
     queued ahead of it was not applied; nothing else in the report is then meaningful."""
 
     losses: list[float] | None = None
+    objective: list[dict[str, float]] | None = None  # with the losses: per microbatch, the objective's metric sums
     halted: bool = False
     lr: float = 0.0
     grad_norm: float = 0.0

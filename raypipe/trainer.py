@@ -25,7 +25,7 @@ from raypipe.driver.cluster import live_trainers
 from raypipe.driver.feeds import make_feed
 from raypipe.driver.inference import forward
 from raypipe.driver.links import replan
-from raypipe.driver.run import controller
+from raypipe.driver.run import controller, preference
 from raypipe.driver.run import step as one_step
 from raypipe.driver.run_state import RunState
 from raypipe.errors import ConfigError
@@ -145,25 +145,25 @@ class Trainer:
         doc="One actor name per stage (replica 0, tp rank 0), e.g. for labelling stages.",
     )
 
-    def step(self, x: torch.Tensor, y: Any) -> dict[str, Any]:
+    def step(self, x: Any, y: Any = None) -> dict[str, Any]:
         """Runs one optimizer step on the batch `(x, y)`, split into microbatches.
 
-        `x` is a tensor, or a tuple or dict of them (`{"input_ids": ..., "attention_mask": ...}`),
-        cut along dim 0; or a list of the step's microbatches (dp x microbatches of them, whose
-        shapes may differ) with a list `y` of their targets.
+        `x` is a tensor, or a tuple or dict of them (`{"input_ids": ..., "attention_mask": ...}`), cut along dim 0;
+        or a list of the step's microbatches (dp x microbatches of them, whose shapes may differ) with a list `y`
+        of their targets. Under `config.objective` "dpo", a list of pair records (docs/preference.md).
 
         Returns:
-            A dict with `loss` (mean of the microbatch losses), `lr`, `grad_norm` (global,
-            before clipping), `step_time` (s), `samples`, `samples_per_s`, `tokens` / `tokens_per_s`
-            when `x` holds token ids, `pp` and `dp` (the topology it ran on), and `stages`: per stage
-            its timings, bubble, memory, bytes sent (`metrics.stage_metrics`). Recorded by `config.loggers`.
+            A dict with `loss` (mean of the microbatch losses), `lr`, `grad_norm` (global, before clipping),
+            `step_time` (s), `samples`, `samples_per_s`, `tokens` / `tokens_per_s` when `x` holds token ids, `pp`
+            and `dp` (the topology it ran on), and `stages`: per stage its timings, bubble, memory, bytes sent
+            (`metrics.stage_metrics`). Recorded by `config.loggers`.
 
         Raises:
             BatchError: the batch cannot be split into dp x microbatches equal parts.
             StageError: an action failed on a stage (its message names stage and action).
             StepTimeoutError: no action finished for `config.step_timeout` seconds.
         """
-        return one_step.train_step(self.group, self.state, x, y)
+        return (preference.dpo_step if self.config.objective else one_step.train_step)(self.group, self.state, x, y)
 
     def fit(
         self,
@@ -201,6 +201,7 @@ class Trainer:
             ActorDiedError: an actor died more than `config.max_restarts` times; the
                 message says which, why, and where the last checkpoint is.
         """
+        preference.refuse_fit(self.config)
         feed = make_feed(self.group, batches, batch_size, collate)
         return controller.fit_with(self.group, self.state, feed, steps, on_step, log, progress, overlap)
 

@@ -6,6 +6,7 @@ inference and generation through a chunk in `inference_passes`. Plain Python and
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -23,7 +24,7 @@ from raypipe.actors.stage_model import StageModel
 from raypipe.actors.zero3 import ShardedStage
 from raypipe.errors import StageError
 from raypipe.nn.moe import RECORDER, reset_recorder
-from raypipe.protocol import StageSettings
+from raypipe.protocol import StageSettings, StepTimings
 from raypipe.schedules.actions import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD
 from raypipe.transport.compress import Compressed, compress, restore
 from raypipe.transport.stream import PeerFailed
@@ -67,6 +68,7 @@ class Executor:
         self.current_call = -1
         self.losses_finite = True
         self.timing: dict[str, float] = {}
+        self.objective: list[dict[str, float]] = []  # the step's per-microbatch metric sums (`DPOLoss.take_metrics`)
         self.events: list[tuple] = []  # (kind, microbatch, start, end[, handed after]) (`_timed`)
         self.stash: dict[tuple[int, int], tuple[Any, Any]] = {}  # (virtual stage, microbatch) -> (input, output)
         self.stash_bytes: dict[tuple[int, int], int] = {}  # per stashed microbatch, bytes autograd saved for backward
@@ -95,20 +97,12 @@ class Executor:
         if call_id != self.current_call:
             self.current_call, self.began_from = call_id, step_start(self.running_stats)  # a survivor hands it over
             self.losses_finite = True
-            self.timing = {
-                "forward_s": 0.0,
-                "backward_s": 0.0,
-                "first_start": math.inf,
-                "last_end": 0.0,
-                "peak_stashed": 0,
-                "peak_awaiting_weight": 0,
-                "sent_bytes": 0,
-                "all_to_all_s": 0.0,
-                "peak_activation_bytes": 0,
-            }
+            # the typed record's counters, as it starts (`StepTimings`: a feature's own stay out until it runs)
+            self.timing = {k: v for k, v in dataclasses.asdict(StepTimings()).items() if v is not None}
             if self.settings.measure_activations:
                 self.timing["peak_stashed_bytes"] = 0
             self.events = []
+            self.objective = []
             self.hand_on.begin_step()
             reset_recorder()  # all-to-all of inference since the last step is not this step's
             self.clear_stash()
@@ -160,6 +154,8 @@ class Executor:
                     self._timed(FORWARD, started, microbatch)
                     return self.send(out, self.settings.compress_activations)
                 loss = self.loss_fn(out, map_tensors(lambda t: t.to(self.device), target))
+                if (metrics := getattr(self.loss_fn, "take_metrics", lambda: None)()) is not None:
+                    self.objective.append(metrics)
             scale = self.loss_scale() * weight / self.settings.microbatches
             self._stash((v, microbatch), (x, loss.float() * scale), saved.bytes)
             value = float(loss.detach())

@@ -3,6 +3,7 @@ nothing for a backward. `InferenceCalls` is the part of `StageActor` that answer
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -17,16 +18,20 @@ if TYPE_CHECKING:
 
 
 @torch.no_grad()
-def forward_only(executor: Executor, x: Any, target: Any = None, v: int | None = None) -> Any:
+def forward_only(
+    executor: Executor, x: Any, target: Any = None, v: int | None = None, reduce: Callable | None = None
+) -> Any:
     """Inference through this stage's chunk `v` (eval mode, nothing stashed): the output, or on
-    the last stage the loss as a float when a target is given."""
+    the last stage when a target is given the loss as a float (or what `reduce(output, target)`
+    makes of them)."""
     v, module, _, last = executor.part(v)
     executor.module.eval()
     try:
         with executor.autocast():
             out = module(executor.received(x))
             if last and target is not None:
-                return float(executor.loss_fn(out, map_tensors(lambda t: t.to(executor.device), target)))
+                target = map_tensors(lambda t: t.to(executor.device), target)
+                return reduce(out, target) if reduce is not None else float(executor.loss_fn(out, target))
         return map_tensors(lambda t: t.float() if t.is_floating_point() else t, out) if last else out
     except Exception as error:
         raise executor.error(FORWARD, -1, error, v) from error
@@ -72,16 +77,29 @@ class InferenceCalls:
     def __init__(self, stage: Stage) -> None:
         self.stage = stage
 
-    def forward_only(self, x: Any, target: Any = None, v: int | None = None) -> Any:
+    def forward_only(self, x: Any, target: Any = None, v: int | None = None, reference: bool = False) -> Any:
         """Inference through this stage's chunk `v` (eval mode, no activations kept).
 
         Returns the output, or on the last stage the loss as a float when a target is given;
-        None on tp ranks other than 0 (their output is rank 0's).
+        None on tp ranks other than 0 (their output is rank 0's). With `reference`, the forward
+        runs as the run's reference policy (`raypipe.objectives.reference`, captured on its first
+        such pass) and the last stage answers the loss function's `reference(output, target)`.
         """
-        out = forward_only(self.stage.executor, unpack(x), unpack(target), v)
+        stage, executor = self.stage, self.stage.executor
+        if not reference:
+            out = forward_only(executor, unpack(x), unpack(target), v)
+        else:
+            from raypipe.objectives.reference import ReferencePolicy
+
+            if stage.reference is None:
+                stage.reference = ReferencePolicy.capture(stage.model.module)
+            with stage.reference.applied(stage.model.module):
+                out = forward_only(
+                    executor, unpack(x), unpack(target), v, executor.loss_fn and executor.loss_fn.reference
+                )
         if isinstance(out, float):  # the loss
             return out
-        return pack(to_host(out)) if self.stage.tp.rank == 0 else None
+        return pack(to_host(out)) if stage.tp.rank == 0 else None
 
     def generate_forward(self, x: Any, start: bool, cached: bool, v: int | None = None) -> Any:
         """One forward of generation through chunk `v` (`raypipe.driver.inference.generation`): the output

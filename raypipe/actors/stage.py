@@ -103,6 +103,7 @@ class Stage:
         self.current_run: int | None = None  # the first call id of the actor-driven run under way
         self.stop_run: int | None = None  # the run the driver asked to end after its step under way
         self.stop_voted = False  # the last step's agreement: some actor was asked to stop
+        self.reference: Any = None  # a preference run's reference policy (`objectives.reference`), once captured
 
     # ----- set-up -------------------------------------------------------------
 
@@ -273,6 +274,7 @@ class Stage:
         routed = take_step_report(self.model.moes)  # MoE layers' routing, all-to-all
         return StepReport(
             losses=losses,
+            objective=list(executor.objective) if losses is not None and executor.objective else None,
             halted=False,
             lr=report["lr"],
             grad_norm=report["grad_norm"],

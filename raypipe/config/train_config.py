@@ -84,6 +84,11 @@ class TrainConfig:
             (AdamW steps ~2.8x faster there; "fused": False keeps torch's default).
         lr_schedule: {"name": "constant" | "cosine", "warmup_steps", "total_steps", "min_lr"}.
         grad_clip: clip gradients to this global L2 norm (across all stages); None disables.
+        objective: what a step minimises. None: the loss function (a model's next-token loss).
+            {"name": "dpo", "beta": 0.1, "loss_type": "sigmoid" | "hinge" | "ipo"}: direct
+            preference optimisation as TRL defines it; `Trainer.step` then takes a list of pair
+            records {"prompt_ids", "chosen_ids", "rejected_ids"} and measures each pair against the
+            policy as the run began (under LoRA; docs/preference.md).
         engine: how a step runs. "refs": the driver issues every forward and backward
             as an actor call and boundary tensors travel as Ray object references;
             "p2p": one call per actor per step with its whole action list, boundary
@@ -210,6 +215,7 @@ class TrainConfig:
     optimizer: dict = field(default_factory=lambda: {"name": "adamw", "lr": 1e-3})
     lr_schedule: dict = field(default_factory=lambda: {"name": "constant"})
     grad_clip: float | None = None
+    objective: dict | None = None
     engine: str = "p2p"
     actor_steps: int | str = "auto"
     same_node_transport: str = "shm"

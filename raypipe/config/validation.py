@@ -81,6 +81,7 @@ def validate(c: Any) -> None:
     check_lr_schedule(c.lr_schedule)
     c.lr_schedule = dict(c.lr_schedule)
     check_positive("grad_clip", c.grad_clip, allow_none=True)
+    c.objective = check_objective(c.objective, c.lora)
     check_choice("precision", c.precision, PRECISIONS)
     check_choice("boundary_dtype", c.boundary_dtype, PRECISIONS)
     check_choice("engine", c.engine, ENGINES)
@@ -262,3 +263,32 @@ RECONFIGURABLE = (
     "nonfinite",
     "log_dir",
 )
+
+
+OBJECTIVES = ("dpo",)
+
+
+def check_objective(value: Any, lora: Any) -> dict[str, Any] | None:
+    """`TrainConfig.objective`, with its defaults filled in (None: the loss function's own)."""
+    from raypipe.objectives import LOSS_TYPES
+
+    if value is None:
+        return None
+    if not isinstance(value, dict) or value.get("name") not in OBJECTIVES:
+        raise fail("objective", value, 'give None or {"name": "dpo", "beta": 0.1, "loss_type": "sigmoid"}.')
+    unknown = sorted(set(value) - {"name", "beta", "loss_type"})
+    if unknown:
+        raise fail("objective", value, f"{', '.join(unknown)} are not DPO settings: name, beta and loss_type are.")
+    objective = {"name": "dpo", "beta": 0.1, "loss_type": "sigmoid", **value}
+    if not isinstance(objective["beta"], (int, float)) or isinstance(objective["beta"], bool) or objective["beta"] <= 0:
+        raise fail("objective", value, "beta must be a number > 0 (TRL's default is 0.1).")
+    if objective["loss_type"] not in LOSS_TYPES:
+        raise fail("objective", value, f"loss_type must be one of {', '.join(map(repr, LOSS_TYPES))}.")
+    if lora is None:
+        raise fail(
+            "objective",
+            value,
+            "DPO measures each pair against the starting policy, which raypipe keeps as the starting LoRA "
+            "adapters: set lora (a frozen reference model of its own is not supported yet).",
+        )
+    return objective

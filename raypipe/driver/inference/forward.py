@@ -23,14 +23,17 @@ def run_forward(
     inputs: Sequence[torch.Tensor],
     targets: Sequence[Any] | None,
     timeout: float,
+    reference: bool = False,
 ) -> list[Any]:
     """Forward-only pass of every microbatch through all stages (evaluation, inference).
 
     `stages` holds each stage's tp ranks, in virtual-stage order with model chunks (`chunks`: the
-    chunk each runs, else None); every rank runs, rank 0's output goes on.
+    chunk each runs, else None); every rank runs, rank 0's output goes on. With `reference`, the
+    stages run as a preference run's reference policy (`StageActor.forward_only`).
 
     Returns:
-        Per microbatch: the last stage's loss (when targets are given) or its output.
+        Per microbatch: the last stage's loss (when targets are given; with `reference`, the loss
+        function's `reference` values) or its output.
     """
     results, pending = [], {}
     inputs, targets = pack(inputs), pack(targets)
@@ -38,9 +41,8 @@ def run_forward(
         ref = x
         for s, ranks in enumerate(stages):
             target = targets[m] if targets is not None and s == len(stages) - 1 else None
-            refs = [
-                actor.forward_only.remote(ref, target, *(() if chunks is None else (chunks[s],))) for actor in ranks
-            ]
+            v = None if chunks is None else chunks[s]
+            refs = [actor.forward_only.remote(ref, target, v, reference) for actor in ranks]
             for t, r in enumerate(refs):
                 pending[r] = (names[s][t], str(Action(s, FORWARD, m)))
             ref = refs[0]

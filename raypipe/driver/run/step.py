@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from raypipe import objectives
 from raypipe.checkpoint.layout import CheckpointError
 from raypipe.data.batches import prepare
 from raypipe.driver.actor_group import ActorGroup, Submitted
@@ -138,6 +139,10 @@ def recorded(
         run.step_count, losses, result.seconds, samples, tokens, first, leads, config.precision == "fp16"
     )
     metrics["pp"], metrics["dp"] = config.pp, config.dp  # an elastic run's topology changes
+    reports = result.stage_reports.values() if isinstance(result.stage_reports, dict) else result.stage_reports
+    sums = [m for r in reports if r.objective for m in r.objective]  # a preference step's (`objectives`)
+    if sums:
+        metrics.update(objectives.step_metrics(sums))
     run.last_events, run.last_step_seconds = [r.events for r in leads], result.seconds
     run.record_on_dashboard(metrics, lead_ranks)
     return metrics

@@ -1,0 +1,66 @@
+"""The reference policy of a preference run, on the actors: the policy as it stood when the run
+began, frozen, as TRL takes it. Under LoRA it is the same base weights: with the adapters off when
+they started at zero (a new adapter), else with a frozen copy of the starting adapters (an SFT
+adapter loaded first). Adapters are small: never a second copy of the base."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from raypipe.lora import is_adapter
+
+
+class ReferencePolicy:
+    """What a stage's reference pass runs with, captured once from `module` (`capture`)."""
+
+    def __init__(self, adapters: dict[str, torch.Tensor] | None) -> None:
+        self.adapters = adapters  # None: the adapters were zero (off gives the same outputs)
+
+    @classmethod
+    def capture(cls, module: nn.Module) -> ReferencePolicy:
+        """The starting policy of `module`'s trained weights: the adapters off when they are all
+        LoRA adapters and every B (up) matrix is zero, else a copy of every trained tensor (adapters,
+        modules to save, biases)."""
+        state = {k: p.detach().clone() for k, p in module.named_parameters() if p.requires_grad}
+        ups = [v for k, v in state.items() if ".lora_B." in k]
+        zero = bool(ups) and all(is_adapter(k) for k in state) and not any(torch.any(v) for v in ups)
+        return cls(None if zero else state)
+
+    @contextlib.contextmanager
+    def applied(self, module: nn.Module) -> Iterator[None]:
+        """`module` as the reference policy for the duration (its own weights back after)."""
+        if self.adapters is None:
+            with adapters_off(module):
+                yield
+            return
+        own = dict(module.named_parameters())
+        swapped = [(own[k], v) for k, v in self.adapters.items() if k in own]
+        with torch.no_grad():
+            kept = [p.detach().clone() for p, _ in swapped]
+            for p, v in swapped:
+                p.copy_(v)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for (p, _), k in zip(swapped, kept):
+                    p.copy_(k)
+
+
+@contextlib.contextmanager
+def adapters_off(module: nn.Module) -> Iterator[None]:
+    """peft's adapters of `module` disabled for the duration, as `PeftModel.disable_adapter` does."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in module.modules() if isinstance(m, BaseTunerLayer)]
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)

@@ -1,0 +1,166 @@
+"""DPO through the pipeline (`TrainConfig.objective`): a tiny transformers Llama with LoRA, its
+pairs' losses, TRL's metrics and the adapters after 3 SGD-momentum steps equal a one-process DPO
+on the peft model written from TRL 1.16's definitions (rows [chosen..., rejected...], the
+reference's log-probs under `disable_adapter()` for a new adapter, a frozen copy of a loaded one),
+at pp 2 with 2 microbatches; sigmoid from a new adapter, IPO from a loaded non-zero one."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from raypipe import BatchError, ConfigError, TrainConfig, Trainer
+from raypipe.models import hf
+from raypipe.models.hf import adapters
+from raypipe.objectives import METRICS
+
+from helpers import assert_close_dicts
+from hf_helpers import VOCAB, load, save_tiny
+
+pytest.importorskip("peft")
+
+SGD = {"name": "sgd", "lr": 0.5, "momentum": 0.9}
+LORA = {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
+
+
+def pairs(k: int, n: int = 4) -> list[dict]:
+    """n pair records of random token ids, prompts and completions of different lengths."""
+    g = torch.Generator().manual_seed(700 + k)
+    ids = lambda length: torch.randint(1, VOCAB, (length,), generator=g).tolist()  # noqa: E731
+    return [
+        {"prompt_ids": ids(2 + i % 3), "chosen_ids": ids(1 + (i + k) % 4), "rejected_ids": ids(2 + i % 2)}
+        for i in range(n)
+    ]
+
+
+def trl_rows(records):
+    """TRL's batch: chosen rows then rejected rows, right-padded, with the completion mask."""
+    rows = [(r["prompt_ids"], r["chosen_ids"]) for r in records] + [
+        (r["prompt_ids"], r["rejected_ids"]) for r in records
+    ]
+    width = max(len(p) + len(c) for p, c in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask, completion = torch.zeros_like(ids), torch.zeros_like(ids)
+    for i, (p, c) in enumerate(rows):
+        ids[i, : len(p) + len(c)] = torch.tensor(p + c)
+        mask[i, : len(p) + len(c)] = 1
+        completion[i, len(p) : len(p) + len(c)] = 1
+    return ids, mask, completion
+
+
+def sequence_logps(model, ids, mask, completion):
+    logits = model(input_ids=ids, attention_mask=mask).logits
+    per_token = torch.gather(torch.log_softmax(logits[:, :-1].float(), -1), 2, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    return (per_token * completion[:, 1:]).sum(1), completion[:, 1:].sum(1)
+
+
+def one_process_dpo(directory, initial, steps, beta, loss_type, loaded):
+    """TRL's DPO loss on the peft model in one process: losses, metrics, final adapters (peft names)."""
+    from peft import get_peft_model, set_peft_model_state_dict
+
+    from raypipe.lora import peft_config
+
+    model = get_peft_model(load(directory), peft_config(LORA))
+    set_peft_model_state_dict(model, initial)
+    model.train()
+    frozen = copy.deepcopy(model) if loaded else None  # TRL loads a re-trained adapter's copy as "ref"
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=SGD["lr"], momentum=SGD["momentum"])
+    losses, metrics = [], []
+    for k in range(steps):
+        ids, mask, completion = trl_rows(pairs(k))
+        with torch.no_grad():
+            if frozen is not None:
+                ref, _ = sequence_logps(frozen, ids, mask, completion)
+            else:
+                with model.disable_adapter():
+                    ref, _ = sequence_logps(model, ids, mask, completion)
+        logps, tokens = sequence_logps(model, ids, mask, completion)
+        chosen, rejected = logps.chunk(2)
+        ref_chosen, ref_rejected = ref.chunk(2)
+        chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
+        if loss_type == "sigmoid":
+            per_pair = -F.logsigmoid(beta * (chosen_ratio - rejected_ratio))
+        else:  # ipo
+            chosen_tokens, rejected_tokens = tokens.chunk(2)
+            ipo = chosen_ratio / chosen_tokens.clamp(min=1) - rejected_ratio / rejected_tokens.clamp(min=1)
+            per_pair = (ipo - 1 / (2 * beta)) ** 2
+        loss = per_pair.mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        r_chosen, r_rejected = beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
+        losses.append(loss.item())
+        metrics.append(
+            {
+                "rewards/chosen": r_chosen.mean().item(),
+                "rewards/rejected": r_rejected.mean().item(),
+                "rewards/accuracies": (r_chosen > r_rejected).float().mean().item(),
+                "rewards/margins": (r_chosen - r_rejected).mean().item(),
+                "logps/chosen": chosen.detach().mean().item(),
+                "logps/rejected": rejected.detach().mean().item(),
+            }
+        )
+    final = {k.replace(".default.", "."): v for k, v in model.state_dict().items() if ".lora_" in k}
+    return losses, metrics, final
+
+
+@pytest.fixture(scope="module")
+def directory(tmp_path_factory):
+    return save_tiny("llama", str(tmp_path_factory.mktemp("llama")))
+
+
+CASES = [("sigmoid", False), ("ipo", True)]
+
+
+@pytest.mark.parametrize("loss_type, loaded", CASES, ids=["sigmoid-new-adapter", "ipo-loaded-adapter"])
+def test_dpo_through_the_pipeline_equals_trls_dpo_in_one_process(ray_session, directory, loss_type, loaded):
+    beta = 0.1 if loss_type == "sigmoid" else 0.5
+    model = hf.from_pretrained(directory)
+    config = TrainConfig(
+        pp=2,
+        microbatches=2,
+        optimizer=SGD,
+        lora=LORA,
+        objective={"name": "dpo", "beta": beta, "loss_type": loss_type},
+        cpus_per_actor=0.25,
+        threads_per_actor=1,
+    )
+    with Trainer(model, config=config) as t:
+        start = t.state_dict()
+        initial = {k: v for k, v in start.items() if ".lora_" in k}
+        if loaded:  # an adapter trained before (an SFT one, say): its B matrices are not zero
+            g = torch.Generator().manual_seed(3)
+            initial = {k: v + 0.2 * torch.randn(v.shape, generator=g) for k, v in initial.items()}
+            t.load_state_dict({**start, **initial})
+        names = adapters.peft_names(list(initial), model.exporter.prefixes(t.specs))
+        ref_losses, ref_metrics, ref_final = one_process_dpo(
+            directory, {names[k]: v for k, v in initial.items()}, 3, beta, loss_type, loaded
+        )
+        steps = [t.step(pairs(k)) for k in range(3)]
+        final = t.state_dict()
+        with pytest.raises(ConfigError, match="fit does not run a 'dpo' objective"):
+            t.fit(lambda k: pairs(k), steps=4)
+        with pytest.raises(BatchError, match="3 pairs do not divide into dp x microbatches = 1 x 2"):
+            t.step(pairs(0, n=3))
+    torch.testing.assert_close(torch.tensor([s["loss"] for s in steps]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    for got, want in zip(steps, ref_metrics):
+        torch.testing.assert_close(
+            torch.tensor([got[m] for m in METRICS]), torch.tensor([want[m] for m in METRICS]), rtol=1e-5, atol=1e-6
+        )
+    assert_close_dicts({names[k]: final[k] for k in initial}, ref_final)
+    assert all(torch.equal(final[k], v) for k, v in start.items() if k not in initial)  # the base untouched
+
+
+def test_dpo_settings_are_checked_with_what_to_give():
+    with pytest.raises(ConfigError, match="loss_type must be one of 'sigmoid', 'hinge', 'ipo'"):
+        TrainConfig(objective={"name": "dpo", "loss_type": "kto"}, lora=LORA)
+    with pytest.raises(ConfigError, match="set lora"):
+        TrainConfig(objective={"name": "dpo"})
+    with pytest.raises(ConfigError, match="gamma are not DPO settings"):
+        TrainConfig(objective={"name": "dpo", "gamma": 1}, lora=LORA)
+    assert TrainConfig(objective={"name": "dpo"}, lora=LORA).objective == {
+        "name": "dpo",
+        "beta": 0.1,
+        "loss_type": "sigmoid",
+    }
