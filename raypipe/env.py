@@ -27,7 +27,7 @@ def ray_address() -> str | None:
 def preload_modules() -> list[str]:
     """RAYPIPE_PRELOAD=MODULES: what the idle worker processes of a Ray that raypipe starts import
     before they take work (Ray's `preload_python_modules`), comma-separated, e.g.
-    "torch,raypipe.actors.stage"; unset or empty: nothing. A stage actor started in such a worker
+    "torch,raypipe.actors.stage_actor"; unset or empty: nothing. A stage actor started in such a worker
     skips ~2.5 s of imports, but Ray keeps one idle worker per CPU, each ~130 MB larger (measured
     unique memory), and does not prestart more once they are used: off by default."""
     value = os.environ.get("RAYPIPE_PRELOAD", "")

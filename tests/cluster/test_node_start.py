@@ -61,7 +61,7 @@ from raypipe.driver.cluster.connect import connect
 connect()  # an embedded local Ray, as a script's Trainer starts one
 @ray.remote(num_cpus=0)
 def preloaded():  # pickled by value from __main__: the worker imports nothing for it
-    return sorted(m for m in ("torch", "raypipe.actors.stage") if m in sys.modules)
+    return sorted(m for m in ("torch", "raypipe.actors.stage_actor") if m in sys.modules)
 print("PRELOADED", ray.get(preloaded.remote(), timeout=120))
 """
 
@@ -73,8 +73,8 @@ def test_raypipe_preload_has_the_local_rays_idle_workers_import_the_stage_code()
     import subprocess
     import sys
 
-    env = {**os.environ, "RAYPIPE_PRELOAD": "torch,raypipe.actors.stage", "RAY_AUTH_MODE": "disabled"}
+    env = {**os.environ, "RAYPIPE_PRELOAD": "torch,raypipe.actors.stage_actor", "RAY_AUTH_MODE": "disabled"}
     env.pop("RAY_ADDRESS", None)
     done = subprocess.run([sys.executable, "-c", PRELOADED], env=env, capture_output=True, text=True, timeout=180)
     lines = [line for line in done.stdout.splitlines() if line.startswith("PRELOADED")]
-    assert lines == ["PRELOADED ['raypipe.actors.stage', 'torch']"], done.stdout[-2000:] + done.stderr[-3000:]
+    assert lines == ["PRELOADED ['raypipe.actors.stage_actor', 'torch']"], done.stdout[-2000:] + done.stderr[-3000:]
