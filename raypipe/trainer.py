@@ -24,8 +24,9 @@ from raypipe.driver.actor_group import ActorGroup
 from raypipe.driver.cluster import live_trainers
 from raypipe.driver.feeds import make_feed
 from raypipe.driver.inference import forward
+from raypipe.driver.inference.reference import preference_batch
 from raypipe.driver.links import replan
-from raypipe.driver.run import controller, preference
+from raypipe.driver.run import controller
 from raypipe.driver.run import step as one_step
 from raypipe.driver.run_state import RunState
 from raypipe.errors import ConfigError
@@ -163,7 +164,8 @@ class Trainer:
             StageError: an action failed on a stage (its message names stage and action).
             StepTimeoutError: no action finished for `config.step_timeout` seconds.
         """
-        return (preference.dpo_step if self.config.objective else one_step.train_step)(self.group, self.state, x, y)
+        x, y = preference_batch(self.group, x) if self.config.objective else (x, y)  # pairs: rows, reference
+        return one_step.train_step(self.group, self.state, x, y)
 
     def fit(
         self,
@@ -201,7 +203,6 @@ class Trainer:
             ActorDiedError: an actor died more than `config.max_restarts` times; the
                 message says which, why, and where the last checkpoint is.
         """
-        preference.refuse_fit(self.config)
         feed = make_feed(self.group, batches, batch_size, collate)
         return controller.fit_with(self.group, self.state, feed, steps, on_step, log, progress, overlap)
 

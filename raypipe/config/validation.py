@@ -81,7 +81,7 @@ def validate(c: Any) -> None:
     check_lr_schedule(c.lr_schedule)
     c.lr_schedule = dict(c.lr_schedule)
     check_positive("grad_clip", c.grad_clip, allow_none=True)
-    c.objective = check_objective(c.objective, c.lora)
+    c.objective = check_objective(c.objective, c.lora, c.actor_steps)
     check_choice("precision", c.precision, PRECISIONS)
     check_choice("boundary_dtype", c.boundary_dtype, PRECISIONS)
     check_choice("engine", c.engine, ENGINES)
@@ -268,7 +268,7 @@ RECONFIGURABLE = (
 OBJECTIVES = ("dpo",)
 
 
-def check_objective(value: Any, lora: Any) -> dict[str, Any] | None:
+def check_objective(value: Any, lora: Any, actor_steps: Any = "auto") -> dict[str, Any] | None:
     """`TrainConfig.objective`, with its defaults filled in (None: the loss function's own)."""
     from raypipe.objectives import LOSS_TYPES
 
@@ -290,5 +290,11 @@ def check_objective(value: Any, lora: Any) -> dict[str, Any] | None:
             value,
             "DPO measures each pair against the starting policy, which raypipe keeps as the starting LoRA "
             "adapters: set lora (a frozen reference model of its own is not supported yet).",
+        )
+    if actor_steps not in (0, "auto"):
+        raise fail(
+            "actor_steps",
+            actor_steps,
+            'each DPO step\'s pairs go through the reference pass on the driver first: give 0 or "auto".',
         )
     return objective

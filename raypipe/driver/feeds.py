@@ -209,7 +209,20 @@ class DatasetFeed:
 
 
 def make_feed(group: Any, batches: Any, batch_size: int | None, collate: Callable | None) -> Any:
-    """The feed for what `Trainer.fit` was given, cut for `group`'s actors (an `ActorGroup`)."""
+    """The feed for what `Trainer.fit` was given, cut for `group`'s actors (an `ActorGroup`). Under a
+    preference objective each step's pair records become its rows and their reference log-probs
+    (`inference.reference.preference_batch`) as the feed takes them."""
+    if group.config.objective is not None:
+        from raypipe.driver.inference.reference import preference_batch
+
+        if _is_dataset(batches):
+            raise ConfigError(
+                "fit reads pair records from a function of the step or an iterable under TrainConfig.objective; "
+                "a Ray Dataset of pairs is not supported yet: iterate it (ds.iter_rows() in lists of pairs)"
+            )
+        if callable(batches):
+            return FunctionFeed(group, lambda k, pairs=batches: preference_batch(group, pairs(k)))
+        batches = (preference_batch(group, pairs) for pairs in batches)
     if _is_dataset(batches):
         return DatasetFeed(group, batches, batch_size, collate)
     if callable(batches):

@@ -1,8 +1,9 @@
 """DPO through the pipeline (`TrainConfig.objective`): a tiny transformers Llama with LoRA, its
-pairs' losses, TRL's metrics and the adapters after 3 SGD-momentum steps equal a one-process DPO
-on the peft model written from TRL 1.16's definitions (rows [chosen..., rejected...], the
-reference's log-probs under `disable_adapter()` for a new adapter, a frozen copy of a loaded one),
-at pp 2 with 2 microbatches; sigmoid from a new adapter, IPO from a loaded non-zero one."""
+pairs' losses, TRL's metrics and the adapters after 5 SGD-momentum steps (3 by `step`, 2 by
+`fit`) equal a one-process DPO on the peft model written from TRL 1.16's definitions (rows
+[chosen..., rejected...], the reference's log-probs under `disable_adapter()` for a new adapter,
+a frozen copy of a loaded one), at pp 2 with 2 microbatches: sigmoid from a new adapter at dp 1,
+IPO from a loaded non-zero one at dp 2."""
 
 import copy
 
@@ -110,15 +111,16 @@ def directory(tmp_path_factory):
     return save_tiny("llama", str(tmp_path_factory.mktemp("llama")))
 
 
-CASES = [("sigmoid", False), ("ipo", True)]
+CASES = [("sigmoid", False, 1), ("ipo", True, 2)]
 
 
-@pytest.mark.parametrize("loss_type, loaded", CASES, ids=["sigmoid-new-adapter", "ipo-loaded-adapter"])
-def test_dpo_through_the_pipeline_equals_trls_dpo_in_one_process(ray_session, directory, loss_type, loaded):
+@pytest.mark.parametrize("loss_type, loaded, dp", CASES, ids=["sigmoid-new-adapter-dp1", "ipo-loaded-adapter-dp2"])
+def test_dpo_through_the_pipeline_equals_trls_dpo_in_one_process(ray_session, directory, loss_type, loaded, dp):
     beta = 0.1 if loss_type == "sigmoid" else 0.5
     model = hf.from_pretrained(directory)
     config = TrainConfig(
         pp=2,
+        dp=dp,
         microbatches=2,
         optimizer=SGD,
         lora=LORA,
@@ -135,13 +137,12 @@ def test_dpo_through_the_pipeline_equals_trls_dpo_in_one_process(ray_session, di
             t.load_state_dict({**start, **initial})
         names = adapters.peft_names(list(initial), model.exporter.prefixes(t.specs))
         ref_losses, ref_metrics, ref_final = one_process_dpo(
-            directory, {names[k]: v for k, v in initial.items()}, 3, beta, loss_type, loaded
+            directory, {names[k]: v for k, v in initial.items()}, 5, beta, loss_type, loaded
         )
         steps = [t.step(pairs(k)) for k in range(3)]
+        steps += t.fit(pairs, steps=5, log=lambda _: None)  # steps 4 and 5, the next one queued meanwhile
         final = t.state_dict()
-        with pytest.raises(ConfigError, match="fit does not run a 'dpo' objective"):
-            t.fit(lambda k: pairs(k), steps=4)
-        with pytest.raises(BatchError, match="3 pairs do not divide into dp x microbatches = 1 x 2"):
+        with pytest.raises(BatchError, match=f"3 pairs do not divide into dp x microbatches = {dp} x 2"):
             t.step(pairs(0, n=3))
     torch.testing.assert_close(torch.tensor([s["loss"] for s in steps]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
     for got, want in zip(steps, ref_metrics):
@@ -157,6 +158,8 @@ def test_dpo_settings_are_checked_with_what_to_give():
         TrainConfig(objective={"name": "dpo", "loss_type": "kto"}, lora=LORA)
     with pytest.raises(ConfigError, match="set lora"):
         TrainConfig(objective={"name": "dpo"})
+    with pytest.raises(ConfigError, match="reference pass on the driver first"):
+        TrainConfig(objective={"name": "dpo"}, lora=LORA, actor_steps=4)
     with pytest.raises(ConfigError, match="gamma are not DPO settings"):
         TrainConfig(objective={"name": "dpo", "gamma": 1}, lora=LORA)
     assert TrainConfig(objective={"name": "dpo"}, lora=LORA).objective == {

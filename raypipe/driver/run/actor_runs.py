@@ -46,6 +46,8 @@ def length(group: ActorGroup, feed: Any, steps_left: int, overlap: bool, log: Ca
     can pickle, a Dataset) and enough steps x actors (AUTO_ACTOR_STEPS) to repay the seconds a
     trainer's first run spends starting its board and reader."""
     wanted = group.config.actor_steps
+    if group.config.objective is not None:  # each step's pairs go through the reference pass first
+        return 0
     if wanted != "auto":
         return wanted
     if not overlap or group.config.engine != "p2p" or steps_left * len(group.actors) < AUTO_ACTOR_STEPS:
