@@ -23,92 +23,14 @@ from raypipe.checkpoint import layout as ckpt
 from raypipe.checkpoint.storage import redact_values
 from raypipe.checks import check_whole_number, nearest
 from raypipe.config import TrainConfig, apply_overrides, load_yaml
-from raypipe.data import TokenDataset, stdlib_corpus
+from raypipe.data import TokenDataset
+from raypipe.data.job_source import DataConfig
 from raypipe.driver import outputs
 from raypipe.driver.run import ending
 from raypipe.errors import ConfigError, RaypipeError
 from raypipe.models.registry import JobModel, job_model
 from raypipe.observe.progress import Progress
 from raypipe.planning.partition import is_profiled
-
-DATA_SOURCES = ("stdlib", "bin", "text", "sft")
-DATA_READERS = ("auto", "driver", "ray_data")
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    """Where the tokens come from.
-
-    Attributes:
-        source: "stdlib" (the Python standard library's source, built locally),
-            "bin" (a uint16 token file at `path`), "text" (text files in `paths`) or "sft"
-            (prompt/response examples from the JSONL file at `path`, or without one the
-            stdlib's function signatures and docstrings: `raypipe.data.sft`).
-        pack: for "sft", pack several examples into each row (positions restart per example).
-        max_bytes: how much stdlib source to use.
-        path: the token file for source "bin".
-        paths: text files for source "text".
-        val_fraction: the tail of the tokens held out for validation loss.
-        reader: how training batches reach the stages: "driver" (made and cut by the job's
-            process), "ray_data" (a Ray Dataset made in Ray Data's tasks and cut beside the
-            actors: `raypipe.data.ray_source`; the same batches), or "auto": ray_data on a
-            cluster (RAY_ADDRESS set, as under `ray job submit`), driver on the embedded Ray.
-    """
-
-    source: str = "stdlib"
-    max_bytes: int = 4_000_000
-    path: str | None = None
-    paths: tuple[str, ...] = ()
-    val_fraction: float = 0.05
-    pack: bool = False
-    reader: str = "auto"
-
-    def __post_init__(self) -> None:
-        if self.source not in DATA_SOURCES:
-            raise ConfigError(
-                f"data.source={self.source!r} is invalid: choose one of {', '.join(DATA_SOURCES)}."
-                f"{nearest(str(self.source), DATA_SOURCES)}"
-            )
-        if self.source == "bin" and not self.path:
-            raise ConfigError("data.path is missing: source 'bin' needs the path of a uint16 token file.")
-        for name, path in [("path", self.path)] + [(f"paths[{i}]", p) for i, p in enumerate(self.paths or ())]:
-            if path and not Path(path).is_file():
-                raise ConfigError(f"data.{name}={path!r}: no such file (relative paths are from {Path.cwd()}).")
-        if self.source == "text" and not self.paths:
-            raise ConfigError("data.paths is missing: source 'text' needs a list of text files.")
-        if not 0.0 <= self.val_fraction < 1.0:
-            raise ConfigError(f"data.val_fraction={self.val_fraction!r} is invalid: give a number in [0, 1).")
-        if self.reader not in DATA_READERS:
-            raise ConfigError(
-                f"data.reader={self.reader!r} is invalid: choose one of {', '.join(DATA_READERS)}."
-                f"{nearest(str(self.reader), DATA_READERS)}"
-            )
-        if self.reader == "ray_data" and self.source == "sft":
-            raise ConfigError(
-                "data.reader='ray_data' is invalid with source 'sft' (its examples are cut on the "
-                "driver): use reader 'driver' or 'auto'."
-            )
-        object.__setattr__(self, "paths", tuple(self.paths))
-
-    def uses_ray_data(self) -> bool:
-        """Whether training batches go through Ray Data (`reader`, "auto" resolved)."""
-        from raypipe.env import ray_address
-
-        if self.reader == "auto":
-            return self.source != "sft" and ray_address() is not None
-        return self.reader == "ray_data"
-
-    def dataset(self, block_size: int, tokenizer: Any = None) -> Any:
-        if self.source == "sft":
-            from raypipe.data.sft import SFTDataset, read_jsonl, stdlib_docstrings
-
-            records = read_jsonl(self.path) if self.path else stdlib_docstrings(max_bytes=self.max_bytes)
-            return SFTDataset.from_records(records, tokenizer, block_size, self.pack)
-        if self.source == "stdlib":
-            return TokenDataset.from_bin(stdlib_corpus(self.max_bytes), block_size)
-        if self.source == "bin":
-            return TokenDataset.from_bin(self.path, block_size)
-        return TokenDataset.from_text_files(self.paths, block_size)
 
 
 @dataclass(frozen=True)
@@ -213,10 +135,20 @@ def run(
         train = train.replace(resume=True if resume_step is None else resume_step)
     if train.resume is not False:  # fail before any actor starts
         ckpt.find_valid(train.checkpoint_dir, step=None if train.resume is True else train.resume, warn=lambda _: None)
-    dataset = config.data.dataset(model.block_size, model.tokenizer() if config.data.source == "sft" else None)
+    pairs = config.data.source == "pairs"
+    if pairs != (train.objective is not None):
+        raise ConfigError(
+            "data.source 'pairs' and objective {name: dpo} go together: preference pairs train by DPO, and DPO "
+            "trains on pairs"
+        )
+    tokenized = config.data.source in ("sft", "pairs")
+    dataset = config.data.dataset(model.block_size, model.tokenizer() if tokenized else None)
     train_set, val_set = dataset.split(config.data.val_fraction) if config.data.val_fraction else (dataset, None)
+    val_set = None if pairs else val_set  # a DPO run reports its rewards instead of a validation loss
 
-    def batch(data: Any, k: int, seed: int) -> tuple[Any, torch.Tensor]:
+    def batch(data: Any, k: int, seed: int) -> Any:
+        if pairs:  # the step's pair records: the trainer adds their reference pass
+            return data.batch(k, job.batch_size, seed=seed)
         x, y = data.batch(k, job.batch_size, seed=seed)
         return (x, model.targets(x, y)) if isinstance(data, TokenDataset) else (x, y)  # SFT: labels as given
 
@@ -227,10 +159,13 @@ def run(
     )
     losses: list[float] = []
     rates: list[float] = []
+    margins: list[float] = []  # a DPO run's rewards/margins, step by step
 
     def on_step(metrics: dict[str, Any]) -> None:
         step = metrics["step"]
         losses.append(metrics["loss"])
+        if "rewards/margins" in metrics:
+            margins.append(metrics["rewards/margins"])
         if on_metrics is not None:
             on_metrics(metrics)
         if len(losses) > 1:  # the first step pays for warm-up; leave it out of the rate
@@ -240,6 +175,11 @@ def run(
                 f"step {step:4d} | loss {metrics['loss']:.4f} | lr {metrics['lr']:.2e} | "
                 f"grad norm {metrics['grad_norm']:.3f} | {metrics['tokens_per_s']:,.0f} tok/s | "
                 f"{1000 * metrics['step_time']:.0f} ms"
+                + (
+                    f" | margin {metrics['rewards/margins']:.3f} | accuracy {metrics['rewards/accuracies']:.2f}"
+                    if "rewards/margins" in metrics
+                    else ""
+                )
             )
         if "checkpoint" in metrics:
             log(f"step {step:4d} | saved {metrics['checkpoint']}")
@@ -322,12 +262,18 @@ def run(
         log(
             f"done: {len(losses)} steps in {elapsed:.1f} s; mean loss of the first 10 steps {head:.4f}, "
             f"of the last 10 {tail:.4f}; {sum(rates) / max(1, len(rates)):,.0f} tok/s"
+            + (
+                f"; mean reward margin of the first 10 steps {sum(margins[:10]) / len(margins[:10]):.3f}, "
+                f"of the last 10 {sum(margins[-10:]) / len(margins[-10:]):.3f}"
+                if margins
+                else ""
+            )
         )
     if losses and went is not None:  # where the time goes, in the terms of docs/watching.md
         log(f"the last step: {went}")
     if sample is not None:
         log("sample:\n" + sample)
-    return {"losses": losses, "val_first": first_val, "val_last": last_val, "tokens_per_s": rates}
+    return {"losses": losses, "val_first": first_val, "val_last": last_val, "tokens_per_s": rates, "margins": margins}
 
 
 def _leave_a_cpu_for_ray_data(train: TrainConfig) -> TrainConfig:

@@ -259,3 +259,20 @@ def save_family(kind: str, directory: str, seed: int = 0) -> str:
         warnings.simplefilter("ignore")
         AutoModelForCausalLM.from_config(family_config(kind)).save_pretrained(directory)
     return directory
+
+
+def small_job(base: str, *extra: str) -> list[str]:
+    """Overrides that make an example job of examples/configs/ train `base` (a tiny model directory)
+    for 4 steps of 4 samples in a test: no progress bar, no logs, small actors."""
+    return [
+        f"model.hf={base}",
+        "model.block_size=32",
+        "job.steps=4",
+        "job.batch_size=4",
+        "data.max_bytes=300000",
+        "log_dir=null",
+        "job.progress=false",
+        "cpus_per_actor=0.25",
+        "threads_per_actor=1",
+        *extra,
+    ]

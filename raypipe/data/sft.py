@@ -27,8 +27,9 @@ from raypipe.errors import ConfigError
 IGNORE = -100
 
 
-def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """Records with `prompt` and `response`, or chat `messages` ([{"role", "content"}, ...]).
+def read_jsonl(path: str | Path, pairs: bool = False) -> list[dict[str, Any]]:
+    """Records with `prompt` and `response`, or chat `messages` ([{"role", "content"}, ...]); with
+    `pairs`, preference records with `prompt`, `chosen` and `rejected` (`raypipe.data.preference`).
 
     Raises:
         ConfigError: a line that is neither, naming the file and line.
@@ -38,7 +39,9 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
         if not line.strip():
             continue
         record = json.loads(line)
-        if not ({"prompt", "response"} <= set(record) or "messages" in record):
+        if pairs and not {"prompt", "chosen", "rejected"} <= set(record):
+            raise ConfigError(f"{path}:{number}: give 'prompt', 'chosen' and 'rejected' (got {sorted(record)}).")
+        if not pairs and not ({"prompt", "response"} <= set(record) or "messages" in record):
             raise ConfigError(f"{path}:{number}: give 'prompt' and 'response', or 'messages' (got {sorted(record)}).")
         records.append(record)
     return records

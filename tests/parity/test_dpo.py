@@ -17,7 +17,7 @@ from raypipe.models.hf import adapters
 from raypipe.objectives import METRICS
 
 from helpers import assert_close_dicts
-from hf_helpers import VOCAB, load, save_tiny
+from hf_helpers import VOCAB, load, save_tiny, small_job
 
 pytest.importorskip("peft")
 
@@ -167,3 +167,56 @@ def test_dpo_settings_are_checked_with_what_to_give():
         "beta": 0.1,
         "loss_type": "sigmoid",
     }
+
+
+def test_preference_records_are_tokenized_into_trls_columns(tmp_path):
+    """TRL's text and conversational records become prompt, chosen and rejected token ids (each
+    completion ended by the tokenizer's end-of-sequence token), rows fit the block; JSONL is read;
+    the stdlib pairs reject another function's docstring."""
+    import json
+
+    from raypipe.data.hf_tokenizer import byte_tokenizer
+    from raypipe.data.preference import PreferenceDataset, stdlib_pairs
+    from raypipe.data.sft import read_jsonl
+
+    tokenizer = byte_tokenizer()
+    records = [
+        {"prompt": "Q: 2+2=", "chosen": "4", "rejected": "5"},
+        {
+            "prompt": [{"role": "user", "content": "name?"}],
+            "chosen": [{"role": "assistant", "content": "raypipe"}],
+            "rejected": [{"role": "assistant", "content": "no"}],
+        },
+    ]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    data = PreferenceDataset.from_records(read_jsonl(path, pairs=True), tokenizer, block_size=12)
+    first, second = data.pairs
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    assert first == {
+        "prompt_ids": tokenizer.encode("Q: 2+2=", add_special_tokens=False)[-6:],
+        "chosen_ids": tokenizer.encode("4", add_special_tokens=False) + eos,
+        "rejected_ids": tokenizer.encode("5", add_special_tokens=False) + eos,
+    }
+    assert all(len(p["prompt_ids"]) + len(p[c]) <= 12 for p in data.pairs for c in ("chosen_ids", "rejected_ids"))
+    assert second["chosen_ids"][:7] == tokenizer.encode("raypipe", add_special_tokens=False)[: 12 - 6]
+    assert len(data.batch(3, 5, seed=1)) == 5 and data.batch(3, 5, seed=1) == data.batch(3, 5, seed=1)
+    with pytest.raises(ConfigError, match="lacks rejected"):
+        PreferenceDataset.from_records([{"prompt": "a", "chosen": "b"}], tokenizer, 12)
+    stdlib = stdlib_pairs(limit=50, max_bytes=300_000)
+    assert len(stdlib) > 10 and all(p["chosen"] != p["rejected"] for p in stdlib)
+
+
+def test_the_dpo_example_job_trains_on_stdlib_pairs_and_prints_the_reward_margin(ray_session, tmp_path):
+    from raypipe.job import JobConfig, run
+
+    base = save_tiny("llama", str(tmp_path / "base"), vocab_size=256)
+    small = small_job(base, "job.log_every=1", f"job.save_adapter={tmp_path / 'adapter'}")
+    lines = []
+    summary = run(JobConfig.from_yaml("examples/configs/dpo.yaml", small), log=lines.append)
+    assert len(summary["losses"]) == 4 and len(summary["margins"]) == 4
+    assert sum(" | margin " in line for line in lines) == 4, lines
+    assert summary["val_first"] is None  # pairs report rewards, not a validation loss
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+    with pytest.raises(ConfigError, match="go together"):
+        run(JobConfig.from_yaml("examples/configs/dpo.yaml", [*small, "objective=null"]), log=lines.append)

@@ -73,25 +73,17 @@ def test_the_lora_sft_job_fine_tunes_an_export_and_saves_adapters_peft_loads(ray
 
     from raypipe.job import JobConfig, run
 
-    from hf_helpers import load
+    from hf_helpers import load, small_job
 
     base = save_tiny("llama", str(tmp_path / "base"), vocab_size=256)
-    small = [
-        f"model.hf={base}",
-        "model.block_size=32",
-        "job.steps=4",
+    small = small_job(
+        base,
         "job.eval_every=0",
         "job.eval_batches=1",
-        "job.batch_size=4",
         "job.sample_tokens=4",
-        "data.max_bytes=300000",
-        "log_dir=null",
-        "job.progress=false",
         f"job.save_adapter={tmp_path / 'adapter'}",
         f"job.save_pretrained={tmp_path / 'merged'}",
-        "cpus_per_actor=0.25",
-        "threads_per_actor=1",
-    ]
+    )
     lines = []
     summary = run(JobConfig.from_yaml("examples/configs/lora_sft.yaml", small), log=lines.append)
     assert len(summary["losses"]) == 4 and any(line.startswith("sample before training") for line in lines)
