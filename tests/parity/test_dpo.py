@@ -1,15 +1,12 @@
 """DPO through the pipeline (`TrainConfig.objective`): a tiny transformers Llama with LoRA, its
-pairs' losses, TRL's metrics and the adapters after 5 SGD-momentum steps (3 by `step`, 2 by
-`fit`) equal a one-process DPO on the peft model written from TRL 1.16's definitions (rows
-[chosen..., rejected...], the reference's log-probs under `disable_adapter()` for a new adapter,
-a frozen copy of a loaded one), at pp 2 with 2 microbatches: sigmoid from a new adapter at dp 1,
-IPO from a loaded non-zero one at dp 2."""
-
-import copy
+pairs' losses, TRL's six metrics and the adapters after 5 SGD-momentum steps (3 by `step`, 2 by
+`fit`) equal TRL 1.16's DPOTrainer's (its loss, collator and reference: a frozen copy of the
+starting adapter) on the same PeftModel in one process, at pp 2 with 2 microbatches: sigmoid from
+a new adapter at dp 1, IPO from a loaded non-zero one at dp 2. The pair data of DPO jobs, and the
+example job."""
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from raypipe import BatchError, ConfigError, TrainConfig, Trainer
 from raypipe.models import hf
@@ -35,75 +32,41 @@ def pairs(k: int, n: int = 4) -> list[dict]:
     ]
 
 
-def trl_rows(records):
-    """TRL's batch: chosen rows then rejected rows, right-padded, with the completion mask."""
-    rows = [(r["prompt_ids"], r["chosen_ids"]) for r in records] + [
-        (r["prompt_ids"], r["rejected_ids"]) for r in records
-    ]
-    width = max(len(p) + len(c) for p, c in rows)
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    mask, completion = torch.zeros_like(ids), torch.zeros_like(ids)
-    for i, (p, c) in enumerate(rows):
-        ids[i, : len(p) + len(c)] = torch.tensor(p + c)
-        mask[i, : len(p) + len(c)] = 1
-        completion[i, len(p) : len(p) + len(c)] = 1
-    return ids, mask, completion
-
-
-def sequence_logps(model, ids, mask, completion):
-    logits = model(input_ids=ids, attention_mask=mask).logits
-    per_token = torch.gather(torch.log_softmax(logits[:, :-1].float(), -1), 2, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    return (per_token * completion[:, 1:]).sum(1), completion[:, 1:].sum(1)
-
-
-def one_process_dpo(directory, initial, steps, beta, loss_type, loaded):
-    """TRL's DPO loss on the peft model in one process: losses, metrics, final adapters (peft names)."""
+def trl_dpo(directory, initial, steps, beta, loss_type, out):
+    """TRL's DPOTrainer on the peft model in one process, its loss stepped by SGD here: losses, its
+    metrics, the final adapters (peft's names). Given a PeftModel, TRL keeps a frozen copy of the
+    starting adapter ("ref") as the reference policy; its collator makes the rows."""
+    from datasets import Dataset
     from peft import get_peft_model, set_peft_model_state_dict
+    from trl import DPOConfig, DPOTrainer
 
+    from raypipe.data.hf_tokenizer import byte_tokenizer
     from raypipe.lora import peft_config
 
     model = get_peft_model(load(directory), peft_config(LORA))
     set_peft_model_state_dict(model, initial)
-    model.train()
-    frozen = copy.deepcopy(model) if loaded else None  # TRL loads a re-trained adapter's copy as "ref"
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=SGD["lr"], momentum=SGD["momentum"])
+    tokenizer = byte_tokenizer()  # TRL wants a pad and an end token; pad 0 as raypipe pads
+    tokenizer.pad_token, tokenizer.eos_token = tokenizer.convert_ids_to_tokens(0), tokenizer.convert_ids_to_tokens(1)
+    args = DPOConfig(output_dir=out, beta=beta, loss_type=[loss_type], report_to=[], use_cpu=True, max_length=None)
+    text = Dataset.from_list([{"prompt": "a", "chosen": "b", "rejected": "c"}])  # unused: the steps are ours
+    trainer = DPOTrainer(model=model, args=args, train_dataset=text, processing_class=tokenizer)
+    trained = [p for n, p in trainer.model.named_parameters() if p.requires_grad and ".default." in n]
+    opt = torch.optim.SGD(trained, lr=SGD["lr"], momentum=SGD["momentum"])
+    trainer.model.train()
     losses, metrics = [], []
     for k in range(steps):
-        ids, mask, completion = trl_rows(pairs(k))
-        with torch.no_grad():
-            if frozen is not None:
-                ref, _ = sequence_logps(frozen, ids, mask, completion)
-            else:
-                with model.disable_adapter():
-                    ref, _ = sequence_logps(model, ids, mask, completion)
-        logps, tokens = sequence_logps(model, ids, mask, completion)
-        chosen, rejected = logps.chunk(2)
-        ref_chosen, ref_rejected = ref.chunk(2)
-        chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
-        if loss_type == "sigmoid":
-            per_pair = -F.logsigmoid(beta * (chosen_ratio - rejected_ratio))
-        else:  # ipo
-            chosen_tokens, rejected_tokens = tokens.chunk(2)
-            ipo = chosen_ratio / chosen_tokens.clamp(min=1) - rejected_ratio / rejected_tokens.clamp(min=1)
-            per_pair = (ipo - 1 / (2 * beta)) ** 2
-        loss = per_pair.mean()
+        loss = trainer.compute_loss(trainer.model, trainer.data_collator(pairs(k)))
         opt.zero_grad()
         loss.backward()
         opt.step()
-        r_chosen, r_rejected = beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
         losses.append(loss.item())
-        metrics.append(
-            {
-                "rewards/chosen": r_chosen.mean().item(),
-                "rewards/rejected": r_rejected.mean().item(),
-                "rewards/accuracies": (r_chosen > r_rejected).float().mean().item(),
-                "rewards/margins": (r_chosen - r_rejected).mean().item(),
-                "logps/chosen": chosen.detach().mean().item(),
-                "logps/rejected": rejected.detach().mean().item(),
-            }
-        )
-    final = {k.replace(".default.", "."): v for k, v in model.state_dict().items() if ".lora_" in k}
-    return losses, metrics, final
+        metrics.append({m: trainer._metrics["train"][m][-1] for m in METRICS})
+    state = model.state_dict()
+    return (
+        losses,
+        metrics,
+        {k.replace(".default.", "."): v for k, v in state.items() if ".lora_" in k and ".ref." not in k},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +78,7 @@ CASES = [("sigmoid", False, 1), ("ipo", True, 2)]
 
 
 @pytest.mark.parametrize("loss_type, loaded, dp", CASES, ids=["sigmoid-new-adapter-dp1", "ipo-loaded-adapter-dp2"])
-def test_dpo_through_the_pipeline_equals_trls_dpo_in_one_process(ray_session, directory, loss_type, loaded, dp):
+def test_dpo_through_the_pipeline_equals_trls_dpo_trainer(ray_session, directory, tmp_path, loss_type, loaded, dp):
     beta = 0.1 if loss_type == "sigmoid" else 0.5
     model = hf.from_pretrained(directory)
     config = TrainConfig(
@@ -136,8 +99,8 @@ def test_dpo_through_the_pipeline_equals_trls_dpo_in_one_process(ray_session, di
             initial = {k: v + 0.2 * torch.randn(v.shape, generator=g) for k, v in initial.items()}
             t.load_state_dict({**start, **initial})
         names = adapters.peft_names(list(initial), model.exporter.prefixes(t.specs))
-        ref_losses, ref_metrics, ref_final = one_process_dpo(
-            directory, {names[k]: v for k, v in initial.items()}, 5, beta, loss_type, loaded
+        ref_losses, ref_metrics, ref_final = trl_dpo(
+            directory, {names[k]: v for k, v in initial.items()}, 5, beta, loss_type, str(tmp_path / "trl")
         )
         steps = [t.step(pairs(k)) for k in range(3)]
         steps += t.fit(pairs, steps=5, log=lambda _: None)  # steps 4 and 5, the next one queued meanwhile
