@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from raypipe.actors.executor import Executor
+from raypipe.errors import StageError
 from raypipe.schedules.actions import FORWARD
 from raypipe.transport.tree import map_tensors, to_host
 from raypipe.transport.wire import pack, unpack
@@ -77,29 +78,44 @@ class InferenceCalls:
     def __init__(self, stage: Stage) -> None:
         self.stage = stage
 
-    def forward_only(self, x: Any, target: Any = None, v: int | None = None, reference: bool = False) -> Any:
+    def forward_only(self, x: Any, target: Any = None, v: int | None = None, reference: str | None = None) -> Any:
         """Inference through this stage's chunk `v` (eval mode, no activations kept).
 
         Returns the output, or on the last stage the loss as a float when a target is given;
-        None on tp ranks other than 0 (their output is rank 0's). With `reference`, the forward
-        runs as the run's reference policy (`raypipe.objectives.reference`, captured on its first
-        such pass) and the last stage answers the loss function's `reference(output, target)`.
+        None on tp ranks other than 0 (their output is rank 0's). With `reference` ("adapters_off"
+        or "frozen_copy", `capture_reference`'s kind), the forward runs as the run's reference policy
+        (`raypipe.objectives.reference`) and the last stage answers the loss function's
+        `reference(output, target)`.
+
+        Raises:
+            StageError: a frozen copy is asked for and this actor holds none (it replaced a lost one).
         """
         stage, executor = self.stage, self.stage.executor
-        if not reference:
+        if reference is None:
             out = forward_only(executor, unpack(x), unpack(target), v)
         else:
             from raypipe.objectives.reference import ReferencePolicy
 
-            if stage.reference is None:
-                stage.reference = ReferencePolicy.capture(stage.model.module)
-            with stage.reference.applied(stage.model.module):
-                out = forward_only(
-                    executor, unpack(x), unpack(target), v, executor.loss_fn and executor.loss_fn.reference
+            policy = ReferencePolicy(None) if reference == "adapters_off" else stage.reference
+            if policy is None:
+                raise StageError(
+                    f"{stage.name} holds no copy of the run's starting adapters, the DPO reference policy: it was "
+                    f"started after the run began (a lost actor replaced). Start the run again from its adapter."
                 )
+            reduce = executor.loss_fn.reference if executor.loss_fn is not None else None
+            with policy.applied(stage.model.module):
+                out = forward_only(executor, unpack(x), unpack(target), v, reduce)
         if isinstance(out, float):  # the loss
             return out
         return pack(to_host(out)) if stage.tp.rank == 0 else None
+
+    def capture_reference(self) -> str:
+        """Keeps this stage's weights as they are now as the run's reference policy; its kind:
+        "adapters_off" when its adapters are new (every LoRA B zero, or none here), "frozen_copy"."""
+        from raypipe.objectives.reference import ReferencePolicy
+
+        self.stage.reference = ReferencePolicy.capture(self.stage.model.module)
+        return "adapters_off" if self.stage.reference.adapters is None else "frozen_copy"
 
     def generate_forward(self, x: Any, start: bool, cached: bool, v: int | None = None) -> Any:
         """One forward of generation through chunk `v` (`raypipe.driver.inference.generation`): the output

@@ -124,6 +124,7 @@ class StageActor:
     forward_only = _call("inference", InferenceCalls.forward_only)
     generate_forward = _call("inference", InferenceCalls.generate_forward)
     end_generation = _call("inference", InferenceCalls.end_generation)
+    capture_reference = _call("inference", InferenceCalls.capture_reference)
 
     # ----- state: weights, checkpoints, hand-overs -----------------------------------------
 

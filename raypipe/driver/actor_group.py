@@ -70,6 +70,9 @@ class ActorGroup:
         self.links: list[Link] = []  # between neighbouring stages, measured at each start (`links.measure`)
         self.engine: Engine = make_engine(config.engine)
         self.calls = 0  # step calls issued, the id of the last one
+        #: a preference run's reference policy once captured: "adapters_off", "frozen_copy", or "not_saved"
+        #: after loading a checkpoint of a run whose reference a checkpoint does not hold (`inference.reference`)
+        self.reference_kind: str | None = None
         self.report: PlanReport | None = None  # the profiled plan's report, which a shrink plans from
         self.shrunk: Any = None  # after an elastic shrink: what it grows back to (`elastic.Shrunk`)
         self.board: Any = None  # the actor-driven runs' step board (`actor_runs`), made at the first
@@ -201,6 +204,8 @@ class ActorGroup:
         meta = checkpoints.run_meta(
             run.step_count, len(self.specs), self.plan, run.run_name, run.run_id, self.config, self.base_identity()
         )
+        if self.reference_kind is not None:  # a preference run's reference policy (`inference.reference`)
+            meta["reference"] = self.reference_kind
         with root_lock.held_by(root, run.run_name):  # no other live run writes there meanwhile
             if written is None:
                 self.idle("save")
@@ -252,6 +257,7 @@ class ActorGroup:
         )
         run.step_count = meta["step"]
         run.run_id = meta.get("run_id") or run.run_id  # checkpoints from before run ids: this run goes on
+        self.reference_kind = reference_after_load(meta)
         run.restored_from = (where, run.step_count)
         run.loads.clear()  # the checkpoint replaces whatever was loaded before it
         checkpoints.set_aside_future(self.config.checkpoint_dir, run.run_id, run.step_count, log)
@@ -337,3 +343,12 @@ def helper_options(run_name: str, role: str) -> dict[str, str]:
     import uuid
 
     return {"name": f"{role}-{uuid.uuid4().hex[:6]}", "namespace": f"raypipe-{run_name}"}
+
+
+def reference_after_load(meta: dict[str, Any]) -> str | None:
+    """The reference policy of a run resumed from a checkpoint with manifest `meta`: the adapters off
+    when it started from a new adapter; "not_saved" when it started from a loaded one (its copy is
+    not in checkpoints); None for a checkpoint of a run without one (the first DPO step captures
+    the loaded weights as the reference: a DPO run starting from an SFT run's checkpoint)."""
+    kind = meta.get("reference")
+    return "not_saved" if kind == "frozen_copy" else kind

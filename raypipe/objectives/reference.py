@@ -23,11 +23,11 @@ class ReferencePolicy:
     @classmethod
     def capture(cls, module: nn.Module) -> ReferencePolicy:
         """The starting policy of `module`'s trained weights: the adapters off when they are all
-        LoRA adapters and every B (up) matrix is zero, else a copy of every trained tensor (adapters,
-        modules to save, biases)."""
+        LoRA adapters and every B (up) matrix is zero (or nothing trains here), else a copy of every
+        trained tensor (adapters, modules to save, biases)."""
         state = {k: p.detach().clone() for k, p in module.named_parameters() if p.requires_grad}
         ups = [v for k, v in state.items() if ".lora_B." in k]
-        zero = bool(ups) and all(is_adapter(k) for k in state) and not any(torch.any(v) for v in ups)
+        zero = all(is_adapter(k) for k in state) and not any(torch.any(v) for v in ups)  # (nothing trained here)
         return cls(None if zero else state)
 
     @contextlib.contextmanager

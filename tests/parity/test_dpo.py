@@ -2,13 +2,15 @@
 pairs' losses, TRL's six metrics and the adapters after 5 SGD-momentum steps (3 by `step`, 2 by
 `fit`) equal TRL 1.16's DPOTrainer's (its loss, collator and reference: a frozen copy of the
 starting adapter) on the same PeftModel in one process, at pp 2 with 2 microbatches: sigmoid from
-a new adapter at dp 1, IPO from a loaded non-zero one at dp 2. The pair data of DPO jobs, and the
-example job."""
+a new adapter at dp 1, its last 2 steps resumed from a checkpoint at pp 1 (the reference is still
+the adapters off); IPO from a loaded non-zero one at dp 2, whose checkpoint cannot resume DPO
+(its reference is not in it). The pair data of DPO jobs, and the example job."""
 
 import pytest
 import torch
 
 from raypipe import BatchError, ConfigError, TrainConfig, Trainer
+from raypipe.checkpoint.layout import CheckpointError
 from raypipe.models import hf
 from raypipe.models.hf import adapters
 from raypipe.objectives import METRICS
@@ -103,10 +105,20 @@ def test_dpo_through_the_pipeline_equals_trls_dpo_trainer(ray_session, directory
             directory, {names[k]: v for k, v in initial.items()}, 5, beta, loss_type, str(tmp_path / "trl")
         )
         steps = [t.step(pairs(k)) for k in range(3)]
-        steps += t.fit(pairs, steps=5, log=lambda _: None)  # steps 4 and 5, the next one queued meanwhile
-        final = t.state_dict()
         with pytest.raises(BatchError, match=f"3 pairs do not divide into dp x microbatches = {dp} x 2"):
             t.step(pairs(0, n=3))
+        saved = t.save(str(tmp_path / "ckpt"))
+        if loaded:  # steps 4 and 5 by fit, the next one queued meanwhile
+            steps += t.fit(pairs, steps=5, log=lambda _: None)
+            final = t.state_dict()
+            t.load(str(saved), log=lambda _: None)  # its reference, the loaded adapter, is not in checkpoints
+            with pytest.raises(CheckpointError, match="started from a loaded adapter"):
+                t.step(pairs(3))
+    if not loaded:  # resumed at pp 1, the reference still the adapters off, not the checkpoint's adapters
+        with Trainer(hf.from_pretrained(directory), config=config.replace(pp=1, microbatches=2)) as resumed:
+            resumed.load(str(saved), log=lambda _: None)
+            steps += resumed.fit(pairs, steps=5, log=lambda _: None)
+            final = {**start, **resumed.state_dict()}
     torch.testing.assert_close(torch.tensor([s["loss"] for s in steps]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
     for got, want in zip(steps, ref_metrics):
         torch.testing.assert_close(

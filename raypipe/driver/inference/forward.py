@@ -23,13 +23,13 @@ def run_forward(
     inputs: Sequence[torch.Tensor],
     targets: Sequence[Any] | None,
     timeout: float,
-    reference: bool = False,
+    reference: str | None = None,
 ) -> list[Any]:
     """Forward-only pass of every microbatch through all stages (evaluation, inference).
 
     `stages` holds each stage's tp ranks, in virtual-stage order with model chunks (`chunks`: the
-    chunk each runs, else None); every rank runs, rank 0's output goes on. With `reference`, the
-    stages run as a preference run's reference policy (`StageActor.forward_only`).
+    chunk each runs, else None); every rank runs, rank 0's output goes on. With `reference` (its
+    kind), the stages run as a preference run's reference policy (`StageActor.forward_only`).
 
     Returns:
         Per microbatch: the last stage's loss (when targets are given; with `reference`, the loss

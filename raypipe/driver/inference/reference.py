@@ -10,8 +10,10 @@ from typing import Any
 
 import torch
 
+from raypipe.checkpoint.layout import CheckpointError
 from raypipe.data.batches import split_batch
 from raypipe.driver.inference.forward import run_forward
+from raypipe.driver.results import gather
 from raypipe.errors import BatchError
 from raypipe.objectives import pair_batch
 
@@ -32,6 +34,27 @@ def preference_batch(group: Any, records: Sequence[Mapping[str, Any]]) -> tuple[
             f"{len(records)} pairs do not divide into dp x microbatches = {c.dp} x {c.microbatches} parts: a pair's "
             f"chosen and rejected rows share a microbatch, so give a multiple of {parts} pairs."
         )
+    kind = reference_kind(group)
     inputs, targets = split_batch(x, {"labels": labels}, c.microbatches, 1, c.microbatches)
-    reference = torch.cat(run_forward(*group.inference_path(), inputs, targets, c.step_timeout, reference=True))
+    reference = torch.cat(run_forward(*group.inference_path(), inputs, targets, c.step_timeout, reference=kind))
     return x, {"labels": labels, "ref_logps": reference}
+
+
+def reference_kind(group: Any) -> str:
+    """The run's reference policy: captured on every actor before its first preference step (the
+    weights as they stand: a new adapter's, or one loaded first), kept in its checkpoints' manifest.
+
+    Raises:
+        CheckpointError: the run resumed from a checkpoint of a run that started from a loaded
+            adapter, whose copy checkpoints do not hold.
+    """
+    if group.reference_kind is None:
+        kinds = gather([a.capture_reference.remote() for a in group.actors], "reference", group.actors, group.names)
+        group.reference_kind = "adapters_off" if set(kinds) == {"adapters_off"} else "frozen_copy"
+    if group.reference_kind == "not_saved":
+        raise CheckpointError(
+            "this DPO run resumed from a checkpoint of a run that started from a loaded adapter: its reference "
+            "policy, that adapter, is not in checkpoints (a new adapter's, the adapters off, is). Start a new run "
+            "from the adapter you started from (load_adapter before the first step)."
+        )
+    return group.reference_kind
