@@ -48,6 +48,10 @@ FAST: dict[str, str] = {
     "parity/test_fit_overlap.py::test_queued_steps_train_exactly_like_single_steps": "fit's queued step",
     "parity/test_fit_overlap.py::test_actor_driven_runs_train_exactly_like_single_steps": "runs the actors drive",
     "recovery/test_checkpoint.py::test_resume_continues_exactly_on_any_topology[pp2]": "a checkpoint resumed",
+    "parity/test_dpo.py::test_dpo_through_the_pipeline_equals_trls_dpo_trainer[sigmoid-new-adapter-dp1]": (
+        "DPO against TRL's DPOTrainer, resumed"
+    ),
+    "parity/test_dpo.py::test_preference_records_are_tokenized_into_trls_columns": "preference data",
 }
 
 SKIPPED: dict[str, str] = {
