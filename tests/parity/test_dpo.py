@@ -147,7 +147,7 @@ def test_dpo_settings_are_checked_with_what_to_give():
 def test_preference_records_are_tokenized_into_trls_columns(tmp_path):
     """TRL's text and conversational records become prompt, chosen and rejected token ids (each
     completion ended by the tokenizer's end-of-sequence token), rows fit the block; JSONL is read;
-    the stdlib pairs reject another function's docstring."""
+    the stdlib pairs reject the docstring's words shuffled."""
     import json
 
     from raypipe.data.hf_tokenizer import byte_tokenizer
@@ -180,6 +180,7 @@ def test_preference_records_are_tokenized_into_trls_columns(tmp_path):
         PreferenceDataset.from_records([{"prompt": "a", "chosen": "b"}], tokenizer, 12)
     stdlib = stdlib_pairs(limit=50, max_bytes=300_000)
     assert len(stdlib) > 10 and all(p["chosen"] != p["rejected"] for p in stdlib)
+    assert all(sorted(p["chosen"].split(" ")) == sorted(p["rejected"].split(" ")) for p in stdlib)
 
 
 def test_the_dpo_example_job_trains_on_stdlib_pairs_and_prints_the_reward_margin(ray_session, tmp_path):
