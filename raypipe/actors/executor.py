@@ -30,6 +30,8 @@ from raypipe.transport.compress import Compressed, compress, restore
 from raypipe.transport.stream import PeerFailed
 from raypipe.transport.tree import leaves, map_tensors, tensors
 
+# a step's counters as its typed record starts them (`StepTimings`: a feature's own stay out until it runs)
+STARTING_TIMING = {k: v for k, v in dataclasses.asdict(StepTimings()).items() if v is not None}
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -69,6 +71,7 @@ class Executor:
         self.losses_finite = True
         self.timing: dict[str, float] = {}
         self.objective: list[dict[str, float]] = []  # the step's per-microbatch metric sums (`DPOLoss.take_metrics`)
+        self.take_metrics = getattr(loss_fn, "take_metrics", None)  # an objective's, once per microbatch
         self.events: list[tuple] = []  # (kind, microbatch, start, end[, handed after]) (`_timed`)
         self.stash: dict[tuple[int, int], tuple[Any, Any]] = {}  # (virtual stage, microbatch) -> (input, output)
         self.stash_bytes: dict[tuple[int, int], int] = {}  # per stashed microbatch, bytes autograd saved for backward
@@ -97,8 +100,7 @@ class Executor:
         if call_id != self.current_call:
             self.current_call, self.began_from = call_id, step_start(self.running_stats)  # a survivor hands it over
             self.losses_finite = True
-            # the typed record's counters, as it starts (`StepTimings`: a feature's own stay out until it runs)
-            self.timing = {k: v for k, v in dataclasses.asdict(StepTimings()).items() if v is not None}
+            self.timing = dict(STARTING_TIMING)
             if self.settings.measure_activations:
                 self.timing["peak_stashed_bytes"] = 0
             self.events = []
@@ -154,7 +156,7 @@ class Executor:
                     self._timed(FORWARD, started, microbatch)
                     return self.send(out, self.settings.compress_activations)
                 loss = self.loss_fn(out, map_tensors(lambda t: t.to(self.device), target))
-                if (metrics := getattr(self.loss_fn, "take_metrics", lambda: None)()) is not None:
+                if self.take_metrics is not None and (metrics := self.take_metrics()) is not None:
                     self.objective.append(metrics)
             scale = self.loss_scale() * weight / self.settings.microbatches
             self._stash((v, microbatch), (x, loss.float() * scale), saved.bytes)
