@@ -8,6 +8,8 @@ those nodes to the weights alone (`stage_backward_weight`). Nothing is computed 
 what stays alive between I and W is the part of the autograd graph the weight gradients
 need. torch keeps these two functions in a private module (`_backward`); raypipe pins torch,
 and `tests/parity/test_zero_bubble.py` checks them against a whole backward on every schedule.
+`torch_backward()` loads that one file without its package, whose `__init__` imports the
+schedules and through them the compiler (`torch._dynamo`: 1.5 s at a later stage's second step).
 
 Some cases do not split: a stage whose inputs need no gradient (the first stage: token ids)
 runs its whole backward at W, since nothing waits for its I; a stage with no trainable
@@ -24,11 +26,17 @@ DualPipeV, to send the input gradient before the weight gradients are made
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import sys
+import types
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+_PRIVATE_PACKAGE = "raypipe.actors._torch_pipelining"
 
 
 @dataclass
@@ -61,9 +69,7 @@ def input_gradients(
     if not weights:
         torch.autograd.backward(outputs, grads, inputs=list(inputs))
         return Deferred()
-    from torch.distributed.pipelining._backward import stage_backward_input  # ~1 s to import: at first use
-
-    _, groups = stage_backward_input(outputs, grads, list(inputs), iter(weights))
+    _, groups = torch_backward().stage_backward_input(outputs, grads, list(inputs), iter(weights))
     return Deferred(groups=groups)
 
 
@@ -73,11 +79,9 @@ def covers_every_weight(
     """Whether the split gives every weight the backward reaches its gradient: False when a
     weight's path to the outputs never meets the inputs' (an output made from weights alone),
     which torch's split drops. Walks the graph once more: for a stage's first split backward."""
-    from torch.distributed.pipelining._backward import (
-        _get_grad_fn_or_grad_acc,
-        construct_reverse_graph,
-        get_param_groups,
-    )
+    torch_split = torch_backward()
+    _get_grad_fn_or_grad_acc = torch_split._get_grad_fn_or_grad_acc
+    construct_reverse_graph, get_param_groups = torch_split.construct_reverse_graph, torch_split.get_param_groups
 
     if not inputs or not weights:
         return True  # nothing splits (`input_gradients`)
@@ -95,6 +99,19 @@ def weight_gradients(deferred: Deferred, weights: Sequence[torch.nn.Parameter]) 
         outputs, grads = deferred.whole
         torch.autograd.backward(outputs, grads)
     elif deferred.groups:
-        from torch.distributed.pipelining._backward import stage_backward_weight
+        torch_backward().stage_backward_weight(iter(weights), deferred.groups)
 
-        stage_backward_weight(iter(weights), deferred.groups)
+
+def torch_backward() -> types.ModuleType:
+    """torch's `torch.distributed.pipelining._backward`, loaded on first use. When the package is
+    not imported already, the file is loaded under a private package whose path is torch's
+    pipelining folder, so its one relative import (`._debug`) resolves there and torch's
+    `__init__`, with its imports of the schedules and the compiler, never runs."""
+    if "torch.distributed.pipelining" in sys.modules:
+        return importlib.import_module("torch.distributed.pipelining._backward")
+    if _PRIVATE_PACKAGE not in sys.modules:
+        spec = importlib.util.find_spec("torch.distributed.pipelining")  # imports the parents only
+        package = types.ModuleType(_PRIVATE_PACKAGE)
+        package.__path__ = list(spec.submodule_search_locations)
+        sys.modules[_PRIVATE_PACKAGE] = package
+    return importlib.import_module(_PRIVATE_PACKAGE + "._backward")
