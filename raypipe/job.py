@@ -135,19 +135,16 @@ def run(
         train = train.replace(resume=True if resume_step is None else resume_step)
     if train.resume is not False:  # fail before any actor starts
         ckpt.find_valid(train.checkpoint_dir, step=None if train.resume is True else train.resume, warn=lambda _: None)
-    pairs = config.data.source == "pairs"
-    if pairs != (train.objective is not None):
-        raise ConfigError(
-            "data.source 'pairs' and objective {name: dpo} go together: preference pairs train by DPO, and DPO "
-            "trains on pairs"
-        )
-    tokenized = config.data.source in ("sft", "pairs")
-    dataset = config.data.dataset(model.block_size, model.tokenizer() if tokenized else None)
+    records = _objective_data(config.data.source, train.objective)  # "pairs" or "prompts": DPO or GRPO
+    tokenizer = model.tokenizer() if config.data.source in ("sft", "pairs", "prompts") else None
+    if records == "prompts" and train.objective["tokenizer"] is None:  # reward functions read text
+        train = train.replace(objective={**train.objective, "tokenizer": tokenizer})
+    dataset = config.data.dataset(model.block_size, tokenizer)
     train_set, val_set = dataset.split(config.data.val_fraction) if config.data.val_fraction else (dataset, None)
-    val_set = None if pairs else val_set  # a DPO run reports its rewards instead of a validation loss
+    val_set = None if records else val_set  # DPO and GRPO runs report their rewards instead of a validation loss
 
     def batch(data: Any, k: int, seed: int) -> Any:
-        if pairs:  # the step's pair records: the trainer adds their reference pass
+        if records:  # the step's pair records, or a generation batch's prompt records: the trainer does the rest
             return data.batch(k, job.batch_size, seed=seed)
         x, y = data.batch(k, job.batch_size, seed=seed)
         return (x, model.targets(x, y)) if isinstance(data, TokenDataset) else (x, y)  # SFT: labels as given
@@ -160,12 +157,15 @@ def run(
     losses: list[float] = []
     rates: list[float] = []
     margins: list[float] = []  # a DPO run's rewards/margins, step by step
+    rewards: list[float] = []  # a GRPO run's mean reward, generation batch by generation batch
 
     def on_step(metrics: dict[str, Any]) -> None:
         step = metrics["step"]
         losses.append(metrics["loss"])
         if "rewards/margins" in metrics:
             margins.append(metrics["rewards/margins"])
+        if "generation_s" in metrics:
+            rewards.append(metrics["reward"])
         if on_metrics is not None:
             on_metrics(metrics)
         if len(losses) > 1:  # the first step pays for warm-up; leave it out of the rate
@@ -174,12 +174,7 @@ def run(
             log(
                 f"step {step:4d} | loss {metrics['loss']:.4f} | lr {metrics['lr']:.2e} | "
                 f"grad norm {metrics['grad_norm']:.3f} | {metrics['tokens_per_s']:,.0f} tok/s | "
-                f"{1000 * metrics['step_time']:.0f} ms"
-                + (
-                    f" | margin {metrics['rewards/margins']:.3f} | accuracy {metrics['rewards/accuracies']:.2f}"
-                    if "rewards/margins" in metrics
-                    else ""
-                )
+                f"{1000 * metrics['step_time']:.0f} ms" + _objective_line(metrics)
             )
         if "checkpoint" in metrics:
             log(f"step {step:4d} | saved {metrics['checkpoint']}")
@@ -262,18 +257,55 @@ def run(
         log(
             f"done: {len(losses)} steps in {elapsed:.1f} s; mean loss of the first 10 steps {head:.4f}, "
             f"of the last 10 {tail:.4f}; {sum(rates) / max(1, len(rates)):,.0f} tok/s"
-            + (
-                f"; mean reward margin of the first 10 steps {sum(margins[:10]) / len(margins[:10]):.3f}, "
-                f"of the last 10 {sum(margins[-10:]) / len(margins[-10:]):.3f}"
-                if margins
-                else ""
-            )
+            + _first_and_last("reward margin", "steps", margins)
+            + _first_and_last("reward", "generation batches", rewards)
         )
     if losses and went is not None:  # where the time goes, in the terms of docs/watching.md
         log(f"the last step: {went}")
     if sample is not None:
         log("sample:\n" + sample)
-    return {"losses": losses, "val_first": first_val, "val_last": last_val, "tokens_per_s": rates, "margins": margins}
+    summary = {"losses": losses, "val_first": first_val, "val_last": last_val, "tokens_per_s": rates}
+    return {**summary, "margins": margins, "rewards": rewards}
+
+
+def _objective_data(source: str, objective: dict[str, Any] | None) -> str | None:
+    """The records a DPO ("pairs") or GRPO ("prompts") job trains on; None for tokens.
+
+    Raises:
+        ConfigError: the data source and the objective do not go together.
+    """
+    wanted = {None: None, "dpo": "pairs", "grpo": "prompts"}[objective and objective["name"]]
+    records = source if source in ("pairs", "prompts") else None
+    if records != wanted:
+        raise ConfigError(
+            "data.source 'pairs' goes with objective {name: dpo} and 'prompts' with {name: grpo}: preference pairs "
+            f"train by DPO, prompts by GRPO (got data.source {source!r} and objective "
+            f"{objective and objective['name']!r})"
+        )
+    return records
+
+
+def _objective_line(metrics: dict[str, Any]) -> str:
+    """A DPO or GRPO step's figures for the job's log line."""
+    if "rewards/margins" in metrics:
+        return f" | margin {metrics['rewards/margins']:.3f} | accuracy {metrics['rewards/accuracies']:.2f}"
+    if "reward" in metrics:
+        generated = f" | generated in {metrics['generation_s']:.2f} s" if "generation_s" in metrics else ""
+        return (
+            f" | reward {metrics['reward']:.3f} ± {metrics['reward_std']:.3f} | "
+            f"length {metrics['completions/mean_length']:.1f}{generated}"
+        )
+    return ""
+
+
+def _first_and_last(what: str, of: str, values: list[float]) -> str:
+    """ "; mean <what> of the first 10 <of> ..., of the last 10 ..." (nothing without values)."""
+    if not values:
+        return ""
+    first, last = values[:10], values[-10:]
+    return (
+        f"; mean {what} of the first 10 {of} {sum(first) / len(first):.3f}, of the last 10 {sum(last) / len(last):.3f}"
+    )
 
 
 def _leave_a_cpu_for_ray_data(train: TrainConfig) -> TrainConfig:

@@ -24,7 +24,7 @@ from raypipe.driver.actor_group import ActorGroup
 from raypipe.driver.cluster import live_trainers
 from raypipe.driver.feeds import make_feed
 from raypipe.driver.inference import forward
-from raypipe.driver.inference.reference import preference_batch
+from raypipe.driver.inference.objective import objective_batch
 from raypipe.driver.links import replan
 from raypipe.driver.run import controller
 from raypipe.driver.run import step as one_step
@@ -131,7 +131,6 @@ class Trainer:
     restored_from = property(lambda self: self.state.restored_from, doc="The checkpoint last loaded, and its step.")
     restarts = property(lambda self: self.state.restarts, doc="Recoveries and save retries spent of max_restarts.")
     loggers = property(lambda self: self.state.loggers, doc="The loggers `config.loggers` names.")
-
     step_count = property(
         lambda self: self.state.step_count,
         lambda self, value: setattr(self.state, "step_count", value),
@@ -147,11 +146,11 @@ class Trainer:
     )
 
     def step(self, x: Any, y: Any = None) -> dict[str, Any]:
-        """Runs one optimizer step on the batch `(x, y)`, split into microbatches.
+        """Runs one optimizer step on the batch `(x, y)`, split into microbatches (`fit` batches are the same).
 
         `x` is a tensor, or a tuple or dict of them (`{"input_ids": ..., "attention_mask": ...}`), cut along dim 0;
         or a list of the step's microbatches (dp x microbatches of them, whose shapes may differ) with a list `y`
-        of their targets. Under `config.objective` "dpo", a list of pair records (docs/preference.md).
+        of their targets. Under `config.objective` pair records (DPO) or a generation batch (GRPO): docs/preference.md.
 
         Returns:
             A dict with `loss` (mean of the microbatch losses), `lr`, `grad_norm` (global, before clipping),
@@ -164,7 +163,7 @@ class Trainer:
             StageError: an action failed on a stage (its message names stage and action).
             StepTimeoutError: no action finished for `config.step_timeout` seconds.
         """
-        x, y = preference_batch(self.group, x) if self.config.objective else (x, y)  # pairs: rows, reference
+        x, y = objective_batch(self.group, x) if self.config.objective else (x, y)  # pairs or a generation batch: rows
         return one_step.train_step(self.group, self.state, x, y)
 
     def fit(
@@ -286,15 +285,16 @@ class Trainer:
         attention_mask: torch.Tensor | None = None,
         eos_token_id: int | None = None,
         seed: int | None = None,
+        top_p: float = 1.0,
     ) -> torch.Tensor:
-        """The prompt `input_ids` followed by up to `max_new_tokens` tokens generated through the
-        pipeline: greedy by default, else sampled at `temperature` from the `top_k` most likely
-        (`raypipe.driver.inference.generation`). The model's output must be logits (batch, sequence, vocab)."""
+        """The prompt `input_ids` followed by up to `max_new_tokens` tokens generated through the pipeline:
+        greedy by default, else sampled at `temperature` from the `top_k` most likely, then the `top_p`
+        nucleus (`driver.inference.generation`). The model's output must be logits (batch, sequence, vocab)."""
         from raypipe.driver.inference.generation import generate
 
-        sampling = (max_new_tokens, temperature, top_k, self.model.kv_cache, self.config.step_timeout)
+        how = (max_new_tokens, temperature, top_k, self.model.kv_cache, self.config.step_timeout)
         with self.group.whole_weights():
-            return generate(*self.group.inference_path(), input_ids, *sampling, attention_mask, eos_token_id, seed)
+            return generate(*self.group.inference_path(), input_ids, *how, attention_mask, eos_token_id, seed, top_p)
 
     def state_dict(self, keys: str = "raypipe") -> dict[str, torch.Tensor]:
         """The full model's weights, keyed as `nn.Sequential(*layers).state_dict()` (`keys="transformers"`:

@@ -85,7 +85,7 @@ class InferenceCalls:
         None on tp ranks other than 0 (their output is rank 0's). With `reference` ("adapters_off"
         or "frozen_copy", `capture_reference`'s kind), the forward runs as the run's reference policy
         (`raypipe.objectives.reference`) and the last stage answers the loss function's
-        `reference(output, target)`.
+        `reference(output, target)`; with "policy", that answer of the weights as they are.
 
         Raises:
             StageError: a frozen copy is asked for and this actor holds none (it replaced a lost one).
@@ -93,6 +93,8 @@ class InferenceCalls:
         stage, executor = self.stage, self.stage.executor
         if reference is None:
             out = forward_only(executor, unpack(x), unpack(target), v)
+        elif reference == "policy":  # the policy's own per-token log-probs (GRPO's old policy)
+            out = forward_only(executor, unpack(x), unpack(target), v, executor.loss_fn and executor.loss_fn.reference)
         else:
             from raypipe.objectives.reference import ReferencePolicy
 

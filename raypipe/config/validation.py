@@ -20,6 +20,7 @@ from raypipe.checks import (
     is_int,
 )
 from raypipe.config.loggers import check_loggers
+from raypipe.config.objective import check_objective
 from raypipe.errors import ScheduleError
 from raypipe.schedules import SCHEDULES, build_schedule
 from raypipe.transport.compress import CODECS
@@ -263,38 +264,3 @@ RECONFIGURABLE = (
     "nonfinite",
     "log_dir",
 )
-
-
-OBJECTIVES = ("dpo",)
-
-
-def check_objective(value: Any, lora: Any, actor_steps: Any = "auto") -> dict[str, Any] | None:
-    """`TrainConfig.objective`, with its defaults filled in (None: the loss function's own)."""
-    from raypipe.objectives import LOSS_TYPES
-
-    if value is None:
-        return None
-    if not isinstance(value, dict) or value.get("name") not in OBJECTIVES:
-        raise fail("objective", value, 'give None or {"name": "dpo", "beta": 0.1, "loss_type": "sigmoid"}.')
-    unknown = sorted(set(value) - {"name", "beta", "loss_type"})
-    if unknown:
-        raise fail("objective", value, f"{', '.join(unknown)} are not DPO settings: name, beta and loss_type are.")
-    objective = {"name": "dpo", "beta": 0.1, "loss_type": "sigmoid", **value}
-    if not isinstance(objective["beta"], (int, float)) or isinstance(objective["beta"], bool) or objective["beta"] <= 0:
-        raise fail("objective", value, "beta must be a number > 0 (TRL's default is 0.1).")
-    if objective["loss_type"] not in LOSS_TYPES:
-        raise fail("objective", value, f"loss_type must be one of {', '.join(map(repr, LOSS_TYPES))}.")
-    if lora is None:
-        raise fail(
-            "objective",
-            value,
-            "DPO measures each pair against the starting policy, which raypipe keeps as the starting LoRA "
-            "adapters: set lora (a frozen reference model of its own is not supported yet).",
-        )
-    if actor_steps not in (0, "auto"):
-        raise fail(
-            "actor_steps",
-            actor_steps,
-            'each DPO step\'s pairs go through the reference pass on the driver first: give 0 or "auto".',
-        )
-    return objective

@@ -179,7 +179,7 @@ class Prepared:
     per replica its microbatch inputs and targets (`inputs`/`targets`), or both already packed and
     stored in Ray's object store (`packed`: per replica a reference to the packed inputs and one to
     the packed targets, which the actors fetch themselves); the loss weights, the samples and token
-    ids it holds, and whether the microbatches differ in shape."""
+    ids it holds, whether the microbatches differ in shape, and what making it measured (`extra`)."""
 
     inputs: list[list[Any]] | None
     targets: list[list[Any]] | None
@@ -188,6 +188,7 @@ class Prepared:
     tokens: int | None
     varying: bool
     packed: list[tuple[Any, Any]] | None = None
+    extra: dict[str, float] | None = None  # figures measured making the batch (a GRPO generation's)
 
 
 def prepare(x: Any, y: Any, dp: int, microbatches: int, loss_fn: Any, vocab: int | None = None) -> Prepared:

@@ -11,7 +11,8 @@ from raypipe.checks import nearest
 from raypipe.data import TokenDataset, stdlib_corpus
 from raypipe.errors import ConfigError
 
-DATA_SOURCES = ("stdlib", "bin", "text", "sft", "pairs")
+DATA_SOURCES = ("stdlib", "bin", "text", "sft", "pairs", "prompts")
+EXAMPLES = ("sft", "pairs", "prompts")  # records cut on the driver, not tokens
 DATA_READERS = ("auto", "driver", "ray_data")
 
 
@@ -26,7 +27,10 @@ class DataConfig:
             stdlib's function signatures and docstrings: `raypipe.data.sft`) or "pairs"
             (preference pairs in TRL's text or conversational format from the JSONL file at
             `path`, or stdlib pairs, for `objective` "dpo": `raypipe.data.preference`; batch_size
-            counts pairs, and no validation loss is computed).
+            counts pairs, and no validation loss is computed) or "prompts" (prompt records in TRL's
+            prompt-only format from the JSONL file at `path`, or stdlib signatures whose reward is
+            the share of parameters their docstring names, for `objective` "grpo":
+            `raypipe.data.prompts`; batch_size counts prompts, each generated from G times).
         pack: for "sft", pack several examples into each row (positions restart per example).
         max_bytes: how much stdlib source to use.
         path: the token file for source "bin".
@@ -66,7 +70,7 @@ class DataConfig:
                 f"data.reader={self.reader!r} is invalid: choose one of {', '.join(DATA_READERS)}."
                 f"{nearest(str(self.reader), DATA_READERS)}"
             )
-        if self.reader == "ray_data" and self.source in ("sft", "pairs"):
+        if self.reader == "ray_data" and self.source in EXAMPLES:
             raise ConfigError(
                 f"data.reader='ray_data' is invalid with source {self.source!r} (its examples are cut on the "
                 "driver): use reader 'driver' or 'auto'."
@@ -78,10 +82,16 @@ class DataConfig:
         from raypipe.env import ray_address
 
         if self.reader == "auto":
-            return self.source not in ("sft", "pairs") and ray_address() is not None
+            return self.source not in EXAMPLES and ray_address() is not None
         return self.reader == "ray_data"
 
     def dataset(self, block_size: int, tokenizer: Any = None) -> Any:
+        if self.source == "prompts":
+            from raypipe.data.prompts import PromptDataset, stdlib_prompts
+            from raypipe.data.sft import read_jsonl
+
+            records = read_jsonl(self.path, prompts=True) if self.path else stdlib_prompts(max_bytes=self.max_bytes)
+            return PromptDataset.from_records(records, tokenizer, block_size)
         if self.source == "pairs":
             from raypipe.data.preference import PreferenceDataset, stdlib_pairs
             from raypipe.data.sft import read_jsonl

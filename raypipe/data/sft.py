@@ -27,9 +27,10 @@ from raypipe.errors import ConfigError
 IGNORE = -100
 
 
-def read_jsonl(path: str | Path, pairs: bool = False) -> list[dict[str, Any]]:
+def read_jsonl(path: str | Path, pairs: bool = False, prompts: bool = False) -> list[dict[str, Any]]:
     """Records with `prompt` and `response`, or chat `messages` ([{"role", "content"}, ...]); with
-    `pairs`, preference records with `prompt`, `chosen` and `rejected` (`raypipe.data.preference`).
+    `pairs`, preference records with `prompt`, `chosen` and `rejected` (`raypipe.data.preference`);
+    with `prompts`, prompt records with `prompt` and any other columns (`raypipe.data.prompts`).
 
     Raises:
         ConfigError: a line that is neither, naming the file and line.
@@ -41,7 +42,9 @@ def read_jsonl(path: str | Path, pairs: bool = False) -> list[dict[str, Any]]:
         record = json.loads(line)
         if pairs and not {"prompt", "chosen", "rejected"} <= set(record):
             raise ConfigError(f"{path}:{number}: give 'prompt', 'chosen' and 'rejected' (got {sorted(record)}).")
-        if not pairs and not ({"prompt", "response"} <= set(record) or "messages" in record):
+        if prompts and "prompt" not in record:
+            raise ConfigError(f"{path}:{number}: give 'prompt' (text or chat messages) (got {sorted(record)}).")
+        if not pairs and not prompts and not ({"prompt", "response"} <= set(record) or "messages" in record):
             raise ConfigError(f"{path}:{number}: give 'prompt' and 'response', or 'messages' (got {sorted(record)}).")
         records.append(record)
     return records

@@ -41,6 +41,7 @@ class Submitted:
     wait: Wait  # wait(since) -> the step's result
     weights: list[float] | None = None  # the parts' loss weights, replica by replica (`loss_weights`)
     done: bool = False
+    extra: dict[str, float] | None = None  # the batch's own figures (a GRPO generation's), for its metrics
 
 
 class ActorGroup:
@@ -183,7 +184,8 @@ class ActorGroup:
             batch.packed,
         )
         weights = [w for replica in batch.weights for w in replica] if batch.weights is not None else None
-        return Submitted(self.calls, batch.samples, batch.tokens, self.engine.submit(target, data, after), weights)
+        sent = self.engine.submit(target, data, after)
+        return Submitted(self.calls, batch.samples, batch.tokens, sent, weights, extra=batch.extra)
 
     def idle(self, what: str) -> None:
         """Raises when the actors are driving a run of steps (`actor_runs`): a call would wait

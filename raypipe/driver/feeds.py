@@ -25,7 +25,10 @@ class FunctionFeed:
 
     def get(self, step: int) -> Prepared:
         c = self.group.config
-        return prepare(*self.batches(step), c.dp, c.microbatches, self.group.loss_fn)
+        prepared = prepare(*self.batches(step), c.dp, c.microbatches, self.group.loss_fn)
+        figures = getattr(self.batches, "figures", None)  # a GRPO generation's (`inference.rollout`)
+        prepared.extra = figures.pop(step, None) if figures else None
+        return prepared
 
     def reader_for_actors(self) -> Any:
         """A reader actor that calls `batches(step)` for the actors of an actor-driven run, on the
@@ -209,17 +212,24 @@ class DatasetFeed:
 
 
 def make_feed(group: Any, batches: Any, batch_size: int | None, collate: Callable | None) -> Any:
-    """The feed for what `Trainer.fit` was given, cut for `group`'s actors (an `ActorGroup`). Under a
-    preference objective each step's pair records become its rows and their reference log-probs
-    (`inference.reference.preference_batch`) as the feed takes them."""
-    if group.config.objective is not None:
+    """The feed for what `Trainer.fit` was given, cut for `group`'s actors (an `ActorGroup`). Under
+    DPO each step's pair records become its rows and their reference log-probs
+    (`inference.reference.preference_batch`) as the feed takes them; under GRPO each batch of prompt
+    records is generated from and scored first (`inference.rollout.GenerationBatches`)."""
+    objective = group.config.objective
+    if objective is not None:
         from raypipe.driver.inference.reference import preference_batch
 
         if _is_dataset(batches):
+            kind = "pair" if objective["name"] == "dpo" else "prompt"
             raise ConfigError(
-                "fit reads pair records from a function of the step or an iterable under TrainConfig.objective; "
-                "a Ray Dataset of pairs is not supported yet: iterate it (ds.iter_rows() in lists of pairs)"
+                f"fit reads {kind} records from a function of the step or an iterable under TrainConfig.objective; "
+                f"a Ray Dataset of them is not supported yet: iterate it (ds.iter_rows() in lists of {kind} records)"
             )
+        if objective["name"] == "grpo":
+            from raypipe.driver.inference.rollout import GenerationBatches
+
+            return FunctionFeed(group, GenerationBatches(group, group.model.kv_cache, batches))
         if callable(batches):
             return FunctionFeed(group, lambda k, pairs=batches: preference_batch(group, pairs(k)))
         batches = (preference_batch(group, pairs) for pairs in batches)

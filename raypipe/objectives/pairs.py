@@ -41,6 +41,15 @@ def pair_batch(records: Sequence[Mapping[str, Any]], pad_id: int = 0) -> tuple[d
                 raise BatchError(f"pair {i}'s {column} is empty: a completion needs at least one token")
             rows.append(prompt + completion)
             completions.append(len(completion))
+    return completion_rows(rows, completions, pad_id)
+
+
+def completion_rows(
+    rows: Sequence[Sequence[int]], completions: Sequence[int], pad_id: int = 0
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """`(x, labels)` of token `rows` (a prompt then a completion of `completions[r]` tokens each),
+    right-padded with `pad_id` to the longest: x = {"input_ids", "attention_mask"}, `labels` the
+    completions' tokens and -100 elsewhere (DPO's pairs, GRPO's generations)."""
     width = max(map(len, rows))
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((len(rows), width), dtype=torch.long)

@@ -133,7 +133,7 @@ def test_dpo_settings_are_checked_with_what_to_give():
         TrainConfig(objective={"name": "dpo", "loss_type": "kto"}, lora=LORA)
     with pytest.raises(ConfigError, match="set lora"):
         TrainConfig(objective={"name": "dpo"})
-    with pytest.raises(ConfigError, match="reference pass on the driver first"):
+    with pytest.raises(ConfigError, match="a pass on the driver first"):
         TrainConfig(objective={"name": "dpo"}, lora=LORA, actor_steps=4)
     with pytest.raises(ConfigError, match="gamma are not DPO settings"):
         TrainConfig(objective={"name": "dpo", "gamma": 1}, lora=LORA)
@@ -194,5 +194,5 @@ def test_the_dpo_example_job_trains_on_stdlib_pairs_and_prints_the_reward_margin
     assert sum(" | margin " in line for line in lines) == 4, lines
     assert summary["val_first"] is None  # pairs report rewards, not a validation loss
     assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
-    with pytest.raises(ConfigError, match="go together"):
+    with pytest.raises(ConfigError, match="goes with objective"):
         run(JobConfig.from_yaml("examples/configs/dpo.yaml", [*small, "objective=null"]), log=lines.append)

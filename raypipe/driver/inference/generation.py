@@ -19,16 +19,26 @@ from raypipe.transport.wire import pack, unpack
 
 
 def pick(
-    logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int | None,
+    generator: torch.Generator | None,
+    top_p: float = 1.0,
 ) -> torch.Tensor:
     """The next token of each row: the most likely one (`temperature` 0), else a sample from the
-    softmax of `logits / temperature` over the `top_k` most likely."""
+    softmax of `logits / temperature` over the `top_k` most likely, then over the fewest most likely
+    whose probabilities reach `top_p` (transformers' warpers, in its order)."""
     if not temperature:
         return logits.argmax(dim=-1)
     logits = logits / temperature
     if top_k:
         kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        ascending, order = torch.sort(logits, descending=False, dim=-1)
+        dropped = torch.softmax(ascending, dim=-1).cumsum(dim=-1) <= 1 - top_p
+        dropped[..., -1:] = False  # the most likely always stays
+        logits = logits.masked_fill(dropped.scatter(-1, order, dropped), float("-inf"))
     return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator).squeeze(-1)
 
 
@@ -45,6 +55,7 @@ def generate(
     attention_mask: torch.Tensor | None = None,
     eos_token_id: int | None = None,
     seed: int | None = None,
+    top_p: float = 1.0,
 ) -> torch.Tensor:
     """The prompt `input_ids` followed by up to `max_new_tokens` generated tokens per row; rows
     that produced `eos_token_id` continue with it (as transformers pads finished rows).
@@ -61,7 +72,7 @@ def generate(
         for i in range(max_new_tokens):
             x = _step_input(sequence, mask, i, cached)
             logits = _run(stages, names, chunks, x, start=i == 0, cached=cached, timeout=timeout)
-            token = pick(logits, temperature, top_k, generator)
+            token = pick(logits, temperature, top_k, generator, top_p)
             if eos_token_id is not None:
                 token = token.masked_fill(done, eos_token_id)
                 done |= token == eos_token_id

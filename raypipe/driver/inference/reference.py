@@ -1,7 +1,7 @@
-"""A preference step's batch (`TrainConfig.objective` "dpo"): the pairs made into rows
+"""A DPO step's batch (`TrainConfig.objective` "dpo"): the pairs made into rows
 (`objectives.pair_batch`) and the reference policy's log-probabilities of every row, measured in a
-forward-only pass through the pipeline (`StageActor.forward_only(..., reference=True)`), as the
-target the step trains against. `Trainer.step` and `fit`'s feeds both make their batches here."""
+forward-only pass through the pipeline (`StageActor.forward_only(..., reference=kind)`), as the
+target the step trains against; and the run's reference policy, which GRPO's KL term uses too."""
 
 from __future__ import annotations
 
@@ -53,8 +53,8 @@ def reference_kind(group: Any) -> str:
         group.reference_kind = "adapters_off" if set(kinds) == {"adapters_off"} else "frozen_copy"
     if group.reference_kind == "not_saved":
         raise CheckpointError(
-            "this DPO run resumed from a checkpoint of a run that started from a loaded adapter: its reference "
-            "policy, that adapter, is not in checkpoints (a new adapter's, the adapters off, is). Start a new run "
-            "from the adapter you started from (load_adapter before the first step)."
+            f"this {group.config.objective['name'].upper()} run resumed from a checkpoint of a run that started from "
+            "a loaded adapter: its reference policy, that adapter, is not in checkpoints (a new adapter's, the "
+            "adapters off, is). Start a new run from the adapter you started from (load_adapter before the first step)."
         )
     return group.reference_kind

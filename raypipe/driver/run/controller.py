@@ -42,7 +42,8 @@ def fit_with(
             f"raypipe: fit(..., {steps}) runs no step: the trainer is at step {run.step_count} already (steps is "
             f"the step count to reach; fit(batches, {run.step_count + steps}) runs {steps} more)"
         )
-    overlap = (on_step is None if overlap is None else overlap) and group.config.engine == "p2p"
+    generates = group.config.objective is not None and group.config.objective["name"] == "grpo"
+    overlap = (on_step is None if overlap is None else overlap) and group.config.engine == "p2p" and not generates
     bar = progress if isinstance(progress, Progress) else Progress(steps, run.step_count, bool(progress))
     try:
         return FitLoop(group, run, feed, steps, on_step, bar.writer(log), bar, overlap).run_to_end()
