@@ -10,6 +10,7 @@ import torch
 
 from raypipe.actors.executor import Executor
 from raypipe.errors import StageError
+from raypipe.nn.sampling import pick
 from raypipe.schedules.actions import FORWARD
 from raypipe.transport.tree import map_tensors, to_host
 from raypipe.transport.wire import pack, unpack
@@ -77,6 +78,7 @@ class InferenceCalls:
 
     def __init__(self, stage: Stage) -> None:
         self.stage = stage
+        self.generator: torch.Generator | None = None  # a generation's sampler (`generate_forward`)
 
     def forward_only(self, x: Any, target: Any = None, v: int | None = None, reference: str | None = None) -> Any:
         """Inference through this stage's chunk `v` (eval mode, no activations kept).
@@ -119,10 +121,19 @@ class InferenceCalls:
         self.stage.reference = ReferencePolicy.capture(self.stage.model.module)
         return "adapters_off" if self.stage.reference.adapters is None else "frozen_copy"
 
-    def generate_forward(self, x: Any, start: bool, cached: bool, v: int | None = None) -> Any:
+    def generate_forward(
+        self, x: Any, start: bool, cached: bool, v: int | None = None, sampling: tuple | None = None
+    ) -> Any:
         """One forward of generation through chunk `v` (`raypipe.driver.inference.generation`): the output
-        (rank 0 of tp only), or on the last stage the last position's logits."""
+        (rank 0 of tp only), or on the last stage the last position's logits; with `sampling`
+        ((temperature, top_k, top_p, seed), the last stage), the next token of each row picked here
+        from a generator seeded at `start`, so that a token, not a row of logits, travels back."""
         out = generate(self.stage.executor, unpack(x), start, cached, v)
+        if sampling is not None:
+            temperature, top_k, top_p, seed = sampling
+            if start:
+                self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
+            out = pick(out.cpu(), temperature, top_k, self.generator, top_p)
         return pack(to_host(out)) if self.stage.tp.rank == 0 else None
 
     def end_generation(self) -> None:

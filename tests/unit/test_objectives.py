@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from raypipe import BatchError, ConfigError
-from raypipe.driver.inference.generation import pick
+from raypipe.nn.sampling import pick
 from raypipe.objectives.rewards import RewardFunctions
 from raypipe.objectives.rollouts import completions_of, group_advantages, rollout_batch
 

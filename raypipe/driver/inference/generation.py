@@ -1,6 +1,6 @@
 """Generating tokens through the pipeline: the driver runs one forward per new token through
-every stage (each actor's output going straight to the next as an object reference), picks
-the next token from the last stage's logits, and feeds it back.
+every stage (each actor's output going straight to the next as an object reference); the last
+stage picks the next token (`raypipe.nn.sampling.pick`) and the driver feeds it back.
 
 With a model whose layers keep a KV cache (`raypipe.model.Model.kv_cache`: transformers
 layers), each stage keeps the keys and values of its own layers, so after the prompt only
@@ -16,30 +16,6 @@ import torch
 
 from raypipe.driver.results import gather, wait_for_progress
 from raypipe.transport.wire import pack, unpack
-
-
-def pick(
-    logits: torch.Tensor,
-    temperature: float,
-    top_k: int | None,
-    generator: torch.Generator | None,
-    top_p: float = 1.0,
-) -> torch.Tensor:
-    """The next token of each row: the most likely one (`temperature` 0), else a sample from the
-    softmax of `logits / temperature` over the `top_k` most likely, then over the fewest most likely
-    whose probabilities reach `top_p` (transformers' warpers, in its order)."""
-    if not temperature:
-        return logits.argmax(dim=-1)
-    logits = logits / temperature
-    if top_k:
-        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        ascending, order = torch.sort(logits, descending=False, dim=-1)
-        dropped = torch.softmax(ascending, dim=-1).cumsum(dim=-1) <= 1 - top_p
-        dropped[..., -1:] = False  # the most likely always stays
-        logits = logits.masked_fill(dropped.scatter(-1, order, dropped), float("-inf"))
-    return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator).squeeze(-1)
 
 
 def generate(
@@ -63,7 +39,6 @@ def generate(
     `stages` holds each stage's tp ranks, in virtual-stage order with model chunks (`chunks`: the
     chunk each runs); every rank runs, rank 0's output goes on.
     """
-    generator = torch.Generator().manual_seed(seed) if seed is not None else None
     flat = [a for ranks in stages for a in ranks]
     flat_names = [n for ranks in names for n in ranks]
     sequence, mask = input_ids, attention_mask
@@ -71,8 +46,8 @@ def generate(
     try:
         for i in range(max_new_tokens):
             x = _step_input(sequence, mask, i, cached)
-            logits = _run(stages, names, chunks, x, start=i == 0, cached=cached, timeout=timeout)
-            token = pick(logits, temperature, top_k, generator, top_p)
+            sampling = (temperature, top_k, top_p, seed)
+            token = _run(stages, names, chunks, x, start=i == 0, cached=cached, timeout=timeout, sampling=sampling)
             if eos_token_id is not None:
                 token = token.masked_fill(done, eos_token_id)
                 done |= token == eos_token_id
@@ -110,12 +85,15 @@ def _run(
     start: bool,
     cached: bool,
     timeout: float,
+    sampling: tuple,
 ) -> torch.Tensor:
-    """One forward through every stage; the last position's logits."""
+    """One forward through every stage; each row's next token, picked on the last stage
+    (`StageActor.generate_forward`) by `sampling` = (temperature, top_k, top_p, seed)."""
     ref, pending = pack(x), {}
     for s, ranks in enumerate(stages):
-        chunk = () if chunks is None else (chunks[s],)
-        refs = [actor.generate_forward.remote(ref, start, cached, *chunk) for actor in ranks]
+        chunk = None if chunks is None else chunks[s]
+        last = sampling if s == len(stages) - 1 else None
+        refs = [actor.generate_forward.remote(ref, start, cached, chunk, last) for actor in ranks]
         for t, r in enumerate(refs):
             pending[r] = (names[s][t], "generate")
         ref = refs[0]
