@@ -52,7 +52,7 @@ FAST: dict[str, str] = {
         "DPO against TRL's DPOTrainer, resumed"
     ),
     "parity/test_dpo.py::test_preference_records_are_tokenized_into_trls_columns": "preference data",
-    "parity/test_grpo.py::test_grpo_steps_through_the_pipeline_equal_trls_grpo_trainer[grpo-new-adapter-dp1]": (
+    "parity/test_grpo.py::test_grpo_steps_through_the_pipeline_equal_trls_grpo_trainer[grpo-new-adapter-dp1-refs]": (
         "GRPO against TRL's GRPOTrainer"
     ),
     "parity/test_grpo.py::test_grpo_settings_are_checked_with_what_to_give": "GRPO's settings",

@@ -161,7 +161,8 @@ def verify_stage(model: StageModel, directory: str, stage: int, name: str) -> li
         files = json.loads((root / ckpt.MANIFEST).read_text())["files"]
     except Exception as error:  # noqa: BLE001 - the driver read it a moment ago; say what happened
         return [f"{name}: cannot read {ckpt.MANIFEST}: {type(error).__name__}: {scrub(str(error), directory)}"]
-    wanted = [ckpt.layer_file(kind, i) for i in model.layers for kind in ("model", "optim")] + [ckpt.rng_file(stage)]
+    kinds = ("model", "optim", "reference")  # reference: a DPO or GRPO run's starting adapters, when saved
+    wanted = [ckpt.layer_file(kind, i) for i in model.layers for kind in kinds] + [ckpt.rng_file(stage)]
     problems = []
     for relative in wanted:
         entry = files.get(relative) or files.get(str(Path(relative).with_suffix(ckpt.LEGACY)))

@@ -274,7 +274,7 @@ class Stage:
         routed = take_step_report(self.model.moes)  # MoE layers' routing, all-to-all
         return StepReport(
             losses=losses,
-            objective=list(executor.objective) if losses is not None and executor.objective else None,
+            objective=list(executor.objective) or None,  # the last stage's (the refs engine's too)
             halted=False,
             lr=report["lr"],
             grad_norm=report["grad_norm"],

@@ -146,3 +146,4 @@ class StageActor:
     verify_checkpoint = _call("state", StateCalls.verify_checkpoint)
     check_state_dict = _call("state", StateCalls.check_state_dict)
     load_checkpoint = _call("state", StateCalls.load_checkpoint)
+    restore_reference = _call("state", StateCalls.restore_reference)

@@ -119,9 +119,19 @@ class StateCalls:
         self.stage.completed = completed
 
     def save_checkpoint(self, directory: str) -> dict[str, Any]:
-        """Writes this stage's layers, their optimizer state and its RNG state (`checkpoint_io`)."""
+        """Writes this stage's layers, their optimizer state and its RNG state (`checkpoint_io`), and
+        a preference run's frozen copy of its starting adapters (`objectives.reference`) where it
+        holds whole tensors (tp 1, ep 1); "reference": whether that copy is in the checkpoint."""
         s = self.stage
-        return checkpoint_io.save_stage(s.model, s.optim, directory, s.index, s.name, s.tp_ranks, s.ep_ranks)
+        saved = checkpoint_io.save_stage(s.model, s.optim, directory, s.index, s.name, s.tp_ranks, s.ep_ranks)
+        copy = s.reference is not None and s.reference.adapters is not None
+        whole = s.model.tp.size == 1 and s.model.ep.size == 1
+        if copy and whole and saved["files"]:
+            from raypipe.checkpoint.storage import location
+            from raypipe.objectives.reference import save_reference
+
+            saved["files"].update(save_reference(s.reference, list(s.model.layers), location(directory)))
+        return {**saved, "reference": not copy or whole}
 
     def read_text(self, path: str) -> str | None:  # does this node see checkpoint_dir? (checkpoints.check_reachable)
         return storage.read_text(path)
@@ -134,6 +144,19 @@ class StateCalls:
 
     def check_state_dict(self, state: dict[str, torch.Tensor]) -> list[str]:  # likewise for load_state_dict
         return checkpoint_io.check_state(self.stage.model, state)
+
+    def restore_reference(self, directory: str) -> None:
+        """Takes the run's frozen copy of its starting adapters, its DPO or GRPO reference policy,
+        from the checkpoint at `directory` (`objectives.reference.load_reference`)."""
+        import json
+
+        from raypipe.checkpoint import layout as ckpt
+        from raypipe.checkpoint.storage import location
+        from raypipe.objectives.reference import load_reference
+
+        root = location(directory)
+        saved = json.loads((root / ckpt.MANIFEST).read_text())["files"]
+        self.stage.reference = load_reference(list(self.stage.model.layers), root, saved)
 
     def load_checkpoint(
         self, directory: str, loss_scaler: dict, restore_rng: bool, optimizer_state: bool = True, step: int = 0

@@ -260,6 +260,13 @@ class ActorGroup:
         run.step_count = meta["step"]
         run.run_id = meta.get("run_id") or run.run_id  # checkpoints from before run ids: this run goes on
         self.reference_kind = reference_after_load(meta)
+        if self.reference_kind == "frozen_copy":  # the starting adapters' copy is in the checkpoint
+            gather(
+                [a.restore_reference.remote(checkpoints.address(where)) for a in self.actors],
+                "load",
+                self.actors,
+                self.names,
+            )
         run.restored_from = (where, run.step_count)
         run.loads.clear()  # the checkpoint replaces whatever was loaded before it
         checkpoints.set_aside_future(self.config.checkpoint_dir, run.run_id, run.step_count, log)
@@ -349,8 +356,10 @@ def helper_options(run_name: str, role: str) -> dict[str, str]:
 
 def reference_after_load(meta: dict[str, Any]) -> str | None:
     """The reference policy of a run resumed from a checkpoint with manifest `meta`: the adapters off
-    when it started from a new adapter; "not_saved" when it started from a loaded one (its copy is
-    not in checkpoints); None for a checkpoint of a run without one (the first DPO step captures
-    the loaded weights as the reference: a DPO run starting from an SFT run's checkpoint)."""
+    when it started from a new adapter; a frozen copy of the adapters it started from, loaded from
+    the checkpoint, when it started from loaded ones; "not_saved" when that copy is not in it (a run
+    at tp or ep > 1, or a checkpoint from before copies were saved); None for a checkpoint of a run
+    without one (the first DPO or GRPO step captures the loaded weights as the reference: a run
+    starting from an SFT run's checkpoint)."""
     kind = meta.get("reference")
-    return "not_saved" if kind == "frozen_copy" else kind
+    return "not_saved" if kind == "frozen_copy" and not meta.get("reference_saved") else kind

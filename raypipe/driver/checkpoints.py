@@ -84,6 +84,8 @@ def commit_save(partial: Any, parts: Sequence[dict[str, Any]], meta: dict[str, A
     if failed:
         raise ckpt.CheckpointError("; ".join(failed[:4]))
     files = {name: entry for part in parts for name, entry in part["files"].items()}
+    if "reference" in meta:  # a DPO or GRPO run's: is its reference's frozen copy in the files too?
+        meta = {**meta, "reference_saved": all(part.get("reference", True) for part in parts)}
     final = ckpt.commit(partial, files, {**meta, "loss_scaler": parts[0]["loss_scaler"]})
     if keep:
         tidy.prune(final, meta["run_id"], keep)

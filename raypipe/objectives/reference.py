@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -64,3 +65,31 @@ def adapters_off(module: nn.Module) -> Iterator[None]:
     finally:
         for layer in layers:
             layer.enable_adapters(True)
+
+
+def save_reference(policy: ReferencePolicy, layers: list[int], root: Any) -> dict[str, dict[str, Any]]:
+    """Writes a frozen copy's tensors under checkpoint `root`, one file per global layer of
+    `layers` (this stage's, in module order) that trains: {relative path: its manifest entry}."""
+    from raypipe.checkpoint import layout as ckpt
+
+    files = {}
+    for j, index in enumerate(layers):
+        part = {k[len(f"{j}.") :]: v for k, v in (policy.adapters or {}).items() if k.startswith(f"{j}.")}
+        if part:
+            relative = ckpt.layer_file("reference", index)
+            files[relative] = ckpt.save_tensors(root / relative, part)
+    return files
+
+
+def load_reference(layers: list[int], root: Any, saved: dict[str, Any]) -> ReferencePolicy:
+    """The frozen copy `save_reference` wrote for the global `layers` (this stage's, in module
+    order) under checkpoint `root`, whose manifest lists the files `saved`; keyed as this stage's
+    module names them, whatever the split that saved it."""
+    from raypipe.checkpoint import layout as ckpt
+
+    adapters = {}
+    for j, index in enumerate(layers):
+        relative = ckpt.layer_file("reference", index)
+        if relative in saved:
+            adapters.update({f"{j}.{k}": v for k, v in ckpt.load_tensors(root / relative).items()})
+    return ReferencePolicy(adapters)

@@ -3,14 +3,13 @@ pairs' losses, TRL's six metrics and the adapters after 5 SGD-momentum steps (3 
 `fit`) equal TRL 1.16's DPOTrainer's (its loss, collator and reference: a frozen copy of the
 starting adapter) on the same PeftModel in one process, at pp 2 with 2 microbatches: sigmoid from
 a new adapter at dp 1, its last 2 steps resumed from a checkpoint at pp 1 (the reference is still
-the adapters off); IPO from a loaded non-zero one at dp 2, whose checkpoint cannot resume DPO
-(its reference is not in it). The pair data of DPO jobs, and the example job."""
+the adapters off); IPO from a loaded non-zero one at dp 2 over a 4-bit base (QLoRA), whose checkpoint
+resumes DPO with that reference (the loaded adapter's copy is in it). The pair data of DPO jobs, and the example job."""
 
 import pytest
 import torch
 
 from raypipe import BatchError, ConfigError, TrainConfig, Trainer
-from raypipe.checkpoint.layout import CheckpointError
 from raypipe.models import hf
 from raypipe.models.hf import adapters
 from raypipe.objectives import METRICS
@@ -34,7 +33,7 @@ def pairs(k: int, n: int = 4) -> list[dict]:
     ]
 
 
-def trl_dpo(directory, initial, steps, beta, loss_type, out):
+def trl_dpo(directory, initial, steps, beta, loss_type, out, bits=None):
     """TRL's DPOTrainer on the peft model in one process, its loss stepped by SGD here: losses, its
     metrics, the final adapters (peft's names). Given a PeftModel, TRL keeps a frozen copy of the
     starting adapter ("ref") as the reference policy; its collator makes the rows."""
@@ -43,9 +42,12 @@ def trl_dpo(directory, initial, steps, beta, loss_type, out):
     from trl import DPOConfig, DPOTrainer
 
     from raypipe.data.hf_tokenizer import byte_tokenizer
-    from raypipe.lora import peft_config
+    from raypipe.lora import peft_config, quantize
 
-    model = get_peft_model(load(directory), peft_config(LORA))
+    base = load(directory)
+    for layer in base.model.layers if bits else ():  # QLoRA: the same quantized base as raypipe's stages
+        quantize(layer, bits)
+    model = get_peft_model(base, peft_config(LORA))
     set_peft_model_state_dict(model, initial)
     tokenizer = byte_tokenizer()  # TRL wants a pad and an end token; pad 0 as raypipe pads
     tokenizer.pad_token, tokenizer.eos_token = tokenizer.convert_ids_to_tokens(0), tokenizer.convert_ids_to_tokens(1)
@@ -71,16 +73,32 @@ def trl_dpo(directory, initial, steps, beta, loss_type, out):
     )
 
 
+def peft_adapter(directory, state, out):
+    """`state` (peft's names) saved as peft saves an adapter, where `Trainer.load_adapter` reads it."""
+    from peft import get_peft_model, set_peft_model_state_dict
+
+    from raypipe.lora import peft_config
+
+    model = get_peft_model(load(directory), peft_config(LORA))
+    set_peft_model_state_dict(model, state)
+    model.save_pretrained(str(out))
+    return str(out)
+
+
 @pytest.fixture(scope="module")
 def directory(tmp_path_factory):
     return save_tiny("llama", str(tmp_path_factory.mktemp("llama")))
 
 
-CASES = [("sigmoid", False, 1), ("ipo", True, 2)]
+CASES = [("sigmoid", False, 1, None), ("ipo", True, 2, "nf4")]
 
 
-@pytest.mark.parametrize("loss_type, loaded, dp", CASES, ids=["sigmoid-new-adapter-dp1", "ipo-loaded-adapter-dp2"])
-def test_dpo_through_the_pipeline_equals_trls_dpo_trainer(ray_session, directory, tmp_path, loss_type, loaded, dp):
+@pytest.mark.parametrize(
+    "loss_type, loaded, dp, bits", CASES, ids=["sigmoid-new-adapter-dp1", "ipo-loaded-adapter-dp2-qlora"]
+)
+def test_dpo_through_the_pipeline_equals_trls_dpo_trainer(
+    ray_session, directory, tmp_path, loss_type, loaded, dp, bits
+):
     beta = 0.1 if loss_type == "sigmoid" else 0.5
     model = hf.from_pretrained(directory)
     config = TrainConfig(
@@ -90,19 +108,20 @@ def test_dpo_through_the_pipeline_equals_trls_dpo_trainer(ray_session, directory
         optimizer=SGD,
         lora=LORA,
         objective={"name": "dpo", "beta": beta, "loss_type": loss_type},
+        quantize=bits,
         cpus_per_actor=0.25,
         threads_per_actor=1,
     )
     with Trainer(model, config=config) as t:
         start = t.state_dict()
         initial = {k: v for k, v in start.items() if ".lora_" in k}
-        if loaded:  # an adapter trained before (an SFT one, say): its B matrices are not zero
+        names = adapters.peft_names(list(initial), model.exporter.prefixes(t.specs))
+        if loaded:  # an adapter trained before (an SFT one, say, in peft's format): its B matrices are not zero
             g = torch.Generator().manual_seed(3)
             initial = {k: v + 0.2 * torch.randn(v.shape, generator=g) for k, v in initial.items()}
-            t.load_state_dict({**start, **initial})
-        names = adapters.peft_names(list(initial), model.exporter.prefixes(t.specs))
+            t.load_adapter(peft_adapter(directory, {names[k]: v for k, v in initial.items()}, tmp_path / "sft"))
         ref_losses, ref_metrics, ref_final = trl_dpo(
-            directory, {names[k]: v for k, v in initial.items()}, 5, beta, loss_type, str(tmp_path / "trl")
+            directory, {names[k]: v for k, v in initial.items()}, 5, beta, loss_type, str(tmp_path / "trl"), bits
         )
         steps = [t.step(pairs(k)) for k in range(3)]
         with pytest.raises(BatchError, match=f"3 pairs do not divide into dp x microbatches = {dp} x 2"):
@@ -111,9 +130,10 @@ def test_dpo_through_the_pipeline_equals_trls_dpo_trainer(ray_session, directory
         if loaded:  # steps 4 and 5 by fit, the next one queued meanwhile
             steps += t.fit(pairs, steps=5, log=lambda _: None)
             final = t.state_dict()
-            t.load(str(saved), log=lambda _: None)  # its reference, the loaded adapter, is not in checkpoints
-            with pytest.raises(CheckpointError, match="started from a loaded adapter"):
-                t.step(pairs(3))
+            t.load(str(saved), log=lambda _: None)  # its reference, the loaded adapter, comes back with it
+            again = t.fit(pairs, steps=5, log=lambda _: None)
+            assert [s["loss"] for s in again] == [s["loss"] for s in steps[3:]]
+            assert all(torch.equal(t.state_dict()[k], final[k]) for k in initial)
     if not loaded:  # resumed at pp 1, the reference still the adapters off, not the checkpoint's adapters
         with Trainer(hf.from_pretrained(directory), config=config.replace(pp=1, microbatches=2)) as resumed:
             resumed.load(str(saved), log=lambda _: None)
@@ -129,6 +149,12 @@ def test_dpo_through_the_pipeline_equals_trls_dpo_trainer(ray_session, directory
 
 
 def test_dpo_settings_are_checked_with_what_to_give():
+    from raypipe.driver.actor_group import reference_after_load
+
+    # a loaded adapter's copy is in checkpoints at tp 1 and ep 1; where it is not, the next step says so
+    assert reference_after_load({"reference": "frozen_copy", "reference_saved": True}) == "frozen_copy"
+    assert reference_after_load({"reference": "frozen_copy", "reference_saved": False}) == "not_saved"
+    assert reference_after_load({"reference": "adapters_off"}) == "adapters_off"
     with pytest.raises(ConfigError, match="loss_type must be one of 'sigmoid', 'hinge', 'ipo'"):
         TrainConfig(objective={"name": "dpo", "loss_type": "kto"}, lora=LORA)
     with pytest.raises(ConfigError, match="set lora"):

@@ -2,7 +2,7 @@
 out of the comparison), a tiny transformers Llama with LoRA trained 2 SGD-momentum steps by
 `Trainer.step` equals TRL 1.16's GRPOTrainer on the same PeftModel in one process (its advantages,
 reference, old policy and loss, fed through its own `rollout_func`): losses, TRL's metrics, the
-gradients and the adapters. "grpo" from a new adapter at pp 2 dp 1; "dapo" from a loaded non-zero
+gradients and the adapters. "grpo" from a new adapter at pp 2 dp 1 under the refs engine; "dapo" from a loaded non-zero
 adapter (a frozen copy its reference) at pp 2 dp 2 with 2 optimisation steps on one generation
 batch; "dr_grpo" on the last stage's loss alone. Then `fit` generating and scoring its own batches,
 and greedy generation against transformers' `generate`."""
@@ -110,14 +110,16 @@ def directory(tmp_path_factory):
     return save_tiny("llama", str(tmp_path_factory.mktemp("llama")))
 
 
-CASES = [("grpo", False, 1, 1), ("dapo", True, 2, 2)]
+CASES = [("grpo", False, 1, 1, "refs"), ("dapo", True, 2, 2, "p2p")]
 
 
 @pytest.mark.parametrize(
-    "loss_type, loaded, dp, iterations", CASES, ids=["grpo-new-adapter-dp1", "dapo-loaded-adapter-dp2-2-iterations"]
+    "loss_type, loaded, dp, iterations, engine",
+    CASES,
+    ids=["grpo-new-adapter-dp1-refs", "dapo-loaded-adapter-dp2-2-iterations"],
 )
 def test_grpo_steps_through_the_pipeline_equal_trls_grpo_trainer(
-    ray_session, directory, tmp_path, loss_type, loaded, dp, iterations
+    ray_session, directory, tmp_path, loss_type, loaded, dp, iterations, engine
 ):
     objective = {
         "name": "grpo",
@@ -131,6 +133,7 @@ def test_grpo_steps_through_the_pipeline_equal_trls_grpo_trainer(
         pp=2,
         dp=dp,
         microbatches=2,
+        engine=engine,
         optimizer=SGD,
         lora=LORA,
         objective=objective,
