@@ -29,8 +29,10 @@ GRPO = {
 DEFAULTS = {"dpo": DPO, "grpo": GRPO}
 
 
-def check_objective(value: Any, lora: Any, actor_steps: Any = "auto") -> dict[str, Any] | None:
-    """`TrainConfig.objective`, with its defaults filled in (None: the loss function's own)."""
+def check_objective(value: Any, actor_steps: Any = "auto") -> dict[str, Any] | None:
+    """`TrainConfig.objective`, with its defaults filled in (None: the loss function's own). Its
+    reference policy (DPO's, GRPO's with beta > 0) is the starting adapters under `lora`, else a
+    frozen copy of each stage's starting weights beside them (`objectives.reference`)."""
     if value is None:
         return None
     if not isinstance(value, dict) or value.get("name") not in DEFAULTS:
@@ -50,16 +52,6 @@ def check_objective(value: Any, lora: Any, actor_steps: Any = "auto") -> dict[st
         )
     objective = {**DEFAULTS[name], **value}
     (_check_dpo if name == "dpo" else _check_grpo)(objective, value)
-    needs_reference = name == "dpo" or objective["beta"] > 0
-    if needs_reference and lora is None:
-        raise fail(
-            "objective",
-            value,
-            f"{name.upper()} measures {'each pair' if name == 'dpo' else 'its KL term (beta > 0)'} against the "
-            "starting policy, which raypipe keeps as the starting LoRA adapters: set lora (a frozen reference "
-            "model of its own is not supported yet)"
-            + ("." if name == "dpo" else ", or beta 0 (TRL's default: no reference)."),
-        )
     if actor_steps not in (0, "auto"):
         raise fail(
             "actor_steps",

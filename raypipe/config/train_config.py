@@ -88,8 +88,9 @@ class TrainConfig:
             {"name": "dpo", "beta": 0.1, "loss_type": "sigmoid" | "hinge" | "ipo"}: direct
             preference optimisation as TRL defines it; `Trainer.step` then takes a list of pair
             records {"prompt_ids", "chosen_ids", "rejected_ids"} and measures each pair against the
-            policy as the run began (under LoRA; docs/preference.md). {"name": "grpo", "num_generations":
-            G, "loss_type": "dapo" | "grpo" | "dr_grpo", "beta": 0.0, "reward_funcs": [...], ...}: group
+            policy as the run began (its adapters, or a frozen copy of the weights; docs/preference.md).
+            {"name": "grpo", "num_generations": G, "loss_type": "dapo" | "grpo" | "dr_grpo", "beta":
+            0.0, "reward_funcs": [...], ...}: group
             relative policy optimisation as TRL's GRPOTrainer defines it; `Trainer.step` takes one
             generation batch {"prompt_ids", "completion_ids", "rewards"} and `fit` generates and scores
             each batch of prompts itself (docs/preference.md lists every setting).

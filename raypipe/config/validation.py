@@ -82,7 +82,7 @@ def validate(c: Any) -> None:
     check_lr_schedule(c.lr_schedule)
     c.lr_schedule = dict(c.lr_schedule)
     check_positive("grad_clip", c.grad_clip, allow_none=True)
-    c.objective = check_objective(c.objective, c.lora, c.actor_steps)
+    c.objective = check_objective(c.objective, c.actor_steps)
     check_choice("precision", c.precision, PRECISIONS)
     check_choice("boundary_dtype", c.boundary_dtype, PRECISIONS)
     check_choice("engine", c.engine, ENGINES)

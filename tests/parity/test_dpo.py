@@ -36,7 +36,9 @@ def pairs(k: int, n: int = 4) -> list[dict]:
 def trl_dpo(directory, initial, steps, beta, loss_type, out, bits=None):
     """TRL's DPOTrainer on the peft model in one process, its loss stepped by SGD here: losses, its
     metrics, the final adapters (peft's names). Given a PeftModel, TRL keeps a frozen copy of the
-    starting adapter ("ref") as the reference policy; its collator makes the rows."""
+    starting adapter ("ref") as the reference policy; its collator makes the rows. `initial` None:
+    the whole model trains, and TRL loads a second copy of it as the reference model. TRL's configs
+    turn bf16 autocast on by default (on its reference model here); the comparison is in fp32."""
     from datasets import Dataset
     from peft import get_peft_model, set_peft_model_state_dict
     from trl import DPOConfig, DPOTrainer
@@ -47,14 +49,19 @@ def trl_dpo(directory, initial, steps, beta, loss_type, out, bits=None):
     base = load(directory)
     for layer in base.model.layers if bits else ():  # QLoRA: the same quantized base as raypipe's stages
         quantize(layer, bits)
-    model = get_peft_model(base, peft_config(LORA))
-    set_peft_model_state_dict(model, initial)
+    model = base if initial is None else get_peft_model(base, peft_config(LORA))
+    if initial is not None:
+        set_peft_model_state_dict(model, initial)
     tokenizer = byte_tokenizer()  # TRL wants a pad and an end token; pad 0 as raypipe pads
     tokenizer.pad_token, tokenizer.eos_token = tokenizer.convert_ids_to_tokens(0), tokenizer.convert_ids_to_tokens(1)
-    args = DPOConfig(output_dir=out, beta=beta, loss_type=[loss_type], report_to=[], use_cpu=True, max_length=None)
+    args = DPOConfig(
+        output_dir=out, beta=beta, loss_type=[loss_type], report_to=[], use_cpu=True, max_length=None, bf16=False
+    )
     text = Dataset.from_list([{"prompt": "a", "chosen": "b", "rejected": "c"}])  # unused: the steps are ours
     trainer = DPOTrainer(model=model, args=args, train_dataset=text, processing_class=tokenizer)
-    trained = [p for n, p in trainer.model.named_parameters() if p.requires_grad and ".default." in n]
+    trained = [
+        p for n, p in trainer.model.named_parameters() if p.requires_grad and (initial is None or ".default." in n)
+    ]
     opt = torch.optim.SGD(trained, lr=SGD["lr"], momentum=SGD["momentum"])
     trainer.model.train()
     losses, metrics = [], []
@@ -66,6 +73,8 @@ def trl_dpo(directory, initial, steps, beta, loss_type, out, bits=None):
         losses.append(loss.item())
         metrics.append({m: trainer._metrics["train"][m][-1] for m in METRICS})
     state = model.state_dict()
+    if initial is None:
+        return losses, metrics, state
     return (
         losses,
         metrics,
@@ -148,6 +157,29 @@ def test_dpo_through_the_pipeline_equals_trls_dpo_trainer(
     assert all(torch.equal(final[k], v) for k, v in start.items() if k not in initial)  # the base untouched
 
 
+def test_dpo_without_lora_keeps_a_frozen_copy_as_reference_and_equals_trls(ray_session, directory, tmp_path):
+    """Full fine-tuning by DPO: each stage keeps a frozen copy of its starting weights as the
+    reference (TRL loads a second model); 3 steps' losses, metrics and every weight equal TRL's."""
+    config = TrainConfig(
+        pp=2,
+        microbatches=2,
+        optimizer=SGD,
+        objective={"name": "dpo", "beta": 0.1},
+        cpus_per_actor=0.25,
+        threads_per_actor=1,
+    )
+    with Trainer(hf.from_pretrained(directory), config=config) as t:
+        steps = [t.step(pairs(k)) for k in range(3)]
+        final = t.state_dict(keys="transformers")
+    ref_losses, ref_metrics, ref_final = trl_dpo(directory, None, 3, 0.1, "sigmoid", str(tmp_path / "trl"))
+    torch.testing.assert_close(torch.tensor([s["loss"] for s in steps]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    for got, want in zip(steps, ref_metrics):
+        torch.testing.assert_close(
+            torch.tensor([got[m] for m in METRICS]), torch.tensor([want[m] for m in METRICS]), rtol=1e-5, atol=1e-6
+        )
+    assert_close_dicts(final, {k: v for k, v in ref_final.items() if k in final})
+
+
 def test_dpo_settings_are_checked_with_what_to_give():
     from raypipe.driver.actor_group import reference_after_load
 
@@ -157,8 +189,7 @@ def test_dpo_settings_are_checked_with_what_to_give():
     assert reference_after_load({"reference": "adapters_off"}) == "adapters_off"
     with pytest.raises(ConfigError, match="loss_type must be one of 'sigmoid', 'hinge', 'ipo'"):
         TrainConfig(objective={"name": "dpo", "loss_type": "kto"}, lora=LORA)
-    with pytest.raises(ConfigError, match="set lora"):
-        TrainConfig(objective={"name": "dpo"})
+    assert TrainConfig(objective={"name": "dpo"}).objective["beta"] == 0.1  # without LoRA: a frozen copy
     with pytest.raises(ConfigError, match="a pass on the driver first"):
         TrainConfig(objective={"name": "dpo"}, lora=LORA, actor_steps=4)
     with pytest.raises(ConfigError, match="gamma are not DPO settings"):
