@@ -22,6 +22,7 @@ class FunctionFeed:
     def __init__(self, group: Any, batches: Callable[[int], tuple[Any, Any]]) -> None:
         self.group, self.batches = group, batches
         self.reader: Any = None  # in an actor-driven run: the trainer's reader actor, calling `batches`
+        self.owned: Any = None  # a generator the feed made (`records_of`), closed with it
 
     def get(self, step: int) -> Prepared:
         c = self.group.config
@@ -76,10 +77,13 @@ class FunctionFeed:
         pass
 
     def close(self) -> None:
-        """Lets go of the trainer's reader, kept for its next fit, and of the batches it made."""
+        """Lets go of the trainer's reader, kept for its next fit, and of the batches it made; ends
+        the reading it started (a Ray Dataset's iterator, while Ray is up)."""
         if self.reader is not None and self.reader is self.group.reader:  # not one a restart stopped
             self.reader.forget.remote()  # the parts it stored would stay pinned in the object store
         self.reader = None
+        if self.owned is not None:
+            self.owned.close()
 
 
 class IterableFeed(FunctionFeed):
@@ -220,19 +224,19 @@ def make_feed(group: Any, batches: Any, batch_size: int | None, collate: Callabl
     if objective is not None:
         from raypipe.driver.inference.reference import preference_batch
 
-        if _is_dataset(batches):
-            kind = "pair" if objective["name"] == "dpo" else "prompt"
-            raise ConfigError(
-                f"fit reads {kind} records from a function of the step or an iterable under TrainConfig.objective; "
-                f"a Ray Dataset of them is not supported yet: iterate it (ds.iter_rows() in lists of {kind} records)"
-            )
+        owned = None
+        if _is_dataset(batches):  # its rows are the records, read in order on the driver
+            batches = owned = records_of(batches, batch_size, "pair" if objective["name"] == "dpo" else "prompt")
         if objective["name"] == "grpo":
             from raypipe.driver.inference.rollout import GenerationBatches
 
-            return FunctionFeed(group, GenerationBatches(group, group.model.kv_cache, batches))
-        if callable(batches):
-            return FunctionFeed(group, lambda k, pairs=batches: preference_batch(group, pairs(k)))
-        batches = (preference_batch(group, pairs) for pairs in batches)
+            feed = FunctionFeed(group, GenerationBatches(group, group.model.kv_cache, batches))
+        elif callable(batches):
+            feed = FunctionFeed(group, lambda k, pairs=batches: preference_batch(group, pairs(k)))
+        else:
+            feed = IterableFeed(group, (preference_batch(group, pairs) for pairs in batches))
+        feed.owned = owned
+        return feed
     if _is_dataset(batches):
         return DatasetFeed(group, batches, batch_size, collate)
     if callable(batches):
@@ -242,6 +246,23 @@ def make_feed(group: Any, batches: Any, batch_size: int | None, collate: Callabl
     raise TypeError(
         f"fit takes batches(step) -> (x, y), an iterable of (x, y), or a ray.data.Dataset; got {type(batches).__name__}"
     )
+
+
+def records_of(dataset: Any, size: int | None, kind: str) -> Iterator[list[dict[str, Any]]]:
+    """A Ray Dataset's rows as lists of `size` records (a DPO step's pairs, a GRPO generation
+    batch's prompts), in order, their arrays as lists; a last shorter list is left out.
+
+    Raises:
+        ConfigError: no `size` was given.
+    """
+    if not size:
+        raise ConfigError(f"fit(a ray.data.Dataset of {kind} records) needs batch_size: the {kind}s of each step")
+    chunk: list[dict[str, Any]] = []
+    for row in dataset.iter_rows():
+        chunk.append({k: v.tolist() if hasattr(v, "tolist") else v for k, v in row.items()})
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
 
 
 def _is_dataset(value: Any) -> bool:

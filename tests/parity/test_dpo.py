@@ -2,9 +2,10 @@
 pairs' losses, TRL's six metrics and the adapters after 5 SGD-momentum steps (3 by `step`, 2 by
 `fit`) equal TRL 1.16's DPOTrainer's (its loss, collator and reference: a frozen copy of the
 starting adapter) on the same PeftModel in one process, at pp 2 with 2 microbatches: sigmoid from
-a new adapter at dp 1, its last 2 steps resumed from a checkpoint at pp 1 (the reference is still
-the adapters off); IPO from a loaded non-zero one at dp 2 over a 4-bit base (QLoRA), whose checkpoint
-resumes DPO with that reference (the loaded adapter's copy is in it). The pair data of DPO jobs, and the example job."""
+a new adapter at dp 1, its last 2 steps resumed from a checkpoint at pp 1 reading a Ray Dataset of
+the pairs (the reference is still the adapters off); IPO from a loaded non-zero one at dp 2 over a
+4-bit base (QLoRA), whose checkpoint resumes DPO with that reference (the loaded adapter's copy is
+in it). Full fine-tuning against TRL's reference model; the pair data of DPO jobs; the example job."""
 
 import pytest
 import torch
@@ -144,9 +145,12 @@ def test_dpo_through_the_pipeline_equals_trls_dpo_trainer(
             assert [s["loss"] for s in again] == [s["loss"] for s in steps[3:]]
             assert all(torch.equal(t.state_dict()[k], final[k]) for k in initial)
     if not loaded:  # resumed at pp 1, the reference still the adapters off, not the checkpoint's adapters
+        import ray.data
+
         with Trainer(hf.from_pretrained(directory), config=config.replace(pp=1, microbatches=2)) as resumed:
             resumed.load(str(saved), log=lambda _: None)
-            steps += resumed.fit(pairs, steps=5, log=lambda _: None)
+            dataset = ray.data.from_items([p for k in range(5) for p in pairs(k)])  # step k's pairs are rows 4k..4k+3
+            steps += resumed.fit(dataset, steps=5, log=lambda _: None, batch_size=4)  # resumed at 3: rows 12 on
             final = {**start, **resumed.state_dict()}
     torch.testing.assert_close(torch.tensor([s["loss"] for s in steps]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
     for got, want in zip(steps, ref_metrics):
