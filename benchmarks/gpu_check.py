@@ -15,7 +15,9 @@ short still says what it found:
 - `compile`: torch.compile'd stages against eager on the GPT, pp = 1 and 2 (`gpu_parts.py`);
 - `hop`: one boundary hop device -> host -> device between two actors for the boundary sizes
   of the runs above (`device_hop.py`);
-- `qlora`: the LLM at pp = 1 over an nf4 base, when bitsandbytes is importable.
+- `qlora`: the LLM at pp = 1 over an nf4 base, when bitsandbytes is importable;
+- `preference`: DPO and GRPO with LoRA on the LLM at pp = 1: a DPO step and its reference pass,
+  GRPO's generation against transformers' `generate`, a GRPO step's parts (`gpu_preference.py`).
 
 A part that cannot run here records `skipped` with the reason; one that failed, `error` with
 the end of its output. `--device cpu --tiny` runs every part small on the CPU (the suite does:
@@ -40,9 +42,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-PARTS = ("pytest_gpu", "gpt", "llm_lora", "compile", "hop", "qlora")
+PARTS = ("pytest_gpu", "gpt", "llm_lora", "compile", "hop", "qlora", "preference")
 # the least time worth starting a part with (s): less than this left and it is skipped, said so
-LEAST = {"pytest_gpu": 30, "gpt": 30, "llm_lora": 60, "compile": 30, "hop": 15, "qlora": 30}
+LEAST = {"pytest_gpu": 30, "gpt": 30, "llm_lora": 60, "compile": 30, "hop": 15, "qlora": 30, "preference": 60}
 
 
 def main() -> None:
@@ -142,6 +144,8 @@ def part_command(part: str, device: str, tiny: bool, work: Path) -> list[str] | 
                 f"carry its wheel in a call of its own (docs/testing.md)"
             )
     small = ["--tiny"] if tiny else []
+    if part == "preference":
+        return [py, str(HERE / "gpu_preference.py"), "--device", device, "--work", str(work), *small]
     return [py, str(HERE / "gpu_parts.py"), part, "--device", device, "--work", str(work), *small]
 
 
@@ -242,6 +246,13 @@ def summary(part: str, r: dict) -> str:
         return "; ".join(f"{link}: {fmt(sizes, 3)} ms" for link, sizes in r["hop_ms_median"].items())
     if part == "qlora":
         return f"tokens/s {r['tokens_per_s']:.0f}; peak GiB {r['peak_gib']}"
+    if part == "preference":
+        g, s = r["generation"], r["grpo_step"]
+        return (
+            f"DPO tokens/s {r['dpo']['tokens_per_s']:.0f} (reference pass {r['dpo']['reference_pass_s']:.2f} s); "
+            f"generation tokens/s {fmt(g['tokens_per_s'])}; GRPO step {s['whole_step_s']:.2f} s "
+            f"(generation {s['generation_s']:.2f}, training {s['step_time']:.2f})"
+        )
     return json.dumps(r)[:200]
 
 

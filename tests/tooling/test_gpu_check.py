@@ -1,6 +1,6 @@
 """`make gpu-check`'s script cannot rot before a GPU is lent: on the CPU with tiny sizes every part
 runs for real (pytest -m gpu, the GPT against plain PyTorch, a Llama with LoRA against peft at
-pp 1 and 2, compiled against eager stages, the boundary hop, QLoRA) and writes the same JSON keys
+pp 1 and 2, compiled against eager stages, the boundary hop, QLoRA, DPO and GRPO) and writes the same JSON keys
 and table the GPU run writes."""
 
 import json
@@ -46,6 +46,9 @@ def test_the_gpu_check_runs_every_part_tiny_on_the_cpu_and_writes_its_report(tmp
     assert report["compile"]["result"]["rows"][0]["compiled_over_eager_tokens_per_s"] > 0
     assert "shm" in report["hop"]["result"]["hop_ms_median"]
     assert report["qlora"]["result"]["tokens_per_s"] > 0
+    preference = report["preference"]["result"]
+    assert preference["dpo"]["tokens_per_s"] > 0 and preference["grpo_step"]["generation_s"] > 0
+    assert set(preference["generation"]["tokens_per_s"]) == {"transformers", "raypipe_pp1"}
     table = (tmp_path / "gpu_check.md").read_text()
     assert all(f"| {part} |" in table for part in PARTS) and "FAILED" not in table
 
