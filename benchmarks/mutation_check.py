@@ -149,7 +149,7 @@ MUTATIONS = [
     Mutation(
         "zb-weight-grads",
         "raypipe/actors/split_backward.py",
-        "        stage_backward_weight(iter(weights), deferred.groups)\n",
+        "        torch_backward().stage_backward_weight(iter(weights), deferred.groups)\n",
         "        pass\n",
         ("tests/parity/test_zero_bubble.py::test_parity_with_one_process",),
         "a split backward's W computes no weight gradients (only the first stage's whole backward runs)",

@@ -1,6 +1,8 @@
 """One local Ray for the whole test session (starting one costs about 5 s)."""
 
 import os
+import signal
+import warnings
 
 import pytest
 import torch
@@ -38,6 +40,20 @@ def ray_session():
     )
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def ctrl_c_stays_pythons(request):
+    """Ctrl-C's handler is process state: a test that leaves another one behind (a library's, as
+    Ray Tune's once did, or one a block failed to put back) makes every later `interrupt_main` a
+    no-op, and the interrupt tests that follow it fail far from the cause (three did in one full
+    run, passing alone). It is put back after each test, and the test that changed it is named in a
+    warning."""
+    yield
+    handler = signal.getsignal(signal.SIGINT)
+    if handler is not signal.default_int_handler:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        warnings.warn(f"{request.node.nodeid} left SIGINT's handler as {handler!r}: put back", stacklevel=1)
 
 
 @pytest.fixture(scope="session")

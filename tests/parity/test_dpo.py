@@ -2,10 +2,11 @@
 pairs' losses, TRL's six metrics and the adapters after 5 SGD-momentum steps (3 by `step`, 2 by
 `fit`) equal TRL 1.16's DPOTrainer's (its loss, collator and reference: a frozen copy of the
 starting adapter) on the same PeftModel in one process, at pp 2 with 2 microbatches: sigmoid from
-a new adapter at dp 1, its last 2 steps resumed from a checkpoint at pp 1 reading a Ray Dataset of
-the pairs (the reference is still the adapters off); IPO from a loaded non-zero one at dp 2 over a
-4-bit base (QLoRA), whose checkpoint resumes DPO with that reference (the loaded adapter's copy is
-in it). Full fine-tuning against TRL's reference model; the pair data of DPO jobs; the example job."""
+a new adapter at dp 1 under ZB-H1 (split backwards), its last 2 steps resumed from a checkpoint at
+pp 1 reading a Ray Dataset of the pairs (the reference is still the adapters off); IPO from a
+loaded non-zero one at dp 2 over a 4-bit base (QLoRA), whose checkpoint resumes DPO with that
+reference (the loaded adapter's copy is in it). Full fine-tuning against TRL's reference model;
+the pair data of DPO jobs; the example job."""
 
 import pytest
 import torch
@@ -100,14 +101,14 @@ def directory(tmp_path_factory):
     return save_tiny("llama", str(tmp_path_factory.mktemp("llama")))
 
 
-CASES = [("sigmoid", False, 1, None), ("ipo", True, 2, "nf4")]
+CASES = [("sigmoid", False, 1, None, "zb-h1"), ("ipo", True, 2, "nf4", "1f1b")]
 
 
 @pytest.mark.parametrize(
-    "loss_type, loaded, dp, bits", CASES, ids=["sigmoid-new-adapter-dp1", "ipo-loaded-adapter-dp2-qlora"]
+    "loss_type, loaded, dp, bits, schedule", CASES, ids=["sigmoid-new-adapter-dp1", "ipo-loaded-adapter-dp2-qlora"]
 )
 def test_dpo_through_the_pipeline_equals_trls_dpo_trainer(
-    ray_session, directory, tmp_path, loss_type, loaded, dp, bits
+    ray_session, directory, tmp_path, loss_type, loaded, dp, bits, schedule
 ):
     beta = 0.1 if loss_type == "sigmoid" else 0.5
     model = hf.from_pretrained(directory)
@@ -115,6 +116,7 @@ def test_dpo_through_the_pipeline_equals_trls_dpo_trainer(
         pp=2,
         dp=dp,
         microbatches=2,
+        schedule=schedule,
         optimizer=SGD,
         lora=LORA,
         objective={"name": "dpo", "beta": beta, "loss_type": loss_type},

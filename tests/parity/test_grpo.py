@@ -110,7 +110,7 @@ def directory(tmp_path_factory):
     return save_tiny("llama", str(tmp_path_factory.mktemp("llama")))
 
 
-CASES = [("grpo", False, 1, 1, "refs"), ("dapo", True, 2, 2, "p2p")]
+CASES = [("grpo", False, 1, 1, "refs"), ("dapo", True, 2, 2, "p2p")]  # the second under GPipe
 
 
 @pytest.mark.parametrize(
@@ -134,6 +134,7 @@ def test_grpo_steps_through_the_pipeline_equal_trls_grpo_trainer(
         dp=dp,
         microbatches=2,
         engine=engine,
+        schedule="1f1b" if engine == "refs" else "gpipe",
         optimizer=SGD,
         lora=LORA,
         objective=objective,
