@@ -20,16 +20,7 @@ import time
 import torch
 from dpo_throughput import make_pairs
 from gpu_parts import LORA, OPTIMIZER, _free, llama_config, saved_llm, timed_steps
-
-
-def even_tokens(completion_ids, **_):
-    """A reward of token ids alone: the share of even ones."""
-    return [sum(t % 2 == 0 for t in c) / len(c) for c in completion_ids]
-
-
-def prompts(index: int, count: int, length: int, vocab: int) -> list[dict]:
-    g = torch.Generator().manual_seed(1000 + index)
-    return [{"prompt_ids": torch.randint(3, vocab, (length,), generator=g).tolist()} for _ in range(count)]
+from grpo_throughput import even_tokens, prompts
 
 
 def transformers_generate(directory: str, device: torch.device, batch, new: int, rounds: int) -> float:
