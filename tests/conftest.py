@@ -22,24 +22,34 @@ METRICS_PORT = _free_port()
 
 
 @pytest.fixture(scope="session")
-def ray_session():
-    """The local Ray every in-process test shares; its node serves Prometheus text on METRICS_PORT."""
+def ray_session(tmp_path_factory):
+    """The local Ray every in-process test shares; its node serves Prometheus text on METRICS_PORT.
+    Its workers are forks of a process that imported torch and transformers once (`fork_server`;
+    RAYPIPE_TEST_FORKS=0 starts them the ordinary way)."""
+    import fork_server
     import ray
 
     from raypipe.driver.cluster.connect import system_config
 
     os.environ["RAY_metrics_report_interval_ms"] = "1000"  # metrics reach the endpoint within ~1 s
-    ray.init(
-        address="local",
-        num_cpus=2,
-        include_dashboard=False,
-        logging_level="ERROR",
-        log_to_driver=False,
-        _metrics_export_port=METRICS_PORT,
-        _system_config=system_config(),  # as raypipe's own local Ray (RAYPIPE_PRELOAD)
-    )
-    yield ray
-    ray.shutdown()
+    forks = os.environ.get("RAYPIPE_TEST_FORKS", "1") != "0"
+    server, executable = fork_server.start(tmp_path_factory.mktemp("forks")) if forks else (None, None)
+    try:
+        ray.init(
+            address="local",
+            num_cpus=2,
+            include_dashboard=False,
+            logging_level="ERROR",
+            log_to_driver=False,
+            _metrics_export_port=METRICS_PORT,
+            _system_config=system_config(),  # as raypipe's own local Ray (RAYPIPE_PRELOAD)
+            runtime_env={"py_executable": executable} if forks else None,
+        )
+        yield ray
+        ray.shutdown()
+    finally:
+        if server is not None:
+            fork_server.stop(server)
 
 
 @pytest.fixture(autouse=True)
