@@ -41,7 +41,7 @@ LORA = {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": ["q_proj", "k_pro
 LR = 1e-4
 
 
-def save_model(directory: str, layers: int, hidden: int, vocab: int) -> str:
+def save_model(directory: str, layers: int, hidden: int, vocab: int, positions: int = 1024) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     if not os.path.exists(os.path.join(directory, "config.json")):
@@ -53,7 +53,7 @@ def save_model(directory: str, layers: int, hidden: int, vocab: int) -> str:
             num_attention_heads=max(1, hidden // 64),
             num_key_value_heads=max(1, hidden // 128),
             vocab_size=vocab,
-            max_position_embeddings=1024,
+            max_position_embeddings=positions,
         )
         LlamaForCausalLM(config).save_pretrained(directory)
     return directory

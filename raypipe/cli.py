@@ -92,7 +92,11 @@ def _plan(args: argparse.Namespace) -> int:
     else:
         plan = make_plan(len(specs), train.pp * train.num_chunks(), train.partition, train.shard_plan, counts)
         report = None
-    on = owners(build_schedule(train.schedule, train.pp, train.microbatches, train.chunks, train.extra_warmup))
+    on = owners(
+        build_schedule(
+            train.schedule, train.pp, train.microbatches, train.chunks, train.extra_warmup, train.sequence_chunks
+        )
+    )
     for v, (start, end) in enumerate(plan):
         name = f"stage {v}" if train.num_chunks() == 1 else f"virtual stage {v} (stage {on[v]})"
         print(f"{name}: layers [{start}, {end})  {sum(counts[start:end]):>12,} parameters")

@@ -354,7 +354,7 @@ class StageSettings:
     between steps without rebuilding actors (`Trainer.reconfigure`; which `TrainConfig` fields may
     change: `raypipe.config.validation.RECONFIGURABLE`)."""
 
-    microbatches: int
+    microbatches: int  # the step's units: microbatches x sequence chunks
     optimizer: dict
     lr_schedule: dict = field(default_factory=lambda: {"name": "constant"})
     grad_clip: float | None = None
@@ -374,12 +374,13 @@ class StageSettings:
     # a non-finite step ends training (TrainConfig.nonfinite="error", not fp16's loss scaling):
     # steps queued behind it must not run
     stop_on_nonfinite: bool = True
+    sequence_chunks: int = 1  # each microbatch's units along the sequence (`raypipe.nn.sequence_chunks`)
 
     @classmethod
     def from_config(cls, c: Any) -> StageSettings:
         """The settings of a `TrainConfig`."""
         return cls(
-            microbatches=c.microbatches,
+            microbatches=c.microbatches * c.sequence_chunks,
             optimizer=dict(c.optimizer),
             lr_schedule=dict(c.lr_schedule),
             grad_clip=c.grad_clip,
@@ -395,6 +396,7 @@ class StageSettings:
             zero=c.zero,
             dp_bucket_bytes=max(1, int(c.dp_bucket_mb * 2**20)),
             stop_on_nonfinite=stops_on_nonfinite(c),
+            sequence_chunks=c.sequence_chunks,
         )
 
 

@@ -45,6 +45,8 @@ FAST: dict[str, str] = {
     "parity/test_module_split.py::test_a_module_split_at_named_points_trains_exactly_as_in_one_process": (
         "a user's own nn.Module"
     ),
+    "parity/test_sequence_chunks.py::test_a_transformers_model_trains_on_chunks_exactly_as_unchunked"
+    "[llama-pp2]": "sequence chunks (Seq1F1B) through transformers' cache path",
     "parity/test_fit_overlap.py::test_queued_steps_train_exactly_like_single_steps": "fit's queued step",
     "parity/test_fit_overlap.py::test_actor_driven_runs_train_exactly_like_single_steps": "runs the actors drive",
     "recovery/test_checkpoint.py::test_resume_continues_exactly_on_any_topology[pp2]": "a checkpoint resumed",

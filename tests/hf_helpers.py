@@ -25,7 +25,7 @@ FAMILY_SHAPE = dict(
 
 
 def tiny_config(kind: str, **overrides):
-    """A GPT-2 (tied head) or Llama (grouped-query attention, untied) config of a few kB of weights,
+    """A GPT-2 (tied head), Llama (grouped-query attention, untied) or Mistral config of a few kB of weights,
     dropout off so training is deterministic, no end-of-sequence token so generation never stops."""
     from transformers import GPT2Config, LlamaConfig
 
@@ -47,6 +47,10 @@ def tiny_config(kind: str, **overrides):
                 **overrides,
             }
         )
+    if kind == "mistral":  # a Llama's shapes with a sliding window (give `sliding_window`)
+        from transformers import MistralConfig
+
+        return MistralConfig(**{**FAMILY_SHAPE, "num_hidden_layers": 4, **overrides})
     return LlamaConfig(**{**FAMILY_SHAPE, "num_hidden_layers": 4, **overrides})
 
 
@@ -124,10 +128,14 @@ def hf_reference(
 def run_schedules(trainer, start: dict, steps: int = 3, data=lm_batch, schedules=None):
     """Per schedule (1F1B, GPipe, and ZB-H1's split backward through the model's own layers and
     adapters, unless `schedules` are given), from the weights `start` with fresh optimizer state:
-    the losses of `steps` steps, the first step's gradients and the final state dict."""
+    the losses of `steps` steps, the first step's gradients and the final state dict. A schedule
+    may be a dict of `reconfigure` settings instead, its run keyed by their values."""
     out = {}
     for schedule in schedules or ("1f1b", "gpipe", "zb-h1"):
-        trainer.reconfigure(schedule=schedule)
+        # a schedule's name, or the settings of a run (`reconfigure`'s), keyed by their values
+        settings = schedule if isinstance(schedule, dict) else {"schedule": schedule}
+        schedule = schedule if isinstance(schedule, str) else tuple(settings.values())
+        trainer.reconfigure(**settings)
         trainer.reset_optimizer()
         trainer.load_state_dict(start)
         losses, grads = [], None

@@ -24,6 +24,7 @@ from raypipe.actors.stage_model import StageModel
 from raypipe.actors.zero3 import ShardedStage
 from raypipe.errors import StageError
 from raypipe.nn.moe import RECORDER, reset_recorder
+from raypipe.nn.sequence_chunks import Sequence, unit_loss
 from raypipe.protocol import StageSettings, StepTimings
 from raypipe.schedules.actions import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD
 from raypipe.transport.compress import Compressed, compress, restore
@@ -86,6 +87,7 @@ class Executor:
         # the parameters' storages (saved for backward, but not activations); loading copies into
         # the same parameters, so they are found once
         self.weights = weight_storages(model.module)
+        self.sequence = Sequence(1)  # a step's sequence chunks (`TrainConfig.sequence_chunks`)
         self.sharding: ShardedStage | None = None  # ZeRO-3's gathering of the layers (`OptimizerState.sharded`)
         self.running_stats, self.began_from = running_stats(model), None  # what a step began from (`replica_io`)
 
@@ -93,6 +95,7 @@ class Executor:
         if sharding is not None and self.sharding is None:  # ZeRO-3 gave the weights new storages
             self.weights = weight_storages(self.model.module)
         self.settings, self.sharding = settings, sharding
+        self.sequence = Sequence.of(settings.sequence_chunks, self.module, self.name, self.model.indices)
         self.hand_on = HandOnChoice(hand_on_mode(settings.gradient_hand_on, self.model.tp.size), settings.schedule_spec)
 
     def begin(self, call_id: int) -> None:
@@ -116,6 +119,7 @@ class Executor:
         self.stash.clear()
         self.stash_bytes.clear()
         self.deferred.clear()
+        self.sequence.clear()
 
     def part(self, v: int | None) -> tuple[int, nn.Module, bool, bool]:
         """(virtual stage, its module, first?, last?) for `v`, or this actor's only chunk when None."""
@@ -149,13 +153,16 @@ class Executor:
             with self.autocast(), count_saved_bytes(measure and torch.is_grad_enabled(), self.weights) as saved:
                 if self.settings.activation_checkpointing and torch.is_grad_enabled():
                     out = checkpoint(module, x, use_reentrant=False)
+                elif self.sequence.chunks > 1 and torch.is_grad_enabled():  # unit = (microbatch, chunk)
+                    with self.sequence.forward(microbatch, x, v):
+                        out = module(x)
                 else:
                     out = module(x)
                 if not last:
                     self._stash((v, microbatch), (x, out), saved.bytes)
                     self._timed(FORWARD, started, microbatch)
                     return self.send(out, self.settings.compress_activations)
-                loss = self.loss_fn(out, map_tensors(lambda t: t.to(self.device), target))
+                loss = unit_loss(self.loss_fn, out, target, self.device, weight, self.sequence.chunks > 1)
                 if self.take_metrics is not None and (metrics := self.take_metrics()) is not None:
                     self.objective.append(metrics)
             scale = self.loss_scale() * weight / self.settings.microbatches
@@ -176,13 +183,10 @@ class Executor:
         try:
             x, out = self.stash.pop((v, microbatch))
             self.stash_bytes.pop((v, microbatch), None)
-            if last:
-                if out.requires_grad:
-                    torch.autograd.backward(out)
-            else:
-                pairs = self._pairs(out, grad)
-                if pairs:
-                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            pairs = ([(out, None)] if out.requires_grad else []) if last else self._pairs(out, grad)
+            pairs += self.sequence.roots(microbatch, v)  # a sequence chunk's keys and values, and their gradients
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
             self._timed(BACKWARD, started, microbatch)
             return None if first else self.send(input_grads(x), self.settings.compress_gradients)
         except Exception as error:
@@ -197,6 +201,7 @@ class Executor:
         (`split_backward.covers_every_weight`), nor one that trains few of its weights (LoRA)."""
         return (
             self.hand_on.mode != "late"
+            and self.sequence.chunks == 1  # a chunk's backward also reaches the earlier chunks' keys and values
             and not self.part(v)[2]
             and not self.settings.compile
             and self.split_covers.get(v, True)

@@ -11,7 +11,7 @@ from typing import Any
 
 SECTIONS: dict[str, tuple[str, ...]] = {
     "parallel": ("pp", "dp", "tp", "ep", "zero", "dp_bucket_mb", "shard_plan", "partition"),
-    "pipeline": ("microbatches", "schedule", "chunks", "extra_warmup", "engine", "actor_steps"),
+    "pipeline": ("microbatches", "schedule", "chunks", "extra_warmup", "sequence_chunks", "engine", "actor_steps"),
     "optim": ("optimizer", "lr_schedule", "grad_clip", "objective", "nonfinite", "seed"),
     "numerics": (
         "precision",

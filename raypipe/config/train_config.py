@@ -73,6 +73,15 @@ class TrainConfig:
             microbatch's stashed activations on those stages. 1 is enough on the links measured
             (docs/BENCHMARKS.md, "A slow link"); schedule="auto" chooses it where the links
             between stages were measured (`probe_links`).
+        sequence_chunks: k > 1 cuts every sample along the sequence into k chunks that flow
+            through the pipeline one after another (Seq1F1B): one long sample fills the pipeline
+            (a batch of one: m = 1 idles (pp - 1)/pp of each step unchunked). Forwards run in chunk
+            order, backwards in reverse; each attention layer keeps its earlier chunks' keys and
+            values for the step and their gradients, so losses and gradients are the unchunked
+            run's (`raypipe.nn.sequence_chunks`). "gpipe" and "1f1b"; raypipe's GPT and the
+            transformers families; token-weighted losses (padding, -100 labels). Not with
+            activation_checkpointing, compile, a DPO or GRPO objective, nor a layer that does not
+            declare `runs_sequence_chunks` (refused, naming it).
         shard_plan: explicit contiguous [start, end) layer ranges, one per stage (per virtual
             stage with chunks, in virtual-stage order); overrides `partition`.
         partition: how to split layers when no shard_plan is given: "uniform" (layer count),
@@ -215,6 +224,7 @@ class TrainConfig:
     schedule: str = "1f1b"
     chunks: int | None = None
     extra_warmup: int = 0
+    sequence_chunks: int = 1
     shard_plan: list[list[int]] | None = None
     partition: str = "uniform"
     optimizer: dict = field(default_factory=lambda: {"name": "adamw", "lr": 1e-3})

@@ -22,7 +22,7 @@ from raypipe.checks import (
 from raypipe.config.loggers import check_loggers
 from raypipe.config.objective import check_objective
 from raypipe.errors import ScheduleError
-from raypipe.schedules import SCHEDULES, build_schedule
+from raypipe.schedules import SCHEDULES, SEQUENCE_CHUNKED, build_schedule
 from raypipe.transport.compress import CODECS
 
 SCHEDULE_NAMES = (*SCHEDULES, "auto")  # auto: chosen from profiled layers (`raypipe.planning.autoschedule`)
@@ -72,6 +72,7 @@ def validate(c: Any) -> None:
     if c.chunks is not None:
         check_int("chunks", c.chunks, 1)
     check_int("extra_warmup", c.extra_warmup, 0)
+    check_sequence_chunks(c)
     check_schedule(c)
     check_shard_plan(c.shard_plan, c.pp, c.num_chunks())
     if c.shard_plan is not None:
@@ -226,10 +227,39 @@ def check_schedule(c: Any) -> None:
             f"use engine='p2p'.",
         )
     try:
-        build_schedule(c.schedule, c.pp, c.microbatches, c.chunks, c.extra_warmup)
+        build_schedule(c.schedule, c.pp, c.microbatches, c.chunks, c.extra_warmup, c.sequence_chunks)
     except ScheduleError as error:
         field = "extra_warmup" if "extra_warmup" in str(error) else "microbatches"
         raise fail(field, getattr(c, field), str(error)) from None
+
+
+def check_sequence_chunks(c: Any) -> None:
+    """sequence_chunks is a whole number, and what it runs with can run on chunks."""
+    check_int("sequence_chunks", c.sequence_chunks, 1)
+    if c.sequence_chunks == 1:
+        return
+    if c.schedule not in SEQUENCE_CHUNKED:
+        raise fail(
+            "sequence_chunks",
+            c.sequence_chunks,
+            f"schedule {c.schedule!r} does not run sequence chunks: use schedule='1f1b' (or 'gpipe'), "
+            f"or sequence_chunks=1.",
+        )
+    clashes = {
+        "activation_checkpointing": "recomputing a chunk would add its keys and values twice",
+        "compile": "the chunk's keys and values are kept outside the compiled graph",
+    }
+    for name, why in clashes.items():
+        if getattr(c, name):
+            raise fail("sequence_chunks", c.sequence_chunks, f"not with {name}=True ({why}): use one of them.")
+    objective = (c.objective or {}).get("name", "sft") if isinstance(c.objective, dict) else c.objective
+    if objective not in (None, "sft"):
+        raise fail(
+            "sequence_chunks",
+            c.sequence_chunks,
+            f"the {objective} objective's loss is over whole sequences (their summed log-probabilities), "
+            f"not a sum over tokens: use sequence_chunks=1.",
+        )
 
 
 # TrainConfig fields a running trainer can change between steps (`Trainer.reconfigure`);
@@ -237,6 +267,7 @@ def check_schedule(c: Any) -> None:
 RECONFIGURABLE = (
     "actor_steps",
     "microbatches",
+    "sequence_chunks",
     "schedule",
     "extra_warmup",
     "optimizer",

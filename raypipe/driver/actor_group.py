@@ -15,6 +15,7 @@ from typing import Any
 from raypipe.checkpoint import lock as root_lock
 from raypipe.config import TrainConfig
 from raypipe.data.batches import Prepared
+from raypipe.data.sequence_units import sequence_units
 from raypipe.driver import checkpoints, chunks
 from raypipe.driver.cluster import live_trainers, placement
 from raypipe.driver.cluster.topology import Topology
@@ -143,7 +144,9 @@ class ActorGroup:
 
     def set_schedule(self, config: TrainConfig) -> None:
         """Builds `config`'s schedule. Raises ConfigError for one whose chunks the running actors do not hold."""
-        schedule = build_schedule(config.schedule, config.pp, config.microbatches, config.chunks, config.extra_warmup)
+        schedule = build_schedule(
+            config.schedule, config.pp, config.microbatches, config.chunks, config.extra_warmup, config.sequence_chunks
+        )
         if self.actors:
             chunks.check_same_layout(self.schedule, schedule, config.schedule)
         self.schedule, self.order = schedule, submission_order(schedule)
@@ -168,6 +171,8 @@ class ActorGroup:
         if not self.actors:
             raise RaypipeError("the trainer has no actors; build a new Trainer or call load() after a failure.")
         self.idle("a step")
+        if self.config.sequence_chunks > 1:  # each microbatch's chunks: the schedule's units
+            batch = sequence_units(batch, self.config.sequence_chunks, self.loss_fn)
         self.calls += 1
         grid = self.topology.grid
         target = StepTarget(

@@ -30,7 +30,7 @@ from torch.nn import functional as F
 from raypipe.checks import check_whole_number
 from raypipe.errors import ConfigError
 from raypipe.layers import LayerSpec
-from raypipe.nn import ColumnParallel, RowParallel, VocabParallel
+from raypipe.nn import ColumnParallel, RowParallel, VocabParallel, sequence_chunks
 from raypipe.nn.moe import ExpertMLP, MoE, check_moe
 
 
@@ -101,6 +101,8 @@ def _init(module: nn.Module, n_layer: int) -> None:
 class Embedding(nn.Module):
     """Token ids (B, T) -> hidden states (B, T, C): token plus learned position embedding."""
 
+    runs_sequence_chunks = True  # a chunk's tokens are embedded at their positions (`raypipe.nn.sequence_chunks`)
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.block_size, self.moe = cfg.block_size, cfg.moe
@@ -113,10 +115,12 @@ class Embedding(nn.Module):
         return {"wte": VocabParallel()}
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        t = idx.shape[1]
+        chunk = sequence_chunks.current()  # a sequence chunk's positions start where it starts
+        start = chunk.offset if chunk is not None else 0
+        t = start + idx.shape[1]
         if t > self.block_size:
             raise ValueError(f"sequence length {t} exceeds model.block_size={self.block_size}")
-        pos = torch.arange(t, device=idx.device)
+        pos = torch.arange(start, t, device=idx.device)
         h = self.drop(self.wte(idx) + self.wpe(pos))
         return (h, h.new_zeros((), dtype=torch.float32)) if self.moe else h
 
@@ -135,7 +139,13 @@ class CausalSelfAttention(nn.Module):
         b, t, _ = x.shape
         q, k, v = self.c_attn(x).chunk(3, dim=2)  # this rank's heads (all heads when tp=1)
         q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        dropout = self.dropout if self.training else 0.0
+        chunk = sequence_chunks.current()
+        if chunk is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+        else:  # a sequence chunk: its queries see the keys and values of the chunks before it too
+            k, v = chunk.extend(self, k, v)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk.causal_mask(q.device), dropout_p=dropout)
         return self.resid_drop(self.c_proj(y.transpose(1, 2).contiguous().view(b, t, -1)))
 
 
@@ -152,6 +162,8 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    runs_sequence_chunks = True  # its attention keeps earlier chunks' keys and values (`raypipe.nn.sequence_chunks`)
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -185,6 +197,8 @@ class Block(nn.Module):
 class MoEBlock(Block):
     """A block whose MLP is a mixture of experts: (hidden, aux) -> (hidden, aux + this layer's)."""
 
+    runs_sequence_chunks = False  # its balancing loss is over the whole sequence's routing, not a sum over chunks
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__(cfg)
         self.mlp = MoE(
@@ -215,6 +229,8 @@ class MoEBlock(Block):
 
 class Head(nn.Module):
     """Final layer norm and the output projection to vocabulary logits (B, T, V)."""
+
+    runs_sequence_chunks = True  # token by token
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()

@@ -69,8 +69,17 @@ SCHEDULES: dict[str, ScheduleKind] = {
 }
 
 
+# the schedules that take a microbatch's sequence chunks as their unit (`TrainConfig.sequence_chunks`)
+SEQUENCE_CHUNKED = ("gpipe", "1f1b")
+
+
 def build_schedule(
-    name: str, num_stages: int, num_microbatches: int, chunks: int | None = None, extra_warmup: int = 0
+    name: str,
+    num_stages: int,
+    num_microbatches: int,
+    chunks: int | None = None,
+    extra_warmup: int = 0,
+    sequence_chunks: int = 1,
 ) -> Schedule:
     """Builds and validates the named schedule.
 
@@ -78,12 +87,29 @@ def build_schedule(
         chunks: model chunks per actor, for the schedules that let the config choose.
         extra_warmup: forwards each stage but the last runs ahead beyond the schedule's own
             warm-up (1F1B-ordered schedules: "1f1b", "zb-h1"), for slow links.
+        sequence_chunks: k > 1 cuts each microbatch along the sequence into k units, unit u being
+            chunk u % k of microbatch u // k, forwards in chunk order and backwards in reverse
+            (`SEQUENCE_CHUNKED` schedules): the schedule has `num_microbatches` x k units.
 
     Raises:
         KeyError: for an unknown name (the config validates names before this).
         ScheduleError: if the schedule is invalid for these sizes, or `chunks` is not its own.
     """
     kind = SCHEDULES[name]
+    if sequence_chunks != 1:
+        if name not in SEQUENCE_CHUNKED or sequence_chunks < 1:
+            raise ScheduleError(
+                f"schedule {name!r} does not run sequence chunks (sequence_chunks={sequence_chunks}): "
+                f"{' and '.join(repr(n) for n in SEQUENCE_CHUNKED)} do; or use sequence_chunks=1"
+            )
+        units = num_microbatches * sequence_chunks
+        schedule = (
+            gpipe(num_stages, units)
+            if name == "gpipe"
+            else one_f_one_b(num_stages, units, extra_warmup, sequence_chunks)
+        )
+        validate(schedule, num_stages, units)
+        return schedule
     if extra_warmup and not kind.extra_warmup:
         takers = ", ".join(repr(n) for n, k in SCHEDULES.items() if k.extra_warmup)
         raise ScheduleError(f"schedule {name!r} has no extra warm-up: {takers} take one; leave extra_warmup at 0")
@@ -111,6 +137,7 @@ __all__ = [
     "OVERLAPPED",
     "WEIGHT_GRAD",
     "SCHEDULES",
+    "SEQUENCE_CHUNKED",
     "Schedule",
     "ScheduleKind",
     "bubble",

@@ -16,16 +16,24 @@ from __future__ import annotations
 from raypipe.schedules.actions import BACKWARD, FORWARD, Action, Schedule
 
 
-def one_f_one_b(num_stages: int, num_microbatches: int, extra_warmup: int = 0) -> Schedule:
-    """The 1F1B schedule as per-stage ordered action lists."""
+def one_f_one_b(num_stages: int, num_microbatches: int, extra_warmup: int = 0, sequence_chunks: int = 1) -> Schedule:
+    """The 1F1B schedule as per-stage ordered action lists.
+
+    `sequence_chunks` k > 1 (Seq1F1B): the unit is a microbatch's sequence chunk, unit u being chunk
+    u % k of microbatch u // k (`num_microbatches` counts units); a microbatch's chunks run forward
+    in order and backward in reverse (each chunk's backward gives the chunks before it the gradient
+    of their keys and values), so every stage, the last too, runs k - 1 forwards more before its
+    first backward."""
+    k = sequence_chunks
     schedule: Schedule = []
     for s in range(num_stages):
-        warmup = warmup_forwards(num_stages, num_microbatches, s, extra_warmup)
+        warmup = min(warmup_forwards(num_stages, num_microbatches, s, extra_warmup) + k - 1, num_microbatches)
+        backwards = [m - m % k + (k - 1 - m % k) for m in range(num_microbatches)]  # chunks in reverse
         actions = [Action(s, FORWARD, m) for m in range(warmup)]
         for i in range(num_microbatches - warmup):
             actions.append(Action(s, FORWARD, warmup + i))
-            actions.append(Action(s, BACKWARD, i))
-        actions += [Action(s, BACKWARD, m) for m in range(num_microbatches - warmup, num_microbatches)]
+            actions.append(Action(s, BACKWARD, backwards[i]))
+        actions += [Action(s, BACKWARD, backwards[i]) for i in range(num_microbatches - warmup, num_microbatches)]
         schedule.append(actions)
     return schedule
 

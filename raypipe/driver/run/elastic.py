@@ -163,7 +163,9 @@ def fewer_stages(group: ActorGroup, lost: list[int]) -> tuple[TrainConfig, Plan]
 
 def layer_kinds(config: TrainConfig, plan: Plan) -> list[str]:
     """The device kind each layer runs on under `config` and its split `plan` (per virtual stage)."""
-    schedule = build_schedule(config.schedule, config.pp, config.microbatches, config.chunks, config.extra_warmup)
+    schedule = build_schedule(
+        config.schedule, config.pp, config.microbatches, config.chunks, config.extra_warmup, config.sequence_chunks
+    )
     kinds, out = config.stage_kinds(), {}
     for stage, ranges in enumerate(chunks.actor_plan(plan, schedule)):
         for start, end in ranges:

@@ -27,12 +27,15 @@ from torch import nn
 from raypipe import layers
 from raypipe.models.hf import conversions, skeleton, tensor_files
 from raypipe.models.hf.sparse_moe import SparseMoeBlock, add_stats, is_moe, router_stats, routing_stats
+from raypipe.nn import sequence_chunks
 
 
 class HFEmbedding(nn.Module):
     """The base model's modules before its decoder layers (token embedding; GPT-2's positions and
     dropout): input ids, or a dict with `input_ids` and optionally `attention_mask` and
     `position_ids`, in; the boundary dict out."""
+
+    runs_sequence_chunks = True  # a chunk's positions start where it starts (`raypipe.nn.sequence_chunks`)
 
     def __init__(self, config: Any) -> None:
         super().__init__()
@@ -50,8 +53,10 @@ class HFEmbedding(nn.Module):
         inputs = {"input_ids": x} if torch.is_tensor(x) else x
         ids = inputs["input_ids"]
         mask, positions = inputs.get("attention_mask"), inputs.get("position_ids")
-        if positions is None:  # as the whole model numbers them without a cache
-            positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
+        if positions is None:  # as the whole model numbers them without a cache (a chunk: from its start)
+            chunk = sequence_chunks.current()
+            start = chunk.offset if chunk is not None else 0
+            positions = torch.arange(start, start + ids.shape[1], device=ids.device).unsqueeze(0)
         if mask is not None:
             mask = mask.view(ids.shape[0], -1)
         held = {name: getattr(self, name) for name in self.names}
@@ -81,6 +86,12 @@ class HFDecoderLayer(nn.Module):
             self.prefixes = [("block.mlp.router.", moe_prefix + "gate."), ("block.mlp.", moe_prefix)] + self.prefixes
         self.routers = router_stats(self.block, config)  # another MoE's router logits, as its forward makes them
         self.cache: Any = None
+
+    @property
+    def runs_sequence_chunks(self) -> bool:
+        """Through transformers' cache path (`chunk_cache`), but not with a routing loss over the
+        whole sequence (`output_router_logits`)."""
+        return not getattr(self.config, "output_router_logits", False)
 
     def tp_plan(self, tp_size: int) -> dict[str, Any]:
         """transformers' own `base_model_tp_plan` for this layer: colwise and rowwise linears, the
@@ -133,6 +144,10 @@ class HFDecoderLayer(nn.Module):
         inputs = {"attention_mask": x["attention_mask"], "position_ids": x["position_ids"]}
         if self.cache is not None:
             args, kwargs = self.cache.inputs(self.index, hidden, inputs)
+        elif sequence_chunks.current() is not None:  # a sequence chunk, after the chunks before it
+            from raypipe.models.hf.chunk_cache import layer_arguments
+
+            args, kwargs = layer_arguments(self.config, self.index, hidden, inputs)
         else:
             args, kwargs = skeleton.layer_inputs(self.config, [self.index], hidden, {**inputs, "use_cache": False})[
                 self.index
@@ -150,6 +165,8 @@ class HFDecoderLayer(nn.Module):
 class HFHead(nn.Module):
     """The final norm and the language-model head: the boundary dict in, logits out (as the causal
     LM's forward makes them: soft-capped, scaled)."""
+
+    runs_sequence_chunks = True  # token by token
 
     def __init__(self, config: Any) -> None:
         super().__init__()

@@ -22,6 +22,10 @@ class CausalLMLoss:
     gradients are the mean over every counted token of the batch, whatever the split.
     """
 
+    #: labels are the input's tokens, shifted here: a sequence chunk's come with the next chunk's
+    #: first one (`raypipe.data.sequence_units`)
+    shifts_labels = True
+
     def __init__(self, vocab_size: int, num_experts: int = 0, router_aux_loss_coef: float = 0.0) -> None:
         self.vocab_size = vocab_size
         self.num_experts, self.router_aux_loss_coef = num_experts, router_aux_loss_coef
@@ -33,7 +37,10 @@ class CausalLMLoss:
         if self.count(labels) == 0:  # all ignored: nothing to learn from, and a mean over none is NaN
             loss = logits.float().sum() * 0.0
         else:
-            shifted = torch.nn.functional.pad(labels.to(logits.device), (0, 1), value=IGNORE)[..., 1:]
+            if labels.shape[-1] == logits.shape[-2] + 1:  # a sequence chunk's, with the next chunk's first label
+                shifted = labels.to(logits.device)[..., 1:]
+            else:
+                shifted = torch.nn.functional.pad(labels.to(logits.device), (0, 1), value=IGNORE)[..., 1:]
             loss = chunked_cross_entropy(logits, shifted, IGNORE)
         if stats is not None:
             from raypipe.models.hf.sparse_moe import balancing_loss

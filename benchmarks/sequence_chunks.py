@@ -1,0 +1,111 @@
+"""One long sample through a two-stage pipeline, whole and cut into sequence chunks (issue 63).
+
+A random transformers Llama (`--layers` decoder layers, `--hidden` wide; nothing is downloaded),
+batch 1 x `--tokens` tokens, pp = 2, 1F1B, SGD. Unchunked, a batch of one is one microbatch: each
+stage idles while the other works. With `sequence_chunks` k the sample's chunks flow through the
+stages one after another (`raypipe.nn.sequence_chunks`).
+
+- Speed: one trainer, `reconfigure(sequence_chunks=k)` between steps, every k's steps taken in
+  turn (`rounds.interleaved`), so load on the machine hits them alike: tokens/s per k (median step)
+  and its ratio to k = 1, beside the ratio the schedule predicts (`schedules.timed` with each
+  chunk's forward 1/k of the sample's and its backward twice that: the bubble alone).
+- Memory: per k, each stage's peak of activations saved for backward (`measure_activations`),
+  and, from a fresh trainer per k (its actors are new processes), each stage's peak resident
+  memory (`peak_memory_bytes`, the process's max RSS after one step).
+
+    python benchmarks/sequence_chunks.py > sequence_chunks.json      # about 6 minutes on 2 cores
+    python benchmarks/sequence_chunks.py --tokens 256 --layers 2 --hidden 64 --rounds 1   # small
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import tempfile
+
+import ray
+import torch
+from dpo_throughput import save_model
+from rounds import interleaved
+
+from raypipe import TrainConfig, Trainer
+from raypipe.models import hf
+from raypipe.schedules import build_schedule, timed
+
+SGD = {"name": "sgd", "lr": 1e-3}
+
+
+def sample(step: int, tokens: int, vocab: int) -> tuple[dict, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    ids = torch.randint(3, vocab, (1, tokens), generator=g)
+    return {"input_ids": ids}, ids.clone()
+
+
+def predicted_ratio(k: int, pp: int) -> float:
+    """The unchunked step's span over the chunked one's, from the schedule alone."""
+
+    def span(chunks: int) -> float:
+        costs = {"F": 1.0 / chunks, "B": 2.0 / chunks}
+        return max(
+            end for actor in timed(build_schedule("1f1b", pp, 1, sequence_chunks=chunks), costs) for *_, end in actor
+        )
+
+    return span(1) / span(k)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=2048)
+    parser.add_argument("--chunks", default="1,2,4,8")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=2)
+    args = parser.parse_args()
+    chunks = [int(k) for k in args.chunks.split(",")]
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    directory = save_model(tempfile.mkdtemp(), args.layers, args.hidden, args.vocab, positions=args.tokens)
+    model = hf.from_pretrained(directory)
+    config = TrainConfig(pp=2, microbatches=1, optimizer=SGD, measure_activations=True)
+    stashed: dict[int, list[int]] = {}
+    with Trainer(model, config=config) as trainer:
+
+        def runner(k: int):
+            def run(step: int) -> None:
+                trainer.reconfigure(sequence_chunks=k)
+                metrics = trainer.step(*sample(step, args.tokens, args.vocab))
+                stashed[k] = [int(s["peak_stashed_bytes"]) for s in metrics["stages"]]
+
+            return run
+
+        seconds = interleaved({k: runner(k) for k in chunks}, args.rounds, args.steps, warmup=1)
+    median = {k: statistics.median(s for r in seconds[k] for s in r) for k in chunks}
+    resident = {}
+    for k in chunks:  # fresh actors per k: a process's max RSS only grows
+        with Trainer(model, config=TrainConfig(pp=2, optimizer=SGD, sequence_chunks=k)) as trainer:
+            metrics = trainer.step(*sample(0, args.tokens, args.vocab))
+            resident[k] = [int(s["peak_memory_bytes"]) for s in metrics["stages"]]
+    ray.shutdown()
+    report = {
+        "benchmark": "sequence_chunks",
+        "model": {"layers": args.layers, "hidden": args.hidden, "vocab": args.vocab, "tokens": args.tokens},
+        "pp": 2,
+        "schedule": "1f1b",
+        "tokens_per_s": {k: round(args.tokens / median[k], 1) for k in chunks},
+        "speedup_vs_unchunked": {k: round(median[1] / median[k], 3) for k in chunks if 1 in median},
+        "predicted_speedup": {k: round(predicted_ratio(k, 2), 3) for k in chunks},
+        "step_s_median": {k: round(median[k], 3) for k in chunks},
+        "peak_stashed_mib_per_stage": {k: [round(b / 2**20, 1) for b in stashed[k]] for k in chunks},
+        "peak_resident_mib_per_stage": {k: [round(b / 2**20, 1) for b in resident[k]] for k in chunks},
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
+        "command": "python benchmarks/sequence_chunks.py",
+    }
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

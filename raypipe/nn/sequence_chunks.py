@@ -1,0 +1,211 @@
+"""Sequence chunks (`TrainConfig.sequence_chunks`): each sample cut along the sequence into k
+chunks that flow through the pipeline one after another (TeraPipe, Seq1F1B), so that one long
+sample fills the pipeline.
+
+Exact because attention is causal: chunk c's queries see the keys and values of chunks 0..c
+only. Each attention layer keeps its earlier chunks' keys and values for the step as leaves of
+their own (`KVChunks`); chunk c's forward attends to them and to its own, and its backward
+(chunks run backward in reverse order) adds their gradients to those leaves, which chunk c'
+< c's backward then back-propagates with its output's gradient (`Sequence.roots`).
+
+A stage's executor opens a chunk's `Position` around the chunk's forward (`Sequence.forward`);
+layers ask `current()` for it: None when the step is not chunked, so they run as always.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+_CURRENT: contextvars.ContextVar[Position | None] = contextvars.ContextVar("sequence_chunk", default=None)
+
+
+def current() -> Position | None:
+    """The chunk whose forward is running on this thread, or None (not chunked, or no forward)."""
+    return _CURRENT.get()
+
+
+class KVChunks:
+    """One attention layer's keys and values of one microbatch, chunk by chunk: what each chunk
+    made (`made`, in its graph, the roots of its backward) and its leaf copy (`leaves`, which later
+    chunks attend to and collect gradients on)."""
+
+    def __init__(self) -> None:
+        self.made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.leaves: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def extend(self, chunk: int, keys: torch.Tensor, values: torch.Tensor, dim: int = -2) -> tuple[torch.Tensor, ...]:
+        """Chunk `chunk`'s keys and values joined after those of every earlier chunk along `dim`
+        (the sequence's), for its attention; keeps them for the chunks after it."""
+        earlier = [self.leaves[c] for c in sorted(self.leaves) if c < chunk]
+        if torch.is_grad_enabled():
+            self.made[chunk] = (keys, values)
+            self.leaves[chunk] = (keys.detach().requires_grad_(), values.detach().requires_grad_())
+        else:
+            self.leaves[chunk] = (keys.detach(), values.detach())
+        if not earlier:
+            return keys, values
+        return (
+            torch.cat([*(k for k, _ in earlier), keys], dim=dim),
+            torch.cat([*(v for _, v in earlier), values], dim=dim),
+        )
+
+    def roots(self, chunk: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(what chunk `chunk` made, the gradient later chunks gave its leaf) for its backward;
+        frees both."""
+        made, leaves = self.made.pop(chunk, None), self.leaves.pop(chunk, None)
+        if made is None or leaves is None:
+            return []
+        return [(m, leaf.grad) for m, leaf in zip(made, leaves) if leaf.grad is not None]
+
+
+class Microbatch:
+    """One microbatch's chunks on one stage: where each starts in the sequence, each attention
+    layer's `KVChunks`, and what its layers share across chunks (`shared`: transformers' cache,
+    the attention masks seen so far)."""
+
+    def __init__(self) -> None:
+        self.starts: dict[int, int] = {0: 0}
+        self.layers: dict[Any, KVChunks] = {}
+        self.shared: dict[str, Any] = {}
+
+    def kv(self, layer: Any) -> KVChunks:
+        return self.layers.setdefault(layer, KVChunks())
+
+
+class Position:
+    """The chunk a forward runs: its microbatch's state, its index, how many there are, and where
+    in the sequence it starts (`offset`) and ends."""
+
+    def __init__(self, microbatch: Microbatch, chunk: int, chunks: int, length: int) -> None:
+        self.microbatch, self.chunk, self.chunks = microbatch, chunk, chunks
+        self.offset = microbatch.starts[chunk]
+        self.end = self.offset + length
+        microbatch.starts[chunk + 1] = self.end
+
+    def extend(self, layer: Any, keys: torch.Tensor, values: torch.Tensor, dim: int = -2) -> tuple[torch.Tensor, ...]:
+        """`layer`'s keys and values for this chunk's attention (`KVChunks.extend`)."""
+        return self.microbatch.kv(layer).extend(self.chunk, keys, values, dim)
+
+    def causal_mask(self, device: torch.device) -> torch.Tensor:
+        """Which keys (every token up to this chunk's end) each of this chunk's queries sees: a
+        (queries, keys) boolean mask, True where attention is allowed."""
+        queries = torch.arange(self.offset, self.end, device=device).unsqueeze(1)
+        return torch.arange(self.end, device=device).unsqueeze(0) <= queries
+
+
+class Sequence:
+    """A stage's chunked microbatches during a step: the executor's unit u is chunk u % k of
+    microbatch u // k."""
+
+    def __init__(self, chunks: int) -> None:
+        self.chunks = chunks
+        self.open: dict[tuple[Any, int], Microbatch] = {}
+
+    @classmethod
+    def of(cls, chunks: int, layers: Any, actor: str, indices: list[int]) -> Sequence:
+        """A stage's step state for `chunks` per microbatch (1: not chunked, nothing kept), its
+        `layers` checked first where chunked (`check_chunkable`)."""
+        if chunks > 1:
+            check_chunkable(layers, actor, indices)
+        return cls(chunks)
+
+    def split(self, unit: int) -> tuple[int, int]:
+        """(microbatch, chunk) of a unit."""
+        return divmod(unit, self.chunks)
+
+    @contextlib.contextmanager
+    def forward(self, unit: int, x: Any, part: Any = None) -> Iterator[Position]:
+        """Runs unit `unit`'s forward (of model chunk `part`) as its sequence chunk."""
+        m, c = self.split(unit)
+        microbatch = self.open.setdefault((part, m), Microbatch())
+        position = Position(microbatch, c, self.chunks, sequence_length(x))
+        token = _CURRENT.set(position)
+        try:
+            yield position
+        finally:
+            _CURRENT.reset(token)
+
+    def roots(self, unit: int, part: Any = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(keys or values unit `unit` made, the gradient later chunks gave them): added to its
+        backward's outputs. Its microbatch is done after its first chunk; none unchunked."""
+        m, c = self.split(unit)
+        microbatch = self.open.get((part, m))
+        if microbatch is None:
+            return []
+        pairs = [pair for kv in microbatch.layers.values() for pair in kv.roots(c)]
+        if c == 0:
+            del self.open[(part, m)]
+        return pairs
+
+    def clear(self) -> None:
+        self.open.clear()
+
+
+def unit_loss(loss_fn: Any, out: Any, target: Any, device: Any, weight: float, chunked: bool) -> torch.Tensor:
+    """`loss_fn(out, target)` with the target on `device`, but zero (with a graph) for a `chunked`
+    unit of weight 0: a sequence chunk whose targets are all ignored (a mean over none is NaN)."""
+    from raypipe.transport.tree import map_tensors, tensors
+
+    if chunked and weight == 0.0:
+        return sum(t.float().sum() for t in tensors(out) if t.is_floating_point()) * 0.0
+    return loss_fn(out, map_tensors(lambda t: t.to(device), target))
+
+
+def sequence_length(x: Any) -> int:
+    """The sequence length of a boundary value: dim 1 of its first tensor of two or more dimensions
+    (token ids (batch, sequence), hidden states (batch, sequence, width))."""
+    from raypipe.transport.tree import tensors
+
+    for t in tensors(x):
+        if t.dim() >= 2:
+            return int(t.shape[1])
+    raise ValueError("a sequence chunk holds no tensor with a sequence dimension (dim 1)")
+
+
+# torch's modules that work token by token: a chunk of the sequence is all they need
+_TOKEN_BY_TOKEN = (
+    torch.nn.Linear,
+    torch.nn.Embedding,
+    torch.nn.LayerNorm,
+    torch.nn.RMSNorm,
+    torch.nn.Dropout,
+    torch.nn.Identity,
+    torch.nn.GELU,
+    torch.nn.ReLU,
+    torch.nn.SiLU,
+    torch.nn.Tanh,
+    torch.nn.Sigmoid,
+    torch.nn.Softmax,
+)
+
+
+def check_chunkable(layers: Any, actor: str, indices: list[int]) -> None:
+    """Refuses layers that cannot run on sequence chunks: only those declaring
+    `runs_sequence_chunks` (their attention keeps earlier chunks' keys and values, or they work
+    token by token) and torch's own token-by-token modules can.
+
+    Raises:
+        ConfigError: naming the first such layer, its index and the actor holding it.
+    """
+    from raypipe.errors import ConfigError
+
+    for index, layer in zip(indices, layers):
+        declared = getattr(layer, "runs_sequence_chunks", None)
+        if declared is True or (declared is None and isinstance(layer, _TOKEN_BY_TOKEN)):
+            continue
+        why = (
+            "says it cannot (its result depends on the whole sequence at once)"
+            if declared is False
+            else "does not say it can: attention over the whole sequence would see only the chunk"
+        )
+        raise ConfigError(
+            f"TrainConfig.sequence_chunks: layer {index} ({type(layer).__name__}, on {actor}) cannot run on "
+            f"sequence chunks: it {why}. Use sequence_chunks=1, or give the layer's class "
+            f"`runs_sequence_chunks = True` where it works token by token or attends through "
+            f"raypipe.nn.sequence_chunks.current() (as raypipe's GPT and transformers' causal LMs do)."
+        )

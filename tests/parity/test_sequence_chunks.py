@@ -1,0 +1,109 @@
+"""Sequence chunks (`TrainConfig.sequence_chunks`) change nothing but the order: losses, gradients
+and weights equal the unchunked run's (fp32, rtol 1e-5) at pp 2 and 3, k 2..8, under 1F1B and
+GPipe, with padding and -100 labels; for raypipe's GPT, transformers' Llama (LoRA too) and
+Mistral's sliding window, whose unchunked runs match transformers in one process."""
+
+import pytest
+import torch
+
+from raypipe import ConfigError, StageError, TrainConfig, Trainer
+from raypipe.models import gpt, hf
+
+from hf_helpers import by_hf_name, hf_reference, lm_batch, run_schedules, save_tiny
+
+SGD = {"name": "sgd", "lr": 0.05, "momentum": 0.9}
+LENGTH = 24  # divides into 2, 3, 4 and 8 chunks
+
+
+def long_batch(k: int):
+    """Four rows of 24 tokens: left padding on two (mask 0, label -100) and more ignored labels."""
+    return lm_batch(k, size=4, length=LENGTH)
+
+
+def chunked_runs(trainer, cases, data, steps=2):
+    """Per (schedule, sequence_chunks) from the same start with fresh optimizer state: the steps'
+    losses, the first step's gradients and the final weights."""
+    runs = [{"schedule": schedule, "sequence_chunks": k} for schedule, k in cases]
+    return run_schedules(trainer, trainer.state_dict(), steps=steps, data=data, schedules=runs)
+
+
+def assert_same_run(run, reference, atol=1e-6):
+    (losses, grads, final), (ref_losses, ref_grads, ref_final) = run, reference
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=atol)
+    assert set(grads) == set(ref_grads) and set(final) == set(ref_final)
+    for name in ref_grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-5, atol=atol, msg=name)
+    for name in ref_final:
+        torch.testing.assert_close(final[name], ref_final[name], rtol=1e-5, atol=atol, msg=name)
+
+
+HF_CASES = {
+    "llama-pp2": ("llama", 2, {}, None, [("1f1b", 4), ("gpipe", 3)]),
+    "llama-pp3": ("llama", 3, {}, None, [("1f1b", 8), ("gpipe", 2)]),
+    "mistral-sliding-pp2": ("mistral", 2, {"sliding_window": 5}, None, [("1f1b", 4), ("1f1b", 3)]),
+    "llama-lora-pp2": ("llama", 2, {}, {"r": 4, "alpha": 8, "target_modules": "all-linear"}, [("1f1b", 2)]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(HF_CASES))
+def test_a_transformers_model_trains_on_chunks_exactly_as_unchunked(ray_session, tmp_path, case):
+    kind, pp, overrides, lora, cases = HF_CASES[case]
+    directory = save_tiny(kind, str(tmp_path / kind), num_hidden_layers=pp + 1, **overrides)
+    model = hf.from_pretrained(directory)
+    config = TrainConfig(pp=pp, microbatches=2, optimizer=SGD, lora=lora, cpus_per_actor=0.25, threads_per_actor=1)
+    with Trainer(model, config=config) as t:
+        runs = chunked_runs(t, [("1f1b", 1), *cases], long_batch)
+        names = model.exporter.names(t.specs)
+    if lora is None:  # unchunked raypipe is transformers in one process (the window included)
+        ref_losses, ref_grads, _ = hf_reference(directory, steps=2, data=long_batch)
+        unchunked = runs[("1f1b", 1)]
+        torch.testing.assert_close(torch.tensor(unchunked[0]), torch.tensor(ref_losses), rtol=1e-5, atol=4e-5)
+        grads = by_hf_name(unchunked[1], names)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, ref_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+    for key in cases:
+        assert_same_run(runs[key], runs[("1f1b", 1)])
+
+
+def gpt_batch(k: int):
+    """Four rows of 32 tokens with some targets ignored (-100), a different number per chunk."""
+    g = torch.Generator().manual_seed(900 + k)
+    seq = torch.randint(0, 64, (4, 33), generator=g)
+    x, y = seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+    y[0, 3:11] = -100
+    y[2, 20:] = -100
+    return x, y
+
+
+@pytest.mark.slow
+def test_the_gpt_trains_on_chunks_exactly_as_unchunked_at_pp2_and_pp3(ray_session):
+    tiny = gpt.GPTConfig(n_layer=3, n_head=2, n_embd=16, block_size=32, vocab_size=64)
+    config = TrainConfig(pp=2, microbatches=2, optimizer=SGD, cpus_per_actor=0.25, threads_per_actor=1)
+    with Trainer(gpt.layers(tiny), gpt.loss_fn, config) as t:
+        runs = chunked_runs(t, [("1f1b", 1), ("1f1b", 2), ("gpipe", 8), ("1f1b", 5)], gpt_batch)
+        for key in [("1f1b", 2), ("gpipe", 8), ("1f1b", 5)]:  # 5 chunks of 7, 7, 6, 6 and 6 tokens
+            assert_same_run(runs[key], runs[("1f1b", 1)])
+        metrics = t.step(*gpt_batch(3))
+        # stage 0 runs pp - 1 + k - 1 = 5 forwards ahead, then one more before each backward
+        assert metrics["stages"][0]["peak_stashed_microbatches"] == 6
+    config = TrainConfig(pp=3, microbatches=1, optimizer=SGD, cpus_per_actor=0.25, threads_per_actor=1)
+    with Trainer(gpt.layers(tiny), gpt.loss_fn, config) as t:
+        runs = chunked_runs(t, [("1f1b", 1), ("1f1b", 4)], gpt_batch)
+    assert_same_run(runs[("1f1b", 4)], runs[("1f1b", 1)])
+
+
+class Attend(torch.nn.Module):
+    """Attention over the whole sequence, saying nothing about chunks."""
+
+    def forward(self, x):
+        return torch.nn.functional.scaled_dot_product_attention(x, x, x, is_causal=True)
+
+
+def test_a_layer_that_cannot_run_on_chunks_is_refused_at_start_naming_it(ray_session):
+    from raypipe import LayerSpec
+
+    layers = [LayerSpec(torch.nn.Embedding, 16, 8), LayerSpec(Attend), LayerSpec(torch.nn.Linear, 8, 16)]
+    config = TrainConfig(pp=2, sequence_chunks=2, cpus_per_actor=0.25, threads_per_actor=1)
+    with pytest.raises((ConfigError, StageError), match=r"layer 1 \(Attend, on stage1-dp0-tp0\) cannot run on"):
+        Trainer(layers, lambda out, y: out.mean(), config)

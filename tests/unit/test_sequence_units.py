@@ -1,0 +1,100 @@
+"""Sequence chunks without Ray: the Seq1F1B order, how a microbatch is cut into units and how
+they weigh in the loss, the cut's refusals, and the layers that may run on chunks."""
+
+import pytest
+import torch
+from torch import nn
+
+from raypipe import ConfigError, TrainConfig
+from raypipe.data.batches import prepare
+from raypipe.data.sequence_units import sequence_units
+from raypipe.errors import BatchError
+from raypipe.models import gpt
+from raypipe.models.hf.loss import CausalLMLoss
+from raypipe.nn.sequence_chunks import check_chunkable
+from raypipe.schedules import BACKWARD, FORWARD, build_schedule, timed
+
+
+def step_time(schedule, k):
+    """The step's span with a sample's forward taking 1 per stage and its backward 2, cut in k."""
+    return max(end for actor in timed(schedule, {"F": 1.0 / k, "B": 2.0 / k}) for _, _, end in actor)
+
+
+def test_1f1b_runs_a_microbatchs_chunks_forward_in_order_and_backward_in_reverse():
+    schedule = build_schedule("1f1b", 2, 2, sequence_chunks=3)  # units: microbatch 0 = 0,1,2; 1 = 3,4,5
+    for actions in schedule:
+        forwards = [a.microbatch for a in actions if a.kind == FORWARD]
+        backwards = [a.microbatch for a in actions if a.kind == BACKWARD]
+        assert forwards == [0, 1, 2, 3, 4, 5] and backwards == [2, 1, 0, 5, 4, 3]
+    last = [(a.kind, a.microbatch) for a in schedule[-1]]
+    assert last[:4] == [(FORWARD, 0), (FORWARD, 1), (FORWARD, 2), (BACKWARD, 2)]  # k - 1 more forwards first
+    gpipe = build_schedule("gpipe", 3, 2, sequence_chunks=4)
+    assert [a.microbatch for a in gpipe[0] if a.kind == BACKWARD] == list(reversed(range(8)))
+    # one sample over two stages: the bubble shrinks with the chunks (equal forward, double backward)
+    spans = [step_time(build_schedule("1f1b", 2, 1, sequence_chunks=k), k) for k in (1, 2, 4, 8)]
+    assert spans == sorted(spans, reverse=True) and spans[0] / spans[2] == pytest.approx(6 / 3.75)
+    with pytest.raises(Exception, match="'zb-h1' does not run sequence chunks"):
+        build_schedule("zb-h1", 2, 2, sequence_chunks=2)
+
+
+def test_units_cut_inputs_and_targets_along_the_sequence_and_weigh_by_counted_tokens():
+    ids = torch.arange(2 * 10).view(2, 10)
+    mask = torch.ones(2, 10, dtype=torch.long)
+    labels = ids.clone()
+    labels[0, :6] = -100  # the first chunk of sample 0 counts almost nothing
+    batch = prepare({"input_ids": ids, "attention_mask": mask}, labels, 1, 2, CausalLMLoss(32))
+    units = sequence_units(batch, 2, CausalLMLoss(32))
+    assert len(units.inputs[0]) == 4
+    first, second = units.inputs[0][0], units.inputs[0][1]
+    assert torch.equal(first["input_ids"], ids[:1, :5]) and torch.equal(second["input_ids"], ids[:1, 5:])
+    # transformers' loss shifts labels inside: a chunk's targets reach one token into the next chunk
+    assert torch.equal(units.targets[0][0], labels[:1, :6]) and torch.equal(units.targets[0][1], labels[:1, 5:])
+    counts = [CausalLMLoss.count(t) for t in units.targets[0]]
+    assert counts == [0, 4, 5, 4]  # labels 1..5 | 6..9 for sample 0, all 9 of sample 1
+    whole = batch.weights[0]
+    assert units.weights[0] == pytest.approx([0.0, whole[0] * 2, whole[1] * 2 * 5 / 9, whole[1] * 2 * 4 / 9])
+    # raypipe's GPT: targets already shifted, -100 ignored by its cross-entropy
+    x, y = torch.randint(0, 9, (2, 8)), torch.randint(0, 9, (2, 8))
+    y[1, 4:] = -100
+    gpt_units = sequence_units(prepare(x, y, 1, 1, gpt.loss_fn), 4, gpt.loss_fn)
+    assert [t.shape for t in gpt_units.targets[0]] == [(2, 2)] * 4
+    assert gpt_units.weights[0] == pytest.approx([4 * 4 / 12, 4 * 4 / 12, 4 * 2 / 12, 4 * 2 / 12])
+
+
+def test_the_cut_is_refused_where_there_is_no_sequence_or_too_short_a_one():
+    with pytest.raises(BatchError, match=r"first tensor has shape \(4, 6\)"):
+        sequence_units(prepare(torch.randn(4, 6), torch.randn(4, 3), 1, 1, None), 2, None)
+    with pytest.raises(BatchError, match="sequences of 3 tokens, fewer than sequence_chunks=4"):
+        sequence_units(
+            prepare(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3, dtype=torch.long), 1, 1, None), 4, None
+        )
+
+
+def test_settings_that_cannot_run_on_chunks_are_refused_naming_the_field():
+    assert TrainConfig(pp=2, sequence_chunks=4).sequence_chunks == 4
+    with pytest.raises(ConfigError, match="schedule 'zb-h1' does not run sequence chunks"):
+        TrainConfig(pp=2, schedule="zb-h1", sequence_chunks=2)
+    with pytest.raises(ConfigError, match="activation_checkpointing"):
+        TrainConfig(pp=2, sequence_chunks=2, activation_checkpointing=True)
+    with pytest.raises(ConfigError, match="dpo objective's loss is over whole sequences"):
+        TrainConfig(pp=2, sequence_chunks=2, objective={"name": "dpo"}, lora={"r": 2})
+    with pytest.raises(ConfigError, match="sequence_chunks"):
+        TrainConfig(sequence_chunks=0)
+
+
+class Attend(nn.Module):
+    """Attention over whole sequences, with no word on chunks."""
+
+    def forward(self, x):
+        return nn.functional.scaled_dot_product_attention(x, x, x, is_causal=True)
+
+
+def test_layers_that_do_not_declare_chunks_are_refused_naming_them():
+    check_chunkable(
+        [nn.Embedding(9, 4), nn.Linear(4, 4), nn.GELU(), gpt.Head(gpt.GPTConfig(n_layer=1))], "a", [0, 1, 2, 3]
+    )
+    with pytest.raises(ConfigError, match=r"layer 5 \(Attend, on stage1-dp0-tp0\) cannot run on sequence chunks"):
+        check_chunkable([nn.Linear(4, 4), Attend()], "stage1-dp0-tp0", [4, 5])
+    moe = gpt.GPTConfig(n_layer=1, num_experts=2, top_k=1)
+    with pytest.raises(ConfigError, match="MoEBlock.*says it cannot"):
+        check_chunkable([gpt.MoEBlock(moe)], "a", [1])
