@@ -32,7 +32,7 @@ def _schedule(args: argparse.Namespace) -> int:
 
     if args.name not in SCHEDULES:
         raise ConfigError(f"schedule {args.name!r} is unknown: choose one of {', '.join(SCHEDULES)}.")
-    schedule = build_schedule(args.name, args.pp, args.microbatches, args.chunks)
+    schedule = build_schedule(args.name, args.pp, args.microbatches, args.chunks, sequence_chunks=args.sequence_chunks)
     print(format_schedule(schedule))
     print("virtual stages per actor:", virtual_stages(schedule))
     print("peak (chunk) microbatches in flight per actor:", [peak_in_flight(a) for a in schedule])
@@ -220,6 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
     sched.add_argument("--chunks", type=int, default=None, help="model chunks per actor (interleaved-1f1b)")
     sched.add_argument("--pp", type=int, default=4, help="pipeline stages")
     sched.add_argument("--microbatches", "-m", type=int, default=8)
+    sched.add_argument(
+        "--sequence-chunks", "-k", type=int, default=1, help="units per microbatch along the sequence (gpipe, 1f1b)"
+    )
     sched.add_argument("-o", "--output", help="also draw its timeline: .svg, .png, .pdf or .json (Chrome trace)")
     sched.add_argument("--backward", type=float, default=2.0, help="backward time relative to forward, for -o")
     sched.set_defaults(func=_schedule)
