@@ -35,6 +35,7 @@ def sequence_units(batch: Prepared, chunks: int, loss_fn: Any) -> Prepared:
         xs_cut, ys_cut, ws = [], [], []
         for m, (x, y) in enumerate(zip(xs, ys)):
             length = _sequence(x)
+            _refuse_packed(x, m)
             if length < chunks:
                 raise BatchError(
                     f"microbatch {m} holds sequences of {length} tokens, fewer than sequence_chunks={chunks}: "
@@ -66,6 +67,17 @@ def _sequence(x: Any) -> int:
             f"give token ids (batch, sequence) or vectors (batch, sequence, features), or use sequence_chunks=1."
         )
     return int(first.shape[1])
+
+
+def _refuse_packed(x: Any, m: int) -> None:
+    """Packed rows (`position_ids` starting again inside a row, one document after another) are not
+    cut yet: transformers derives their block masks from positions only without a cache."""
+    positions = x.get("position_ids") if isinstance(x, dict) else None
+    if torch.is_tensor(positions) and positions.shape[-1] > 1 and bool((positions.diff(dim=-1) != 1).any()):
+        raise BatchError(
+            f"microbatch {m} packs several sequences in a row (its position_ids start again inside it): "
+            f"sequence_chunks does not cut packed rows yet; use sequence_chunks=1 for them, or one sequence per row."
+        )
 
 
 def _cut(value: Any, length: int, start: int, end: int) -> Any:
