@@ -25,7 +25,10 @@ _CURRENT: contextvars.ContextVar[Position | None] = contextvars.ContextVar("sequ
 
 
 def current() -> Position | None:
-    """The chunk whose forward is running on this thread, or None (not chunked, or no forward)."""
+    """The chunk whose forward is running on this thread, or None (not chunked, or no forward).
+    None inside a compiled layer, without a graph break: compile is refused with chunks."""
+    if torch.compiler.is_compiling():
+        return None
     return _CURRENT.get()
 
 
