@@ -12,8 +12,7 @@ import torch.utils._pytree as pytree
 
 from raypipe.data.batches import Prepared, is_varying
 from raypipe.errors import BatchError
-
-IGNORE = -100  # the target id a loss skips (torch's cross-entropy's, transformers')
+from raypipe.nn.cross_entropy import IGNORE
 
 
 def sequence_units(batch: Prepared, chunks: int, loss_fn: Any) -> Prepared:

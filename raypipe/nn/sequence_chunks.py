@@ -45,11 +45,8 @@ class KVChunks:
         """Chunk `chunk`'s keys and values joined after those of every earlier chunk along `dim`
         (the sequence's), for its attention; keeps them for the chunks after it."""
         earlier = [self.leaves[c] for c in sorted(self.leaves) if c < chunk]
-        if torch.is_grad_enabled():
-            self.made[chunk] = (keys, values)
-            self.leaves[chunk] = (keys.detach().requires_grad_(), values.detach().requires_grad_())
-        else:
-            self.leaves[chunk] = (keys.detach(), values.detach())
+        self.made[chunk] = (keys, values)
+        self.leaves[chunk] = (keys.detach().requires_grad_(), values.detach().requires_grad_())
         if not earlier:
             return keys, values
         return (
