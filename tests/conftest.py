@@ -3,6 +3,7 @@
 import os
 import signal
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,34 +23,65 @@ METRICS_PORT = _free_port()
 
 
 @pytest.fixture(scope="session")
-def ray_session(tmp_path_factory):
+def fork_executable(tmp_path_factory):
+    """The stand-in interpreter whose Ray workers are forks of a process that imported torch and
+    transformers once (`fork_server`), or None where RAYPIPE_TEST_FORKS=0 asks for ordinary ones.
+    Stopped at the session's end, after every Ray that used it."""
+    import fork_server
+
+    if os.environ.get("RAYPIPE_TEST_FORKS", "1") == "0":
+        yield None
+        return
+    server, executable = fork_server.start(tmp_path_factory.mktemp("forks"))
+    try:
+        yield executable
+    finally:
+        fork_server.stop(server)
+
+
+@pytest.fixture(scope="session")
+def fork_env(fork_executable):
+    """What a subprocess's environment adds so that the Rays it starts (an embedded one, a job's
+    head, a fake cluster) fork their workers too: Ray's `RAY_RUNTIME_ENV_HOOK` naming
+    `fork_server.runtime_env_hook`, with this folder on PYTHONPATH to find it. Empty without forks."""
+    import fork_server
+
+    if fork_executable is None:
+        return {}
+    tests = str(Path(fork_server.__file__).parent)
+    return {
+        "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), tests) if p),
+        "RAY_RUNTIME_ENV_HOOK": "fork_server.runtime_env_hook",
+        fork_server.EXECUTABLE_VARIABLE: fork_executable,
+    }
+
+
+@pytest.fixture(scope="session")
+def ray_session(fork_executable):
     """The local Ray every in-process test shares; its node serves Prometheus text on METRICS_PORT.
-    Its workers are forks of a process that imported torch and transformers once (`fork_server`;
-    RAYPIPE_TEST_FORKS=0 starts them the ordinary way)."""
+    Its workers are forks (`fork_executable`)."""
+    import contextlib
+
     import fork_server
     import ray
 
     from raypipe.driver.cluster.connect import system_config
 
     os.environ["RAY_metrics_report_interval_ms"] = "1000"  # metrics reach the endpoint within ~1 s
-    forks = os.environ.get("RAYPIPE_TEST_FORKS", "1") != "0"
-    server, executable = fork_server.start(tmp_path_factory.mktemp("forks")) if forks else (None, None)
     try:
-        ray.init(
-            address="local",
-            num_cpus=2,
-            include_dashboard=False,
-            logging_level="ERROR",
-            log_to_driver=False,
-            _metrics_export_port=METRICS_PORT,
-            _system_config=system_config(),  # as raypipe's own local Ray (RAYPIPE_PRELOAD)
-            runtime_env={"py_executable": executable} if forks else None,
-        )
+        with fork_server.started_with(fork_executable) if fork_executable else contextlib.nullcontext():
+            ray.init(
+                address="local",
+                num_cpus=2,
+                include_dashboard=False,
+                logging_level="ERROR",
+                log_to_driver=False,
+                _metrics_export_port=METRICS_PORT,
+                _system_config=system_config(),  # as raypipe's own local Ray (RAYPIPE_PRELOAD)
+            )
         yield ray
-        ray.shutdown()
     finally:
-        if server is not None:
-            fork_server.stop(server)
+        ray.shutdown()
 
 
 @pytest.fixture(autouse=True)
@@ -80,12 +112,12 @@ def corpus(tmp_path_factory):
 
 
 @pytest.fixture
-def clean_env(tmp_path):
-    """Environment for a subprocess that starts its own embedded Ray."""
+def clean_env(tmp_path, fork_env):
+    """Environment for a subprocess that starts its own embedded Ray (whose workers fork too)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
     env["RAYPIPE_CACHE_DIR"] = str(tmp_path / "cache")
     env["PYTHONUNBUFFERED"] = "1"
-    return env
+    return {**env, **fork_env}
 
 
 @pytest.fixture(scope="session")

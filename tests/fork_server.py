@@ -5,21 +5,28 @@ Why: a stage actor is a fresh Python process, and most of its start is imports (
 a transformers model family 4 s more, on this machine's cores); the suite starts ~600 of them.
 A fork of a process holding those modules skips that and shares their pages.
 
-How: the session's Ray runs its job's workers through Ray's own `py_executable` runtime-env
-setting, which names this file as a stand-in interpreter. The stand-in (`stand_in`) sends its
-command line, environment, directory and standard streams to the server (`serve`) over a Unix
-socket; the server forks, and the fork becomes the worker (Ray's `default_worker.py`, run as
-`__main__`); the stand-in waits, passes on signals, and exits as the worker did. Ray itself is
+How: the session's Ray is started while `sys.executable` names a stand-in interpreter
+(`interpreter`, `started_with`), so its raylet starts each worker through it. The stand-in
+(`stand_in`) sends its command line, environment, directory and standard streams to the server
+(`serve`) over a Unix socket; the server forks, and the fork becomes the worker (Ray's
+`default_worker.py`, run as `__main__`); the stand-in waits, passes on signals, and exits as the
+worker did. Anything else Ray starts with `sys.executable` (its dashboard, agents) the stand-in
+runs with the real Python. Ray itself is
 not imported before the fork: its core library must start in the worker (a fork of an imported
 Ray cannot reach the GCS), so each worker still imports Ray and raypipe (~1 s).
 
 Where the server is missing or refuses, the stand-in runs the worker the ordinary way.
-Subprocess tests (jobs, the CLI, clusters) start their own Rays and ordinary workers.
+Subprocess tests whose drivers start Rays of their own (the CLI, the GPU check's dry run, fake
+clusters) or drive a job on a head reach the same server through Ray's `RAY_RUNTIME_ENV_HOOK`
+(`runtime_env_hook`), which conftest's `fork_env` adds to their environment. A worker of a node
+in another network or mount namespace (the netns clusters, a node with a private mount) starts
+the ordinary way: a fork would live in the server's namespaces, not its node's.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import importlib
 import json
 import os
@@ -31,6 +38,7 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 
 #: what the server imports before it forks (a family's modeling module costs a stage actor ~4 s)
@@ -60,13 +68,15 @@ PRELOAD = (
         )
     ),
 )
+#: the variable `runtime_env_hook` reads the stand-in's command line from
+EXECUTABLE_VARIABLE = "RAYPIPE_TEST_FORK_EXECUTABLE"
 _HEADER = struct.Struct("!I")
 _STATUS = struct.Struct("!i")
 
 
 def start(folder: Path, timeout: float = 120.0) -> tuple[subprocess.Popen, str]:
-    """Starts the server in its own process; returns it and the `py_executable` that reaches it.
-    The caller stops it with `stop` (after its Ray, whose workers are the server's children)."""
+    """Starts the server in its own process; returns it and its `interpreter`. The caller stops it
+    with `stop` (after its Ray, whose workers are the server's children)."""
     path = folder / "forks.sock"
     log = open(folder / "fork_server.log", "w")  # noqa: SIM115 - the server's own output, kept for a failure
     server = subprocess.Popen(
@@ -79,7 +89,53 @@ def start(folder: Path, timeout: float = 120.0) -> tuple[subprocess.Popen, str]:
             stop(server)
             raise RuntimeError(f"the fork server did not start: {(folder / 'fork_server.log').read_text()[-2000:]}")
         time.sleep(0.05)
-    return server, f"{sys.executable} {__file__} {path}"
+    return server, interpreter(folder, f"{sys.executable} {__file__} {path}")
+
+
+def interpreter(folder: Path, command: str) -> str:
+    """An executable file that stands in for Python: a Ray worker it has the server fork, anything
+    else it runs with the real Python. A Ray started while `sys.executable` names it starts its
+    workers through it directly (`started_with`); a job's runtime env can name it as its
+    `py_executable` too, but then each worker first passes through Ray's `setup_worker.py`, a
+    Python process importing Ray (~0.7 s of CPU)."""
+    path = folder / "python"
+    path.write_text(f'#!/bin/sh\nexec {command} "$@"\n')
+    path.chmod(0o755)
+    return str(path)
+
+
+@contextlib.contextmanager
+def started_with(python: str) -> Iterator[None]:
+    """`sys.executable` names `python` while a Ray starts inside: its raylet's command for a
+    worker is `sys.executable default_worker.py ...` as Ray's `services.start_raylet` builds it."""
+    real = sys.executable
+    sys.executable = python
+    try:
+        yield
+    finally:
+        sys.executable = real
+
+
+def runtime_env_hook(runtime_env: dict | None) -> dict:
+    """Ray's `RAY_RUNTIME_ENV_HOOK`, which `ray.init` calls before it starts a local Ray: a
+    subprocess's own local Ray starts its workers through the interpreter (`sys.executable` is
+    left naming it: everything but a worker runs with the real Python). A driver of an existing
+    Ray (`RAY_ADDRESS`, as a submitted job's) names it as its job's `py_executable` instead."""
+    runtime_env = dict(runtime_env or {})
+    python = use_interpreter()
+    if python:
+        if os.environ.get("RAY_ADDRESS") and "py_executable" not in runtime_env:
+            runtime_env["py_executable"] = python
+    return runtime_env
+
+
+def use_interpreter() -> str | None:
+    """`sys.executable` names the interpreter `fork_env` passed down (returned), if it did: for
+    a test script that starts Ray nodes itself before its `ray.init` (a `Cluster`'s)."""
+    python = os.environ.get(EXECUTABLE_VARIABLE)
+    if python:
+        sys.executable = python
+    return python
 
 
 def stop(server: subprocess.Popen) -> None:
@@ -117,6 +173,7 @@ def serve(path: str) -> None:
     listener.bind(path)
     listener.listen(128)
     listener.settimeout(0.05)
+    Path(f"{path}.namespaces").write_text(_namespaces())
     Path(f"{path}.ready").touch()
     waiting: dict[int, socket.socket] = {}
     while True:
@@ -201,6 +258,10 @@ def stand_in(path: str, argv: list[str]) -> None:
     the signals this process gets, and exits as it does. Runs the worker itself when the server
     cannot be reached."""
     try:
+        if not argv or not argv[0].endswith("default_worker.py"):
+            raise OSError("not a Ray worker: the real Python runs it")
+        if Path(f"{path}.namespaces").read_text() != _namespaces():
+            raise OSError("a node in other namespaces: its workers must live there")
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.connect(path)
         body = json.dumps({"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}).encode()
@@ -226,6 +287,10 @@ def stand_in(path: str, argv: list[str]) -> None:
         signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
         os.kill(os.getpid(), os.WTERMSIG(status))
     os._exit(os.WEXITSTATUS(status))
+
+
+def _namespaces() -> str:
+    return " ".join(os.readlink(f"/proc/self/ns/{kind}") for kind in ("net", "mnt"))
 
 
 def _read(conn: socket.socket, size: int) -> bytes:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+import fork_server  # noqa: E402
 import ray  # noqa: E402
 import torch  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
@@ -92,6 +93,7 @@ def lora_job(kinds: dict) -> dict:
 
 
 def main() -> None:
+    fork_server.use_interpreter()  # the Cluster's nodes fork their workers too, under pytest
     out = {}
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     try:

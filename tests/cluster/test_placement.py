@@ -1,6 +1,7 @@
 """Placement by accelerator kind on a fake mixed cluster (its own process and Ray), and configs."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,13 +14,14 @@ HERE = Path(__file__).parents[1]
 
 
 @pytest.fixture(scope="module")
-def hetero():
+def hetero(fork_env):
     result = subprocess.run(
         [sys.executable, str(HERE / "hetero_cluster_run.py")],
         capture_output=True,
         text=True,
         timeout=300,
         cwd=HERE.parent,
+        env={**os.environ, **fork_env},
     )
     assert result.returncode == 0, result.stderr[-4000:]
     return json.loads(result.stdout.strip().splitlines()[-1])

@@ -34,7 +34,7 @@ DOCS_HEAD = "ray start --head --dashboard-host=127.0.0.1"
 
 
 @pytest.fixture(scope="module")
-def head(tmp_path_factory):
+def head(tmp_path_factory, fork_env):
     """Set up as docs/clusters.md's block says: its token made by its own command, its
     `export`s in the environment, then `ray start --head --block $(raypipe node-resources)` through
     bash, as cluster.yaml starts a host, with the block's flags (and free ports); stopped by
@@ -42,7 +42,10 @@ def head(tmp_path_factory):
     # a home of its own: the token and the job's relative outputs (~/raypipe-runs); `ray job stop` leaves a save 30 s
     home = tmp_path_factory.mktemp("home")
     env = head_env(
-        RAYPIPE_CACHE_DIR=str(tmp_path_factory.mktemp("cache")), HOME=str(home), RAY_JOB_STOP_WAIT_TIME_S="30"
+        RAYPIPE_CACHE_DIR=str(tmp_path_factory.mktemp("cache")),
+        HOME=str(home),
+        RAY_JOB_STOP_WAIT_TIME_S="30",
+        **fork_env,
     )
     block = docs_job_block()
     assert block[0] == "ray get-auth-token --generate" and DOCS_HEAD in block, block

@@ -19,7 +19,7 @@ def outputs_text(cell):
     return "\n".join(parts)
 
 
-def test_notebook_runs_and_reruns_in_one_kernel(tmp_path, monkeypatch):
+def test_notebook_runs_and_reruns_in_one_kernel(tmp_path, monkeypatch, fork_env):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)  # the kernel starts its own local Ray
     monkeypatch.setenv("RAYPIPE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)  # checkpoints land under tmp_path/runs
@@ -27,7 +27,7 @@ def test_notebook_runs_and_reruns_in_one_kernel(tmp_path, monkeypatch):
     code = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"]
     build = next(i for i in code if "trainer = Trainer(" in nb.cells[i].source)
     client = NotebookClient(nb, timeout=240, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
-    with client.setup_kernel(env={**os.environ, "PYTHONWARNINGS": "default"}):
+    with client.setup_kernel(env={**os.environ, "PYTHONWARNINGS": "default", **fork_env}):
         for i in code[:-1]:
             client.execute_cell(nb.cells[i], i)
         first_pass = {i: outputs_text(nb.cells[i]) for i in code}
