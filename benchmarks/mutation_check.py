@@ -68,7 +68,7 @@ MUTATIONS = [
     ),
     Mutation(
         "zero1-broadcast",
-        "raypipe/actors/optimizer.py",
+        "raypipe/actors/optim/optimizer.py",
         "        if not skipped and self.zero_active():\n            self.broadcast_owned()\n",
         "",
         ("tests/parity/test_data_parallel.py",),
@@ -84,7 +84,7 @@ MUTATIONS = [
     ),
     Mutation(
         "fp16-unscale",
-        "raypipe/actors/optimizer.py",
+        "raypipe/actors/optim/optimizer.py",
         "            torch._foreach_div_(grads, self.scaler.scale)\n",
         "            pass\n",
         ("tests/parity/test_precision.py",),
@@ -100,7 +100,7 @@ MUTATIONS = [
     ),
     Mutation(
         "lr-warmup",
-        "raypipe/optim.py",
+        "raypipe/actors/optim/build.py",
         "        return base_lr * (step + 1) / warmup\n",
         "        return base_lr\n",
         ("tests/interfaces/test_metrics.py::test_learning_rate_of_every_step_reaches_the_optimizer_and_tensorboard",),
@@ -116,7 +116,7 @@ MUTATIONS = [
     ),
     Mutation(
         "tied-grad-sum",
-        "raypipe/actors/optimizer.py",
+        "raypipe/actors/optim/optimizer.py",
         "            dist.all_reduce(param.grad, group=group)\n",
         "            pass\n",
         ("tests/parity/test_hf.py::test_training_matches_transformers_in_one_process",),
@@ -132,7 +132,7 @@ MUTATIONS = [
     ),
     Mutation(
         "bf16-masters",
-        "raypipe/actors/optimizer.py",
+        "raypipe/actors/optim/optimizer.py",
         "                master.grad = None if p.grad is None else p.grad.float()\n",
         "                master.grad = None if p.grad is None else p.grad.float()\n                master.copy_(p)\n",
         ("tests/parity/test_hf.py::test_bf16_weights_train_through_fp32_master_copies",),
@@ -182,7 +182,7 @@ MUTATIONS = [
     ),
     Mutation(
         "moe-expert-grad-mean",
-        "raypipe/actors/optimizer.py",
+        "raypipe/actors/optim/optimizer.py",
         "                torch._foreach_div_(grads, self.dp_size)\n",
         "                pass\n",
         ("tests/parity/test_moe.py::test_parity_with_the_one_process_model",),
@@ -190,7 +190,7 @@ MUTATIONS = [
     ),
     Mutation(
         "moe-expert-holders",
-        "raypipe/actors/optimizer.py",
+        "raypipe/actors/optim/optimizer.py",
         "all_reduce_mean(grads, self.expert_group, self.dp_size, self.settings.dp_bucket_bytes)",
         "all_reduce_mean(grads, self.expert_group, len(self.expert_ranks), self.settings.dp_bucket_bytes)",
         ("tests/parity/test_moe.py::test_parity_with_the_one_process_model",),
@@ -198,7 +198,7 @@ MUTATIONS = [
     ),
     Mutation(
         "moe-norm-share",
-        "raypipe/actors/optimizer.py",
+        "raypipe/actors/optim/optimizer.py",
         "(experts if self.dp_rank < self.ep_size else [])",
         "(experts if self.dp_rank == 0 else [])",
         ("tests/parity/test_moe.py::test_parity_with_the_one_process_model",),

@@ -1,7 +1,7 @@
 """Milliseconds per optimizer step on the main job's GPT parameters: torch's default
 implementation, foreach and fused kernels, for SGD, Adam and AdamW, on one CPU thread.
 
-Why raypipe's CPU stages build their optimizer with `fused=True` (`raypipe.optim`):
+Why raypipe's CPU stages build their optimizer with `fused=True` (`raypipe.actors.optim.build`):
 on CPU torch's default is a Python loop over the parameter tensors.
 
     python benchmarks/optimizer_step.py --steps 40 > optimizer_step.json

@@ -21,8 +21,8 @@ import torch
 
 from raypipe.checkpoint import layout as ckpt
 from raypipe.checkpoint.storage import redact_values
-from raypipe.checks import check_whole_number, nearest
 from raypipe.config import TrainConfig, apply_overrides, load_yaml
+from raypipe.config.checks import check_whole_number, nearest
 from raypipe.data import TokenDataset
 from raypipe.data.job_source import DataConfig
 from raypipe.driver import outputs

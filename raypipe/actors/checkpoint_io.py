@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from raypipe.actors import zero3
-from raypipe.actors.optimizer import OptimizerState
+from raypipe.actors.optim import zero3
+from raypipe.actors.optim.optimizer import OptimizerState
 from raypipe.actors.stage_model import StageModel
 from raypipe.checkpoint import layout as ckpt
 from raypipe.checkpoint.storage import location, redact, scrub

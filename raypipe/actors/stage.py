@@ -28,7 +28,7 @@ from raypipe.actors import step_list
 from raypipe.actors.compiling import compile_layers, compile_report
 from raypipe.actors.executor import Executor
 from raypipe.actors.memory import max_rss_bytes, memory_split
-from raypipe.actors.optimizer import OptimizerState
+from raypipe.actors.optim.optimizer import OptimizerState
 from raypipe.actors.replica_io import rewind_running_stats
 from raypipe.actors.stage_model import StageModel, gpu_identity, resolve_device
 from raypipe.devices import SERVING_ENV

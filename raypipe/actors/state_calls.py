@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from raypipe.actors import checkpoint_io, replica_io, zero3
+from raypipe.actors import checkpoint_io, replica_io
+from raypipe.actors.optim import zero3
 from raypipe.checkpoint import storage
 from raypipe.protocol import HeldState
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from raypipe.checks import fail, is_int, is_number
+from raypipe.config.checks import fail, is_int, is_number
 
 DPO = {"name": "dpo", "beta": 0.1, "loss_type": "sigmoid"}
 GRPO = {

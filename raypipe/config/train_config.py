@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from raypipe.checkpoint.storage import redact_values
-from raypipe.checks import nearest
+from raypipe.config.checks import nearest
 from raypipe.config.sections import SECTIONS, SectionView
 from raypipe.config.validation import RECONFIGURABLE, validate
 from raypipe.errors import ConfigError

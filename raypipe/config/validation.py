@@ -1,5 +1,5 @@
 """Whether a `TrainConfig` is valid: every field checked when the config is built, each error
-naming the field, the value and the fix (`raypipe.checks`), and the allowed values of the
+naming the field, the value and the fix (`raypipe.config.checks`), and the allowed values of the
 fields that name a choice."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 
 from raypipe import lora
 from raypipe.checkpoint.storage import check_available, is_uri, split_uri
-from raypipe.checks import (
+from raypipe.config.checks import (
     check_choice,
     check_devices,
     check_int,

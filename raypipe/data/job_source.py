@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from raypipe.checks import nearest
+from raypipe.config.checks import nearest
 from raypipe.data import TokenDataset, stdlib_corpus
 from raypipe.errors import ConfigError
 

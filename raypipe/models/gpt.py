@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from raypipe.checks import check_whole_number
+from raypipe.config.checks import check_whole_number
 from raypipe.errors import ConfigError
 from raypipe.layers import LayerSpec
 from raypipe.nn import ColumnParallel, RowParallel, VocabParallel, sequence_chunks

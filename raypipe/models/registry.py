@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from raypipe.checks import check_whole_number, nearest
+from raypipe.config.checks import check_whole_number, nearest
 from raypipe.errors import ConfigError
 from raypipe.model import Model
 from raypipe.models import gpt

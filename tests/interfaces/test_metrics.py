@@ -146,7 +146,7 @@ def test_stashed_activations_gpipe_holds_all_1f1b_at_most_p_minus_s(ray_session)
 
 
 LR_SCHEDULES = {
-    # base lr 0.1; expected by hand from the README's definition, not from raypipe.optim
+    # base lr 0.1; expected by hand from the README's definition, not from raypipe.actors.optim.build
     "constant-warmup": ({"name": "constant", "warmup_steps": 4}, [0.025, 0.05, 0.075, 0.1, 0.1, 0.1, 0.1, 0.1]),
     "cosine-warmup": (
         {"name": "cosine", "warmup_steps": 2, "total_steps": 6, "min_lr": 0.02},

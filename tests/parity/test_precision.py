@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from raypipe import LayerSpec, TrainConfig, Trainer
-from raypipe.optim import LossScaler
+from raypipe.actors.optim.build import LossScaler
 
 from helpers import reference_run
 

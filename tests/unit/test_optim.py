@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from raypipe.optim import build_optimizer
+from raypipe.actors.optim.build import build_optimizer
 
 SPECS = [
     {"name": "sgd", "lr": 0.1, "momentum": 0.9},
@@ -56,8 +56,8 @@ def test_options_the_fused_kernels_refuse_fall_back_to_torchs_default():
 
 LAZY_DYNAMO = """
 import sys, torch
-from raypipe.actors.lazy_dynamo import defer_dynamo_import, step_optimizer
-from raypipe.optim import build_optimizer
+from raypipe.actors.optim.lazy_dynamo import defer_dynamo_import, step_optimizer
+from raypipe.actors.optim.build import build_optimizer
 defer_dynamo_import()  # done already when raypipe imports its actors' optimizer module
 
 def train(spec, step):

@@ -16,11 +16,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from raypipe.actors import zero
-from raypipe.actors.lazy_dynamo import defer_dynamo_import, step_optimizer
+from raypipe.actors.optim import zero
+from raypipe.actors.optim.build import LossScaler, build_optimizer, learning_rate
+from raypipe.actors.optim.lazy_dynamo import defer_dynamo_import, step_optimizer
+from raypipe.actors.optim.zero3 import ShardedStage
 from raypipe.actors.stage_model import StageModel
-from raypipe.actors.zero3 import ShardedStage
-from raypipe.optim import LossScaler, build_optimizer, learning_rate
 from raypipe.protocol import StageSettings
 
 defer_dynamo_import()  # an actor that compiles nothing never imports the compiler (lazy_dynamo.py)
