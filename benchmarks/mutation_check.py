@@ -285,6 +285,14 @@ MUTATIONS = [
         ("tests/parity/test_sequence_chunks.py::test_the_gpt_trains_on_chunks_exactly_as_unchunked_at_pp2_and_pp3",),
         "a sequence chunk's backward drops the gradients later chunks gave its keys and values",
     ),
+    Mutation(
+        "chunk-attention-hidden-rows",
+        "raypipe/nn/chunk_attention.py",
+        'lse = lse.masked_fill(torch.isneginf(mask).all(-1).expand_as(lse), float("-inf"))',
+        "lse = lse + 0.0",
+        ("tests/unit/test_chunk_attention.py",),
+        "a block whose mask hides a query row entirely weighs in the merge as if it held one key",
+    ),
 ]
 
 

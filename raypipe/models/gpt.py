@@ -30,7 +30,7 @@ from torch.nn import functional as F
 from raypipe.config.checks import check_whole_number
 from raypipe.errors import ConfigError
 from raypipe.layers import LayerSpec
-from raypipe.nn import ColumnParallel, RowParallel, VocabParallel, sequence_chunks
+from raypipe.nn import ColumnParallel, RowParallel, VocabParallel, chunk_attention, sequence_chunks
 from raypipe.nn.moe import ExpertMLP, MoE, check_moe
 
 
@@ -143,7 +143,9 @@ class CausalSelfAttention(nn.Module):
         chunk = sequence_chunks.current()
         if chunk is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
-        else:  # a sequence chunk: its queries see the keys and values of the chunks before it too
+        elif chunk_attention.supported(q, dropout):  # a sequence chunk: it sees the chunks before it too
+            y = chunk_attention.attend(q, *chunk.blocks(self, k, v))
+        else:
             k, v = chunk.extend(self, k, v)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk.causal_mask(q.device), dropout_p=dropout)
         return self.resid_drop(self.c_proj(y.transpose(1, 2).contiguous().view(b, t, -1)))

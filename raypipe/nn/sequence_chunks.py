@@ -54,6 +54,14 @@ class KVChunks:
             torch.cat([*(v for _, v in earlier), values], dim=dim),
         )
 
+    def blocks(self, chunk: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[list, list]:
+        """Every earlier chunk's keys and values (their leaves) and then chunk `chunk`'s own, as
+        blocks for `chunk_attention.attend` (no joined copy); keeps them for the chunks after it."""
+        earlier = [self.leaves[c] for c in sorted(self.leaves) if c < chunk]
+        self.made[chunk] = (keys, values)
+        self.leaves[chunk] = (keys.detach().requires_grad_(), values.detach().requires_grad_())
+        return [*(k for k, _ in earlier), keys], [*(v for _, v in earlier), values]
+
     def roots(self, chunk: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(what chunk `chunk` made, the gradient later chunks gave its leaf) for its backward;
         frees both."""
@@ -90,6 +98,10 @@ class Position:
     def extend(self, layer: Any, keys: torch.Tensor, values: torch.Tensor, dim: int = -2) -> tuple[torch.Tensor, ...]:
         """`layer`'s keys and values for this chunk's attention (`KVChunks.extend`)."""
         return self.microbatch.kv(layer).extend(self.chunk, keys, values, dim)
+
+    def blocks(self, layer: Any, keys: torch.Tensor, values: torch.Tensor) -> tuple[list, list]:
+        """`layer`'s keys and values for this chunk's attention as blocks (`KVChunks.blocks`)."""
+        return self.microbatch.kv(layer).blocks(self.chunk, keys, values)
 
     def causal_mask(self, device: torch.device) -> torch.Tensor:
         """Which keys (every token up to this chunk's end) each of this chunk's queries sees: a

@@ -18,6 +18,7 @@ transformers' own `_init_weights`.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any
 
@@ -142,17 +143,20 @@ class HFDecoderLayer(nn.Module):
     def forward(self, x: dict[str, Any]) -> dict[str, Any]:
         hidden = x["hidden_states"]
         inputs = {"attention_mask": x["attention_mask"], "position_ids": x["position_ids"]}
+        attending: Any = contextlib.nullcontext()
         if self.cache is not None:
             args, kwargs = self.cache.inputs(self.index, hidden, inputs)
         elif sequence_chunks.current() is not None:  # a sequence chunk, after the chunks before it
-            from raypipe.models.hf.chunk_cache import layer_arguments
+            from raypipe.models.hf.chunk_cache import block_attention, layer_arguments
 
             args, kwargs = layer_arguments(self.config, self.index, hidden, inputs)
+            attending = block_attention(self.block, hidden)
         else:
             args, kwargs = skeleton.layer_inputs(self.config, [self.index], hidden, {**inputs, "use_cache": False})[
                 self.index
             ]
-        out = self.block(hidden, *args, **kwargs)
+        with attending:
+            out = self.block(hidden, *args, **kwargs)
         hidden = out[0] if isinstance(out, tuple) else out
         if self.training and getattr(self.config, "output_router_logits", False):
             logits = self.moe.router_logits if self.moe is not None else self.routers.take()

@@ -7,18 +7,28 @@ Its length is where the chunk starts, so transformers numbers the chunk's positi
 its masks (causal, padding, sliding window) over every token up to the chunk's end, exactly the
 rows of the masks it makes for the whole sequence. Sliding-window layers keep every earlier key
 (the mask leaves the out-of-window ones out), so their gradients are those of the whole run.
+
+Where the model attends with transformers' SDPA and `chunk_attention.supported` holds (the CPU),
+the layer attends block by block (`block_attention`): the cache hands the attention the earlier
+chunks' keys as blocks instead of one joined copy, and transformers' mask is sliced per block.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
-from transformers import DynamicCache
+from transformers import AttentionInterface, DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from raypipe.models.hf import skeleton
+from raypipe.nn import chunk_attention
 from raypipe.nn.sequence_chunks import Position, current
+
+#: the attention implementation a decoder layer runs a chunk with, in transformers' registry
+BLOCKS = "raypipe_chunk_blocks"
 
 
 class ChunkLayer(DynamicLayer):
@@ -28,6 +38,7 @@ class ChunkLayer(DynamicLayer):
     def __init__(self, index: int, sliding: bool) -> None:
         super().__init__()
         self.index, self.is_sliding = index, sliding
+        self.blocks: tuple[list, list] | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device, self.is_initialized = key_states.dtype, key_states.device, True
@@ -35,7 +46,11 @@ class ChunkLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        return _position().extend(("hf", self.index), key_states, value_states)
+        position = _position()
+        if position.microbatch.shared.get("attention") == BLOCKS:  # `_block_attention` reads them here
+            self.blocks = position.blocks(("hf", self.index), key_states, value_states)
+            return key_states, value_states
+        return position.extend(("hf", self.index), key_states, value_states)
 
     def get_seq_length(self) -> int:
         return _position().offset
@@ -76,6 +91,50 @@ def chunk_cache(config: Any) -> Any:
     cache = DynamicCache(config=config)
     cache.layers = [ChunkLayer(i, bool(getattr(layer, "is_sliding", False))) for i, layer in enumerate(cache.layers)]
     return cache
+
+
+@contextlib.contextmanager
+def block_attention(block: torch.nn.Module, hidden: torch.Tensor) -> Iterator[None]:
+    """While decoder layer `block` runs a chunk: its SDPA attention runs block by block
+    (`chunk_attention.attend`) where the kernel is there for `hidden`; otherwise as it is. Its
+    modules' configs (the attention's may be a copy of the layer's) name `BLOCKS` meanwhile."""
+    found = (getattr(m, "config", None) for m in block.modules())
+    configs = list({id(c): c for c in found if hasattr(c, "_attn_implementation")}.values())
+    usable = bool(configs) and all(
+        c._attn_implementation == "sdpa" and not float(getattr(c, "attention_dropout", 0.0) or 0.0) for c in configs
+    )
+    if not usable or not chunk_attention.supported(hidden):
+        yield
+        return
+    shared = _position().microbatch.shared
+    shared["attention"] = BLOCKS
+    for config in configs:
+        config._attn_implementation = BLOCKS
+    try:
+        yield
+    finally:
+        for config in configs:
+            config._attn_implementation = "sdpa"
+        shared["attention"] = None
+
+
+def _block_attention(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention interface over the blocks the layer's `ChunkLayer` kept (its `key`
+    and `value` are the chunk's own, the last block); `attention_mask` is over the joined keys."""
+    keys, values = _position().microbatch.shared["cache"].layers[module.layer_idx].blocks
+    out = chunk_attention.attend(query, keys, values, attention_mask, scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(BLOCKS, _block_attention)
 
 
 def _position() -> Position:

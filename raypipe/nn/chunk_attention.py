@@ -1,0 +1,116 @@
+"""A sequence chunk's attention block by block (`TrainConfig.sequence_chunks`): the chunk's
+queries against each earlier chunk's keys and values and against its own, each block through
+torch's CPU flash-attention kernel, the blocks merged by their log-sum-exps. The backward runs
+the kernel's backward per block with the merged output and log-sum-exp, as ring attention does,
+so the gradients are those of attention over the joined keys.
+
+Why: joining the earlier chunks' keys with the chunk's own (`torch.cat`) under a (queries, keys)
+mask saves that joined copy in every chunk's graph (about L(k + 1)/2 keys per layer instead of L)
+and takes torch's masked CPU attention, its slow path. Here the earlier blocks are whole and the
+chunk's own block is square and causal, so no block needs a mask but a padding or sliding
+window's slice (a block that slice hides entirely is skipped), and the graph saves only the keys
+each chunk made.
+
+`supported` says where the kernel exists (the CPU, float32/64 and bfloat16, no dropout);
+elsewhere layers join the keys under a mask as before (`Position.extend`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FLASH_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+
+
+def supported(query: torch.Tensor, dropout: float = 0.0) -> bool:
+    """Whether `attend` can run this query: on the CPU, in a dtype the kernel takes, without dropout."""
+    return _FLASH is not None and query.device.type == "cpu" and query.dtype in _DTYPES and dropout == 0.0
+
+
+def attend(
+    query: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Attention of a chunk's `query` (batch, heads, queries, dim) over blocks of keys and values
+    (batch, kv heads, block length, dim; grouped-query heads allowed), the last block the chunk's
+    own, its queries' positions. `mask`: None (every earlier key seen, the own block causal) or
+    a boolean (batch or 1, 1, queries, all keys) mask, True where a query sees a key, as
+    transformers makes it over the joined keys. Returns (batch, heads, queries, dim)."""
+    plan = _plan(query, keys, mask)
+    kept = [i for i, (causal, block_mask) in enumerate(plan) if block_mask is not False]
+    plan = [plan[i] for i in kept]
+    return _BlockAttention.apply(query, scale, plan, *[keys[i] for i in kept], *[values[i] for i in kept])
+
+
+def _plan(query: torch.Tensor, keys: list[torch.Tensor], mask: torch.Tensor | None) -> list[tuple[bool, Any]]:
+    """Per block: (causal, its additive mask, None, or False where it hides the block entirely)."""
+    last = len(keys) - 1
+    if mask is None:
+        return [(i == last, None) for i in range(len(keys))]
+    plan: list[tuple[bool, Any]] = []
+    start = 0
+    for i, block in enumerate(keys):
+        seen = mask[..., start : start + block.shape[-2]]
+        start += block.shape[-2]
+        if not bool(seen.any()):
+            plan.append((False, False))
+        elif bool(seen.all()):
+            plan.append((False, None))
+        elif i == last and seen.shape[-1] == seen.shape[-2] and bool((seen == _causal(seen)).all()):
+            plan.append((True, None))
+        else:
+            additive = torch.zeros(seen.shape, dtype=query.dtype, device=query.device)
+            plan.append((False, additive.masked_fill_(~seen, float("-inf"))))
+    return plan
+
+
+def _causal(seen: torch.Tensor) -> torch.Tensor:
+    n = seen.shape[-1]
+    return torch.ones(n, n, dtype=torch.bool, device=seen.device).tril()
+
+
+class _BlockAttention(torch.autograd.Function):
+    """The merged attention over blocks; saves the query, the merged output and log-sum-exp and
+    the blocks' keys and values (the tensors the caller holds anyway), no joined copy."""
+
+    @staticmethod
+    def forward(ctx: Any, query: torch.Tensor, scale: float | None, plan: list, *blocks: torch.Tensor) -> torch.Tensor:
+        n = len(plan)
+        outputs, lses = [], []
+        for (causal, mask), key, value in zip(plan, blocks[:n], blocks[n:]):
+            out, lse = _FLASH(query, key, value, 0.0, causal, attn_mask=mask, scale=scale)
+            if mask is not None:  # a query row the mask hides entirely: the kernel says 0, not -inf
+                lse = lse.masked_fill(torch.isneginf(mask).all(-1).expand_as(lse), float("-inf"))
+            outputs.append(out)
+            lses.append(lse)
+        lse = torch.logsumexp(torch.stack(lses), 0)
+        finite = torch.where(torch.isneginf(lse), 0.0, lse)
+        wide = torch.promote_types(query.dtype, torch.float32)
+        merged = sum(out.to(wide) * torch.exp(part - finite).unsqueeze(-1) for out, part in zip(outputs, lses))
+        merged = merged.to(query.dtype)
+        ctx.scale, ctx.plan = scale, plan
+        ctx.save_for_backward(query, merged, torch.where(torch.isneginf(lse), float("inf"), lse), *blocks)
+        return merged
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        query, merged, lse, *blocks = ctx.saved_tensors
+        n = len(ctx.plan)
+        grad = grad.contiguous()
+        grad_query = torch.zeros_like(query, dtype=torch.promote_types(query.dtype, torch.float32))
+        grad_keys, grad_values = [], []
+        for (causal, mask), key, value in zip(ctx.plan, blocks[:n], blocks[n:]):
+            dq, dk, dv = _FLASH_BACKWARD(
+                grad, query, key, value, merged, lse, 0.0, causal, attn_mask=mask, scale=ctx.scale
+            )
+            grad_query += dq
+            grad_keys.append(dk)
+            grad_values.append(dv)
+        return (grad_query.to(query.dtype), None, None, *grad_keys, *grad_values)
