@@ -119,13 +119,12 @@ def started_with(python: str) -> Iterator[None]:
 def runtime_env_hook(runtime_env: dict | None) -> dict:
     """Ray's `RAY_RUNTIME_ENV_HOOK`, which `ray.init` calls before it starts a local Ray: a
     subprocess's own local Ray starts its workers through the interpreter (`sys.executable` is
-    left naming it: everything but a worker runs with the real Python). A driver of an existing
-    Ray (`RAY_ADDRESS`, as a submitted job's) names it as its job's `py_executable` instead."""
+    left naming it: everything but a worker runs with the real Python). A job submitted to a head
+    that `ray start` started (whose raylet runs the real Python) names it as its `py_executable`."""
     runtime_env = dict(runtime_env or {})
     python = use_interpreter()
-    if python:
-        if os.environ.get("RAY_ADDRESS") and "py_executable" not in runtime_env:
-            runtime_env["py_executable"] = python
+    if python and "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ and "py_executable" not in runtime_env:
+        runtime_env["py_executable"] = python
     return runtime_env
 
 

@@ -44,15 +44,10 @@ class KVChunks:
     def extend(self, chunk: int, keys: torch.Tensor, values: torch.Tensor, dim: int = -2) -> tuple[torch.Tensor, ...]:
         """Chunk `chunk`'s keys and values joined after those of every earlier chunk along `dim`
         (the sequence's), for its attention; keeps them for the chunks after it."""
-        earlier = [self.leaves[c] for c in sorted(self.leaves) if c < chunk]
-        self.made[chunk] = (keys, values)
-        self.leaves[chunk] = (keys.detach().requires_grad_(), values.detach().requires_grad_())
-        if not earlier:
+        all_keys, all_values = self.blocks(chunk, keys, values)
+        if len(all_keys) == 1:
             return keys, values
-        return (
-            torch.cat([*(k for k, _ in earlier), keys], dim=dim),
-            torch.cat([*(v for _, v in earlier), values], dim=dim),
-        )
+        return torch.cat(all_keys, dim=dim), torch.cat(all_values, dim=dim)
 
     def blocks(self, chunk: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[list, list]:
         """Every earlier chunk's keys and values (their leaves) and then chunk `chunk`'s own, as
