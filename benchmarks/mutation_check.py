@@ -109,8 +109,8 @@ MUTATIONS = [
     Mutation(
         "activation-recompute",
         "raypipe/actors/executor.py",
-        "if self.settings.activation_checkpointing and torch.is_grad_enabled():",
-        "if False and self.settings.activation_checkpointing:",
+        "recompute = self.settings.activation_checkpointing and torch.is_grad_enabled()",
+        "recompute = False",
         ("tests/parity/test_parity.py::test_activation_checkpointing_recomputes_and_changes_nothing_numerically",),
         "activation_checkpointing=True does nothing",
     ),
@@ -292,6 +292,14 @@ MUTATIONS = [
         "lse = lse + 0.0",
         ("tests/unit/test_chunk_attention.py",),
         "a block whose mask hides a query row entirely weighs in the merge as if it held one key",
+    ),
+    Mutation(
+        "chunk-recompute-keeps-keys",
+        "raypipe/nn/sequence_chunks.py",
+        "        if not replay:",
+        "        if True:",
+        ("tests/unit/test_sequence_units.py",),
+        "a chunk's recomputation (activation checkpointing) keeps its keys and values again after its backward",
     ),
 ]
 

@@ -145,17 +145,17 @@ class Executor:
         v, module, first, last = self.part(v)
         try:
             x = self.received(x)
-            if not first:
-                for t in tensors(x):
-                    if t.is_floating_point():
-                        t.requires_grad_(True)
+            for t in [] if first else [t for t in tensors(x) if t.is_floating_point()]:
+                t.requires_grad_(True)
             measure = self.settings.measure_activations or v not in self.saved_per_microbatch
             with self.autocast(), count_saved_bytes(measure and torch.is_grad_enabled(), self.weights) as saved:
-                if self.settings.activation_checkpointing and torch.is_grad_enabled():
+                recompute = self.settings.activation_checkpointing and torch.is_grad_enabled()
+                if self.sequence.chunks > 1 and torch.is_grad_enabled():  # unit = (microbatch, chunk)
+                    out = self.sequence.forward(microbatch, module, x, v, recompute)
+                    for kept in self.sequence.made(microbatch, v) if recompute and measure else ():
+                        saved.pack(kept)  # recomputed: its input was counted, the keys it keeps were not
+                elif recompute:
                     out = checkpoint(module, x, use_reentrant=False)
-                elif self.sequence.chunks > 1 and torch.is_grad_enabled():  # unit = (microbatch, chunk)
-                    with self.sequence.forward(microbatch, x, v):
-                        out = module(x)
                 else:
                     out = module(x)
                 if not last:

@@ -245,13 +245,12 @@ def check_sequence_chunks(c: Any) -> None:
             f"schedule {c.schedule!r} does not run sequence chunks: use schedule='1f1b' (or 'gpipe'), "
             f"or sequence_chunks=1.",
         )
-    clashes = {
-        "activation_checkpointing": "recomputing a chunk would add its keys and values twice",
-        "compile": "the chunk's keys and values are kept outside the compiled graph",
-    }
-    for name, why in clashes.items():
-        if getattr(c, name):
-            raise fail("sequence_chunks", c.sequence_chunks, f"not with {name}=True ({why}): use one of them.")
+    if c.compile:
+        raise fail(
+            "sequence_chunks",
+            c.sequence_chunks,
+            "not with compile=True (the chunk's keys and values are kept outside the compiled graph): use one of them.",
+        )
     objective = (c.objective or {}).get("name", "sft") if isinstance(c.objective, dict) else c.objective
     if objective not in (None, "sft"):
         raise fail(

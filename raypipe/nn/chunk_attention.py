@@ -37,20 +37,25 @@ def attend(
     values: list[torch.Tensor],
     mask: torch.Tensor | None = None,
     scale: float | None = None,
+    plan: list[tuple[bool, Any]] | None = None,
 ) -> torch.Tensor:
     """Attention of a chunk's `query` (batch, heads, queries, dim) over blocks of keys and values
     (batch, kv heads, block length, dim; grouped-query heads allowed), the last block the chunk's
     own, its queries' positions. `mask`: None (every earlier key seen, the own block causal) or
     a boolean (batch or 1, 1, queries, all keys) mask, True where a query sees a key, as
-    transformers makes it over the joined keys. Returns (batch, heads, queries, dim)."""
-    plan = _plan(query, keys, mask)
+    transformers makes it over the joined keys. `plan`: `block_plan(query, keys, mask)` where the caller
+    made it already (the layers of a stage share a chunk's mask). Returns (batch, heads, queries,
+    dim)."""
+    plan = plan if plan is not None else block_plan(query, keys, mask)
     kept = [i for i, (causal, block_mask) in enumerate(plan) if block_mask is not False]
     plan = [plan[i] for i in kept]
     return _BlockAttention.apply(query, scale, plan, *[keys[i] for i in kept], *[values[i] for i in kept])
 
 
-def _plan(query: torch.Tensor, keys: list[torch.Tensor], mask: torch.Tensor | None) -> list[tuple[bool, Any]]:
-    """Per block: (causal, its additive mask, None, or False where it hides the block entirely)."""
+def block_plan(query: torch.Tensor, keys: list[torch.Tensor], mask: torch.Tensor | None) -> list[tuple[bool, Any]]:
+    """How `attend` runs each block under `mask` (its slice reduced three ways, a cost that grows
+    with the chunk's keys): per block, (causal, its additive mask, None, or False where it hides
+    the block entirely)."""
     last = len(keys) - 1
     if mask is None:
         return [(i == last, None) for i in range(len(keys))]

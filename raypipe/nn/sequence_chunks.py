@@ -9,17 +9,21 @@ their own (`KVChunks`); chunk c's forward attends to them and to its own, and it
 < c's backward then back-propagates with its output's gradient (`Sequence.roots`).
 
 A stage's executor opens a chunk's `Position` around the chunk's forward (`Sequence.forward`);
-layers ask `current()` for it: None when the step is not chunked, so they run as always.
+layers ask `current()` for it: None when the step is not chunked, so they run as always. Under
+activation checkpointing a chunk's forward runs again in its backward (`Position.replayed`):
+it attends to the same earlier leaves and keeps nothing, so the chunk's keys are added once.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import copy
 from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 _CURRENT: contextvars.ContextVar[Position | None] = contextvars.ContextVar("sequence_chunk", default=None)
 
@@ -41,20 +45,24 @@ class KVChunks:
         self.made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.leaves: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def extend(self, chunk: int, keys: torch.Tensor, values: torch.Tensor, dim: int = -2) -> tuple[torch.Tensor, ...]:
+    def extend(
+        self, chunk: int, keys: torch.Tensor, values: torch.Tensor, dim: int = -2, replay: bool = False
+    ) -> tuple[torch.Tensor, ...]:
         """Chunk `chunk`'s keys and values joined after those of every earlier chunk along `dim`
-        (the sequence's), for its attention; keeps them for the chunks after it."""
-        all_keys, all_values = self.blocks(chunk, keys, values)
+        (the sequence's), for its attention; keeps them for the chunks after it (`blocks`)."""
+        all_keys, all_values = self.blocks(chunk, keys, values, replay)
         if len(all_keys) == 1:
             return keys, values
         return torch.cat(all_keys, dim=dim), torch.cat(all_values, dim=dim)
 
-    def blocks(self, chunk: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[list, list]:
+    def blocks(self, chunk: int, keys: torch.Tensor, values: torch.Tensor, replay: bool = False) -> tuple[list, list]:
         """Every earlier chunk's keys and values (their leaves) and then chunk `chunk`'s own, as
-        blocks for `chunk_attention.attend` (no joined copy); keeps them for the chunks after it."""
+        blocks for `chunk_attention.attend` (no joined copy); keeps them for the chunks after it,
+        but not when the chunk's forward is recomputed (`replay`: what it made is kept already)."""
         earlier = [self.leaves[c] for c in sorted(self.leaves) if c < chunk]
-        self.made[chunk] = (keys, values)
-        self.leaves[chunk] = (keys.detach().requires_grad_(), values.detach().requires_grad_())
+        if not replay:
+            self.made[chunk] = (keys, values)
+            self.leaves[chunk] = (keys.detach().requires_grad_(), values.detach().requires_grad_())
         return [*(k for k, _ in earlier), keys], [*(v for _, v in earlier), values]
 
     def roots(self, chunk: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -89,14 +97,29 @@ class Position:
         self.offset = microbatch.starts[chunk]
         self.end = self.offset + length
         microbatch.starts[chunk + 1] = self.end
+        self.replay = False  # a recomputation of the chunk's forward (`replayed`)
 
     def extend(self, layer: Any, keys: torch.Tensor, values: torch.Tensor, dim: int = -2) -> tuple[torch.Tensor, ...]:
         """`layer`'s keys and values for this chunk's attention (`KVChunks.extend`)."""
-        return self.microbatch.kv(layer).extend(self.chunk, keys, values, dim)
+        return self.microbatch.kv(layer).extend(self.chunk, keys, values, dim, self.replay)
 
     def blocks(self, layer: Any, keys: torch.Tensor, values: torch.Tensor) -> tuple[list, list]:
         """`layer`'s keys and values for this chunk's attention as blocks (`KVChunks.blocks`)."""
-        return self.microbatch.kv(layer).blocks(self.chunk, keys, values)
+        return self.microbatch.kv(layer).blocks(self.chunk, keys, values, self.replay)
+
+    @contextlib.contextmanager
+    def replayed(self) -> Iterator[Position]:
+        """This chunk's forward again, as activation checkpointing recomputes it in the chunk's
+        backward (torch's `checkpoint(context_fn=...)`, on whatever thread autograd runs it): the
+        earlier chunks' leaves are still there (their backwards come after), and the keys and
+        values the chunk made are not kept a second time."""
+        again = copy.copy(self)
+        again.replay = True
+        token = _CURRENT.set(again)
+        try:
+            yield again
+        finally:
+            _CURRENT.reset(token)
 
     def causal_mask(self, device: torch.device) -> torch.Tensor:
         """Which keys (every token up to this chunk's end) each of this chunk's queries sees: a
@@ -125,17 +148,28 @@ class Sequence:
         """(microbatch, chunk) of a unit."""
         return divmod(unit, self.chunks)
 
-    @contextlib.contextmanager
-    def forward(self, unit: int, x: Any, part: Any = None) -> Iterator[Position]:
-        """Runs unit `unit`'s forward (of model chunk `part`) as its sequence chunk."""
+    def forward(self, unit: int, module: Any, x: Any, part: Any = None, recompute: bool = False) -> Any:
+        """`module(x)` as unit `unit`'s sequence chunk (of model chunk `part`). `recompute`: under
+        activation checkpointing (torch's, non-reentrant), the chunk's forward runs again in its
+        backward as a replay (`Position.replayed`)."""
         m, c = self.split(unit)
         microbatch = self.open.setdefault((part, m), Microbatch())
         position = Position(microbatch, c, self.chunks, sequence_length(x))
         token = _CURRENT.set(position)
         try:
-            yield position
+            if not recompute:
+                return module(x)
+            replay = (contextlib.nullcontext(), position.replayed())
+            return checkpoint(module, x, use_reentrant=False, context_fn=lambda: replay)
         finally:
             _CURRENT.reset(token)
+
+    def made(self, unit: int, part: Any = None) -> list[torch.Tensor]:
+        """The keys and values unit `unit` made, kept until its backward: under activation
+        checkpointing the part of its attention autograd's saved-tensor hooks do not see."""
+        m, c = self.split(unit)
+        microbatch = self.open.get((part, m))
+        return [t for kv in microbatch.layers.values() for t in kv.made.get(c, ())] if microbatch else []
 
     def roots(self, unit: int, part: Any = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(keys or values unit `unit` made, the gradient later chunks gave them): added to its

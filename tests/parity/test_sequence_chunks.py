@@ -13,6 +13,7 @@ from hf_helpers import by_hf_name, hf_reference, lm_batch, run_schedules, save_t
 
 SGD = {"name": "sgd", "lr": 0.05, "momentum": 0.9}
 LENGTH = 24  # divides into 2, 3, 4 and 8 chunks
+RECOMPUTE = "recompute"  # a case run with activation checkpointing (`chunked_runs`)
 
 
 def long_batch(k: int):
@@ -21,10 +22,18 @@ def long_batch(k: int):
 
 
 def chunked_runs(trainer, cases, data, steps=2):
-    """Per (schedule, sequence_chunks) from the same start with fresh optimizer state: the steps'
-    losses, the first step's gradients and the final weights."""
-    runs = [{"schedule": schedule, "sequence_chunks": k} for schedule, k in cases]
-    return run_schedules(trainer, trainer.state_dict(), steps=steps, data=data, schedules=runs)
+    """Per case, (schedule, sequence_chunks) or (schedule, sequence_chunks, RECOMPUTE) (activation
+    checkpointing: each chunk's forward runs again in its backward), from the same start with
+    fresh optimizer state: the steps' losses, the first step's gradients and the final weights."""
+    runs = [
+        {"schedule": case[0], "sequence_chunks": case[1], "activation_checkpointing": RECOMPUTE in case}
+        for case in cases
+    ]
+    out = run_schedules(trainer, trainer.state_dict(), steps=steps, data=data, schedules=runs)
+    return {
+        case: out[(run["schedule"], run["sequence_chunks"], run["activation_checkpointing"])]
+        for case, run in zip(cases, runs)
+    }
 
 
 def assert_same_run(run, reference, atol=1e-6):
@@ -49,11 +58,18 @@ def unpadded_batch(k: int):
 # chunk block by block on the CPU (`raypipe.nn.chunk_attention`; the window hides whole blocks of
 # Mistral's); eager attention takes the earlier chunks' keys joined under a mask, as a GPU does.
 HF_CASES = {
-    "llama-pp2": ("llama", 2, {}, None, "sdpa", [("1f1b", 4), ("gpipe", 3)]),
+    "llama-pp2": ("llama", 2, {}, None, "sdpa", [("1f1b", 4), ("gpipe", 3), ("1f1b", 4, RECOMPUTE)]),
     "llama-pp3": ("llama", 3, {}, None, "sdpa", [("1f1b", 8), ("gpipe", 2)]),
-    "mistral-sliding-pp2": ("mistral", 2, {"sliding_window": 5}, None, "sdpa", [("1f1b", 4), ("1f1b", 3)]),
-    "llama-lora-pp2": ("llama", 2, {}, {"r": 4, "alpha": 8, "target_modules": "all-linear"}, "sdpa", [("1f1b", 2)]),
-    "llama-eager-pp2": ("llama", 2, {}, None, "eager", [("1f1b", 2), ("gpipe", 4)]),
+    "mistral-sliding-pp2": ("mistral", 2, {"sliding_window": 5}, None, "sdpa", [("1f1b", 4), ("1f1b", 3, RECOMPUTE)]),
+    "llama-lora-pp2": (
+        "llama",
+        2,
+        {},
+        {"r": 4, "alpha": 8, "target_modules": "all-linear"},
+        "sdpa",
+        [("1f1b", 2, RECOMPUTE)],
+    ),
+    "llama-eager-pp2": ("llama", 2, {}, None, "eager", [("1f1b", 2), ("gpipe", 4, RECOMPUTE)]),
 }
 
 
@@ -93,12 +109,18 @@ def test_the_gpt_trains_on_chunks_exactly_as_unchunked_at_pp2_and_pp3(ray_sessio
     tiny = gpt.GPTConfig(n_layer=3, n_head=2, n_embd=16, block_size=32, vocab_size=64)
     config = TrainConfig(pp=2, microbatches=2, optimizer=SGD, cpus_per_actor=0.25, threads_per_actor=1)
     with Trainer(gpt.layers(tiny), gpt.loss_fn, config) as t:
-        runs = chunked_runs(t, [("1f1b", 1), ("1f1b", 2), ("gpipe", 8), ("1f1b", 5)], gpt_batch)
-        for key in [("1f1b", 2), ("gpipe", 8), ("1f1b", 5)]:  # 5 chunks of 7, 7, 6, 6 and 6 tokens
+        cases = [("1f1b", 4, RECOMPUTE), ("1f1b", 2), ("gpipe", 8), ("1f1b", 5)]  # k 5: 7, 7, 6, 6, 6 tokens
+        runs = chunked_runs(t, [("1f1b", 1), *cases], gpt_batch)
+        for key in cases:
             assert_same_run(runs[key], runs[("1f1b", 1)])
         metrics = t.step(*gpt_batch(3))
         # stage 0 runs pp - 1 + k - 1 = 5 forwards ahead, then one more before each backward
         assert metrics["stages"][0]["peak_stashed_microbatches"] == 6
+        t.reconfigure(measure_activations=True)
+        kept = [s["peak_stashed_bytes"] for s in t.step(*gpt_batch(3))["stages"]]
+        t.reconfigure(activation_checkpointing=True)  # a chunk keeps its input, keys and values
+        recomputed = [s["peak_stashed_bytes"] for s in t.step(*gpt_batch(3))["stages"]]
+        assert all(r < 0.6 * k for r, k in zip(recomputed, kept)), (recomputed, kept)
     config = TrainConfig(pp=3, microbatches=1, optimizer=SGD, cpus_per_actor=0.25, threads_per_actor=1)
     with Trainer(gpt.layers(tiny), gpt.loss_fn, config) as t:
         runs = chunked_runs(t, [("1f1b", 1), ("1f1b", 4)], gpt_batch)

@@ -56,7 +56,7 @@ def test_blocks_merged_by_log_sum_exp_equal_attention_over_the_joined_keys(kind)
 
 def test_a_block_the_window_hides_is_skipped_and_only_the_supported_kernel_is_claimed():
     seen = masks("window", 1, 12)[:, :, 9:12, :12]  # the last chunk: the first chunk (0..4) is out of its window
-    plan = chunk_attention._plan(torch.zeros(1, 1, 3, 8), [torch.zeros(1, 1, n, 8) for n in SIZES], seen)
+    plan = chunk_attention.block_plan(torch.zeros(1, 1, 3, 8), [torch.zeros(1, 1, n, 8) for n in SIZES], seen)
     assert plan[0] == (False, False) and plan[1][1] is not None and plan[2] == (True, None), plan
     assert chunk_attention.supported(torch.zeros(1, dtype=torch.float32))
     assert not chunk_attention.supported(torch.zeros(1), dropout=0.1)

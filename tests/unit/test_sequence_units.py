@@ -11,7 +11,8 @@ from raypipe.data.sequence_units import sequence_units
 from raypipe.errors import BatchError
 from raypipe.models import gpt
 from raypipe.models.hf.loss import CausalLMLoss
-from raypipe.nn.sequence_chunks import check_chunkable
+from raypipe.nn import sequence_chunks
+from raypipe.nn.sequence_chunks import Sequence, check_chunkable
 from raypipe.schedules import BACKWARD, FORWARD, build_schedule, timed
 
 
@@ -77,8 +78,9 @@ def test_settings_that_cannot_run_on_chunks_are_refused_naming_the_field():
     assert TrainConfig(pp=2, sequence_chunks=4).sequence_chunks == 4
     with pytest.raises(ConfigError, match="schedule 'zb-h1' does not run sequence chunks"):
         TrainConfig(pp=2, schedule="zb-h1", sequence_chunks=2)
-    with pytest.raises(ConfigError, match="activation_checkpointing"):
-        TrainConfig(pp=2, sequence_chunks=2, activation_checkpointing=True)
+    assert TrainConfig(pp=2, sequence_chunks=2, activation_checkpointing=True).activation_checkpointing
+    with pytest.raises(ConfigError, match="not with compile=True"):
+        TrainConfig(pp=2, sequence_chunks=2, compile=True)
     with pytest.raises(ConfigError, match="dpo objective's loss is over whole sequences"):
         TrainConfig(pp=2, sequence_chunks=2, objective={"name": "dpo"}, lora={"r": 2})
     with pytest.raises(ConfigError, match="sequence_chunks"):
@@ -101,3 +103,25 @@ def test_layers_that_do_not_declare_chunks_are_refused_naming_them():
     moe = gpt.GPTConfig(n_layer=1, num_experts=2, top_k=1)
     with pytest.raises(ConfigError, match="MoEBlock.*says it cannot"):
         check_chunkable([gpt.MoEBlock(moe)], "a", [1])
+
+
+def test_recomputed_chunks_give_the_whole_sequences_gradients_and_keep_their_keys_once():
+    torch.manual_seed(0)
+    cfg = gpt.GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=12, vocab_size=20)
+    model = nn.Sequential(gpt.Embedding(cfg), gpt.Block(cfg), gpt.Block(cfg)).double()
+    ids = torch.randint(0, 20, (2, 12))
+    model(ids).square().sum().backward()
+    whole = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    replays = []  # per block forward: was it activation checkpointing's recomputation?
+    model[1].register_forward_hook(lambda *_: replays.append(sequence_chunks.current().replay))
+    sequence = Sequence(3)
+    outs = [sequence.forward(c, model, ids[:, 4 * c : 4 * c + 4], recompute=True) for c in range(3)]
+    for c in reversed(range(3)):
+        pairs = [(outs[c].square().sum(), torch.tensor(1.0, dtype=torch.float64)), *sequence.roots(c)]
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        if c:  # what the chunk made is freed, not kept again by its recomputation
+            assert all(c not in kv.made and c not in kv.leaves for kv in sequence.open[(None, 0)].layers.values())
+    assert replays == [False] * 3 + [True] * 3 and not sequence.open
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, whole[name], rtol=1e-10, atol=1e-12, msg=name)

@@ -129,8 +129,13 @@ def _block_attention(
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention interface over the blocks the layer's `ChunkLayer` kept (its `key`
     and `value` are the chunk's own, the last block); `attention_mask` is over the joined keys."""
-    keys, values = _position().microbatch.shared["cache"].layers[module.layer_idx].blocks
-    out = chunk_attention.attend(query, keys, values, attention_mask, scaling)
+    position = _position()
+    shared = position.microbatch.shared
+    keys, values = shared["cache"].layers[module.layer_idx].blocks
+    plan = ("plan", position.chunk, id(attention_mask))  # the layers' mask is one tensor (`layer_arguments`)
+    if plan not in shared:
+        shared[plan] = chunk_attention.block_plan(query, keys, attention_mask)
+    out = chunk_attention.attend(query, keys, values, attention_mask, scaling, shared[plan])
     return out.transpose(1, 2).contiguous(), None
 
 
