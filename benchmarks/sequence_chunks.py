@@ -12,6 +12,12 @@ stages one after another (`raypipe.nn.sequence_chunks`).
 - Memory: per k, each stage's peak of activations saved for backward (`measure_activations`),
   and, from a fresh trainer per k (its actors are new processes), each stage's peak resident
   memory (`peak_memory_bytes`, the process's max RSS after one step).
+- The planner (`--auto`): a trainer built with `sequence_chunks="auto"` times the layers on the
+  sample cut each way and predicts each k's step (`planning.autoschedule`); its choice and its
+  predictions (ms per step, and as ratios to its k = 1) beside the measured ones.
+- Recomputed (`--recompute`, the k to run so, labelled "k+r"): the same with
+  `activation_checkpointing`, each chunk's forward run again in its backward, so a stage keeps
+  only each chunk's input, keys and values and one chunk's activations at a time.
 
     python benchmarks/sequence_chunks.py > sequence_chunks.json      # about 6 minutes on 2 cores
     python benchmarks/sequence_chunks.py --tokens 256 --layers 2 --hidden 64 --rounds 1   # small
@@ -23,8 +29,10 @@ import argparse
 import json
 import os
 import platform
+import re
 import statistics
 import tempfile
+import time
 
 import ray
 import torch
@@ -56,6 +64,23 @@ def predicted_ratio(k: int, pp: int) -> float:
     return span(1) / span(k)
 
 
+def plan_auto(model, batch) -> dict:
+    """What `sequence_chunks="auto"` chooses on `batch` and predicts for each k (its log's candidates)."""
+    lines: list[str] = []
+    config = TrainConfig(pp=2, optimizer=SGD, sequence_chunks="auto")
+    started = time.perf_counter()
+    with Trainer(model, config=config, sample=batch, log=lines.append) as trainer:
+        chosen = trainer.config.sequence_chunks
+    planning_s = time.perf_counter() - started
+    predicted = {}
+    for line in lines[0].splitlines()[1:]:
+        found = re.match(r"\s+1f1b, m=1(?:, sequence_chunks=(\d+))?: ([\d.]+) ms", line)
+        if found:
+            predicted[int(found[1] or 1)] = float(found[2])
+    ratios = {k: round(predicted[1] / ms, 3) for k, ms in predicted.items()} if 1 in predicted else {}
+    return {"chosen": chosen, "predicted_ms": predicted, "predicted_speedup": ratios, "start_s": round(planning_s, 1)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=4096)
@@ -63,44 +88,52 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--vocab", type=int, default=2048)
     parser.add_argument("--chunks", default="1,2,4,8")
+    parser.add_argument("--recompute", default="1,4,8,16", help="the k also run with activation checkpointing")
+    parser.add_argument("--auto", action="store_true", help='also plan with sequence_chunks="auto"')
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=2)
     args = parser.parse_args()
-    chunks = [int(k) for k in args.chunks.split(",")]
+    runs = {str(k): (int(k), False) for k in args.chunks.split(",")}
+    runs.update({f"{k}+r": (int(k), True) for k in args.recompute.split(",") if k})
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     directory = save_model(tempfile.mkdtemp(), args.layers, args.hidden, args.vocab, positions=args.tokens)
     model = hf.from_pretrained(directory)
     config = TrainConfig(pp=2, microbatches=1, optimizer=SGD, measure_activations=True)
-    stashed: dict[int, list[int]] = {}
+    stashed: dict[str, list[int]] = {}
     with Trainer(model, config=config) as trainer:
 
-        def runner(k: int):
+        def runner(label: str):
+            k, recompute = runs[label]
+
             def run(step: int) -> None:
-                trainer.reconfigure(sequence_chunks=k)
+                trainer.reconfigure(sequence_chunks=k, activation_checkpointing=recompute)
                 metrics = trainer.step(*sample(step, args.tokens, args.vocab))
-                stashed[k] = [int(s["peak_stashed_bytes"]) for s in metrics["stages"]]
+                stashed[label] = [int(s["peak_stashed_bytes"]) for s in metrics["stages"]]
 
             return run
 
-        seconds = interleaved({k: runner(k) for k in chunks}, args.rounds, args.steps, warmup=1)
-    median = {k: statistics.median(s for r in seconds[k] for s in r) for k in chunks}
+        seconds = interleaved({label: runner(label) for label in runs}, args.rounds, args.steps, warmup=1)
+    median = {label: statistics.median(s for r in seconds[label] for s in r) for label in runs}
     resident = {}
-    for k in chunks:  # fresh actors per k: a process's max RSS only grows
-        with Trainer(model, config=TrainConfig(pp=2, optimizer=SGD, sequence_chunks=k)) as trainer:
+    for label, (k, recompute) in runs.items():  # fresh actors per run: a process's max RSS only grows
+        fresh = TrainConfig(pp=2, optimizer=SGD, sequence_chunks=k, activation_checkpointing=recompute)
+        with Trainer(model, config=fresh) as trainer:
             metrics = trainer.step(*sample(0, args.tokens, args.vocab))
-            resident[k] = [int(s["peak_memory_bytes"]) for s in metrics["stages"]]
+            resident[label] = [int(s["peak_memory_bytes"]) for s in metrics["stages"]]
+    planned = plan_auto(model, sample(0, args.tokens, args.vocab)) if args.auto else None
     ray.shutdown()
     report = {
         "benchmark": "sequence_chunks",
         "model": {"layers": args.layers, "hidden": args.hidden, "vocab": args.vocab, "tokens": args.tokens},
         "pp": 2,
         "schedule": "1f1b",
-        "tokens_per_s": {k: round(args.tokens / median[k], 1) for k in chunks},
-        "speedup_vs_unchunked": {k: round(median[1] / median[k], 3) for k in chunks if 1 in median},
-        "predicted_speedup": {k: round(predicted_ratio(k, 2), 3) for k in chunks},
-        "step_s_median": {k: round(median[k], 3) for k in chunks},
-        "peak_stashed_mib_per_stage": {k: [round(b / 2**20, 1) for b in stashed[k]] for k in chunks},
-        "peak_resident_mib_per_stage": {k: [round(b / 2**20, 1) for b in resident[k]] for k in chunks},
+        "tokens_per_s": {label: round(args.tokens / median[label], 1) for label in runs},
+        "speedup_vs_unchunked": {label: round(median["1"] / median[label], 3) for label in runs if "1" in median},
+        "predicted_speedup": {label: round(predicted_ratio(k, 2), 3) for label, (k, _) in runs.items()},
+        "step_s_median": {label: round(median[label], 3) for label in runs},
+        "peak_stashed_mib_per_stage": {label: [round(b / 2**20, 1) for b in stashed[label]] for label in runs},
+        "peak_resident_mib_per_stage": {label: [round(b / 2**20, 1) for b in resident[label]] for label in runs},
+        **({"auto": planned} if planned else {}),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
         "command": "python benchmarks/sequence_chunks.py",
     }

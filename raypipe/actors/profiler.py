@@ -21,7 +21,7 @@ from raypipe.actors.memory import count_saved_bytes, weight_storages
 from raypipe.actors.stage_model import resolve_device
 from raypipe.devices import SERVING_ENV, detect
 from raypipe.layers import LayerSpec, build_layer, layer_seed
-from raypipe.transport.tree import tensors
+from raypipe.transport.tree import map_tensors, tensors
 
 
 class LayerProfiler:
@@ -56,6 +56,7 @@ class LayerProfiler:
         codecs: tuple[str, str] = ("none", "none"),
         split: bool = False,
         lora: dict | None = None,
+        sequence_chunks: int | None = None,
     ) -> dict[str, Any]:
         """Per layer: median forward and backward seconds, parameter bytes, the bytes autograd
         saves for backward on this microbatch (what a stashed microbatch costs), and its output's
@@ -69,20 +70,21 @@ class LayerProfiler:
         (W, the weight gradients); with `lora` (`TrainConfig.lora`) the layers carry adapters
         and a frozen base, as a stage's do, so B, I and W are what a LoRA run computes. On a CPU
         device, `cpu_s`: the process's CPU seconds of each layer's forward and backward (a layer
-        that waits, on I/O or a sleep, takes less CPU than time: what the node's cores bound)."""
+        that waits, on I/O or a sleep, takes less CPU than time: what the node's cores bound).
+        With `sequence_chunks` k (`TrainConfig.sequence_chunks="auto"`), `x` and `target` are one
+        microbatch's k units (`data.sequence_units.cut_microbatch`; any pytrees): each layer runs
+        them as a stage does (forwards in order, backwards in reverse, each attending to the units
+        before it) and every figure is per unit, its mean over the k."""
         torch.set_num_threads(threads)
         forward_s, backward_s, parameter_bytes, activation_bytes = [], [], [], []
         boundary: list[tuple[int, int, int]] = []  # per layer, its output's (float bytes, float elements, other bytes)
         codec_s: list[tuple[float, float]] = []  # per layer, compressing and restoring its output, each way
+        if sequence_chunks is not None:
+            return self._profile_units(specs, seed, x, target, loss_fn, threads, warmup, repeats, lora)
         h = x.to(self.device)
         input_s, weight_s, cpu_s = [], [], []
         for index, spec in enumerate(specs):
-            layer = build_layer(spec, seed, index)
-            if lora is not None:
-                from raypipe import lora as lora_
-
-                lora_.apply(torch.nn.Sequential(layer), lora, [layer_seed(seed, index) + 1])
-            layer = layer.to(self.device)
+            layer = self._build(spec, seed, index, lora)
             last = index == len(specs) - 1
             fwd, bwd, cpu, saved = [], [], [], 0
             for r in range(warmup + repeats):
@@ -120,15 +122,8 @@ class LayerProfiler:
                 with torch.no_grad():
                     h = layer(h.detach())
             del layer
-        accelerator = detect()
         return {
-            "kind": self.kind,
-            "device": str(self.device),
-            "cpu_fallback": self.fallback,
-            "threads": torch.get_num_threads(),
-            "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-            "model": accelerator.model,
-            "memory_bytes": accelerator.memory_bytes,
+            **self._device(),
             "forward_s": forward_s,
             "backward_s": backward_s,
             "parameter_bytes": parameter_bytes,
@@ -141,6 +136,88 @@ class LayerProfiler:
             **({"input_s": input_s, "weight_s": weight_s} if split else {}),
             **({"cpu_s": cpu_s} if self.device.type == "cpu" else {}),
         }
+
+    def _device(self) -> dict[str, Any]:
+        accelerator = detect()
+        return {
+            "kind": self.kind,
+            "device": str(self.device),
+            "cpu_fallback": self.fallback,
+            "threads": torch.get_num_threads(),
+            "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+            "model": accelerator.model,
+            "memory_bytes": accelerator.memory_bytes,
+        }
+
+    def _build(self, spec: LayerSpec, seed: int, index: int, lora: dict | None) -> torch.nn.Module:
+        """Layer `index` as a stage builds it (with LoRA's adapters where configured), on the device."""
+        layer = build_layer(spec, seed, index)
+        if lora is not None:
+            from raypipe import lora as lora_
+
+            lora_.apply(torch.nn.Sequential(layer), lora, [layer_seed(seed, index) + 1])
+        return layer.to(self.device)
+
+    def _profile_units(
+        self,
+        specs: Sequence[LayerSpec],
+        seed: int,
+        units: list,
+        targets: list,
+        loss_fn: Callable,
+        threads: int,
+        warmup: int,
+        repeats: int,
+        lora: dict | None,
+    ) -> dict[str, Any]:
+        """`profile` on one microbatch's sequence units, per unit (one unit: the microbatch whole)."""
+        from raypipe.nn.sequence_chunks import Sequence, check_chunkable
+
+        torch.set_num_threads(threads)
+        k = len(units)
+        figures: dict[str, list] = {key: [] for key in ("forward_s", "backward_s", "cpu_s", "activation_bytes")}
+        figures.update(parameter_bytes=[], output_float_bytes=[], output_float_elements=[], output_other_bytes=[])
+        hs = [map_tensors(lambda t: t.to(self.device), u) for u in units]
+        for index, spec in enumerate(specs):
+            layer = self._build(spec, seed, index, lora)
+            if k > 1:
+                check_chunkable([layer], f"the {self.kind} profiler", [index])
+            last = index == len(specs) - 1
+            fwd, bwd, cpu, saved = [], [], [], 0
+            for r in range(warmup + repeats):
+                sequence, inputs = Sequence(k), [_inputs(h, index) for h in hs]
+                started, cpu_started = self._now(), time.process_time()
+                with count_saved_bytes(r == 0, weight_storages(layer)) as counter:
+                    outs = [sequence.forward(u, layer, x) if k > 1 else layer(x) for u, x in enumerate(inputs)]
+                if r == 0:
+                    saved = counter.bytes or 0
+                if last:
+                    outs = [self._loss(out, t, loss_fn) for out, t in zip(outs, targets)]
+                middle = self._now()
+                for u in reversed(range(k)):
+                    pairs = [(o, None if last else torch.randn_like(o)) for o in tensors(outs[u]) if o.requires_grad]
+                    pairs += sequence.roots(u)
+                    if pairs:
+                        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                ended, cpu_ended = self._now(), time.process_time()
+                layer.zero_grad(set_to_none=True)
+                if r >= warmup:
+                    fwd.append(middle - started)
+                    bwd.append(ended - middle)
+                    cpu.append(cpu_ended - cpu_started)
+            for key, values in (("forward_s", fwd), ("backward_s", bwd), ("cpu_s", cpu)):
+                figures[key].append(statistics.median(values) / k)
+            figures["activation_bytes"].append(saved / k)
+            figures["parameter_bytes"].append(sum(p.numel() * p.element_size() for p in layer.parameters()))
+            sizes = (0, 0, 0) if last else _sizes(outs[0])
+            for key, size in zip(("output_float_bytes", "output_float_elements", "output_other_bytes"), sizes):
+                figures[key].append(size)
+            hs = hs if last else [map_tensors(lambda t: t.detach(), out) for out in outs]
+            del layer
+        zeros = [0.0] * len(specs)
+        if self.device.type != "cpu":
+            del figures["cpu_s"]
+        return {**self._device(), **figures, "codec_forward_s": zeros, "codec_backward_s": zeros, "sequence_chunks": k}
 
     def _split_backward(
         self, layer: torch.nn.Module, h: torch.Tensor, index: int, last: bool, target: Any, loss_fn: Callable
@@ -194,6 +271,11 @@ def _input(h: torch.Tensor, index: int) -> torch.Tensor:
     """Layer `index`'s input for one timed pass: a leaf that takes a gradient, as a stage's input
     does, except the first layer's (token ids)."""
     return h.detach().requires_grad_(index > 0 and h.is_floating_point())
+
+
+def _inputs(value: Any, index: int) -> Any:
+    """`_input` for each tensor of a pytree: floating ones take a gradient after the first layer."""
+    return map_tensors(lambda t: t.detach().requires_grad_(index > 0 and t.is_floating_point()), value)
 
 
 def _sizes(value: Any) -> tuple[int, int, int]:

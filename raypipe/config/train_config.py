@@ -74,14 +74,14 @@ class TrainConfig:
             (docs/BENCHMARKS.md, "A slow link"); schedule="auto" chooses it where the links
             between stages were measured (`probe_links`).
         sequence_chunks: k > 1 cuts every sample along the sequence into k chunks that flow
-            through the pipeline one after another (Seq1F1B): one long sample fills the pipeline
-            (a batch of one: m = 1 idles (pp - 1)/pp of each step unchunked). Forwards run in chunk
-            order, backwards in reverse; each attention layer keeps its earlier chunks' keys and
-            values for the step and their gradients, so losses and gradients are the unchunked
-            run's (`raypipe.nn.sequence_chunks`). "gpipe" and "1f1b"; raypipe's GPT and the
-            transformers families; token-weighted losses (padding, -100 labels). Not with
-            activation_checkpointing, compile, a DPO or GRPO objective, nor a layer that does not
-            declare `runs_sequence_chunks` (refused, naming it).
+            through the pipeline one after another (Seq1F1B), so one long sample fills it (m = 1
+            idles (pp - 1)/pp of each step). Forwards run in chunk order, backwards in reverse;
+            attention keeps earlier chunks' keys and values and their gradients: exact
+            (`raypipe.nn.sequence_chunks`). "gpipe", "1f1b"; GPT and transformers' families;
+            token-weighted losses. With activation_checkpointing a stage keeps each chunk's input,
+            keys and values, one chunk's activations at a time. "auto": the count of 1 to 16
+            (>= 32 tokens each) predicted fastest from the layers timed on the sample cut each way
+            (`sample=`). Not with compile, DPO or GRPO, nor a layer lacking `runs_sequence_chunks`.
         shard_plan: explicit contiguous [start, end) layer ranges, one per stage (per virtual
             stage with chunks, in virtual-stage order); overrides `partition`.
         partition: how to split layers when no shard_plan is given: "uniform" (layer count),
@@ -224,7 +224,7 @@ class TrainConfig:
     schedule: str = "1f1b"
     chunks: int | None = None
     extra_warmup: int = 0
-    sequence_chunks: int = 1
+    sequence_chunks: int | str = 1
     shard_plan: list[list[int]] | None = None
     partition: str = "uniform"
     optimizer: dict = field(default_factory=lambda: {"name": "adamw", "lr": 1e-3})
@@ -421,11 +421,11 @@ def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str,
 def check_reconfigurable(changes: dict[str, Any], current: TrainConfig | None = None) -> None:
     """Raises ConfigError for a field that needs a new Trainer, or one TrainConfig lacks (or, against
     the `current` config, a change a running trainer cannot make: ZeRO-3 on or off)."""
-    if (
-        current is not None
-        and changes.get("zero", current.zero) != current.zero
-        and 3 in (changes["zero"], current.zero)
-    ):
+    autos = [name for name in ("schedule", "sequence_chunks") if changes.get(name) == "auto"]
+    if autos:  # chosen by timing the layers on a sample, which only a starting trainer does
+        raise ConfigError(f"TrainConfig.{autos[0]}='auto' is chosen when a Trainer starts: give a value to change to.")
+    zero = changes.get("zero", current.zero) if current is not None else None
+    if current is not None and zero != current.zero and 3 in (zero, current.zero):
         raise ConfigError(
             f"TrainConfig.zero cannot switch between {current.zero} and {changes['zero']} on a running "
             "trainer (zero=3 lays the weights out anew): save a checkpoint and load it into a new Trainer."

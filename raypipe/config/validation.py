@@ -227,18 +227,28 @@ def check_schedule(c: Any) -> None:
             f"use engine='p2p'.",
         )
     try:
-        build_schedule(c.schedule, c.pp, c.microbatches, c.chunks, c.extra_warmup, c.sequence_chunks)
+        units = c.sequence_chunks if c.sequence_chunks != "auto" else 1  # "auto": chosen when the trainer starts
+        build_schedule(c.schedule, c.pp, c.microbatches, c.chunks, c.extra_warmup, units)
     except ScheduleError as error:
         field = "extra_warmup" if "extra_warmup" in str(error) else "microbatches"
         raise fail(field, getattr(c, field), str(error)) from None
 
 
 def check_sequence_chunks(c: Any) -> None:
-    """sequence_chunks is a whole number, and what it runs with can run on chunks."""
-    check_int("sequence_chunks", c.sequence_chunks, 1)
+    """sequence_chunks is a whole number or "auto", and what it runs with can run on chunks."""
+    auto = c.sequence_chunks == "auto"
+    if not auto and not (is_int(c.sequence_chunks) and c.sequence_chunks >= 1):
+        raise fail("sequence_chunks", c.sequence_chunks, 'give a whole number >= 1 (1: not cut) or "auto".')
     if c.sequence_chunks == 1:
         return
-    if c.schedule not in SEQUENCE_CHUNKED:
+    if auto and c.shard_plan is not None:
+        raise fail(
+            "sequence_chunks",
+            c.sequence_chunks,
+            "'auto' times the layers on each chunk count and splits them by those times: leave shard_plan unset, "
+            "or give sequence_chunks a number.",
+        )
+    if c.schedule not in SEQUENCE_CHUNKED and not (auto and c.schedule == "auto"):
         raise fail(
             "sequence_chunks",
             c.sequence_chunks,

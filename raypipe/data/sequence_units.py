@@ -28,23 +28,13 @@ def sequence_units(batch: Prepared, chunks: int, loss_fn: Any) -> Prepared:
             "sequence_chunks cuts each microbatch on the driver, but this batch was packed by a dataset "
             "reader: feed the trainer batches (or a function of the step), or use sequence_chunks=1."
         )
-    overlap = 1 if getattr(loss_fn, "shifts_labels", False) else 0
     inputs, targets, weights = [], [], []
     for r, (xs, ys) in enumerate(zip(batch.inputs, batch.targets)):
         xs_cut, ys_cut, ws = [], [], []
         for m, (x, y) in enumerate(zip(xs, ys)):
-            length = _sequence(x)
-            _refuse_packed(x, m)
-            if length < chunks:
-                raise BatchError(
-                    f"microbatch {m} holds sequences of {length} tokens, fewer than sequence_chunks={chunks}: "
-                    f"use sequence_chunks <= {length}."
-                )
-            bounds = [int(b[0]) for b in torch.arange(length).tensor_split(chunks)] + [length]
-            xs_cut += [_cut(x, length, a, b) for a, b in zip(bounds, bounds[1:])]
-            units = [_cut(y, length, a, b + (overlap if b < length else 0)) for a, b in zip(bounds, bounds[1:])]
-            ys_cut += units
-            counts = [_count(loss_fn, u, overlap) for u in units]
+            units, unit_targets, counts = cut_microbatch(x, y, chunks, loss_fn, m)
+            xs_cut += units
+            ys_cut += unit_targets
             total = sum(counts)
             share = batch.weights[r][m] if batch.weights is not None else 1.0
             ws += [share * chunks * c / total if total else 0.0 for c in counts]
@@ -55,7 +45,28 @@ def sequence_units(batch: Prepared, chunks: int, loss_fn: Any) -> Prepared:
     return dataclasses.replace(batch, inputs=inputs, targets=targets, weights=weights, varying=varying)
 
 
-def _sequence(x: Any) -> int:
+def cut_microbatch(x: Any, y: Any, chunks: int, loss_fn: Any, m: int = 0) -> tuple[list, list, list[float]]:
+    """Microbatch `m`'s input and target cut into `chunks` units, and the tokens each unit's loss
+    averages over (`sequence_units`; the profiler times layers on such units).
+
+    Raises:
+        BatchError: packed rows, or sequences shorter than `chunks`.
+    """
+    overlap = 1 if getattr(loss_fn, "shifts_labels", False) else 0
+    length = sequence_length(x)
+    _refuse_packed(x, m)
+    if length < chunks:
+        raise BatchError(
+            f"microbatch {m} holds sequences of {length} tokens, fewer than sequence_chunks={chunks}: "
+            f"use sequence_chunks <= {length}."
+        )
+    bounds = [int(b[0]) for b in torch.arange(length).tensor_split(chunks)] + [length]
+    units = [_cut(x, length, a, b) for a, b in zip(bounds, bounds[1:])]
+    targets = [_cut(y, length, a, b + (overlap if b < length else 0)) for a, b in zip(bounds, bounds[1:])]
+    return units, targets, [_count(loss_fn, t, overlap) for t in targets]
+
+
+def sequence_length(x: Any) -> int:
     """The sequence length of a microbatch's input: dim 1 of its first tensor, which holds token ids
     (batch, sequence) or vectors (batch, sequence, features)."""
     first = next((t for t in pytree.tree_leaves(x) if torch.is_tensor(t)), None)

@@ -72,16 +72,8 @@ class Architecture:
         counts = parameter_counts(specs)
         chunked = config.num_chunks() > 1  # then one box per virtual stage, in the order data flows
         plan = make_plan(len(specs), config.pp * config.num_chunks(), config.partition, config.shard_plan, counts)
-        on = owners(
-            build_schedule(
-                config.schedule,
-                config.pp,
-                config.microbatches,
-                config.chunks,
-                config.extra_warmup,
-                config.sequence_chunks,
-            )
-        )
+        # which actor holds each virtual stage (sequence chunks change the order, not the owners)
+        on = owners(build_schedule(config.schedule, config.pp, config.microbatches, config.chunks, config.extra_warmup))
         shapes = _boundary_shapes(specs, plan, sample)
         stages = []
         for v, (start, end) in enumerate(plan):

@@ -36,8 +36,9 @@ from raypipe.planning.profiling import (
     profile_layers,
     profiled_plan,
     scheduled_seconds,
+    sequence_units_of,
 )
-from raypipe.schedules import SCHEDULES, Schedule, build_schedule
+from raypipe.schedules import SCHEDULES, SEQUENCE_CHUNKED, Schedule, build_schedule
 
 # What the p2p engine adds to an action beyond its layers' compute on a loaded 2-core machine
 # (`benchmarks/pipeline_efficiency.py`: 0.1-0.4 ms); counted along the busiest actor's list.
@@ -50,6 +51,8 @@ ACTION_CPU_S = 5e-4
 STEP_OVERHEAD_S = 6e-3
 TIE = 1e-3  # predictions this close are a tie, decided by memory
 CHUNK_CHOICES = (2,)  # chunks tried for the schedules that let the config choose
+SEQUENCE_CHUNK_CHOICES = (1, 2, 4, 8, 16)  # sequence_chunks="auto" tries these ...
+MIN_CHUNK_TOKENS = 32  # ... where each chunk keeps at least this many tokens
 EXTRA_WARMUP_CHOICES = (0, 1, 2)  # tried where links were measured (without them more only costs memory)
 
 
@@ -61,9 +64,11 @@ class Candidate:
     step_seconds: float | None  # predicted; None when it cannot run
     why_not: str = ""
     extra_warmup: int = 0
+    sequence_chunks: int = 1
 
     def __str__(self) -> str:
         what = self.schedule + (f" x{self.chunks} chunks" if self.chunks else "") + f", m={self.microbatches}"
+        what += f", sequence_chunks={self.sequence_chunks}" if self.sequence_chunks > 1 else ""
         what += f", extra_warmup={self.extra_warmup}" if self.extra_warmup else ""
         return f"{what}: " + (f"{1000 * self.step_seconds:.1f} ms" if self.step_seconds is not None else self.why_not)
 
@@ -78,8 +83,9 @@ class ScheduleChoice:
 
     def __str__(self) -> str:
         ranked = sorted(self.candidates, key=lambda c: (c.step_seconds is None, c.step_seconds or 0.0))
+        what = "schedule=auto" if len({c.schedule for c in self.candidates}) > 1 else "sequence_chunks=auto"
         return "\n".join(
-            [f"schedule=auto chose {self.chosen} predicted per step"] + [f"  {c}" for c in ranked] + [str(self.report)]
+            [f"{what} chose {self.chosen} predicted per step"] + [f"  {c}" for c in ranked] + [str(self.report)]
         )
 
 
@@ -95,10 +101,14 @@ def predicted_seconds(
     """The step `report`'s plan takes under `config`'s schedule: its timed run with the profiled
     durations (each message on its measured link, with `links`), plus `ACTION_OVERHEAD_S` for
     each action of the busiest actor."""
-    schedule = build_schedule(config.schedule, config.pp, config.microbatches, config.chunks, config.extra_warmup)
+    units = sequence_units_of(config)
+    schedule = build_schedule(
+        config.schedule, config.pp, config.microbatches, config.chunks, config.extra_warmup, units
+    )
     profiles = [report.profiles[k] for k in report.kinds]
     transfer = message_seconds(links, profiles, report.plan, config) if links else None
-    compute = scheduled_seconds(schedule, profiles, report.plan, transfer, hands_on_early(config, profiles, schedule))
+    early = units == 1 and hands_on_early(config, profiles, schedule)  # a sequence chunk's backward runs whole
+    compute = scheduled_seconds(schedule, profiles, report.plan, transfer, early)
     busiest = compute + ACTION_OVERHEAD_S * max(len(actions) for actions in schedule)
     return max(busiest, cores_bound(schedule, profiles, report.plan)) + STEP_OVERHEAD_S * config.pp
 
@@ -126,7 +136,9 @@ def choose(
     cpus: float,
     split: Callable[[Any, Any, int], tuple[list, list]],
 ) -> ScheduleChoice:
-    """Profiles every microbatch count, predicts every candidate; returns the cheapest that fits.
+    """Profiles every microbatch count (the config's under a named schedule) and, under
+    `sequence_chunks="auto"`, every sequence chunk count (`sequence_chunk_options`) on it;
+    predicts every candidate; returns the cheapest that fits.
 
     Args:
         x, y: a sample batch of the size training will use.
@@ -137,11 +149,25 @@ def choose(
     """
     kinds = config.stage_kinds()
     rows = len(split(x, y, config.dp)[0][0]) if config.dp > 1 else _rows(x)
-    profiled = {}
-    for m in microbatch_options(rows, config.pp):
+    counts = microbatch_options(rows, config.pp) if config.schedule == "auto" else [config.microbatches]
+    profiled: dict[Any, dict[str, dict[str, Any]]] = {}
+    for m in counts:
         inputs, targets = split(x, y, config.dp * m)
-        profiled[m] = profile_layers(specs, loss_fn, inputs[0], targets[0], config, kinds, cpus)
+        if config.sequence_chunks != "auto":
+            profiled[m] = profile_layers(specs, loss_fn, inputs[0], targets[0], config, kinds, cpus)
+            continue
+        for k in sequence_chunk_options(inputs[0]):  # each timed on the microbatch cut in k
+            profiled[(m, k)] = profile_layers(specs, loss_fn, inputs[0], targets[0], config, kinds, cpus, k)
     return rank(profiled, specs, config)
+
+
+def sequence_chunk_options(x: Any) -> list[int]:
+    """The sequence chunk counts `sequence_chunks="auto"` tries on a microbatch `x`: those of
+    `SEQUENCE_CHUNK_CHOICES` that leave each chunk `MIN_CHUNK_TOKENS` tokens or more."""
+    from raypipe.data.sequence_units import sequence_length
+
+    length = sequence_length(x)
+    return [k for k in SEQUENCE_CHUNK_CHOICES if k == 1 or length // k >= MIN_CHUNK_TOKENS]
 
 
 def rank(
@@ -150,8 +176,10 @@ def rank(
     config: TrainConfig,
     links: Mapping[tuple[int, int], Link] | None = None,
 ) -> ScheduleChoice:
-    """Every candidate predicted from the profiles of each microbatch count (`profiled`), with
-    each boundary message timed on its measured link where `links` are given; the cheapest wins.
+    """Every candidate predicted from the profiles of each microbatch count (`profiled`: keyed by
+    it, or by (it, sequence chunks) under `sequence_chunks="auto"`), with each boundary message
+    timed on its measured link where `links` are given; the cheapest wins. Under a named schedule
+    only it is tried.
 
     Raises:
         ConfigError: no candidate fits (names each one's reason).
@@ -159,11 +187,15 @@ def rank(
     kinds = config.stage_kinds()
     candidates: list[Candidate] = []
     best: tuple[float, Candidate, PlanReport] | None = None
-    for m, profiles in profiled.items():
-        for name, kind in SCHEDULES.items():
+    names = [n for n in SCHEDULES if config.schedule in ("auto", n)]
+    warmups = (0,) if config.schedule == "auto" else (config.extra_warmup,)
+    for key, profiles in profiled.items():
+        m, k = key if isinstance(key, tuple) else (key, None)
+        for name in names if k in (None, 1) else [n for n in names if n in SEQUENCE_CHUNKED]:
+            kind = SCHEDULES[name]
             for chunks in CHUNK_CHOICES if kind.chunks is None else (None,):
-                for extra in EXTRA_WARMUP_CHOICES if links and kind.extra_warmup else (0,):
-                    candidate = Candidate(name, chunks, m, None, extra_warmup=extra)
+                for extra in EXTRA_WARMUP_CHOICES if links and kind.extra_warmup else warmups:
+                    candidate = Candidate(name, chunks, m, None, extra_warmup=extra, sequence_chunks=k or 1)
                     candidates.append(candidate)
                     try:
                         cfg = config.replace(
@@ -171,6 +203,7 @@ def rank(
                             chunks=chunks,
                             microbatches=m,
                             extra_warmup=extra,
+                            sequence_chunks=k or 1,
                             partition="profile",
                             shard_plan=None,
                         )
@@ -186,7 +219,7 @@ def rank(
                     if best is None or _better(candidate.step_seconds, report, best[0], best[2]):
                         best = (candidate.step_seconds, candidate, report)
     if best is None:
-        raise ConfigError("schedule='auto' found no schedule that fits: " + "; ".join(str(c) for c in candidates))
+        raise ConfigError("'auto' found no schedule that fits: " + "; ".join(str(c) for c in candidates))
     best[2].profiled_microbatches = profiled
     return ScheduleChoice(best[1], best[2], candidates)
 
@@ -224,20 +257,25 @@ def plan_run(
     def split(x: Any, y: Any, parts: int) -> tuple[list, list]:
         return split_batch(x, y, parts, config.dp, max(1, parts // config.dp))
 
-    if config.schedule == "auto":
+    if config.schedule == "auto" or config.sequence_chunks == "auto":
         choice = choose(specs, loss_fn, *sample, config, cpus, split)
         log(str(choice))
-        chosen = choice.chosen
-        return config.replace(
-            schedule=chosen.schedule,
-            chunks=chosen.chunks,
-            microbatches=chosen.microbatches,
-            extra_warmup=chosen.extra_warmup,
-        ), choice.report
+        return chosen_config(config, choice.chosen), choice.report
     inputs, targets = split(*sample, config.dp * config.microbatches)
     report = profiled_plan(specs, loss_fn, inputs[0], targets[0], config, cpus)
     log(str(report))
     return config, report
+
+
+def chosen_config(config: TrainConfig, chosen: Candidate) -> TrainConfig:
+    """`config` with the candidate's schedule, chunks, microbatches, warm-up and sequence chunks."""
+    return config.replace(
+        schedule=chosen.schedule,
+        chunks=chosen.chunks,
+        microbatches=chosen.microbatches,
+        extra_warmup=chosen.extra_warmup,
+        sequence_chunks=chosen.sequence_chunks,
+    )
 
 
 def plan_for_links(
@@ -256,12 +294,9 @@ def plan_for_links(
         plan and of this one, the planner's account in words).
     """
     blind = predicted_seconds(running, report, links)
-    if asked.schedule == "auto":
+    if asked.schedule == "auto" or asked.sequence_chunks == "auto":
         choice = rank(report.profiled_microbatches, specs, asked, links)
         c = choice.chosen
-        config = running.replace(
-            schedule=c.schedule, chunks=c.chunks, microbatches=c.microbatches, extra_warmup=c.extra_warmup
-        )
-        return config, choice.report, blind, c.step_seconds or 0.0, str(choice)
+        return chosen_config(running, c), choice.report, blind, c.step_seconds or 0.0, str(choice)
     new = plan_from_profiles(report.profiles, running.stage_kinds(), running, links)
     return running, new, blind, predicted_seconds(running, new, links), str(new)

@@ -175,9 +175,10 @@ def _ranges(sizes: Sequence[int]) -> Plan:
 
 
 def is_profiled(config: Any) -> bool:
-    """Whether a `TrainConfig` plans from profiled layers (`partition="profile"` or
-    `schedule="auto"`, with no explicit `shard_plan`), which needs a sample batch."""
-    return (config.partition == "profile" or config.schedule == "auto") and config.shard_plan is None
+    """Whether a `TrainConfig` plans from profiled layers (`partition="profile"`, `schedule="auto"`
+    or `sequence_chunks="auto"`, with no explicit `shard_plan`), which needs a sample batch."""
+    planned = config.partition == "profile" or "auto" in (config.schedule, config.sequence_chunks)
+    return planned and config.shard_plan is None
 
 
 def first_plan(specs: Sequence[Any], config: Any, has_sample: bool) -> tuple[Plan, list[bool | None], bool]:
@@ -197,7 +198,8 @@ def first_plan(specs: Sequence[Any], config: Any, has_sample: bool) -> tuple[Pla
 
     profiled = is_profiled(config)
     if profiled and not has_sample:
-        what = "schedule='auto'" if config.schedule == "auto" else "partition='profile'"
+        autos = [f"{name}='auto'" for name in ("schedule", "sequence_chunks") if getattr(config, name) == "auto"]
+        what = autos[0] if autos else "partition='profile'"
         raise ConfigError(
             f"TrainConfig.{what} needs a sample batch to time the layers on: pass "
             "Trainer(..., sample=(x, y)) with a batch like those you will train on, or use "

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from raypipe.config import TrainConfig
+from raypipe.data.sequence_units import cut_microbatch
 from raypipe.devices import ray_options
 from raypipe.env import gradient_hand_on
 from raypipe.errors import PlacementError, StageError
@@ -115,12 +116,15 @@ def profile_layers(
     config: TrainConfig,
     kinds: Sequence[str],
     cpus: float = 1.0,
+    sequence_chunks: int | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Per accelerator kind in `kinds` (each stage's), each layer's times and bytes on one
     microbatch `(x, target)`, timed with the threads a stage of that kind will get
     (`raypipe.planning.threads`: its node's CPUs shared among the stages that pack there). On a
     cluster of one node, each CPU profile also says how many of its cores one pipeline replica's
-    actors share (`shared_cores`: the cores over dp x tp), which bounds a step from below."""
+    actors share (`shared_cores`: the cores over dp x tp), which bounds a step from below. With
+    `sequence_chunks` k (`sequence_chunks="auto"` tries each), per unit of the microbatch cut in k
+    along the sequence (`LayerProfiler.profile`)."""
     import ray
 
     from raypipe.actors.profiler import LayerProfiler
@@ -145,6 +149,9 @@ def profile_layers(
         codecs = (config.compress_activations, config.compress_gradients)
         split = config.schedule == "auto" or SCHEDULES[config.schedule].split_backward  # I and W timed apart
         extra = {"codecs": codecs, "split": split, "lora": config.lora}
+        if sequence_chunks is not None:  # the microbatch's units, timed as a stage runs them
+            x, target, _ = cut_microbatch(x, target, sequence_chunks, loss_fn)
+            extra = {"lora": config.lora, "sequence_chunks": sequence_chunks, "warmup": 1, "repeats": 3}
         refs = [
             a.profile.remote(list(specs), config.seed, x, target, loss_fn, t, **extra) for a, t in zip(actors, threads)
         ]
@@ -210,8 +217,9 @@ def plan_from_profiles(
     """
     from raypipe.schedules import build_schedule, owners, peak_in_flight
 
+    k = sequence_units_of(config)  # with k > 1 the profiles are per unit, m k of them a step
     m = config.microbatches
-    schedule = build_schedule(config.schedule, config.pp, m, config.chunks, config.extra_warmup)
+    schedule = build_schedule(config.schedule, config.pp, m, config.chunks, config.extra_warmup, k)
     owner = owners(schedule)
     stage_of = [owner[v] for v in range(len(owner))]
     chunks = config.num_chunks()
@@ -237,11 +245,12 @@ def plan_from_profiles(
     def fits(s: int, a: int, b: int) -> bool:
         return memory(s, a, b) <= capacity[s]
 
-    early = hands_on_early(config, by_virtual, schedule)
+    early = k == 1 and hands_on_early(config, by_virtual, schedule)  # a chunk's backward runs whole
 
     def step_seconds(split: Plan) -> float:
         compressed = (config.compress_activations, config.compress_gradients) != ("none", "none")
-        if chunks == 1 and not SCHEDULES[config.schedule].split_backward and not links and not compressed:
+        simple = chunks == 1 and k == 1 and not SCHEDULES[config.schedule].split_backward
+        if simple and not links and not compressed:
             return pipeline_seconds([sum(times[s][a:b]) for s, (a, b) in enumerate(split)], m)
         transfer = message_seconds(links, by_virtual, split, config) if links else None
         return scheduled_seconds(schedule, by_virtual, split, transfer, early)
@@ -259,7 +268,7 @@ def plan_from_profiles(
     if chunks > 1 or links:  # an actor's load is the sum of its chunks, and links are timed as messages
         starts = [plan, uniform] + ([speed_aware_plan(times, fits)] if links else [])
         plan = min((refine(start, step_seconds, fits) for start in starts), key=step_seconds)
-    stage_seconds = [sum(times[s][a:b]) for s, (a, b) in enumerate(plan)]
+    stage_seconds = [k * sum(times[s][a:b]) for s, (a, b) in enumerate(plan)]  # a microbatch's k units
     return PlanReport(
         plan=plan,
         kinds=list(kinds),
@@ -270,7 +279,7 @@ def plan_from_profiles(
         uniform_step_seconds=step_seconds(uniform),
         profiles=profiles,
         stages=stage_of if chunks > 1 else [],
-        link_wire=_link_wire(links, by_virtual, plan, stage_of, m, config),
+        link_wire=_link_wire(links, by_virtual, plan, stage_of, m * k, config),
     )
 
 
@@ -389,6 +398,11 @@ def scheduled_seconds(
         return sum(prof["weight_s"][a:b])
 
     return max(end for run in timed(schedule, seconds, transfer, early_gradients) for _, _, end in run)
+
+
+def sequence_units_of(config: TrainConfig) -> int:
+    """A microbatch's units along the sequence under `config` (1 while "auto" is not chosen)."""
+    return config.sequence_chunks if isinstance(config.sequence_chunks, int) else 1
 
 
 def _optimizer_slots(optimizer: dict) -> int:

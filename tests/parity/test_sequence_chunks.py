@@ -141,3 +141,23 @@ def test_a_layer_that_cannot_run_on_chunks_is_refused_at_start_naming_it(ray_ses
     config = TrainConfig(pp=2, sequence_chunks=2, cpus_per_actor=0.25, threads_per_actor=1)
     with pytest.raises((ConfigError, StageError), match=r"layer 1 \(Attend, on stage1-dp0-tp0\) cannot run on"):
         Trainer(layers, lambda out, y: out.mean(), config)
+
+
+@pytest.mark.slow
+def test_auto_times_the_layers_on_each_chunk_count_and_runs_the_fastest(ray_session):
+    """One sample of 1,024 tokens through two stages: the profiler times the layers on it cut in 1,
+    2, 4, 8 and 16, per unit; the bubble of the unchunked step is half of it, so a cut wins, and the
+    step runs its units."""
+    tiny = gpt.GPTConfig(n_layer=4, n_head=4, n_embd=256, block_size=1024, vocab_size=256)
+    seq = torch.randint(0, 256, (1, 1025), generator=torch.Generator().manual_seed(5))
+    x, y = seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+    config = TrainConfig(pp=2, sequence_chunks="auto", optimizer=SGD, cpus_per_actor=0.25, threads_per_actor=1)
+    lines = []
+    with Trainer(gpt.layers(tiny), gpt.loss_fn, config, sample=(x, y), log=lines.append) as t:
+        profiled = t.plan_report.profiled_microbatches
+        assert set(profiled) == {(1, k) for k in (1, 2, 4, 8, 16)}
+        per_unit = [sum(profiled[(1, k)]["cpu"]["forward_s"]) for k in (1, 2, 4, 8, 16)]
+        assert per_unit[1] < 0.8 * per_unit[0] and per_unit[-1] < 0.5 * per_unit[0], per_unit  # a share of it
+        k = t.config.sequence_chunks
+        assert k > 1 and lines[0].startswith(f"sequence_chunks=auto chose 1f1b, m=1, sequence_chunks={k}:"), lines[0]
+        assert t.step(x, y)["stages"][0]["peak_stashed_microbatches"] == k  # stage 0 holds every unit

@@ -87,6 +87,24 @@ def test_settings_that_cannot_run_on_chunks_are_refused_naming_the_field():
         TrainConfig(sequence_chunks=0)
 
 
+def test_auto_chunks_need_a_sample_and_the_split_and_are_chosen_only_at_start():
+    from raypipe import LayerSpec
+    from raypipe.config import check_reconfigurable
+    from raypipe.planning.partition import first_plan
+
+    assert TrainConfig(pp=2, schedule="auto", sequence_chunks="auto").sequence_chunks == "auto"
+    with pytest.raises(ConfigError, match='give a whole number >= 1 \\(1: not cut\\) or "auto"'):
+        TrainConfig(pp=2, sequence_chunks="four")
+    with pytest.raises(ConfigError, match="leave shard_plan unset"):
+        TrainConfig(pp=2, sequence_chunks="auto", shard_plan=[[0, 1], [1, 2]])
+    with pytest.raises(ConfigError, match="schedule 'zb-h1' does not run sequence chunks"):
+        TrainConfig(pp=2, schedule="zb-h1", sequence_chunks="auto")
+    with pytest.raises(ConfigError, match="sequence_chunks='auto' needs a sample batch"):
+        first_plan([LayerSpec(nn.Linear, 2, 2)] * 2, TrainConfig(pp=2, sequence_chunks="auto"), False)
+    with pytest.raises(ConfigError, match="sequence_chunks='auto' is chosen when a Trainer starts"):
+        check_reconfigurable({"sequence_chunks": "auto"})
+
+
 class Attend(nn.Module):
     """Attention over whole sequences, with no word on chunks."""
 
@@ -125,3 +143,39 @@ def test_recomputed_chunks_give_the_whole_sequences_gradients_and_keep_their_key
     assert replays == [False] * 3 + [True] * 3 and not sequence.open
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, whole[name], rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_auto_predicts_each_chunk_count_from_its_own_profiles_and_runs_the_fastest():
+    """Per-unit profiles as the profiler makes them (a sample cut in k: each layer's forward 8/k ms
+    and backward twice that, plus 0.5 ms a unit for k > 1): the unchunked step and the two-chunk
+    one are their 1F1B timelines plus the planner's fixed costs; the cost per unit makes the
+    fastest count an inner one, neither 1 nor 16."""
+    from raypipe import LayerSpec
+    from raypipe.planning.autoschedule import ACTION_OVERHEAD_S, STEP_OVERHEAD_S, rank
+
+    def profile(k):
+        forward = 0.004 / k + (0.0005 if k > 1 else 0.0)
+        return {
+            "cpu": {
+                "forward_s": [forward] * 4,
+                "backward_s": [2 * forward] * 4,
+                "parameter_bytes": [1000] * 4,
+                "activation_bytes": [10**6 / k] * 4,
+                "memory_bytes": 2**34,
+                "model": "test cpu",
+                "cpu_fallback": False,
+            }
+        }
+
+    profiled = {(1, k): profile(k) for k in (1, 2, 4, 8, 16)}
+    choice = rank(profiled, [LayerSpec(nn.Identity)] * 4, TrainConfig(pp=2, sequence_chunks="auto"))
+    seconds = {(c.schedule, c.sequence_chunks): c.step_seconds for c in choice.candidates}
+    fixed = 2 * STEP_OVERHEAD_S
+    # unchunked, stage by stage: F 8 ms, F 8, B 16, B 16; two chunks (F 5 ms, B 10 a unit a stage):
+    # stage 0's second backward ends at 5 + 5 + 5 + 10 + 10 + 10 = 45 ms
+    assert seconds[("1f1b", 1)] == pytest.approx(0.048 + 2 * ACTION_OVERHEAD_S + fixed)
+    assert seconds[("1f1b", 2)] == pytest.approx(0.045 + 4 * ACTION_OVERHEAD_S + fixed)
+    assert {k for _, k in seconds} == {1, 2, 4, 8, 16} and {s for s, _ in seconds} == {"1f1b"}
+    best = min(seconds, key=seconds.get)
+    assert (choice.chosen.schedule, choice.chosen.sequence_chunks) == best and best[1] not in (1, 16), seconds
+    assert str(choice).startswith(f"sequence_chunks=auto chose 1f1b, m=1, sequence_chunks={best[1]}")
