@@ -301,6 +301,17 @@ MUTATIONS = [
         ("tests/unit/test_sequence_units.py",),
         "a chunk's recomputation (activation checkpointing) keeps its keys and values again after its backward",
     ),
+    Mutation(
+        "chunk-packed-documents",
+        "raypipe/models/hf/chunk_cache.py",
+        'elif inputs["position_ids"] is not None:  # packed rows: each document sees only itself',
+        "elif False:",
+        (
+            "tests/parity/test_sequence_chunks.py::"
+            "test_a_transformers_model_trains_on_chunks_exactly_as_unchunked[mistral-packed-pp2]",
+        ),
+        "a chunk of a packed row attends across its documents (transformers separates them only without a cache)",
+    ),
 ]
 
 

@@ -50,11 +50,10 @@ def cut_microbatch(x: Any, y: Any, chunks: int, loss_fn: Any, m: int = 0) -> tup
     averages over (`sequence_units`; the profiler times layers on such units).
 
     Raises:
-        BatchError: packed rows, or sequences shorter than `chunks`.
+        BatchError: sequences shorter than `chunks`.
     """
     overlap = 1 if getattr(loss_fn, "shifts_labels", False) else 0
     length = sequence_length(x)
-    _refuse_packed(x, m)
     if length < chunks:
         raise BatchError(
             f"microbatch {m} holds sequences of {length} tokens, fewer than sequence_chunks={chunks}: "
@@ -77,17 +76,6 @@ def sequence_length(x: Any) -> int:
             f"give token ids (batch, sequence) or vectors (batch, sequence, features), or use sequence_chunks=1."
         )
     return int(first.shape[1])
-
-
-def _refuse_packed(x: Any, m: int) -> None:
-    """Packed rows (`position_ids` starting again inside a row, one document after another) are not
-    cut yet: transformers derives their block masks from positions only without a cache."""
-    positions = x.get("position_ids") if isinstance(x, dict) else None
-    if torch.is_tensor(positions) and positions.shape[-1] > 1 and bool((positions.diff(dim=-1) != 1).any()):
-        raise BatchError(
-            f"microbatch {m} packs several sequences in a row (its position_ids start again inside it): "
-            f"sequence_chunks does not cut packed rows yet; use sequence_chunks=1 for them, or one sequence per row."
-        )
 
 
 def _cut(value: Any, length: int, start: int, end: int) -> Any:

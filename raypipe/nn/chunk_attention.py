@@ -95,12 +95,13 @@ class _BlockAttention(torch.autograd.Function):
                 lse = lse.masked_fill(torch.isneginf(mask).all(-1).expand_as(lse), float("-inf"))
             outputs.append(out)
             lses.append(lse)
-        lses = torch.stack(lses)
-        lse = torch.logsumexp(lses, 0)
+        lse = torch.logsumexp(torch.stack(lses), 0)
         finite = torch.where(torch.isneginf(lse), 0.0, lse)
         wide = torch.promote_types(query.dtype, torch.float32)
-        shares = torch.exp(lses - finite).unsqueeze(-1)  # each block's share of a query's attention
-        merged = (torch.stack(outputs).to(wide) * shares).sum(0).to(query.dtype)
+        # summed block by block, the kernel's (batch, queries, heads, dim) layout is kept: the
+        # caller's transpose for its output projection is then no copy (a stacked sum made one)
+        merged = sum(out.to(wide) * torch.exp(part - finite).unsqueeze(-1) for out, part in zip(outputs, lses))
+        merged = merged.to(query.dtype)
         ctx.scale, ctx.plan = scale, plan
         ctx.save_for_backward(query, merged, torch.where(torch.isneginf(lse), float("inf"), lse), *blocks)
         return merged

@@ -9,7 +9,7 @@ import torch
 from raypipe import ConfigError, StageError, TrainConfig, Trainer
 from raypipe.models import gpt, hf
 
-from hf_helpers import by_hf_name, hf_reference, lm_batch, run_schedules, save_tiny
+from hf_helpers import VOCAB, by_hf_name, hf_reference, lm_batch, run_schedules, save_tiny
 
 SGD = {"name": "sgd", "lr": 0.05, "momentum": 0.9}
 LENGTH = 24  # divides into 2, 3, 4 and 8 chunks
@@ -54,6 +54,25 @@ def unpadded_batch(k: int):
     return {"input_ids": x["input_ids"], "attention_mask": torch.ones_like(x["attention_mask"])}, y
 
 
+def without_cache(x, y):
+    return {**x, "use_cache": False}, y
+
+
+def packed_batch(k: int):
+    """Four rows of 24 tokens, each packing documents of different lengths (`position_ids` start
+    again; no attention mask), each document's first label ignored."""
+    g = torch.Generator().manual_seed(700 + k)
+    ids = torch.randint(1, VOCAB, (4, LENGTH), generator=g)
+    positions, labels = torch.zeros_like(ids), ids.clone()
+    for row, lengths in enumerate([(10, 8, 6), (24,), (3, 12, 9), (5, 5, 5, 9)]):
+        start = 0
+        for n in lengths:
+            positions[row, start : start + n] = torch.arange(n)
+            labels[row, start] = -100
+            start += n
+    return {"input_ids": ids, "position_ids": positions}, labels
+
+
 # (family, pp, config overrides, LoRA, attention, (schedule, k) cases). transformers' SDPA runs a
 # chunk block by block on the CPU (`raypipe.nn.chunk_attention`; the window hides whole blocks of
 # Mistral's); eager attention takes the earlier chunks' keys joined under a mask, as a GPU does.
@@ -70,6 +89,8 @@ HF_CASES = {
         [("1f1b", 2, RECOMPUTE)],
     ),
     "llama-eager-pp2": ("llama", 2, {}, None, "eager", [("1f1b", 2), ("gpipe", 4, RECOMPUTE)]),
+    "llama-eager-packed-pp2": ("llama", 2, {}, None, "eager", [("1f1b", 3)]),
+    "mistral-packed-pp2": ("mistral", 2, {"sliding_window": 5}, None, "sdpa", [("1f1b", 4), ("gpipe", 3)]),
 }
 
 
@@ -81,10 +102,12 @@ def test_a_transformers_model_trains_on_chunks_exactly_as_unchunked(ray_session,
     model = hf.from_pretrained(directory, attn_implementation=attention)
     config = TrainConfig(pp=pp, microbatches=2, optimizer=SGD, lora=lora, cpus_per_actor=0.25, threads_per_actor=1)
     with Trainer(model, config=config) as t:
-        runs = chunked_runs(t, [("1f1b", 1), *cases], long_batch if attention == "sdpa" else unpadded_batch)
+        data = packed_batch if "packed" in case else long_batch if attention == "sdpa" else unpadded_batch
+        runs = chunked_runs(t, [("1f1b", 1), *cases], data)
         names = model.exporter.names(t.specs)
     if lora is None and attention == "sdpa":  # unchunked raypipe is transformers in one process (the window too)
-        ref_losses, ref_grads, _ = hf_reference(directory, steps=2, data=long_batch)
+        # without a cache, as transformers keeps packed documents apart only then (raypipe trains so)
+        ref_losses, ref_grads, _ = hf_reference(directory, steps=2, data=lambda k: without_cache(*data(k)))
         unchunked = runs[("1f1b", 1)]
         torch.testing.assert_close(torch.tensor(unchunked[0]), torch.tensor(ref_losses), rtol=1e-5, atol=4e-5)
         grads = by_hf_name(unchunked[1], names)

@@ -65,9 +65,6 @@ def test_units_cut_inputs_and_targets_along_the_sequence_and_weigh_by_counted_to
 def test_the_cut_is_refused_where_there_is_no_sequence_or_too_short_a_one():
     with pytest.raises(BatchError, match=r"first tensor has shape \(4, 6\)"):
         sequence_units(prepare(torch.randn(4, 6), torch.randn(4, 3), 1, 1, None), 2, None)
-    packed = {"input_ids": torch.zeros(1, 6, dtype=torch.long), "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2]])}
-    with pytest.raises(BatchError, match="packs several sequences in a row"):
-        sequence_units(prepare(packed, torch.zeros(1, 6, dtype=torch.long), 1, 1, None), 2, None)
     with pytest.raises(BatchError, match="sequences of 3 tokens, fewer than sequence_chunks=4"):
         sequence_units(
             prepare(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3, dtype=torch.long), 1, 1, None), 4, None

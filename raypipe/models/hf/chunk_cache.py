@@ -8,6 +8,9 @@ its masks (causal, padding, sliding window) over every token up to the chunk's e
 rows of the masks it makes for the whole sequence. Sliding-window layers keep every earlier key
 (the mask leaves the out-of-window ones out), so their gradients are those of the whole run.
 
+A packed row (documents one after another, `position_ids` starting again) gets its mask made
+here (`packed_mask`): transformers keeps packed documents apart only when it has no cache.
+
 Where the model attends with transformers' SDPA and `chunk_attention.supported` holds (the CPU),
 the layer attends block by block (`block_attention`): the cache hands the attention the earlier
 chunks' keys as blocks instead of one joined copy, and transformers' mask is sliced per block.
@@ -75,6 +78,8 @@ def layer_arguments(config: Any, index: int, hidden: torch.Tensor, inputs: dict[
         mask = inputs["attention_mask"]
         if mask is not None:
             mask = torch.cat([masks[c] for c in range(position.chunk + 1)], dim=1)
+        elif inputs["position_ids"] is not None:  # packed rows: each document sees only itself
+            mask = packed_mask(config, types[index] if types else None, hidden, inputs["position_ids"])
         chunk_inputs = {
             "attention_mask": mask,
             "position_ids": inputs["position_ids"],
@@ -83,6 +88,42 @@ def layer_arguments(config: Any, index: int, hidden: torch.Tensor, inputs: dict[
         }
         shared[key] = skeleton.layer_inputs(config, [index], hidden, chunk_inputs)[index]
     return shared[key]
+
+
+def packed_mask(config: Any, layer_type: str | None, hidden: torch.Tensor, positions: torch.Tensor) -> Any:
+    """The running chunk's (batch, 1, queries, keys) mask over every key up to its end where its
+    rows pack several documents (`position_ids` starting again inside a row, no attention mask),
+    else None: causal, within a query's document, and within the window of a sliding layer; as
+    transformers masks a packed row without a cache (`find_packed_sequence_indices`), which it does
+    not with one. Boolean for SDPA, additive for eager attention, as transformers gives each."""
+    position = _position()
+    documents = position.microbatch.shared.setdefault("documents", {})  # chunk -> (its documents, last position)
+    c = position.chunk
+    if c not in documents:
+        positions = positions.expand(hidden.shape[0], -1)
+        if c == 0:
+            before, first = positions[:, :1] - 1, torch.zeros_like(positions[:, :1])
+        else:
+            before, first = documents[c - 1][1], documents[c - 1][0][:, -1:]
+        starts = (
+            torch.diff(positions, prepend=before, dim=-1) != 1
+        )  # a document starts where a position does not follow
+        documents[c] = (first + starts.cumsum(-1), positions[:, -1:])
+    keys = torch.cat([documents[i][0] for i in range(c + 1)], dim=1)
+    if not bool(keys.any()):  # one document so far: transformers' causal mask from the cache
+        return None
+    queries = torch.arange(position.offset, position.end, device=hidden.device).unsqueeze(1)
+    seen = torch.arange(position.end, device=hidden.device).unsqueeze(0)
+    allowed = seen <= queries
+    if layer_type == "sliding_attention" or (layer_type is None and getattr(config, "sliding_window", None)):
+        allowed = allowed & (seen > queries - config.sliding_window)
+    mask = (documents[c][0].unsqueeze(2) == keys.unsqueeze(1)) & allowed
+    mask = mask.unsqueeze(1)
+    if config._attn_implementation == "eager":
+        return torch.zeros(mask.shape, dtype=hidden.dtype, device=hidden.device).masked_fill(
+            ~mask, torch.finfo(hidden.dtype).min
+        )
+    return mask
 
 
 def chunk_cache(config: Any) -> Any:
