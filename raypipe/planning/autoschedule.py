@@ -154,10 +154,11 @@ def choose(
     for m in counts:
         inputs, targets = split(x, y, config.dp * m)
         if config.sequence_chunks != "auto":
-            profiled[m] = profile_layers(specs, loss_fn, inputs[0], targets[0], config, kinds, cpus)
+            profiled[m] = profile_layers(specs, loss_fn, inputs[0], targets[0], config, kinds, cpus)[None]
             continue
-        for k in sequence_chunk_options(inputs[0]):  # each timed on the microbatch cut in k
-            profiled[(m, k)] = profile_layers(specs, loss_fn, inputs[0], targets[0], config, kinds, cpus, k)
+        cuts = sequence_chunk_options(inputs[0])  # each timed on the microbatch cut in k
+        for k, profiles in profile_layers(specs, loss_fn, inputs[0], targets[0], config, kinds, cpus, cuts).items():
+            profiled[(m, k)] = profiles
     return rank(profiled, specs, config)
 
 

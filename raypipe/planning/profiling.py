@@ -116,15 +116,15 @@ def profile_layers(
     config: TrainConfig,
     kinds: Sequence[str],
     cpus: float = 1.0,
-    sequence_chunks: int | None = None,
-) -> dict[str, dict[str, Any]]:
-    """Per accelerator kind in `kinds` (each stage's), each layer's times and bytes on one
-    microbatch `(x, target)`, timed with the threads a stage of that kind will get
-    (`raypipe.planning.threads`: its node's CPUs shared among the stages that pack there). On a
+    counts: Sequence[int | None] = (None,),
+) -> dict[int | None, dict[str, dict[str, Any]]]:
+    """Per sequence chunk count in `counts` (None: the microbatch as it is; `sequence_chunks="auto"`
+    tries several, by the same profilers), per accelerator kind in `kinds` (each stage's), each
+    layer's times and bytes on one microbatch `(x, target)` (with a count k, per unit of it cut in k
+    along the sequence: `LayerProfiler.profile`), timed with the threads a stage of that kind will
+    get (`raypipe.planning.threads`: its node's CPUs shared among the stages that pack there). On a
     cluster of one node, each CPU profile also says how many of its cores one pipeline replica's
-    actors share (`shared_cores`: the cores over dp x tp), which bounds a step from below. With
-    `sequence_chunks` k (`sequence_chunks="auto"` tries each), per unit of the microbatch cut in k
-    along the sequence (`LayerProfiler.profile`)."""
+    actors share (`shared_cores`: the cores over dp x tp), which bounds a step from below."""
     import ray
 
     from raypipe.actors.profiler import LayerProfiler
@@ -148,19 +148,23 @@ def profile_layers(
         ]
         codecs = (config.compress_activations, config.compress_gradients)
         split = config.schedule == "auto" or SCHEDULES[config.schedule].split_backward  # I and W timed apart
-        extra = {"codecs": codecs, "split": split, "lora": config.lora}
-        if sequence_chunks is not None:  # the microbatch's units, timed as a stage runs them
-            x, target, _ = cut_microbatch(x, target, sequence_chunks, loss_fn)
-            extra = {"lora": config.lora, "sequence_chunks": sequence_chunks, "warmup": 1, "repeats": 3}
-        refs = [
-            a.profile.remote(list(specs), config.seed, x, target, loss_fn, t, **extra) for a, t in zip(actors, threads)
-        ]
-        profiles = dict(zip(unique, _wait(actors, refs, unique, config.step_timeout, "finished")))
-        if len(cpus_of) == 1:  # one node: a pipeline's actors share its cores with the other replicas'
-            for profile in profiles.values():
-                if "cpu_s" in profile:
-                    profile["shared_cores"] = profile["cores"] / (config.dp * config.tp)
-        return profiles
+        by_count = {}
+        for count in counts:
+            inputs, targets, extra = x, target, {"codecs": codecs, "split": split, "lora": config.lora}
+            if count is not None:  # the microbatch's units, timed as a stage runs them
+                inputs, targets, _ = cut_microbatch(x, target, count, loss_fn)
+                extra = {"lora": config.lora, "sequence_chunks": count, "warmup": 1, "repeats": 3}
+            refs = [
+                a.profile.remote(list(specs), config.seed, inputs, targets, loss_fn, t, **extra)
+                for a, t in zip(actors, threads)
+            ]
+            profiles = dict(zip(unique, _wait(actors, refs, unique, config.step_timeout, "finished")))
+            if len(cpus_of) == 1:  # one node: a pipeline's actors share its cores with the other replicas'
+                for profile in profiles.values():
+                    if "cpu_s" in profile:
+                        profile["shared_cores"] = profile["cores"] / (config.dp * config.tp)
+            by_count[count] = profiles
+        return by_count
     finally:
         for actor in actors:
             ray.kill(actor, no_restart=True)
@@ -195,7 +199,7 @@ def profiled_plan(
     """Profiles the layers on one microbatch `(x, target)` on every device kind of `config`'s
     stages (actors reserving `cpus` each, threads as a stage will get) and plans by the times."""
     kinds = config.stage_kinds()
-    return plan_from_profiles(profile_layers(specs, loss_fn, x, target, config, kinds, cpus), kinds, config)
+    return plan_from_profiles(profile_layers(specs, loss_fn, x, target, config, kinds, cpus)[None], kinds, config)
 
 
 def plan_from_profiles(
