@@ -105,9 +105,8 @@ def packed_mask(config: Any, layer_type: str | None, hidden: torch.Tensor, posit
             before, first = positions[:, :1] - 1, torch.zeros_like(positions[:, :1])
         else:
             before, first = documents[c - 1][1], documents[c - 1][0][:, -1:]
-        starts = (
-            torch.diff(positions, prepend=before, dim=-1) != 1
-        )  # a document starts where a position does not follow
+        # a document starts where a position does not follow the one before it
+        starts = torch.diff(positions, prepend=before, dim=-1) != 1
         documents[c] = (first + starts.cumsum(-1), positions[:, -1:])
     keys = torch.cat([documents[i][0] for i in range(c + 1)], dim=1)
     if not bool(keys.any()):  # one document so far: transformers' causal mask from the cache
