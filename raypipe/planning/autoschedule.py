@@ -153,12 +153,10 @@ def choose(
     profiled: dict[Any, dict[str, dict[str, Any]]] = {}
     for m in counts:
         inputs, targets = split(x, y, config.dp * m)
-        if config.sequence_chunks != "auto":
-            profiled[m] = profile_layers(specs, loss_fn, inputs[0], targets[0], config, kinds, cpus)[None]
-            continue
-        cuts = sequence_chunk_options(inputs[0])  # each timed on the microbatch cut in k
+        # under "auto", each chunk count timed on the microbatch cut in k; else the microbatch as it is
+        cuts = sequence_chunk_options(inputs[0]) if config.sequence_chunks == "auto" else [None]
         for k, profiles in profile_layers(specs, loss_fn, inputs[0], targets[0], config, kinds, cpus, cuts).items():
-            profiled[(m, k)] = profiles
+            profiled[m if k is None else (m, k)] = profiles
     return rank(profiled, specs, config)
 
 

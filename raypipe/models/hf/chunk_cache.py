@@ -79,7 +79,8 @@ def layer_arguments(config: Any, index: int, hidden: torch.Tensor, inputs: dict[
         if mask is not None:
             mask = torch.cat([masks[c] for c in range(position.chunk + 1)], dim=1)
         elif inputs["position_ids"] is not None:  # packed rows: each document sees only itself
-            mask = packed_mask(config, types[index] if types else None, hidden, inputs["position_ids"])
+            sliding = shared["cache"].layers[index].is_sliding  # transformers' own answer for the layer
+            mask = packed_mask(config, sliding, hidden, inputs["position_ids"])
         chunk_inputs = {
             "attention_mask": mask,
             "position_ids": inputs["position_ids"],
@@ -90,10 +91,10 @@ def layer_arguments(config: Any, index: int, hidden: torch.Tensor, inputs: dict[
     return shared[key]
 
 
-def packed_mask(config: Any, layer_type: str | None, hidden: torch.Tensor, positions: torch.Tensor) -> Any:
+def packed_mask(config: Any, sliding: bool, hidden: torch.Tensor, positions: torch.Tensor) -> Any:
     """The running chunk's (batch, 1, queries, keys) mask over every key up to its end where its
     rows pack several documents (`position_ids` starting again inside a row, no attention mask),
-    else None: causal, within a query's document, and within the window of a sliding layer; as
+    else None: causal, within a query's document, and within the window of a `sliding` layer; as
     transformers masks a packed row without a cache (`find_packed_sequence_indices`), which it does
     not with one. Boolean for SDPA, additive for eager attention, as transformers gives each."""
     position = _position()
@@ -114,7 +115,7 @@ def packed_mask(config: Any, layer_type: str | None, hidden: torch.Tensor, posit
     queries = torch.arange(position.offset, position.end, device=hidden.device).unsqueeze(1)
     seen = torch.arange(position.end, device=hidden.device).unsqueeze(0)
     allowed = seen <= queries
-    if layer_type == "sliding_attention" or (layer_type is None and getattr(config, "sliding_window", None)):
+    if sliding:
         allowed = allowed & (seen > queries - config.sliding_window)
     mask = (documents[c][0].unsqueeze(2) == keys.unsqueeze(1)) & allowed
     mask = mask.unsqueeze(1)
