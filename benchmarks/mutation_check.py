@@ -294,6 +294,16 @@ MUTATIONS = [
         "a block whose mask hides a query row entirely weighs in the merge as if it held one key",
     ),
     Mutation(
+        "chunk-causal-plan-window",
+        "raypipe/models/hf/chunk_cache.py",
+        "and (window is None or position.end < window):",
+        "and True:",
+        (
+            "tests/unit/test_sequence_units.py::test_transformers_layers_on_chunks_give_the_whole_sequences_logits_and_gradients",
+        ),
+        "a sliding layer takes the plain causal plan though its window hides earlier keys",
+    ),
+    Mutation(
         "chunk-recompute-keeps-keys",
         "raypipe/nn/sequence_chunks.py",
         "        if not replay:",

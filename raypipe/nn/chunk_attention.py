@@ -1,15 +1,15 @@
 """A sequence chunk's attention block by block (`TrainConfig.sequence_chunks`): the chunk's
-queries against each earlier chunk's keys and values and against its own, each block through
-torch's CPU flash-attention kernel, the blocks merged by their log-sum-exps. The backward runs
-the kernel's backward per block with the merged output and log-sum-exp, as ring attention does,
-so the gradients are those of attention over the joined keys.
+queries against the earlier chunks' keys and values and against its own, each through torch's
+CPU flash-attention kernel, the results merged by their log-sum-exps. The backward runs the
+kernel's backward per part with the merged output and log-sum-exp, as ring attention does, so the
+gradients are those of attention over the joined keys.
 
 Why: joining the earlier chunks' keys with the chunk's own (`torch.cat`) under a (queries, keys)
 mask saves that joined copy in every chunk's graph (about L(k + 1)/2 keys per layer instead of L)
-and takes torch's masked CPU attention, its slow path. Here the earlier blocks are whole and the
-chunk's own block is square and causal, so no block needs a mask but a padding or sliding
-window's slice (a block that slice hides entirely is skipped), and the graph saves only the keys
-each chunk made.
+and takes torch's masked CPU attention, its slow path. Here the chunk's own block is square and
+causal and the earlier ones are attended together without it, so no part needs a mask but a
+padding or sliding window's slice (a block that slice hides entirely is skipped), and the graph
+saves only the keys each chunk made: the earlier blocks are joined for the kernel's call only.
 
 `supported` says where the kernel exists (the CPU, float32/64 and bfloat16, no dropout);
 elsewhere layers join the keys under a mask as before (`Position.extend`).
@@ -56,9 +56,9 @@ def block_plan(query: torch.Tensor, keys: list[torch.Tensor], mask: torch.Tensor
     """How `attend` runs each block under `mask` (its slice reduced three ways, a cost that grows
     with the chunk's keys): per block, (causal, its additive mask, None, or False where it hides
     the block entirely)."""
-    last = len(keys) - 1
     if mask is None:
-        return [(i == last, None) for i in range(len(keys))]
+        return causal_plan(len(keys))
+    last = len(keys) - 1
     plan: list[tuple[bool, Any]] = []
     start = 0
     for i, block in enumerate(keys):
@@ -76,6 +76,11 @@ def block_plan(query: torch.Tensor, keys: list[torch.Tensor], mask: torch.Tensor
     return plan
 
 
+def causal_plan(blocks: int) -> list[tuple[bool, Any]]:
+    """`block_plan` without a mask: every earlier block seen whole, the last (the chunk's own) causal."""
+    return [(i == blocks - 1, None) for i in range(blocks)]
+
+
 def _causal(seen: torch.Tensor) -> torch.Tensor:
     n = seen.shape[-1]
     return torch.ones(n, n, dtype=torch.bool, device=seen.device).tril()
@@ -83,13 +88,15 @@ def _causal(seen: torch.Tensor) -> torch.Tensor:
 
 class _BlockAttention(torch.autograd.Function):
     """The merged attention over blocks; saves the query, the merged output and log-sum-exp and
-    the blocks' keys and values (the tensors the caller holds anyway), no joined copy."""
+    the blocks' keys and values (the tensors the caller holds anyway), no joined copy. The kernel
+    runs per group (`_groups`): the blocks seen without the causal triangle joined, copied only
+    for the call."""
 
     @staticmethod
     def forward(ctx: Any, query: torch.Tensor, scale: float | None, plan: list, *blocks: torch.Tensor) -> torch.Tensor:
         n = len(plan)
         outputs, lses = [], []
-        for (causal, mask), key, value in zip(plan, blocks[:n], blocks[n:]):
+        for causal, mask, key, value, _ in _groups(plan, blocks[:n], blocks[n:]):
             out, lse = _FLASH(query, key, value, 0.0, causal, attn_mask=mask, scale=scale)
             if mask is not None:  # a query row the mask hides entirely: the kernel says 0, not -inf
                 lse = lse.masked_fill(torch.isneginf(mask).all(-1).expand_as(lse), float("-inf"))
@@ -98,7 +105,7 @@ class _BlockAttention(torch.autograd.Function):
         lse = torch.logsumexp(torch.stack(lses), 0)
         finite = torch.where(torch.isneginf(lse), 0.0, lse)
         wide = torch.promote_types(query.dtype, torch.float32)
-        # summed block by block, the kernel's (batch, queries, heads, dim) layout is kept: the
+        # summed group by group, the kernel's (batch, queries, heads, dim) layout is kept: the
         # caller's transpose for its output projection is then no copy (a stacked sum made one)
         merged = sum(out.to(wide) * torch.exp(part - finite).unsqueeze(-1) for out, part in zip(outputs, lses))
         merged = merged.to(query.dtype)
@@ -112,12 +119,36 @@ class _BlockAttention(torch.autograd.Function):
         n = len(ctx.plan)
         grad = grad.contiguous()
         grad_query = torch.zeros_like(query, dtype=torch.promote_types(query.dtype, torch.float32))
-        grad_keys, grad_values = [], []
-        for (causal, mask), key, value in zip(ctx.plan, blocks[:n], blocks[n:]):
+        grad_keys: list[Any] = [None] * n
+        grad_values: list[Any] = [None] * n
+        for causal, mask, key, value, members in _groups(ctx.plan, blocks[:n], blocks[n:]):
             dq, dk, dv = _FLASH_BACKWARD(
                 grad, query, key, value, merged, lse, 0.0, causal, attn_mask=mask, scale=ctx.scale
             )
             grad_query += dq
-            grad_keys.append(dk)
-            grad_values.append(dv)
+            lengths = [blocks[i].shape[-2] for i in members]
+            for i, dk_i, dv_i in zip(members, dk.split(lengths, -2), dv.split(lengths, -2)):
+                grad_keys[i], grad_values[i] = dk_i, dv_i
         return (grad_query.to(query.dtype), None, None, *grad_keys, *grad_values)
+
+
+def _groups(plan: list, keys: tuple, values: tuple) -> list[tuple[bool, Any, torch.Tensor, torch.Tensor, list[int]]]:
+    """The blocks as the kernel runs them, (causal, mask, keys, values, which blocks): a causal
+    block alone (the chunk's own), every other block joined into one, their keys, values and
+    masks concatenated along the keys. One call and one term of the merge instead of one per
+    earlier chunk: per-call costs and the merge grew with the chunk's index."""
+    groups = [(True, None, keys[i], values[i], [i]) for i, (causal, _) in enumerate(plan) if causal]
+    joined = [i for i, (causal, _) in enumerate(plan) if not causal]
+    if len(joined) == 1:
+        (i,) = joined
+        groups.append((False, plan[i][1], keys[i], values[i], joined))
+    elif joined:
+        masks = [plan[i][1] for i in joined]
+        mask = None
+        if any(m is not None for m in masks):  # a block seen whole is a block of zeros
+            like = next(m for m in masks if m is not None)
+            sized = lambda i: like.new_zeros(*like.shape[:-1], keys[i].shape[-2])  # noqa: E731
+            mask = torch.cat([m if m is not None else sized(i) for i, m in zip(joined, masks)], dim=-1)
+        key = torch.cat([keys[i] for i in joined], dim=-2)
+        groups.append((False, mask, key, torch.cat([values[i] for i in joined], dim=-2), joined))
+    return groups

@@ -176,3 +176,38 @@ def test_auto_predicts_each_chunk_count_from_its_own_profiles_and_runs_the_faste
     best = min(seconds, key=seconds.get)
     assert (choice.chosen.schedule, choice.chosen.sequence_chunks) == best and best[1] not in (1, 16), seconds
     assert str(choice).startswith(f"sequence_chunks=auto chose 1f1b, m=1, sequence_chunks={best[1]}")
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+def test_transformers_layers_on_chunks_give_the_whole_sequences_logits_and_gradients(kind, monkeypatch):
+    """In float64, block by block: a Llama under an attention mask that hides nothing takes the
+    plain causal plan without reading transformers' mask; a Mistral whose window (5) is shorter
+    than the sequence so far reads it (the window hides keys)."""
+    from raypipe.data.sequence_units import cut_microbatch
+    from raypipe.layers import build_layer
+    from raypipe.models import hf
+    from raypipe.nn import chunk_attention
+
+    from hf_helpers import VOCAB, tiny_config
+
+    config = tiny_config(kind, num_hidden_layers=2, **({"sliding_window": 5} if kind == "mistral" else {}))
+    model = hf.from_config(config, attn_implementation="sdpa", verify=False)
+    layers = nn.Sequential(*[build_layer(spec, 0, i) for i, spec in enumerate(model.layers)]).double()
+    ids = torch.randint(1, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    x = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    whole = layers(x)
+    whole.square().sum().backward()
+    expected = {name: p.grad.clone() for name, p in layers.named_parameters()}
+    layers.zero_grad()
+    plans, reading = [], chunk_attention.block_plan
+    monkeypatch.setattr(chunk_attention, "block_plan", lambda *a: plans.append(1) or reading(*a))
+    units, _, _ = cut_microbatch(x, ids, 3, model.loss_fn)
+    sequence = Sequence(3)
+    outs = [sequence.forward(c, layers, unit) for c, unit in enumerate(units)]
+    torch.testing.assert_close(torch.cat(outs, dim=1), whole, rtol=1e-10, atol=1e-10)
+    for c in reversed(range(3)):
+        pairs = [(outs[c].square().sum(), torch.tensor(1.0, dtype=torch.float64)), *sequence.roots(c)]
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+    for name, p in layers.named_parameters():
+        torch.testing.assert_close(p.grad, expected[name], rtol=1e-10, atol=1e-12, msg=name)
+    assert (len(plans) > 0) == (kind == "mistral"), plans  # chunks 1 and 2 end past the window

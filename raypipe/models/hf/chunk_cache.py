@@ -76,10 +76,10 @@ def layer_arguments(config: Any, index: int, hidden: torch.Tensor, inputs: dict[
     key = ("arguments", position.chunk, types[index] if types else None)
     if key not in shared:
         mask = inputs["attention_mask"]
+        sliding = shared["cache"].layers[index].is_sliding  # transformers' own answer for the layer
         if mask is not None:
             mask = torch.cat([masks[c] for c in range(position.chunk + 1)], dim=1)
         elif inputs["position_ids"] is not None:  # packed rows: each document sees only itself
-            sliding = shared["cache"].layers[index].is_sliding  # transformers' own answer for the layer
             mask = packed_mask(config, sliding, hidden, inputs["position_ids"])
         chunk_inputs = {
             "attention_mask": mask,
@@ -88,7 +88,19 @@ def layer_arguments(config: Any, index: int, hidden: torch.Tensor, inputs: dict[
             "use_cache": True,
         }
         shared[key] = skeleton.layer_inputs(config, [index], hidden, chunk_inputs)[index]
+        kind = types[index] if types else None
+        window = getattr(config, "sliding_window", None) if sliding else None
+        plain = mask is None or (mask.dim() == 2 and bool(mask.all()))
+        if plain and kind in _CAUSAL_TYPES and (window is None or position.end < window):
+            # transformers' mask is the causal triangle alone: the block attention's plan needs no
+            # look at it (reducing it per block cost 3 % of a stage's forward at k = 8)
+            plan = ("plan", position.chunk, id(shared[key][1].get("attention_mask")))
+            shared[plan] = chunk_attention.causal_plan(position.chunk + 1)
     return shared[key]
+
+
+#: the layer types whose mask is causal and padding (and a window, for sliding ones) alone
+_CAUSAL_TYPES = (None, "full_attention", "sliding_attention")
 
 
 def packed_mask(config: Any, sliding: bool, hidden: torch.Tensor, positions: torch.Tensor) -> Any:
