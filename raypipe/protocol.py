@@ -366,7 +366,8 @@ class StageSettings:
     compile: bool = False
     # when a whole backward hands its input gradient on: "measured", "early" or "late" (`env.gradient_hand_on`)
     gradient_hand_on: str = "measured"
-    # the step's schedule as (name, pp, microbatches, chunks, extra_warmup): what `hand_on` times both ways
+    # the step's schedule as (name, pp, microbatches, chunks, extra_warmup, sequence_chunks): what
+    # `hand_on` times both ways
     schedule_spec: tuple | None = None
     measure_activations: bool = False
     zero: int = 0
@@ -391,7 +392,7 @@ class StageSettings:
             activation_checkpointing=c.activation_checkpointing,
             compile=c.compile,
             gradient_hand_on=gradient_hand_on(),
-            schedule_spec=(c.schedule, c.pp, c.microbatches, c.chunks, c.extra_warmup),
+            schedule_spec=(c.schedule, c.pp, c.microbatches, c.chunks, c.extra_warmup, c.sequence_chunks),
             measure_activations=c.measure_activations,
             zero=c.zero,
             dp_bucket_bytes=max(1, int(c.dp_bucket_mb * 2**20)),

@@ -201,7 +201,6 @@ class Executor:
         (`split_backward.covers_every_weight`), nor one that trains few of its weights (LoRA)."""
         return (
             self.hand_on.mode != "late"
-            and self.sequence.chunks == 1  # a chunk's backward also reaches the earlier chunks' keys and values
             and not self.part(v)[2]
             and not self.settings.compile
             and self.split_covers.get(v, True)
@@ -234,10 +233,12 @@ class Executor:
                 pairs = self._pairs(out, grad)
                 outputs, grads = [o for o, _ in pairs], [g for _, g in pairs]
             inputs = [] if first else [t for t in tensors(x) if t.requires_grad]
+            outputs, grads, inputs = self.sequence.split_backward(microbatch, v, outputs, grads, inputs)  # its keys
             weights, compiled = self.model.trainable(), self.settings.compile  # compiled: W's work done at I
             if v not in self.split_covers and not compiled:
                 self.split_covers[v] = covers_every_weight(outputs, inputs, weights)
-            unsplit = compiled or not self.split_covers[v]  # the split would drop a gradient: none
+            # none where the split would drop a gradient, or fail: a first stage's chunk (its inputs, the keys)
+            unsplit = compiled or not self.split_covers[v] or (first and self.sequence.chunks > 1)
             self.deferred[(v, microbatch)] = input_gradients(outputs, grads, inputs, weights, unsplit)
             leaving = None if first else self.send(input_grads(x), self.settings.compress_gradients)
             if whole:

@@ -59,18 +59,19 @@ def early_is_faster(schedule: Any, forward_s: float, whole_s: float, input_s: fl
 
 def timed_schedule(spec: tuple | None) -> Any:
     """The schedule `early_is_faster` times for `spec` (`StageSettings.schedule_spec`: name, pp,
-    microbatches, chunks, extra warm-up), with at most `TIMED_MICROBATCHES_PER_STAGE` x pp
-    microbatches, so that the timing stays milliseconds on long pipelines; None without a spec
-    (or one that does not build: the choice then falls back to `MARGIN`)."""
+    microbatches, chunks, extra warm-up and, optionally, sequence chunks), with at most
+    `TIMED_MICROBATCHES_PER_STAGE` x pp microbatches, so that the timing stays milliseconds on long
+    pipelines; None without a spec (or one that does not build: the choice then falls back to
+    `MARGIN`)."""
     if spec is None:
         return None
     from raypipe.errors import ScheduleError
     from raypipe.schedules import build_schedule
 
-    name, pp, m, chunks, extra_warmup = spec
+    name, pp, m, chunks, extra_warmup, *sequence = spec
     for microbatches in (min(m, TIMED_MICROBATCHES_PER_STAGE * pp), m):  # whole where fewer do not build
         try:
-            return build_schedule(name, pp, microbatches, chunks, extra_warmup)
+            return build_schedule(name, pp, microbatches, chunks, extra_warmup, *sequence)
         except ScheduleError:
             continue
     return None

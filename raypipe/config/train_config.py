@@ -77,7 +77,7 @@ class TrainConfig:
             through the pipeline one after another (Seq1F1B), so one long sample fills it (m = 1
             idles (pp - 1)/pp of each step). Forwards run in chunk order, backwards in reverse;
             attention keeps earlier chunks' keys and values and their gradients: exact
-            (`raypipe.nn.sequence_chunks`). "gpipe", "1f1b"; GPT and transformers' families;
+            (`raypipe.nn.sequence_chunks`). "gpipe", "1f1b", "zb-h1"; GPT and transformers' families;
             token-weighted losses. With activation_checkpointing a stage keeps each chunk's input,
             keys and values, one chunk's activations at a time. "auto": the count of 1 to 16
             (>= 32 tokens each) predicted fastest from the layers timed on the sample cut each way

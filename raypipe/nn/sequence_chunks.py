@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import copy
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -46,21 +45,29 @@ class KVChunks:
         self.leaves: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def extend(
-        self, chunk: int, keys: torch.Tensor, values: torch.Tensor, dim: int = -2, replay: bool = False
+        self, chunk: int, keys: torch.Tensor, values: torch.Tensor, dim: int = -2, earlier: list | None = None
     ) -> tuple[torch.Tensor, ...]:
         """Chunk `chunk`'s keys and values joined after those of every earlier chunk along `dim`
         (the sequence's), for its attention; keeps them for the chunks after it (`blocks`)."""
-        all_keys, all_values = self.blocks(chunk, keys, values, replay)
+        all_keys, all_values = self.blocks(chunk, keys, values, earlier)
         if len(all_keys) == 1:
             return keys, values
         return torch.cat(all_keys, dim=dim), torch.cat(all_values, dim=dim)
 
-    def blocks(self, chunk: int, keys: torch.Tensor, values: torch.Tensor, replay: bool = False) -> tuple[list, list]:
+    def earlier(self, chunk: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The leaves of every chunk before `chunk` still kept (their backwards come after its)."""
+        return [self.leaves[c] for c in sorted(self.leaves) if c < chunk]
+
+    def blocks(
+        self, chunk: int, keys: torch.Tensor, values: torch.Tensor, earlier: list | None = None
+    ) -> tuple[list, list]:
         """Every earlier chunk's keys and values (their leaves) and then chunk `chunk`'s own, as
-        blocks for `chunk_attention.attend` (no joined copy); keeps them for the chunks after it,
-        but not when the chunk's forward is recomputed (`replay`: what it made is kept already)."""
-        earlier = [self.leaves[c] for c in sorted(self.leaves) if c < chunk]
-        if not replay:
+        blocks for `chunk_attention.attend` (no joined copy); keeps them for the chunks after it.
+        `earlier`: the leaves the chunk's forward saw, given when it is recomputed (`Position.replay`):
+        what it made is kept already, and under a split backward the chunk before it may have run
+        its input half since, freeing its leaves."""
+        if earlier is None:
+            earlier = self.earlier(chunk)
             self.made[chunk] = (keys, values)
             self.leaves[chunk] = (keys.detach().requires_grad_(), values.detach().requires_grad_())
         return [*(k for k, _ in earlier), keys], [*(v for _, v in earlier), values]
@@ -98,28 +105,48 @@ class Position:
         self.end = self.offset + length
         microbatch.starts[chunk + 1] = self.end
         self.replay = False  # a recomputation of the chunk's forward (`replayed`)
+        self.seen: dict[Any, list] = {}  # per layer, the earlier leaves its forward attended to
 
     def extend(self, layer: Any, keys: torch.Tensor, values: torch.Tensor, dim: int = -2) -> tuple[torch.Tensor, ...]:
         """`layer`'s keys and values for this chunk's attention (`KVChunks.extend`)."""
-        return self.microbatch.kv(layer).extend(self.chunk, keys, values, dim, self.replay)
+        return self.microbatch.kv(layer).extend(self.chunk, keys, values, dim, self._earlier(layer))
 
     def blocks(self, layer: Any, keys: torch.Tensor, values: torch.Tensor) -> tuple[list, list]:
         """`layer`'s keys and values for this chunk's attention as blocks (`KVChunks.blocks`)."""
-        return self.microbatch.kv(layer).blocks(self.chunk, keys, values, self.replay)
+        return self.microbatch.kv(layer).blocks(self.chunk, keys, values, self._earlier(layer))
 
-    @contextlib.contextmanager
-    def replayed(self) -> Iterator[Position]:
+    def _earlier(self, layer: Any) -> list | None:
+        """None on the chunk's forward (which notes the leaves it sees); on a replay, those leaves."""
+        if self.replay:
+            return self.seen[layer]
+        self.seen[layer] = self.microbatch.kv(layer).earlier(self.chunk)
+        return None
+
+    def replayed(self) -> Replay:
         """This chunk's forward again, as activation checkpointing recomputes it in the chunk's
         backward (torch's `checkpoint(context_fn=...)`, on whatever thread autograd runs it): the
         earlier chunks' leaves are still there (their backwards come after), and the keys and
         values the chunk made are not kept a second time."""
         again = copy.copy(self)
         again.replay = True
-        token = _CURRENT.set(again)
-        try:
-            yield again
-        finally:
-            _CURRENT.reset(token)
+        return Replay(again)
+
+
+class Replay:
+    """A context that makes `position` the running chunk, as often as it is entered: torch's
+    checkpoint enters its recomputation context at each recomputation, and a split backward
+    recomputes in each of its halves."""
+
+    def __init__(self, position: Position) -> None:
+        self.position = position
+        self.tokens: list[contextvars.Token] = []
+
+    def __enter__(self) -> Position:
+        self.tokens.append(_CURRENT.set(self.position))
+        return self.position
+
+    def __exit__(self, *exc: Any) -> None:
+        _CURRENT.reset(self.tokens.pop())
 
     def causal_mask(self, device: torch.device) -> torch.Tensor:
         """Which keys (every token up to this chunk's end) each of this chunk's queries sees: a
@@ -182,6 +209,22 @@ class Sequence:
         if c == 0:
             del self.open[(part, m)]
         return pairs
+
+    def split_backward(self, unit: int, part: Any, outputs: list, grads: list | None, inputs: list) -> tuple:
+        """(outputs, their gradients, inputs) of unit `unit`'s backward split in two
+        (`split_backward.input_gradients`): its keys and values with the gradients later chunks gave
+        them (`roots`) as one more output, a scalar (torch's split detaches its outputs in place,
+        which views refuse), and the leaves of its microbatch's earlier chunks as more inputs, so
+        that the first half gives them their gradients before those chunks' backwards run. Unchanged
+        when the step is not chunked."""
+        roots = self.roots(unit, part)
+        if roots:
+            outputs = [*outputs, sum((made * g).sum() for made, g in roots)]
+            grads = None if grads is None else [*grads, torch.ones_like(outputs[-1])]
+        m, c = self.split(unit)
+        microbatch = self.open.get((part, m))
+        layers = microbatch.layers.values() if microbatch is not None else ()
+        return outputs, grads, [*inputs, *(t for kv in layers for pair in kv.earlier(c) for t in pair)]
 
     def clear(self) -> None:
         self.open.clear()

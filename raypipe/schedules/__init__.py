@@ -70,7 +70,7 @@ SCHEDULES: dict[str, ScheduleKind] = {
 
 
 # the schedules that take a microbatch's sequence chunks as their unit (`TrainConfig.sequence_chunks`)
-SEQUENCE_CHUNKED = ("gpipe", "1f1b")
+SEQUENCE_CHUNKED = ("gpipe", "1f1b", "zb-h1")
 
 
 def build_schedule(
@@ -103,11 +103,10 @@ def build_schedule(
                 f"{' and '.join(repr(n) for n in SEQUENCE_CHUNKED)} do; or use sequence_chunks=1"
             )
         units = num_microbatches * sequence_chunks
-        schedule = (
-            gpipe(num_stages, units)
-            if name == "gpipe"
-            else one_f_one_b(num_stages, units, extra_warmup, sequence_chunks)
-        )
+        if name == "gpipe":
+            schedule = gpipe(num_stages, units)
+        else:
+            schedule = kind.build(num_stages, units, extra_warmup, sequence_chunks)
         validate(schedule, num_stages, units)
         return schedule
     if extra_warmup and not kind.extra_warmup:

@@ -28,7 +28,7 @@ def one_f_one_b(num_stages: int, num_microbatches: int, extra_warmup: int = 0, s
     schedule: Schedule = []
     for s in range(num_stages):
         warmup = min(warmup_forwards(num_stages, num_microbatches, s, extra_warmup) + k - 1, num_microbatches)
-        backwards = [m - m % k + (k - 1 - m % k) for m in range(num_microbatches)]  # chunks in reverse
+        backwards = backward_order(num_microbatches, k)
         actions = [Action(s, FORWARD, m) for m in range(warmup)]
         for i in range(num_microbatches - warmup):
             actions.append(Action(s, FORWARD, warmup + i))
@@ -43,3 +43,10 @@ def warmup_forwards(num_stages: int, num_microbatches: int, stage: int, extra_wa
     `extra_warmup` more on every stage but the last (whose backward follows its forward at once)."""
     extra = extra_warmup if stage < num_stages - 1 else 0
     return min(num_stages - stage - 1 + extra, num_microbatches)
+
+
+def backward_order(units: int, sequence_chunks: int) -> list[int]:
+    """The units in the order their backwards run under a 1F1B-ordered schedule: microbatch by
+    microbatch, each one's `sequence_chunks` chunks in reverse (the identity for 1)."""
+    k = sequence_chunks
+    return [u - u % k + (k - 1 - u % k) for u in range(units)]

@@ -13,29 +13,31 @@ formulas.
 from __future__ import annotations
 
 from raypipe.schedules.actions import FORWARD, INPUT_GRAD, WEIGHT_GRAD, Action, Schedule
-from raypipe.schedules.one_f_one_b import warmup_forwards
+from raypipe.schedules.one_f_one_b import backward_order, warmup_forwards
 
 
-def zb_h1(num_stages: int, num_microbatches: int, extra_warmup: int = 0) -> Schedule:
+def zb_h1(num_stages: int, num_microbatches: int, extra_warmup: int = 0, sequence_chunks: int = 1) -> Schedule:
     """ZB-H1: 1F1B's warm-up and order with each backward split, actor s deferring its weight
     gradients by s steps so they fill the cool-down's bubble (the paper's handcrafted H1);
-    `extra_warmup` as in `one_f_one_b`."""
+    `extra_warmup` and `sequence_chunks` (units, backwards in reverse chunk order) as in
+    `one_f_one_b`."""
     p, m = num_stages, num_microbatches
+    order = backward_order(m, sequence_chunks)
     schedule: Schedule = []
     for s in range(p):
-        warmup = warmup_forwards(p, m, s, extra_warmup)
+        warmup = min(warmup_forwards(p, m, s, extra_warmup) + sequence_chunks - 1, m)
         actions = [Action(s, FORWARD, i) for i in range(warmup)]
         weights = 0
         for i in range(m - warmup):
-            actions += [Action(s, FORWARD, warmup + i), Action(s, INPUT_GRAD, i)]
+            actions += [Action(s, FORWARD, warmup + i), Action(s, INPUT_GRAD, order[i])]
             if i >= s:
-                actions.append(Action(s, WEIGHT_GRAD, weights))
+                actions.append(Action(s, WEIGHT_GRAD, order[weights]))
                 weights += 1
         for i in range(m - warmup, m):
-            actions.append(Action(s, INPUT_GRAD, i))
-            actions.append(Action(s, WEIGHT_GRAD, weights))
+            actions.append(Action(s, INPUT_GRAD, order[i]))
+            actions.append(Action(s, WEIGHT_GRAD, order[weights]))
             weights += 1
-        actions += [Action(s, WEIGHT_GRAD, i) for i in range(weights, m)]
+        actions += [Action(s, WEIGHT_GRAD, order[i]) for i in range(weights, m)]
         schedule.append(actions)
     return schedule
 

@@ -227,6 +227,7 @@ def test_the_hand_on_choice_times_both_ways_then_asks_the_schedule():
     assert not measured(0.0023, ("1f1b", 4, 16, None, 0))
     long = timed_schedule(("1f1b", 4, 1024, None, 0))  # timed with 16 microbatches: milliseconds
     assert max(a.microbatch for a in long[0]) == 15 and timed_schedule(None) is None
+    assert len(timed_schedule(("1f1b", 2, 1, None, 0, 4))[0]) == 8  # a sample's 4 sequence chunks: 8 actions
     assert HandOnChoice("early").early(0) and not HandOnChoice("late").early(0)
     # tensor-parallel ranks do not each choose by their own timings: they all run late, or as forced
     assert [hand_on_mode(m, 2) for m in ("measured", "early", "late")] == ["late", "early", "late"]

@@ -1,7 +1,8 @@
 """Sequence chunks (`TrainConfig.sequence_chunks`) change nothing but the order: losses, gradients
 and weights equal the unchunked run's (fp32, rtol 1e-5) at pp 2 and 3, k 2..8, under 1F1B and
-GPipe, with padding and -100 labels; for raypipe's GPT, transformers' Llama (LoRA too) and
-Mistral's sliding window, whose unchunked runs match transformers in one process."""
+GPipe, with padding and -100 labels, on the p2p and refs engines; for raypipe's GPT, transformers'
+Llama (LoRA too) and Mistral's sliding window, whose unchunked runs match transformers in one
+process."""
 
 import pytest
 import torch
@@ -21,15 +22,17 @@ def long_batch(k: int):
     return lm_batch(k, size=4, length=LENGTH)
 
 
-def chunked_runs(trainer, cases, data, steps=2):
+def chunked_runs(trainer, cases, data, steps=2, start=None):
     """Per case, (schedule, sequence_chunks) or (schedule, sequence_chunks, RECOMPUTE) (activation
-    checkpointing: each chunk's forward runs again in its backward), from the same start with
-    fresh optimizer state: the steps' losses, the first step's gradients and the final weights."""
+    checkpointing: each chunk's forward runs again in its backward), from the same start (the
+    trainer's weights, or `start`) with fresh optimizer state: the steps' losses, the first step's
+    gradients and the final weights."""
     runs = [
         {"schedule": case[0], "sequence_chunks": case[1], "activation_checkpointing": RECOMPUTE in case}
         for case in cases
     ]
-    out = run_schedules(trainer, trainer.state_dict(), steps=steps, data=data, schedules=runs)
+    start = start if start is not None else trainer.state_dict()
+    out = run_schedules(trainer, start, steps=steps, data=data, schedules=runs)
     return {
         case: out[(run["schedule"], run["sequence_chunks"], run["activation_checkpointing"])]
         for case, run in zip(cases, runs)
@@ -78,7 +81,7 @@ def packed_batch(k: int):
 # Mistral's); eager attention takes the earlier chunks' keys joined under a mask, as a GPU does.
 HF_CASES = {
     "llama-pp2": ("llama", 2, {}, None, "sdpa", [("1f1b", 4), ("gpipe", 3), ("1f1b", 4, RECOMPUTE)]),
-    "llama-pp3": ("llama", 3, {}, None, "sdpa", [("1f1b", 8), ("gpipe", 2)]),
+    "llama-pp3": ("llama", 3, {}, None, "sdpa", [("1f1b", 8), ("gpipe", 2), ("zb-h1", 4)]),
     "mistral-sliding-pp2": ("mistral", 2, {"sliding_window": 5}, None, "sdpa", [("1f1b", 4), ("1f1b", 3, RECOMPUTE)]),
     "llama-lora-pp2": (
         "llama",
@@ -128,11 +131,13 @@ def gpt_batch(k: int):
 
 
 @pytest.mark.slow
-def test_the_gpt_trains_on_chunks_exactly_as_unchunked_at_pp2_and_pp3(ray_session):
+def test_the_gpt_trains_on_chunks_exactly_as_unchunked_at_pp2_and_pp3(ray_session, monkeypatch):
     tiny = gpt.GPTConfig(n_layer=3, n_head=2, n_embd=16, block_size=32, vocab_size=64)
     config = TrainConfig(pp=2, microbatches=2, optimizer=SGD, cpus_per_actor=0.25, threads_per_actor=1)
     with Trainer(gpt.layers(tiny), gpt.loss_fn, config) as t:
-        cases = [("1f1b", 4, RECOMPUTE), ("1f1b", 2), ("gpipe", 8), ("1f1b", 5)]  # k 5: 7, 7, 6, 6, 6 tokens
+        # k 5: 7, 7, 6, 6, 6 tokens; ZB-H1: each unit's backward split, its keys' gradients in the first half
+        cases = [("zb-h1", 4), ("zb-h1", 3, RECOMPUTE), ("1f1b", 4, RECOMPUTE), ("1f1b", 2), ("gpipe", 8), ("1f1b", 5)]
+        start = t.state_dict()
         runs = chunked_runs(t, [("1f1b", 1), *cases], gpt_batch)
         for key in cases:
             assert_same_run(runs[key], runs[("1f1b", 1)])
@@ -144,7 +149,15 @@ def test_the_gpt_trains_on_chunks_exactly_as_unchunked_at_pp2_and_pp3(ray_sessio
         t.reconfigure(activation_checkpointing=True)  # a chunk keeps its input, keys and values
         recomputed = [s["peak_stashed_bytes"] for s in t.step(*gpt_batch(3))["stages"]]
         assert all(r < 0.6 * k for r, k in zip(recomputed, kept)), (recomputed, kept)
-    config = TrainConfig(pp=3, microbatches=1, optimizer=SGD, cpus_per_actor=0.25, threads_per_actor=1)
+        # stage 1's backwards split, the input half handed on first: the keys' gradients in its first
+        # half, the earlier chunks' leaves among its inputs (read at reconfigure)
+        monkeypatch.setenv("RAYPIPE_EARLY_GRADIENTS", "1")
+        early = chunked_runs(t, [("1f1b", 4), ("gpipe", 3, RECOMPUTE)], gpt_batch, start=start)
+        monkeypatch.delenv("RAYPIPE_EARLY_GRADIENTS")
+        for key in early:
+            assert_same_run(early[key], runs[("1f1b", 1)])
+    # pp 3 on the refs engine: the driver issues each unit's forward and backward
+    config = TrainConfig(pp=3, microbatches=1, optimizer=SGD, cpus_per_actor=0.25, threads_per_actor=1, engine="refs")
     with Trainer(gpt.layers(tiny), gpt.loss_fn, config) as t:
         runs = chunked_runs(t, [("1f1b", 1), ("1f1b", 4)], gpt_batch)
     assert_same_run(runs[("1f1b", 4)], runs[("1f1b", 1)])

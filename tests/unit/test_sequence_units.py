@@ -13,7 +13,7 @@ from raypipe.models import gpt
 from raypipe.models.hf.loss import CausalLMLoss
 from raypipe.nn import sequence_chunks
 from raypipe.nn.sequence_chunks import Sequence, check_chunkable
-from raypipe.schedules import BACKWARD, FORWARD, build_schedule, timed
+from raypipe.schedules import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, build_schedule, timed
 
 
 def step_time(schedule, k):
@@ -34,8 +34,13 @@ def test_1f1b_runs_a_microbatchs_chunks_forward_in_order_and_backward_in_reverse
     # one sample over two stages: the bubble shrinks with the chunks (equal forward, double backward)
     spans = [step_time(build_schedule("1f1b", 2, 1, sequence_chunks=k), k) for k in (1, 2, 4, 8)]
     assert spans == sorted(spans, reverse=True) and spans[0] / spans[2] == pytest.approx(6 / 3.75)
-    with pytest.raises(Exception, match="'zb-h1' does not run sequence chunks"):
-        build_schedule("zb-h1", 2, 2, sequence_chunks=2)
+    zb = build_schedule("zb-h1", 3, 1, sequence_chunks=3)  # I in reverse chunk order, each W after its I
+    assert [(a.kind, a.microbatch) for a in zb[0] if a.kind != FORWARD] == [
+        (kind, c) for c in (2, 1, 0) for kind in (INPUT_GRAD, WEIGHT_GRAD)
+    ]
+    assert [a.microbatch for a in zb[2] if a.kind == INPUT_GRAD] == [2, 1, 0]
+    with pytest.raises(Exception, match="'zb-v' does not run sequence chunks"):
+        build_schedule("zb-v", 2, 2, sequence_chunks=2)
 
 
 def test_units_cut_inputs_and_targets_along_the_sequence_and_weigh_by_counted_tokens():
@@ -73,8 +78,9 @@ def test_the_cut_is_refused_where_there_is_no_sequence_or_too_short_a_one():
 
 def test_settings_that_cannot_run_on_chunks_are_refused_naming_the_field():
     assert TrainConfig(pp=2, sequence_chunks=4).sequence_chunks == 4
-    with pytest.raises(ConfigError, match="schedule 'zb-h1' does not run sequence chunks"):
-        TrainConfig(pp=2, schedule="zb-h1", sequence_chunks=2)
+    assert TrainConfig(pp=2, schedule="zb-h1", sequence_chunks=2).sequence_chunks == 2
+    with pytest.raises(ConfigError, match="schedule 'zb-v' does not run sequence chunks"):
+        TrainConfig(pp=2, schedule="zb-v", sequence_chunks=2)
     assert TrainConfig(pp=2, sequence_chunks=2, activation_checkpointing=True).activation_checkpointing
     with pytest.raises(ConfigError, match="not with compile=True"):
         TrainConfig(pp=2, sequence_chunks=2, compile=True)
@@ -94,7 +100,7 @@ def test_auto_chunks_need_a_sample_and_the_split_and_are_chosen_only_at_start():
         TrainConfig(pp=2, sequence_chunks="four")
     with pytest.raises(ConfigError, match="leave shard_plan unset"):
         TrainConfig(pp=2, sequence_chunks="auto", shard_plan=[[0, 1], [1, 2]])
-    with pytest.raises(ConfigError, match="schedule 'zb-h1' does not run sequence chunks"):
+    with pytest.raises(ConfigError, match="which schedule 'zb-h1' splits"):
         TrainConfig(pp=2, schedule="zb-h1", sequence_chunks="auto")
     with pytest.raises(ConfigError, match="sequence_chunks='auto' needs a sample batch"):
         first_plan([LayerSpec(nn.Linear, 2, 2)] * 2, TrainConfig(pp=2, sequence_chunks="auto"), False)
