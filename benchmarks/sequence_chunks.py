@@ -18,6 +18,8 @@ stages one after another (`raypipe.nn.sequence_chunks`).
 - Recomputed (`--recompute`, the k to run so, labelled "k+r"): the same with
   `activation_checkpointing`, each chunk's forward run again in its backward, so a stage keeps
   only each chunk's input, keys and values and one chunk's activations at a time.
+- ZB-H1 (`--zb`, the k to run so, labelled "k zb"): each unit's backward split into its input
+  and weight halves, the weight halves filling the bubble.
 
     python benchmarks/sequence_chunks.py > sequence_chunks.json      # about 6 minutes on 2 cores
     python benchmarks/sequence_chunks.py --tokens 256 --layers 2 --hidden 64 --rounds 1   # small
@@ -89,12 +91,14 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=2048)
     parser.add_argument("--chunks", default="1,2,4,8")
     parser.add_argument("--recompute", default="1,4,8,16", help="the k also run with activation checkpointing")
+    parser.add_argument("--zb", default="8,16", help="the k also run under the zb-h1 schedule")
     parser.add_argument("--auto", action="store_true", help='also plan with sequence_chunks="auto"')
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=2)
     args = parser.parse_args()
-    runs = {str(k): (int(k), False) for k in args.chunks.split(",")}
-    runs.update({f"{k}+r": (int(k), True) for k in args.recompute.split(",") if k})
+    runs = {str(k): (int(k), False, "1f1b") for k in args.chunks.split(",")}
+    runs.update({f"{k}+r": (int(k), True, "1f1b") for k in args.recompute.split(",") if k})
+    runs.update({f"{k} zb": (int(k), False, "zb-h1") for k in args.zb.split(",") if k})
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     directory = save_model(tempfile.mkdtemp(), args.layers, args.hidden, args.vocab, positions=args.tokens)
     model = hf.from_pretrained(directory)
@@ -103,10 +107,10 @@ def main() -> None:
     with Trainer(model, config=config) as trainer:
 
         def runner(label: str):
-            k, recompute = runs[label]
+            k, recompute, schedule = runs[label]
 
             def run(step: int) -> None:
-                trainer.reconfigure(sequence_chunks=k, activation_checkpointing=recompute)
+                trainer.reconfigure(sequence_chunks=k, activation_checkpointing=recompute, schedule=schedule)
                 metrics = trainer.step(*sample(step, args.tokens, args.vocab))
                 stashed[label] = [int(s["peak_stashed_bytes"]) for s in metrics["stages"]]
 
@@ -115,8 +119,10 @@ def main() -> None:
         seconds = interleaved({label: runner(label) for label in runs}, args.rounds, args.steps, warmup=1)
     median = {label: statistics.median(s for r in seconds[label] for s in r) for label in runs}
     resident = {}
-    for label, (k, recompute) in runs.items():  # fresh actors per run: a process's max RSS only grows
-        fresh = TrainConfig(pp=2, optimizer=SGD, sequence_chunks=k, activation_checkpointing=recompute)
+    for label, (k, recompute, schedule) in runs.items():  # fresh actors per run: a process's max RSS only grows
+        fresh = TrainConfig(
+            pp=2, optimizer=SGD, sequence_chunks=k, activation_checkpointing=recompute, schedule=schedule
+        )
         with Trainer(model, config=fresh) as trainer:
             metrics = trainer.step(*sample(0, args.tokens, args.vocab))
             resident[label] = [int(s["peak_memory_bytes"]) for s in metrics["stages"]]
@@ -126,10 +132,10 @@ def main() -> None:
         "benchmark": "sequence_chunks",
         "model": {"layers": args.layers, "hidden": args.hidden, "vocab": args.vocab, "tokens": args.tokens},
         "pp": 2,
-        "schedule": "1f1b",
+        "schedule": "1f1b; zb-h1 for the labels ending zb",
         "tokens_per_s": {label: round(args.tokens / median[label], 1) for label in runs},
         "speedup_vs_unchunked": {label: round(median["1"] / median[label], 3) for label in runs if "1" in median},
-        "predicted_speedup": {label: round(predicted_ratio(k, 2), 3) for label, (k, _) in runs.items()},
+        "predicted_speedup": {label: round(predicted_ratio(k, 2), 3) for label, (k, _, _) in runs.items()},
         "step_s_median": {label: round(median[label], 3) for label in runs},
         "peak_stashed_mib_per_stage": {label: [round(b / 2**20, 1) for b in stashed[label]] for label in runs},
         "peak_resident_mib_per_stage": {label: [round(b / 2**20, 1) for b in resident[label]] for label in runs},
