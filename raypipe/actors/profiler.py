@@ -80,7 +80,7 @@ class LayerProfiler:
         boundary: list[tuple[int, int, int]] = []  # per layer, its output's (float bytes, float elements, other bytes)
         codec_s: list[tuple[float, float]] = []  # per layer, compressing and restoring its output, each way
         if sequence_chunks is not None:
-            return self._profile_units(specs, seed, x, target, loss_fn, threads, warmup, repeats, lora)
+            return self._profile_units(specs, seed, x, target, loss_fn, threads, warmup, repeats, lora, split)
         h = x.to(self.device)
         input_s, weight_s, cpu_s = [], [], []
         for index, spec in enumerate(specs):
@@ -169,14 +169,17 @@ class LayerProfiler:
         warmup: int,
         repeats: int,
         lora: dict | None,
+        split: bool = False,
     ) -> dict[str, Any]:
-        """`profile` on one microbatch's sequence units, per unit (one unit: the microbatch whole)."""
+        """`profile` on one microbatch's sequence units, per unit (one unit: the microbatch whole);
+        `split`: each unit's backward split as a stage splits it too (`_split_units`)."""
         from raypipe.nn.sequence_chunks import Sequence, check_chunkable
 
         torch.set_num_threads(threads)
         k = len(units)
         figures: dict[str, list] = {key: [] for key in ("forward_s", "backward_s", "cpu_s", "activation_bytes")}
         figures.update(parameter_bytes=[], output_float_bytes=[], output_float_elements=[], output_other_bytes=[])
+        figures.update({"input_s": [], "weight_s": []} if split else {})
         hs = [map_tensors(lambda t: t.to(self.device), u) for u in units]
         for index, spec in enumerate(specs):
             layer = self._build(spec, seed, index, lora)
@@ -208,6 +211,10 @@ class LayerProfiler:
             for key, values in (("forward_s", fwd), ("backward_s", bwd), ("cpu_s", cpu)):
                 figures[key].append(statistics.median(values) / k)
             figures["activation_bytes"].append(saved / k)
+            if split:
+                halves = [self._split_units(layer, hs, index, last, targets, loss_fn) for _ in range(warmup + repeats)]
+                figures["input_s"].append(statistics.median(i for i, _ in halves[warmup:]) / k)
+                figures["weight_s"].append(statistics.median(w for _, w in halves[warmup:]) / k)
             figures["parameter_bytes"].append(sum(p.numel() * p.element_size() for p in layer.parameters()))
             sizes = (0, 0, 0) if last else _sizes(outs[0])
             for key, size in zip(("output_float_bytes", "output_float_elements", "output_other_bytes"), sizes):
@@ -240,6 +247,34 @@ class LayerProfiler:
         ended = self._now()
         layer.zero_grad(set_to_none=True)
         return middle - started, ended - middle
+
+    def _split_units(
+        self, layer: torch.nn.Module, hs: list, index: int, last: bool, targets: list, loss_fn: Callable
+    ) -> tuple[float, float]:
+        """(I, W) seconds of one microbatch's units' backwards through `layer`, each split as a
+        stage splits a sequence chunk's (`Sequence.split_backward`: its keys' gradients in, the
+        earlier units' leaves among the inputs), in reverse, each W right after its I."""
+        from raypipe.actors.split_backward import input_gradients, weight_gradients
+        from raypipe.nn.sequence_chunks import Sequence
+
+        k, weights = len(hs), [p for p in layer.parameters() if p.requires_grad]
+        sequence, inputs = Sequence(k), [_inputs(h, index) for h in hs]
+        outs = [sequence.forward(u, layer, x) if k > 1 else layer(x) for u, x in enumerate(inputs)]
+        if last:
+            outs = [self._loss(out, t, loss_fn) for out, t in zip(outs, targets)]
+        input_s = weight_s = 0.0
+        for u in reversed(range(k)):
+            outputs = [o for o in tensors(outs[u]) if o.requires_grad]
+            grads = None if last else [torch.randn_like(o) for o in outputs]
+            given = [t for t in tensors(inputs[u]) if t.requires_grad]
+            outputs, grads, given = sequence.split_backward(u, None, outputs, grads, given)
+            started = self._now()
+            deferred = input_gradients(outputs, grads, given, weights)
+            middle = self._now()
+            weight_gradients(deferred, weights)
+            input_s, weight_s = input_s + middle - started, weight_s + self._now() - middle
+        layer.zero_grad(set_to_none=True)
+        return input_s, weight_s
 
     def _loss(self, out: Any, target: Any, loss_fn: Callable) -> torch.Tensor:
         return loss_fn(out, target.to(self.device) if torch.is_tensor(target) else target)

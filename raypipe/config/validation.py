@@ -255,13 +255,6 @@ def check_sequence_chunks(c: Any) -> None:
             f"schedule {c.schedule!r} does not run sequence chunks: use schedule='1f1b' (or 'gpipe', 'zb-h1'), "
             f"or sequence_chunks=1.",
         )
-    if auto and c.schedule in SCHEDULES and SCHEDULES[c.schedule].split_backward:
-        raise fail(
-            "sequence_chunks",
-            c.sequence_chunks,
-            f"'auto' times each count's units with whole backwards, which schedule {c.schedule!r} splits: "
-            f"give sequence_chunks a number, or use schedule='1f1b', 'gpipe' or 'auto'.",
-        )
     if c.compile:
         raise fail(
             "sequence_chunks",

@@ -190,9 +190,7 @@ def rank(
     warmups = (0,) if config.schedule == "auto" else (config.extra_warmup,)
     for key, profiles in profiled.items():
         m, k = key if isinstance(key, tuple) else (key, None)
-        # a sequence cut into units: the schedules that take them, not a split one (units are not timed split)
-        chunked = [n for n in names if n in SEQUENCE_CHUNKED and not SCHEDULES[n].split_backward]
-        for name in names if k in (None, 1) else chunked:
+        for name in names if k in (None, 1) else [n for n in names if n in SEQUENCE_CHUNKED]:
             kind = SCHEDULES[name]
             for chunks in CHUNK_CHOICES if kind.chunks is None else (None,):
                 for extra in EXTRA_WARMUP_CHOICES if links and kind.extra_warmup else warmups:

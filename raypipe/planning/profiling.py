@@ -153,7 +153,7 @@ def profile_layers(
             inputs, targets, extra = x, target, {"codecs": codecs, "split": split, "lora": config.lora}
             if count is not None:  # the microbatch's units, timed as a stage runs them
                 inputs, targets, _ = cut_microbatch(x, target, count, loss_fn)
-                extra = {"lora": config.lora, "sequence_chunks": count, "warmup": 1, "repeats": 3}
+                extra = {"lora": config.lora, "sequence_chunks": count, "warmup": 1, "repeats": 3, "split": split}
             refs = [
                 a.profile.remote(list(specs), config.seed, inputs, targets, loss_fn, t, **extra)
                 for a, t in zip(actors, threads)

@@ -100,8 +100,9 @@ def test_auto_chunks_need_a_sample_and_the_split_and_are_chosen_only_at_start():
         TrainConfig(pp=2, sequence_chunks="four")
     with pytest.raises(ConfigError, match="leave shard_plan unset"):
         TrainConfig(pp=2, sequence_chunks="auto", shard_plan=[[0, 1], [1, 2]])
-    with pytest.raises(ConfigError, match="which schedule 'zb-h1' splits"):
-        TrainConfig(pp=2, schedule="zb-h1", sequence_chunks="auto")
+    assert TrainConfig(pp=2, schedule="zb-h1", sequence_chunks="auto").sequence_chunks == "auto"
+    with pytest.raises(ConfigError, match="schedule 'zb-v' does not run sequence chunks"):
+        TrainConfig(pp=2, schedule="zb-v", sequence_chunks="auto")
     with pytest.raises(ConfigError, match="sequence_chunks='auto' needs a sample batch"):
         first_plan([LayerSpec(nn.Linear, 2, 2)] * 2, TrainConfig(pp=2, sequence_chunks="auto"), False)
     with pytest.raises(ConfigError, match="sequence_chunks='auto' is chosen when a Trainer starts"):
@@ -182,6 +183,13 @@ def test_auto_predicts_each_chunk_count_from_its_own_profiles_and_runs_the_faste
     best = min(seconds, key=seconds.get)
     assert (choice.chosen.schedule, choice.chosen.sequence_chunks) == best and best[1] not in (1, 16), seconds
     assert str(choice).startswith(f"sequence_chunks=auto chose 1f1b, m=1, sequence_chunks={best[1]}")
+    # ZB-H1 on units, from their split halves as the profiler times them (`input_s`, `weight_s`)
+    for profiles in profiled.values():
+        profiles["cpu"].update(
+            input_s=[f / 2 for f in profiles["cpu"]["backward_s"]], weight_s=profiles["cpu"]["backward_s"]
+        )
+    zb = rank(profiled, [LayerSpec(nn.Identity)] * 4, TrainConfig(pp=2, schedule="zb-h1", sequence_chunks="auto"))
+    assert {(c.schedule, c.sequence_chunks) for c in zb.candidates} == {("zb-h1", k) for k in (1, 2, 4, 8, 16)}
 
 
 @pytest.mark.parametrize("kind", ["llama", "mistral"])
@@ -217,3 +225,20 @@ def test_transformers_layers_on_chunks_give_the_whole_sequences_logits_and_gradi
     for name, p in layers.named_parameters():
         torch.testing.assert_close(p.grad, expected[name], rtol=1e-10, atol=1e-12, msg=name)
     assert (len(plans) > 0) == (kind == "mistral"), plans  # chunks 1 and 2 end past the window
+
+
+def test_the_profiler_times_each_units_backward_split_for_zb_h1():
+    """In this process: a GPT's layers on one sample cut in 3, each unit's backward split as a stage
+    splits it, per unit. The embedding's input (token ids) takes no gradient, so its backward is all
+    weight half; a block's has both halves."""
+    from raypipe.actors.profiler import LayerProfiler
+    from raypipe.data.sequence_units import cut_microbatch
+
+    cfg = gpt.GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=12, vocab_size=20)
+    x, y = torch.randint(0, 20, (2, 12)), torch.randint(0, 20, (2, 12))
+    units, targets, _ = cut_microbatch(x, y, 3, gpt.loss_fn)
+    got = LayerProfiler("cpu", False).profile(
+        gpt.layers(cfg), 0, units, targets, gpt.loss_fn, sequence_chunks=3, split=True, warmup=0, repeats=1
+    )
+    assert len(got["input_s"]) == len(got["weight_s"]) == 3 and got["sequence_chunks"] == 3
+    assert got["input_s"][0] < got["weight_s"][0] and min(got["input_s"][1:] + got["weight_s"][1:]) > 0
