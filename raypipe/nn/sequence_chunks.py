@@ -12,6 +12,8 @@ A stage's executor opens a chunk's `Position` around the chunk's forward (`Seque
 layers ask `current()` for it: None when the step is not chunked, so they run as always. Under
 activation checkpointing a chunk's forward runs again in its backward (`Position.replayed`):
 it attends to the same earlier leaves and keeps nothing, so the chunk's keys are added once.
+A backward split in two (ZB-H1's I and W, or one handed on early) gives the earlier leaves
+their gradients in its first half (`Sequence.split_backward`).
 """
 
 from __future__ import annotations
@@ -124,9 +126,9 @@ class Position:
 
     def replayed(self) -> Replay:
         """This chunk's forward again, as activation checkpointing recomputes it in the chunk's
-        backward (torch's `checkpoint(context_fn=...)`, on whatever thread autograd runs it): the
-        earlier chunks' leaves are still there (their backwards come after), and the keys and
-        values the chunk made are not kept a second time."""
+        backward (torch's `checkpoint(context_fn=...)`, on whatever thread autograd runs it): it
+        attends to the earlier leaves its forward saw (`seen`), and the keys and values the chunk
+        made are not kept a second time."""
         again = copy.copy(self)
         again.replay = True
         return Replay(again)
