@@ -1,8 +1,8 @@
 """Sequence chunks (`TrainConfig.sequence_chunks`) change nothing but the order: losses, gradients
-and weights equal the unchunked run's (fp32, rtol 1e-5) at pp 2 and 3, k 2..8, under 1F1B and
-GPipe, with padding and -100 labels, on the p2p and refs engines; for raypipe's GPT, transformers'
-Llama (LoRA too) and Mistral's sliding window, whose unchunked runs match transformers in one
-process."""
+and weights equal the unchunked run's (fp32, rtol 1e-5) at pp 2 and 3, k 2..8, under 1F1B, GPipe
+and ZB-H1 (backwards split, or handed on early), with padding and -100 labels, on the p2p and refs
+engines; for raypipe's GPT, transformers' Llama (LoRA too) and Mistral's sliding window, whose
+unchunked runs match transformers in one process."""
 
 import pytest
 import torch
