@@ -74,13 +74,17 @@ class LayerProfiler:
         With `sequence_chunks` k (`TrainConfig.sequence_chunks="auto"`), `x` and `target` are one
         microbatch's k units (`data.sequence_units.cut_microbatch`; any pytrees): each layer runs
         them as a stage does (forwards in order, backwards in reverse, each attending to the units
-        before it) and every figure is per unit, its mean over the k."""
+        before it) and every figure is per unit, its mean over the k. An `x` that is not one tensor
+        (transformers' boundary dicts, any pytree) is timed the same way, as one unit."""
         torch.set_num_threads(threads)
         forward_s, backward_s, parameter_bytes, activation_bytes = [], [], [], []
         boundary: list[tuple[int, int, int]] = []  # per layer, its output's (float bytes, float elements, other bytes)
         codec_s: list[tuple[float, float]] = []  # per layer, compressing and restoring its output, each way
-        if sequence_chunks is not None:
-            return self._profile_units(specs, seed, x, target, loss_fn, threads, warmup, repeats, lora, split)
+        if sequence_chunks is not None or not torch.is_tensor(x):  # units, or a pytree (transformers' dicts)
+            units, targets = (x, target) if sequence_chunks is not None else ([x], [target])
+            return self._profile_units(
+                specs, seed, units, targets, loss_fn, threads, warmup, repeats, lora, split, codecs
+            )
         h = x.to(self.device)
         input_s, weight_s, cpu_s = [], [], []
         for index, spec in enumerate(specs):
@@ -170,16 +174,18 @@ class LayerProfiler:
         repeats: int,
         lora: dict | None,
         split: bool = False,
+        codecs: tuple[str, str] = ("none", "none"),
     ) -> dict[str, Any]:
-        """`profile` on one microbatch's sequence units, per unit (one unit: the microbatch whole);
-        `split`: each unit's backward split as a stage splits it too (`_split_units`)."""
+        """`profile` on one microbatch's sequence units, any pytrees, per unit (one unit: the
+        microbatch whole); `split`: each unit's backward split as a stage splits it too
+        (`_split_units`); `codecs`: compressing and restoring a unit's output, each way."""
         from raypipe.nn.sequence_chunks import Sequence, check_chunkable
 
         torch.set_num_threads(threads)
         k = len(units)
         figures: dict[str, list] = {key: [] for key in ("forward_s", "backward_s", "cpu_s", "activation_bytes")}
         figures.update(parameter_bytes=[], output_float_bytes=[], output_float_elements=[], output_other_bytes=[])
-        figures.update({"input_s": [], "weight_s": []} if split else {})
+        figures.update({"input_s": [], "weight_s": []} if split else {}, codec_forward_s=[], codec_backward_s=[])
         hs = [map_tensors(lambda t: t.to(self.device), u) for u in units]
         for index, spec in enumerate(specs):
             layer = self._build(spec, seed, index, lora)
@@ -219,12 +225,13 @@ class LayerProfiler:
             sizes = (0, 0, 0) if last else _sizes(outs[0])
             for key, size in zip(("output_float_bytes", "output_float_elements", "output_other_bytes"), sizes):
                 figures[key].append(size)
+            for key, codec in zip(("codec_forward_s", "codec_backward_s"), codecs):
+                figures[key].append(0.0 if last else self._codec_seconds(outs[0], codec, repeats))
             hs = hs if last else [map_tensors(lambda t: t.detach(), out) for out in outs]
             del layer
-        zeros = [0.0] * len(specs)
         if self.device.type != "cpu":
             del figures["cpu_s"]
-        return {**self._device(), **figures, "codec_forward_s": zeros, "codec_backward_s": zeros, "sequence_chunks": k}
+        return {**self._device(), **figures, "sequence_chunks": k}
 
     def _split_backward(
         self, layer: torch.nn.Module, h: torch.Tensor, index: int, last: bool, target: Any, loss_fn: Callable
