@@ -314,8 +314,8 @@ MUTATIONS = [
     Mutation(
         "chunk-recompute-keeps-keys",
         "raypipe/nn/sequence_chunks.py",
-        "        if self.replay:",
-        "        if False:",
+        "        if not self.replay:",
+        "        if True:",
         ("tests/unit/test_sequence_units.py",),
         "a chunk's recomputation (activation checkpointing) keeps its keys and values again after its backward",
     ),

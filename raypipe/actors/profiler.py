@@ -116,7 +116,9 @@ class LayerProfiler:
             forward_s.append(statistics.median(fwd))
             backward_s.append(statistics.median(bwd))
             if split:
-                halves = [self._split_backward(layer, h, index, last, target, loss_fn) for _ in range(warmup + repeats)]
+                halves = [
+                    self._split_units(layer, [h], index, last, [target], loss_fn) for _ in range(warmup + repeats)
+                ]
                 input_s.append(statistics.median(i for i, _ in halves[warmup:]))
                 weight_s.append(statistics.median(w for _, w in halves[warmup:]))
             parameter_bytes.append(sum(p.numel() * p.element_size() for p in layer.parameters()))
@@ -233,34 +235,15 @@ class LayerProfiler:
             del figures["cpu_s"]
         return {**self._device(), **figures, "sequence_chunks": k}
 
-    def _split_backward(
-        self, layer: torch.nn.Module, h: torch.Tensor, index: int, last: bool, target: Any, loss_fn: Callable
-    ) -> tuple[float, float]:
-        """(I, W) seconds of one microbatch's backward through `layer`, split as a stage splits it
-        (`actors.split_backward`): a layer whose input needs no gradient (token ids) has it all in
-        W, a layer without trainable weights all in I."""
-        from raypipe.actors.split_backward import input_gradients, weight_gradients
-
-        inp = _input(h, index)
-        out = self._loss(layer(inp), target, loss_fn) if last else layer(inp)
-        if not out.requires_grad:
-            return 0.0, 0.0
-        weights = [p for p in layer.parameters() if p.requires_grad]
-        started = self._now()
-        grads = None if last else [torch.randn_like(out)]
-        deferred = input_gradients([out], grads, [inp] if inp.requires_grad else [], weights)
-        middle = self._now()
-        weight_gradients(deferred, weights)
-        ended = self._now()
-        layer.zero_grad(set_to_none=True)
-        return middle - started, ended - middle
-
     def _split_units(
         self, layer: torch.nn.Module, hs: list, index: int, last: bool, targets: list, loss_fn: Callable
     ) -> tuple[float, float]:
-        """(I, W) seconds of one microbatch's units' backwards through `layer`, each split as a
-        stage splits a sequence chunk's (`Sequence.split_backward`: its keys' gradients in, the
-        earlier units' leaves among the inputs), in reverse, each W right after its I."""
+        """(I, W) seconds of one microbatch's backward through `layer`, split as a stage splits it
+        (`actors.split_backward`): a layer whose input needs no gradient (token ids) has it all in
+        W, a layer without trainable weights all in I. Over its units (`hs`, one when the sequence
+        is not cut), each split as a stage splits a sequence chunk's (`Sequence.split_backward`:
+        its keys' gradients in, the earlier units' leaves among the inputs), in reverse, each W
+        right after its I."""
         from raypipe.actors.split_backward import input_gradients, weight_gradients
         from raypipe.nn.sequence_chunks import Sequence
 

@@ -46,33 +46,14 @@ class KVChunks:
         self.made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.leaves: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def extend(
-        self, chunk: int, keys: torch.Tensor, values: torch.Tensor, dim: int = -2, earlier: list | None = None
-    ) -> tuple[torch.Tensor, ...]:
-        """Chunk `chunk`'s keys and values joined after those of every earlier chunk along `dim`
-        (the sequence's), for its attention; keeps them for the chunks after it (`blocks`)."""
-        all_keys, all_values = self.blocks(chunk, keys, values, earlier)
-        if len(all_keys) == 1:
-            return keys, values
-        return torch.cat(all_keys, dim=dim), torch.cat(all_values, dim=dim)
-
     def earlier(self, chunk: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The leaves of every chunk before `chunk` still kept (their backwards come after its)."""
         return [self.leaves[c] for c in sorted(self.leaves) if c < chunk]
 
-    def blocks(
-        self, chunk: int, keys: torch.Tensor, values: torch.Tensor, earlier: list | None = None
-    ) -> tuple[list, list]:
-        """Every earlier chunk's keys and values (their leaves) and then chunk `chunk`'s own, as
-        blocks for `chunk_attention.attend` (no joined copy); keeps them for the chunks after it.
-        `earlier`: the leaves the chunk's forward saw, given when it is recomputed (`Position.replay`):
-        what it made is kept already, and under a split backward the chunk before it may have run
-        its input half since, freeing its leaves."""
-        if earlier is None:
-            earlier = self.earlier(chunk)
-            self.made[chunk] = (keys, values)
-            self.leaves[chunk] = (keys.detach().requires_grad_(), values.detach().requires_grad_())
-        return [*(k for k, _ in earlier), keys], [*(v for _, v in earlier), values]
+    def keep(self, chunk: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Keeps what chunk `chunk` made, and a leaf copy of it for the chunks after it."""
+        self.made[chunk] = (keys, values)
+        self.leaves[chunk] = (keys.detach().requires_grad_(), values.detach().requires_grad_())
 
     def roots(self, chunk: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(what chunk `chunk` made, the gradient later chunks gave its leaf) for its backward;
@@ -110,19 +91,25 @@ class Position:
         self.seen: dict[Any, list] = {}  # per layer, the earlier leaves its forward attended to
 
     def extend(self, layer: Any, keys: torch.Tensor, values: torch.Tensor, dim: int = -2) -> tuple[torch.Tensor, ...]:
-        """`layer`'s keys and values for this chunk's attention (`KVChunks.extend`)."""
-        return self.microbatch.kv(layer).extend(self.chunk, keys, values, dim, self._earlier(layer))
+        """`layer`'s keys and values for this chunk's attention: its own joined after every earlier
+        chunk's along `dim` (the sequence's); kept for the chunks after it (`blocks`)."""
+        all_keys, all_values = self.blocks(layer, keys, values)
+        if len(all_keys) == 1:
+            return keys, values
+        return torch.cat(all_keys, dim=dim), torch.cat(all_values, dim=dim)
 
     def blocks(self, layer: Any, keys: torch.Tensor, values: torch.Tensor) -> tuple[list, list]:
-        """`layer`'s keys and values for this chunk's attention as blocks (`KVChunks.blocks`)."""
-        return self.microbatch.kv(layer).blocks(self.chunk, keys, values, self._earlier(layer))
-
-    def _earlier(self, layer: Any) -> list | None:
-        """None on the chunk's forward (which notes the leaves it sees); on a replay, those leaves."""
-        if self.replay:
-            return self.seen[layer]
-        self.seen[layer] = self.microbatch.kv(layer).earlier(self.chunk)
-        return None
+        """`layer`'s keys and values for this chunk's attention as blocks for
+        `chunk_attention.attend` (no joined copy): every earlier chunk's leaves, then its own. The
+        forward notes the leaves it sees (`seen`) and keeps what it made; a replay attends to those
+        same leaves and keeps nothing (what it made is kept already, and under a split backward the
+        chunk before it may have run its input half since, freeing its leaves)."""
+        kv = self.microbatch.kv(layer)
+        if not self.replay:
+            self.seen[layer] = kv.earlier(self.chunk)
+            kv.keep(self.chunk, keys, values)
+        earlier = self.seen[layer]
+        return [*(k for k, _ in earlier), keys], [*(v for _, v in earlier), values]
 
     def replayed(self) -> Replay:
         """This chunk's forward again, as activation checkpointing recomputes it in the chunk's
@@ -219,6 +206,8 @@ class Sequence:
         which views refuse), and the leaves of its microbatch's earlier chunks as more inputs, so
         that the first half gives them their gradients before those chunks' backwards run. Unchanged
         when the step is not chunked."""
+        if self.chunks == 1:
+            return outputs, grads, inputs
         roots = self.roots(unit, part)
         if roots:
             outputs = [*outputs, sum((made * g).sum() for made, g in roots)]
