@@ -30,11 +30,17 @@ class LayerProfiler:
     Args:
         device_kind: "cpu", "cuda", "rocm" or "mps".
         allow_cpu_fallback: as in `TrainConfig`; the report says when it happened.
+        clock: what "seconds" are read from (`time.perf_counter` by default). A test in one
+            process may pass another: `models.simulated.SimulatedClock`, which only simulated
+            layers move, makes every figure exact; a FLOP counter's total makes them counts
+            of work, the same on a busy machine as on a quiet one.
     """
 
-    def __init__(self, device_kind: str, allow_cpu_fallback: bool) -> None:
+    def __init__(
+        self, device_kind: str, allow_cpu_fallback: bool, clock: Callable[[], float] = time.perf_counter
+    ) -> None:
         os.environ[SERVING_ENV] = device_kind
-        self.kind = device_kind
+        self.kind, self.clock = device_kind, clock
         self.device, self.fallback = resolve_device(f"profiler for {device_kind}", device_kind, allow_cpu_fallback)
 
     def node_id(self) -> str:
@@ -289,7 +295,7 @@ class LayerProfiler:
             torch.cuda.synchronize(self.device)
         elif self.device.type == "mps":
             torch.mps.synchronize()
-        return time.perf_counter()
+        return self.clock()
 
 
 def _input(h: torch.Tensor, index: int) -> torch.Tensor:

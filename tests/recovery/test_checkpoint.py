@@ -200,13 +200,11 @@ def test_training_survives_a_stage_dying_mid_step(killable_baseline, tmp_path, h
                     flag.write_text("pause")
                     threading.Thread(target=kill_when_exists, args=(victim, f"{flag}.paused"), daemon=True).start()
 
-        started = time.monotonic()
         history = t.fit(batch, STEPS, on_step=on_step, log=messages.append)
         assert t.restarts == 1
         # the recovery reserved a fresh placement group and removed the old one
         groups = [g["state"] for g in ray.util.placement_group_table().values() if g["name"] == f"raypipe-{t.run_name}"]
         assert sorted(groups) == ["CREATED", "REMOVED"], groups
-    assert time.monotonic() - started < 60
     died = 6 if how == "corrupt" else 4
     # the actors driving the steps ran ahead of the one the flag was set at: it died in a later one
     dying = r"stage1-dp0-tp0 died" if driven else rf"stage1-dp\d-tp0 died during step {died}"
@@ -236,10 +234,8 @@ def test_too_many_deaths_stop_with_who_why_and_where(ray_session, tmp_path):
             if metrics["step"] == 2:
                 flag.touch()
 
-        started = time.monotonic()
-        with pytest.raises(ActorDiedError) as info:
+        with pytest.raises(ActorDiedError) as info:  # noticed as a death, not as a StepTimeoutError
             t.fit(batch, STEPS, on_step=on_step, log=lambda _: None)
-    assert time.monotonic() - started < 30  # noticed within seconds, not at a timeout
     message = str(info.value)
     assert info.value.actor == "stage1-dp0-tp0"
     assert "stage1-dp0-tp0 died during step 3" in message

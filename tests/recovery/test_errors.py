@@ -4,6 +4,7 @@ clear errors quickly, and a trainer keeps working after a failed step."""
 import time
 
 import pytest
+import ray
 import torch
 from torch import nn
 
@@ -50,12 +51,10 @@ def test_targets_of_the_wrong_length(trainer):
 def test_a_failed_step_names_stage_and_action_and_leaves_the_weights_alone(trainer):
     before = trainer.state_dict()
     x, y = batch(0)
-    started = time.monotonic()
     with pytest.raises(StageError, match=r"stage0-dp0-tp0 failed at 0F0: RuntimeError: .*shapes"):
         trainer.step(torch.randn(16, 5), y)  # 5 features where the first layer takes 6
     with pytest.raises(StageError, match=r"stage1-dp0-tp0 failed at 1F0: .*size"):
         trainer.step(x, torch.randn(16, 4))  # targets do not match the output shape
-    assert time.monotonic() - started < 20
     after = trainer.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
     # the next good step is exactly a first step: no stale gradients or activations
@@ -82,14 +81,14 @@ def test_loading_foreign_weights_names_the_keys(trainer):
 
 
 def test_bad_configs_fail_before_any_actor_starts(ray_session):
-    started = time.monotonic()
+    groups = len(ray.util.placement_group_table())
     with pytest.raises(ConfigError, match="shard_plan"):
         Trainer(MLP7, nn.functional.mse_loss, TrainConfig(pp=2, shard_plan=[[0, 3], [4, 7]]))
     with pytest.raises(ConfigError, match="only 7 layers"):
         Trainer(MLP7, nn.functional.mse_loss, TrainConfig(pp=8))
     with pytest.raises(TypeError, match="built Linear"):
         Trainer([nn.Linear(2, 2)], nn.functional.mse_loss)
-    assert time.monotonic() - started < 5
+    assert len(ray.util.placement_group_table()) == groups  # nothing was reserved, so no actor was asked for
 
 
 def test_a_layer_that_cannot_be_built_names_its_stage(ray_session):
@@ -103,10 +102,8 @@ def test_a_layer_that_cannot_be_built_names_its_stage(ray_session):
 
 
 def test_unplaceable_actors_fail_within_the_start_timeout(ray_session, trainer):
-    started = time.monotonic()
-    with pytest.raises(PlacementError) as info:
+    with pytest.raises(PlacementError) as info:  # raised at all: the timeout was kept
         Trainer(MLP7, nn.functional.mse_loss, TrainConfig(pp=2, cpus_per_actor=16, actor_start_timeout=2))
-    assert time.monotonic() - started < 15
     message = str(info.value)
     assert "stage0-dp0-tp0" in message and "'CPU': 16.0" in message and "actor_start_timeout" in message
     assert f"Other trainers of this process still hold actors: {trainer!r}" in message
@@ -126,10 +123,8 @@ def test_a_stuck_step_times_out_naming_what_is_pending(ray_session, actor_steps,
     config = TrainConfig(pp=2, microbatches=2, step_timeout=1.0, cpus_per_actor=QUARTER, actor_steps=actor_steps)
     x, y = torch.randn(4, 4), torch.randn(4, 4)
     with Trainer(layers, nn.functional.mse_loss, config) as t:
-        started = time.monotonic()
-        with pytest.raises(StepTimeoutError) as info:
+        with pytest.raises(StepTimeoutError) as info:  # unbounded, the 30 s sleep would end and nothing raise
             t.fit(lambda k: (x, y), 3) if actor_steps else t.step(x, y)
-        assert time.monotonic() - started < 10
         assert t.group.actors == []  # the trainer stopped its actors
         with pytest.raises(Exception, match="no actors"):
             t.step(torch.randn(4, 4), torch.randn(4, 4))
@@ -189,8 +184,7 @@ def test_a_job_user_meets_each_error_with_its_file_field_value_and_fix(tmp_path)
 
 def test_a_kind_no_node_has_fails_fast_naming_the_fallback(ray_session):
     """Issue 60: `devices: cuda` on a CPU-only cluster with no autoscaler launching nodes fails in
-    seconds, not after the whole actor_start_timeout, and says how to try it on the CPU."""
-    started = time.monotonic()
+    seconds, not after the whole actor_start_timeout (600 s here, past the test's own limit, so
+    waiting it out fails the test), and says how to try it on the CPU."""
     with pytest.raises(PlacementError, match=r"no node can ever hold .*'cuda'.*allow_cpu_fallback=True"):
-        Trainer(MLP7, nn.functional.mse_loss, TrainConfig(pp=2, devices="cuda", actor_start_timeout=120))
-    assert time.monotonic() - started < 40
+        Trainer(MLP7, nn.functional.mse_loss, TrainConfig(pp=2, devices="cuda", actor_start_timeout=600))

@@ -148,13 +148,12 @@ def test_an_empty_batch_is_refused_as_a_batch_error_and_nothing_changes(shared):
 
 
 def test_a_ctrl_c_while_a_step_goes_out_waits_until_every_actor_has_it_and_the_step_is_booked(ray_session):
-    with Trainer(MLP7, target_loss, config(name="faults-sigint", step_timeout=30)) as t:
+    with Trainer(MLP7, target_loss, config(name="faults-sigint", step_timeout=600)) as t:
         with pytest.raises(KeyboardInterrupt):
             t.step(*wrapped(0, interrupt=True))
         assert t.step_count == 1  # every actor got the step and applied it: it counts
-        started = time.monotonic()
+        # not stuck behind a half-sent step until step_timeout (600 s: past the test's own limit)
         assert t.step(*wrapped(1))["step"] == 2
-        assert time.monotonic() - started < 10  # not stuck behind a half-sent step until step_timeout
 
 
 # ----- 3. a recovery restores what the trainer held: loaded weights ------------------------------

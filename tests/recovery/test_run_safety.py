@@ -302,11 +302,9 @@ def test_every_driver_wait_is_bounded(ray_session):
         def hang(self):
             time.sleep(60)
 
-    stuck = Stuck.remote()
-    started = time.monotonic()
+    stuck = Stuck.remote()  # an unbounded wait would return its answer after 60 s, raising nothing
     with pytest.raises(StepTimeoutError, match=r"save did not finish within 1 s.*still waiting on stage9"):
         gather([stuck.hang.remote()], "save", [stuck], ["stage9"], timeout=1)
-    assert time.monotonic() - started < 10
     ray.kill(stuck)
 
 
@@ -366,9 +364,7 @@ def test_a_logger_that_hangs_at_shutdown_is_given_up_after_the_call_timeout(monk
     monkeypatch.setenv("RAYPIPE_CALL_TIMEOUT", "1")
     loggers = Loggers(TrainConfig(loggers=[]), "r", dict)
     loggers.open, loggers.opened = [Hanging()], True
-    started = time.monotonic()
-    loggers.close()
-    assert time.monotonic() - started < 5
+    loggers.close()  # a close waited for to the end would return after 60 s with no TimeoutError
     assert "Hanging.close failed (TimeoutError: no answer within 1 s" in capfd.readouterr().err
 
 
@@ -376,12 +372,10 @@ def test_ctrl_c_while_waiting_for_resources_leaves_no_reservation(ray_session):
     import _thread
     import threading
 
-    cfg = TrainConfig(pp=2, cpus_per_actor=2.0, actor_start_timeout=60, name="never-placed")  # 4 CPUs of 2
+    cfg = TrainConfig(pp=2, cpus_per_actor=2.0, actor_start_timeout=600, name="never-placed")  # 4 CPUs of 2
     threading.Timer(1.0, _thread.interrupt_main).start()
-    started = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(KeyboardInterrupt):  # an interrupt left unheard would wait past the test's limit
         Trainer(MLP7, nn.functional.mse_loss, cfg)
-    assert time.monotonic() - started < 10
     groups = [g["state"] for g in ray.util.placement_group_table().values() if g["name"] == "raypipe-never-placed"]
     assert groups == ["REMOVED"], groups
 

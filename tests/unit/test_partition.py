@@ -139,9 +139,10 @@ def test_profile_partition_balances_measured_layer_times(ray_session):
     # each layer's output (4 rows x 8 float32), what would cross a link after it; the loss's none
     assert report.profiles["cpu"]["output_float_bytes"] == [4 * 8 * 4] * 5 + [0]
     assert report.profiles["cpu"]["output_float_elements"] == [4 * 8] * 5 + [0]
-    # sleeps of 10 and 30 ms per forward: never measured shorter, and within 3x on a slow machine
-    assert 0.0095 <= forward[0] < 0.03 and 0.0295 <= forward[5] < 0.09, forward
-    assert 0.12 <= report.stage_seconds[1] < 0.36, report.stage_seconds  # 2 layers x (30 + 30) ms
+    # sleeps of 10 and 30 ms per forward: never measured shorter (a busy machine only lengthens
+    # them, so no upper bound: the split above is what the measurement is for)
+    assert forward[0] >= 0.0095 and forward[5] >= 0.0295 and forward[5] > forward[0], forward
+    assert report.stage_seconds[1] >= 0.12, report.stage_seconds  # 2 layers x (30 + 30) ms
     assert report.step_seconds < report.uniform_step_seconds
     assert "stage 1: layers [4, 6) on cpu" in lines[0] and "ms per microbatch" in lines[0]
 
