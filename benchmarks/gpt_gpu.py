@@ -5,8 +5,9 @@ shape (12 blocks, 12 heads, n_embd 768, block 1024, vocabulary 50304: 124M
 parameters) and trains in bf16 autocast with AdamW on random tokens (nothing to
 download). The plain loop, raypipe pp=1 and raypipe pp=2 (both stages on the one GPU,
 `gpus_per_actor=0.25` so every trainer fits at once) take their steps in turn in one
-process; reports tokens/s, the ratio to plain PyTorch, and MFU: model FLOPs per
-token (6 N + 12 L d T, as PaLM counts them) x tokens/s over the device's bf16 dense
+process (on a CPU the plain loop computes with one thread, as each actor does); reports
+tokens/s, the ratio to plain PyTorch pair by pair with its spread, and MFU: model FLOPs
+per token (6 N + 12 L d T, as PaLM counts them) x tokens/s over the device's bf16 dense
 peak (H100/H200: 989 TFLOPS; others: `--peak-tflops`).
 
 `--device cpu --size tiny` runs the same code small, to check the script itself.
@@ -28,7 +29,7 @@ import statistics
 
 import ray
 import torch
-from rounds import interleaved, paired_ratio, plain_twin, round_means
+from rounds import interleaved, match_actor_threads, paired_ratio, plain_twin, ratio_with_spread, round_means
 
 from raypipe import TrainConfig, Trainer, build_layers, driver
 from raypipe.models import gpt
@@ -73,6 +74,7 @@ def main() -> None:
         print(json.dumps(compare_links(cfg, args, precision, optimizer, batch), indent=1))
         ray.shutdown()
         return
+    match_actor_threads(args.device, 1)  # the trainers' threads_per_actor below
     plain = torch.nn.Sequential(*build_layers(gpt.layers(cfg))).to(device)
     plain_opt = torch.optim.AdamW(plain.parameters(), lr=3e-4)
 
@@ -146,6 +148,12 @@ def main() -> None:
                 },
                 "ratio_vs_plain_same_microbatches_median_of_steps": {
                     k: paired_ratio(per_step, plain_twin(k), k) for k in seconds if k.startswith("raypipe")
+                },
+                # raypipe's tokens/s over the plain loop's on the same microbatches, pair by pair
+                "ratios": {
+                    f"{k}_over_plain": ratio_with_spread(per_step, plain_twin(k), k)
+                    for k in seconds
+                    if k.startswith("raypipe")
                 },
                 "mfu": {k: flops_per_token * v / (peak * 1e12) for k, v in rate.items()} if peak else None,
                 "peak_tflops": peak,

@@ -20,7 +20,11 @@ short still says what it found:
   GRPO's generation against transformers' `generate`, a GRPO step's parts (`gpu_preference.py`).
 
 A part that cannot run here records `skipped` with the reason; one that failed, `error` with
-the end of its output. `--device cpu --tiny` runs every part small on the CPU (the suite does:
+the end of its output. Every ratio against a baseline (`ratios` in a part's result: raypipe's
+tokens/s over the baseline's, pair by pair, the baseline computing with the threads one actor
+gets) is set beside the band it is expected in on that device (`EXPECTED`), and the table marks
+one outside it: a broken baseline shows before anyone reads the figure as a result.
+`--device cpu --tiny` runs every part small on the CPU (the suite does:
 tests/tooling/test_gpu_check.py), so the script cannot rot before a GPU is lent.
 
     make gpu-check                                         # on the GPU machine (docs/testing.md)
@@ -45,6 +49,24 @@ ROOT = HERE.parent
 PARTS = ("pytest_gpu", "gpt", "llm_lora", "compile", "hop", "qlora", "preference")
 # the least time worth starting a part with (s): less than this left and it is skipped, said so
 LEAST = {"pytest_gpu": 30, "gpt": 30, "llm_lora": 60, "compile": 30, "hop": 15, "qlora": 30, "preference": 60}
+# The band each ratio is expected in (raypipe over its baseline, on that device). At pp = 1 both
+# sides do the same work on the same threads (CPU) or device (GPU): near 1, raypipe paying its
+# calls and hops. At pp = 2 on a CPU the two stages compute on two cores against the baseline's
+# one; on a GPU they share the device. A figure outside its band is a measurement to distrust.
+EXPECTED = {
+    "cpu": {
+        "gpt": {"raypipe_pp1_m1_over_plain": (0.5, 1.5), "raypipe_pp1_m4_over_plain": (0.5, 1.5),
+                "raypipe_pp2_m4_over_plain": (0.4, 2.2)},
+        "llm_lora": {"raypipe_pp1_over_peft": (0.5, 2.0), "raypipe_pp2_over_peft": (0.4, 2.2)},
+        "preference": {"generation_raypipe_pp1_over_transformers": (0.3, 2.0)},
+    },
+    "cuda": {
+        "gpt": {"raypipe_pp1_m1_over_plain": (0.6, 1.15), "raypipe_pp1_m4_over_plain": (0.6, 1.15),
+                "raypipe_pp2_m4_over_plain": (0.3, 1.15)},
+        "llm_lora": {"raypipe_pp1_over_peft": (0.6, 1.25), "raypipe_pp2_over_peft": (0.3, 1.25)},
+        "preference": {"generation_raypipe_pp1_over_transformers": (0.3, 2.0)},
+    },
+}  # fmt: skip
 
 
 def main() -> None:
@@ -83,6 +105,9 @@ def main() -> None:
         ray.shutdown()
     report["seconds"] = round(args.budget_s - (deadline - time.monotonic()), 1)
     report["failed"] = [p for p in PARTS if report[p]["error"] is not None]
+    report["out_of_band"] = [
+        f"{p}: {name}" for p in PARTS for name, r in (report[p].get("sanity") or {}).items() if not r["within"]
+    ]
     write(out_dir, report)
     print((out_dir / "gpu_check.md").read_text())
 
@@ -120,7 +145,24 @@ def run_part(part: str, device: str, tiny: bool, work: Path, left: float, ray_ad
         if result["passed"] + result["failed"] == 0 and code in (0, 5):
             return {**skipped(f"no test ran: {result['skip_reasons'] or 'none collected'}"), "seconds": seconds}
     error = None if code == 0 and result is not None else f"exit code {code}: ...{(output + stderr)[-3000:]}"
-    return {"result": result, "skipped": None, "error": error, "seconds": seconds}
+    return {
+        "result": result,
+        "skipped": None,
+        "error": error,
+        "seconds": seconds,
+        "sanity": sanity(part, device, result),
+    }
+
+
+def sanity(part: str, device: str, result: dict | None) -> dict:
+    """Each ratio the part reported beside the band it is expected in on `device`."""
+    expected = EXPECTED.get(device, {}).get(part, {})
+    checked = {}
+    for name, band in expected.items():
+        ratio = (result or {}).get("ratios", {}).get(name)
+        if ratio is not None:
+            checked[name] = {**ratio, "band": list(band), "within": band[0] <= ratio["median"] <= band[1]}
+    return checked
 
 
 def part_command(part: str, device: str, tiny: bool, work: Path) -> list[str] | str:
@@ -129,7 +171,7 @@ def part_command(part: str, device: str, tiny: bool, work: Path) -> list[str] | 
     if part == "pytest_gpu":
         return [py, "-m", "pytest", "-m", "gpu", "-q", "-rs", "-p", "no:cacheprovider", "tests/parity/test_gpu.py"]
     if part == "gpt":
-        small = ["--size", "tiny", "--rounds", "1", "--steps", "2"] if tiny else ["--rounds", "2", "--steps", "5"]
+        small = ["--size", "tiny", "--rounds", "2", "--steps", "3"] if tiny else ["--rounds", "2", "--steps", "5"]
         return [py, str(HERE / "gpt_gpu.py"), "--device", device, *small]
     if part == "hop":
         sizes = ["0.25"] if tiny else [f"{mb:g}" for mb in boundary_mb(device)]
@@ -156,7 +198,7 @@ def boundary_mb(device: str) -> list[float]:
 
 
 def skipped(reason: str) -> dict:
-    return {"result": None, "skipped": reason, "error": None, "seconds": 0.0}
+    return {"result": None, "skipped": reason, "error": None, "seconds": 0.0, "sanity": {}}
 
 
 def pytest_counts(output: str, code: int | None) -> dict:
@@ -211,8 +253,8 @@ def table(report: dict) -> str:
         f"gpu_check on {m.get('gpu', report['device'])} (torch {m['torch']}, Python {m['python']}, "
         f"ray {m['ray']}){' --tiny' if report['tiny'] else ''}",
         "",
-        "| part | s | outcome |",
-        "|---|---|---|",
+        "| part | s | outcome | ratios against the baseline (expected band) |",
+        "|---|---|---|---|",
     ]
     for part in PARTS:
         p = report[part]
@@ -222,8 +264,18 @@ def table(report: dict) -> str:
             outcome = "FAILED: " + p["error"].strip().splitlines()[-1][:200]
         else:
             outcome = summary(part, p["result"])
-        rows.append(f"| {part} | {p['seconds']} | {outcome} |")
+        rows.append(f"| {part} | {p['seconds']} | {outcome} | {bands(p.get('sanity') or {})} |")
     return "\n".join(rows) + "\n"
+
+
+def bands(checked: dict) -> str:
+    """Each ratio as median [lowest-highest pair] and whether it sits in its expected band."""
+    cells = []
+    for name, r in checked.items():
+        lo, hi = r["band"]
+        verdict = "ok" if r["within"] else f"OUT OF BAND {lo:g}-{hi:g}"
+        cells.append(f"{name} {r['median']:.2f} [{r['spread'][0]:.2f}-{r['spread'][1]:.2f}] {verdict}")
+    return "; ".join(cells)
 
 
 def summary(part: str, r: dict) -> str:

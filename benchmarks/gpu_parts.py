@@ -1,8 +1,10 @@
 """The parts of `gpu_check.py` that no other benchmark runs, one per call, printing one JSON line:
 
 - `llm_lora`: Qwen3-8B's shape (random bf16 weights made on the device, saved as transformers
-  saves them), LoRA r = 16 on q/k/v/o: peft in this process, then raypipe at pp = 1 and pp = 2
-  with both stages on the one device; tokens/s, each stage's peak device memory, load times;
+  saves them), LoRA r = 16 on q/k/v/o: peft in this process and raypipe at pp = 1 and pp = 2
+  (both stages on the one device), all three loaded at once and stepping in turn (`rounds.py`),
+  the peft loop on a CPU with the one thread each actor computes with; tokens/s, raypipe over
+  peft pair by pair with its spread, each stage's peak device memory, load times;
 - `compile`: the GPT (GPT-2 small's shape) eager against torch.compile'd at pp = 1 and 2, eager
   and compiled alternating on one trainer (`reconfigure(compile=...)`), the compile time apart;
 - `qlora`: the LLM of `llm_lora` at pp = 1 over an nf4 base (bitsandbytes).
@@ -24,6 +26,7 @@ import warnings
 from pathlib import Path
 
 import torch
+from rounds import interleaved, match_actor_threads, ratio_with_spread
 
 LORA = {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 OPTIMIZER = {"name": "adamw", "lr": 1e-4}
@@ -83,6 +86,9 @@ def tokens(tiny: bool, vocab: int):
     return batch, shape[0] * shape[1]
 
 
+SHARE = {"cuda": {"gpus_per_actor": 0.25}, "cpu": {"cpus_per_actor": 0.5, "threads_per_actor": 1}}  # all fit at once
+
+
 def timed_steps(step, warmup: int, count: int) -> list[float]:
     for k in range(warmup):
         step(k)
@@ -94,8 +100,9 @@ def timed_steps(step, warmup: int, count: int) -> list[float]:
     return seconds
 
 
-def peft_run(directory: str, device: torch.device, batch, warmup: int, count: int) -> dict:
-    """The plain transformers + peft loop in this process, bf16 weights under bf16 autocast."""
+def peft_loop(directory: str, device: torch.device):
+    """The plain transformers + peft loop in this process, bf16 weights under bf16 autocast: its
+    step function, the seconds loading took, and a function giving its peak memory so far."""
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -111,8 +118,8 @@ def peft_run(directory: str, device: torch.device, batch, warmup: int, count: in
     load_s = time.perf_counter() - started
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
 
-    def step(k: int) -> None:
-        ids, labels = (t.to(device) for t in batch(k))
+    def step(ids: torch.Tensor, labels: torch.Tensor) -> None:
+        ids, labels = ids.to(device), labels.to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16):
             loss = model(input_ids=ids, labels=labels).loss
         loss.backward()
@@ -121,19 +128,14 @@ def peft_run(directory: str, device: torch.device, batch, warmup: int, count: in
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    seconds = timed_steps(step, warmup, count)
-    peak = _peak(device)
-    model = optimizer = None  # freed before raypipe's actors take the device  # noqa: F841
-    _free(device)
-    return {"step_s": statistics.median(seconds), "load_s": load_s, "peak_bytes": [peak]}
+    return step, load_s, lambda: _peak(device)
 
 
-def raypipe_run(directory: str, device: torch.device, batch, warmup: int, count: int, pp: int, **extra) -> dict:
-    """raypipe on the LLM at `pp` with every stage on the one device."""
+def raypipe_trainer(directory: str, device: torch.device, pp: int, **extra):
+    """raypipe on the LLM at `pp` with every stage on the one device, and the seconds its start took."""
     from raypipe import TrainConfig, Trainer
     from raypipe.models import hf
 
-    share = {"gpus_per_actor": 0.5} if device.type == "cuda" else {"cpus_per_actor": 0.5, "threads_per_actor": 1}
     config = TrainConfig(
         pp=pp,
         microbatches=1 if pp == 1 else 4,
@@ -142,29 +144,45 @@ def raypipe_run(directory: str, device: torch.device, batch, warmup: int, count:
         precision="bf16",
         devices=device.type,
         name=f"gpu-check-llm-pp{pp}{'-' + extra['quantize'] if extra else ''}",
-        **share,
+        **SHARE[device.type],
         **extra,
     )
     started = time.perf_counter()
-    with Trainer(hf.from_pretrained(directory, dtype="bf16"), config=config) as trainer:
-        load_s = time.perf_counter() - started
+    trainer = Trainer(hf.from_pretrained(directory, dtype="bf16"), config=config)
+    return trainer, time.perf_counter() - started
+
+
+def raypipe_run(directory: str, device: torch.device, batch, warmup: int, count: int, pp: int, **extra) -> dict:
+    """raypipe alone on the LLM at `pp`: median step seconds, load time, each stage's peak."""
+    trainer, load_s = raypipe_trainer(directory, device, pp, **extra)
+    with trainer:
         seconds = timed_steps(lambda k: trainer.step(*batch(k)), warmup, count)
-        info = trainer.stage_info()
-    return {
-        "step_s": statistics.median(seconds),
-        "load_s": load_s,
-        "peak_bytes": [i["memory"]["peak"] for i in info],
-        "devices": [i["device"] for i in info],
-    }
+        return {"step_s": statistics.median(seconds), "load_s": load_s, **_stage_memory(trainer)}
+
+
+def _stage_memory(trainer) -> dict:
+    info = trainer.stage_info()
+    return {"peak_bytes": [i["memory"]["peak"] for i in info], "devices": [i["device"] for i in info]}
 
 
 def llm_lora(args: argparse.Namespace, device: torch.device) -> dict:
     directory, made_s = saved_llm(args.work, args.tiny, device)
     batch, per_step = tokens(args.tiny, llama_config(args.tiny).vocab_size)
-    warmup, count = (1, 2) if args.tiny else (2, 5)
-    runs = {"peft": peft_run(directory, device, batch, warmup, count)}
-    for pp in (1, 2):
-        runs[f"raypipe_pp{pp}"] = raypipe_run(directory, device, batch, warmup, count, pp)
+    rounds, steps = (2, 2) if args.tiny else (2, 4)
+    match_actor_threads(device.type, SHARE[device.type].get("threads_per_actor", 1))
+    peft_step, peft_load_s, peft_peak = peft_loop(directory, device)
+    trainers = {f"raypipe_pp{pp}": raypipe_trainer(directory, device, pp) for pp in (1, 2)}
+    try:
+        runners = {"peft": lambda k: peft_step(*batch(k))}
+        runners |= {name: (lambda k, t=t: t.step(*batch(k))) for name, (t, _) in trainers.items()}
+        seconds = interleaved(runners, rounds, steps, warmup=2)
+        runs = {"peft": {"load_s": peft_load_s, "peak_bytes": [peft_peak()]}}
+        runs |= {name: {"load_s": load_s, **_stage_memory(t)} for name, (t, load_s) in trainers.items()}
+    finally:
+        for trainer, _ in trainers.values():
+            trainer.shutdown()
+    for name, run in runs.items():
+        run["step_s"] = statistics.median(s for r in seconds[name] for s in r)
     rate = {k: per_step / r["step_s"] for k, r in runs.items()}
     return {
         "part": "llm_lora",
@@ -175,6 +193,7 @@ def llm_lora(args: argparse.Namespace, device: torch.device) -> dict:
         "runs": runs,
         "tokens_per_s": rate,
         "raypipe_over_peft_tokens_per_s": {k: v / rate["peft"] for k, v in rate.items() if k != "peft"},
+        "ratios": {f"{k}_over_peft": ratio_with_spread(seconds, "peft", k) for k in trainers},
         "peak_gib": {k: [round(b / GiB, 2) for b in r["peak_bytes"]] for k, r in runs.items()},
         "load_s": {k: r["load_s"] for k, r in runs.items()},
     }
@@ -209,7 +228,7 @@ def compile_part(args: argparse.Namespace, device: torch.device) -> dict:
         seq = torch.randint(0, cfg.vocab_size, (shape, cfg.block_size + 1), generator=torch.Generator().manual_seed(k))
         return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
 
-    share = {"gpus_per_actor": 0.5} if device.type == "cuda" else {"cpus_per_actor": 0.5, "threads_per_actor": 1}
+    share = SHARE[device.type]
     rows = []
     for pp in (1,) if args.tiny else (1, 2):
         config = TrainConfig(

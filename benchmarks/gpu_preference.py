@@ -3,8 +3,9 @@ the LLM of `gpu_parts.py` (Qwen3-8B's shape, random bf16 weights; `--tiny`: a 2-
 stage on the one device, pp = 1:
 - DPO: step time and tokens/s on random pairs (sigmoid, beta 0.1), and the reference pass alone;
 - GRPO generation: 16 rows sampled (4 prompts x 4, temperature 1, top-p 0.95, KV cache) through
-  raypipe against transformers' `generate` on the same device in this process (run first, then
-  freed), new tokens/s;
+  raypipe against transformers' `generate` on the same device in this process (on a CPU with the
+  one thread each actor computes with), both loaded at once and taking their turns (`rounds.py`):
+  new tokens/s, and raypipe over transformers pair by pair with its spread;
 - a GRPO step (dapo, beta 0.04): generation, scoring, the reference pass and rows, training.
 
     python benchmarks/gpu_preference.py --device cuda --work /tmp/gc
@@ -19,12 +20,14 @@ import time
 
 import torch
 from dpo_throughput import make_pairs
-from gpu_parts import LORA, OPTIMIZER, _free, llama_config, saved_llm, timed_steps
+from gpu_parts import LORA, OPTIMIZER, SHARE, _free, llama_config, saved_llm, timed_steps
 from grpo_throughput import even_tokens, prompts
+from rounds import interleaved, match_actor_threads, ratio_with_spread
 
 
-def transformers_generate(directory: str, device: torch.device, batch, new: int, rounds: int) -> float:
-    """Median seconds of transformers' sampled `generate` of `new` tokens for `batch(k)`, bf16."""
+def transformers_generator(directory: str, device: torch.device, batch, new: int):
+    """transformers' sampled `generate` of `new` tokens for `batch(k)` in this process, bf16 with
+    the same adapters: a function of k, to time beside raypipe's."""
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -33,20 +36,17 @@ def transformers_generate(directory: str, device: torch.device, batch, new: int,
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16).to(device)
     model = get_peft_model(model, peft_config(LORA)).eval()
     model.generation_config.pad_token_id = 0
-    seconds = []
-    for k in range(rounds + 1):  # the first warms up
+
+    def generate(k: int) -> None:
         x = batch(k).to(device)
-        started = time.perf_counter()
         with torch.no_grad():
             model.generate(
                 x, attention_mask=torch.ones_like(x), max_new_tokens=new, min_new_tokens=new, do_sample=True, top_p=0.95
             )
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        seconds.append(time.perf_counter() - started)
-    model = None  # noqa: F841 - freed before raypipe's actors take the device
-    _free(device)
-    return statistics.median(seconds[1:])
+
+    return generate
 
 
 def preference(args: argparse.Namespace, device: torch.device) -> dict:
@@ -60,16 +60,24 @@ def preference(args: argparse.Namespace, device: torch.device) -> dict:
     warmup, count = (1, 2) if args.tiny else (2, 4)
     pairs = lambda k: make_pairs(k, pairs_n, length, length, vocab)  # noqa: E731
     rows = lambda k: torch.tensor([p["prompt_ids"] for p in prompts(k, 4, length, vocab)]).repeat_interleave(4, 0)  # noqa: E731
-    generate_s = transformers_generate(directory, device, rows, new, count)
-    share = {"gpus_per_actor": 1.0} if device.type == "cuda" else {"cpus_per_actor": 0.5, "threads_per_actor": 1}
+    share = SHARE[device.type]
+    match_actor_threads(device.type, share.get("threads_per_actor", 1))
+    transformers_generate = transformers_generator(directory, device, rows, new)
     common = dict(lora=LORA, optimizer=OPTIMIZER, precision="bf16", devices=device.type, **share)
     dpo = TrainConfig(objective={"name": "dpo", "beta": 0.1}, name="gpu-check-dpo", **common)
     with Trainer(hf.from_pretrained(directory, dtype="bf16"), config=dpo) as trainer:
         step_s = statistics.median(timed_steps(lambda k: trainer.step(pairs(k)), warmup, count))
         reference_s = statistics.median(timed_steps(lambda k: preference_batch(trainer.group, pairs(k)), 0, count))
-        raypipe_generate_s = statistics.median(
-            timed_steps(lambda k: trainer.generate(rows(k), new, temperature=1.0, top_p=0.95, seed=k), 1, count)
-        )
+        runners = {
+            "transformers": transformers_generate,
+            "raypipe_pp1": lambda k: trainer.generate(rows(k), new, temperature=1.0, top_p=0.95, seed=k),
+        }
+        generation = interleaved(runners, 1 if args.tiny else 2, count, warmup=1)
+    transformers_generate = runners = None  # freed before the GRPO trainer takes the device
+    _free(device)
+    generate_s, raypipe_generate_s = (
+        statistics.median(s for r in generation[k] for s in r) for k in ("transformers", "raypipe_pp1")
+    )
     objective = {"name": "grpo", "num_generations": 4, "max_completion_length": new, "beta": 0.04, "top_p": 0.95}
     grpo = TrainConfig(objective={**objective, "reward_funcs": [even_tokens]}, name="gpu-check-grpo", **common)
     with Trainer(hf.from_pretrained(directory, dtype="bf16"), config=grpo) as trainer:
@@ -93,6 +101,9 @@ def preference(args: argparse.Namespace, device: torch.device) -> dict:
             "new_tokens": new,
             "tokens_per_s": {"transformers": generated / generate_s, "raypipe_pp1": generated / raypipe_generate_s},
             "raypipe_over_transformers": generate_s / raypipe_generate_s,
+        },
+        "ratios": {
+            "generation_raypipe_pp1_over_transformers": ratio_with_spread(generation, "transformers", "raypipe_pp1")
         },
         "grpo_step": {**parts, "whole_step_s": whole},
     }

@@ -2,7 +2,9 @@
 of each, then the next step of each, ...), so background load on the machine hits them
 alike. The order rotates every turn, so no runner always follows the same one (the
 plain loop right after an actor's block, say, finding the caches the actor left).
-Used by gpt_cpu.py and gpt_gpu.py."""
+Used by gpt_cpu.py, gpt_gpu.py and the GPU check's parts: a baseline run in the benchmark's own
+process computes with the threads one actor gets (`match_actor_threads`), so a ratio compares
+the same work, and every ratio is reported with its spread (`ratio_with_spread`)."""
 
 from __future__ import annotations
 
@@ -53,4 +55,26 @@ def paired_ratio(seconds: dict[str, list[list[float]]], base: str, other: str) -
     """Median over all steps of base's step time / other's same step (same round, same
     index): on a machine whose speed drifts, neighbours in time compare more fairly
     than two bests taken minutes apart."""
-    return statistics.median(b / o for rb, ro in zip(seconds[base], seconds[other]) for b, o in zip(rb, ro))
+    return statistics.median(_pairs(seconds, base, other))
+
+
+def ratio_with_spread(seconds: dict[str, list[list[float]]], base: str, other: str) -> dict:
+    """base's step time over other's, pair by pair: the median, the lowest and highest pair, and
+    how many pairs (a ratio with a wide spread is noise, whatever its median)."""
+    pairs = sorted(_pairs(seconds, base, other))
+    return {"median": statistics.median(pairs), "spread": [pairs[0], pairs[-1]], "pairs": len(pairs)}
+
+
+def _pairs(seconds: dict[str, list[list[float]]], base: str, other: str) -> list[float]:
+    return [b / o for rb, ro in zip(seconds[base], seconds[other]) for b, o in zip(rb, ro)]
+
+
+def match_actor_threads(device: str, threads_per_actor: int = 1) -> None:
+    """On a CPU, make this process compute with the torch threads one actor is given, so an
+    in-process baseline and a pp = 1 trainer do the same work with the same cores (the
+    process's default, every core, made a plain loop look 4x slower or 20x faster beside the
+    actors). On a GPU the device does the work and nothing changes."""
+    if device == "cpu":
+        import torch
+
+        torch.set_num_threads(threads_per_actor)
