@@ -86,8 +86,9 @@ def set_aside(root: str | Path, run_id: str, after: int) -> list[str]:
     """Moves run `run_id`'s checkpoints of steps after `after` (the future a resume from `after`
     abandons) into `<root>/set-aside/<time>/`, where no reader looks: a later recovery of the run
     cannot restore them, and nothing complete is deleted (the run's own saves cut short are: they
-    hold nothing to keep). Returns the names moved."""
-    import time
+    hold nothing to keep). Returns the names moved. Each call shelves into a folder of its own
+    (its time to the microsecond): two resumes within one second once collided there."""
+    from datetime import datetime
 
     later = [(p, manifest) for p, manifest, run in inventory(root) if step_of(p) > after and run == run_id]
     for path, _ in [(p, m) for p, m in later if m is None]:
@@ -98,7 +99,7 @@ def set_aside(root: str | Path, run_id: str, after: int) -> list[str]:
     shelf_root = location(root) / "set-aside"
     if not isinstance(shelf_root, StoragePath):
         refuse_link(shelf_root)
-    shelf = shelf_root / time.strftime("%Y%m%d-%H%M%S")
+    shelf = shelf_root / datetime.now().strftime("%Y%m%d-%H%M%S-%f")
     for path in later:
         move(path, shelf / checkpoint_name(step_of(path)), manifest_first=True)
     return [p.name for p in later]

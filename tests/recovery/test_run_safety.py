@@ -87,6 +87,14 @@ def test_resume_continues_the_run_and_sets_its_abandoned_future_aside(run_a, tmp
     assert [p.name for p in sorted(shelved[0].iterdir())] == ["step-00000004", "step-00000006"]
     assert any("set aside" in m for m in messages), messages
     assert [p.name for p in list_checkpoints(root)] == ["step-00000002", "step-00000004", "step-00000006"]
+    from raypipe.checkpoint.tidy import set_aside
+
+    for _ in range(2):  # two resumes within one second (a notebook's load, step, load, fit): a shelf each
+        for name in ("step-00000004", "step-00000006"):
+            shutil.rmtree(root / name, ignore_errors=True)
+            shutil.copytree(shelved[0] / name, root / name)
+        assert set_aside(root, run_id, 2) == ["step-00000004", "step-00000006"]
+    assert len(list((root / "set-aside").iterdir())) == 3
 
 
 def test_pruning_and_recovery_keep_to_their_own_run(run_a, tmp_path):
