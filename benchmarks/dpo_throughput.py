@@ -12,7 +12,7 @@ a pass through the pipeline), then the policy's forward and backward and the opt
 TRL and pp = 1 take their steps in turn (`rounds.interleaved`); the ratio is TRL's step time /
 raypipe's, median of paired steps (target >= 0.95). pp = 2 is timed after, alone. tokens/s
 counts every row's tokens (prompt and completion, both rows of a pair). The reference pass's
-share of raypipe's step is timed on its own (`preference_batch`, the same pairs).
+share of raypipe's step is timed on its own (`objective_batch`, the same pairs).
 
     python benchmarks/dpo_throughput.py > dpo_throughput.json     # about 4 minutes on 2 cores
     python benchmarks/dpo_throughput.py --layers 2 --rounds 1 --steps 1 --hidden 64   # the script, small
@@ -34,7 +34,7 @@ import torch
 from rounds import interleaved, paired_ratio
 
 from raypipe import TrainConfig, Trainer
-from raypipe.driver.inference.reference import preference_batch
+from raypipe.driver.inference.objective import objective_batch
 from raypipe.models import hf
 
 LORA = {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
@@ -132,7 +132,7 @@ def main() -> None:
             reference = []
             for k in range(a.steps):
                 started = time.perf_counter()
-                preference_batch(one.group, pairs(k))
+                objective_batch(one.group, pairs(k))
                 reference.append(time.perf_counter() - started)
     with Trainer(hf.from_pretrained(directory), config=TrainConfig(pp=2, microbatches=2, **common)) as two:
         for k in range(2):

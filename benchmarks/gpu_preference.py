@@ -51,7 +51,7 @@ def transformers_generator(directory: str, device: torch.device, batch, new: int
 
 def preference(args: argparse.Namespace, device: torch.device) -> dict:
     from raypipe import TrainConfig, Trainer
-    from raypipe.driver.inference.reference import preference_batch
+    from raypipe.driver.inference.objective import objective_batch
     from raypipe.models import hf
 
     directory, _ = saved_llm(args.work, args.tiny, device)
@@ -67,7 +67,7 @@ def preference(args: argparse.Namespace, device: torch.device) -> dict:
     dpo = TrainConfig(objective={"name": "dpo", "beta": 0.1}, name="gpu-check-dpo", **common)
     with Trainer(hf.from_pretrained(directory, dtype="bf16"), config=dpo) as trainer:
         step_s = statistics.median(timed_steps(lambda k: trainer.step(pairs(k)), warmup, count))
-        reference_s = statistics.median(timed_steps(lambda k: preference_batch(trainer.group, pairs(k)), 0, count))
+        reference_s = statistics.median(timed_steps(lambda k: objective_batch(trainer.group, pairs(k)), 0, count))
         runners = {
             "transformers": transformers_generate,
             "raypipe_pp1": lambda k: trainer.generate(rows(k), new, temperature=1.0, top_p=0.95, seed=k),

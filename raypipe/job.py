@@ -135,9 +135,9 @@ def run(
         train = train.replace(resume=True if resume_step is None else resume_step)
     if train.resume is not False:  # fail before any actor starts
         ckpt.find_valid(train.checkpoint_dir, step=None if train.resume is True else train.resume, warn=lambda _: None)
-    records = _objective_data(config.data.source, train.objective)  # "pairs" or "prompts": DPO or GRPO
+    records = _objective_data(config.data.source, train.objective)  # the objective's records ("pairs", "prompts")
     tokenizer = model.tokenizer() if config.data.source in ("sft", "pairs", "prompts") else None
-    if records == "prompts" and train.objective["tokenizer"] is None:  # reward functions read text
+    if records and train.objective.get("tokenizer", "") is None:  # an objective's scoring reads text (GRPO's rewards)
         train = train.replace(objective={**train.objective, "tokenizer": tokenizer})
     dataset = config.data.dataset(model.block_size, tokenizer)
     train_set, val_set = dataset.split(config.data.val_fraction) if config.data.val_fraction else (dataset, None)
@@ -174,7 +174,7 @@ def run(
             log(
                 f"step {step:4d} | loss {metrics['loss']:.4f} | lr {metrics['lr']:.2e} | "
                 f"grad norm {metrics['grad_norm']:.3f} | {metrics['tokens_per_s']:,.0f} tok/s | "
-                f"{1000 * metrics['step_time']:.0f} ms" + _objective_line(metrics)
+                f"{1000 * metrics['step_time']:.0f} ms" + _objective_line(train.objective, metrics)
             )
         if "checkpoint" in metrics:
             log(f"step {step:4d} | saved {metrics['checkpoint']}")
@@ -269,33 +269,31 @@ def run(
 
 
 def _objective_data(source: str, objective: dict[str, Any] | None) -> str | None:
-    """The records a DPO ("pairs") or GRPO ("prompts") job trains on; None for tokens.
+    """The records an objective's job trains on (its `data_source`: "pairs", "prompts"); None for tokens.
 
     Raises:
         ConfigError: the data source and the objective do not go together.
     """
-    wanted = {None: None, "dpo": "pairs", "grpo": "prompts"}[objective and objective["name"]]
-    records = source if source in ("pairs", "prompts") else None
+    from raypipe.objectives import OBJECTIVES
+
+    wanted = OBJECTIVES[objective["name"]].data_source if objective else None
+    readers = {kind.data_source for kind in OBJECTIVES.values()}
+    records = source if source in readers else None
     if records != wanted:
+        names = {r: "|".join(sorted(k.name for k in OBJECTIVES.values() if k.data_source == r)) for r in readers}
+        pairs = "; ".join(f"{r!r} with objective {{name: {names[r]}}}" for r in sorted(readers))
         raise ConfigError(
-            "data.source 'pairs' goes with objective {name: dpo} and 'prompts' with {name: grpo}: preference pairs "
-            f"train by DPO, prompts by GRPO (got data.source {source!r} and objective "
-            f"{objective and objective['name']!r})"
+            f"data.source {source!r} and objective {objective and objective['name']!r} do not go together: each "
+            f"objective reads its own records ({pairs}), and the token sources train without one"
         )
     return records
 
 
-def _objective_line(metrics: dict[str, Any]) -> str:
-    """A DPO or GRPO step's figures for the job's log line."""
-    if "rewards/margins" in metrics:
-        return f" | margin {metrics['rewards/margins']:.3f} | accuracy {metrics['rewards/accuracies']:.2f}"
-    if "reward" in metrics:
-        generated = f" | generated in {metrics['generation_s']:.2f} s" if "generation_s" in metrics else ""
-        return (
-            f" | reward {metrics['reward']:.3f} ± {metrics['reward_std']:.3f} | "
-            f"length {metrics['completions/mean_length']:.1f}{generated}"
-        )
-    return ""
+def _objective_line(objective: dict[str, Any] | None, metrics: dict[str, Any]) -> str:
+    """An objective's step figures for the job's log line (its own words: `Objective.log_line`)."""
+    from raypipe.objectives import objective_for
+
+    return objective_for(objective).log_line(metrics) if objective is not None else ""
 
 
 def _first_and_last(what: str, of: str, values: list[float]) -> str:

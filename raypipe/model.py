@@ -104,10 +104,10 @@ def resolve(layers: Any, loss_fn: Any, config: Any) -> tuple[Model, Callable, li
         )
     model = layers if isinstance(layers, Model) else Model(list(layers), loss_fn)
     loss_fn = loss_fn if loss_fn is not None else model.loss_fn
-    if config.objective is not None:  # a DPO or GRPO run: its loss in place of the model's
-        from raypipe.objectives import objective_loss
+    if config.objective is not None:  # an objective's run (DPO, GRPO, ...): its loss in place of the model's
+        from raypipe.objectives import objective_for
 
-        loss_fn = objective_loss(config.objective)
+        loss_fn = objective_for(config.objective).loss()
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {loss_fn!r}")
     specs = [as_spec(layer, i) for i, layer in enumerate(model.layers)]

@@ -58,6 +58,10 @@ FAST: dict[str, str] = {
         "GRPO against TRL's GRPOTrainer"
     ),
     "parity/test_grpo.py::test_grpo_settings_are_checked_with_what_to_give": "GRPO's settings",
+    "parity/test_kto.py::test_kto_through_the_pipeline_equals_trls_kto_trainer_and_resumes_and_recovers": (
+        "KTO against TRL's KTOTrainer, resumed, a stage lost in a pass"
+    ),
+    "parity/test_kto.py::test_kto_settings_and_records_are_checked_with_what_to_give": "KTO's settings and records",
 }
 
 SKIPPED: dict[str, str] = {

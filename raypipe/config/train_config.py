@@ -102,7 +102,7 @@ class TrainConfig:
             0.0, "reward_funcs": [...], ...}: group
             relative policy optimisation as TRL's GRPOTrainer defines it; `Trainer.step` takes one
             generation batch {"prompt_ids", "completion_ids", "rewards"} and `fit` generates and scores
-            each batch of prompts itself (docs/preference.md lists every setting).
+            each batch of prompts itself (docs/preference.md: every registered objective's settings).
         engine: how a step runs. "refs": the driver issues every forward and backward
             as an actor call and boundary tensors travel as Ray object references;
             "p2p": one call per actor per step with its whole action list, boundary

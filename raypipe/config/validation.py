@@ -19,6 +19,7 @@ from raypipe.config.checks import (
     fail,
     is_int,
 )
+from raypipe.config.engines import ENGINES, engine_kind, engines_that
 from raypipe.config.loggers import check_loggers
 from raypipe.config.objective import check_objective
 from raypipe.errors import ScheduleError
@@ -26,7 +27,6 @@ from raypipe.schedules import SCHEDULES, SEQUENCE_CHUNKED, build_schedule
 from raypipe.transport.compress import CODECS
 
 SCHEDULE_NAMES = (*SCHEDULES, "auto")  # auto: chosen from profiled layers (`raypipe.planning.autoschedule`)
-ENGINES = ("refs", "p2p", "compiled")
 SAME_NODE_TRANSPORTS = ("shm", "gloo")
 DEVICE_LINKS = ("auto", "nccl", "host")  # raypipe.driver.links.ways
 PARTITION_NAMES = ("uniform", "parameters", "profile")
@@ -49,13 +49,12 @@ def validate(c: Any) -> None:
             f"expert-parallel ranks are carved out of the dp={c.dp} replicas: use an ep "
             f"that divides dp (e.g. ep={c.dp}), or raise dp to a multiple of {c.ep}.",
         )
-    if c.ep > 1 and c.engine == "refs":
+    if c.ep > 1 and not engine_kind(c.engine).whole_step_calls:
         raise fail(
             "engine",
             c.engine,
-            "ep > 1 runs on the p2p and compiled engines (a MoE layer's all-to-all "
-            "needs every replica of its ep group inside one step call): use "
-            "engine='p2p'.",
+            f"ep > 1 runs on the engines that send each actor its whole step ({engines_that('whole_step_calls')}: "
+            "a MoE layer's all-to-all needs every replica of its ep group inside one step call): use engine='p2p'.",
         )
     if c.zero not in (0, 1, 3) or isinstance(c.zero, bool):
         raise fail(
@@ -86,14 +85,15 @@ def validate(c: Any) -> None:
     c.objective = check_objective(c.objective, c.actor_steps)
     check_choice("precision", c.precision, PRECISIONS)
     check_choice("boundary_dtype", c.boundary_dtype, PRECISIONS)
-    check_choice("engine", c.engine, ENGINES)
+    check_choice("engine", c.engine, tuple(ENGINES))
     if c.actor_steps != "auto" and not (is_int(c.actor_steps) and c.actor_steps >= 0):
         raise fail("actor_steps", c.actor_steps, 'give "auto" or a whole number >= 0 (0: the driver steps).')
-    if c.actor_steps not in (0, "auto") and c.engine != "p2p":
+    if c.actor_steps not in (0, "auto") and not engine_kind(c.engine).actor_steps:
         raise fail(
             "actor_steps",
             c.actor_steps,
-            f"actor-driven runs use the p2p engine, not {c.engine!r}: set engine='p2p' or actor_steps=0.",
+            f"actor-driven runs use the {engines_that('actor_steps')} engine, not {c.engine!r}: set "
+            "engine='p2p' or actor_steps=0.",
         )
     check_choice("same_node_transport", c.same_node_transport, SAME_NODE_TRANSPORTS)
     check_choice("device_links", c.device_links, DEVICE_LINKS)
@@ -169,12 +169,12 @@ def check_elastic(c: Any) -> None:
 def check_zero3(c: Any) -> None:
     """ZeRO-3 fits the other fields: the engines that run a step in one call, no quantized base, no
     expert parallelism (its experts are sharded by ep already)."""
-    if c.engine == "refs":
+    if not engine_kind(c.engine).whole_step_calls:
         raise fail(
             "engine",
             c.engine,
             "zero=3 gathers each layer among the dp replicas inside the step, which needs the whole "
-            "step in one call per actor: use engine='p2p' (or 'compiled').",
+            f"step in one call per actor: use engine={engines_that('whole_step_calls')}.",
         )
     if c.quantize is not None:
         raise fail("quantize", c.quantize, "a quantized base is not sharded by zero=3: use zero=0 or 1 with quantize.")
@@ -218,11 +218,11 @@ def check_schedule(c: Any) -> None:
             f"schedule {c.schedule!r} always runs {kind.chunks} per actor: "
             f"leave chunks unset, or use schedule='interleaved-1f1b'.",
         )
-    if (c.num_chunks() > 1 or kind.split_backward) and c.engine == "refs":
+    if (c.num_chunks() > 1 or kind.split_backward) and not engine_kind(c.engine).whole_step_calls:
         raise fail(
             "engine",
             c.engine,
-            f"schedule {c.schedule!r} runs on the p2p and compiled engines "
+            f"schedule {c.schedule!r} runs on the {engines_that('whole_step_calls')} engines "
             f"(its chunks and split backwards live inside one call per step): "
             f"use engine='p2p'.",
         )
@@ -261,12 +261,11 @@ def check_sequence_chunks(c: Any) -> None:
             c.sequence_chunks,
             "not with compile=True (the chunk's keys and values are kept outside the compiled graph): use one of them.",
         )
-    objective = (c.objective or {}).get("name", "sft") if isinstance(c.objective, dict) else c.objective
-    if objective not in (None, "sft"):
+    if c.objective is not None:  # every registered objective scores whole completions
         raise fail(
             "sequence_chunks",
             c.sequence_chunks,
-            f"the {objective} objective's loss is over whole sequences (their summed log-probabilities), "
+            f"the {c.objective['name']} objective's loss is over whole sequences (their summed log-probabilities), "
             f"not a sum over tokens: use sequence_chunks=1.",
         )
 

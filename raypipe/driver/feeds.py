@@ -12,6 +12,7 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from raypipe.config.engines import engine_kind, engines_that
 from raypipe.data.batches import Prepared, prepare
 from raypipe.errors import BatchError, ConfigError
 
@@ -142,10 +143,10 @@ class DatasetFeed:
         from raypipe.driver.cluster.placement import cpus_per_actor
 
         c = group.config
-        if c.engine == "refs":
+        if not engine_kind(c.engine).whole_step_calls:
             raise ConfigError(
-                "TrainConfig.engine='refs' is invalid with a ray.data.Dataset: its calls carry each "
-                "microbatch from the driver; use engine='p2p' (the default) or 'compiled'."
+                f"TrainConfig.engine={c.engine!r} is invalid with a ray.data.Dataset: its calls carry each "
+                f"microbatch from the driver; use engine={engines_that('whole_step_calls')} ('p2p' is the default)."
             )
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise ConfigError(
@@ -217,24 +218,25 @@ class DatasetFeed:
 
 def make_feed(group: Any, batches: Any, batch_size: int | None, collate: Callable | None) -> Any:
     """The feed for what `Trainer.fit` was given, cut for `group`'s actors (an `ActorGroup`). Under
-    DPO each step's pair records become its rows and their reference log-probs
-    (`inference.reference.preference_batch`) as the feed takes them; under GRPO each batch of prompt
-    records is generated from and scored first (`inference.rollout.GenerationBatches`)."""
-    objective = group.config.objective
-    if objective is not None:
-        from raypipe.driver.inference.reference import preference_batch
+    an objective each step's records (pairs, examples) become its rows and the answers of the
+    passes it declares (`inference.objective.objective_batch`) as the feed takes them; an objective
+    that generates its rows (GRPO) generates from and scores each batch of prompt records first
+    (`inference.rollout.GenerationBatches`)."""
+    if group.config.objective is not None:
+        from raypipe.driver.inference.objective import objective_batch
+        from raypipe.objectives import objective_for
 
-        owned = None
+        objective, owned = objective_for(group.config.objective), None
         if _is_dataset(batches):  # its rows are the records, read in order on the driver
-            batches = owned = records_of(batches, batch_size, "pair" if objective["name"] == "dpo" else "prompt")
-        if objective["name"] == "grpo":
+            batches = owned = records_of(batches, batch_size, objective.record)
+        if objective.generates:
             from raypipe.driver.inference.rollout import GenerationBatches
 
             feed = FunctionFeed(group, GenerationBatches(group, group.model.kv_cache, batches))
         elif callable(batches):
-            feed = FunctionFeed(group, lambda k, pairs=batches: preference_batch(group, pairs(k)))
+            feed = FunctionFeed(group, lambda k, records=batches: objective_batch(group, records(k)))
         else:
-            feed = IterableFeed(group, (preference_batch(group, pairs) for pairs in batches))
+            feed = IterableFeed(group, (objective_batch(group, records) for records in batches))
         feed.owned = owned
         return feed
     if _is_dataset(batches):

@@ -1,41 +1,29 @@
-"""What a step minimises besides the next-token loss: preference pairs by DPO (`dpo.py`, their
-batches in `pairs.py`), scored generations by GRPO (`grpo.py`, their batches in `rollouts.py`,
-their scores in `rewards.py`), and the reference policy both are measured against (`reference.py`)."""
+"""What a step minimises besides a model's own next-token loss, one module per objective, each
+registering its `Objective` (`base.py`: the interface, the registry): preference pairs by DPO
+(`dpo.py`, their rows in `pairs.py`), unpaired desirable and undesirable completions by KTO
+(`kto.py`), scored generations by GRPO (`grpo.py`, their rows in `rollouts.py`, their scores in
+`rewards.py`); the reference policy they are measured against (`reference.py`)."""
 
-from collections.abc import Iterable, Mapping
-
-from raypipe.objectives import dpo, grpo
+from raypipe.objectives import dpo, grpo, kto  # noqa: F401 - each registers its objective: the registry lines
+from raypipe.objectives.base import OBJECTIVES, LogProbPass, Objective, Rows, objective_for, register
 from raypipe.objectives.dpo import LOSS_TYPES, METRICS, DPOLoss
 from raypipe.objectives.grpo import GRPOLoss
+from raypipe.objectives.kto import KTOLoss
 from raypipe.objectives.pairs import pair_batch
 from raypipe.objectives.rollouts import rollout_batch
-
-
-def step_metrics(sums: Iterable[Mapping[str, float]]) -> dict[str, float]:
-    """A step's objective metrics (TRL's names) from every microbatch's sums."""
-    sums = list(sums)
-    if not sums:
-        return {}
-    return (dpo if "pairs" in sums[0] else grpo).step_metrics(sums)
-
-
-def objective_loss(objective: Mapping) -> DPOLoss | GRPOLoss:
-    """The loss function of `TrainConfig.objective` (checked, its defaults filled in)."""
-    if objective["name"] == "dpo":
-        return DPOLoss(objective["beta"], objective["loss_type"])
-    o = objective
-    return GRPOLoss(
-        o["beta"], o["loss_type"], o["epsilon"], o["epsilon_high"], o["max_completion_length"], o["temperature"]
-    )
-
 
 __all__ = [
     "DPOLoss",
     "GRPOLoss",
+    "KTOLoss",
     "LOSS_TYPES",
+    "LogProbPass",
     "METRICS",
-    "objective_loss",
+    "OBJECTIVES",
+    "Objective",
+    "Rows",
+    "objective_for",
     "pair_batch",
+    "register",
     "rollout_batch",
-    "step_metrics",
 ]

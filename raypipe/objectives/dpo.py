@@ -17,7 +17,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-IGNORE = -100
+from raypipe.objectives.base import IGNORE, LogProbPass, Objective, Rows, invalid_setting, means, register
+
 LOSS_TYPES = ("sigmoid", "hinge", "ipo")
 METRICS = (
     "rewards/chosen",
@@ -91,8 +92,43 @@ class DPOLoss:
 
 def step_metrics(sums: Iterable[Mapping[str, float]]) -> dict[str, float]:
     """TRL's metrics of a step: the means over every pair of every microbatch and replica."""
-    sums = list(sums)
-    pairs = sum(s["pairs"] for s in sums)
-    if not pairs:
-        return {}
-    return {name: sum(s[name] for s in sums) / pairs for name in METRICS}
+    return means(sums, "pairs", METRICS)
+
+
+@register
+class DPO(Objective):
+    """Preference pairs, each a chosen and a rejected completion of one prompt, against the run's
+    reference policy (measured in one forward-only pass before the step)."""
+
+    name = "dpo"
+    defaults = {"name": "dpo", "beta": 0.1, "loss_type": "sigmoid"}
+    record = "pair"
+    data_source = "pairs"
+
+    @classmethod
+    def check(cls, settings: dict[str, Any], given: Any) -> None:
+        beta = settings["beta"]
+        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or beta <= 0:
+            raise invalid_setting(given, "beta must be a number > 0 (TRL's default is 0.1).")
+        if settings["loss_type"] not in LOSS_TYPES:
+            raise invalid_setting(given, f"loss_type must be one of {', '.join(map(repr, LOSS_TYPES))}.")
+
+    def loss(self) -> DPOLoss:
+        return DPOLoss(self.settings["beta"], self.settings["loss_type"])
+
+    def rows(self, records: Any) -> Rows:
+        from raypipe.objectives.pairs import pair_batch
+
+        x, labels = pair_batch(records)
+        return Rows(x=x, y={"labels": labels}, records=len(records), extra={})
+
+    def passes(self) -> list[LogProbPass]:
+        return [LogProbPass("rows", "reference", "ref_logps")]
+
+    def step_metrics(self, sums: Iterable[Mapping[str, float]]) -> dict[str, float]:
+        return step_metrics(sums)
+
+    def log_line(self, metrics: Mapping[str, Any]) -> str:
+        if "rewards/margins" not in metrics:
+            return ""
+        return f" | margin {metrics['rewards/margins']:.3f} | accuracy {metrics['rewards/accuracies']:.2f}"

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from raypipe.objectives.dpo import IGNORE
+from raypipe.objectives.base import IGNORE, LogProbPass, Objective, Rows, invalid_setting, register
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo")
 METRICS = (
@@ -154,3 +154,122 @@ def step_metrics(sums: Iterable[Mapping[str, float]]) -> dict[str, float]:
         if all(name in s for s in sums):
             metrics[name] = sum(s[name] for s in sums) / max(tokens, 1.0)
     return metrics
+
+
+@register
+class GRPO(Objective):
+    """Prompts whose G completions are generated from the policy and scored by reward functions
+    before each generation batch (`driver.inference.rollout`), the rows then trained on against
+    the group's rewards."""
+
+    name = "grpo"
+    defaults = {
+        "name": "grpo",
+        "beta": 0.0,
+        "loss_type": "dapo",
+        "num_generations": 8,
+        "epsilon": 0.2,
+        "epsilon_high": None,
+        "scale_rewards": "group",
+        "max_completion_length": 512,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": None,
+        "num_iterations": 1,
+        "reward_funcs": [],
+        "reward_weights": None,
+        "tokenizer": None,
+        "eos_token_id": None,
+    }
+    record = "prompt"
+    data_source = "prompts"
+    generates = True
+
+    @classmethod
+    def check(cls, settings: dict[str, Any], given: Any) -> None:
+        from raypipe.objectives.rollouts import SCALINGS
+
+        o = settings
+        checks = [
+            (_number(o["beta"]) and o["beta"] >= 0, "beta must be a number >= 0 (TRL's default is 0.0: no KL term)."),
+            (o["loss_type"] in LOSS_TYPES, f"loss_type must be one of {', '.join(map(repr, LOSS_TYPES))}."),
+            (
+                _int(o["num_generations"]) and o["num_generations"] >= 2,
+                "num_generations must be an int >= 2 (a group).",
+            ),
+            (_number(o["epsilon"]) and o["epsilon"] > 0, "epsilon must be a number > 0 (TRL's default is 0.2)."),
+            (
+                o["epsilon_high"] is None or (_number(o["epsilon_high"]) and o["epsilon_high"] > 0),
+                "epsilon_high: None or > 0.",
+            ),
+            (o["scale_rewards"] in SCALINGS, f"scale_rewards must be one of {', '.join(map(repr, SCALINGS))}."),
+            (
+                _int(o["max_completion_length"]) and o["max_completion_length"] >= 1,
+                "max_completion_length: an int >= 1.",
+            ),
+            (_number(o["temperature"]) and o["temperature"] > 0, "temperature must be > 0 (GRPO samples)."),
+            (_number(o["top_p"]) and 0 < o["top_p"] <= 1, "top_p must be in (0, 1]."),
+            (o["top_k"] is None or (_int(o["top_k"]) and o["top_k"] >= 1), "top_k: None or an int >= 1."),
+            (_int(o["num_iterations"]) and o["num_iterations"] >= 1, "num_iterations must be an int >= 1."),
+            (
+                isinstance(o["reward_funcs"], (list, tuple)),
+                "reward_funcs: a list of callables or 'module:function' paths.",
+            ),
+            (
+                o["tokenizer"] is None or isinstance(o["tokenizer"], str) or hasattr(o["tokenizer"], "batch_decode"),
+                "tokenizer: None (completions as token ids), a model directory's path, or a tokenizer.",
+            ),
+            (o["eos_token_id"] is None or _int(o["eos_token_id"]), "eos_token_id: None or a token id."),
+        ]
+        for ok, fix in checks:
+            if not ok:
+                raise invalid_setting(given, fix)
+        o["reward_funcs"] = list(o["reward_funcs"])
+        for f in o["reward_funcs"]:
+            if not callable(f) and not (isinstance(f, str) and ":" in f):
+                raise invalid_setting(
+                    given, f"reward function {f!r}: give a callable or an import path 'module:function'."
+                )
+        weights = o["reward_weights"]
+        if weights is not None and (
+            not isinstance(weights, (list, tuple))
+            or len(weights) != len(o["reward_funcs"])
+            or not all(map(_number, weights))
+        ):
+            raise invalid_setting(given, "reward_weights: None (all 1) or one number per reward function.")
+
+    def loss(self) -> GRPOLoss:
+        o = self.settings
+        return GRPOLoss(
+            o["beta"], o["loss_type"], o["epsilon"], o["epsilon_high"], o["max_completion_length"], o["temperature"]
+        )
+
+    def rows(self, rollout: Any) -> Rows:
+        """The rows of a generation batch ({"prompt_ids", "completion_ids", "rewards"})."""
+        from raypipe.objectives.rollouts import rollout_batch
+
+        x, y = rollout_batch(rollout, self.settings["num_generations"], self.settings["scale_rewards"])
+        return Rows(x=x, y=y, records=len(x["input_ids"]), extra={})
+
+    def passes(self) -> list[LogProbPass]:
+        return [LogProbPass("rows", "reference", "ref_logps")] if self.settings["beta"] > 0 else []
+
+    def step_metrics(self, sums: Iterable[Mapping[str, float]]) -> dict[str, float]:
+        return step_metrics(sums)
+
+    def log_line(self, metrics: Mapping[str, Any]) -> str:
+        if "reward" not in metrics:
+            return ""
+        generated = f" | generated in {metrics['generation_s']:.2f} s" if "generation_s" in metrics else ""
+        return (
+            f" | reward {metrics['reward']:.3f} ± {metrics['reward_std']:.3f} | "
+            f"length {metrics['completions/mean_length']:.1f}{generated}"
+        )
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from raypipe.errors import BatchError
-from raypipe.objectives.dpo import IGNORE
+from raypipe.objectives.base import IGNORE
 
 COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
 

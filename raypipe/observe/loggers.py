@@ -82,6 +82,13 @@ def flat(params: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
 class TensorBoardLogger:
     """Writes the scalars as TensorBoard events under `log_dir`."""
 
+    @staticmethod
+    def wanted(options: dict[str, Any], config: Any) -> dict[str, Any] | None:
+        """Its options for `config`: its `log_dir` or `config.log_dir`; None (off) when neither is set.
+        A logger kind without this method is wanted with the options it was given."""
+        options.setdefault("log_dir", config.log_dir)
+        return options if options["log_dir"] is not None else None
+
     def __init__(self, run_name: str, params: dict[str, Any], log_dir: str) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
@@ -189,11 +196,10 @@ class Loggers:
         self.wanted = []
         for entry in config.loggers:
             name, options = entry_of(entry)
-            if name == "tensorboard":
-                options.setdefault("log_dir", config.log_dir)
-                if options["log_dir"] is None:
-                    continue
-            self.wanted.append((name, options))
+            wanted = getattr(self.KINDS[name], "wanted", None)
+            options = wanted(options, config) if wanted is not None else options
+            if options is not None:
+                self.wanted.append((name, options))
         self.run_name, self.params, self.extra, self.open, self.opened = run_name, params, {}, [], False
         self.status = "FINISHED"  # how the run ends for the loggers: FAILED or KILLED when fit did not finish
         self.broken: set[int] = set()  # loggers that raised; reported once, then skipped

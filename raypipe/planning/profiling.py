@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from raypipe.config import TrainConfig
+from raypipe.config.engines import engine_kind
 from raypipe.data.sequence_units import cut_microbatch
 from raypipe.devices import ray_options
 from raypipe.env import gradient_hand_on
@@ -344,7 +345,7 @@ def hands_on_early(config: TrainConfig, profiles: Sequence[dict[str, Any]], sche
     from raypipe.actors.hand_on import early_is_faster, hand_on_mode
 
     mode = hand_on_mode(gradient_hand_on(), config.tp)
-    if mode == "late" or config.engine == "refs" or config.compile or config.lora:
+    if mode == "late" or not engine_kind(config.engine).whole_step_calls or config.compile or config.lora:
         return False
     if mode == "early":
         return True

@@ -257,5 +257,5 @@ def test_the_dpo_example_job_trains_on_stdlib_pairs_and_prints_the_reward_margin
     assert sum(" | margin " in line for line in lines) == 4, lines
     assert summary["val_first"] is None  # pairs report rewards, not a validation loss
     assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
-    with pytest.raises(ConfigError, match="goes with objective"):
+    with pytest.raises(ConfigError, match="do not go together"):
         run(JobConfig.from_yaml("examples/configs/dpo.yaml", [*small, "objective=null"]), log=lines.append)

@@ -259,5 +259,5 @@ def test_the_grpo_example_job_generates_scores_and_prints_the_reward(ray_session
     assert sum(" | reward " in line and " | generated in " in line for line in lines) == 4, lines
     assert all(0 <= r <= 1 for r in summary["rewards"])
     assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
-    with pytest.raises(ConfigError, match="'prompts' with {name: grpo}"):
+    with pytest.raises(ConfigError, match="'prompts' with objective {name: grpo}"):
         run(JobConfig.from_yaml("examples/configs/grpo.yaml", [*small, "data.source=pairs"]), log=lines.append)

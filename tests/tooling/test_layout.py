@@ -96,3 +96,36 @@ def test_every_raypipe_import_names_a_module_and_a_name_that_exist():
                     except ImportError:
                         stale.append(f"{path.relative_to(root)}:{node.lineno}: {node.module}.{alias.name}")
     assert not stale, stale
+
+
+def test_no_plugin_is_chosen_by_its_name_outside_its_registry():
+    """The fourth design step: an objective, engine, schedule or logger is asked what it can do,
+    never compared by name (`engine == "refs"`, `objective["name"] == "dpo"`), so a new one is one
+    module plus its registry line. Any comparison with a registered name outside the kind's own
+    package or registry module is found here, read from the source with `ast`."""
+    from raypipe.config.engines import ENGINES
+    from raypipe.objectives import OBJECTIVES
+    from raypipe.observe.loggers import Loggers
+    from raypipe.schedules import SCHEDULES
+
+    homes = {
+        "objective": (set(OBJECTIVES), ("raypipe.objectives",)),
+        "engine": (set(ENGINES), ("raypipe.config.engines", "raypipe.driver.engines")),
+        "schedule": (set(SCHEDULES), ("raypipe.schedules",)),
+        "logger": (set(Loggers.KINDS), ("raypipe.observe.loggers", "raypipe.config.loggers")),
+    }
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = module_name(path)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Compare):
+                continue
+            operands = [node.left, *node.comparators]
+            names = {o.value for o in operands if isinstance(o, ast.Constant) and isinstance(o.value, str)}
+            for o in operands:  # `x in ("p2p", "compiled")`
+                if isinstance(o, (ast.Tuple, ast.List, ast.Set)):
+                    names |= {e.value for e in o.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)}
+            for kind, (registered, home) in homes.items():
+                if names & registered and not within(module, home):
+                    found.append(f"{module}:{node.lineno} compares a {kind}'s name {sorted(names & registered)}")
+    assert not found, found

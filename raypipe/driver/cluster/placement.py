@@ -15,6 +15,7 @@ import ray
 
 from raypipe.actors.stage_actor import StageActor
 from raypipe.config import TrainConfig
+from raypipe.config.engines import engine_kind
 from raypipe.devices import ray_options
 from raypipe.driver.checkpoints import check_reachable
 from raypipe.driver.chunks import actor_chunks, actor_plan
@@ -285,7 +286,7 @@ def linked_stages(schedule: Schedule) -> list[list[int]]:
 
 def needs_world(config: TrainConfig) -> bool:
     """Collectives (dp, tp) or actor-to-actor boundaries (p2p, compiled between stages) need one."""
-    return config.dp > 1 or config.tp > 1 or (config.engine != "refs" and config.pp > 1)
+    return config.dp > 1 or config.tp > 1 or (engine_kind(config.engine).direct_links and config.pp > 1)
 
 
 def join_world(

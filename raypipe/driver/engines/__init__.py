@@ -67,6 +67,7 @@ class RefsEngine(Engine):
         return wait
 
 
+# the registry: one line an engine; what each can do is declared beside the config (`config.engines`)
 ENGINES: dict[str, type[Engine]] = {"p2p": P2PEngine, "compiled": CompiledEngine, "refs": RefsEngine}
 
 

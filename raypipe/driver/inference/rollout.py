@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from raypipe.data.batches import split_batch
+from raypipe.data.batches import check_token_ids, split_batch
 from raypipe.driver.inference.forward import run_forward
 from raypipe.driver.inference.generation import generate
 from raypipe.driver.inference.reference import reference_kind
@@ -34,6 +34,7 @@ def grpo_batch(group: Any, rollout: Mapping[str, Any]) -> tuple[dict[str, torch.
     """
     c, o = group.config, group.config.objective
     x, y = rollout_batch(rollout, o["num_generations"], o["scale_rewards"])
+    check_token_ids(x, group.model.vocab_size)  # before any pass: no actor sees an id outside the vocabulary
     inputs, targets = split_batch(x, {"labels": y["labels"]}, c.dp * c.microbatches, 1, c.dp * c.microbatches)
     path = group.inference_path()
     if o["beta"] > 0:

@@ -19,6 +19,7 @@ from typing import Any
 
 import ray
 
+from raypipe.config.engines import engine_kind
 from raypipe.driver import checkpoints
 from raypipe.driver.actor_group import ActorGroup, Submitted
 from raypipe.driver.cluster.placement import CONTROL
@@ -50,7 +51,8 @@ def length(group: ActorGroup, feed: Any, steps_left: int, overlap: bool, log: Ca
         return 0
     if wanted != "auto":
         return wanted
-    if not overlap or group.config.engine != "p2p" or steps_left * len(group.actors) < AUTO_ACTOR_STEPS:
+    few = steps_left * len(group.actors) < AUTO_ACTOR_STEPS
+    if not overlap or not engine_kind(group.config.engine).actor_steps or few:
         return 0
     try:
         feed.reader_for_actors()

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from raypipe.config.engines import engine_kind
 from raypipe.driver.actor_group import ActorGroup, Submitted
 from raypipe.driver.run import actor_runs, elastic
 from raypipe.driver.run.ending import interrupted
@@ -18,8 +19,10 @@ from raypipe.driver.run.interrupts import sigterm_as_interrupt
 from raypipe.driver.run.policy import RecoveryPolicy
 from raypipe.driver.run.recovery import recover
 from raypipe.driver.run.sources import source_for
-from raypipe.driver.run.step import Outcome, SaveFailed, book, save_due, settle
+from raypipe.driver.run.step import Outcome, SaveFailed, book, save_due, settle, stop
 from raypipe.driver.run_state import RunState
+from raypipe.errors import ActorDiedError, StepTimeoutError
+from raypipe.objectives import objective_for
 from raypipe.observe.loggers import scalars
 from raypipe.observe.progress import Progress
 
@@ -42,8 +45,9 @@ def fit_with(
             f"raypipe: fit(..., {steps}) runs no step: the trainer is at step {run.step_count} already (steps is "
             f"the step count to reach; fit(batches, {run.step_count + steps}) runs {steps} more)"
         )
-    generates = group.config.objective is not None and group.config.objective["name"] == "grpo"
-    overlap = (on_step is None if overlap is None else overlap) and group.config.engine == "p2p" and not generates
+    generates = group.config.objective is not None and objective_for(group.config.objective).generates
+    queues = engine_kind(group.config.engine).queues_steps and not generates
+    overlap = (on_step is None if overlap is None else overlap) and queues
     bar = progress if isinstance(progress, Progress) else Progress(steps, run.step_count, bool(progress))
     try:
         return FitLoop(group, run, feed, steps, on_step, bar.writer(log), bar, overlap).run_to_end()
@@ -88,8 +92,8 @@ class FitLoop:
         try:
             with sigterm_as_interrupt():
                 while self.run.step_count < self.steps:
-                    self.source.fill(self.queue)
-                    metrics = self.handle(book(self.group, self.run, self.queue[0]))
+                    died = self.fill()
+                    metrics = self.handle(died or book(self.group, self.run, self.queue[0]))
                     if metrics is not None:
                         self.booked(metrics)
         except BaseException as error:
@@ -101,6 +105,26 @@ class FitLoop:
             if isinstance(stopped_by, KeyboardInterrupt):
                 interrupted(self.group, self.run, stopped_by, self.log)
         return self.history
+
+    def fill(self) -> Outcome | None:
+        """Queues the next steps. Their batches may need passes through the actors first (an
+        objective's reference log-probs, generation): a death in one is the step's own, recovered
+        from as `book` recovers (None: none died). A pass that timed out stops the actors, as a
+        stuck step does, then raises.
+
+        Raises:
+            StepTimeoutError: a pass made no progress within `step_timeout`.
+        """
+        try:
+            self.source.fill(self.queue)
+        except ActorDiedError as died:
+            for submitted in self.queue:  # queued behind the dead actor: recovered, then replayed
+                submitted.done = True
+            return Outcome(kind="died", error=died)
+        except StepTimeoutError:
+            stop(self.group, self.run)
+            raise
+        return None
 
     def handle(self, outcome: Outcome) -> dict[str, Any] | None:
         """The metrics of the step `outcome` booked, once what it calls for is done; None when no

@@ -140,9 +140,9 @@ def recorded(
     )
     metrics["pp"], metrics["dp"] = config.pp, config.dp  # an elastic run's topology changes
     reports = result.stage_reports.values() if isinstance(result.stage_reports, dict) else result.stage_reports
-    sums = [m for r in reports if r.objective for m in r.objective]  # a DPO or GRPO step's (`objectives`)
+    sums = [m for r in reports if r.objective for m in r.objective]  # an objective's step (`objectives`)
     if sums:
-        metrics.update(objectives.step_metrics(sums))
+        metrics.update(objectives.objective_for(config.objective).step_metrics(sums))
     metrics.update(submitted.extra or {})  # a GRPO generation's figures
     run.last_events, run.last_step_seconds = [r.events for r in leads], result.seconds
     run.record_on_dashboard(metrics, lead_ranks)
