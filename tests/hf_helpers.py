@@ -284,3 +284,29 @@ def small_job(base: str, *extra: str) -> list[str]:
         "threads_per_actor=1",
         *extra,
     ]
+
+
+def assert_equal_to_trl(steps: list[dict], losses: list[float], metrics: list[dict], names) -> None:
+    """Each step's loss and its metrics `names` equal a TRL trainer's on the same batches (rtol
+    1e-5): the preference objectives' parity bar."""
+    torch.testing.assert_close(torch.tensor([s["loss"] for s in steps]), torch.tensor(losses), rtol=1e-5, atol=1e-6)
+    for got, want in zip(steps, metrics):
+        torch.testing.assert_close(
+            torch.tensor([got[m] for m in names]), torch.tensor([want[m] for m in names]), rtol=1e-5, atol=1e-6
+        )
+
+
+def trl_sgd_steps(trainer, trained, batches, names, sgd: dict) -> tuple[list[float], list[dict]]:
+    """A TRL `trainer`'s loss on each of `batches` (records its collator takes), stepped by SGD with
+    momentum over the `trained` parameters here: each step's loss and its metrics `names`."""
+    opt = torch.optim.SGD(trained, lr=sgd["lr"], momentum=sgd["momentum"])
+    trainer.model.train()
+    losses, metrics = [], []
+    for batch in batches:
+        loss = trainer.compute_loss(trainer.model, trainer.data_collator(batch))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        metrics.append({m: trainer._metrics["train"][m][-1] for m in names})
+    return losses, metrics

@@ -140,3 +140,23 @@ def check_devices(value: Any, pp: int) -> None:
         )
     for kind in value:
         check_choice("devices", kind, DEVICE_KINDS)
+
+
+def plain(value: Any) -> Any:
+    """`value` as JSON and YAML hold it, for a config's records (a checkpoint's manifest, trainer.json,
+    a logger's parameters, `str(config)`): a function as its import path "module:name" (what a YAML
+    config gives), an object that names where it was loaded from (a tokenizer) as that path, any other
+    object as its repr. A record, not a recipe: a resume takes such values from its own config."""
+    if isinstance(value, Mapping):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if callable(value):
+        module, name = getattr(value, "__module__", None), getattr(value, "__qualname__", None)
+        if module and name and module != "__main__" and "<" not in name:
+            return f"{module}:{name}"
+        return f"<{getattr(value, '__name__', type(value).__name__)}: a Python callable, not recorded>"
+    path = getattr(value, "name_or_path", None)
+    return path if isinstance(path, str) and path else repr(value)

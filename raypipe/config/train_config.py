@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from raypipe.checkpoint.storage import redact_values
-from raypipe.config.checks import nearest
+from raypipe.config.checks import nearest, plain
 from raypipe.config.sections import SECTIONS, SectionView
 from raypipe.config.validation import RECONFIGURABLE, validate
 from raypipe.errors import ConfigError
@@ -333,9 +333,9 @@ class TrainConfig:
         return cls.from_dict(apply_overrides(load_yaml(path), overrides))
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields as plain values, for records and display: a URI's secret shows as `***`
-        (`raypipe.checkpoint.storage.redact`), so this never leaks one into trainer.json, a logger or a print."""
-        return redact_values(dataclasses.asdict(self))
+        """The fields as plain values (`checks.plain`: a function as its import path), for records and
+        display: a URI's secret shows as `***` (`storage.redact`), never leaked into a record or a print."""
+        return redact_values(plain({f.name: getattr(self, f.name) for f in dataclasses.fields(self)}))
 
     def replace(self, **changes: Any) -> TrainConfig:
         """A copy with some fields changed, validated like a new config."""

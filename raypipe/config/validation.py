@@ -180,6 +180,13 @@ def check_zero3(c: Any) -> None:
         raise fail("quantize", c.quantize, "a quantized base is not sharded by zero=3: use zero=0 or 1 with quantize.")
     if c.ep > 1:
         raise fail("ep", c.ep, "zero=3 does not shard expert-parallel layers yet: use zero=1 with ep > 1.")
+    if c.objective is not None:  # its passes and reference copy read whole layers, which zero=3 holds in slices
+        raise fail(
+            "zero",
+            c.zero,
+            "TrainConfig.objective's reference policy and its passes before each step read whole layers, which "
+            "zero=3 keeps sliced among the replicas: use zero=1 (or 0) with an objective.",
+        )
 
 
 def check_compile(c: Any) -> None:

@@ -18,8 +18,9 @@ from raypipe.lora import is_adapter
 class ReferencePolicy:
     """What a stage's reference pass runs with, captured once from `module` (`capture`)."""
 
-    def __init__(self, adapters: dict[str, torch.Tensor] | None) -> None:
+    def __init__(self, adapters: dict[str, torch.Tensor] | None, zeroed: tuple[str, ...] = ()) -> None:
         self.adapters = adapters  # None: the adapters were zero (off gives the same outputs)
+        self.zeroed = zeroed  # module prefixes ("3.") of layers whose adapters started at zero, under a copy
 
     @classmethod
     def capture(cls, module: nn.Module) -> ReferencePolicy:
@@ -39,7 +40,15 @@ class ReferencePolicy:
                 yield
             return
         own = dict(module.named_parameters())
-        swapped = [(own[k], v) for k, v in self.adapters.items() if k in own]
+        unknown = sorted(set(self.adapters) - set(own))
+        if unknown:
+            raise KeyError(
+                f"the reference policy's copy holds {unknown[:3]}, which this stage does not: it was captured "
+                f"for other layers (a resume's split must load the copy by layer, as load_reference does)"
+            )
+        # layers whose adapters started at zero (nothing saved for them): their B at zero, as captured
+        zeroed = [(p, torch.zeros_like(p)) for k, p in own.items() if k.startswith(self.zeroed) and ".lora_B." in k]
+        swapped = [(own[k], v) for k, v in self.adapters.items()] + zeroed
         with torch.no_grad():
             kept = [p.detach().clone() for p, _ in swapped]
             for p, v in swapped:
@@ -87,9 +96,13 @@ def load_reference(layers: list[int], root: Any, saved: dict[str, Any]) -> Refer
     module names them, whatever the split that saved it."""
     from raypipe.checkpoint import layout as ckpt
 
-    adapters = {}
+    adapters, zeroed = {}, []
     for j, index in enumerate(layers):
         relative = ckpt.layer_file("reference", index)
         if relative in saved:
             adapters.update({f"{j}.{k}": v for k, v in ckpt.load_tensors(root / relative).items()})
-    return ReferencePolicy(adapters)
+        else:  # its adapters started at zero (a stage that captured the adapters off saves nothing)
+            zeroed.append(f"{j}.")
+    if not adapters:  # every layer here started at zero: the adapters off, not the adapters being trained
+        return ReferencePolicy(None)
+    return ReferencePolicy(adapters, tuple(zeroed))

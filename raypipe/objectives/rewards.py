@@ -67,17 +67,28 @@ class RewardFunctions:
         (else their token ids), `completions` the decoded texts (token ids without a tokenizer), and
         every other column of the records, such as the expected answer.
 
+        A function may abstain for a completion with None (TRL's convention: its NaN-aware sum leaves
+        it out), and may answer with a numpy array.
+
         Raises:
-            BatchError: a function did not return one number per completion.
+            BatchError: a function did not return one number (or None) per completion, every
+                function abstained for one, or a record's column takes a name the call gives itself.
         """
-        columns = {k: [r.get(k) for r in records] for k in records[0] if k not in ("prompt", "completions")}
+        clash = sorted({"prompts", "completions", "completion_ids"} & set(records[0]))
+        if clash:
+            raise BatchError(
+                f"prompt records hold the column {clash[0]!r}, a name the reward functions are called with already "
+                f"(prompts, completions, completion_ids): rename that column"
+            )
+        columns = {k: [r.get(k) for r in records] for k in records[0] if k != "prompt"}
         texts = (
             self.tokenizer.batch_decode(completions, skip_special_tokens=True) if self.tokenizer else list(completions)
         )
         prompts = [r.get("prompt", r["prompt_ids"]) for r in records]
-        total, means = [0.0] * len(completions), {}
+        total, answered, means = [0.0] * len(completions), [False] * len(completions), {}
         for name, f, w in zip(self.names, self.functions, self.weights):
             got = f(prompts=prompts, completions=texts, completion_ids=[list(c) for c in completions], **columns)
+            got = got.tolist() if hasattr(got, "tolist") else got  # a numpy array, a tensor
             values = list(got) if isinstance(got, Sequence) else None
             if values is None or len(values) != len(completions):
                 raise BatchError(
@@ -85,9 +96,19 @@ class RewardFunctions:
                     f"{'' if values is None else f' of {len(values)}'}: give one float per completion "
                     f"({len(completions)})"
                 )
+            given = []
             for r, v in enumerate(values):
+                if v is None:  # this function abstains for this completion
+                    continue
                 if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
-                    raise BatchError(f"reward function {name} gave completion {r} {v!r}: give a finite number")
+                    raise BatchError(f"reward function {name} gave completion {r} {v!r}: give a finite number or None")
                 total[r] += w * float(v)
-            means[f"rewards/{name}/mean"] = sum(map(float, values)) / len(values)
+                answered[r] = True
+                given.append(float(v))
+            if given:
+                means[f"rewards/{name}/mean"] = sum(given) / len(given)
+        if not all(answered):
+            raise BatchError(
+                f"every reward function gave None for completion {answered.index(False)}: at least one must score it"
+            )
         return total, means

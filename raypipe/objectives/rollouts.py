@@ -58,6 +58,15 @@ def rollout_batch(
             f"{len(prompts)} prompts with num_generations={generations} need {len(prompts) * generations} completions "
             f"and as many rewards; got {len(completions)} completions and {rewards.numel()} rewards"
         )
+    if not torch.isfinite(rewards).all():
+        bad = int((~torch.isfinite(rewards)).nonzero()[0])
+        raise BatchError(
+            f"reward {bad} is {float(rewards[bad])}: give finite rewards (one NaN or inf makes its whole group's "
+            f"advantages NaN); a reward function that abstains returns None for that completion"
+        )
+    empty = [p for p, prompt in enumerate(prompts) if len(prompt) == 0]
+    if empty:
+        raise BatchError(f"prompt {empty[0]}'s prompt_ids is empty: a prompt needs at least one token")
     rows, lengths = [], []
     for r, completion in enumerate(completions):
         completion = [int(t) for t in completion]

@@ -17,7 +17,7 @@ from raypipe.models.hf import adapters
 from raypipe.objectives import METRICS
 
 from helpers import assert_close_dicts
-from hf_helpers import VOCAB, load, save_tiny, small_job
+from hf_helpers import VOCAB, assert_equal_to_trl, load, save_tiny, small_job, trl_sgd_steps
 
 pytest.importorskip("peft")
 
@@ -64,16 +64,7 @@ def trl_dpo(directory, initial, steps, beta, loss_type, out, bits=None):
     trained = [
         p for n, p in trainer.model.named_parameters() if p.requires_grad and (initial is None or ".default." in n)
     ]
-    opt = torch.optim.SGD(trained, lr=SGD["lr"], momentum=SGD["momentum"])
-    trainer.model.train()
-    losses, metrics = [], []
-    for k in range(steps):
-        loss = trainer.compute_loss(trainer.model, trainer.data_collator(pairs(k)))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-        metrics.append({m: trainer._metrics["train"][m][-1] for m in METRICS})
+    losses, metrics = trl_sgd_steps(trainer, trained, [pairs(k) for k in range(steps)], METRICS, SGD)
     state = model.state_dict()
     if initial is None:
         return losses, metrics, state
@@ -154,11 +145,7 @@ def test_dpo_through_the_pipeline_equals_trls_dpo_trainer(
             dataset = ray.data.from_items([p for k in range(5) for p in pairs(k)])  # step k's pairs are rows 4k..4k+3
             steps += resumed.fit(dataset, steps=5, log=lambda _: None, batch_size=4)  # resumed at 3: rows 12 on
             final = {**start, **resumed.state_dict()}
-    torch.testing.assert_close(torch.tensor([s["loss"] for s in steps]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
-    for got, want in zip(steps, ref_metrics):
-        torch.testing.assert_close(
-            torch.tensor([got[m] for m in METRICS]), torch.tensor([want[m] for m in METRICS]), rtol=1e-5, atol=1e-6
-        )
+    assert_equal_to_trl(steps, ref_losses, ref_metrics, METRICS)
     assert_close_dicts({names[k]: final[k] for k in initial}, ref_final)
     assert all(torch.equal(final[k], v) for k, v in start.items() if k not in initial)  # the base untouched
 
@@ -178,11 +165,7 @@ def test_dpo_without_lora_keeps_a_frozen_copy_as_reference_and_equals_trls(ray_s
         steps = [t.step(pairs(k)) for k in range(3)]
         final = t.state_dict(keys="transformers")
     ref_losses, ref_metrics, ref_final = trl_dpo(directory, None, 3, 0.1, "sigmoid", str(tmp_path / "trl"))
-    torch.testing.assert_close(torch.tensor([s["loss"] for s in steps]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
-    for got, want in zip(steps, ref_metrics):
-        torch.testing.assert_close(
-            torch.tensor([got[m] for m in METRICS]), torch.tensor([want[m] for m in METRICS]), rtol=1e-5, atol=1e-6
-        )
+    assert_equal_to_trl(steps, ref_losses, ref_metrics, METRICS)
     assert_close_dicts(final, {k: v for k, v in ref_final.items() if k in final})
 
 

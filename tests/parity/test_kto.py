@@ -15,7 +15,7 @@ from raypipe.models import hf
 from raypipe.models.hf import adapters
 
 from helpers import assert_close_dicts
-from hf_helpers import VOCAB, load, save_tiny
+from hf_helpers import VOCAB, assert_equal_to_trl, load, save_tiny, trl_sgd_steps
 
 pytest.importorskip("peft")
 
@@ -59,20 +59,12 @@ def trl_kto(directory, initial, steps, out):
     )
     trainer = KTOTrainer(model=model, args=args, train_dataset=text, processing_class=tokenizer)
     trained = [p for n, p in trainer.model.named_parameters() if p.requires_grad and ".default." in n]
-    opt = torch.optim.SGD(trained, lr=SGD["lr"], momentum=SGD["momentum"])
-    trainer.model.train()
-    losses, metrics = [], []
-    for k in range(steps):
-        batch = examples(k)
+    batches = [examples(k) for k in range(steps)]
+    for batch in batches:
         completions = [e["completion_ids"] for e in batch]
         for e, mismatched in zip(batch, completions[-1:] + completions[:-1]):
             e["KL_completion_ids"] = mismatched
-        loss = trainer.compute_loss(trainer.model, trainer.data_collator(batch))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-        metrics.append({m: trainer._metrics["train"][m][-1] for m in METRICS})
+    losses, metrics = trl_sgd_steps(trainer, trained, batches, METRICS, SGD)
     state = model.state_dict()
     return (
         losses,
@@ -128,11 +120,7 @@ def test_kto_through_the_pipeline_equals_trls_kto_trainer_and_resumes_and_recove
     ref_losses, ref_metrics, ref_final = trl_kto(
         directory, {names[k]: v for k, v in initial.items()}, STEPS, str(tmp_path / "trl")
     )
-    torch.testing.assert_close(torch.tensor([s["loss"] for s in steps]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
-    for got, want in zip(steps, ref_metrics):
-        torch.testing.assert_close(
-            torch.tensor([got[m] for m in METRICS]), torch.tensor([want[m] for m in METRICS]), rtol=1e-5, atol=1e-6
-        )
+    assert_equal_to_trl(steps, ref_losses, ref_metrics, METRICS)
     assert_close_dicts({names[k]: final[k] for k in initial}, ref_final)
     assert all(torch.equal(final[k], v) for k, v in start.items() if k not in initial)  # the base untouched
 

@@ -188,3 +188,42 @@ def test_scientific_numbers_in_yaml_and_overrides_are_floats_and_dotted_keys_fin
         "name": "1e",
         "c": 0.5,
     }
+
+
+def _reward(completions, **kwargs):
+    return [float(len(c)) for c in completions]
+
+
+def test_a_config_with_python_objects_always_records_as_json_and_yaml():
+    """Issue 74.1: a GRPO config holding reward functions as callables (the documented Python API)
+    and a tokenizer object (what the job passes) recorded in every checkpoint's manifest: it failed
+    at the first save, after the actors wrote their files. A function records as its import path,
+    which a YAML config reads back; a lambda as what it is; a tokenizer as its directory."""
+    import json
+
+    class Tokenizer:
+        name_or_path = "runs/llama_pp2/hf"
+
+        def batch_decode(self, ids):
+            return ["" for _ in ids]
+
+    rewards = [_reward, lambda completions, **kwargs: [0.0] * len(completions), "json:dumps"]
+    objective = {"name": "grpo", "num_generations": 2, "reward_funcs": rewards, "tokenizer": Tokenizer()}
+    config = TrainConfig(objective=objective)
+    recorded = json.loads(json.dumps(config.to_dict()))["objective"]
+    assert recorded["reward_funcs"] == [
+        f"{__name__}:_reward",
+        "<<lambda>: a Python callable, not recorded>",
+        "json:dumps",
+    ]
+    assert recorded["tokenizer"] == "runs/llama_pp2/hf"
+    assert yaml.safe_load(str(config))["optim"]["objective"]["reward_funcs"][0] == f"{__name__}:_reward"
+    assert config.objective["reward_funcs"][0] is _reward  # the config itself keeps the callables
+
+
+def test_an_objective_with_zero3_is_refused_naming_both_settings():
+    """Issue 74.3: DPO or GRPO with zero=3 at dp 2 was accepted, then every actor segfaulted in the
+    reference capture (a layer's storage is empty between steps under ZeRO-3)."""
+    for name in ("dpo", "kto", "grpo"):
+        with pytest.raises(ConfigError, match=r"TrainConfig.zero=3 is invalid: TrainConfig.objective's reference"):
+            TrainConfig(dp=2, zero=3, objective={"name": name}, lora={"r": 4, "target_modules": ["q_proj"]})

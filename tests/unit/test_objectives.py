@@ -62,3 +62,61 @@ def test_reward_functions_are_weighed_and_their_answers_checked():
     )
     with pytest.raises(ConfigError, match="cannot be imported"):
         RewardFunctions({"reward_funcs": ["math:no_such_function"], "reward_weights": None})
+
+
+def test_rewards_take_trls_conventions_and_refuse_what_would_poison_a_step():
+    """Issue 74, items 5 and 9: a reward function may abstain with None and answer with a numpy
+    array, as TRL allows; a NaN or inf reward, an empty prompt, every function abstaining, and a
+    record column named like the call's own keywords are refused naming what to fix."""
+    import numpy as np
+
+    def only_long(completion_ids, **_):  # abstains for short completions
+        return [float(len(c)) if len(c) > 1 else None for c in completion_ids]
+
+    def ones(completions, **_):
+        return np.ones(len(completions))
+
+    rewards = RewardFunctions({"reward_funcs": [only_long, ones], "reward_weights": None})
+    assert rewards.score([{"prompt_ids": [1]}] * 2, [[2, 3], [4]]) == (
+        [3.0, 1.0],
+        {"rewards/only_long/mean": 2.0, "rewards/ones/mean": 1.0},
+    )
+    with pytest.raises(BatchError, match="every reward function gave None for completion 1"):
+        RewardFunctions({"reward_funcs": [only_long], "reward_weights": None}).score(
+            [{"prompt_ids": [1]}] * 2, [[2, 3], [4]]
+        )
+    with pytest.raises(BatchError, match="column 'completion_ids'.*rename that column"):
+        rewards.score([{"prompt_ids": [1], "completion_ids": [5]}], [[2]])
+    rollout = {"prompt_ids": [[5, 6]], "completion_ids": [[1], [2]], "rewards": [1.0, float("nan")]}
+    with pytest.raises(BatchError, match="reward 1 is nan: give finite rewards"):
+        rollout_batch(rollout, 2)
+    with pytest.raises(BatchError, match="prompt 0's prompt_ids is empty"):
+        rollout_batch({**rollout, "prompt_ids": [[]], "rewards": [1.0, 0.0]}, 2)
+
+
+def test_a_reference_copy_loaded_at_another_split_keeps_zero_started_layers_at_zero():
+    """Issue 74.6: a stage whose adapters started at zero saves no copy; loading found nothing and
+    returned an empty copy, so that stage's reference became the adapters being trained. Now a stage
+    with nothing saved takes the adapters off, and one mixing saved and unsaved layers sets the
+    unsaved layers' B to zero for the pass; a copy naming a tensor the stage lacks is refused."""
+    from torch import nn
+
+    from raypipe.objectives.reference import ReferencePolicy, load_reference
+
+    def layer():
+        block = nn.Module()
+        block.lora_A, block.lora_B = nn.Linear(2, 2, bias=False), nn.Linear(2, 2, bias=False)
+        return block
+
+    module = nn.ModuleDict({"0": layer(), "1": layer()})
+    trained = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    assert load_reference([4, 5], None, saved={}).adapters is None  # nothing saved here: adapters off
+    copy = {"1.lora_A.weight": torch.full((2, 2), 3.0), "1.lora_B.weight": torch.full((2, 2), 4.0)}
+    with ReferencePolicy(copy, zeroed=("0.",)).applied(module):
+        assert torch.equal(module["0"].lora_B.weight, torch.zeros(2, 2))  # started at zero
+        assert torch.equal(module["0"].lora_A.weight, trained["0.lora_A.weight"])  # A is read through B = 0
+        assert torch.equal(module["1"].lora_B.weight, torch.full((2, 2), 4.0))
+    assert all(torch.equal(v, trained[k]) for k, v in module.state_dict().items())  # its own weights back
+    with pytest.raises(KeyError, match="holds \\['7.lora_B.weight'\\], which this stage does not"):
+        with ReferencePolicy({"7.lora_B.weight": torch.zeros(2, 2)}).applied(module):
+            pass
