@@ -29,6 +29,7 @@ def scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
     when measured, stage{s}/peak_stashed_bytes. A model with MoE layers adds stage{s}/all_to_all_s
     and stage{s}/all_to_all_bytes, and per MoE layer (keyed by its global layer index)
     moe/layer{l}/expert{e}_tokens and moe/layer{l}/dropped_tokens. Under fp16, train/loss_scale.
+    Under an objective, each of its metrics by TRL's name: train/rewards/chosen, train/kl, ...
     """
     rate = "tokens_per_s" if "tokens_per_s" in metrics else "samples_per_s"
     tags = {
@@ -36,6 +37,7 @@ def scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
         for key in ("loss", "lr", "grad_norm", rate, "step_time", "loss_scale", "pp", "dp")
         if key in metrics
     }
+    tags |= {f"train/{key}": float(value) for key, value in metrics.get("objective", {}).items()}
     for s, stage in enumerate(metrics.get("stages", [])):
         for key, tag in (
             ("forward_s", "forward_s"),

@@ -90,6 +90,7 @@ def test_kto_through_the_pipeline_equals_trls_kto_trainer_and_resumes_and_recove
         checkpoint_dir=str(tmp_path / "ck"),
         checkpoint_every=1,
         max_restarts=1,
+        log_dir=str(tmp_path / "tb"),
     )
     model = hf.from_pretrained(directory)
     with Trainer(model, config=config) as t:
@@ -117,6 +118,14 @@ def test_kto_through_the_pipeline_equals_trls_kto_trainer_and_resumes_and_recove
         assert killed and t.restarts == 1, lines
         assert [s["step"] for s in replayed] == [2, 3]
         assert [s["loss"] for s in replayed] == pytest.approx([s["loss"] for s in steps[1:]], rel=1e-6)
+    # every metric the objective reports reaches the loggers under TRL's names (read by TensorBoard's own reader)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    for m in METRICS:  # the replayed steps logged again purge the first ones: the same values
+        logged = {e.step: e.value for e in events.Scalars(f"train/{m}")}
+        assert [logged[k] for k in (1, 2, 3)] == pytest.approx([s[m] for s in steps], rel=1e-5, abs=1e-7), m
     ref_losses, ref_metrics, ref_final = trl_kto(
         directory, {names[k]: v for k, v in initial.items()}, STEPS, str(tmp_path / "trl")
     )

@@ -141,9 +141,11 @@ def recorded(
     metrics["pp"], metrics["dp"] = config.pp, config.dp  # an elastic run's topology changes
     reports = result.stage_reports.values() if isinstance(result.stage_reports, dict) else result.stage_reports
     sums = [m for r in reports if r.objective for m in r.objective]  # an objective's step (`objectives`)
-    if sums:
-        metrics.update(objectives.objective_for(config.objective).step_metrics(sums))
-    metrics.update(submitted.extra or {})  # a GRPO generation's figures
+    own = objectives.objective_for(config.objective).step_metrics(sums) if sums else {}
+    own |= submitted.extra or {}  # a generation's figures (GRPO's)
+    if own:  # under TRL's names, at the top as TRL's trainers log them, and together for the loggers
+        metrics |= own
+        metrics["objective"] = own
     run.last_events, run.last_step_seconds = [r.events for r in leads], result.seconds
     run.record_on_dashboard(metrics, lead_ranks)
     return metrics
