@@ -35,6 +35,9 @@ class Model:
             split points), used when `TrainConfig.shard_plan` is not set.
         vocab_size: the token ids the first layer embeds, [0, vocab_size), checked on the driver
             before a step runs; found from the first layer when None (`token_vocab`).
+        max_positions: the positions the model has (learned ones) or was trained for (rotary
+            ones); a row longer than that fails in it or runs past what it learned, so the rows an
+            objective makes and generates are checked against it (None: not known, not checked).
     """
 
     layers: Sequence[LayerSpec]
@@ -44,6 +47,7 @@ class Model:
     exporter: Any = None
     shard_plan: list[list[int]] | None = None
     vocab_size: int | None = None
+    max_positions: int | None = None
 
     def identity(self) -> dict[str, Any]:
         """What identifies the model's weights before training (the base a LoRA run's adapters

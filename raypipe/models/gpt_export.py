@@ -25,7 +25,7 @@ CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_
 
 def model(cfg: gpt.GPTConfig) -> Model:
     """The GPT as a model object: its layers, its loss, and this export (`Trainer.save_pretrained`)."""
-    return Model(gpt.layers(cfg), gpt.loss_fn, exporter=GPT2Exporter(cfg))
+    return Model(gpt.layers(cfg), gpt.loss_fn, exporter=GPT2Exporter(cfg), max_positions=cfg.block_size)
 
 
 class GPT2Exporter:

@@ -221,6 +221,12 @@ def test_fit_generates_scores_and_trains_and_greedy_generation_is_transformers(r
         start = t.state_dict()
         steps = t.fit(prompts, steps=4, log=lambda _: None)
         final = t.state_dict()
+        # a prompt that leaves no room for max_completion_length in the model's 32 positions is refused naming both
+        with pytest.raises(
+            BatchError, match=r"longest prompt \(30 tokens\) with .*max_completion_length \(6\).*past the model's 32"
+        ):
+            t.fit(lambda k: [{"prompt_ids": [1] * 30}] * 2, steps=5, log=lambda _: None)
+        assert t.step_count == 4 and all(torch.equal(t.state_dict()[k], v) for k, v in final.items())
     expected = load(directory).generate(ids, max_new_tokens=5, do_sample=False)
     assert torch.equal(greedy, expected)
     generated = steps[0::2]  # each generation batch's first step carries its figures

@@ -10,7 +10,7 @@ import pytest
 import ray
 import torch
 
-from raypipe import ConfigError, TrainConfig, Trainer
+from raypipe import BatchError, ConfigError, TrainConfig, Trainer
 from raypipe.models import hf
 from raypipe.models.hf import adapters
 
@@ -99,6 +99,16 @@ def test_kto_through_the_pipeline_equals_trls_kto_trainer_and_resumes_and_recove
         names = adapters.peft_names(list(initial), model.exporter.prefixes(t.specs))
         steps = [t.step(examples(k)) for k in range(STEPS)]
         final = t.state_dict()
+        # ids outside the vocabulary and rows past the model's positions are refused before any pass runs
+        bad, long = examples(0), examples(0)
+        bad[0], long[0] = {**bad[0], "prompt_ids": [VOCAB + 3]}, {**long[0], "prompt_ids": [1] * 40}
+        with pytest.raises(BatchError, match=rf"= {VOCAB + 3} is not a token id of the model's vocabulary of {VOCAB}"):
+            t.step(bad)
+        with pytest.raises(
+            BatchError, match=r"the longest row \(prompt and completion\) takes \d+ positions, past the model's 32"
+        ):
+            t.step(long)
+        assert t.step_count == STEPS and all(torch.equal(t.state_dict()[k], final[k]) for k in initial)
         # resumed from step 2's checkpoint, step 3 again is the same step
         t.load(str(tmp_path / "ck" / "step-00000002"), log=lambda _: None)
         again = t.step(examples(2))
@@ -135,7 +145,6 @@ def test_kto_through_the_pipeline_equals_trls_kto_trainer_and_resumes_and_recove
 
 
 def test_kto_settings_and_records_are_checked_with_what_to_give():
-    from raypipe import BatchError
     from raypipe.objectives.kto import KTO, unpaired
 
     assert TrainConfig(objective={"name": "kto"}, lora=LORA).objective == {

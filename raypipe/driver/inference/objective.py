@@ -51,8 +51,18 @@ def run_passes(group: Any, objective: Objective, rows: Rows) -> dict[str, torch.
     parts = {"rows": (rows.x, rows.y), **rows.extra}
     for x, _ in parts.values():
         check_token_ids(x, group.model.vocab_size)
+        check_positions(x["input_ids"].shape[1], group.model.max_positions, "the longest row (prompt and completion)")
     answers = {p.into: logprobs(group, p, *parts[p.rows]) for p in objective.passes()}
     return objective.finish(rows.y, answers)
+
+
+def check_positions(width: int, positions: int | None, what: str, fix: str = "shorten it") -> None:
+    """Raises BatchError when `width` tokens exceed the model's `positions` (`Model.max_positions`)."""
+    if positions is not None and width > positions:
+        raise BatchError(
+            f"{what} takes {width} positions, past the model's {positions} (max_position_embeddings): a learned "
+            f"position table has no row for it and rotary ones run past what the model learned; {fix}"
+        )
 
 
 def logprobs(group: Any, asked: LogProbPass, x: Any, y: dict[str, torch.Tensor]) -> torch.Tensor:

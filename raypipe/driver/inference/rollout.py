@@ -16,6 +16,7 @@ import torch
 from raypipe.data.batches import check_token_ids, split_batch
 from raypipe.driver.inference.forward import run_forward
 from raypipe.driver.inference.generation import generate
+from raypipe.driver.inference.objective import check_positions
 from raypipe.driver.inference.reference import reference_kind
 from raypipe.errors import BatchError
 from raypipe.objectives.rewards import RewardFunctions
@@ -66,6 +67,13 @@ def generate_rollout(
     g = o["num_generations"]
     repeated = [p for p in prompts for _ in range(g)]
     width = max(map(len, repeated))
+    check_positions(
+        width + o["max_completion_length"],
+        group.model.max_positions,
+        f"the longest prompt ({width} tokens) with TrainConfig.objective's max_completion_length "
+        f"({o['max_completion_length']})",
+        "shorten the prompts or lower max_completion_length",
+    )
     input_ids = torch.zeros((len(repeated), width), dtype=torch.long)
     mask = torch.zeros_like(input_ids)
     for r, p in enumerate(repeated):  # left-padded, as generation numbers positions from the mask

@@ -165,7 +165,8 @@ def _model(config: Any, source: str | None, dtype: str, attn_implementation: str
     )
     experts = next((getattr(config, k) for k in EXPERT_COUNTS if getattr(config, k, None)), 0)
     loss = CausalLMLoss(config.vocab_size, experts if aux else 0, getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
-    model = HFModel(specs, loss, tied, kv_cache=True, vocab_size=config.vocab_size)
+    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    model = HFModel(specs, loss, tied, kv_cache=True, vocab_size=config.vocab_size, max_positions=positions)
     model.config, model.source, model.dtype = config, source, dtype
     from raypipe.models.hf.export import HFExporter
 
