@@ -75,7 +75,11 @@ class FunctionFeed:
         return reader
 
     def kept_from(self, step: int) -> None:
-        pass
+        """No recovery replays steps before `step`: a function that keeps what it made (a GRPO
+        run's generation batches) may let go of theirs."""
+        keep = getattr(self.batches, "kept_from", None)
+        if keep is not None:
+            keep(step)
 
     def close(self) -> None:
         """Lets go of the trainer's reader, kept for its next fit, and of the batches it made; ends
@@ -199,7 +203,11 @@ class DatasetFeed:
         return self.reader
 
     def kept_from(self, step: int) -> None:
-        pass
+        """No recovery replays steps before `step`: a function that keeps what it made (a GRPO
+        run's generation batches) may let go of theirs."""
+        keep = getattr(self.batches, "kept_from", None)
+        if keep is not None:
+            keep(step)
 
     def close(self) -> None:
         """Stops the reader, after the batch it may still be reading ahead (at most `timeout` s), so

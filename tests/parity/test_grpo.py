@@ -241,6 +241,61 @@ def test_fit_generates_scores_and_trains_and_greedy_generation_is_transformers(r
     assert sum(not torch.equal(final[k], v) for k, v in start.items()) > len(start) // 2
 
 
+def test_a_recovery_inside_a_generation_batch_replays_it_on_the_completions_it_began_with(
+    ray_session, directory, tmp_path
+):
+    """Issue 74.7 and 74.2: two optimisation steps per generation batch, a checkpoint every 3 steps
+    (inside batch 1), the last stage killed while batch 2 is scored, so its reference pass finds it
+    dead. `fit` recovers (a death in a pass ended it before), restores step 3 and replays step 4 on
+    batch 1's own completions and old-policy log-probs: the same loss, where a batch generated again
+    from the weights part-way gave another."""
+    import ray
+
+    doomed = []
+
+    def reward_that_kills(prompts, completions, completion_ids, **_):
+        if doomed:
+            ray.kill(doomed.pop())
+        return reward(prompts, completions, completion_ids)
+
+    objective = {
+        "name": "grpo",
+        "num_generations": G,
+        "max_completion_length": 4,
+        "num_iterations": 2,
+        "beta": 0.04,
+        "reward_funcs": [reward_that_kills],
+    }
+    config = TrainConfig(
+        pp=2,
+        microbatches=2,
+        optimizer=SGD,
+        lora=LORA,
+        objective=objective,
+        cpus_per_actor=0.25,
+        threads_per_actor=1,
+        checkpoint_dir=str(tmp_path / "ck"),
+        checkpoint_every=3,
+        max_restarts=1,
+    )
+    killed = []
+    with Trainer(hf.from_pretrained(directory), config=config) as t:
+
+        def prompts(k):
+            if k == 2 and not killed:  # killed once batch 2 is generated, while it is scored
+                killed.append(t.group.actors[-1])
+                doomed.append(killed[0])
+            return [{"prompt_ids": rollout(k)["prompt_ids"][i]} for i in range(2)]
+
+        steps = t.fit(prompts, steps=6, log=lambda _: None)
+        assert killed and t.restarts == 1
+    losses: dict[int, list[float]] = {}
+    for m in steps:
+        losses.setdefault(m["step"], []).append(m["loss"])
+    assert sorted(losses) == [1, 2, 3, 4, 5, 6] and len(losses[4]) == 2, losses  # step 4 ran, then was replayed
+    assert losses[4][0] == losses[4][1]
+
+
 def test_grpo_settings_are_checked_with_what_to_give():
     with pytest.raises(ConfigError, match="loss_type must be one of 'grpo', 'dr_grpo', 'dapo'"):
         TrainConfig(objective={"name": "grpo", "loss_type": "ppo"})

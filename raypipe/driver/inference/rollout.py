@@ -98,7 +98,9 @@ class GenerationBatches:
     """`fit`'s batches under GRPO: step k trains on generation batch k // num_iterations, made from
     `prompts(k // num_iterations)` (a function) or the iterable's next list of prompt records, on
     the weights as they stand when its first step comes; its generation and scoring figures join
-    that step's metrics (`figures`)."""
+    that step's metrics (`figures`). A batch is kept, its old-policy log-probs with it, until no
+    recovery can replay its steps (`kept_from`): a recovery to a checkpoint inside a batch replays
+    its steps on the completions they began with, not on new ones from the weights part-way."""
 
     def __init__(self, group: Any, kv_cache: bool, prompts: Callable[[int], Any] | Any) -> None:
         self.group, self.kv_cache = group, kv_cache
@@ -107,7 +109,7 @@ class GenerationBatches:
         self.prompts = prompts if callable(prompts) else None
         self.items = None if callable(prompts) else iter(prompts)
         self.read: list[Any] = []  # an iterable's prompt lists so far (small): a replayed step asks again
-        self.current: tuple[int, dict[str, Any]] | None = None
+        self.rollouts: dict[int, dict[str, Any]] = {}  # by generation batch, from the oldest a recovery replays
         self.figures: dict[int, dict[str, float]] = {}
 
     def records(self, index: int) -> Any:
@@ -126,9 +128,15 @@ class GenerationBatches:
 
     def __call__(self, step: int) -> tuple[dict[str, torch.Tensor], dict]:
         index = step // self.group.config.objective["num_iterations"]
-        if self.current is None or self.current[0] != index:
+        if index not in self.rollouts:
             records = self.records(index)
             seed = (self.group.config.seed or 0) * 1_000_003 + index
-            rollout, timings = generate_rollout(self.group, self.kv_cache, records, self.rewards, seed)
-            self.current, self.figures[step] = (index, rollout), timings
-        return grpo_batch(self.group, self.current[1])
+            self.rollouts[index], self.figures[step] = generate_rollout(
+                self.group, self.kv_cache, records, self.rewards, seed
+            )
+        return grpo_batch(self.group, self.rollouts[index])
+
+    def kept_from(self, step: int) -> None:
+        """Lets go of the generation batches of steps before `step`, which no recovery replays."""
+        oldest = step // self.group.config.objective["num_iterations"]
+        self.rollouts = {i: r for i, r in self.rollouts.items() if i >= oldest}
