@@ -54,6 +54,15 @@ def _check_ids(ids: torch.Tensor, name: str, vocab: int) -> None:
         )
 
 
+def check_positions(width: int, positions: int | None, what: str, fix: str = "shorten it") -> None:
+    """Raises BatchError when `width` tokens exceed the model's `positions` (`Model.max_positions`)."""
+    if positions is not None and width > positions:
+        raise BatchError(
+            f"{what} takes {width} positions, past the model's {positions} (max_position_embeddings): a learned "
+            f"position table has no row for it and rotary ones run past what the model learned; {fix}"
+        )
+
+
 def split_batch(x: Any, y: Any, parts: int, dp: int, microbatches: int) -> tuple[list[Any], list[Any]]:
     """Splits `(x, y)` into `parts` equal chunks along dim 0; `y=None` (inference) takes any
     split that divides the batch.

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from raypipe.data.batches import check_token_ids, split_batch
+from raypipe.data.batches import check_positions, check_token_ids, split_batch
 from raypipe.driver.inference.forward import run_forward
 from raypipe.driver.inference.reference import reference_kind
 from raypipe.errors import BatchError
@@ -54,15 +54,6 @@ def run_passes(group: Any, objective: Objective, rows: Rows) -> dict[str, torch.
         check_positions(x["input_ids"].shape[1], group.model.max_positions, "the longest row (prompt and completion)")
     answers = {p.into: logprobs(group, p, *parts[p.rows]) for p in objective.passes()}
     return objective.finish(rows.y, answers)
-
-
-def check_positions(width: int, positions: int | None, what: str, fix: str = "shorten it") -> None:
-    """Raises BatchError when `width` tokens exceed the model's `positions` (`Model.max_positions`)."""
-    if positions is not None and width > positions:
-        raise BatchError(
-            f"{what} takes {width} positions, past the model's {positions} (max_position_embeddings): a learned "
-            f"position table has no row for it and rotary ones run past what the model learned; {fix}"
-        )
 
 
 def logprobs(group: Any, asked: LogProbPass, x: Any, y: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -13,10 +13,9 @@ from typing import Any
 
 import torch
 
-from raypipe.data.batches import check_token_ids, split_batch
+from raypipe.data.batches import check_positions, check_token_ids, split_batch
 from raypipe.driver.inference.forward import run_forward
 from raypipe.driver.inference.generation import generate
-from raypipe.driver.inference.objective import check_positions
 from raypipe.driver.inference.reference import reference_kind
 from raypipe.errors import BatchError
 from raypipe.objectives.rewards import RewardFunctions
