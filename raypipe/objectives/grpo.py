@@ -261,6 +261,7 @@ class GRPO(Objective):
         if "reward" not in metrics:
             return ""
         generated = f" | generated in {metrics['generation_s']:.2f} s" if "generation_s" in metrics else ""
+        generated += " | tok/s counts generation" if "rows_s" in metrics else ""
         return (
             f" | reward {metrics['reward']:.3f} ± {metrics['reward_std']:.3f} | "
             f"length {metrics['completions/mean_length']:.1f}{generated}"

@@ -229,6 +229,8 @@ def test_fit_generates_scores_and_trains_and_greedy_generation_is_transformers(r
         assert t.step_count == 4 and all(torch.equal(t.state_dict()[k], v) for k, v in final.items())
     expected = load(directory).generate(ids, max_new_tokens=5, do_sample=False)
     assert torch.equal(greedy, expected)
+    # every step's throughput counts what making its rows took (generation, scoring, passes), and says so
+    assert all(m["rows_s"] > 0 and m["tokens_per_s"] < m["train_tokens_per_s"] for m in steps)
     generated = steps[0::2]  # each generation batch's first step carries its figures
     assert all("generation_s" not in m for m in steps[1::2])
     for first, second in zip(steps[0::2], steps[1::2]):

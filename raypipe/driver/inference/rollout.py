@@ -126,6 +126,7 @@ class GenerationBatches:
         return self.read[index]
 
     def __call__(self, step: int) -> tuple[dict[str, torch.Tensor], dict]:
+        started = time.perf_counter()
         index = step // self.group.config.objective["num_iterations"]
         if index not in self.rollouts:
             records = self.records(index)
@@ -133,7 +134,11 @@ class GenerationBatches:
             self.rollouts[index], self.figures[step] = generate_rollout(
                 self.group, self.kv_cache, records, self.rewards, seed
             )
-        return grpo_batch(self.group, self.rollouts[index])
+        batch = grpo_batch(self.group, self.rollouts[index])
+        # what making this step's rows took (generation, scoring, the reference and old-policy passes):
+        # the step's throughput counts it (`run.step.recorded`)
+        self.figures.setdefault(step, {})["rows_s"] = time.perf_counter() - started
+        return batch
 
     def kept_from(self, step: int) -> None:
         """Lets go of the generation batches of steps before `step`, which no recovery replays."""

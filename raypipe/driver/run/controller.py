@@ -8,6 +8,7 @@ error or interrupt: queued steps are booked, an interrupt's checkpoint written).
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Callable
 from typing import Any
 
@@ -180,8 +181,11 @@ class FitLoop:
                 return save_due(self.group, self.run, failure.metrics)
             except SaveFailed as again:
                 failure = again
+        cause = failure.__cause__
+        full = (isinstance(cause, OSError) and cause.errno == errno.ENOSPC) or "No space left" in str(failure)
+        fix = "free the space" if full else "mend what the error above names"
         raise SaveFailed(
             f"{failure} -- {decision.reason}; the weights of step {self.run.step_count} are intact in the "
-            f"actors: free the space and call Trainer.save()",
+            f"actors: {fix}, then call Trainer.save() (a job: run it again with --resume, from its last checkpoint)",
             failure.metrics,
-        ) from None
+        ) from cause

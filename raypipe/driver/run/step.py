@@ -143,6 +143,9 @@ def recorded(
     sums = [m for r in reports if r.objective for m in r.objective]  # an objective's step (`objectives`)
     own = objectives.objective_for(config.objective).step_metrics(sums) if sums else {}
     own |= submitted.extra or {}  # a generation's figures (GRPO's)
+    if "rows_s" in own and "tokens_per_s" in metrics:  # rows generated first: the throughput counts it all
+        own["train_tokens_per_s"] = metrics["tokens_per_s"]
+        metrics["tokens_per_s"] *= metrics["step_time"] / (metrics["step_time"] + own["rows_s"])
     if own:  # under TRL's names, at the top as TRL's trainers log them, and together for the loggers
         metrics |= own
         metrics["objective"] = own
