@@ -203,11 +203,7 @@ class DatasetFeed:
         return self.reader
 
     def kept_from(self, step: int) -> None:
-        """No recovery replays steps before `step`: a function that keeps what it made (a GRPO
-        run's generation batches) may let go of theirs."""
-        keep = getattr(self.batches, "kept_from", None)
-        if keep is not None:
-            keep(step)
+        pass
 
     def close(self) -> None:
         """Stops the reader, after the batch it may still be reading ahead (at most `timeout` s), so
