@@ -40,5 +40,5 @@ def engine_kind(name: str) -> EngineKind:
 
 
 def engines_that(capability: str) -> str:
-    """The engines with `capability`, for an error's fix: "'p2p' or 'compiled'"."""
-    return " or ".join(repr(name) for name, kind in ENGINES.items() if getattr(kind, capability))
+    """The engines with `capability`, for an error's words: "p2p and compiled"."""
+    return " and ".join(name for name, kind in ENGINES.items() if getattr(kind, capability))

@@ -53,8 +53,8 @@ def validate(c: Any) -> None:
         raise fail(
             "engine",
             c.engine,
-            f"ep > 1 runs on the engines that send each actor its whole step ({engines_that('whole_step_calls')}: "
-            "a MoE layer's all-to-all needs every replica of its ep group inside one step call): use engine='p2p'.",
+            f"ep > 1 runs on the {engines_that('whole_step_calls')} engines (a MoE layer's all-to-all needs every "
+            "replica of its ep group inside one step call): use engine='p2p'.",
         )
     if c.zero not in (0, 1, 3) or isinstance(c.zero, bool):
         raise fail(
@@ -174,7 +174,7 @@ def check_zero3(c: Any) -> None:
             "engine",
             c.engine,
             "zero=3 gathers each layer among the dp replicas inside the step, which needs the whole "
-            f"step in one call per actor: use engine={engines_that('whole_step_calls')}.",
+            f"step in one call per actor, as the {engines_that('whole_step_calls')} engines send it: use engine='p2p'.",
         )
     if c.quantize is not None:
         raise fail("quantize", c.quantize, "a quantized base is not sharded by zero=3: use zero=0 or 1 with quantize.")

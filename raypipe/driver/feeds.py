@@ -149,8 +149,8 @@ class DatasetFeed:
         c = group.config
         if not engine_kind(c.engine).whole_step_calls:
             raise ConfigError(
-                f"TrainConfig.engine={c.engine!r} is invalid with a ray.data.Dataset: its calls carry each "
-                f"microbatch from the driver; use engine={engines_that('whole_step_calls')} ('p2p' is the default)."
+                f"TrainConfig.engine={c.engine!r} is invalid with a ray.data.Dataset: its calls carry each microbatch "
+                f"from the driver; use the {engines_that('whole_step_calls')} engines (engine='p2p', the default)."
             )
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise ConfigError(

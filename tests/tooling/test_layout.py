@@ -100,7 +100,7 @@ def test_every_raypipe_import_names_a_module_and_a_name_that_exist():
 
 def test_no_plugin_is_chosen_by_its_name_outside_its_registry():
     """The fourth design step: an objective, engine, schedule or logger is asked what it can do,
-    never compared by name (`engine == "refs"`, `objective["name"] == "dpo"`), so a new one is one
+    never compared by name (an engine's or an objective's name tested against a string), so a new one is one
     module plus its registry line. Any comparison with a registered name outside the kind's own
     package or registry module is found here, read from the source with `ast`."""
     from raypipe.config.engines import ENGINES
