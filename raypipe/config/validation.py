@@ -272,8 +272,8 @@ def check_sequence_chunks(c: Any) -> None:
         raise fail(
             "sequence_chunks",
             c.sequence_chunks,
-            f"the {c.objective['name']} objective's loss is over whole sequences (their summed log-probabilities), "
-            f"not a sum over tokens: use sequence_chunks=1.",
+            "an objective's loss (TrainConfig.objective) is over whole sequences (their summed log-probabilities), "
+            "not a sum over tokens: use sequence_chunks=1.",
         )
 
 
