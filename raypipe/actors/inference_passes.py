@@ -10,7 +10,7 @@ import torch
 
 from raypipe.actors.executor import Executor
 from raypipe.errors import StageError
-from raypipe.nn.sampling import pick
+from raypipe.nn.decoding import Feed, Picker
 from raypipe.schedules.actions import FORWARD
 from raypipe.transport.tree import map_tensors, to_host
 from raypipe.transport.wire import pack, unpack
@@ -42,19 +42,23 @@ def forward_only(
 
 
 @torch.no_grad()
-def generate(executor: Executor, x: Any, start: bool, cached: bool, v: int | None = None) -> Any:
-    """One generation forward through chunk `v` (eval mode, nothing stashed): the output, or on
-    the last stage the logits of the last position. `start` begins a new sequence; with
-    `cached`, the chunk's layers that keep a KV cache (`begin_cache`) share a fresh one."""
+def generate(executor: Executor, x: Any, v: int | None, caches: dict | None, start: bool) -> Any:
+    """One generation forward through chunk `v` (nothing stashed; the caller sets eval mode): the output, or on
+    the last stage the logits of the last position. `caches` (None: no KV cache) holds the KV
+    caches of the microbatch being decoded, per chunk: the chunk's layers that keep one
+    (`begin_cache`) share a fresh one at `start`, and take the microbatch's back (`cache`) for
+    each later forward; between forwards no layer holds one."""
     v, module, _, last = executor.part(v)
-    if start:
-        shared: dict[str, Any] = {}
-        for layer in module:
-            if hasattr(layer, "end_cache"):
-                layer.end_cache()
-            if cached and hasattr(layer, "begin_cache"):
+    layers = [layer for layer in module if hasattr(layer, "begin_cache")]
+    if caches is not None:
+        if start:
+            shared: dict[str, Any] = {}
+            for layer in layers:
                 layer.begin_cache(shared)
-    executor.module.eval()
+            caches[v] = [layer.cache for layer in layers]
+        else:
+            for layer, cache in zip(layers, caches[v]):
+                layer.cache = cache
     try:
         with executor.autocast():
             out = module(executor.received(x))
@@ -62,13 +66,7 @@ def generate(executor: Executor, x: Any, start: bool, cached: bool, v: int | Non
     except Exception as error:
         raise executor.error(FORWARD, -1, error, v) from error
     finally:
-        executor.module.train()
-
-
-def end_generation(executor: Executor) -> None:
-    """Drops the layers' KV caches."""
-    for layer in executor.module:
-        if hasattr(layer, "end_cache"):
+        for layer in layers:
             layer.end_cache()
 
 
@@ -78,7 +76,7 @@ class InferenceCalls:
 
     def __init__(self, stage: Stage) -> None:
         self.stage = stage
-        self.generator: torch.Generator | None = None  # a generation's sampler (`generate_forward`)
+        self.decoding: dict[int, dict[str, Any]] = {}  # per microbatch being generated: its feed, caches, picker
 
     def forward_only(self, x: Any, target: Any = None, v: int | None = None, reference: str | None = None) -> Any:
         """Inference through this stage's chunk `v` (eval mode, no activations kept).
@@ -121,20 +119,58 @@ class InferenceCalls:
         self.stage.reference = ReferencePolicy.capture(self.stage.model.module)
         return "adapters_off" if self.stage.reference.adapters is None else "frozen_copy"
 
-    def generate_forward(
-        self, x: Any, start: bool, cached: bool, v: int | None = None, sampling: tuple | None = None
+    def decode(
+        self,
+        x: Any,
+        slot: int,
+        start: bool,
+        cached: bool,
+        v: int | None = None,
+        feeds: bool = False,
+        sampling: tuple | None = None,
+        tokens: int = 1,
     ) -> Any:
-        """One forward of generation through chunk `v` (`raypipe.driver.inference.generation`): the output
-        (rank 0 of tp only), or on the last stage the last position's logits; with `sampling`
-        ((temperature, top_k, top_p, seed), the last stage), the next token of each row picked here
-        from a generator seeded at `start`, so that a token, not a row of logits, travels back."""
-        out = generate(self.stage.executor, unpack(x), start, cached, v)
-        if sampling is not None:
-            temperature, top_k, top_p, seed = sampling
+        """Generation forwards of microbatch `slot` through chunk `v` (`raypipe.driver.inference.generation`).
+
+        `feeds`: this call starts the model, so `x` is the prompt ({"input_ids", "attention_mask"})
+        at `start`, after it the tokens the last stage picked, made into the next input here
+        (`Feed`); else `x` is the previous stage's output. `cached`: the layers keep a KV cache per
+        microbatch and chunk. With `sampling` ((rows, temperature, top_k, top_p, seed,
+        eos_token_id), the last stage) each row's next token is picked here (`Picker`, seeded at
+        `start`), so that a token, not a row of logits, travels back. A stage that both feeds and
+        samples decodes up to `tokens` tokens in this one call, stopping once every row has ended.
+
+        Returns:
+            The output (tp rank 0 only); on the last stage the tokens picked (rows, n).
+        """
+        stage = self.stage
+        state = self.decoding.setdefault(slot, {"caches": {} if cached else None})
+        x = unpack(x)
+        if feeds:
             if start:
-                self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
-            out = pick(out.cpu(), temperature, top_k, self.generator, top_p)
-        return pack(to_host(out)) if self.stage.tp.rank == 0 else None
+                state["feed"] = Feed(x["input_ids"], x.get("attention_mask"), cached)
+                x = state["feed"].prompt()
+            else:
+                x = state["feed"].next(x[:, -1])
+        picked: list[torch.Tensor] = []
+        stage.executor.module.eval()
+        try:
+            for step in range(tokens if feeds and sampling is not None else 1):
+                out = generate(stage.executor, x, v, state["caches"], start and step == 0)
+                if sampling is None:
+                    break
+                if start and step == 0:
+                    state["picker"] = Picker(*sampling)
+                picked.append(state["picker"](out.cpu()))
+                if state["picker"].finished or step == tokens - 1:
+                    break
+                x = state["feed"].next(picked[-1])
+        finally:
+            stage.executor.module.train()
+        if sampling is not None:
+            out = torch.stack(picked, dim=1)
+        return pack(to_host(out)) if stage.tp.rank == 0 else None
 
     def end_generation(self) -> None:
-        end_generation(self.stage.executor)
+        """Drops every microbatch's decoding state (KV caches included)."""
+        self.decoding.clear()

@@ -122,7 +122,7 @@ class StageActor:
     # ----- inference ---------------------------------------------------------------------
 
     forward_only = _call("inference", InferenceCalls.forward_only)
-    generate_forward = _call("inference", InferenceCalls.generate_forward)
+    decode = _call("inference", InferenceCalls.decode)
     end_generation = _call("inference", InferenceCalls.end_generation)
     capture_reference = _call("inference", InferenceCalls.capture_reference)
 

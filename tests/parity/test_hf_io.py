@@ -151,6 +151,13 @@ def test_generation_from_left_padded_prompts_equals_transformers(llama, tmp_path
     mask[2, :4] = 0
     expected = model.generate(prompt, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert torch.equal(trainer.generate(prompt, max_new_tokens=6, attention_mask=mask), expected)
+    # the rows split into one microbatch per stage, decoding in flight; a row that produced the
+    # end-of-text token goes on with it, and generation ends once every row has
+    eos = int(expected[0, 7])
+    stops = model.generate(
+        prompt, attention_mask=mask, max_new_tokens=6, do_sample=False, eos_token_id=eos, pad_token_id=eos
+    )
+    assert torch.equal(trainer.generate(prompt, max_new_tokens=6, attention_mask=mask, eos_token_id=eos), stops)
 
 
 @pytest.mark.slow

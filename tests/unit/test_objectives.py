@@ -25,6 +25,12 @@ def test_sampling_keeps_the_tokens_transformers_warpers_keep(top_k, top_p):
         for r in range(6)
         if allowed[r].sum() <= 3
     )
+    # and each kept token is drawn as often as its share of the nucleus says (within 5 standard errors)
+    draws = 4000
+    kept = torch.softmax((logits / 0.7).masked_fill(~allowed, float("-inf")), dim=-1)
+    drawn = pick(logits.repeat_interleave(draws, dim=0), 0.7, top_k, g, top_p).view(6, draws)
+    counts = torch.stack([torch.bincount(row, minlength=40) for row in drawn]).double() / draws
+    assert bool(((counts - kept).abs() <= 5 * (kept * (1 - kept) / draws).sqrt() + 1e-9).all())
 
 
 def test_a_generation_batch_becomes_rows_with_group_advantages():

@@ -1,10 +1,18 @@
-"""Generating tokens through the pipeline: the driver runs one forward per new token through
-every stage (each actor's output going straight to the next as an object reference); the last
-stage picks the next token (`raypipe.nn.sampling.pick`) and the driver feeds it back.
+"""Generating tokens through the pipeline without the driver in the loop: each new token is one
+forward through every stage (each actor's output going straight to the next as an object
+reference), the last stage picks the token (`raypipe.nn.decoding.Picker`) and the first stage
+turns it into its next input (`Feed`), so the driver queues calls ahead and only reads tokens
+back a few steps behind (to free what it no longer needs and to stop once every row has ended).
 
-With a model whose layers keep a KV cache (`raypipe.model.Model.kv_cache`: transformers
-layers), each stage keeps the keys and values of its own layers, so after the prompt only
-the new token runs through the pipeline; other models run the whole sequence each time.
+With two or more stages the rows split into one microbatch per actor, each with its own KV
+caches, so every stage works on some microbatch's token at once; a single actor decodes
+`TOKENS_PER_CALL` tokens per call. With a model whose layers keep a KV cache
+(`raypipe.model.Model.kv_cache`: transformers layers) only the new token runs after the prompt;
+other models run the whole sequence each time.
+
+Sampling is seeded per microbatch (`seed` for the first, one derived from it for each other),
+so a seed gives the same tokens for the same pipeline; a different number of stages splits
+the rows differently and so draws differently.
 """
 
 from __future__ import annotations
@@ -16,6 +24,9 @@ import torch
 
 from raypipe.driver.results import gather, wait_for_progress
 from raypipe.transport.wire import pack, unpack
+
+TOKENS_PER_CALL = 16  # a single actor's tokens per call: Ray's per-call cost spread over them
+BEHIND = 4  # the calls the driver queues ahead of the tokens it has read back
 
 
 def generate(
@@ -34,69 +45,100 @@ def generate(
     top_p: float = 1.0,
 ) -> torch.Tensor:
     """The prompt `input_ids` followed by up to `max_new_tokens` generated tokens per row; rows
-    that produced `eos_token_id` continue with it (as transformers pads finished rows).
+    that produced `eos_token_id` continue with it (as transformers pads finished rows), and
+    generation ends once every row has.
 
     `stages` holds each stage's tp ranks, in virtual-stage order with model chunks (`chunks`: the
     chunk each runs); every rank runs, rank 0's output goes on.
     """
+    if max_new_tokens < 1:
+        return input_ids
     flat = [a for ranks in stages for a in ranks]
     flat_names = [n for ranks in names for n in ranks]
-    sequence, mask = input_ids, attention_mask
-    done = torch.zeros(input_ids.shape[0], dtype=torch.bool)
+    alone = len(flat) == 1
+    per_call = TOKENS_PER_CALL if alone else 1
+    slots = _microbatches(input_ids.shape[0], len({id(ranks[0]) for ranks in stages}))
+    sampling = [(len(rows), temperature, top_k, top_p, _seed(seed, m), eos_token_id) for m, rows in enumerate(slots)]
+    prompts = [
+        pack(
+            {
+                "input_ids": input_ids[rows],
+                **({} if attention_mask is None else {"attention_mask": attention_mask[rows]}),
+            }
+        )
+        for rows in slots
+    ]
+    queued: list[tuple[list[Any], dict]] = []  # per call round: each microbatch's tokens, and every call's label
+    tokens: list[list[torch.Tensor]] = [[] for _ in slots]
+    made = 0
     try:
-        for i in range(max_new_tokens):
-            x = _step_input(sequence, mask, i, cached)
-            sampling = (temperature, top_k, top_p, seed)
-            token = _run(stages, names, chunks, x, start=i == 0, cached=cached, timeout=timeout, sampling=sampling)
-            if eos_token_id is not None:
-                token = token.masked_fill(done, eos_token_id)
-                done |= token == eos_token_id
-            sequence = torch.cat([sequence, token[:, None]], dim=1)
-            if mask is not None:
-                mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
-            if eos_token_id is not None and bool(done.all()):
+        for i in range(-(-max_new_tokens // per_call)):
+            count = min(per_call, max_new_tokens - i * per_call)
+            last = [prompts[m] if i == 0 else queued[-1][0][m] for m in range(len(slots))]
+            queued.append(_queue(stages, names, chunks, last, i == 0, cached, sampling, count))
+            if len(queued) > BEHIND and _read(queued.pop(0), tokens, timeout, flat, flat_names, eos_token_id):
+                queued.clear()
                 break
+        while queued and not _read(queued.pop(0), tokens, timeout, flat, flat_names, eos_token_id):
+            pass
+        made = min(sum(t.shape[1] for t in rows) for rows in tokens)
     finally:
         gather([a.end_generation.remote() for a in flat], "generate", flat, flat_names)
-    return sequence
+    new = torch.cat([torch.cat(rows, dim=1)[:, :made] for rows in tokens], dim=0)
+    if eos_token_id is not None:
+        ended = (new == eos_token_id).all(dim=0).nonzero()
+        new = new[:, : int(ended[0]) + 1] if len(ended) else new
+    return torch.cat([input_ids, new.to(input_ids.dtype)], dim=1)
 
 
-def _step_input(sequence: torch.Tensor, mask: torch.Tensor | None, i: int, cached: bool) -> Any:
-    """What stage 0 takes for new token i: with a cache the prompt, then only the last token with
-    its position; without, the whole sequence so far."""
-    if not cached:
-        return sequence if mask is None else {"input_ids": sequence, "attention_mask": mask}
-    if mask is None:
-        positions = torch.arange(sequence.shape[1]).unsqueeze(0)
-    else:  # left padding: positions count the real tokens, as transformers' generate numbers them
-        positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
-    ids = sequence if i == 0 else sequence[:, -1:]
-    x = {"input_ids": ids, "position_ids": positions if i == 0 else positions[:, -1:]}
-    if mask is not None:
-        x["attention_mask"] = mask
-    return x
+def _microbatches(rows: int, actors: int) -> list[torch.Tensor]:
+    """The rows of each microbatch: one per actor on the path (as many as there are rows at
+    most), so that each has a token to work on while the others' go through the rest."""
+    return list(torch.arange(rows).tensor_split(min(rows, actors)))
 
 
-def _run(
+def _seed(seed: int | None, m: int) -> int | None:
+    """Microbatch `m`'s sampling seed: `seed` for the first, a distant one for each other."""
+    return seed if seed is None or m == 0 else (seed * 6364136223846793005 + m * 1442695040888963407) % 2**63
+
+
+def _queue(
     stages: Sequence[Sequence[Any]],
     names: Sequence[Sequence[str]],
     chunks: Sequence[int] | None,
-    x: Any,
+    inputs: Sequence[Any],
     start: bool,
     cached: bool,
+    sampling: Sequence[tuple],
+    count: int,
+) -> tuple[list[Any], dict]:
+    """One round of calls: each microbatch's `inputs` (its prompt at `start`, else the tokens its
+    last call picked) through every stage. Returns each microbatch's picked tokens (references)
+    and every call's (actor, label)."""
+    picked, pending = [], {}
+    for m, ref in enumerate(inputs):
+        for s, ranks in enumerate(stages):
+            chunk = None if chunks is None else chunks[s]
+            chosen = sampling[m] if s == len(stages) - 1 else None
+            refs = [actor.decode.remote(ref, m, start, cached, chunk, s == 0, chosen, count) for actor in ranks]
+            for t, r in enumerate(refs):
+                pending[r] = (names[s][t], f"generate microbatch {m}")
+            ref = refs[0]
+        picked.append(ref)
+    return picked, pending
+
+
+def _read(
+    round_: tuple[list[Any], dict],
+    tokens: list[list[torch.Tensor]],
     timeout: float,
-    sampling: tuple,
-) -> torch.Tensor:
-    """One forward through every stage; each row's next token, picked on the last stage
-    (`StageActor.generate_forward`) by `sampling` = (temperature, top_k, top_p, seed)."""
-    ref, pending = pack(x), {}
-    for s, ranks in enumerate(stages):
-        chunk = None if chunks is None else chunks[s]
-        last = sampling if s == len(stages) - 1 else None
-        refs = [actor.generate_forward.remote(ref, start, cached, chunk, last) for actor in ranks]
-        for t, r in enumerate(refs):
-            pending[r] = (names[s][t], "generate")
-        ref = refs[0]
+    actors: Sequence[Any],
+    names: Sequence[str],
+    eos_token_id: int | None,
+) -> bool:
+    """Waits for a round of calls and keeps its tokens; whether every row has now ended."""
+    picked, pending = round_
     wait_for_progress(pending, timeout, "generate")
-    flat = [a for ranks in stages for a in ranks]
-    return unpack(gather([ref], "generate", flat, [n for ranks in names for n in ranks])[0])
+    for m, got in enumerate(unpack(gather(picked, "generate", actors, names))):
+        tokens[m].append(got)
+    return eos_token_id is not None and all(bool((rows[-1][:, -1] == eos_token_id).all()) for rows in tokens)
