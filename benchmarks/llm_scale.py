@@ -26,6 +26,7 @@ their ratio to ZeRO-0's, and the step time of each (one trainer after the other:
     python benchmarks/llm_scale.py --layers 2 --rounds 1 --steps 1          # the script itself, small
     python benchmarks/llm_scale.py --dir /tmp/qwen2-8l --layers 8 --full-ft > zero3.json  # ~6 minutes
     python benchmarks/llm_scale.py --dir /tmp/qwen2-0.5b --save-memory > saves.json  # ~3 minutes
+    python benchmarks/llm_scale.py --dir /tmp/qwen2-0.5b --seq 64 --ray-cpus 4 > told4.json  # Ray told 2x the cores
 
 With `--save-memory`, instead: what saving costs a stage (issue 59): at pp = 2 under LoRA, each
 stage's peak right after loading, after `save_adapter`, after `save_pretrained(merge_adapters=True)`
@@ -147,6 +148,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3, help="measured steps per round")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="the plain loop's torch threads")
+    parser.add_argument(
+        "--ray-cpus", type=int, default=os.cpu_count(), help="the CPUs Ray is told (above the cores: oversubscribed?)"
+    )
     parser.add_argument("--full-ft", action="store_true", help="full fine-tuning at pp 2 x dp 2: ZeRO-0 vs ZeRO-3")
     parser.add_argument("--save-memory", action="store_true", help="each stage's peak as saves go, at pp 2")
     args = parser.parse_args()
@@ -175,7 +179,7 @@ def main() -> None:
     plain_load_s = time.perf_counter() - started
     plain_parameter_bytes = sum(p.numel() * p.element_size() for p in plain.model.parameters())
 
-    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, logging_level="ERROR")
+    ray.init(address="local", num_cpus=args.ray_cpus, include_dashboard=False, logging_level="ERROR")
     # the runtime's own cost: a stage holding one layer of the family, stepped once
     with Trainer(
         hf.from_config(qwen2_config(1, vocab=256)), config=TrainConfig(pp=1, lora=LORA, optimizer=OPTIMIZER)

@@ -84,6 +84,21 @@ def detect() -> Accelerator:
     return Accelerator("cpu", os.cpu_count() or 1, _cpu_model(), _machine_memory(), ("fp32", "bf16", "fp16"))
 
 
+def usable_cores() -> int:
+    """The cores this process may run on, as the OS says: its CPU affinity, bounded by a cgroup's
+    CPU quota (a container's `--cpus`). Ray's logical CPUs can say more (`ray start --num-cpus`
+    raised to fit more actors); threads past these cores only take turns on them."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, int(int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    return max(1, cores)
+
+
 def parse_fake_accelerator(text: str) -> Accelerator:
     """`KIND:COUNT:MODEL` (e.g. `cuda:2:NVIDIA-H100`) as the Accelerator `detect()` reports for it.
 

@@ -306,6 +306,7 @@ class ActorInfo:
     device_kind: str = "cpu"
     cpu_fallback: bool = False
     threads: int = 1
+    cores: int = 0  # the cores its process may run on (`devices.usable_cores`): its node's threads are bounded by them
     dtype: str = "float32"
     weights_read: dict = field(default_factory=dict)  # checkpoint tensors its layers read when built: key -> bytes
     shm_peers: list = field(default_factory=list)

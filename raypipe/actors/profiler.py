@@ -19,7 +19,7 @@ import torch
 
 from raypipe.actors.memory import count_saved_bytes, weight_storages
 from raypipe.actors.stage_model import resolve_device
-from raypipe.devices import SERVING_ENV, detect
+from raypipe.devices import SERVING_ENV, detect, usable_cores
 from raypipe.layers import LayerSpec, build_layer, layer_seed
 from raypipe.transport.tree import map_tensors, tensors
 
@@ -48,6 +48,10 @@ class LayerProfiler:
         import ray
 
         return ray.get_runtime_context().get_node_id()
+
+    def cores(self) -> int:
+        """The cores its node lets it run on (`devices.usable_cores`), which bound its threads."""
+        return usable_cores()
 
     def profile(
         self,
@@ -156,7 +160,7 @@ class LayerProfiler:
             "device": str(self.device),
             "cpu_fallback": self.fallback,
             "threads": torch.get_num_threads(),
-            "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+            "cores": usable_cores(),
             "model": accelerator.model,
             "memory_bytes": accelerator.memory_bytes,
         }

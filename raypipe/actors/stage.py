@@ -31,7 +31,7 @@ from raypipe.actors.memory import max_rss_bytes, memory_split
 from raypipe.actors.optim.optimizer import OptimizerState
 from raypipe.actors.replica_io import rewind_running_stats
 from raypipe.actors.stage_model import StageModel, gpu_identity, resolve_device
-from raypipe.devices import SERVING_ENV
+from raypipe.devices import SERVING_ENV, usable_cores
 from raypipe.errors import StageError
 from raypipe.nn import TensorParallelGroup
 from raypipe.nn.moe import ExpertParallelGroup, take_step_report
@@ -125,6 +125,7 @@ class Stage:
             device_kind=self.device_kind,
             cpu_fallback=self.fallback,
             threads=torch.get_num_threads(),
+            cores=usable_cores(),
             dtype=str(model.params[0].dtype).removeprefix("torch.") if model.params else "float32",
             weights_read={k: v for layer in model.module for k, v in getattr(layer, "read_keys", {}).items()},
             shm_peers=[n for n, how in self.links.items() if how == "shm"],

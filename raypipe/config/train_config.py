@@ -160,8 +160,8 @@ class TrainConfig:
         seed: seeds layer initialisation (per layer, so the same for any split) and data order.
         cpus_per_actor: logical CPUs each stage actor reserves; None fits the actors into the
             cluster's CPUs (at most 1 each).
-        threads_per_actor: torch intra-op threads per actor; None gives each actor its node's CPUs
-            divided among the trainer's actors on that node (the reservation inside a Tune trial).
+        threads_per_actor: torch intra-op threads per actor; None shares each node's CPUs, at most
+            its OS cores, among the trainer's actors there (the reservation inside a Tune trial).
         actor_start_timeout: seconds to wait for every actor to be placed and built.
         placement: how the actors are reserved, all or nothing, in one Ray placement group:
             "pack" (as few nodes as possible), "spread" (across nodes where possible) or

@@ -72,8 +72,10 @@ class PlanReport:
     profiled_microbatches: dict[int, dict[str, dict[str, Any]]] = field(default_factory=dict)
 
     def __str__(self) -> str:
+        uniform = self.plan == uniform_plan(self.plan[-1][1], len(self.plan))
+        how = "the uniform split, which the profiles find fastest" if uniform else "layers split by their cost"
         lines = [
-            f"speed-aware plan (partition=profile): predicted step {1000 * self.step_seconds:.1f} ms, "
+            f"speed-aware plan from profiled layers ({how}): predicted step {1000 * self.step_seconds:.1f} ms, "
             f"uniform split {1000 * self.uniform_step_seconds:.1f} ms"
         ]
         chunked = bool(self.stages)
@@ -140,12 +142,13 @@ def profile_layers(
     ]
     try:
         nodes = _wait(actors, [a.node_id.remote() for a in actors], unique, config.actor_start_timeout, "placed")
+        cores = _wait(actors, [a.cores.remote() for a in actors], unique, config.actor_start_timeout, "placed")
         cpus_of = node_cpus()
         stages_of_kind = {k: kinds.count(k) * config.dp * config.tp for k in unique}
         threads = [
             config.threads_per_actor
-            or fitting_threads(cpus_of.get(n, 1.0), packed_on_node(cpus_of.get(n, 1.0), cpus, stages_of_kind[k]))
-            for n, k in zip(nodes, unique)
+            or fitting_threads(cpus_of.get(n, 1.0), packed_on_node(cpus_of.get(n, 1.0), cpus, stages_of_kind[k]), c)
+            for n, k, c in zip(nodes, unique, cores)
         ]
         codecs = (config.compress_activations, config.compress_gradients)
         split = config.schedule == "auto" or SCHEDULES[config.schedule].split_backward  # I and W timed apart

@@ -90,7 +90,7 @@ def test_the_lora_sft_job_trains_on_a_cuda_node_in_4_bits_and_an_mps_node(hetero
 def test_threads_share_each_node_among_the_actors_placed_on_it():
     """A node's CPUs are divided among the trainer's actors on it, never oversubscribed; the
     config's threads_per_actor overrides; the profiler counts the stages that pack onto a node."""
-    from raypipe.planning.threads import fitting_threads, packed_on_node, threads_by_node
+    from raypipe.planning.threads import fitting_threads, oversubscribed, packed_on_node, threads_by_node
 
     def nodes():
         return {"vm": 2.0, "box": 8.0, "mac": 10.0}
@@ -104,3 +104,18 @@ def test_threads_share_each_node_among_the_actors_placed_on_it():
     assert fitting_threads(8, 3) * 3 <= 8
     assert [packed_on_node(2, 1.0, n) for n in (1, 2, 4)] == [1, 2, 2]
     assert packed_on_node(8, 0.5, 2) == 2 and fitting_threads(8, packed_on_node(8, 0.5, 2)) == 4
+
+    # Ray told more CPUs than the machine has cores (`ray.init(num_cpus=4)` on 2 cores): the cores bound
+    # the threads, whatever Ray says; an actor whose cores are unknown (0) keeps Ray's count
+    def told_four():
+        return {"vm": 4.0, "box": 8.0}
+
+    assert threads_by_node(["vm"], None, told_four, cores=[2]) == [2]
+    assert threads_by_node(["vm", "vm"], None, told_four, cores=[2, 2]) == [1, 1]
+    assert threads_by_node(["vm", "box"], None, told_four, cores=[2, 0]) == [2, 8]
+    assert fitting_threads(4, 1, cores=2) == 2 and fitting_threads(16, 4, cores=8) == 2
+    # threads_per_actor that oversubscribes a node is named with the node's cores; one thread each is not
+    assert oversubscribed(["vm", "vm"], [2, 2], [2, 2]) == [
+        "the 2 actor(s) on node vm run 4 torch threads together on its 2 cores"
+    ]
+    assert oversubscribed(["vm"] * 4, [1] * 4, [2] * 4) == [] and oversubscribed(["vm"], [2], [2]) == []

@@ -7,6 +7,7 @@ torch.distributed world with their dp, tp and ep groups.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -26,7 +27,7 @@ from raypipe.driver.results import gather, last_line
 from raypipe.errors import PlacementError, StageError
 from raypipe.layers import LayerSpec
 from raypipe.model import tied_stages
-from raypipe.planning.threads import threads_by_node
+from raypipe.planning.threads import oversubscribed, threads_by_node
 from raypipe.protocol import ActorInfo, ActorSpec, WorldSpec
 from raypipe.schedules import Schedule, owners, virtual_stages
 
@@ -269,7 +270,15 @@ def fit_threads(
 ) -> list[ActorInfo]:
     """Gives each placed actor its torch threads (`raypipe.planning.threads`: its node's CPUs
     shared among the trainer's actors there, or `configured`); returns the infos with them."""
-    wanted = threads_by_node([i.node_id for i in infos], configured)
+    nodes, cores = [i.node_id for i in infos], [i.cores for i in infos]
+    wanted = threads_by_node(nodes, configured, cores=cores)
+    for problem in oversubscribed(nodes, wanted, cores) if configured else ():
+        warnings.warn(
+            f"TrainConfig.threads_per_actor={configured}: {problem}, so they take turns on them (slower, not "
+            f"faster). Leave threads_per_actor unset to share each node's cores among its actors.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     got = gather([a.set_threads.remote(n) for a, n in zip(actors, wanted)], "set threads", actors, names)
     return [replace(i, threads=n) for i, n in zip(infos, got)]
 
