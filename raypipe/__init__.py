@@ -4,6 +4,7 @@ Import everything from here (tensor-parallel layers from `raypipe.nn`); other
 submodules may change.
 """
 
+import raypipe.notices  # noqa: F401 - first: hides third-party notices that ask nothing of the user
 from raypipe import nn
 from raypipe.checkpoint.layout import CheckpointError
 from raypipe.config import TrainConfig

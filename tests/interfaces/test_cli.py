@@ -80,6 +80,8 @@ def test_raypipe_train_runs_the_job_saves_checkpoints_and_resumes_on_another_top
     first = run(RAYPIPE + ["train", "examples/configs/tiny.yaml", "--set", "job.steps=40"] + common, clean_env)
     assert first.returncode == 0, first.stderr[-3000:]
     out = first.stdout
+    # the embedded Ray turned token authentication on, as it should: raypipe does not print Ray's notice of it
+    assert "Token authentication is enabled" not in out + first.stderr, first.stderr[-3000:]
     assert "stages: stage0-dp0-tp0 layers [0, 2), stage1-dp0-tp0 layers [2, 4)" in out
     assert "tok/s" in out and "sample:" in out
     assert re.search(r"the last step: step [\d.]+ ms = [\d.]+ busiest actor's actions \+ [\d.]+ the schedule's", out)

@@ -12,6 +12,7 @@ from typing import Any
 import ray
 
 from raypipe import env
+from raypipe.notices import token_auth_notice_hidden
 
 # Packages that every actor process imports from its own environment.
 _INSTALLED_ROOTS = ("raypipe", "torch", "numpy", "ray")
@@ -33,13 +34,14 @@ def connect() -> bool:
 
         local = detect()
         # address="local": a new Ray, even if another cluster on this machine is "current"
-        ray.init(
-            address="local",
-            logging_level=logging.WARNING,
-            resources=local.ray_resources() or None,
-            labels=local.ray_labels(),
-            _system_config=system_config(),
-        )
+        with token_auth_notice_hidden():  # it turns token authentication on, as it should: no news
+            ray.init(
+                address="local",
+                logging_level=logging.WARNING,
+                resources=local.ray_resources() or None,
+                labels=local.ray_labels(),
+                _system_config=system_config(),
+            )
     else:
         ray.init(address=address, logging_level=logging.WARNING)
     return True
