@@ -152,12 +152,15 @@ def run(
     log(
         f"raypipe: {model.describe()}; "
         f"{len(train_set):,} training tokens; pp={train.pp}, dp={train.dp}{f' (ep={train.ep})' if train.ep > 1 else ''}, tp={train.tp}, schedule={train.schedule}, "  # noqa: E501
-        f"microbatches={train.microbatches}, batch {job.batch_size} x {model.block_size} tokens"
+        f"microbatches={train.microbatches}"
+        f"{f', sequence_chunks={train.sequence_chunks}' if train.sequence_chunks != 1 else ''}, "
+        f"batch {job.batch_size} x {model.block_size} tokens"
     )
     losses: list[float] = []
     rates: list[float] = []
     margins: list[float] = []  # a DPO run's rewards/margins, step by step
     rewards: list[float] = []  # a GRPO run's mean reward, generation batch by generation batch
+    window: list[dict[str, Any]] = []  # the objective's figures of each step since the last log line
 
     def on_step(metrics: dict[str, Any]) -> None:
         step = metrics["step"]
@@ -170,12 +173,14 @@ def run(
             on_metrics(metrics)
         if len(losses) > 1:  # the first step pays for warm-up; leave it out of the rate
             rates.append(metrics["tokens_per_s"])
+        window.append(metrics.get("objective", {}))
         if step % job.log_every == 0 or len(losses) == 1 or step == job.steps:
             log(
                 f"step {step:4d} | loss {metrics['loss']:.4f} | lr {metrics['lr']:.2e} | "
                 f"grad norm {metrics['grad_norm']:.3f} | {metrics['tokens_per_s']:,.0f} tok/s | "
-                f"{1000 * metrics['step_time']:.0f} ms" + _objective_line(train.objective, metrics)
+                f"{1000 * metrics['step_time']:.0f} ms" + _objective_line(train.objective, metrics, window)
             )
+            window.clear()
         if "checkpoint" in metrics:
             log(f"step {step:4d} | saved {metrics['checkpoint']}")
 
@@ -289,11 +294,21 @@ def _objective_data(source: str, objective: dict[str, Any] | None) -> str | None
     return records
 
 
-def _objective_line(objective: dict[str, Any] | None, metrics: dict[str, Any]) -> str:
-    """An objective's step figures for the job's log line (its own words: `Objective.log_line`)."""
+def _objective_line(objective: dict[str, Any] | None, metrics: dict[str, Any], window: list[dict[str, Any]]) -> str:
+    """An objective's figures for the job's log line (its own words: `Objective.log_line`), each the
+    mean over the steps since the last line (`window`), as TRL's trainers log them: one step's
+    accuracy over a handful of pairs moves by large jumps."""
     from raypipe.objectives import objective_for
 
-    return objective_for(objective).log_line(metrics) if objective is not None else ""
+    if objective is None:
+        return ""
+    means = {}
+    for key, value in metrics.get("objective", {}).items():
+        seen = [w[key] for w in window if isinstance(w.get(key), (int, float))]
+        if isinstance(value, (int, float)) and seen:
+            means[key] = sum(seen) / len(seen)
+    line = objective_for(objective).log_line({**metrics, **means})
+    return f"{line} (means of {len(window)} steps)" if line and len(window) > 1 else line
 
 
 def _first_and_last(what: str, of: str, values: list[float]) -> str:

@@ -8,6 +8,8 @@ loaded non-zero one at dp 2 over a 4-bit base (QLoRA), whose checkpoint resumes 
 reference (the loaded adapter's copy is in it). Full fine-tuning against TRL's reference model;
 the pair data of DPO jobs; the example job."""
 
+import re
+
 import pytest
 import torch
 
@@ -233,11 +235,16 @@ def test_the_dpo_example_job_trains_on_stdlib_pairs_and_prints_the_reward_margin
     from raypipe.job import JobConfig, run
 
     base = save_tiny("llama", str(tmp_path / "base"), vocab_size=256)
-    small = small_job(base, "job.log_every=1", f"job.save_adapter={tmp_path / 'adapter'}")
+    small = small_job(base, "job.log_every=3", f"job.save_adapter={tmp_path / 'adapter'}")
     lines = []
     summary = run(JobConfig.from_yaml("examples/configs/dpo.yaml", small), log=lines.append)
     assert len(summary["losses"]) == 4 and len(summary["margins"]) == 4
-    assert sum(" | margin " in line for line in lines) == 4, lines
+    steps = {int(line[5:9]): line for line in lines if " | margin " in line}
+    assert sorted(steps) == [1, 3, 4], lines  # the first step, every third, the last
+    # a line's margin and accuracy are the means of the steps since the line before, as TRL logs them
+    assert steps[3].endswith(" (means of 2 steps)") and not steps[4].endswith("steps)"), lines
+    margin = float(re.search(r"\| margin (-?\d+\.\d+)", steps[3]).group(1))
+    assert margin == pytest.approx(sum(summary["margins"][1:3]) / 2, abs=1e-3)
     assert summary["val_first"] is None  # pairs report rewards, not a validation loss
     assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
     with pytest.raises(ConfigError, match="do not go together"):
