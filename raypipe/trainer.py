@@ -9,6 +9,7 @@ whole model; `state_dict()` gathers the stages' weights under the keys
 from __future__ import annotations
 
 import functools
+import os
 import threading
 import uuid
 from collections.abc import Callable, Iterable, Sequence
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 
 from raypipe.checkpoint import lock as root_lock
+from raypipe.checkpoint.storage import is_uri
 from raypipe.config import TrainConfig, check_reconfigurable
 from raypipe.driver import chunks, planned, whole_weights
 from raypipe.driver.actor_group import ActorGroup
@@ -49,6 +51,12 @@ def _one_call_at_a_time(method: Callable) -> Callable:
             return method(self, *args, **kwargs)
 
     return serialised
+
+
+def driver_path(path: str | os.PathLike) -> str:
+    """A local path as the driver means it (absolute, from the driver's working directory, which a
+    notebook or script may have changed since Ray started the actors in theirs); a URI as given."""
+    return str(path) if is_uri(path) else os.path.abspath(os.fspath(path))
 
 
 class Trainer:
@@ -212,7 +220,7 @@ class Trainer:
     def save(self, path: str | None = None) -> Path:
         """Saves weights, optimizer state, step and RNG state, all actors in lock-step, under
         `path` (`config.checkpoint_dir` when omitted; a directory or a URI); returns `<root>/step-<N>`."""
-        root = path or self.config.checkpoint_dir
+        root = driver_path(path) if path else self.config.checkpoint_dir
         if root is None:
             raise ConfigError("Trainer.save needs a path, or TrainConfig.checkpoint_dir set.")
         return self.group.save(root, self.state)
@@ -228,7 +236,7 @@ class Trainer:
             CheckpointError: nothing valid to restore (missing, truncated, altered files), or a
                 checkpoint that does not fit the model (then nothing was loaded: all or nothing).
         """
-        return self.group.load(path, step, self.state, log)
+        return self.group.load(driver_path(path), step, self.state, log)
 
     def evaluate(self, x: torch.Tensor, y: Any) -> float:
         """The mean loss on `(x, y)` without training (eval mode, no gradients, weights unchanged)."""
@@ -257,7 +265,7 @@ class Trainer:
         loads, for its models and the reference GPT), LoRA adapters folded in with `merge_adapters`."""
         stages = chunks.inference_group(self.topology, self.group.actors, self.names)[0]  # with the ep ranks' experts
         with self.group.whole_weights():
-            self.model.save_pretrained(stages, self.specs, str(directory), self.config.tp, merge_adapters)
+            self.model.save_pretrained(stages, self.specs, driver_path(directory), self.config.tp, merge_adapters)
         return Path(directory)
 
     def save_adapter(self, directory: str) -> Path:
@@ -265,14 +273,14 @@ class Trainer:
         from raypipe.models.hf import adapters
 
         with self.group.whole_weights():
-            adapters.save(self.group.replica0()[0], self.model, self.config.lora, str(directory))
+            adapters.save(self.group.replica0()[0], self.model, self.config.lora, driver_path(directory))
         return Path(directory)
 
     def load_adapter(self, directory: str) -> None:
         """Loads LoRA adapters in peft's format into every stage (training continues from them)."""
         from raypipe.models.hf import adapters
 
-        load = functools.partial(adapters.load_group, directory=str(directory))
+        load = functools.partial(adapters.load_group, directory=driver_path(directory))
         load(self.group)
         self.state.loads.append((self.step_count, f"the adapters loaded from {directory}", load))  # for a recovery
 
