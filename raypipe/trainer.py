@@ -99,33 +99,10 @@ class Trainer:
         #: this process's hold on `config.checkpoint_dir` while the trainer lives (`raypipe.checkpoint.lock`)
         self.root_lock = live_trainers.hold_root(config.checkpoint_dir, run_name, self)  # released with the trainer
         try:
-            self._start(config, loss_fn, sample, run_name, log)
+            _start(self, config, loss_fn, sample, run_name, log)
         except BaseException:
             root_lock.release(self.root_lock)
             raise
-
-    def _start(self, config: TrainConfig, loss_fn: Callable, sample: Any, run_name: str, log: Callable) -> None:
-        """Plans the run, starts its actors and, with `config.resume`, loads its checkpoint."""
-        asked = config  # before "auto" is chosen: the links may choose again
-        config, plan, report = planned.plan(self.specs, loss_fn, config, sample, log, self.model)
-        #: the running actors: names, topology, schedule, engine; every call that reaches them
-        self.group = ActorGroup(config, self.specs, plan, loss_fn, run_name, self.model)
-        self.group.report = report
-        #: the run's identity, progress and records (step count, restarts, loggers)
-        self.state = RunState(
-            run_name, uuid.uuid4().hex, Loggers(config, run_name, lambda: run_params(self.config, run_name, self.plan))
-        )
-        live_trainers.replace_same_name(run_name, self)
-        self.group.start()  # and measures the links between its stages (`config.probe_links`)
-        live_trainers.add(self)
-        if report is not None:  # a profiled plan: made again for the links measured
-            replan.follow_links(self.group, asked, log)
-        if config.resume is not False:
-            try:
-                self.load(config.checkpoint_dir, step=None if config.resume is True else config.resume, log=log)
-            except BaseException:
-                self.shutdown()
-                raise
 
     # ----- the run and its actors, as a script reads them ----------------------------
 
@@ -153,6 +130,7 @@ class Trainer:
         doc="One actor name per stage (replica 0, tp rank 0), e.g. for labelling stages.",
     )
 
+    @_one_call_at_a_time
     def step(self, x: Any, y: Any = None) -> dict[str, Any]:
         """Runs one optimizer step on the batch `(x, y)`, split into microbatches (`fit` batches are the same).
 
@@ -174,6 +152,7 @@ class Trainer:
         x, y = objective_batch(self.group, x) if self.config.objective else (x, y)  # pairs or a generation batch: rows
         return one_step.train_step(self.group, self.state, x, y)
 
+    @_one_call_at_a_time
     def fit(
         self,
         batches: Callable[[int], tuple[torch.Tensor, Any]] | Iterable[tuple[torch.Tensor, Any]] | Any,
@@ -217,6 +196,7 @@ class Trainer:
         """Records your own scalars (`{"val/loss": 1.2}`) with `config.loggers` at `step` (default: steps taken)."""
         self.loggers.log(self.step_count if step is None else step, {k: float(v) for k, v in values.items()})
 
+    @_one_call_at_a_time
     def save(self, path: str | None = None) -> Path:
         """Saves weights, optimizer state, step and RNG state, all actors in lock-step, under
         `path` (`config.checkpoint_dir` when omitted; a directory or a URI); returns `<root>/step-<N>`."""
@@ -225,6 +205,7 @@ class Trainer:
             raise ConfigError("Trainer.save needs a path, or TrainConfig.checkpoint_dir set.")
         return self.group.save(root, self.state)
 
+    @_one_call_at_a_time
     def load(self, path: str, step: int | None = None, log: Callable[[str], None] = print) -> Path:
         """Restores a checkpoint saved by any topology; training continues from its step.
 
@@ -238,11 +219,13 @@ class Trainer:
         """
         return self.group.load(driver_path(path), step, self.state, log)
 
+    @_one_call_at_a_time
     def evaluate(self, x: torch.Tensor, y: Any) -> float:
         """The mean loss on `(x, y)` without training (eval mode, no gradients, weights unchanged)."""
         with self.group.whole_weights():
             return forward.evaluate(self.group, x, y)
 
+    @_one_call_at_a_time
     def predict(self, x: torch.Tensor) -> torch.Tensor:
         """The model's output for `x` (eval mode, no gradients), run through the pipeline."""
         with self.group.whole_weights():
@@ -260,6 +243,7 @@ class Trainer:
         args = (self.group.schedule, state.last_events, title, self.stage_names, planned, state.last_step_seconds)
         return Timeline.of_run(*args)
 
+    @_one_call_at_a_time
     def save_pretrained(self, directory: str, merge_adapters: bool = False) -> Path:
         """Writes the model in its library's format (`Model.save_pretrained`: a directory transformers
         loads, for its models and the reference GPT), LoRA adapters folded in with `merge_adapters`."""
@@ -268,6 +252,7 @@ class Trainer:
             self.model.save_pretrained(stages, self.specs, driver_path(directory), self.config.tp, merge_adapters)
         return Path(directory)
 
+    @_one_call_at_a_time
     def save_adapter(self, directory: str) -> Path:
         """Writes the LoRA adapters in peft's format (`peft.PeftModel.from_pretrained(base, dir)`)."""
         from raypipe.models.hf import adapters
@@ -276,6 +261,7 @@ class Trainer:
             adapters.save(self.group.replica0()[0], self.model, self.config.lora, driver_path(directory))
         return Path(directory)
 
+    @_one_call_at_a_time
     def load_adapter(self, directory: str) -> None:
         """Loads LoRA adapters in peft's format into every stage (training continues from them)."""
         from raypipe.models.hf import adapters
@@ -284,6 +270,7 @@ class Trainer:
         load(self.group)
         self.state.loads.append((self.step_count, f"the adapters loaded from {directory}", load))  # for a recovery
 
+    @_one_call_at_a_time
     def generate(
         self,
         input_ids: torch.Tensor,
@@ -304,6 +291,7 @@ class Trainer:
         with self.group.whole_weights():
             return generate(*self.group.inference_path(), input_ids, *how, attention_mask, eos_token_id, seed, top_p)
 
+    @_one_call_at_a_time
     def state_dict(self, keys: str = "raypipe") -> dict[str, torch.Tensor]:
         """The full model's weights, keyed as `nn.Sequential(*layers).state_dict()` (`keys="transformers"`:
         a transformers model's by transformers' own names), tp shards and ep experts merged."""
@@ -313,6 +301,7 @@ class Trainer:
             )
         return whole_weights.named(state, keys, self.model, self.specs)
 
+    @_one_call_at_a_time
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Loads full-model weights (keys as `state_dict()` gives them) into every stage.
 
@@ -323,6 +312,7 @@ class Trainer:
         load(self.group)
         self.state.loads.append((self.step_count, "the state dict loaded", load))  # what a recovery restores
 
+    @_one_call_at_a_time
     def gradients(self) -> dict[str, torch.Tensor]:
         """The last step's gradients, keyed like `state_dict()` (as the optimizer used them)."""
         with self.group.whole_weights(gradients=True):
@@ -330,6 +320,7 @@ class Trainer:
                 self.topology.grid(self.group.actors), "gradients", self.config.tp, self.config.ep
             )
 
+    @_one_call_at_a_time
     def reconfigure(self, **changes: Any) -> None:
         """Changes training settings between steps, keeping the actors and weights.
 
@@ -346,14 +337,17 @@ class Trainer:
             self.group.reconfigure(new)
         self.root_lock = held
 
+    @_one_call_at_a_time
     def reset_optimizer(self) -> None:
         """Drops every stage's optimizer state (momentum, Adam moments, loss scale)."""
         self.group.configure(reset_optimizer=True)
 
+    @_one_call_at_a_time
     def stage_info(self) -> list[dict[str, Any]]:
         """Per actor: name, layers, node, device, threads, `links` and `link_rates` (`ActorGroup.info`)."""
         return self.group.info()
 
+    @_one_call_at_a_time
     def links(self) -> list[Link]:
         """Measures now both ways of each link between neighbouring stages on different nodes (`links.measure`)."""
         return self.group.measure_links()
@@ -381,9 +375,27 @@ class Trainer:
         )
 
 
-# the calls that reach the actors take turns (`_one_call_at_a_time`)
-for _name in (
-    "step fit save load evaluate predict save_pretrained save_adapter load_adapter generate state_dict "
-    "load_state_dict gradients reconfigure reset_optimizer stage_info links"
-).split():
-    setattr(Trainer, _name, _one_call_at_a_time(getattr(Trainer, _name)))
+def _start(trainer: Trainer, config: TrainConfig, loss_fn: Callable, sample: Any, run_name: str, log: Callable) -> None:
+    """Plans `trainer`'s run, starts its actors and, with `config.resume`, loads its checkpoint."""
+    asked = config  # before "auto" is chosen: the links may choose again
+    config, plan, report = planned.plan(trainer.specs, loss_fn, config, sample, log, trainer.model)
+    #: the running actors: names, topology, schedule, engine; every call that reaches them
+    trainer.group = ActorGroup(config, trainer.specs, plan, loss_fn, run_name, trainer.model)
+    trainer.group.report = report
+    #: the run's identity, progress and records (step count, restarts, loggers)
+    trainer.state = RunState(
+        run_name,
+        uuid.uuid4().hex,
+        Loggers(config, run_name, lambda: run_params(trainer.config, run_name, trainer.plan)),
+    )
+    live_trainers.replace_same_name(run_name, trainer)
+    trainer.group.start()  # and measures the links between its stages (`config.probe_links`)
+    live_trainers.add(trainer)
+    if report is not None:  # a profiled plan: made again for the links measured
+        replan.follow_links(trainer.group, asked, log)
+    if config.resume is not False:
+        try:
+            trainer.load(config.checkpoint_dir, step=None if config.resume is True else config.resume, log=log)
+        except BaseException:
+            trainer.shutdown()
+            raise
