@@ -59,6 +59,14 @@ def driver_path(path: str | os.PathLike) -> str:
     return str(path) if is_uri(path) else os.path.abspath(os.fspath(path))
 
 
+def as_given(given: str | os.PathLike, path: Path) -> Path:
+    """`path`, found under `driver_path(given)`, in the form the caller gave: relative to the working
+    directory when `given` was a relative path (`save("runs/x")` returns `runs/x/step-<N>`)."""
+    if is_uri(given) or os.path.isabs(os.fspath(given)):
+        return path
+    return Path(os.path.relpath(path))
+
+
 class Trainer:
     """Trains a model given as a list of layer specs, split into pipeline stages on Ray actors.
 
@@ -203,7 +211,7 @@ class Trainer:
         root = driver_path(path) if path else self.config.checkpoint_dir
         if root is None:
             raise ConfigError("Trainer.save needs a path, or TrainConfig.checkpoint_dir set.")
-        return self.group.save(root, self.state)
+        return as_given(path, self.group.save(root, self.state)) if path else self.group.save(root, self.state)
 
     @_one_call_at_a_time
     def load(self, path: str, step: int | None = None, log: Callable[[str], None] = print) -> Path:
@@ -217,7 +225,7 @@ class Trainer:
             CheckpointError: nothing valid to restore (missing, truncated, altered files), or a
                 checkpoint that does not fit the model (then nothing was loaded: all or nothing).
         """
-        return self.group.load(driver_path(path), step, self.state, log)
+        return as_given(path, self.group.load(driver_path(path), step, self.state, log))
 
     @_one_call_at_a_time
     def evaluate(self, x: torch.Tensor, y: Any) -> float:
