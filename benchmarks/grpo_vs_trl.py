@@ -29,17 +29,13 @@ import time
 import ray
 import torch
 from dpo_throughput import LORA, LR, save_model
+from grpo_throughput import even_tokens
 from rounds import ratio_with_spread
 
 from raypipe import TrainConfig, Trainer
 from raypipe.models import hf
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex jovial bumpkins".split()
-
-
-def even_tokens(completion_ids, **_):
-    """A reward of token ids alone: the share of even ones."""
-    return [sum(t % 2 == 0 for t in c) / len(c) for c in completion_ids]
 
 
 def prompt_texts(count: int, length: int) -> list[str]:

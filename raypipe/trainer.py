@@ -59,10 +59,11 @@ def driver_path(path: str | os.PathLike) -> str:
     return str(path) if is_uri(path) else os.path.abspath(os.fspath(path))
 
 
-def as_given(given: str | os.PathLike, path: Path) -> Path:
+def as_given(given: str | os.PathLike | None, path: Path) -> Path:
     """`path`, found under `driver_path(given)`, in the form the caller gave: relative to the working
-    directory when `given` was a relative path (`save("runs/x")` returns `runs/x/step-<N>`)."""
-    if is_uri(given) or os.path.isabs(os.fspath(given)):
+    directory when `given` was a relative path (`save("runs/x")` returns `runs/x/step-<N>`); as it is
+    when nothing was given (the config's directory)."""
+    if not given or is_uri(given) or os.path.isabs(os.fspath(given)):
         return path
     return Path(os.path.relpath(path))
 
@@ -211,7 +212,7 @@ class Trainer:
         root = driver_path(path) if path else self.config.checkpoint_dir
         if root is None:
             raise ConfigError("Trainer.save needs a path, or TrainConfig.checkpoint_dir set.")
-        return as_given(path, self.group.save(root, self.state)) if path else self.group.save(root, self.state)
+        return as_given(path, self.group.save(root, self.state))
 
     @_one_call_at_a_time
     def load(self, path: str, step: int | None = None, log: Callable[[str], None] = print) -> Path:

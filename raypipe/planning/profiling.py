@@ -141,8 +141,9 @@ def profile_layers(
         for k in unique
     ]
     try:
+        asked = [a.cores.remote() for a in actors]  # asked with the nodes: one wait for both
         nodes = _wait(actors, [a.node_id.remote() for a in actors], unique, config.actor_start_timeout, "placed")
-        cores = _wait(actors, [a.cores.remote() for a in actors], unique, config.actor_start_timeout, "placed")
+        cores = _wait(actors, asked, unique, config.actor_start_timeout, "placed")
         cpus_of = node_cpus()
         stages_of_kind = {k: kinds.count(k) * config.dp * config.tp for k in unique}
         threads = [

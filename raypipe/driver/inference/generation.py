@@ -70,7 +70,6 @@ def generate(
     ]
     queued: list[tuple[list[Any], dict]] = []  # per call round: each microbatch's tokens, and every call's label
     tokens: list[list[torch.Tensor]] = [[] for _ in slots]
-    made = 0
     try:
         for i in range(-(-max_new_tokens // per_call)):
             count = min(per_call, max_new_tokens - i * per_call)
