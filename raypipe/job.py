@@ -171,14 +171,16 @@ def run(
             rewards.append(metrics["reward"])
         if on_metrics is not None:
             on_metrics(metrics)
-        if len(losses) > 1:  # the first step pays for warm-up; leave it out of the rate
+        if not metrics["warmup"]:  # a warm-up step's time includes first allocations: not in the rate
             rates.append(metrics["tokens_per_s"])
         window.append(metrics.get("objective", {}))
         if step % job.log_every == 0 or len(losses) == 1 or step == job.steps:
             log(
                 f"step {step:4d} | loss {metrics['loss']:.4f} | lr {metrics['lr']:.2e} | "
                 f"grad norm {metrics['grad_norm']:.3f} | {metrics['tokens_per_s']:,.0f} tok/s | "
-                f"{1000 * metrics['step_time']:.0f} ms" + _objective_line(train.objective, metrics, window)
+                f"{1000 * metrics['step_time']:.0f} ms"
+                + _objective_line(train.objective, metrics, window)
+                + (" | warm-up" if metrics["warmup"] else "")
             )
             window.clear()
         if "checkpoint" in metrics:

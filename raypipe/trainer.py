@@ -35,6 +35,7 @@ from raypipe.errors import ConfigError
 from raypipe.layers import LayerSpec
 from raypipe.model import Model, resolve
 from raypipe.observe.loggers import Loggers, run_params
+from raypipe.observe.phases import Phase
 from raypipe.observe.progress import Progress
 from raypipe.observe.timeline import Timeline
 from raypipe.planning.links import Link
@@ -150,8 +151,10 @@ class Trainer:
         Returns:
             A dict with `loss` (mean of the microbatch losses), `lr`, `grad_norm` (global, before clipping),
             `step_time` (s), `samples`, `samples_per_s`, `tokens` / `tokens_per_s` when `x` holds token ids, `pp`
-            and `dp` (the topology it ran on), and `stages`: per stage its timings, bubble, memory, bytes sent
-            (`metrics.stage_metrics`). Recorded by `config.loggers`.
+            and `dp` (the topology it ran on), `warmup` (True for the actors' first step since they started
+            or were reconfigured: its time and bubbles include first allocations, so read later steps'), and
+            `stages`: per stage its timings, bubble, memory, bytes sent (`metrics.stage_metrics`). Recorded
+            by `config.loggers`.
 
         Raises:
             BatchError: the batch cannot be split into dp x microbatches equal parts.
@@ -297,8 +300,11 @@ class Trainer:
         from raypipe.driver.inference.generation import generate
 
         how = (max_new_tokens, temperature, top_k, self.model.kv_cache, self.config.step_timeout)
-        with self.group.whole_weights():
-            return generate(*self.group.inference_path(), input_ids, *how, attention_mask, eos_token_id, seed, top_p)
+        rows = f"generating {input_ids.shape[0]} row{'s' if input_ids.shape[0] > 1 else ''}"
+        with Phase(rows, self.group.log, max_new_tokens, "tokens", announce=False) as phase:
+            with self.group.whole_weights():
+                path = self.group.inference_path()
+                return generate(*path, input_ids, *how, attention_mask, eos_token_id, seed, top_p, phase.at)
 
     @_one_call_at_a_time
     def state_dict(self, keys: str = "raypipe") -> dict[str, torch.Tensor]:
@@ -389,13 +395,13 @@ def _start(trainer: Trainer, config: TrainConfig, loss_fn: Callable, sample: Any
     asked = config  # before "auto" is chosen: the links may choose again
     config, plan, report = planned.plan(trainer.specs, loss_fn, config, sample, log, trainer.model)
     #: the running actors: names, topology, schedule, engine; every call that reaches them
-    trainer.group = ActorGroup(config, trainer.specs, plan, loss_fn, run_name, trainer.model)
+    trainer.group = ActorGroup(config, trainer.specs, plan, loss_fn, run_name, trainer.model, log)
     trainer.group.report = report
     #: the run's identity, progress and records (step count, restarts, loggers)
     trainer.state = RunState(
         run_name,
         uuid.uuid4().hex,
-        Loggers(config, run_name, lambda: run_params(trainer.config, run_name, trainer.plan)),
+        Loggers(config, run_name, lambda: run_params(trainer.config, run_name, trainer.plan, trainer.run_id)),
     )
     live_trainers.replace_same_name(run_name, trainer)
     trainer.group.start()  # and measures the links between its stages (`config.probe_links`)

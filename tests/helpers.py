@@ -30,6 +30,21 @@ def lm_tokens(config, k: int, size: int, seed: int):
     return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
 
 
+def tensorboard_run(log_dir):
+    """TensorBoard's own reader on the events of one run: `log_dir` itself when it holds event
+    files, else the one run folder a trainer made in it (`observe.loggers.run_folder`)."""
+    from pathlib import Path
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    log_dir = Path(log_dir)
+    if not list(log_dir.glob("events.out.tfevents.*")):
+        (log_dir,) = [p for p in log_dir.iterdir() if p.is_dir()]
+    events = EventAccumulator(str(log_dir))
+    events.Reload()
+    return events
+
+
 def batch(k: int, size: int = 16, features: int = 6, outputs: int = 3):
     g = torch.Generator().manual_seed(1000 + k)
     return torch.randn(size, features, generator=g), torch.randn(size, outputs, generator=g)

@@ -196,7 +196,7 @@ class TrainConfig:
         nonfinite: what a NaN or infinite loss or gradient does: "error" stops with an
             error naming the step, "skip" skips that update and goes on. Weights are
             never updated from non-finite gradients.
-        log_dir: write TensorBoard scalars here (per step and per stage); None: off.
+        log_dir: TensorBoard scalars (per step and stage) go here, a folder per run (docs/watching.md); None: off.
         loggers: where each step's scalars go (`raypipe.observe.loggers`): "tensorboard" (to `log_dir`),
             "mlflow", "wandb", each a name or `{name: {option: value}}`, e.g.
             `[tensorboard, {mlflow: {tracking_uri: "sqlite:///runs.db"}}]`.

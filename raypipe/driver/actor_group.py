@@ -26,6 +26,7 @@ from raypipe.driver.results import gather
 from raypipe.driver.run_state import RunState
 from raypipe.errors import RaypipeError
 from raypipe.layers import LayerSpec
+from raypipe.observe.phases import Phase
 from raypipe.planning.links import Link
 from raypipe.planning.profiling import PlanReport
 from raypipe.protocol import StageSettings
@@ -54,6 +55,7 @@ class ActorGroup:
         loss_fn: the loss the last stage computes.
         run_name: the run's name, which the actors' names and placement group carry.
         model: the model object (its tied weights, and the base identity a LoRA checkpoint records).
+        log: where its long phases report (`raypipe.observe.phases`).
     """
 
     def __init__(
@@ -64,8 +66,10 @@ class ActorGroup:
         loss_fn: Callable,
         run_name: str,
         model: Any,
+        log: Callable[[str], None] = print,
     ) -> None:
         self.specs, self.loss_fn, self.run_name, self.model = list(specs), loss_fn, run_name, model
+        self.log = log  # where its long phases (starting the actors, generating) say how far they are
         self.actors: list[Any] = []  # world-rank order
         self.placement_group: Any = None  # reserved for the actors, released with them (None in a Tune trial)
         self.nodes: dict[str, str] = {}  # actor name -> the node it runs on, kept after a node is lost
@@ -80,6 +84,8 @@ class ActorGroup:
         self.board: Any = None  # the actor-driven runs' step board (`actor_runs`), made at the first
         self.reader: Any = None  # the actor-driven runs' reader of a function's batches (`feeds`), likewise
         self.actor_run: Any = None  # the actor-driven run under way (`actor_runs.ActorRun`)
+        #: whether the actors ran a step since they started or were reconfigured (`metrics["warmup"]`)
+        self.warm = False
         self.reshape(config, plan)
         self._finalizer: weakref.finalize | None = None
 
@@ -107,7 +113,29 @@ class ActorGroup:
             StageError: a stage failed to build its layers.
         """
         self.engine = make_engine(self.config.engine)
-        started = placement.start_gang(
+        count = len(self.names)
+        starting = Phase(
+            f"starting {count} actor{'s' if count > 1 else ''}",
+            self.log,
+            count,
+            "actors",
+            done_line=lambda s: f"raypipe: {count} actor{'s' if count > 1 else ''} started in {s:.1f} s",
+        )
+        with starting:
+            started = self._start_gang(reserve_wait, starting.at)
+        self.actors, self.placement_group, self.nodes = started.actors, started.placement_group, started.nodes
+        try:
+            self.configure()
+            self.links = self.measure_links() if self.config.probe_links else []
+        except BaseException:
+            self.shutdown()
+            raise
+        # a group dropped without shutdown() (its trainer in a re-run notebook cell) frees its actors
+        self._finalizer = weakref.finalize(self, placement.kill, list(self.actors), self.placement_group)
+        self._finalizer.atexit = False  # at exit Ray ends the actors with the driver
+
+    def _start_gang(self, reserve_wait: float | None, ready: Callable[[int], None]) -> placement.StartedActors:
+        return placement.start_gang(
             self.config,
             self.topology,
             self.names,
@@ -119,17 +147,8 @@ class ActorGroup:
             lambda: live_trainers.others_holding_actors(self),
             self.model.tied,
             reserve_wait,
+            ready,
         )
-        self.actors, self.placement_group, self.nodes = started.actors, started.placement_group, started.nodes
-        try:
-            self.configure()
-            self.links = self.measure_links() if self.config.probe_links else []
-        except BaseException:
-            self.shutdown()
-            raise
-        # a group dropped without shutdown() (its trainer in a re-run notebook cell) frees its actors
-        self._finalizer = weakref.finalize(self, placement.kill, list(self.actors), self.placement_group)
-        self._finalizer.atexit = False  # at exit Ray ends the actors with the driver
 
     def shutdown(self) -> None:
         """Stops every actor. Safe to call twice."""
@@ -161,6 +180,7 @@ class ActorGroup:
     def configure(self, reset_optimizer: bool = False) -> None:
         settings = StageSettings.from_config(self.config)
         gather([a.configure.remote(settings, reset_optimizer) for a in self.actors], "configure")
+        self.warm = False  # the next step is the first under these settings: it pays for the warm-up
 
     # ----- steps -----------------------------------------------------------------
 

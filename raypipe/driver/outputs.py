@@ -67,7 +67,7 @@ def watch_lines(run_name: str, log_dir: str | None) -> list[str]:
     except Exception:  # noqa: BLE001 - a driver connected without a local node knows no address
         pass
     if log_dir is not None:
-        lines.append(f"raypipe: TensorBoard: tensorboard --logdir {log_dir}")
+        lines.append(f"raypipe: TensorBoard: tensorboard --logdir {log_dir} (a folder per run in it)")
     from raypipe.observe import grafana
 
     placed = grafana.install()  # on the head: Ray's Grafana provisioning shows it beside Ray's dashboards

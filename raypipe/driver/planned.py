@@ -14,6 +14,7 @@ from raypipe.driver.cluster.connect import connect, ship_user_code
 from raypipe.driver.cluster.topology import Topology
 from raypipe.layers import LayerSpec
 from raypipe.nn.plan import check_stages_split
+from raypipe.observe.phases import Phase
 from raypipe.planning.autoschedule import plan_run
 from raypipe.planning.partition import first_plan
 from raypipe.planning.profiling import PlanReport
@@ -46,7 +47,9 @@ def plan(
         return config, layer_plan, None
     # time every layer on each device kind of the run and split by those times
     cpus = placement.cpus_per_actor(config, len(Topology(config.pp, config.dp, config.tp, config.ep).names()))
-    config, report = plan_run(specs, loss_fn, sample, config, cpus, log)
+    auto = [f"{k}=auto" for k in ("schedule", "sequence_chunks") if getattr(config, k) == "auto"]
+    with Phase(f"profiling the layers to choose {' and '.join(auto) or 'the split'}", log):
+        config, report = plan_run(specs, loss_fn, sample, config, cpus, log)
     check_stages_split(tp_splits, report.plan, config.tp)
     return config, report.plan, report
 

@@ -63,11 +63,13 @@ def scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
     return tags
 
 
-def run_params(config: Any, run_name: str, plan: Any) -> dict[str, Any]:
-    """What a logger records once about the run: the TrainConfig's fields, the run name and the split."""
+def run_params(config: Any, run_name: str, plan: Any, run_id: str | None = None) -> dict[str, Any]:
+    """What a logger records once about the run: the TrainConfig's fields, the run name, its id (a
+    resumed run's is the run's it resumes) and the split."""
     from raypipe import __version__
 
-    return {**config.to_dict(), "run_name": run_name, "plan": [list(p) for p in plan], "raypipe_version": __version__}
+    named = {"run_name": run_name, **({"run_id": run_id} if run_id else {})}
+    return {**config.to_dict(), **named, "plan": [list(p) for p in plan], "raypipe_version": __version__}
 
 
 def flat(params: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
@@ -82,7 +84,10 @@ def flat(params: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
 
 
 class TensorBoardLogger:
-    """Writes the scalars as TensorBoard events under `log_dir`."""
+    """Writes the scalars as TensorBoard events in a folder of the run's own under `log_dir`
+    (`run_folder`), so `tensorboard --logdir LOG_DIR` draws each run as its own line: a rerun of a
+    job is a new run, a resumed run continues its folder (hiding the steps it ran past its
+    checkpoint, which it runs again). Without a run id (a logger made by hand) it writes in `log_dir`."""
 
     @staticmethod
     def wanted(options: dict[str, Any], config: Any) -> dict[str, Any] | None:
@@ -92,17 +97,36 @@ class TensorBoardLogger:
         return options if options["log_dir"] is not None else None
 
     def __init__(self, run_name: str, params: dict[str, Any], log_dir: str) -> None:
-        from torch.utils.tensorboard import SummaryWriter
-
-        self.writer = SummaryWriter(log_dir=log_dir)
+        run_id = params.get("run_id")
+        self.folder, self.continued = run_folder(log_dir, run_id) if run_id else (log_dir, False)
+        self.writer: Any = None  # made at the first record, which a continued run purges from
 
     def log(self, step: int, values: Mapping[str, float]) -> None:
+        if self.writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=self.folder, purge_step=step if self.continued else None)
         for tag, value in values.items():
             self.writer.add_scalar(tag, value, step)
 
     def close(self, status: str = "FINISHED") -> None:
-        self.writer.flush()
-        self.writer.close()
+        if self.writer is not None:
+            self.writer.flush()
+            self.writer.close()
+
+
+def run_folder(log_dir: str, run_id: str) -> tuple[str, bool]:
+    """The folder under `log_dir` of the run `run_id`, and whether it exists already (a resumed
+    run's): `<start time>_<first 8 of the id>`, so TensorBoard lists the runs in the order they began."""
+    import os
+    import time
+
+    tail = f"_{run_id[:8]}"
+    if os.path.isdir(log_dir):
+        for name in sorted(os.listdir(log_dir)):
+            if name.endswith(tail) and os.path.isdir(os.path.join(log_dir, name)):
+                return os.path.join(log_dir, name), True
+    return os.path.join(log_dir, time.strftime("%Y-%m-%d_%H-%M-%S") + tail), False
 
 
 class MLflowLogger:

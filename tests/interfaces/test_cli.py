@@ -5,6 +5,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from helpers import tensorboard_run
+
 ROOT = Path(__file__).resolve().parents[2]
 RAYPIPE = [sys.executable, "-m", "raypipe.cli"]
 
@@ -77,12 +81,16 @@ def test_plan_and_schedule_commands(clean_env):
 def test_raypipe_train_runs_the_job_saves_checkpoints_and_resumes_on_another_topology(clean_env, tmp_path):
     ck = tmp_path / "ck"
     common = ["--set", f"checkpoint_dir={ck}", "--set", "checkpoint_every=20", "--set", "data.val_fraction=0"]
+    common += ["--set", f"log_dir={tmp_path / 'tb'}"]
     first = run(RAYPIPE + ["train", "examples/configs/tiny.yaml", "--set", "job.steps=40"] + common, clean_env)
     assert first.returncode == 0, first.stderr[-3000:]
     out = first.stdout
     # the embedded Ray turned token authentication on, as it should: raypipe does not print Ray's notice of it
     assert "Token authentication is enabled" not in out + first.stderr, first.stderr[-3000:]
     assert "stages: stage0-dp0-tp0 layers [0, 2), stage1-dp0-tp0 layers [2, 4)" in out
+    # the long phases say what they do in a log with no terminal; the first step is marked warm-up
+    assert "raypipe: starting 2 actors ..." in out and re.search(r"raypipe: 2 actors started in [\d.]+ s", out)
+    assert re.search(r"step    1 \|.*\| warm-up\n", out) and not re.search(r"step   (5|10) \|.*warm-up", out)
     assert "tok/s" in out and "sample:" in out
     assert re.search(r"the last step: step [\d.]+ ms = [\d.]+ busiest actor's actions \+ [\d.]+ the schedule's", out)
     values = losses(out)
@@ -110,6 +118,12 @@ def test_raypipe_train_runs_the_job_saves_checkpoints_and_resumes_on_another_top
     # the resumed run (on another topology) repeats the first run's step 25 loss
     first_25 = re.search(r"step   25 \| loss (\d+\.\d+)", out).group(1)
     assert f"step   25 | loss {first_25}" in second.stdout
+    # TensorBoard: the resumed run continued its run's folder, from its checkpoint's step on
+    (folder,) = (tmp_path / "tb").iterdir()
+    events = tensorboard_run(folder)
+    losses_25 = [(e.step, round(e.value, 4)) for e in events.Scalars("train/loss")]
+    assert [step for step, _ in losses_25] == list(range(1, 26))  # the first run's 21..40 purged
+    assert losses_25[-1][1] == pytest.approx(float(first_25), abs=1e-4)
     missing = run(
         RAYPIPE + ["train", "examples/configs/tiny.yaml", "--resume", "--set", f"checkpoint_dir={tmp_path / 'none'}"],
         clean_env,

@@ -13,7 +13,7 @@ from raypipe import ConfigError, TrainConfig, Trainer
 from raypipe.config import loggers as logger_table
 from raypipe.observe import loggers as loggers_module
 
-from helpers import MLP7, batch
+from helpers import MLP7, batch, tensorboard_run
 
 STEPS = 3
 
@@ -108,10 +108,7 @@ def test_wandb_offline_run_holds_every_step_and_the_config(logged):
 
 
 def test_tensorboard_still_writes_to_log_dir_beside_them(logged):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(str(logged["root"] / "tb"))
-    events.Reload()
+    events = tensorboard_run(str(logged["root"] / "tb"))
     assert [e.value for e in events.Scalars("train/loss")] == pytest.approx([m["loss"] for m in logged["history"]])
     assert [(e.step, e.value) for e in events.Scalars("val/loss")] == [(3, 0.25)]
 

@@ -1,5 +1,6 @@
 """Per-stage timing and TensorBoard event files, read back with TensorBoard's own reader."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -9,20 +10,19 @@ from torch import nn
 from raypipe import LayerSpec, TrainConfig, Trainer
 from raypipe.devices import usable_cores
 
-from helpers import MLP7, Sleep, batch
+from helpers import MLP7, Sleep, batch, tensorboard_run
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_tensorboard_scalars_match_the_step_metrics(ray_session, tmp_path):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     config = TrainConfig(pp=2, microbatches=4, log_dir=str(tmp_path), optimizer={"name": "sgd", "lr": 0.05})
     with Trainer(MLP7, nn.functional.mse_loss, config) as t:
         history = t.fit(batch, 4)
         info_after = t.stage_info()
-    events = EventAccumulator(str(tmp_path))
-    events.Reload()
+    (folder,) = tmp_path.iterdir()
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d_[0-9a-f]{8}", folder.name), folder.name  # start time, id
+    events = tensorboard_run(str(tmp_path))
     tags = set(events.Tags()["scalars"])
     expected = {"train/loss", "train/lr", "train/grad_norm", "train/samples_per_s", "train/step_time"}
     expected |= {
@@ -43,6 +43,18 @@ def test_tensorboard_scalars_match_the_step_metrics(ray_session, tmp_path):
         assert split["parameters"] == info["parameter_bytes"] == split["gradients"] > 0  # SGD: no state
         assert split["optimizer_state"] == 0 and split["activations"] > 0 and split["other"] > 50e6
         assert info["memory"]["parameters"] == info["parameter_bytes"]  # stage_info() holds the last split
+    assert [m["warmup"] for m in history] == [True, False, False, False]
+    # a second run with the same log_dir is a run of its own in TensorBoard, the first's events kept;
+    # its first step after a reconfigure is a warm-up step again
+    with Trainer(MLP7, nn.functional.mse_loss, config.replace(pp=1)) as again:
+        flags = [again.step(*batch(k))["warmup"] for k in range(2)]
+        again.reconfigure(microbatches=2)
+        flags.append(again.step(*batch(2))["warmup"])
+        run_id = again.run_id
+    assert flags == [True, False, True]
+    first, second = sorted(tmp_path.iterdir(), key=lambda p: p.name.endswith(run_id[:8]))
+    assert [e.step for e in tensorboard_run(first).Scalars("train/loss")] == [1, 2, 3, 4]
+    assert [e.step for e in tensorboard_run(second).Scalars("train/loss")] == [1, 2, 3]
 
 
 def test_bubble_and_busy_time_come_from_the_actors(ray_session):
@@ -160,8 +172,6 @@ LR_SCHEDULES = {
 def test_learning_rate_of_every_step_reaches_the_optimizer_and_tensorboard(ray_session, tmp_path, name):
     """Every step's lr (warm-up, decay, and past total_steps) in the metrics, in TensorBoard's reader,
     and in the update itself: plain SGD moves each weight by exactly -lr x its gradient."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     schedule, expected = LR_SCHEDULES[name]
     config = TrainConfig(
         pp=1, optimizer={"name": "sgd", "lr": 0.1}, lr_schedule=schedule, log_dir=str(tmp_path), cpus_per_actor=0.5
@@ -179,6 +189,5 @@ def test_learning_rate_of_every_step_reaches_the_optimizer_and_tensorboard(ray_s
             for key in grads:
                 torch.testing.assert_close(after[key] - before[key], -lrs[-1] * grads[key], rtol=1e-4, atol=1e-7)
     assert lrs == pytest.approx(expected, rel=1e-9)
-    events = EventAccumulator(str(tmp_path))
-    events.Reload()
+    events = tensorboard_run(str(tmp_path))
     assert [e.value for e in events.Scalars("train/lr")] == pytest.approx(expected, rel=1e-6)

@@ -14,7 +14,7 @@ from raypipe import BatchError, ConfigError, TrainConfig, Trainer
 from raypipe.models import hf
 from raypipe.models.hf import adapters
 
-from helpers import assert_close_dicts
+from helpers import assert_close_dicts, tensorboard_run
 from hf_helpers import VOCAB, assert_equal_to_trl, load, save_tiny, trl_sgd_steps
 
 pytest.importorskip("peft")
@@ -129,10 +129,7 @@ def test_kto_through_the_pipeline_equals_trls_kto_trainer_and_resumes_and_recove
         assert [s["step"] for s in replayed] == [2, 3]
         assert [s["loss"] for s in replayed] == pytest.approx([s["loss"] for s in steps[1:]], rel=1e-6)
     # every metric the objective reports reaches the loggers under TRL's names (read by TensorBoard's own reader)
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(str(tmp_path / "tb"))
-    events.Reload()
+    events = tensorboard_run(str(tmp_path / "tb"))
     for m in METRICS:  # the replayed steps logged again purge the first ones: the same values
         logged = {e.step: e.value for e in events.Scalars(f"train/{m}")}
         assert [logged[k] for k in (1, 2, 3)] == pytest.approx([s[m] for s in steps], rel=1e-5, abs=1e-7), m

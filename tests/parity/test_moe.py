@@ -14,7 +14,7 @@ from raypipe.models import gpt
 from raypipe.nn.moe import MoE, moe_layers
 from raypipe.observe.diagram import Architecture
 
-from helpers import assert_close_dicts, check_sgd_parity, lm_tokens, reference_run
+from helpers import assert_close_dicts, check_sgd_parity, lm_tokens, reference_run, tensorboard_run
 
 SEED = 3
 SGD = {"name": "sgd", "lr": 0.1, "momentum": 0.9}
@@ -270,8 +270,6 @@ def test_checkpoint_at_ep2_resumes_at_ep1_and_back(ray_session, tmp_path):
 
 
 def test_compiled_engine_reports_tensorboard_timeline_and_diagram(ray_session, tmp_path):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     t = Trainer(
         LAYERS,
         gpt.loss_fn,
@@ -302,8 +300,7 @@ def test_compiled_engine_reports_tensorboard_timeline_and_diagram(ray_session, t
         svg = arch.save(tmp_path / "moe.svg").read_text()  # rendered by Graphviz's dot
         assert "ep group 0, rank 1" in svg and "experts 2&#45;3" in svg and "MoE: 4 experts per layer" in svg
         t.shutdown()  # flushes the writer
-        events = EventAccumulator(str(tmp_path / "tb"))
-        events.Reload()
+        events = tensorboard_run(str(tmp_path / "tb"))
         tags = events.Tags()["scalars"]
         layer = next(iter(metrics["stages"][0]["experts"]))
         routed = metrics["stages"][0]["experts"][layer]["routed"]

@@ -154,8 +154,10 @@ def wait_for_actors(
     config: TrainConfig,
     cpus: float,
     others: Callable[[], list[str]],
+    ready: Callable[[int], None] = lambda done: None,
 ) -> list[ActorInfo]:
-    """Waits until every actor has built its layers; returns each one's `info()` (where it runs).
+    """Waits until every actor has built its layers, telling `ready` how many are as they come up;
+    returns each one's `info()` (where it runs).
 
     Raises:
         StageError: an actor failed to start (its layers did not build, say).
@@ -167,8 +169,9 @@ def wait_for_actors(
     pending = list(refs)
     infos: list[Any] = [None] * len(refs)
     while pending:
-        ready, pending = ray.wait(pending, num_returns=len(pending), timeout=max(0.0, deadline - time.monotonic()))
-        for ref in ready:
+        wait = min(1.0, max(0.0, deadline - time.monotonic()))  # a second at a time: `ready` hears of each
+        built, pending = ray.wait(pending, num_returns=len(pending), timeout=wait)
+        for ref in built:
             rank = refs.index(ref)
             try:
                 infos[rank] = ray.get(ref)
@@ -176,6 +179,7 @@ def wait_for_actors(
                 raise StageError(
                     f"{names[rank]} (layers {plan[topology.place(rank)[1]]}) could not start: {last_line(error)}"
                 ) from None
+        ready(len(refs) - len(pending))
         if pending and time.monotonic() >= deadline:
             waiting = [names[refs.index(r)] for r in pending]
             asked = "; ".join(
@@ -214,12 +218,14 @@ def start_gang(
     others: Callable[[], list[str]],
     tied: Sequence[Sequence[str]] = (),
     reserve_wait: float | None = None,
+    ready: Callable[[int], None] = lambda done: None,
 ) -> StartedActors:
     """Starts every stage actor, waits until all are placed and built, and joins them into the
     trainer's world when it needs one; on any failure kills those started, then raises.
     `plan`: per virtual stage of `schedule`. `tied`: the model's tied weights (`raypipe.model.Model.tied`).
     `reserve_wait`: seconds to wait for the actors' resources (TrainConfig.replace_wait, after a
-    lost node), instead of `actor_start_timeout`, which still bounds their building."""
+    lost node), instead of `actor_start_timeout`, which still bounds their building. `ready`: told
+    how many actors are built, as they come up."""
     cpus = cpus_per_actor(config, len(names))
     stages = [topology.place(r)[1] for r in range(len(names))]
     group, first = gang.enclosing(actor_bundles(config, topology, config.cpus_per_actor or 0.01)), 1
@@ -253,7 +259,7 @@ def start_gang(
     own = group if not first else None  # the trainer's own group goes with its actors; a trial's stays
     shared = [(g, stages) for g, stages in enumerate(tied_stages(tied, actor_plan(plan, schedule))) if len(stages) > 1]
     try:
-        infos = wait_for_actors(actors, names, topology, plan, config, cpus, others)
+        infos = wait_for_actors(actors, names, topology, plan, config, cpus, others, ready)
         infos = fit_threads(actors, names, infos, config.threads_per_actor or (max(1, int(cpus)) if first else None))
         if needs_world(config) or shared:
             join_world(actors, names, topology, infos, config, shared, schedule)

@@ -17,7 +17,7 @@ the rows differently and so draws differently.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -43,13 +43,15 @@ def generate(
     eos_token_id: int | None = None,
     seed: int | None = None,
     top_p: float = 1.0,
+    progress: Callable[[int], None] = lambda made: None,
 ) -> torch.Tensor:
     """The prompt `input_ids` followed by up to `max_new_tokens` generated tokens per row; rows
     that produced `eos_token_id` continue with it (as transformers pads finished rows), and
     generation ends once every row has.
 
     `stages` holds each stage's tp ranks, in virtual-stage order with model chunks (`chunks`: the
-    chunk each runs); every rank runs, rank 0's output goes on.
+    chunk each runs); every rank runs, rank 0's output goes on. `progress` hears how many tokens
+    per row have come back, as they do.
     """
     if max_new_tokens < 1:
         return input_ids
@@ -75,11 +77,14 @@ def generate(
             count = min(per_call, max_new_tokens - i * per_call)
             last = [prompts[m] if i == 0 else queued[-1][0][m] for m in range(len(slots))]
             queued.append(_queue(stages, names, chunks, last, i == 0, cached, sampling, count))
-            if len(queued) > BEHIND and _read(queued.pop(0), tokens, timeout, flat, flat_names, eos_token_id):
-                queued.clear()
-                break
+            if len(queued) > BEHIND:
+                ended = _read(queued.pop(0), tokens, timeout, flat, flat_names, eos_token_id)
+                progress(min(sum(t.shape[1] for t in rows) for rows in tokens))
+                if ended:
+                    queued.clear()
+                    break
         while queued and not _read(queued.pop(0), tokens, timeout, flat, flat_names, eos_token_id):
-            pass
+            progress(min(sum(t.shape[1] for t in rows) for rows in tokens))
         made = min(sum(t.shape[1] for t in rows) for rows in tokens)
     finally:
         gather([a.end_generation.remote() for a in flat], "generate", flat, flat_names)

@@ -20,6 +20,7 @@ from raypipe.driver.inference.reference import reference_kind
 from raypipe.errors import BatchError
 from raypipe.objectives.rewards import RewardFunctions
 from raypipe.objectives.rollouts import check_rollout_prompts, completions_of, rollout_batch
+from raypipe.observe.phases import Phase
 
 
 def grpo_batch(group: Any, rollout: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict]:
@@ -79,8 +80,11 @@ def generate_rollout(
         input_ids[r, width - len(p) :], mask[r, width - len(p) :] = torch.tensor(p), 1
     started = time.perf_counter()
     sampling = (o["max_completion_length"], o["temperature"], o["top_k"], kv_cache, c.step_timeout)
-    with group.whole_weights():
-        out = generate(*group.inference_path(), input_ids, *sampling, mask, rewards.eos_token_id, seed, o["top_p"])
+    rows = f"generating {len(repeated)} completions"
+    with Phase(rows, group.log, o["max_completion_length"], "tokens", announce=False) as generating:
+        with group.whole_weights():
+            path = group.inference_path()
+            out = generate(*path, input_ids, *sampling, mask, rewards.eos_token_id, seed, o["top_p"], generating.at)
     generated = time.perf_counter()
     completions = completions_of(out, width, rewards.eos_token_id)
     scores, means = rewards.score([r for r in records for _ in range(g)], completions)

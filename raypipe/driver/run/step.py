@@ -139,6 +139,9 @@ def recorded(
         run.step_count, losses, result.seconds, samples, tokens, first, leads, config.precision == "fp16"
     )
     metrics["pp"], metrics["dp"] = config.pp, config.dp  # an elastic run's topology changes
+    # the actors' first step since they started or were reconfigured: its time and bubbles include
+    # first allocations and thread start-up, so the figures of later steps are the ones to read
+    metrics["warmup"], group.warm = not group.warm, True
     reports = result.stage_reports.values() if isinstance(result.stage_reports, dict) else result.stage_reports
     sums = [m for r in reports if r.objective for m in r.objective]  # an objective's step (`objectives`)
     own = objectives.objective_for(config.objective).step_metrics(sums) if sums else {}
