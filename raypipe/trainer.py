@@ -105,11 +105,12 @@ class Trainer:
         if not isinstance(config, TrainConfig):
             raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
         self.model, loss_fn, self.specs, config = resolve(layers, loss_fn, config)
-        run_name = config.name or f"run-{uuid.uuid4().hex[:8]}"
+        run_id = uuid.uuid4().hex  # a resume takes its checkpoint's as the trainer starts
+        run_name = config.name or f"run-{run_id[:8]}"  # a new run's TensorBoard folder ends with the same hex
         #: this process's hold on `config.checkpoint_dir` while the trainer lives (`raypipe.checkpoint.lock`)
         self.root_lock = live_trainers.hold_root(config.checkpoint_dir, run_name, self)  # released with the trainer
         try:
-            _start(self, config, loss_fn, sample, run_name, log)
+            _start(self, config, loss_fn, sample, run_name, run_id, log)
         except BaseException:
             root_lock.release(self.root_lock)
             raise
@@ -390,7 +391,9 @@ class Trainer:
         )
 
 
-def _start(trainer: Trainer, config: TrainConfig, loss_fn: Callable, sample: Any, run_name: str, log: Callable) -> None:
+def _start(
+    trainer: Trainer, config: TrainConfig, loss_fn: Callable, sample: Any, run_name: str, run_id: str, log: Callable
+) -> None:
     """Plans `trainer`'s run, starts its actors and, with `config.resume`, loads its checkpoint."""
     asked = config  # before "auto" is chosen: the links may choose again
     config, plan, report = planned.plan(trainer.specs, loss_fn, config, sample, log, trainer.model)
@@ -400,7 +403,7 @@ def _start(trainer: Trainer, config: TrainConfig, loss_fn: Callable, sample: Any
     #: the run's identity, progress and records (step count, restarts, loggers)
     trainer.state = RunState(
         run_name,
-        uuid.uuid4().hex,
+        run_id,
         Loggers(config, run_name, lambda: run_params(trainer.config, run_name, trainer.plan, trainer.run_id)),
     )
     live_trainers.replace_same_name(run_name, trainer)

@@ -91,6 +91,12 @@ def test_raypipe_train_runs_the_job_saves_checkpoints_and_resumes_on_another_top
     # the long phases say what they do in a log with no terminal; the first step is marked warm-up
     assert "raypipe: starting 2 actors ..." in out and re.search(r"raypipe: 2 actors started in [\d.]+ s", out)
     assert re.search(r"step    1 \|.*\| warm-up\n", out) and not re.search(r"step   (5|10) \|.*warm-up", out)
+    # the README shows the first run's output: each of its lines, up to its figures and paths, is printed
+    shown = (ROOT / "README.md").read_text().split("```text\n", 1)[1].split("\nsample:", 1)[0]
+    for line in shown.splitlines():
+        head = re.split(r"[\d/]", line, maxsplit=1)[0]
+        if line != "..." and "val loss" not in line:
+            assert any(printed.startswith(head) for printed in out.splitlines()), f"README shows {line!r}"
     assert "tok/s" in out and "sample:" in out
     assert re.search(r"the last step: step [\d.]+ ms = [\d.]+ busiest actor's actions \+ [\d.]+ the schedule's", out)
     values = losses(out)
