@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from raypipe import LayerSpec, TrainConfig, Trainer
-from raypipe.actors.reader import default_collate
+from raypipe.actors.io.reader import default_collate
 from raypipe.nn import ColumnParallel, RowParallel
 
 WIDTH, ROWS_PER_MICROBATCH, MICROBATCHES = 8, 4, 4

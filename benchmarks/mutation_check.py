@@ -92,7 +92,7 @@ MUTATIONS = [
     ),
     Mutation(
         "bf16-autocast",
-        "raypipe/actors/executor.py",
+        "raypipe/actors/step/executor.py",
         "dtype = AUTOCAST_DTYPES.get(self.settings.precision)\n        if dtype is None:",
         "dtype = AUTOCAST_DTYPES.get(self.settings.precision)\n        if dtype is None or dtype == torch.bfloat16:",
         ("tests/parity/test_precision.py",),
@@ -108,7 +108,7 @@ MUTATIONS = [
     ),
     Mutation(
         "activation-recompute",
-        "raypipe/actors/executor.py",
+        "raypipe/actors/step/executor.py",
         "recompute = self.settings.activation_checkpointing and torch.is_grad_enabled()",
         "recompute = False",
         ("tests/parity/test_parity.py::test_activation_checkpointing_recomputes_and_changes_nothing_numerically",),
@@ -140,7 +140,7 @@ MUTATIONS = [
     ),
     Mutation(
         "pytree-grad-pairs",
-        "raypipe/actors/executor.py",
+        "raypipe/actors/step/executor.py",
         "if torch.is_tensor(o) and o.requires_grad and g is not None\n        ]\n",
         "if torch.is_tensor(o) and o.requires_grad and g is not None\n        ][:1]\n",
         ("tests/parity/test_pytree_boundaries.py",),
@@ -148,7 +148,7 @@ MUTATIONS = [
     ),
     Mutation(
         "zb-weight-grads",
-        "raypipe/actors/split_backward.py",
+        "raypipe/actors/step/split_backward.py",
         "        torch_backward().stage_backward_weight(iter(weights), deferred.groups)\n",
         "        pass\n",
         ("tests/parity/test_zero_bubble.py::test_parity_with_one_process",),
@@ -164,7 +164,7 @@ MUTATIONS = [
     ),
     Mutation(
         "v-hand-over",
-        "raypipe/actors/step_list.py",
+        "raypipe/actors/step/step_list.py",
         '                handed[("F", v + 1, m)] = out\n',
         '                handed[("F", v + 1, m)] = x\n',
         ("tests/parity/test_zero_bubble.py::test_parity_with_one_process",),
@@ -230,7 +230,7 @@ MUTATIONS = [
     ),
     Mutation(
         "reader-seek",
-        "raypipe/actors/reader.py",
+        "raypipe/actors/io/reader.py",
         "        if self.rows is None or step < self.position:\n",
         "        if self.rows is None:\n",
         ("tests/interfaces/test_ray_data.py::test_a_stage_death_replays_the_same_batches",),
@@ -279,7 +279,7 @@ MUTATIONS = [
     ),
     Mutation(
         "sequence-kv-gradients",
-        "raypipe/actors/executor.py",
+        "raypipe/actors/step/executor.py",
         "pairs += self.sequence.roots(microbatch, v)",
         "pairs += self.sequence.roots(microbatch, v)[:0]",
         ("tests/parity/test_sequence_chunks.py::test_the_gpt_trains_on_chunks_exactly_as_unchunked_at_pp2_and_pp3",),

@@ -24,7 +24,7 @@ schedule leaves with those durations, waits for messages beyond it, and the time
 actions: the call, the closing agreement, the optimizer step, the reply). The planned
 bubble is the always-early one: a whole backward hands its input gradient on before its weight
 gradients, which each actor does where its timings of both ways, run through the schedule,
-say it pays (`raypipe.actors.hand_on`; `--late-gradients` also runs raypipe always sending it
+say it pays (`raypipe.actors.step.hand_on`; `--late-gradients` also runs raypipe always sending it
 after them, as torch does).
 
 `--classic` runs the earlier comparison instead: one layer per stage, tf = tb, no split

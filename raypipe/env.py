@@ -60,7 +60,7 @@ def gradient_hand_on() -> str:
 
     - "measured" (the default): before its weight gradients on a chunk where the split backward
       costs no more than the whole one, as each actor measures it in its first steps
-      (`raypipe.actors.hand_on`);
+      (`raypipe.actors.step.hand_on`);
     - "early" (RAYPIPE_EARLY_GRADIENTS=1): always before them, unmeasured;
     - "late" (RAYPIPE_LATE_GRADIENTS=1, which wins): after them, as torch.distributed.pipelining's
       schedules do.

@@ -284,7 +284,7 @@ class StepReport:
     timing: StepTimings = field(default_factory=StepTimings)
     events: list[tuple] = field(default_factory=list)  # (action, start, end) as this actor ran them
     peak_memory_bytes: int = 0
-    memory: dict = field(default_factory=dict)  # peak_memory_bytes split (`raypipe.actors.memory.memory_split`)
+    memory: dict = field(default_factory=dict)  # peak_memory_bytes split (`raypipe.actors.step.memory.memory_split`)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from raypipe.actors.executor import Executor
+from raypipe.actors.step.executor import Executor
 from raypipe.errors import StageError
 from raypipe.nn.decoding import Feed, Picker
 from raypipe.schedules.actions import FORWARD

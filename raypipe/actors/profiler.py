@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from raypipe.actors.memory import count_saved_bytes, weight_storages
 from raypipe.actors.stage_model import resolve_device
+from raypipe.actors.step.memory import count_saved_bytes, weight_storages
 from raypipe.devices import SERVING_ENV, detect, usable_cores
 from raypipe.layers import LayerSpec, build_layer, layer_seed
 from raypipe.transport.tree import map_tensors, tensors
@@ -254,7 +254,7 @@ class LayerProfiler:
         is not cut), each split as a stage splits a sequence chunk's (`Sequence.split_backward`:
         its keys' gradients in, the earlier units' leaves among the inputs), in reverse, each W
         right after its I."""
-        from raypipe.actors.split_backward import input_gradients, weight_gradients
+        from raypipe.actors.step.split_backward import input_gradients, weight_gradients
         from raypipe.nn.sequence_chunks import Sequence
 
         k, weights = len(hs), [p for p in layer.parameters() if p.requires_grad]

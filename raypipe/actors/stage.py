@@ -24,13 +24,13 @@ from typing import Any
 
 import torch
 
-from raypipe.actors import step_list
-from raypipe.actors.compiling import compile_layers, compile_report
-from raypipe.actors.executor import Executor
-from raypipe.actors.memory import max_rss_bytes, memory_split
+from raypipe.actors.io.replica_io import rewind_running_stats
 from raypipe.actors.optim.optimizer import OptimizerState
-from raypipe.actors.replica_io import rewind_running_stats
 from raypipe.actors.stage_model import StageModel, gpu_identity, resolve_device
+from raypipe.actors.step import step_list
+from raypipe.actors.step.compiling import compile_layers, compile_report
+from raypipe.actors.step.executor import Executor
+from raypipe.actors.step.memory import max_rss_bytes, memory_split
 from raypipe.devices import SERVING_ENV, usable_cores
 from raypipe.errors import StageError
 from raypipe.nn import TensorParallelGroup

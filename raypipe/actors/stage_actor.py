@@ -19,10 +19,10 @@ from typing import Any
 import torch
 
 from raypipe.actors.inference_passes import InferenceCalls
-from raypipe.actors.refs_calls import RefsCalls
-from raypipe.actors.run_loop import ActorRuns
 from raypipe.actors.stage import Stage
 from raypipe.actors.state_calls import StateCalls
+from raypipe.actors.step.refs_calls import RefsCalls
+from raypipe.actors.step.run_loop import ActorRuns
 from raypipe.errors import StageError
 from raypipe.protocol import ActorInfo, ActorSpec, CompiledCall, StepCall, StepReport
 from raypipe.transport.probe import probe_link

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from raypipe.actors import checkpoint_io, replica_io
+from raypipe.actors.io import checkpoint_io, replica_io
 from raypipe.actors.optim import zero3
 from raypipe.checkpoint import storage
 from raypipe.protocol import HeldState

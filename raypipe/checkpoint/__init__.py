@@ -4,5 +4,5 @@ that owns them, listing, pruning, verifying), how a stage's tensors are written 
 s3://, with secrets kept out of every message).
 
 Saving and loading across the actors is the driver's part (`raypipe.driver.checkpoints`); each
-actor's own share is `raypipe.actors.checkpoint_io`.
+actor's own share is `raypipe.actors.io.checkpoint_io`.
 """

@@ -249,19 +249,19 @@ class ActorGroup:
         return where
 
     def step_board(self) -> Any:
-        """The actor-driven runs' board (`raypipe.actors.step_board`), on the driver's node."""
+        """The actor-driven runs' board (`raypipe.actors.step.step_board`), on the driver's node."""
         if self.board is None:
-            from raypipe.actors.step_board import StepBoard
+            from raypipe.actors.step.step_board import StepBoard
 
             self.board = _on_driver_node(StepBoard, self.run_name, "step-board")
         return self.board
 
     def function_reader(self) -> Any:
-        """The actor-driven runs' reader of a function's batches (`raypipe.actors.reader`, its
+        """The actor-driven runs' reader of a function's batches (`raypipe.actors.io.reader`, its
         function set by each `fit`), on the driver's node; the board starts with it, since a run
         needs both and each is a process to start."""
         if self.reader is None:
-            from raypipe.actors.reader import DatasetReader
+            from raypipe.actors.io.reader import DatasetReader
 
             self.step_board()
             self.reader = _on_driver_node(DatasetReader, self.run_name, "function-reader", None, 0, None, 1, 1, None)

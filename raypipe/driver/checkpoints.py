@@ -1,5 +1,5 @@
 """Checkpoint orchestration across a trainer's actors: every actor saves or loads its own
-layers in lock-step (`raypipe.actors.checkpoint_io`), the driver writes the manifest that
+layers in lock-step (`raypipe.actors.io.checkpoint_io`), the driver writes the manifest that
 commits a save and picks the checkpoint a load or a recovery restores
 (`raypipe.checkpoint.layout` owns the format)."""
 

@@ -136,14 +136,14 @@ class IterableFeed(FunctionFeed):
 
 
 class DatasetFeed:
-    """A `ray.data.Dataset` read by a `DatasetReader` actor (`raypipe.actors.reader`), which cuts
+    """A `ray.data.Dataset` read by a `DatasetReader` actor (`raypipe.actors.io.reader`), which cuts
     each batch for the stage actors and stores the parts; the driver holds references only. The
     next step's batch is read while the current one trains."""
 
     def __init__(self, group: Any, dataset: Any, batch_size: int, collate: Callable | None = None) -> None:
         import ray
 
-        from raypipe.actors.reader import DatasetReader
+        from raypipe.actors.io.reader import DatasetReader
         from raypipe.driver.cluster.placement import cpus_per_actor
 
         c = group.config

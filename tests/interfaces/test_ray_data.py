@@ -66,7 +66,7 @@ def test_dataset_losses_equal_the_same_batches_fed_by_a_function(fed_by_function
 def test_ray_data_is_held_to_the_cpus_free_beside_the_actors_unless_the_dataset_says(ray_session):
     """Issue 60: no read task queued for a CPU the stage actors hold (a pending demand in Ray's
     status, and a request to the autoscaler), while a limit the user set stays theirs."""
-    from raypipe.actors.reader import DatasetReader
+    from raypipe.actors.io.reader import DatasetReader
 
     reader = DatasetReader(dataset(), BATCH, None, 1, 2, nn.functional.mse_loss, cpus=1.5)
     assert reader.dataset.context.execution_options.resource_limits.cpu == 1.5

@@ -220,7 +220,7 @@ def test_the_reader_hands_actors_small_parts_inline_and_large_ones_by_reference(
     part stored, 3.8 ms with them inline); a large part goes through the object store once."""
     import ray
 
-    from raypipe.actors.reader import INLINE_BYTES, DatasetReader
+    from raypipe.actors.io.reader import INLINE_BYTES, DatasetReader
 
     for rows, stored in ((8, False), (INLINE_BYTES // 32, True)):
         x = torch.randn(rows, 8)

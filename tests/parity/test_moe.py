@@ -313,8 +313,8 @@ def test_compiled_engine_reports_tensorboard_timeline_and_diagram(ray_session, t
 def test_narrow_boundaries_keep_scalars_and_routing_counts_exact():
     """boundary_dtype="bf16" narrows activations only: the aux loss a MoE model carries and
     Mixtral's routing counts (exact integers that bf16 would round above 256) keep float32."""
-    from raypipe.actors.executor import Executor
     from raypipe.actors.stage_model import StageModel
+    from raypipe.actors.step.executor import Executor
     from raypipe.nn import TensorParallelGroup
     from raypipe.protocol import StageSettings
 

@@ -195,5 +195,6 @@ def test_auto_times_the_layers_on_each_chunk_count_and_runs_the_fastest(ray_sess
         per_unit = [sum(profiled[(1, k)]["cpu"]["forward_s"]) for k in (1, 2, 4, 8, 16)]
         assert per_unit[1] < 0.8 * per_unit[0] and per_unit[-1] < 0.5 * per_unit[0], per_unit  # a share of it
         k = t.config.sequence_chunks
-        assert k > 1 and lines[0].startswith(f"sequence_chunks=auto chose 1f1b, m=1, sequence_chunks={k}:"), lines[0]
+        assert lines[0] == "raypipe: profiling the layers to choose sequence_chunks=auto ..."
+        assert k > 1 and lines[1].startswith(f"sequence_chunks=auto chose 1f1b, m=1, sequence_chunks={k}:"), lines[1]
         assert t.step(x, y)["stages"][0]["peak_stashed_microbatches"] == k  # stage 0 holds every unit

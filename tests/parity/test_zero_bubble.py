@@ -388,13 +388,14 @@ def test_auto_picks_the_cheapest_predicted_schedule_and_runs_it(ray_session):
     asked, lines = config(pp=2, schedule="auto"), []
     with Trainer(layers, torch.nn.functional.mse_loss, asked, sample=(x, y), log=lines.append) as t:
         chosen = t.config
-        assert lines[0].startswith(f"schedule=auto chose {chosen.schedule}")
+        assert lines[0] == "raypipe: profiling the layers to choose schedule=auto ..."
+        assert lines[1].startswith(f"schedule=auto chose {chosen.schedule}")
         choice = rank(t.plan_report.profiled_microbatches, layers, asked)
         predicted = [c.step_seconds for c in choice.candidates if c.step_seconds is not None]
         assert len(predicted) >= 6 and choice.chosen.step_seconds == min(predicted), choice
         assert (choice.chosen.schedule, choice.chosen.microbatches) == (chosen.schedule, chosen.microbatches)
         assert torch.isfinite(torch.tensor(t.step(x, y)["loss"]))
-    ranked = [line for line in lines[0].splitlines()[1:] if line.startswith("  ") and " ms" in line]
+    ranked = [line for line in lines[1].splitlines()[1:] if line.startswith("  ") and " ms" in line]
     assert len(ranked) >= 6 and ranked[0].strip().startswith(chosen.schedule)
 
 

@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from raypipe.actors.memory import count_saved_bytes, max_rss_bytes
+from raypipe.actors.step.memory import count_saved_bytes, max_rss_bytes
 
 
 def test_ru_maxrss_is_kib_on_linux_and_bytes_on_macos():
@@ -45,7 +45,7 @@ def test_saved_bytes_count_what_a_microbatch_spans_not_the_whole_batch_storage()
 
 def test_a_layers_own_weights_are_not_counted_as_activations():
     """A linear saves its weight to compute its input's gradient: memory the stage holds anyway."""
-    from raypipe.actors.memory import weight_storages
+    from raypipe.actors.step.memory import weight_storages
 
     layer = torch.nn.Linear(16, 32)
     x = torch.randn(4, 16, requires_grad=True)

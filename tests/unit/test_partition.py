@@ -2,6 +2,7 @@
 
 import itertools
 import random
+import re
 
 import pytest
 from torch import nn
@@ -144,7 +145,9 @@ def test_profile_partition_balances_measured_layer_times(ray_session):
     assert forward[0] >= 0.0095 and forward[5] >= 0.0295 and forward[5] > forward[0], forward
     assert report.stage_seconds[1] >= 0.12, report.stage_seconds  # 2 layers x (30 + 30) ms
     assert report.step_seconds < report.uniform_step_seconds
-    assert "stage 1: layers [4, 6) on cpu" in lines[0] and "ms per microbatch" in lines[0]
+    assert lines[0] == "raypipe: profiling the layers to choose the split ..."  # a job's log says what it waits for
+    assert "stage 1: layers [4, 6) on cpu" in lines[1] and "ms per microbatch" in lines[1]
+    assert re.fullmatch(r"raypipe: profiling the layers to choose the split: done in [\d.]+ s", lines[2]), lines[2]
 
 
 def test_raypipe_plan_profiles_the_jobs_model_and_writes_json(ray_session, tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""The zero-bubble split of a backward (`actors/split_backward.py`) without Ray: its gradients
+"""The zero-bubble split of a backward (`actors/step/split_backward.py`) without Ray: its gradients
 equal one whole backward's, and it does not import torch's compiler."""
 
 import subprocess
@@ -6,7 +6,7 @@ import sys
 
 SPLIT = """
 import sys, torch
-from raypipe.actors.split_backward import covers_every_weight, input_gradients, weight_gradients
+from raypipe.actors.step.split_backward import covers_every_weight, input_gradients, weight_gradients
 
 def run(split):
     torch.manual_seed(0)

@@ -2,10 +2,10 @@
 steps with one call each, and then only reads the board actor once per step (or once for
 several), so what the driver spends per step does not grow with the number of actors.
 
-The actors take their batches from the reader actor (`raypipe.actors.reader`), run each step as
+The actors take their batches from the reader actor (`raypipe.actors.io.reader`), run each step as
 the p2p engine would, write due checkpoints themselves (the driver prepares their directories
 before the run and commits each when it books its step) and report to the board
-(`raypipe.actors.step_board`). A run ends early only where every actor agrees it does: a failed
+(`raypipe.actors.step.step_board`). A run ends early only where every actor agrees it does: a failed
 step, a non-finite step that stops the run, a checkpoint an actor could not write, or a stop the
 driver asks for (`request_stop`). Each step comes back to the fit loop as a `Submitted` whose
 wait gives the same `StepResult` a p2p step gives, so booking, checkpoints, recovery and

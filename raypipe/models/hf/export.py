@@ -71,7 +71,7 @@ def save_shards(
     through the driver one stage at a time, a shard per stage, and so are the experts of a stage
     whose list holds the actors of several ep ranks (tp each).
     `transpose`: raypipe keys stored transposed in the checkpoint (GPT-2's Conv1D weights)."""
-    from raypipe.actors.checkpoint_io import save_tensors
+    from raypipe.actors.io.checkpoint_io import save_tensors
     from raypipe.driver.results import gather
     from raypipe.driver.whole_weights import merged
 

@@ -16,12 +16,12 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from raypipe.actors.hand_on import HandOnChoice, hand_on_mode
-from raypipe.actors.memory import count_saved_bytes, weight_storages
+from raypipe.actors.io.replica_io import running_stats, step_start
 from raypipe.actors.optim.zero3 import ShardedStage
-from raypipe.actors.replica_io import running_stats, step_start
-from raypipe.actors.split_backward import Deferred, covers_every_weight, input_gradients, weight_gradients
 from raypipe.actors.stage_model import StageModel
+from raypipe.actors.step.hand_on import HandOnChoice, hand_on_mode
+from raypipe.actors.step.memory import count_saved_bytes, weight_storages
+from raypipe.actors.step.split_backward import Deferred, covers_every_weight, input_gradients, weight_gradients
 from raypipe.errors import StageError
 from raypipe.nn.moe import RECORDER, reset_recorder
 from raypipe.nn.sequence_chunks import Sequence, unit_loss

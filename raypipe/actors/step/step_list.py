@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from raypipe.actors.executor import Executor
+from raypipe.actors.step.executor import Executor
 from raypipe.schedules.actions import BACKWARD, FORWARD, INPUT_GRAD
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from raypipe.actors.checkpoint_io import load_layer, saved_state
+from raypipe.actors.io.checkpoint_io import load_layer, saved_state
 from raypipe.actors.optim.optimizer import OptimizerState
 from raypipe.actors.stage_model import StageModel
 from raypipe.errors import StageError
