@@ -30,8 +30,8 @@ from torch import nn
 from raypipe import CheckpointError, LayerSpec, TrainConfig, Trainer
 from raypipe.checkpoint.layout import find_valid, list_checkpoints, verify
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from helpers import FailOnSave, KillOnSave, moto_s3  # noqa: E402 - the tests' layers that die or fail as they save
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))  # modules shared with the tests
+from save_faults import FailOnSave, KillOnSave, moto_s3  # noqa: E402 - layers that die or fail as they save
 
 LAYERS = [
     LayerSpec(nn.Linear, 6, 16),

@@ -22,14 +22,18 @@ import argparse
 import json
 import platform
 import statistics
+import sys
+from pathlib import Path
 
 import ray
 import torch
-from rounds import interleaved, paired_ratio, plain_twin, round_means
 
 from raypipe import TrainConfig, Trainer, build_layers
 from raypipe.data import TokenDataset
 from raypipe.models import gpt
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))  # modules shared with the tests
+from rounds import interleaved, paired_ratio, plain_twin, round_means  # noqa: E402
 
 
 def main() -> None:

@@ -29,10 +29,11 @@ import statistics
 
 import ray
 import torch
-from rounds import interleaved, match_actor_threads, paired_ratio, plain_twin, ratio_with_spread, round_means
 
 from raypipe import TrainConfig, Trainer, build_layers, driver
 from raypipe.models import gpt
+
+from rounds import interleaved, match_actor_threads, paired_ratio, plain_twin, ratio_with_spread, round_means
 
 SIZES = {
     "124m": gpt.GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768),

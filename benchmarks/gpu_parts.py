@@ -21,12 +21,15 @@ import gc
 import json
 import resource
 import statistics
+import sys
 import time
 import warnings
 from pathlib import Path
 
 import torch
-from rounds import interleaved, match_actor_threads, ratio_with_spread
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))  # modules shared with the tests
+from rounds import interleaved, match_actor_threads, ratio_with_spread  # noqa: E402
 
 LORA = {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 OPTIMIZER = {"name": "adamw", "lr": 1e-4}

@@ -16,13 +16,17 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 from dpo_throughput import make_pairs
 from gpu_parts import LORA, OPTIMIZER, SHARE, _free, llama_config, saved_llm, timed_steps
 from grpo_throughput import even_tokens, prompts
-from rounds import interleaved, match_actor_threads, ratio_with_spread
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))  # modules shared with the tests
+from rounds import interleaved, match_actor_threads, ratio_with_spread  # noqa: E402
 
 
 def transformers_generator(directory: str, device: torch.device, batch, new: int):

@@ -32,10 +32,11 @@ import time
 import ray
 import torch
 from dpo_throughput import LORA, LR, save_model
-from rounds import interleaved, paired_ratio
 
 from raypipe import TrainConfig, Trainer
 from raypipe.models import hf
+
+from rounds import interleaved, paired_ratio
 
 
 def even_tokens(completion_ids, **_):

@@ -23,17 +23,21 @@ import json
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import ray
 import torch
 from dpo_throughput import LORA, LR, save_model
 from grpo_throughput import even_tokens
-from rounds import ratio_with_spread
 
 from raypipe import TrainConfig, Trainer
 from raypipe.models import hf
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))  # modules shared with the tests
+from rounds import ratio_with_spread  # noqa: E402
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex jovial bumpkins".split()
 

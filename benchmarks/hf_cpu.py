@@ -21,15 +21,19 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import tempfile
 import warnings
+from pathlib import Path
 
 import ray
 import torch
-from rounds import interleaved, paired_ratio, round_means
 
 from raypipe import TrainConfig, Trainer
 from raypipe.models import hf
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))  # modules shared with the tests
+from rounds import interleaved, paired_ratio, round_means  # noqa: E402
 
 
 def main() -> None:

@@ -47,10 +47,11 @@ import warnings
 
 import ray
 import torch
-from rounds import interleaved, paired_ratio
 
 from raypipe import TrainConfig, Trainer
 from raypipe.models import hf
+
+from rounds import interleaved, paired_ratio
 
 LORA = {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 OPTIMIZER = {"name": "adamw", "lr": 1e-4}

@@ -23,10 +23,11 @@ from pathlib import Path
 
 import ray
 import torch
-from rounds import interleaved, paired_ratio, round_means
 
 from raypipe import TrainConfig, Trainer
 from raypipe.models import hf
+
+from rounds import interleaved, paired_ratio, round_means
 
 
 def main() -> None:

@@ -1,5 +1,5 @@
 """Time from losing a whole node to the next completed step, on a real cluster of four Ray nodes
-in network namespaces on this machine (`tests/netns_cluster.py`; needs root and `ip netns`).
+in network namespaces on this machine (`support/netns_cluster.py`; needs root and `ip netns`).
 
 `--case spare`: each round trains pp = 2 (cpu, mps) with a checkpoint every 2 steps, SIGKILLs
 every process of the node holding the mps stage after step 5 and times until a step completes
@@ -33,12 +33,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-TESTS = Path(__file__).resolve().parent.parent / "tests"
-sys.path[:0] = [str(TESTS), str(TESTS / "cluster"), str(TESTS / "recovery")]  # support modules; tests it drives
-
-from test_netns_cluster import LOSS_RUN, PRELUDE, drive  # noqa: E402
+SUPPORT = Path(__file__).resolve().parent.parent / "support"  # modules shared with the tests
+sys.path.insert(0, str(SUPPORT))
 
 from netns_cluster import MPS, NetnsCluster, available  # noqa: E402
+from node_loss_script import ELASTIC, ELASTIC_RUN, LOSS_RUN, PRELUDE, drive  # noqa: E402
 
 ROUND = (
     PRELUDE
@@ -53,8 +52,6 @@ print("RESULT " + json.dumps({{k: result[k] for k in ("resumed", "restarts", "lo
 
 def shrink_round(cluster: NetnsCluster, work: Path, replace_wait: float) -> dict:
     """One round of `--case shrink`: kill -> next completed step of each elastic run, in seconds."""
-    from test_elastic import ELASTIC
-
     out = run_live(cluster, ELASTIC.replace("replace_wait=5", f"replace_wait={replace_wait}"), work)
     return {case: round(out[case]["resumed"], 2) for case in ("pp", "dp")} | {
         "log": [line for case in ("pp", "dp") for line in out[case]["log"] if "elastic" in line or "resumed" in line]
@@ -63,8 +60,6 @@ def shrink_round(cluster: NetnsCluster, work: Path, replace_wait: float) -> dict
 
 def memory_round(cluster: NetnsCluster, work: Path) -> dict:
     """One round of `--case memory`: kill -> next completed step from memory and from the checkpoint."""
-    from test_elastic import ELASTIC_RUN
-
     code = (
         ELASTIC_RUN
         + """
@@ -93,7 +88,7 @@ def run_live(cluster: NetnsCluster, template: str, work: Path) -> dict:
 
     namespaces = json.dumps({n.ip: n.name for n in cluster.nodes.values()})
     code = template.format(address=cluster.address, namespaces=namespaces, tmp=work)
-    stdout, stderr = cluster.run_python_live(code, on_line, timeout=600, env={"PYTHONPATH": str(TESTS)})
+    stdout, stderr = cluster.run_python_live(code, on_line, timeout=600, env={"PYTHONPATH": str(SUPPORT)})
     lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
     if not lines:
         raise RuntimeError(stdout[-3000:] + stderr[-3000:])

@@ -39,11 +39,12 @@ import time
 import ray
 import torch
 from dpo_throughput import save_model
-from rounds import interleaved
 
 from raypipe import TrainConfig, Trainer
 from raypipe.models import hf
 from raypipe.schedules import build_schedule, timed
+
+from rounds import interleaved
 
 SGD = {"name": "sgd", "lr": 1e-3}
 

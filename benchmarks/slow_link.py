@@ -1,5 +1,5 @@
 """A pipeline across a slow link (issue 36): pp = 2, one stage per node of a real Ray cluster in
-network namespaces on this machine (`tests/netns_cluster.py`; needs root, `ip netns` and `tc`),
+network namespaces on this machine (`support/netns_cluster.py`; needs root, `ip netns` and `tc`),
 1 CPU each, the second node's link limited with `tc tbf` in both directions
 (`NetnsCluster.limit_link`), as a home Ethernet or Wi-Fi link between a GPU box and a Mac.
 
@@ -40,8 +40,8 @@ import threading
 import time
 from pathlib import Path
 
-TESTS = Path(__file__).resolve().parent.parent / "tests"
-sys.path.insert(0, str(TESTS))
+SUPPORT = Path(__file__).resolve().parent.parent / "support"  # modules shared with the tests
+sys.path.insert(0, str(SUPPORT))
 
 from netns_cluster import NetnsCluster, available  # noqa: E402
 
@@ -136,7 +136,7 @@ def drive(cluster: NetnsCluster, far: str, code: str, timeout: float) -> list[di
     head = next(iter(cluster.nodes.values()))
     proc = subprocess.Popen(
         ["ip", "netns", "exec", head.name, sys.executable, "-c", code],
-        env={**cluster.env, "PYTHONPATH": str(TESTS)},
+        env={**cluster.env, "PYTHONPATH": str(SUPPORT)},
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,

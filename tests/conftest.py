@@ -2,6 +2,7 @@
 
 import os
 import signal
+import sys
 import warnings
 from pathlib import Path
 
@@ -9,6 +10,8 @@ import pytest
 import torch
 
 torch.set_num_threads(1)  # the driver shares 2 cores with the stage actors
+SUPPORT = Path(__file__).resolve().parents[1] / "support"  # modules the tests share with the benchmarks
+sys.path.insert(0, str(SUPPORT))
 
 
 def _free_port() -> int:
@@ -141,7 +144,7 @@ _NETNS: dict = {}  # the namespace cluster while its tests run (`netns_cluster`)
 
 @pytest.fixture(scope="session")
 def netns_cluster(tmp_path_factory):
-    """A real four-node Ray cluster in network namespaces (`tests/netns_cluster.py`): head, cpu,
+    """A real four-node Ray cluster in network namespaces (`support/netns_cluster.py`): head, cpu,
     mps-a, mps-b (the last two advertise mps through the fake-accelerator override), shared by the
     tests of test_netns_cluster and test_elastic, which run one after the other and each leave it
     whole (`revive` restarts what a test killed). Closed after its last user

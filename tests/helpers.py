@@ -1,26 +1,22 @@
 """Layers and references shared by tests. This module is not installed, so the
-trainer must ship it to the actors by value: using it tests that too."""
+trainer must ship it to the actors by value: using it tests that too. What the benchmarks use as
+well lives in support/ (the toy model and its one-process reference, saves that break, the
+namespace cluster), which this module puts on the path of whatever process imports it."""
 
 from __future__ import annotations
 
-import contextlib
-import subprocess
+import sys
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
 
-from raypipe import LayerSpec, build_layers
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
 
-MLP7 = [
-    LayerSpec(nn.Linear, 6, 16),
-    LayerSpec(nn.Tanh),
-    LayerSpec(nn.Linear, 16, 16),
-    LayerSpec(nn.GELU),
-    LayerSpec(nn.Linear, 16, 12),
-    LayerSpec(nn.Tanh),
-    LayerSpec(nn.Linear, 12, 3),
-]
+from raypipe import LayerSpec  # noqa: E402
+
+from toy_models import AUTOCAST, MLP7, batch, reference_run  # noqa: E402, F401 - the tests import them from here
 
 
 def lm_tokens(config, k: int, size: int, seed: int):
@@ -43,68 +39,6 @@ def tensorboard_run(log_dir):
     events = EventAccumulator(str(log_dir))
     events.Reload()
     return events
-
-
-def batch(k: int, size: int = 16, features: int = 6, outputs: int = 3):
-    g = torch.Generator().manual_seed(1000 + k)
-    return torch.randn(size, features, generator=g), torch.randn(size, outputs, generator=g)
-
-
-AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def reference_run(
-    specs,
-    seed,
-    optimizer,
-    steps,
-    microbatches=1,
-    reverse=False,
-    grad_clip=None,
-    loss_fn=nn.functional.mse_loss,
-    data=batch,
-    prepare=None,
-    precision="fp32",
-):
-    """Trains nn.Sequential of the same layers in one process.
-
-    The batch gradient is accumulated over `microbatches` equal chunks (in reverse
-    order when `reverse`, as GPipe's backwards run), each loss scaled by 1/m.
-    `prepare(model)` may add hooks first. `precision` "bf16" or "fp16" runs each forward
-    and loss under CPU `torch.autocast`, and fp16 scales the loss with torch's own
-    `GradScaler` (unscaled before clipping; an overflowing step is skipped).
-    Returns (losses, first-step gradients, final state_dict).
-    """
-    model = nn.Sequential(*build_layers(specs, seed))
-    if prepare is not None:
-        prepare(model)
-    opt = optimizer(model.parameters())
-    scaler = torch.amp.GradScaler("cpu") if precision == "fp16" else None
-    losses, first_grads = [], None
-    for k in range(steps):
-        x, y = data(k)
-        opt.zero_grad()
-        chunks = list(zip(x.chunk(microbatches), y.chunk(microbatches)))
-        total = 0.0
-        for xc, yc in reversed(chunks) if reverse else chunks:
-            with torch.autocast("cpu", dtype=AUTOCAST.get(precision), enabled=precision in AUTOCAST):
-                loss = loss_fn(model(xc), yc)
-            scaled = loss.float() / microbatches
-            (scaler.scale(scaled) if scaler is not None else scaled).backward()
-            total += loss.item()
-        losses.append(total / microbatches)
-        if scaler is not None:
-            scaler.unscale_(opt)
-        if grad_clip is not None:
-            nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-        if k == 0:
-            first_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-        if scaler is not None:
-            scaler.step(opt)
-            scaler.update()
-        else:
-            opt.step()
-    return losses, first_grads, model.state_dict()
 
 
 def check_sgd_parity(trainer, initial, reference, schedule, microbatches, optimizer, data=batch, actors=False):
@@ -273,82 +207,6 @@ class ChainModel(nn.Module):
 
 def chain_loss(logits, targets):
     return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-
-class KillOnSave(nn.Module):
-    """Identity whose process SIGKILLs itself when its weights are saved while `flag` exists
-    (removing it first): an actor that dies in the middle of writing a checkpoint."""
-
-    def __init__(self, flag: str) -> None:
-        super().__init__()
-        self.flag = flag
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x
-
-    def state_dict(self, *args, **kwargs):
-        import os
-
-        if os.path.exists(self.flag):
-            os.remove(self.flag)
-            self.break_save()
-        return super().state_dict(*args, **kwargs)
-
-    def break_save(self) -> None:
-        import os
-        import signal
-
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-class FailOnSave(KillOnSave):
-    """As KillOnSave, but the write fails (an OSError, as a full disk or an object store's 503
-    would raise) and the actor lives: one actor's save breaks after the others may have written."""
-
-    def break_save(self) -> None:
-        raise OSError(f"simulated storage error writing {self.flag}")
-
-
-@contextlib.contextmanager
-def moto_s3(bucket: str, log=subprocess.DEVNULL):
-    """moto's S3 server on a free port of 127.0.0.1 with `bucket` made, stopped by its pid on
-    leaving; yields the URI query that reaches it (`s3://KEY:SECRET@bucket/prefix?<query>`: moto
-    takes any credentials).
-
-    Raises:
-        RuntimeError: the server did not start within 60 s.
-    """
-    import socket
-    import sys
-
-    from raypipe.checkpoint.storage import StoragePath
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=subprocess.STDOUT
-    )
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline or server.poll() is not None:
-                    raise RuntimeError(f"moto's server did not start on port {port}") from None
-                time.sleep(0.2)
-        query = f"endpoint_override=127.0.0.1:{port}&scheme=http&region=us-east-1&allow_bucket_creation=true"
-        StoragePath(f"s3://key:secret@{bucket}?{query}").mkdir()
-        yield query
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait(timeout=20)
 
 
 def flip_a_byte(path) -> None:

@@ -16,32 +16,16 @@ through the fake-accelerator override, as cluster.yaml's start commands would on
 
 from __future__ import annotations
 
-import json
 import re
-from pathlib import Path
 
 import pytest
 
 from netns_cluster import NetnsCluster, available
+from node_loss_script import LOSS_RUN, PRELUDE, drive
 
 REASON = available()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
-TESTS = Path(__file__).parents[1]
 
-PRELUDE = """
-import json, subprocess, tempfile, time
-import ray, torch
-from torch import nn
-from helpers import MLP7, batch, reference_run
-from raypipe import LayerSpec, PlacementError, TrainConfig, Trainer
-from raypipe.observe.diagram import Architecture
-ray.init(address="{address}", logging_level="ERROR", log_to_driver=False)
-NAMESPACES = json.loads('{namespaces}')  # node ip -> its network namespace
-SGD, PLAIN_SGD = {{"name": "sgd", "lr": 0.05}}, lambda params: torch.optim.SGD(params, lr=0.05)
-def where(trainer):
-    ips = {{n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}}
-    return {{i["name"]: ips[i["node_id"]] for i in trainer.stage_info()}}
-"""
 
 SPANNING = (
     PRELUDE
@@ -61,32 +45,6 @@ print("RESULT " + json.dumps(out))
 """
 )
 
-LOSS_RUN = """
-def kill_node(ip):  # every process of the node's namespace at once, as a machine losing power
-    subprocess.run(f"ip netns pids {{NAMESPACES[ip]}} | xargs -r kill -9", shell=True, check=True, timeout=30)
-
-def run(steps, kill_after, timeout):
-    config = TrainConfig(pp=2, devices=["cpu", "mps"], allow_cpu_fallback=True, placement="strict_spread",
-                         cpus_per_actor=0.25, optimizer=SGD, checkpoint_dir=tempfile.mkdtemp(dir="{tmp}"),
-                         checkpoint_every=2, max_restarts=1, actor_start_timeout=timeout, name="lossy")
-    losses, marks = {{}}, {{"log": []}}
-    with Trainer(MLP7, nn.functional.mse_loss, config) as t:
-        before = where(t)
-        def on_step(metrics):
-            losses.setdefault(t.step_count, []).append(metrics["loss"])
-            if t.step_count == kill_after and "killed" not in marks:
-                marks["lost"] = before["stage1-dp0-tp0"]
-                kill_node(marks["lost"])
-                marks["killed"] = time.monotonic()
-            elif t.restarts and "resumed" not in marks:
-                marks["resumed"] = time.monotonic() - marks["killed"]
-        try:
-            t.fit(lambda k: batch(k), steps, on_step=on_step, log=marks["log"].append)
-        except PlacementError as error:
-            return {{"error": str(error), "seconds": time.monotonic() - marks["killed"], "lost": marks["lost"],
-                     "log": marks["log"]}}
-        return {{"losses": losses, "before": before, "after": where(t), "restarts": t.restarts, **marks}}
-"""
 
 NODE_LOSS = (
     PRELUDE
@@ -97,15 +55,6 @@ out["no_spare"] = run(4, 2, 20)
 print("RESULT " + json.dumps(out))
 """
 )
-
-
-def drive(cluster: NetnsCluster, template: str, tmp_path: Path, timeout: float = 420) -> dict:
-    namespaces = json.dumps({n.ip: n.name for n in cluster.nodes.values()})
-    code = template.format(address=cluster.address, namespaces=namespaces, tmp=tmp_path)
-    run = cluster.run_python(code, timeout=timeout, env={"PYTHONPATH": str(TESTS)})
-    lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
-    assert lines, run.stdout[-4000:] + run.stderr[-4000:]
-    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def test_pipelines_span_real_nodes_over_gloo_with_one_process_losses(cluster, tmp_path):

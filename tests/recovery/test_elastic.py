@@ -18,70 +18,10 @@ On the test session's local Ray: each limit stops with an error naming it.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
-TESTS = Path(__file__).parents[1]
-
-ELASTIC_RUN = """
-import json, subprocess, tempfile, time
-import ray
-from torch import nn
-from helpers import MLP7, batch, reference_run
-from raypipe import TrainConfig, Trainer
-ray.init(address="{address}", logging_level="ERROR", log_to_driver=False)
-NAMESPACES = json.loads('{namespaces}')  # node ip -> its network namespace
-
-def alive():
-    return {{n["NodeID"] for n in ray.nodes() if n["Alive"]}}
-
-def run(name, steps, lose, grow=True, elastic=True, **shape):
-    config = TrainConfig(**shape, placement="strict_spread", cpus_per_actor=0.25, allow_cpu_fallback=True,
-                         optimizer={{"name": "sgd", "lr": 0.05}}, checkpoint_dir=tempfile.mkdtemp(dir="{tmp}"),
-                         checkpoint_every=2, max_restarts=2, elastic=elastic, replace_wait=5,
-                         actor_start_timeout=60, name=name)
-    steps_seen, log, marks = [], [], {{}}
-    with Trainer(MLP7, nn.functional.mse_loss, config) as t:
-        ips = {{n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}}
-        held = {{i["name"]: ips[i["node_id"]] for i in t.stage_info()}}
-        # never the head's node: this driver runs there
-        lost = next(held[name] for name in lose if held[name] != "{address}".split(":")[0])
-        def on_step(m):
-            steps_seen.append([m["step"], m["loss"], m["pp"], m["dp"]])
-            if m["step"] == 3 and "killed" not in marks:  # every process of the node at once
-                subprocess.run(f"ip netns pids {{NAMESPACES[lost]}} | xargs -r kill -9", shell=True, timeout=30)
-                marks["killed"], marks["nodes"] = time.monotonic(), alive()
-            elif "killed" in marks and "resumed" not in marks:
-                marks["resumed"] = time.monotonic() - marks["killed"]
-                marks["topology"] = t.stage_info()[0]["topology"]
-                print("RESTART " + lost, flush=True)  # the test starts the node's Ray again
-                deadline = time.monotonic() + 120
-                while grow and not alive() - marks["nodes"] and time.monotonic() < deadline:
-                    time.sleep(0.5)
-        def noted(line):  # when the loss was noticed, for benchmarks/node_loss.py
-            if "killed" in marks and "noticed" not in marks:
-                marks["noticed"] = time.monotonic() - marks["killed"]
-            log.append(line)
-        t.fit(lambda k: batch(k), steps, on_step=on_step, log=noted)
-        return {{"steps": steps_seen, "log": log, "lost": lost, "resumed": marks["resumed"], "pp": t.config.pp,
-                 "noticed": marks["noticed"],
-                 "dp": t.config.dp, "names": t.names, "restarts": t.restarts, "topology": marks["topology"]}}
-
-"""
-
-ELASTIC = (
-    ELASTIC_RUN
-    + """
-out = {{"reference": reference_run(MLP7, 0, lambda p: __import__("torch").optim.SGD(p, lr=0.05), 8, microbatches=2)[0]}}
-out["pp"] = run("elastic-pp", 8, ["stage2-dp0-tp0"], pp=3, devices=["cpu", "mps", "mps"], microbatches=2)
-out["dp"] = run("elastic-dp", 8, ["stage1-dp1-tp0", "stage0-dp1-tp0"], pp=2, dp=2, microbatches=2)
-# a spare node up: the lost replica is replaced there, and the new actors take the survivor's state
-out["spare"] = run("replica-spare", 6, ["stage0-dp1-tp0", "stage0-dp0-tp0"], grow=False, elastic=False, dp=2,
-                   microbatches=1)
-print("RESULT " + json.dumps(out))
-"""
-)
+from node_loss_script import ELASTIC, SUPPORT
 
 
 def check_run(run: dict, reference: list[float], small: tuple[int, int], full: tuple[int, int]) -> None:
@@ -141,7 +81,7 @@ def test_a_lost_node_shrinks_the_run_and_its_return_grows_it_back(cluster, tmp_p
 
     namespaces = json.dumps({n.ip: n.name for n in cluster.nodes.values()})
     code = ELASTIC.format(address=cluster.address, namespaces=namespaces, tmp=tmp_path)
-    stdout, stderr = cluster.run_python_live(code, on_line, timeout=480, env={"PYTHONPATH": str(TESTS)})
+    stdout, stderr = cluster.run_python_live(code, on_line, timeout=480, env={"PYTHONPATH": str(SUPPORT)})
     lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
     assert lines, stdout[-4000:] + stderr[-4000:]
     out = json.loads(lines[-1][len("RESULT ") :])

@@ -10,7 +10,8 @@ from raypipe import ConfigError, LayerSpec, TrainConfig, Trainer
 from raypipe.checkpoint.layout import MANIFEST, find_valid, list_checkpoints, verify
 from raypipe.checkpoint.storage import StoragePath
 
-from helpers import MLP7, KillOnSave, batch, flip_a_byte, moto_s3
+from helpers import MLP7, batch, flip_a_byte
+from save_faults import KillOnSave, moto_s3
 
 ADAMW = {"name": "adamw", "lr": 1e-2, "weight_decay": 0.1}
 STEPS = 6

@@ -21,7 +21,8 @@ from raypipe import BatchError, ConfigError, LayerSpec, StepTimeoutError, TrainC
 from raypipe.checkpoint.layout import CheckpointError, find_valid, list_checkpoints, run_of, verify
 from raypipe.checkpoint.storage import StoragePath, redact, split_uri
 
-from helpers import MLP7, FailOnSave, Sleep, batch
+from helpers import MLP7, Sleep, batch
+from save_faults import FailOnSave
 
 ADAMW = {"name": "adamw", "lr": 1e-2, "weight_decay": 0.1}
 QUIET = dict(log=lambda _: None)

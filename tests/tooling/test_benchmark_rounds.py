@@ -1,7 +1,8 @@
-"""The benchmarks' side-by-side timing (`benchmarks/rounds.py`): every runner gets its
+"""The benchmarks' side-by-side timing (`support/rounds.py`): every runner gets its
 steps in turn, the order rotates every turn, and ratios pair neighbours in time."""
 
 import pytest
+
 from rounds import interleaved, match_actor_threads, paired_ratio, plain_twin, ratio_with_spread
 
 
@@ -53,7 +54,7 @@ def test_a_ratio_comes_with_its_spread_and_a_baseline_with_an_actors_threads():
 
 
 def test_the_gpu_check_flags_a_ratio_outside_its_band():
-    from gpu_check import EXPECTED, bands, sanity
+    from gpu_report import EXPECTED, bands, sanity
 
     low, high = EXPECTED["cpu"]["llm_lora"]["raypipe_pp1_over_peft"]
     result = {

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from gpu_check import EXPECTED, PARTS, last_json, pytest_counts
+from gpu_report import EXPECTED, PARTS, last_json, pytest_counts
 
 ROOT = Path(__file__).resolve().parents[2]
 

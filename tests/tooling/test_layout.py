@@ -3,6 +3,7 @@ actors never imports the driver's, and no two packages import each other. Read f
 with `ast`, function-local imports included, so no test run can miss one."""
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -80,7 +81,10 @@ def test_every_raypipe_import_names_a_module_and_a_name_that_exist():
 
     root = PACKAGE.parent
     stale = []
-    for path in [*PACKAGE.rglob("*.py"), *(root / "tests").rglob("*.py"), *(root / "benchmarks").rglob("*.py")]:
+    for path in [
+        *PACKAGE.rglob("*.py"),
+        *(p for d in ("tests", "benchmarks", "support") for p in (root / d).rglob("*.py")),
+    ]:
         for node in ast.walk(ast.parse(path.read_text())):
             if not (isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("raypipe")):
                 continue
@@ -129,3 +133,34 @@ def test_no_plugin_is_chosen_by_its_name_outside_its_registry():
                 if names & registered and not within(module, home):
                     found.append(f"{module}:{node.lineno} compares a {kind}'s name {sorted(names & registered)}")
     assert not found, found
+
+
+def test_no_folder_holds_more_than_15_modules():
+    """DESIGN.md's limit: past it a folder is split by concern into sub-packages (as actors/ is)."""
+    crowded = {
+        str(d.relative_to(PACKAGE.parent)): n
+        for d in [PACKAGE, *(p for p in PACKAGE.rglob("*") if p.is_dir() and p.name != "__pycache__")]
+        if (n := len(list(d.glob("*.py")))) > 15
+    }
+    assert not crowded, crowded
+
+
+def test_tests_and_benchmarks_never_import_each_other():
+    """What both need (the toy model and its reference, saves that break, the namespace cluster, the
+    benchmarks' paired rounds and the GPU check's report) lives in support/; a test that imported a
+    benchmark, or a benchmark a test, would tie one's refactors to the other's."""
+    root = PACKAGE.parent
+    tests = {p.stem for p in (root / "tests").rglob("*.py")}
+    benchmarks = {p.stem for p in (root / "benchmarks").glob("*.py")}
+    assert not tests & benchmarks and not tests & {p.stem for p in (root / "support").glob("*.py")}
+    crossing = []
+    for where, others in (("tests", benchmarks), ("benchmarks", tests), ("support", tests | benchmarks)):
+        for path in (root / where).rglob("*.py"):
+            text = path.read_text()
+            for node in ast.walk(ast.parse(text)):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+                names += [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else []
+                crossing += [f"{path.relative_to(root)}: {n}" for n in names if n.split(".")[0] in others]
+            if where != "tests" and re.search(r"""/ ["']tests["']""", text):  # tests/ on a path: sys.path, PYTHONPATH
+                crossing.append(f"{path.relative_to(root)}: reaches into tests/")
+    assert not crossing, crossing

@@ -22,10 +22,10 @@ def test_ruff_is_clean(command):
 def test_every_mutation_still_finds_its_code_exactly_once():
     """`benchmarks/mutation_check.py` replaces one exact piece of source per bug; after a refactor
     a piece that no longer occurs, or a mutant that no longer compiles, would test nothing."""
-    import mutation_check
+    import mutations
 
-    lost = {m.name: (ROOT / m.path).read_text().count(m.old) for m in mutation_check.MUTATIONS}
+    lost = {m.name: (ROOT / m.path).read_text().count(m.old) for m in mutations.MUTATIONS}
     assert {name: n for name, n in lost.items() if n != 1} == {}
-    for m in mutation_check.MUTATIONS:  # a mutant that does not even compile would test nothing
+    for m in mutations.MUTATIONS:  # a mutant that does not even compile would test nothing
         compile((ROOT / m.path).read_text().replace(m.old, m.new), m.path, "exec")
-    assert all((ROOT / t.split("::")[0]).exists() for m in mutation_check.MUTATIONS for t in m.tests)
+    assert all((ROOT / t.split("::")[0]).exists() for m in mutations.MUTATIONS for t in m.tests)
