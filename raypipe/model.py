@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from raypipe.errors import ConfigError, RaypipeError
+from raypipe.errors import ConfigError
 from raypipe.layers import LayerSpec
 
 
@@ -55,23 +55,6 @@ class Model:
         import hashlib
 
         return {"layers": len(self.layers), "hash": hashlib.sha256(repr(list(self.layers)).encode()).hexdigest()[:16]}
-
-    def save_pretrained(
-        self, stages: Sequence[Sequence[Any]], specs: Sequence[LayerSpec], directory: str, tp: int, merge: bool = False
-    ) -> None:
-        """Writes the model held by one replica's actors (per stage, its tp ranks) in its library's
-        format, each stage's actor writing its own shard.
-
-        Raises:
-            RaypipeError: the model has no such format (a bare list of layers).
-        """
-        if self.exporter is None:
-            raise RaypipeError(
-                "this model has no pretrained format to save to: save_pretrained works for models from "
-                "raypipe.models.hf, and for the reference GPT as raypipe.models.gpt_export.model(cfg); use "
-                "save() for a raypipe checkpoint, or state_dict() for the weights."
-            )
-        self.exporter.save(stages, specs, directory, tp, merge)
 
     def __post_init__(self) -> None:
         for group in self.tied:

@@ -21,7 +21,7 @@ import torch
 from raypipe.checkpoint import lock as root_lock
 from raypipe.checkpoint.storage import is_uri
 from raypipe.config import TrainConfig, check_reconfigurable
-from raypipe.driver import chunks, planned, whole_weights
+from raypipe.driver import adapter_io, chunks, export, planned, whole_weights
 from raypipe.driver.actor_group import ActorGroup
 from raypipe.driver.cluster import live_trainers
 from raypipe.driver.feeds import make_feed
@@ -258,28 +258,26 @@ class Trainer:
 
     @_one_call_at_a_time
     def save_pretrained(self, directory: str, merge_adapters: bool = False) -> Path:
-        """Writes the model in its library's format (`Model.save_pretrained`: a directory transformers
-        loads, for its models and the reference GPT), LoRA adapters folded in with `merge_adapters`."""
+        """Writes the model in its library's format (`driver.export`: a directory transformers loads,
+        for its models and the reference GPT), LoRA adapters folded in with `merge_adapters`."""
         stages = chunks.inference_group(self.topology, self.group.actors, self.names)[0]  # with the ep ranks' experts
         with self.group.whole_weights():
-            self.model.save_pretrained(stages, self.specs, driver_path(directory), self.config.tp, merge_adapters)
+            export.save_pretrained(
+                self.model, stages, self.specs, driver_path(directory), self.config.tp, merge_adapters
+            )
         return Path(directory)
 
     @_one_call_at_a_time
     def save_adapter(self, directory: str) -> Path:
         """Writes the LoRA adapters in peft's format (`peft.PeftModel.from_pretrained(base, dir)`)."""
-        from raypipe.models.hf import adapters
-
         with self.group.whole_weights():
-            adapters.save(self.group.replica0()[0], self.model, self.config.lora, driver_path(directory))
+            adapter_io.save(self.group.replica0()[0], self.model, self.config.lora, driver_path(directory))
         return Path(directory)
 
     @_one_call_at_a_time
     def load_adapter(self, directory: str) -> None:
         """Loads LoRA adapters in peft's format into every stage (training continues from them)."""
-        from raypipe.models.hf import adapters
-
-        load = functools.partial(adapters.load_group, directory=driver_path(directory))
+        load = functools.partial(adapter_io.load_group, directory=driver_path(directory))
         load(self.group)
         self.state.loads.append((self.step_count, f"the adapters loaded from {directory}", load))  # for a recovery
 

@@ -18,7 +18,6 @@ from raypipe.errors import ConfigError
 from raypipe.layers import LayerSpec
 from raypipe.model import Model
 from raypipe.models import gpt
-from raypipe.models.hf.export import save_shards
 
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
@@ -52,11 +51,8 @@ class GPT2Exporter:
                     names[f"{i}.{key}"] = f"transformer.h.{i - 1}.{key}"
         return names
 
-    def save(
-        self, stages: Sequence[Sequence[Any]], specs: Sequence[LayerSpec], directory: str, tp: int, merge: bool = False
-    ) -> None:
-        from transformers import GPT2Config
-
+    def check(self) -> None:
+        """Refuses a GPT that GPT-2's format cannot hold (no biases, or experts)."""
         c = self.cfg
         if not c.bias:
             raise ConfigError(
@@ -68,8 +64,16 @@ class GPT2Exporter:
                 f"a GPT with model.num_experts={c.num_experts} has no GPT-2 twin (GPT-2 has no mixture "
                 f"of experts): save it with Trainer.save() or state_dict() instead."
             )
-        names = self.names(specs)
-        dtype = save_shards(stages, names, directory, tp, [k for k in names if k.endswith(CONV1D)], merge)
+
+    def transposed(self, names: dict[str, str | None]) -> list[str]:
+        """The keys GPT-2 stores transposed (its Conv1D weights)."""
+        return [k for k in names if k.endswith(CONV1D)]
+
+    def write_config(self, directory: str, dtype: Any) -> None:
+        """GPT-2's config for this GPT, with the weights' dtype, in `directory`."""
+        from transformers import GPT2Config
+
+        c = self.cfg
         config = GPT2Config(
             vocab_size=c.vocab_size,
             n_positions=c.block_size,
