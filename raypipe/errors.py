@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
+
 
 class RaypipeError(Exception):
     """Base class of every error raypipe raises on purpose."""
@@ -46,3 +49,9 @@ class ActorDiedError(StageError):
 
 class NonFiniteError(RaypipeError):
     """A loss or gradient was NaN or infinite (with TrainConfig.nonfinite="error")."""
+
+
+def nearest(name: str, choices: Iterable[str]) -> str:
+    """A 'did you mean' hint for a misspelt name in an error's message, or an empty string."""
+    match = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.5)
+    return f" Did you mean {match[0]!r}?" if match else ""

@@ -126,3 +126,11 @@ def loading_to(device: torch.device | None) -> Iterator[Loading]:
 def loading() -> Loading:
     """How layers built now read their tensors."""
     return _loading[-1]
+
+
+def checkpoint_key(prefixes: list[tuple[str, str]], local: str) -> str:
+    """A layer's state-dict key under its checkpoint's name, by the layer's (local prefix,
+    checkpoint prefix) pairs (`prefixes`, the first that matches): a transformers layer's key in
+    its model's checkpoint, a LoRA target's module path."""
+    prefix, hf = next((p, h) for p, h in prefixes if local.startswith(p))
+    return hf + local[len(prefix) :]

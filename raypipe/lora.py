@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from raypipe.errors import ConfigError
+from raypipe.layers import checkpoint_key
 
 ADAPTER = "default"  # peft's adapter name; its state-dict keys carry it, its files do not
 ALIASES = {"alpha": "lora_alpha", "dropout": "lora_dropout"}  # raypipe's short names, still taken
@@ -290,8 +291,6 @@ def named_view(layer: nn.Module) -> nn.Module:
     prefixes = getattr(layer, "prefixes", None)
     if not prefixes:
         return layer
-    from raypipe.models.hf.causal_lm_layers import checkpoint_key
-
     root = nn.Module()
     for name, child in layer.named_children():
         *path, leaf = checkpoint_key(prefixes, name + ".").rstrip(".").split(".")
@@ -309,8 +308,6 @@ def _take_back(layer: nn.Module, view: nn.Module) -> None:
     that is one of the layer's own children, such as a head)."""
     if view is layer:
         return
-    from raypipe.models.hf.causal_lm_layers import checkpoint_key
-
     for name, child in list(layer.named_children()):
         now = view.get_submodule(checkpoint_key(layer.prefixes, name + ".").rstrip("."))
         if now is not child:

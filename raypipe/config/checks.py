@@ -4,23 +4,16 @@ and the fix; `raypipe.config.TrainConfig` validates itself with them, and job se
 
 from __future__ import annotations
 
-import difflib
 import inspect
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-from raypipe.errors import ConfigError
+from raypipe.errors import ConfigError, nearest
 
 OPTIMIZER_NAMES = ("sgd", "adam", "adamw")
 LR_SCHEDULE_NAMES = ("constant", "cosine")
 LR_SCHEDULE_KEYS = ("name", "warmup_steps", "total_steps", "min_lr")
-
-
-def nearest(name: str, choices: Iterable[str]) -> str:
-    """A 'did you mean' hint for a misspelt name, or an empty string."""
-    match = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.5)
-    return f" Did you mean {match[0]!r}?" if match else ""
 
 
 def invalid(label: str, value: Any, fix: str) -> ConfigError:

@@ -18,10 +18,10 @@ from typing import Any
 import yaml
 
 from raypipe.checkpoint.storage import redact_values
-from raypipe.config.checks import nearest, plain
+from raypipe.config.checks import plain
 from raypipe.config.sections import SECTIONS, SectionView
 from raypipe.config.validation import RECONFIGURABLE, validate
-from raypipe.errors import ConfigError
+from raypipe.errors import ConfigError, nearest
 from raypipe.schedules import SCHEDULES
 
 # Sections of a job file that belong to the job, not to TrainConfig (see raypipe.job).

@@ -7,9 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from raypipe.config.checks import nearest
 from raypipe.data import TokenDataset, stdlib_corpus
-from raypipe.errors import ConfigError
+from raypipe.errors import ConfigError, nearest
 
 DATA_SOURCES = ("stdlib", "bin", "text", "sft", "pairs", "prompts")
 EXAMPLES = ("sft", "pairs", "prompts")  # records cut on the driver, not tokens

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from raypipe.config.checks import check_whole_number, nearest
-from raypipe.errors import ConfigError
+from raypipe.config.checks import check_whole_number
+from raypipe.errors import ConfigError, nearest
 from raypipe.model import Model
 from raypipe.models import gpt
 

@@ -192,16 +192,9 @@ class HFHead(nn.Module):
         return logits
 
 
-def checkpoint_key(prefixes: list[tuple[str, str]], local: str) -> str:
-    """A layer's state-dict key under the checkpoint's name, by the layer's (local prefix,
-    checkpoint prefix) pairs (`prefixes`, the first that matches)."""
-    prefix, hf = next((p, h) for p, h in prefixes if local.startswith(p))
-    return hf + local[len(prefix) :]
-
-
 def checkpoint_keys(module: nn.Module, tied: bool = False) -> dict[str, str]:
     """The module's state-dict keys -> the checkpoint's keys (a tied head reads the embedding)."""
-    keys = {local: checkpoint_key(module.prefixes, local) for local in module.state_dict()}
+    keys = {local: layers.checkpoint_key(module.prefixes, local) for local in module.state_dict()}
     if tied:
         for head, embedding in skeleton.plan_of(module.config).tied.items():
             for local, key in keys.items():
