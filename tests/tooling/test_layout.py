@@ -37,9 +37,44 @@ def within(name: str, packages: tuple[str, ...]) -> bool:
     return any(name == p or name.startswith(p + ".") for p in packages)
 
 
+def reached(start: str) -> dict[str, str | None]:
+    """Every raypipe module `start` imports, directly or through others (top-level modules
+    included), each with the module that imports it: the path back to `start`."""
+    seen: dict[str, str | None] = {start: None}
+    queue = [start]
+    while queue:
+        module = queue.pop(0)
+        for name in MODULES.get(module, ()):
+            target = name if name in MODULES else name.rpartition(".")[0]  # `from a import b`: a.b or a
+            if target in MODULES and target != "raypipe" and target not in seen:
+                seen[target] = module
+                queue.append(target)
+    return seen
+
+
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if within(m, ACTOR_SIDE)))
 def test_actor_side_code_never_imports_the_driver(module):
-    assert not [name for name in MODULES[module] if within(name, DRIVER_SIDE)]
+    """Not directly, and not through a module in between: a top-level or shared module that
+    imported the driver would carry it into every actor that imports that module."""
+    seen = reached(module)
+    paths = []
+    for name in [n for n in seen if within(n, DRIVER_SIDE)]:
+        path = [name]
+        while seen[path[-1]] is not None:
+            path.append(seen[path[-1]])
+        paths.append(" <- ".join(path))
+    assert not paths, paths
+
+
+def test_the_transitive_check_sees_an_import_through_a_module_in_between(monkeypatch):
+    """The stage reaches `layers` only through other modules; were `layers` to import the driver,
+    the stage would carry it too."""
+    assert (
+        "raypipe.layers" in reached("raypipe.actors.stage") and "raypipe.layers" not in MODULES["raypipe.actors.stage"]
+    )
+    assert "raypipe.driver.results" not in reached("raypipe.actors.stage")
+    monkeypatch.setitem(MODULES, "raypipe.layers", MODULES["raypipe.layers"] | {"raypipe.driver.results"})
+    assert "raypipe.driver.results" in reached("raypipe.actors.stage")
 
 
 def package_of(module: str) -> str | None:
