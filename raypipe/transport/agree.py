@@ -21,11 +21,11 @@ import os
 import select
 import struct
 import uuid
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from raypipe.transport import plain
 from raypipe.transport.pipes import owned, poller, sweep_stale, wait_alive
 from raypipe.transport.pipes import prefix as link_prefix
 
@@ -48,8 +48,7 @@ def connect(rank: int, timeout: float, enabled: bool = True) -> bool:
     disconnect()
     size = dist.get_world_size()
     node = ray.get_runtime_context().get_node_id()
-    everyone: list[Any] = [None] * size
-    dist.all_gather_object(everyone, (node, os.getpid(), uuid.uuid4().hex[:16], enabled))
+    everyone = plain.all_gather((node, os.getpid(), uuid.uuid4().hex[:16], enabled))
     if not all(e[3] and e[0] == node for e in everyone):
         return False
     sweep_stale(node)
@@ -71,8 +70,7 @@ def connect(rank: int, timeout: float, enabled: bool = True) -> bool:
                 )
         except OSError:
             ok = False
-    votes: list[Any] = [None] * size
-    dist.all_gather_object(votes, ok)  # also: every rank has opened every pipe by now
+    votes = plain.all_gather(ok)  # also: every rank has opened every pipe by now
     if made:
         os.unlink(own)
     if not all(votes):

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from raypipe.transport import plain
 from raypipe.transport.gloo import GlooInbox, GlooOutbox
 from raypipe.transport.pipes import owned, poller, sweep_stale, wait_alive
 from raypipe.transport.pipes import prefix as link_prefix
@@ -74,8 +75,7 @@ def connect(rank: int, neighbours: Sequence[int], timeout: float, enabled: bool 
 
     disconnect()
     node = ray.get_runtime_context().get_node_id()
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (node, os.getpid(), uuid.uuid4().hex[:16], sorted(neighbours) if enabled else []))
+    everyone = plain.all_gather((node, os.getpid(), uuid.uuid4().hex[:16], sorted(neighbours) if enabled else []))
     sweep_stale(node)  # what dead actors of earlier trainers left on this node
     prefix = link_prefix("shm", node, everyone[0][2])
     local = [n for n in neighbours if enabled and everyone[n][0] == node and rank in everyone[n][3]]
@@ -97,8 +97,7 @@ def connect(rank: int, neighbours: Sequence[int], timeout: float, enabled: bool 
         except OSError:
             for fd in fds:
                 os.close(fd)
-    agreed: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(agreed, sorted(opened))  # also: every end has opened its pipes by now
+    agreed = plain.all_gather(sorted(opened))  # also: every end has opened its pipes by now
     for n in made:
         os.unlink(_pipe(prefix, rank, n, os.getpid()))
     for n, (reader, writer) in opened.items():

@@ -199,3 +199,27 @@ def test_tests_and_benchmarks_never_import_each_other():
             if where != "tests" and re.search(r"""/ ["']tests["']""", text):  # tests/ on a path: sys.path, PYTHONPATH
                 crossing.append(f"{path.relative_to(root)}: reaches into tests/")
     assert not crossing, crossing
+
+
+def test_nothing_a_peer_sends_is_unpickled():
+    """torch.distributed's object collectives and pickle's loads run code from whoever sent the
+    bytes; ranks exchange plain data instead (`raypipe.transport.plain`). Read from the source
+    with `ast`: a call of any of them anywhere in the package is found here."""
+    banned = {"all_gather_object", "gather_object", "broadcast_object_list", "scatter_object_list", "recv_object_list"}
+    banned |= {"send_object_list", "loads", "load", "Unpickler"}
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+                continue
+            owner = node.func.value.id if isinstance(node.func.value, ast.Name) else ""
+            name = node.func.attr
+            unpickles = name in ("loads", "load", "Unpickler") and owner in ("pickle", "cloudpickle", "dill")
+            torch_load = (
+                name == "load"
+                and owner == "torch"
+                and not any(k.arg == "weights_only" and getattr(k.value, "value", None) is True for k in node.keywords)
+            )
+            if (name in banned and name.endswith(("_object", "_object_list"))) or unpickles or torch_load:
+                found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {owner}.{name}")
+    assert not found, found

@@ -21,6 +21,7 @@ from raypipe.checkpoint import layout as ckpt
 from raypipe.checkpoint.storage import location, redact, scrub
 from raypipe.errors import StageError
 from raypipe.nn import merge, shard
+from raypipe.transport import plain
 
 
 def save_stage(
@@ -45,10 +46,7 @@ def save_stage(
         if optim.sharded is not None:
             states = _whole_states(model, optim, states)
         if optim.zero_active():  # each replica holds a share: dp rank 0 writes the union
-            import torch.distributed as dist
-
-            shares = [None] * optim.dp_size if optim.dp_rank == 0 else None
-            dist.gather_object(states, shares, dst=optim.dp_ranks[0], group=optim.dp_group)
+            shares = plain.gather(states, optim.dp_ranks[0], optim.dp_group)
             if optim.dp_rank == 0:
                 for share in shares:
                     for index, state in share.items():
@@ -283,10 +281,7 @@ def load_layer(layer: torch.nn.Module, state: dict[str, torch.Tensor], lora: boo
 
 def _whole_states(model: StageModel, optim: OptimizerState, states: dict[int, dict]) -> dict[int, dict]:
     """ZeRO-3: dp rank 0 gets every replica's slices of the optimizer state put back together."""
-    import torch.distributed as dist
-
-    shares = [None] * optim.dp_size if optim.dp_rank == 0 else None
-    dist.gather_object(states, shares, dst=optim.dp_ranks[0], group=optim.dp_group)
+    shares = plain.gather(states, optim.dp_ranks[0], optim.dp_group)
     if optim.dp_rank != 0:
         return states
     for index, layer in zip(model.layers, model.module):
@@ -302,10 +297,7 @@ def _gather_experts(
     model: StageModel, models: dict[int, dict], states: dict[int, dict], ep_ranks: list[int]
 ) -> tuple[dict, dict]:
     """Gathers the experts (weights and optimizer state) of ep ranks 1..ep-1 into ep rank 0's dicts."""
-    import torch.distributed as dist
-
-    parts = [None] * model.ep.size if model.ep.rank == 0 else None
-    dist.gather_object((models, states), parts, dst=ep_ranks[0], group=model.ep.group)
+    parts = plain.gather((models, states), ep_ranks[0], model.ep.group)
     if model.ep.rank == 0:
         for other_models, other_states in parts[1:]:
             for index in models:
@@ -318,11 +310,8 @@ def _merge_tp_shards(
     model: StageModel, models: dict[int, dict], states: dict[int, dict], tp_ranks: list[int]
 ) -> tuple[dict, dict]:
     """Gathers every tp rank's layer weights and optimizer state; rank 0 gets them merged."""
-    import torch.distributed as dist
-
     tp = model.tp
-    parts = [None] * tp.size if tp.rank == 0 else None
-    dist.gather_object((models, states), parts, dst=tp_ranks[0], group=tp.group)
+    parts = plain.gather((models, states), tp_ranks[0], tp.group)
     if tp.rank != 0:
         return models, states
     for index in models:

@@ -249,7 +249,7 @@ class OptimizerState:
 
     def state_by_param(self) -> dict[str, dict]:
         """Module parameter name -> optimizer state, for the parameters this actor steps."""
-        return {  # per-element state through host memory: the gather pickles it
+        return {  # per-element state through host memory, where the gather reads it
             name: {k: v.cpu() if torch.is_tensor(v) else v for k, v in self.optimizer.state[self.stepped(p)].items()}
             for name, p in self.model.module.named_parameters()
             if self.stepped(p) in self.optimizer.state
@@ -257,10 +257,9 @@ class OptimizerState:
 
     def dp_union(self, state: dict[str, dict]) -> dict[str, dict]:
         """The union of every dp replica's `state` (each holds a disjoint ZeRO share)."""
-        import torch.distributed as dist
+        from raypipe.transport import plain
 
-        shares: list[Any] = [None] * self.dp_size
-        dist.all_gather_object(shares, state, group=self.dp_group)
+        shares = plain.all_gather(state, group=self.dp_group)  # plain data: nothing a peer sends is unpickled
         union: dict[str, dict] = {}
         for share in shares:
             union.update(share)
