@@ -32,22 +32,10 @@ from raypipe.checkpoint.layout import find_valid, list_checkpoints, verify
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))  # modules shared with the tests
 from save_faults import FailOnSave, KillOnSave, moto_s3  # noqa: E402 - layers that die or fail as they save
+from toy_models import MLP7 as LAYERS  # noqa: E402
+from toy_models import batch  # noqa: E402
 
-LAYERS = [
-    LayerSpec(nn.Linear, 6, 16),
-    LayerSpec(nn.Tanh),
-    LayerSpec(nn.Linear, 16, 16),
-    LayerSpec(nn.GELU),
-    LayerSpec(nn.Linear, 16, 12),
-    LayerSpec(nn.Tanh),
-    LayerSpec(nn.Linear, 12, 3),
-]
 QUIET = dict(log=lambda _: None)
-
-
-def batch(k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 + k)
-    return torch.randn(16, 6, generator=g), torch.randn(16, 3, generator=g)
 
 
 def config(root: Path | str | None = None, **changes) -> TrainConfig:

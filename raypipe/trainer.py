@@ -35,7 +35,6 @@ from raypipe.errors import ConfigError
 from raypipe.layers import LayerSpec
 from raypipe.model import Model, resolve
 from raypipe.observe.loggers import Loggers, run_params
-from raypipe.observe.phases import Phase
 from raypipe.observe.progress import Progress
 from raypipe.observe.timeline import Timeline
 from raypipe.planning.links import Link
@@ -296,14 +295,11 @@ class Trainer:
         """The prompt `input_ids` followed by up to `max_new_tokens` tokens generated through the pipeline:
         greedy by default, else sampled at `temperature` from the `top_k` most likely, then the `top_p`
         nucleus (`driver.inference.generation`). The model's output must be logits (batch, sequence, vocab)."""
-        from raypipe.driver.inference.generation import generate
+        from raypipe.driver.inference.generation import generate_on
 
-        how = (max_new_tokens, temperature, top_k, self.model.kv_cache, self.config.step_timeout)
-        rows = f"generating {input_ids.shape[0]} row{'s' if input_ids.shape[0] > 1 else ''}"
-        with Phase(rows, self.group.log, max_new_tokens, "tokens", announce=False) as phase:
-            with self.group.whole_weights():
-                path = self.group.inference_path()
-                return generate(*path, input_ids, *how, attention_mask, eos_token_id, seed, top_p, phase.at)
+        label = f"generating {input_ids.shape[0]} row{'s' if input_ids.shape[0] > 1 else ''}"
+        how = (max_new_tokens, temperature, top_k, self.model.kv_cache, attention_mask, eos_token_id, seed, top_p)
+        return generate_on(self.group, label, input_ids, *how)
 
     @_one_call_at_a_time
     def state_dict(self, keys: str = "raypipe") -> dict[str, torch.Tensor]:

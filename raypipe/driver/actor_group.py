@@ -114,12 +114,13 @@ class ActorGroup:
         """
         self.engine = make_engine(self.config.engine)
         count = len(self.names)
+        actors = f"{count} actor{'s' if count > 1 else ''}"
         starting = Phase(
-            f"starting {count} actor{'s' if count > 1 else ''}",
+            f"starting {actors}",
             self.log,
             count,
             "actors",
-            done_line=lambda s: f"raypipe: {count} actor{'s' if count > 1 else ''} started in {s:.1f} s",
+            done_line=lambda s: f"raypipe: {actors} started in {s:.1f} s",
         )
         with starting:
             started = self._start_gang(reserve_wait, starting.at)

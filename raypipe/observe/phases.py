@@ -39,7 +39,7 @@ class Phase:
     ) -> None:
         self.what, self.log, self.total, self.unit, self.announce = what, log, total, unit, announce
         self.done_line = done_line or (lambda s: f"raypipe: {what}: done in {s:.1f} s")
-        self.done, self.bar, self.started = 0, None, time.monotonic()
+        self.bar, self.started = None, time.monotonic()
         self.heard = self.started  # when the last heartbeat line was written
         self.shown = interactive()
 
@@ -62,7 +62,6 @@ class Phase:
         elif time.monotonic() - self.heard >= HEARTBEAT_S:
             self.heard = time.monotonic()
             self.log(f"raypipe: still {self.what}: {self.progress(done)}")
-        self.done = done
 
     def progress(self, done: int) -> str:
         """How far along, for a log line: "12/64 tokens, 31 s"."""

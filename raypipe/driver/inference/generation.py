@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from raypipe.driver.results import gather, wait_for_progress
+from raypipe.observe.phases import Phase
 from raypipe.transport.wire import pack, unpack
 
 TOKENS_PER_CALL = 16  # a single actor's tokens per call: Ray's per-call cost spread over them
@@ -79,13 +80,13 @@ def generate(
             queued.append(_queue(stages, names, chunks, last, i == 0, cached, sampling, count))
             if len(queued) > BEHIND:
                 ended = _read(queued.pop(0), tokens, timeout, flat, flat_names, eos_token_id)
-                progress(min(sum(t.shape[1] for t in rows) for rows in tokens))
+                progress(_made(tokens))
                 if ended:
                     queued.clear()
                     break
         while queued and not _read(queued.pop(0), tokens, timeout, flat, flat_names, eos_token_id):
-            progress(min(sum(t.shape[1] for t in rows) for rows in tokens))
-        made = min(sum(t.shape[1] for t in rows) for rows in tokens)
+            progress(_made(tokens))
+        made = _made(tokens)
     finally:
         gather([a.end_generation.remote() for a in flat], "generate", flat, flat_names)
     new = torch.cat([torch.cat(rows, dim=1)[:, :made] for rows in tokens], dim=0)
@@ -93,6 +94,34 @@ def generate(
         ended = (new == eos_token_id).all(dim=0).nonzero()
         new = new[:, : int(ended[0]) + 1] if len(ended) else new
     return torch.cat([input_ids, new.to(input_ids.dtype)], dim=1)
+
+
+def generate_on(
+    group: Any,
+    label: str,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int | None,
+    cached: bool,
+    attention_mask: torch.Tensor | None = None,
+    eos_token_id: int | None = None,
+    seed: int | None = None,
+    top_p: float = 1.0,
+) -> torch.Tensor:
+    """`generate` through `group`'s inference path (an `ActorGroup`, its weights whole), within its
+    step timeout, reported as the phase `label` (`observe.phases`: a bar on a terminal, a line
+    every 30 s in a log): `Trainer.generate` and a GRPO generation batch."""
+    with Phase(label, group.log, max_new_tokens, "tokens", announce=False) as phase:
+        with group.whole_weights():
+            path = group.inference_path()
+            how = (max_new_tokens, temperature, top_k, cached, group.config.step_timeout)
+            return generate(*path, input_ids, *how, attention_mask, eos_token_id, seed, top_p, phase.at)
+
+
+def _made(tokens: list[list[torch.Tensor]]) -> int:
+    """Tokens per row read back so far (every microbatch has at least this many)."""
+    return min(sum(t.shape[1] for t in rows) for rows in tokens)
 
 
 def _microbatches(rows: int, actors: int) -> list[torch.Tensor]:

@@ -15,12 +15,11 @@ import torch
 
 from raypipe.data.batches import check_positions, check_token_ids, split_batch
 from raypipe.driver.inference.forward import run_forward
-from raypipe.driver.inference.generation import generate
+from raypipe.driver.inference.generation import generate_on
 from raypipe.driver.inference.reference import reference_kind
 from raypipe.errors import BatchError
 from raypipe.objectives.rewards import RewardFunctions
 from raypipe.objectives.rollouts import check_rollout_prompts, completions_of, rollout_batch
-from raypipe.observe.phases import Phase
 
 
 def grpo_batch(group: Any, rollout: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict]:
@@ -62,7 +61,7 @@ def generate_rollout(
     Raises:
         BatchError: the records are not prompt records.
     """
-    c, o = group.config, group.config.objective
+    o = group.config.objective
     prompts = check_rollout_prompts(records)
     g = o["num_generations"]
     repeated = [p for p in prompts for _ in range(g)]
@@ -79,12 +78,9 @@ def generate_rollout(
     for r, p in enumerate(repeated):  # left-padded, as generation numbers positions from the mask
         input_ids[r, width - len(p) :], mask[r, width - len(p) :] = torch.tensor(p), 1
     started = time.perf_counter()
-    sampling = (o["max_completion_length"], o["temperature"], o["top_k"], kv_cache, c.step_timeout)
-    rows = f"generating {len(repeated)} completions"
-    with Phase(rows, group.log, o["max_completion_length"], "tokens", announce=False) as generating:
-        with group.whole_weights():
-            path = group.inference_path()
-            out = generate(*path, input_ids, *sampling, mask, rewards.eos_token_id, seed, o["top_p"], generating.at)
+    sampling = (o["max_completion_length"], o["temperature"], o["top_k"], kv_cache)
+    label = f"generating {len(repeated)} completions"
+    out = generate_on(group, label, input_ids, *sampling, mask, rewards.eos_token_id, seed, o["top_p"])
     generated = time.perf_counter()
     completions = completions_of(out, width, rewards.eos_token_id)
     scores, means = rewards.score([r for r in records for _ in range(g)], completions)
