@@ -21,11 +21,13 @@ import argparse
 import json
 import statistics
 import time
+from typing import Any
 
 import ray
 import torch
 
 from raypipe import driver
+from raypipe.transport.ray_store import StoreKeeper
 
 
 @ray.remote
@@ -36,11 +38,6 @@ class End:
         self.device = torch.device(device)
         self.address = None
 
-    def rendezvous(self):
-        from raypipe.transport.collective import rendezvous_address
-
-        return rendezvous_address()
-
     def info(self):
         from raypipe.actors.stage_model import gpu_identity
 
@@ -50,12 +47,12 @@ class End:
             "node_id": ray.get_runtime_context().get_node_id(),
         }
 
-    def join(self, address: str, port: int, rank: int, backend: str) -> list[str]:
+    def join(self, keeper: Any, rank: int, backend: str) -> list[str]:
         from raypipe.transport import ordered, shm
         from raypipe.transport.collective import join_world
 
         self.rank = rank
-        forward, back = join_world(address, port, 2, rank, [[0, 1], [0, 1]], timeout=120, backends=[backend] * 2)
+        forward, back = join_world(keeper, 2, rank, [[0, 1], [0, 1]], timeout=120, backends=[backend] * 2)
         on = self.device if backend == "nccl" else torch.device("cpu")
         self.streams = {"to1": (forward, on), "to0": (back, on)}
         ordered.warm_up([(0, forward, [0, 1]), (1, back, [1, 0])], rank, on)
@@ -106,9 +103,9 @@ def main() -> None:
     ends = [End.options(num_gpus=per_actor, num_cpus=0.5).remote(device) for _ in range(2)]
     infos = ray.get([e.info.remote() for e in ends], timeout=120)
     own_gpus = gpus >= 2 and infos[0]["gpu"] != infos[1]["gpu"]
-    address, port = ray.get(ends[0].rendezvous.remote(), timeout=60)
+    keeper = ray.remote(StoreKeeper).remote()
     links = ray.get(
-        [e.join.remote(address, port, r, "nccl" if own_gpus else "gloo") for r, e in enumerate(ends)], timeout=300
+        [e.join.remote(keeper, r, "nccl" if own_gpus else "gloo") for r, e in enumerate(ends)], timeout=300
     )[0]
     hops: dict[str, dict[str, list[float]]] = {link: {} for link in links}
     for mb in args.sizes_mb:

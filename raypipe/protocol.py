@@ -86,7 +86,8 @@ class WorldSpec:
     """How one actor joins its trainer's torch.distributed world (`StageActor.join`).
 
     Attributes:
-        address, port: rank 0's rendezvous; world_size: every actor; rank: this one's.
+        keeper: the world's rendezvous, a `transport.ray_store.StoreKeeper` actor; world_size: every
+            actor; rank: this one's.
         groups: every subgroup's world ranks, in the order all actors create them; backends:
             each one's backend ("gloo", "nccl"), None for gloo everywhere.
         dp_group, tp_group: its stage's replicas (same tp rank), its stage's tp ranks.
@@ -101,8 +102,7 @@ class WorldSpec:
             device link stream it is in (`raypipe.driver.links.ways`).
     """
 
-    address: str
-    port: int
+    keeper: Any
     world_size: int
     rank: int
     groups: list
@@ -310,6 +310,7 @@ class ActorInfo:
     dtype: str = "float32"
     weights_read: dict = field(default_factory=dict)  # checkpoint tensors its layers read when built: key -> bytes
     shm_peers: list = field(default_factory=list)
+    listening: list = field(default_factory=list)  # "host:port" its world's own connections listen on (gloo, NCCL)
     links: dict = field(default_factory=dict)  # neighbour's world rank -> the transport of that link
     agrees_through_pipes: bool = False
     parameter_bytes: int = 0

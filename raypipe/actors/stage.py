@@ -71,6 +71,7 @@ class Stage:
         self.tp = TensorParallelGroup(spec.tp_rank, spec.tp_size)
         self.tp_ranks, self.ep_ranks = [0], []  # world ranks of its tp and ep groups (`join`)
         self.links: dict[int, str] = {}  # each pipeline neighbour's world rank -> "shm", "gloo" or "nccl" (`join`)
+        self.listening: list[str] = []  # "host:port" its world's connections listen on (`join`)
         self.streams: dict[tuple[int, str], Any] = {}  # device link streams: (v, "F"/"G") -> (group, device)
         self.agrees_through_pipes = False  # the step's closing all-reduce: pipes on one node, else gloo (`join`)
         device, self.fallback = resolve_device(spec.name, spec.device_kind, spec.allow_cpu_fallback)
@@ -129,6 +130,7 @@ class Stage:
             dtype=str(model.params[0].dtype).removeprefix("torch.") if model.params else "float32",
             weights_read={k: v for layer in model.module for k, v in getattr(layer, "read_keys", {}).items()},
             shm_peers=[n for n, how in self.links.items() if how == "shm"],
+            listening=list(self.listening),
             links=dict(self.links),
             agrees_through_pipes=self.agrees_through_pipes,
             parameter_bytes=model.parameter_bytes(),
@@ -139,7 +141,7 @@ class Stage:
             memory=self.last_memory or memory_split(_peak_memory_bytes(model.device), model, self.optim, 0),
         )
 
-    def join(self, w: WorldSpec) -> list[int]:
+    def join(self, w: WorldSpec) -> list[str]:
         """Joins the trainer's torch.distributed world (`w`), keeps its dp, tp and ep groups and its
         tied weights' groups (the copies start from the first holder's values), and links to its
         pipeline neighbours: on the device where `w.streams` say so, through shared memory on this
@@ -148,12 +150,14 @@ class Stage:
         (`transport.agree`).
 
         Returns:
-            The neighbours linked through shared memory (the others use gloo or the device).
+            The TCP addresses ("host:port") this actor began listening on as it joined: gloo's
+            (and NCCL's) own, for the start log; the rendezvous itself opens none.
         """
         from raypipe.actors import world
-        from raypipe.transport.collective import join_world
+        from raypipe.transport.collective import join_world, listening_ports
 
-        joined = join_world(w.address, w.port, w.world_size, w.rank, w.groups, w.timeout, w.backends)
+        before = listening_ports()
+        joined = join_world(w.keeper, w.world_size, w.rank, w.groups, w.timeout, w.backends)
         mine = world.by_members(w.groups, joined)
         self.optim.dp_group, self.optim.dp_ranks = mine.get(tuple(sorted(w.dp_group))), list(w.dp_group)
         self.tp.group, self.tp_ranks = mine.get(tuple(sorted(w.tp_group))), list(w.tp_group)
@@ -171,7 +175,8 @@ class Stage:
             w.timeout,
         )
         self.links, self.streams, self.agrees_through_pipes = linked.links, linked.streams, linked.agrees_through_pipes
-        return linked.shm_peers
+        self.listening = [f"{host}:{port}" for host, port in sorted(listening_ports() - before)]
+        return self.listening
 
     def configure(self, settings: StageSettings, reset_optimizer: bool = False) -> None:
         """Applies new settings; keeps optimizer state unless the optimizer kind changes."""

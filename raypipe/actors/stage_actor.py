@@ -69,12 +69,6 @@ class StageActor:
         torch.set_num_threads(threads)
         return torch.get_num_threads()
 
-    def rendezvous_address(self) -> tuple[str, int]:
-        """Rank 0's address and a free port, which every actor then joins."""
-        from raypipe.transport.collective import rendezvous_address
-
-        return rendezvous_address()
-
     def probe_link(self, peer: int, first: bool) -> dict[str, Any]:
         """Measures the link to world rank `peer` together with it (`transport.probe`)."""
         return probe_link(peer, first)

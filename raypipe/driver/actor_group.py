@@ -18,6 +18,7 @@ from raypipe.data.batches import Prepared
 from raypipe.data.sequence_units import sequence_units
 from raypipe.driver import checkpoints, chunks
 from raypipe.driver.cluster import live_trainers, placement
+from raypipe.driver.cluster.helper_actors import on_driver_node
 from raypipe.driver.cluster.topology import Topology
 from raypipe.driver.engines import Engine, StepInput, StepTarget, Wait, make_engine
 from raypipe.driver.engines.refs import submission_order
@@ -81,6 +82,7 @@ class ActorGroup:
         self.reference_kind: str | None = None
         self.report: PlanReport | None = None  # the profiled plan's report, which a shrink plans from
         self.shrunk: Any = None  # after an elastic shrink: what it grows back to (`elastic.Shrunk`)
+        self.keeper: Any = None  # the world's rendezvous keys (`transport.ray_store`), None without a world
         self.board: Any = None  # the actor-driven runs' step board (`actor_runs`), made at the first
         self.reader: Any = None  # the actor-driven runs' reader of a function's batches (`feeds`), likewise
         self.actor_run: Any = None  # the actor-driven run under way (`actor_runs.ActorRun`)
@@ -124,7 +126,10 @@ class ActorGroup:
         )
         with starting:
             started = self._start_gang(reserve_wait, starting.at)
-        self.actors, self.placement_group, self.nodes = started.actors, started.placement_group, started.nodes
+        self.actors, self.placement_group = started.actors, started.placement_group
+        self.nodes, self.keeper = started.nodes, started.keeper
+        if started.listening:
+            self.log(placement.listening_line(started.listening))
         try:
             self.configure()
             self.links = self.measure_links() if self.config.probe_links else []
@@ -132,7 +137,7 @@ class ActorGroup:
             self.shutdown()
             raise
         # a group dropped without shutdown() (its trainer in a re-run notebook cell) frees its actors
-        self._finalizer = weakref.finalize(self, placement.kill, list(self.actors), self.placement_group)
+        self._finalizer = weakref.finalize(self, placement.kill, self.actors + self.helpers(), self.placement_group)
         self._finalizer.atexit = False  # at exit Ray ends the actors with the driver
 
     def _start_gang(self, reserve_wait: float | None, ready: Callable[[int], None]) -> placement.StartedActors:
@@ -154,11 +159,14 @@ class ActorGroup:
     def shutdown(self) -> None:
         """Stops every actor. Safe to call twice."""
         self.engine.close()
-        helpers = [a for a in (self.board, self.reader) if a is not None]
-        placement.kill(self.actors + helpers, self.placement_group)
-        self.actors, self.placement_group, self.board, self.reader, self.actor_run = [], None, None, None, None
+        placement.kill(self.actors + self.helpers(), self.placement_group)
+        self.actors, self.placement_group, self.keeper, self.board, self.reader, self.actor_run = [], *[None] * 5
         if self._finalizer is not None:
             self._finalizer.detach()
+
+    def helpers(self) -> list[Any]:
+        """Its actors besides the stages: the world's rendezvous keeper, the actor runs' board and reader."""
+        return [a for a in (self.keeper, self.board, self.reader) if a is not None]
 
     # ----- settings --------------------------------------------------------------
 
@@ -254,7 +262,7 @@ class ActorGroup:
         if self.board is None:
             from raypipe.actors.step.step_board import StepBoard
 
-            self.board = _on_driver_node(StepBoard, self.run_name, "step-board")
+            self.board = on_driver_node(StepBoard, self.run_name, "step-board")
         return self.board
 
     def function_reader(self) -> Any:
@@ -265,7 +273,7 @@ class ActorGroup:
             from raypipe.actors.io.reader import DatasetReader
 
             self.step_board()
-            self.reader = _on_driver_node(DatasetReader, self.run_name, "function-reader", None, 0, None, 1, 1, None)
+            self.reader = on_driver_node(DatasetReader, self.run_name, "function-reader", None, 0, None, 1, 1, None)
         return self.reader
 
     def load(self, path: str, step: int | None, run: RunState, log: Callable[[str], None]) -> Path:
@@ -359,25 +367,6 @@ class ActorGroup:
     def actor_plan(self) -> list[list[tuple[int, int]]]:
         """Per actor, the layer ranges of the virtual stages it holds."""
         return chunks.actor_plan(self.plan, self.schedule)
-
-
-def _on_driver_node(cls: type, run_name: str, role: str, *args: Any) -> Any:
-    """An actor of `cls` on the driver's node (soft: elsewhere if that node cannot take it), named
-    `<role>-<hex>` in the run's namespace beside its stage actors (the Ray dashboard shows whose)."""
-
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
-    named = helper_options(run_name, role)
-    return ray.remote(cls).options(num_cpus=0, max_restarts=0, scheduling_strategy=here, **named).remote(*args)
-
-
-def helper_options(run_name: str, role: str) -> dict[str, str]:
-    """A helper actor's name and namespace: `<role>-<hex>` beside the run's stage actors."""
-    import uuid
-
-    return {"name": f"{role}-{uuid.uuid4().hex[:6]}", "namespace": f"raypipe-{run_name}"}
 
 
 def reference_after_load(meta: dict[str, Any]) -> str | None:

@@ -166,7 +166,7 @@ class DatasetFeed:
                 f"never comes.",
                 stacklevel=3,
             )
-        from raypipe.driver.actor_group import helper_options
+        from raypipe.driver.cluster.helper_actors import helper_options
 
         self.reader = (
             ray.remote(DatasetReader)

@@ -1,7 +1,7 @@
 """Rendezvous and process groups among stage actors.
 
-One torch.distributed world per trainer: rank 0 picks an address and a free port,
-the driver hands them to every actor through Ray, and each actor then joins the
+One torch.distributed world per trainer: the ranks meet through a Ray actor that holds
+the world's keys (`ray_store`: no rendezvous port is opened), and each actor then joins the
 world and builds the subgroups it belongs to with `new_group` (a collective call
 every rank makes for every group, in the same order). `ray.util.collective`
 would put an actor in one group only; subgroups of one world let an actor be in a
@@ -15,27 +15,22 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from raypipe.transport.gloo import forget_streams
+from raypipe.transport.ray_store import RayStore
 
 # torch DDP's default bucket size: large enough to amortise a collective's latency,
 # small enough that the first buckets go out while later gradients are still copied.
 BUCKET_BYTES = 25 * 1024 * 1024
 
-
-def rendezvous_address() -> tuple[str, int]:
-    """This host's address and a port free on it, for rank 0 to publish."""
-    import ray
-
-    host = ray.util.get_node_ip_address()
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return host, s.getsockname()[1]
+# The world's store, held while the world lives: torch keeps only its C++ side, and a Python store
+# whose Python object was collected answers torch's calls (every later `new_group`) with "Not implemented".
+_store: RayStore | None = None
 
 
 def gloo_interface(ip: str) -> str | None:
@@ -54,8 +49,7 @@ def gloo_interface(ip: str) -> str | None:
 
 
 def join_world(
-    address: str,
-    port: int,
+    keeper: Any,
     world_size: int,
     rank: int,
     groups: Sequence[Sequence[int]],
@@ -65,21 +59,26 @@ def join_world(
     """Joins the trainer's world and creates every subgroup; returns, per subgroup, the group
     where this rank is in it, else None.
 
+    The ranks meet through `keeper` (a `ray_store.StoreKeeper`, so no rendezvous port is opened);
+    gloo's and NCCL's own connections bind to the interface of this node's Ray address.
+
     Args:
         groups: every subgroup of the world (each a list of ranks), in one agreed order.
         timeout: seconds a collective may wait for its peers before failing.
         backends: each group's backend (`links.group_backend`); gloo if omitted.
     """
-    if "GLOO_SOCKET_IFNAME" not in os.environ:  # the user's choice wins
-        import ray
+    import ray
 
-        interface = gloo_interface(ray.util.get_node_ip_address())
-        if interface is not None:
-            os.environ["GLOO_SOCKET_IFNAME"] = interface
+    interface = gloo_interface(ray.util.get_node_ip_address())
+    for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        if interface is not None and variable not in os.environ:  # the user's choice wins
+            os.environ[variable] = interface
     forget_streams()  # a peer process of the new world remembers no earlier step
+    global _store
+    _store = RayStore(keeper, timeout)
     dist.init_process_group(
         "gloo",
-        init_method=f"tcp://{address}:{port}",
+        store=_store,
         world_size=world_size,
         rank=rank,
         timeout=datetime.timedelta(seconds=timeout),
@@ -91,10 +90,23 @@ def join_world(
     return mine
 
 
+def listening_ports() -> set[tuple[str, int]]:
+    """The TCP (address, port) pairs this process listens on."""
+    import psutil
+
+    return {
+        (c.laddr.ip, c.laddr.port)
+        for c in psutil.Process(os.getpid()).net_connections("tcp")
+        if c.status == psutil.CONN_LISTEN
+    }
+
+
 def leave_world() -> None:
+    global _store
     forget_streams()
     if dist.is_initialized():
         dist.destroy_process_group()
+    _store = None
 
 
 def bucket_plan(tensors: Sequence[torch.Tensor], bucket_bytes: int) -> list[list[int]]:

@@ -90,6 +90,9 @@ def test_raypipe_train_runs_the_job_saves_checkpoints_and_resumes_on_another_top
     assert "stages: stage0-dp0-tp0 layers [0, 2), stage1-dp0-tp0 layers [2, 4)" in out
     # the long phases say what they do in a log with no terminal; the first step is marked warm-up
     assert "raypipe: starting 2 actors ..." in out and re.search(r"raypipe: 2 actors started in [\d.]+ s", out)
+    # and which ports the actors' world listens on, per node (issue 75); no rendezvous port among them
+    listens = r"raypipe: the actors' world listens on [\d.]+: stage0-dp0-tp0 \d+.*, stage1-dp0-tp0 \d+.*; its"
+    assert re.search(listens, out), out[:3000]
     assert re.search(r"step    1 \|.*\| warm-up\n", out) and not re.search(r"step   (5|10) \|.*warm-up", out)
     # the README shows the first run's output: each of its lines, up to its figures and paths, is printed
     shown = (ROOT / "README.md").read_text().split("```text\n", 1)[1].split("\nsample:", 1)[0]

@@ -103,3 +103,56 @@ def test_optimizer_state_bytes_per_actor(trainer, initial, zero):
             assert max(held) < 0.8 * 2 * params, held
         else:
             assert all(abs(h - 2 * params) <= 64 for h in held), (held, params)
+
+
+class _Marker:
+    """A pickle that creates a file when loaded: what a stranger would send to run code."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_the_world_has_no_rendezvous_port_and_strangers_on_its_ports_change_nothing(trainer, initial, tmp_path):
+    """The world meets through Ray (`transport.ray_store`): an actor listens on Ray's own port and
+    gloo's, the latter on its node's address only (torch's TCPStore listened on every interface of
+    rank 0, and gloo on whatever the host name resolved to). Strangers
+    that connect to each port and send a crafted pickle, random bytes or nothing, and stay
+    connected while the world steps and saves a checkpoint, leave training exact and run nothing."""
+    import os
+    import pickle
+    import socket
+
+    import psutil
+
+    info = trainer.stage_info()
+    node_ip = ray.util.get_node_ip_address()
+    for actor, handle in zip(info, trainer.group.actors):
+        assert actor["listening"] and all(a.rsplit(":", 1)[0] == node_ip for a in actor["listening"]), actor
+        rays = ray._private.state.actors(handle._actor_id.hex())["Address"]["Port"]  # its core worker's
+        listens = {
+            f"{c.laddr.ip}:{c.laddr.port}"
+            for c in psutil.Process(actor["pid"]).net_connections("tcp")
+            if c.status == psutil.CONN_LISTEN and c.laddr.port != rays
+        }
+        assert listens == set(actor["listening"]), (actor["name"], listens)
+    marker = tmp_path / "ran"
+    payloads = [pickle.dumps(_Marker(marker)), os.urandom(4096), b""]
+    strangers = []
+    try:
+        for k, address in enumerate(a for actor in info for a in actor["listening"]):
+            host, port = address.rsplit(":", 1)
+            strangers.append(socket.create_connection((host, int(port)), timeout=10))
+            strangers[-1].sendall(payloads[k % 3])
+        check_sgd_parity(trainer, initial, reference_run(MLP7, SEED, sgd, steps=3), "1f1b", 4, SGD)
+        trainer.reconfigure(zero=1)  # the save gathers each stage's optimizer shards over the world
+        before = trainer.state_dict()
+        trainer.load(str(trainer.save(str(tmp_path / "ck"))))
+        assert_close_dicts(trainer.state_dict(), before, rtol=0, atol=0)
+    finally:
+        trainer.reconfigure(zero=0)
+        for s in strangers:
+            s.close()
+    assert not marker.exists()

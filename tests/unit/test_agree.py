@@ -11,22 +11,18 @@ import ray
 import torch
 
 from raypipe.transport import agree
+from raypipe.transport.ray_store import StoreKeeper
 
 SIZE = 3
 
 
 @ray.remote(num_cpus=0)
 class Rank:
-    def address(self):
-        from raypipe.transport.collective import rendezvous_address
-
-        return rendezvous_address()
-
-    def join(self, address, port, rank, enabled):
+    def join(self, keeper, rank, enabled):
         from raypipe.transport import agree
         from raypipe.transport.collective import join_world
 
-        join_world(address, port, SIZE, rank, [], timeout=30)
+        join_world(keeper, SIZE, rank, [], timeout=30)
         self.rank = rank
         return agree.connect(rank, timeout=30, enabled=enabled)
 
@@ -50,8 +46,8 @@ class Rank:
 
 def world(enabled):
     ranks = [Rank.remote() for _ in range(SIZE)]
-    address, port = ray.get(ranks[0].address.remote(), timeout=30)
-    through_pipes = ray.get([r.join.remote(address, port, i, enabled) for i, r in enumerate(ranks)], timeout=60)
+    keeper = ray.remote(StoreKeeper).remote()
+    through_pipes = ray.get([r.join.remote(keeper, i, enabled) for i, r in enumerate(ranks)], timeout=60)
     return ranks, through_pipes
 
 

@@ -12,6 +12,7 @@ import ray
 import torch
 
 from raypipe.transport.probe import probe_link
+from raypipe.transport.ray_store import StoreKeeper
 
 WIDTH = 512  # floats per row: 64 rows make a 128 KiB message, worth posting ahead
 POISON = "poison"
@@ -39,15 +40,10 @@ class End:
     def probe_link(self, peer, first):
         return probe_link(peer, first)
 
-    def address(self):
-        from raypipe.transport.collective import rendezvous_address
-
-        return rendezvous_address()
-
-    def join(self, address, port, rank):
+    def join(self, keeper, rank):
         from raypipe.transport.collective import join_world
 
-        join_world(address, port, 2, rank, [], timeout=30)
+        join_world(keeper, 2, rank, [], timeout=30)
 
     def send(self, steps):
         from raypipe.transport.gloo import GlooOutbox
@@ -82,8 +78,8 @@ class End:
 
 def test_a_stream_posts_ahead_what_its_last_step_had_and_stays_matched_through_every_turn(ray_session):
     ends = [End.remote() for _ in range(2)]
-    address, port = ray.get(ends[0].address.remote(), timeout=30)
-    ray.get([e.join.remote(address, port, r) for r, e in enumerate(ends)], timeout=60)
+    keeper = ray.remote(StoreKeeper).remote()
+    ray.get([e.join.remote(keeper, r) for r, e in enumerate(ends)], timeout=60)
     sent = ends[0].send.remote(STEPS)
     received = ray.get(ends[1].receive.remote(STEPS), timeout=120)
     ray.get(sent, timeout=30)

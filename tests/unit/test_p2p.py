@@ -13,6 +13,8 @@ import pytest
 import ray
 import torch
 
+from raypipe.transport.ray_store import StoreKeeper
+
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.bool]
 
 POISON = "poison"
@@ -22,22 +24,17 @@ POISON = "poison"
 class Peer:
     """One end of a two-rank world: rank 0 sends a stream, rank 1 takes it."""
 
-    def address(self):
-        from raypipe.transport.collective import rendezvous_address
-
-        return rendezvous_address()
-
-    def join(self, address, port, rank, transport):
+    def join(self, keeper, rank, transport):
         from raypipe.transport import ordered, shm
         from raypipe.transport.collective import join_world
 
         self.stream = None  # (group, device) of the ordered stream
         if transport == "ordered":
-            group = join_world(address, port, 2, rank, [[0, 1]], timeout=30)[0]
+            group = join_world(keeper, 2, rank, [[0, 1]], timeout=30)[0]
             ordered.warm_up([(0, group, [0, 1])], rank, torch.device("cpu"))
             self.stream = (group, torch.device("cpu"))
             return []
-        join_world(address, port, 2, rank, [], timeout=30)
+        join_world(keeper, 2, rank, [], timeout=30)
         return shm.connect(rank, [1 - rank], timeout=30, enabled=transport == "shm")
 
     def send(self, tensors, tags, limit=None, varying=False):
@@ -105,10 +102,8 @@ class Peer:
 
 def connect(transport):
     sender, receiver = Peer.remote(), Peer.remote()
-    address, port = ray.get(sender.address.remote(), timeout=30)
-    linked = ray.get(
-        [sender.join.remote(address, port, 0, transport), receiver.join.remote(address, port, 1, transport)], timeout=60
-    )
+    keeper = ray.remote(StoreKeeper).remote()
+    linked = ray.get([sender.join.remote(keeper, 0, transport), receiver.join.remote(keeper, 1, transport)], timeout=60)
     return sender, receiver, linked
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import ray
@@ -21,6 +21,7 @@ from raypipe.devices import ray_options
 from raypipe.driver.checkpoints import check_reachable
 from raypipe.driver.chunks import actor_chunks, actor_plan
 from raypipe.driver.cluster import gang
+from raypipe.driver.cluster.helper_actors import on_driver_node
 from raypipe.driver.cluster.topology import Topology
 from raypipe.driver.links import ways
 from raypipe.driver.results import gather, last_line
@@ -30,6 +31,7 @@ from raypipe.model import tied_stages
 from raypipe.planning.threads import oversubscribed, threads_by_node
 from raypipe.protocol import ActorInfo, ActorSpec, WorldSpec
 from raypipe.schedules import Schedule, owners, virtual_stages
+from raypipe.transport.ray_store import StoreKeeper
 
 NAME_WAIT = 10.0  # seconds a new actor waits for the name of one just killed
 CONTROL = "control"  # the stage actors' concurrency group for calls a busy actor still answers
@@ -43,6 +45,8 @@ class StartedActors:
     actors: list[Any]
     placement_group: Any
     nodes: dict[str, str]
+    keeper: Any = None  # the world's rendezvous (`transport.ray_store`), None without a world
+    listening: dict[str, list[str]] = field(default_factory=dict)  # per actor, the ports its world opened
 
 
 def cpus_per_actor(config: TrainConfig, actors: int) -> float:
@@ -258,17 +262,20 @@ def start_gang(
         raise
     own = group if not first else None  # the trainer's own group goes with its actors; a trial's stays
     shared = [(g, stages) for g, stages in enumerate(tied_stages(tied, actor_plan(plan, schedule))) if len(stages) > 1]
+    world = needs_world(config) or bool(shared)
+    keeper = on_driver_node(StoreKeeper, run_name, "rendezvous") if world else None  # starts as the actors build
+    listening: dict[str, list[str]] = {}
     try:
         infos = wait_for_actors(actors, names, topology, plan, config, cpus, others, ready)
         infos = fit_threads(actors, names, infos, config.threads_per_actor or (max(1, int(cpus)) if first else None))
-        if needs_world(config) or shared:
-            join_world(actors, names, topology, infos, config, shared, schedule)
+        if keeper is not None:
+            listening = join_world(actors, names, topology, infos, config, shared, schedule, keeper)
         if config.checkpoint_dir is not None:
             check_reachable(actors, names, config.checkpoint_dir)
     except BaseException:
-        kill(actors, own)
+        kill(actors + ([keeper] if keeper is not None else []), own)
         raise
-    return StartedActors(actors, own, {name: info.node_id for name, info in zip(names, infos)})
+    return StartedActors(actors, own, {name: info.node_id for name, info in zip(names, infos)}, keeper, listening)
 
 
 def fit_threads(
@@ -312,8 +319,10 @@ def join_world(
     config: TrainConfig,
     shared: Sequence[tuple[int, list[int]]],
     schedule: Schedule,
-) -> None:
-    """Rendezvous through Ray: rank 0 publishes an address, every actor joins the world.
+    keeper: Any,
+) -> dict[str, list[str]]:
+    """Every actor joins the world, meeting through `keeper` (a `transport.ray_store.StoreKeeper`);
+    returns, per actor name, the TCP addresses its world listens on (gloo's own connections).
 
     Each actor is in one dp group (its stage and tp rank across replicas) and one tp
     group (its stage's ranks within its replica); the groups overlap in membership.
@@ -323,7 +332,6 @@ def join_world(
     """
     pp, tp = topology.pp, topology.tp
     linked = linked_stages(schedule)
-    address, port = gather([actors[0].rendezvous_address.remote()], "rendezvous")[0]
     dp_groups, tp_groups = topology.dp_groups(), topology.tp_groups()
     tied_groups = [
         (g, topology.across_stages(stages, d, t)) for g, stages in shared for d in range(topology.dp) for t in range(tp)
@@ -341,8 +349,7 @@ def join_world(
         joins.append(
             actor.join.remote(
                 WorldSpec(
-                    address,
-                    port,
+                    keeper,
                     len(actors),
                     r,
                     groups,
@@ -358,7 +365,7 @@ def join_world(
                 )
             )
         )
-    gather(joins, "rendezvous", actors, names)
+    return dict(zip(names, gather(joins, "rendezvous", actors, names)))
 
 
 def name_links(infos: Sequence[ActorInfo], names: Sequence[str]) -> list[dict[str, Any]]:
@@ -376,6 +383,21 @@ def cluster_offer() -> str:
         labels = {k: v for k, v in (node.get("Labels") or {}).items() if k.startswith("raypipe.io/")}
         parts.append(f"node {node['NodeID'][:8]} {res}{' ' + str(labels) if labels else ''}")
     return "; ".join(parts) or "no alive nodes"
+
+
+def listening_line(listening: dict[str, list[str]]) -> str:
+    """The start log's line naming, per node address, the TCP ports the actors' world listens on
+    (gloo's own connections; the rendezvous goes through Ray and opens none)."""
+    by_host: dict[str, dict[str, list[str]]] = {}
+    for name, addresses in listening.items():
+        for address in addresses:
+            host, port = address.rsplit(":", 1)
+            by_host.setdefault(host, {}).setdefault(name, []).append(port)
+    where = "; ".join(
+        f"{host}: " + ", ".join(f"{name} {' '.join(ports)}" for name, ports in actors.items())
+        for host, actors in sorted(by_host.items())
+    )
+    return f"raypipe: the actors' world listens on {where or 'no TCP port'}; its rendezvous goes through Ray (no port)"
 
 
 def kill(actors: Sequence[Any], placement_group: Any = None) -> None:
