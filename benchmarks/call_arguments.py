@@ -18,7 +18,7 @@ import time
 import ray
 import torch
 
-from raypipe.protocol import StepCall
+from raypipe.core.protocol import StepCall
 from raypipe.transport.wire import pack_microbatches
 
 

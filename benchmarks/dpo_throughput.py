@@ -77,7 +77,7 @@ def trl_runner(directory: str, out: str):
     from trl import DPOConfig, DPOTrainer
 
     from raypipe.data.hf_tokenizer import byte_tokenizer
-    from raypipe.lora import peft_config
+    from raypipe.nn.lora import peft_config
 
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(directory), peft_config(LORA))
     tokenizer = byte_tokenizer()

@@ -109,7 +109,7 @@ def peft_loop(directory: str, device: torch.device):
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from raypipe.lora import peft_config
+    from raypipe.nn.lora import peft_config
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

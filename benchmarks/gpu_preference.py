@@ -35,7 +35,7 @@ def transformers_generator(directory: str, device: torch.device, batch, new: int
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from raypipe.lora import peft_config
+    from raypipe.nn.lora import peft_config
 
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16).to(device)
     model = get_peft_model(model, peft_config(LORA)).eval()

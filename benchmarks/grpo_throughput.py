@@ -76,7 +76,7 @@ def main() -> None:
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from raypipe.lora import peft_config
+    from raypipe.nn.lora import peft_config
 
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(directory), peft_config(LORA)).eval()
     model.generation_config.pad_token_id = 0  # no end-of-text token: every row runs to the end

@@ -55,7 +55,7 @@ def trl_trainer(directory: str, a: argparse.Namespace, texts: list[str], out: st
     from trl import GRPOConfig, GRPOTrainer
 
     from raypipe.data.hf_tokenizer import byte_tokenizer
-    from raypipe.lora import peft_config
+    from raypipe.nn.lora import peft_config
 
     tokenizer = byte_tokenizer()
     tokenizer.pad_token, tokenizer.eos_token = tokenizer.convert_ids_to_tokens(0), tokenizer.convert_ids_to_tokens(1)

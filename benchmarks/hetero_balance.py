@@ -26,7 +26,7 @@ import torch
 from ray.cluster_utils import Cluster
 
 from raypipe import LayerSpec, TrainConfig, Trainer
-from raypipe.devices import LABEL_KIND
+from raypipe.core.devices import LABEL_KIND
 from raypipe.models.simulated import SimulatedCompute
 from raypipe.planning.profiling import pipeline_seconds
 

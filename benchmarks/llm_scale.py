@@ -100,7 +100,7 @@ class PlainLoop:
         from peft import get_peft_model
         from transformers import AutoModelForCausalLM
 
-        from raypipe.lora import peft_config
+        from raypipe.nn.lora import peft_config
 
         model = AutoModelForCausalLM.from_pretrained(directory, attn_implementation="sdpa")
         with warnings.catch_warnings():

@@ -4,11 +4,11 @@ Import everything from here (tensor-parallel layers from `raypipe.nn`); other
 submodules may change.
 """
 
-import raypipe.notices  # noqa: F401 - first: hides third-party notices that ask nothing of the user
+import raypipe.core.notices  # noqa: F401 - first: hides third-party notices that ask nothing of the user
 from raypipe import nn
 from raypipe.checkpoint.layout import CheckpointError
 from raypipe.config import TrainConfig
-from raypipe.errors import (
+from raypipe.core.errors import (
     ActorDiedError,
     BatchError,
     ConfigError,
@@ -19,7 +19,7 @@ from raypipe.errors import (
     StageError,
     StepTimeoutError,
 )
-from raypipe.layers import LayerSpec, build_layers
+from raypipe.core.layers import LayerSpec, build_layers
 from raypipe.observe.step_breakdown import StepBreakdown
 from raypipe.observe.timeline import Timeline
 from raypipe.planning.links import Link

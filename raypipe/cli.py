@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 
-from raypipe.errors import ConfigError, RaypipeError
+from raypipe.core.errors import ConfigError, RaypipeError
 from raypipe.schedules import SCHEDULES
 
 
@@ -73,8 +73,8 @@ def _diagram(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    from raypipe.core.layers import parameter_counts
     from raypipe.job import JobConfig
-    from raypipe.layers import parameter_counts
     from raypipe.planning.partition import is_profiled, make_plan
     from raypipe.schedules import build_schedule, owners
 
@@ -141,7 +141,7 @@ def _sample(config):
 
 
 def _node_resources(args: argparse.Namespace) -> int:
-    from raypipe.devices import detect
+    from raypipe.core.devices import detect
 
     acc = detect()
     if args.json:

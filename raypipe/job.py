@@ -23,11 +23,11 @@ from raypipe.checkpoint import layout as ckpt
 from raypipe.checkpoint.storage import redact_values
 from raypipe.config import TrainConfig, apply_overrides, load_yaml
 from raypipe.config.checks import check_whole_number
+from raypipe.core.errors import ConfigError, RaypipeError, nearest
 from raypipe.data import TokenDataset
 from raypipe.data.job_source import DataConfig
 from raypipe.driver import outputs
 from raypipe.driver.run import ending
-from raypipe.errors import ConfigError, RaypipeError, nearest
 from raypipe.models.registry import JobModel, job_model
 from raypipe.observe.progress import Progress
 from raypipe.planning.partition import is_profiled

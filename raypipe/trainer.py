@@ -21,6 +21,8 @@ import torch
 from raypipe.checkpoint import lock as root_lock
 from raypipe.checkpoint.storage import is_uri
 from raypipe.config import TrainConfig, check_reconfigurable
+from raypipe.core.errors import ConfigError
+from raypipe.core.layers import LayerSpec
 from raypipe.driver import adapter_io, chunks, export, planned, whole_weights
 from raypipe.driver.actor_group import ActorGroup
 from raypipe.driver.cluster import live_trainers
@@ -31,9 +33,7 @@ from raypipe.driver.links import replan
 from raypipe.driver.run import controller
 from raypipe.driver.run import step as one_step
 from raypipe.driver.run_state import RunState
-from raypipe.errors import ConfigError
-from raypipe.layers import LayerSpec
-from raypipe.model import Model, resolve
+from raypipe.models.model import Model, resolve
 from raypipe.observe.loggers import Loggers, run_params
 from raypipe.observe.progress import Progress
 from raypipe.observe.timeline import Timeline
@@ -73,7 +73,7 @@ class Trainer:
 
     Args:
         layers: `LayerSpec`s or zero-argument callables returning `nn.Module`s, in order; or a
-            model object (`raypipe.model.Model`, e.g. from `raypipe.models.hf.from_pretrained`)
+            model object (`raypipe.models.model.Model`, e.g. from `raypipe.models.hf.from_pretrained`)
             carrying its layers, loss and tied weights.
         loss_fn: `loss_fn(output, target) -> scalar tensor`, a mean over the microbatch; a
             model object's own loss when omitted.

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from raypipe import TrainConfig, Trainer  # noqa: E402
-from raypipe.devices import LABEL_KIND  # noqa: E402
+from raypipe.core.devices import LABEL_KIND  # noqa: E402
 
 from helpers import MLP7, batch  # noqa: E402
 

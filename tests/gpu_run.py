@@ -18,7 +18,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from raypipe import PlacementError, TrainConfig, Trainer, driver  # noqa: E402
-from raypipe.devices import detect  # noqa: E402
+from raypipe.core.devices import detect  # noqa: E402
 
 from helpers import MLP7, batch, reference_run  # noqa: E402
 

@@ -16,7 +16,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from torch import nn  # noqa: E402
 
 from raypipe import LayerSpec, PlacementError, StageError, TrainConfig, Trainer  # noqa: E402
-from raypipe.devices import LABEL_KIND  # noqa: E402
+from raypipe.core.devices import LABEL_KIND  # noqa: E402
 from raypipe.models.simulated import SimulatedCompute  # noqa: E402
 
 from helpers import MLP7, batch, reference_run  # noqa: E402

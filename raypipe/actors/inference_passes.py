@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from raypipe.actors.step.executor import Executor
-from raypipe.errors import StageError
+from raypipe.core.errors import StageError
 from raypipe.nn.decoding import Feed, Picker
 from raypipe.schedules.actions import FORWARD
 from raypipe.transport.tree import map_tensors, to_host

@@ -19,8 +19,8 @@ import torch
 
 from raypipe.actors.stage_model import resolve_device
 from raypipe.actors.step.memory import count_saved_bytes, weight_storages
-from raypipe.devices import SERVING_ENV, detect, usable_cores
-from raypipe.layers import LayerSpec, build_layer, layer_seed
+from raypipe.core.devices import SERVING_ENV, detect, usable_cores
+from raypipe.core.layers import LayerSpec, build_layer, layer_seed
 from raypipe.transport.tree import map_tensors, tensors
 
 
@@ -169,7 +169,7 @@ class LayerProfiler:
         """Layer `index` as a stage builds it (with LoRA's adapters where configured), on the device."""
         layer = build_layer(spec, seed, index)
         if lora is not None:
-            from raypipe import lora as lora_
+            from raypipe.nn import lora as lora_
 
             lora_.apply(torch.nn.Sequential(layer), lora, [layer_seed(seed, index) + 1])
         return layer.to(self.device)

@@ -31,11 +31,9 @@ from raypipe.actors.step import step_list
 from raypipe.actors.step.compiling import compile_layers, compile_report
 from raypipe.actors.step.executor import Executor
 from raypipe.actors.step.memory import max_rss_bytes, memory_split
-from raypipe.devices import SERVING_ENV, usable_cores
-from raypipe.errors import StageError
-from raypipe.nn import TensorParallelGroup
-from raypipe.nn.moe import ExpertParallelGroup, take_step_report
-from raypipe.protocol import (
+from raypipe.core.devices import SERVING_ENV, usable_cores
+from raypipe.core.errors import StageError
+from raypipe.core.protocol import (
     ActorInfo,
     ActorSpec,
     PeerStopped,
@@ -45,6 +43,8 @@ from raypipe.protocol import (
     StepTimings,
     WorldSpec,
 )
+from raypipe.nn import TensorParallelGroup
+from raypipe.nn.moe import ExpertParallelGroup, take_step_report
 from raypipe.transport import PeerFailed, agree
 from raypipe.transport.wire import unpack
 

@@ -23,8 +23,8 @@ from raypipe.actors.stage import Stage
 from raypipe.actors.state_calls import StateCalls
 from raypipe.actors.step.refs_calls import RefsCalls
 from raypipe.actors.step.run_loop import ActorRuns
-from raypipe.errors import StageError
-from raypipe.protocol import ActorInfo, ActorSpec, CompiledCall, StepCall, StepReport
+from raypipe.core.errors import StageError
+from raypipe.core.protocol import ActorInfo, ActorSpec, CompiledCall, StepCall, StepReport
 from raypipe.transport.probe import probe_link
 
 __all__ = ["StageActor"]

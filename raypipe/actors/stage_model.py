@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from raypipe.errors import StageError
-from raypipe.layers import LayerSpec, build_layer, layer_seed, loading_to
+from raypipe.core.errors import StageError
+from raypipe.core.layers import LayerSpec, build_layer, layer_seed, loading_to
 from raypipe.nn import TensorParallelGroup, parallelize, shard, shard_specs
 from raypipe.nn.group import building
 from raypipe.nn.moe import ExpertParallelGroup, expert_parameters, keyed_moe_layers, shard_experts
@@ -65,7 +65,7 @@ class StageModel:
             )
         self.lora = lora is not None
         if lora is not None:  # adapters under a seed per layer, then everything else frozen
-            from raypipe import lora as lora_
+            from raypipe.nn import lora as lora_
 
             lora_.apply(self.module, lora, [layer_seed(seed, index) + 1 for index in self.indices], quantize)
         self.tied = self._tie(tied)
@@ -161,13 +161,13 @@ class StageModel:
 
     def peft_adapters(self) -> dict[str, torch.Tensor]:
         """This stage's adapters as peft saves them (`lora.peft_state`)."""
-        from raypipe.lora import peft_state
+        from raypipe.nn.lora import peft_state
 
         return {k: v for layer in self.module for k, v in peft_state(layer).items()}
 
     def load_peft_adapters(self, state: dict[str, torch.Tensor]) -> list[str]:
         """Loads this stage's adapters from peft's saved names (`lora.load_peft_state`); returns the keys taken."""
-        from raypipe.lora import load_peft_state
+        from raypipe.nn.lora import load_peft_state
 
         return sorted(k for layer in self.module for k in load_peft_state(layer, state))
 
@@ -190,7 +190,7 @@ class StageModel:
         """Each layer's base weights under global keys without peft's wrapping, with the adapters
         folded in when `merge` (what a library's own format holds), one layer at a time and
         uncopied where nothing changes them, so an export holds one layer's new tensors at most."""
-        from raypipe.lora import dense_state
+        from raypipe.nn.lora import dense_state
 
         for j, layer in enumerate(self.module):
             state = dense_state(layer, merge) if self.lora else layer.state_dict()

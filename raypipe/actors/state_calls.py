@@ -13,7 +13,7 @@ import torch
 from raypipe.actors.io import checkpoint_io, replica_io
 from raypipe.actors.optim import zero3
 from raypipe.checkpoint import storage
-from raypipe.protocol import HeldState
+from raypipe.core.protocol import HeldState
 
 if TYPE_CHECKING:
     from raypipe.actors.stage import Stage

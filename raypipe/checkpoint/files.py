@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from raypipe.checkpoint.storage import StoragePath, location
-from raypipe.errors import RaypipeError
+from raypipe.core.errors import RaypipeError
 
 TENSORS = ".safetensors"
 LEGACY = ".pt"  # checkpoints written before safetensors: torch.save pickles

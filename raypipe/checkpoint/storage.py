@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import quote, unquote
 
-from raypipe.errors import ConfigError
+from raypipe.core.errors import ConfigError
 
 
 def is_uri(text: Any) -> bool:

@@ -9,7 +9,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from raypipe.errors import ConfigError, nearest
+from raypipe.core.errors import ConfigError, nearest
 
 OPTIMIZER_NAMES = ("sgd", "adam", "adamw")
 LR_SCHEDULE_NAMES = ("constant", "cosine")

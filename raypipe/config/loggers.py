@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from raypipe.config.checks import fail
-from raypipe.errors import nearest
+from raypipe.core.errors import nearest
 
 # name -> (module it imports, the raypipe-train extra that installs it, the options it takes)
 LOGGERS: dict[str, tuple[str, str, tuple[str, ...]]] = {

@@ -21,7 +21,7 @@ from raypipe.checkpoint.storage import redact_values
 from raypipe.config.checks import plain
 from raypipe.config.sections import SECTIONS, SectionView
 from raypipe.config.validation import RECONFIGURABLE, validate
-from raypipe.errors import ConfigError, nearest
+from raypipe.core.errors import ConfigError, nearest
 from raypipe.schedules import SCHEDULES
 
 # Sections of a job file that belong to the job, not to TrainConfig (see raypipe.job).
@@ -209,7 +209,7 @@ class TrainConfig:
             no such device (tests and demos); the actor reports that it did.
         lora: low-rank adapters through peft: a `peft.LoraConfig` or its fields (`r`, `lora_alpha`
             or `alpha`, `target_modules` as names, a regex or "all-linear", `use_rslora`, `bias`, ...),
-            each meaning what peft means (`raypipe.lora`); what peft trains trains, the rest is frozen.
+            each meaning what peft means (`raypipe.nn.lora`); what peft trains trains, the rest is frozen.
         quantize: QLoRA: "nf4" or "int8" stores the frozen base's linears through bitsandbytes
             (cpu, cuda, rocm stages), or one entry per stage (null keeps a stage's dtype).
     """

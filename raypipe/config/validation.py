@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from raypipe import lora
 from raypipe.checkpoint.storage import check_available, is_uri, split_uri
 from raypipe.config.checks import (
     check_choice,
@@ -22,7 +21,8 @@ from raypipe.config.checks import (
 from raypipe.config.engines import ENGINES, engine_kind, engines_that
 from raypipe.config.loggers import check_loggers
 from raypipe.config.objective import check_objective
-from raypipe.errors import ScheduleError
+from raypipe.core.errors import ScheduleError
+from raypipe.nn import lora
 from raypipe.schedules import SCHEDULES, SEQUENCE_CHUNKED, build_schedule
 from raypipe.transport.compress import CODECS
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from raypipe.errors import BatchError
+from raypipe.core.errors import BatchError
 
 
 def check_token_ids(x: Any, vocab: int | None) -> None:

@@ -7,7 +7,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from raypipe import env
+from raypipe.core import env
 from raypipe.data.tokenizer import ByteTokenizer
 from raypipe.data.tokens import write_tokens
 

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from raypipe.core.errors import ConfigError, nearest
 from raypipe.data import TokenDataset, stdlib_corpus
-from raypipe.errors import ConfigError, nearest
 
 DATA_SOURCES = ("stdlib", "bin", "text", "sft", "pairs", "prompts")
 EXAMPLES = ("sft", "pairs", "prompts")  # records cut on the driver, not tokens
@@ -78,7 +78,7 @@ class DataConfig:
 
     def uses_ray_data(self) -> bool:
         """Whether training batches go through Ray Data (`reader`, "auto" resolved)."""
-        from raypipe.env import ray_address
+        from raypipe.core.env import ray_address
 
         if self.reader == "auto":
             return self.source not in EXAMPLES and ray_address() is not None

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from raypipe.errors import ConfigError
+from raypipe.core.errors import ConfigError
 
 COLUMNS = ("prompt", "chosen", "rejected")
 

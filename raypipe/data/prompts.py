@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from raypipe.errors import ConfigError
+from raypipe.core.errors import ConfigError
 
 
 def stdlib_prompts(limit: int = 2000, max_bytes: int = 4_000_000) -> list[dict[str, Any]]:

@@ -10,8 +10,8 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from raypipe.core.errors import BatchError
 from raypipe.data.batches import Prepared, is_varying
-from raypipe.errors import BatchError
 from raypipe.nn.cross_entropy import IGNORE
 
 

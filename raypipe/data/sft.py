@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from raypipe.core.errors import ConfigError
 from raypipe.data.corpus import stdlib_sources
-from raypipe.errors import ConfigError
 
 IGNORE = -100
 

@@ -14,6 +14,9 @@ from typing import Any
 
 from raypipe.checkpoint import lock as root_lock
 from raypipe.config import TrainConfig
+from raypipe.core.errors import RaypipeError
+from raypipe.core.layers import LayerSpec
+from raypipe.core.protocol import StageSettings
 from raypipe.data.batches import Prepared
 from raypipe.data.sequence_units import sequence_units
 from raypipe.driver import checkpoints, chunks
@@ -25,12 +28,9 @@ from raypipe.driver.engines.refs import submission_order
 from raypipe.driver.links import measure
 from raypipe.driver.results import gather
 from raypipe.driver.run_state import RunState
-from raypipe.errors import RaypipeError
-from raypipe.layers import LayerSpec
 from raypipe.observe.phases import Phase
 from raypipe.planning.links import Link
 from raypipe.planning.profiling import PlanReport
-from raypipe.protocol import StageSettings
 from raypipe.schedules import build_schedule
 
 

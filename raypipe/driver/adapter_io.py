@@ -11,10 +11,10 @@ from typing import Any
 
 import torch
 
+from raypipe.core.errors import ConfigError
 from raypipe.driver.results import gather
-from raypipe.errors import ConfigError
-from raypipe.lora import peft_config
 from raypipe.models.hf.adapters import PREFIX, WEIGHTS
+from raypipe.nn.lora import peft_config
 
 
 def save(stages: Sequence[Sequence[Any]], model: Any, lora: dict | None, directory: str) -> None:

@@ -21,7 +21,7 @@ def run_meta(
 ) -> dict[str, Any]:
     """What a checkpoint's manifest says about the run beside the files; `run_id`: the run's
     identity (kept across its resumes), which pruning and recovery keep to; `base`: in a LoRA
-    run, the identity of the frozen base model its adapters belong to (`raypipe.model.Model.identity`)."""
+    run, the identity of the frozen base model its adapters belong to (`raypipe.models.model.Model.identity`)."""
     return {
         "base": base,
         "step": step,

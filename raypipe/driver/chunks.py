@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from raypipe.errors import ConfigError
+from raypipe.core.errors import ConfigError
 from raypipe.schedules import Schedule, owners, virtual_stages
 
 

@@ -18,10 +18,10 @@ from typing import Any
 import torch
 
 from raypipe.actors.io.checkpoint_io import save_tensors
+from raypipe.core.errors import RaypipeError
+from raypipe.core.layers import LayerSpec
 from raypipe.driver.results import gather
 from raypipe.driver.whole_weights import merged
-from raypipe.errors import RaypipeError
-from raypipe.layers import LayerSpec
 from raypipe.models.hf.tensor_files import INDEX
 
 

@@ -13,8 +13,8 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from raypipe.config.engines import engine_kind, engines_that
+from raypipe.core.errors import BatchError, ConfigError
 from raypipe.data.batches import Prepared, prepare
-from raypipe.errors import BatchError, ConfigError
 
 
 class FunctionFeed:

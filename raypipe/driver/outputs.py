@@ -15,8 +15,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from raypipe import env
 from raypipe.checkpoint.storage import is_uri
+from raypipe.core import env
 
 PACKAGES = "working_dir_files"  # the folder of Ray's runtime resources holding unpacked working dirs
 

@@ -8,11 +8,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from raypipe.config import TrainConfig
+from raypipe.core.layers import LayerSpec
 from raypipe.driver import checkpoints
 from raypipe.driver.cluster import placement
 from raypipe.driver.cluster.connect import connect, ship_user_code
 from raypipe.driver.cluster.topology import Topology
-from raypipe.layers import LayerSpec
 from raypipe.nn.plan import check_stages_split
 from raypipe.observe.phases import Phase
 from raypipe.planning.autoschedule import plan_run
@@ -58,7 +58,7 @@ def lora_targets(specs: Sequence[LayerSpec], lora: dict[str, Any], model: Any) -
     """`lora.resolve` on the model's layers built on the meta device (and its transformers skeleton)."""
     import torch
 
-    from raypipe import lora as lora_
+    from raypipe.nn import lora as lora_
 
     with torch.device("meta"):
         layers = [spec.build() for spec in specs]

@@ -10,9 +10,9 @@ from typing import Any
 
 import ray
 
-from raypipe.env import call_timeout
-from raypipe.errors import ActorDiedError, StageError, StepTimeoutError
-from raypipe.protocol import PeerStopped
+from raypipe.core.env import call_timeout
+from raypipe.core.errors import ActorDiedError, StageError, StepTimeoutError
+from raypipe.core.protocol import PeerStopped
 
 
 def root_failure(errors: Sequence[Exception]) -> Exception:
@@ -116,4 +116,4 @@ def last_line(error: BaseException) -> str:
     """The last line of an error's text: Ray puts the remote traceback first, the cause last."""
     text = str(error).strip()
     line = text.splitlines()[-1] if text else type(error).__name__
-    return line.removeprefix("raypipe.errors.StageError: ")
+    return line.removeprefix("raypipe.core.errors.StageError: ")

@@ -6,7 +6,7 @@ import json
 import time
 from collections.abc import Sequence
 
-from raypipe import env
+from raypipe.core import env
 from raypipe.schedules import Schedule
 
 

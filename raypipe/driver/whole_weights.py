@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
+from raypipe.core.errors import ConfigError, StageError
 from raypipe.driver.results import gather
-from raypipe.errors import ConfigError, StageError
 from raypipe.nn import ShardSpec, merge
 
 

@@ -28,8 +28,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from raypipe.config.checks import check_whole_number
-from raypipe.errors import ConfigError
-from raypipe.layers import LayerSpec
+from raypipe.core.errors import ConfigError
+from raypipe.core.layers import LayerSpec
 from raypipe.nn import ColumnParallel, RowParallel, VocabParallel, chunk_attention, sequence_chunks
 from raypipe.nn.moe import ExpertMLP, MoE, check_moe
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from raypipe.errors import ConfigError
-from raypipe.layers import LayerSpec
-from raypipe.model import Model
+from raypipe.core.errors import ConfigError
+from raypipe.core.layers import LayerSpec
 from raypipe.models import gpt
+from raypipe.models.model import Model
 
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 

@@ -21,9 +21,9 @@ from typing import Any
 
 from torch import nn
 
-from raypipe.errors import ConfigError
-from raypipe.layers import LayerSpec
-from raypipe.model import Model
+from raypipe.core.errors import ConfigError
+from raypipe.core.layers import LayerSpec
+from raypipe.models.model import Model
 
 CONTAINERS = (nn.ModuleList, nn.Sequential)
 

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 
 from raypipe.config.checks import check_whole_number
-from raypipe.errors import ConfigError, nearest
-from raypipe.model import Model
+from raypipe.core.errors import ConfigError, nearest
 from raypipe.models import gpt
+from raypipe.models.model import Model
 
 
 class JobModel:

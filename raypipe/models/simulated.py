@@ -16,7 +16,7 @@ import time
 import torch
 from torch import nn
 
-from raypipe.devices import serving_kind
+from raypipe.core.devices import serving_kind
 
 
 class SimulatedClock:

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from raypipe.errors import ConfigError
+from raypipe.core.errors import ConfigError
 
 
 @dataclass

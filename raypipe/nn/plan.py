@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from raypipe.errors import ConfigError
+from raypipe.core.errors import ConfigError
 from raypipe.nn.group import TensorParallelGroup
 from raypipe.nn.shard import ShardSpec
 from raypipe.nn.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding

@@ -267,7 +267,7 @@ def check_chunkable(layers: Any, actor: str, indices: list[int]) -> None:
     Raises:
         ConfigError: naming the first such layer, its index and the actor holding it.
     """
-    from raypipe.errors import ConfigError
+    from raypipe.core.errors import ConfigError
 
     for index, layer in zip(indices, layers):
         declared = getattr(layer, "runs_sequence_chunks", None)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from raypipe.errors import ConfigError
+from raypipe.core.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from raypipe.errors import ConfigError
+from raypipe.core.errors import ConfigError
 from raypipe.nn.group import (
     TensorParallelGroup,
     copy_to_group,

@@ -24,7 +24,7 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
-from raypipe.errors import ConfigError
+from raypipe.core.errors import ConfigError
 
 IGNORE = -100  # the label of a token no loss reads: a prompt's, padding
 

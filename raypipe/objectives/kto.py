@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from raypipe.errors import BatchError
+from raypipe.core.errors import BatchError
 from raypipe.objectives.base import LogProbPass, Objective, Rows, invalid_setting, means, register
 from raypipe.objectives.dpo import row_logps
 from raypipe.objectives.pairs import completion_rows

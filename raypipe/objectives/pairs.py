@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from raypipe.errors import BatchError
+from raypipe.core.errors import BatchError
 from raypipe.objectives.base import IGNORE
 
 COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from raypipe.lora import is_adapter
+from raypipe.nn.lora import is_adapter
 
 
 class ReferencePolicy:

@@ -8,7 +8,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from raypipe.errors import BatchError, ConfigError
+from raypipe.core.errors import BatchError, ConfigError
 
 
 def resolve(function: Callable | str) -> Callable:

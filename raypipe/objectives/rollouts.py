@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from raypipe.errors import BatchError
+from raypipe.core.errors import BatchError
 from raypipe.objectives.pairs import completion_rows
 
 COLUMNS = ("prompt_ids", "completion_ids", "rewards")

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from raypipe.config import TrainConfig
-from raypipe.layers import LayerSpec, as_spec, parameter_counts
+from raypipe.core.layers import LayerSpec, as_spec, parameter_counts
 from raypipe.planning.partition import make_plan
 from raypipe.schedules import build_schedule, owners
 

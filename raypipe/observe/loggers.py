@@ -262,7 +262,7 @@ class Loggers:
     def close(self) -> None:
         """Ends every logger's run with `status`, each waited for at most RAYPIPE_CALL_TIMEOUT s (a
         tracking server that stopped answering must not hang the shutdown)."""
-        from raypipe.env import call_timeout
+        from raypipe.core.env import call_timeout
 
         loggers, self.open, self.opened = self.open, [], False
         for logger in loggers:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from raypipe.protocol import StepReport
+from raypipe.core.protocol import StepReport
 
 
 def stage_metrics(reports: Sequence[StepReport]) -> list[dict[str, float]]:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from xml.sax.saxutils import escape
 
-from raypipe.errors import ScheduleError
+from raypipe.core.errors import ScheduleError
 from raypipe.observe.step_breakdown import (  # all-to-all: a thin bar, not busy
     ALL_TO_ALL,
     StepBreakdown,
@@ -147,7 +147,7 @@ class Timeline:
         if planned:
             return cls.planned_as_measured(schedule, events, title, stage_names)
         if not events:
-            from raypipe.errors import RaypipeError
+            from raypipe.core.errors import RaypipeError
 
             raise RaypipeError("no step has run yet: call step() first, or timeline(planned=True).")
         line = cls.measured(events, title, stage_names)

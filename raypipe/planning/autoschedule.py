@@ -25,9 +25,9 @@ from typing import Any
 import torch
 
 from raypipe.config import TrainConfig
+from raypipe.core.errors import ConfigError
+from raypipe.core.layers import LayerSpec
 from raypipe.data.batches import split_batch
-from raypipe.errors import ConfigError
-from raypipe.layers import LayerSpec
 from raypipe.planning.links import Link, message_seconds
 from raypipe.planning.profiling import (
     PlanReport,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from raypipe.errors import ConfigError
+from raypipe.core.errors import ConfigError
 
 Plan = list[tuple[int, int]]
 
@@ -192,7 +192,7 @@ def first_plan(specs: Sequence[Any], config: Any, has_sample: bool) -> tuple[Pla
         ConfigError: no sample for a profiled plan, a plan that does not fit the layers, a tp
             that does not split them, or a stage whose layers have no tp plan.
     """
-    from raypipe.layers import parameter_counts
+    from raypipe.core.layers import parameter_counts
     from raypipe.nn.moe import check_expert_parallel
     from raypipe.nn.plan import check_stages_split, check_tensor_parallel
 

@@ -24,11 +24,11 @@ import torch
 
 from raypipe.config import TrainConfig
 from raypipe.config.engines import engine_kind
+from raypipe.core.devices import ray_options
+from raypipe.core.env import gradient_hand_on
+from raypipe.core.errors import PlacementError, StageError
+from raypipe.core.layers import LayerSpec
 from raypipe.data.sequence_units import cut_microbatch
-from raypipe.devices import ray_options
-from raypipe.env import gradient_hand_on
-from raypipe.errors import PlacementError, StageError
-from raypipe.layers import LayerSpec
 from raypipe.planning.links import Link, boundary_bytes, message_seconds
 from raypipe.planning.partition import Plan, speed_aware_plan, uniform_plan
 from raypipe.planning.threads import fitting_threads, node_cpus, packed_on_node

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from raypipe.errors import ScheduleError
+from raypipe.core.errors import ScheduleError
 from raypipe.schedules.actions import (
     BACKWARD,
     FORWARD,

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from raypipe.errors import ScheduleError
+from raypipe.core.errors import ScheduleError
 
 FORWARD = "F"
 BACKWARD = "B"

@@ -8,7 +8,7 @@ sends and up to (v - 1) * p + 2 * (p - 1 - s) + 1 chunk-microbatches in flight o
 
 from __future__ import annotations
 
-from raypipe.errors import ScheduleError
+from raypipe.core.errors import ScheduleError
 from raypipe.schedules.actions import BACKWARD, FORWARD, Action, Schedule
 
 

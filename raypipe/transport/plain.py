@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from raypipe.errors import RaypipeError
+from raypipe.core.errors import RaypipeError
 
 #: the dtypes a peer may send, by name
 DTYPES = {

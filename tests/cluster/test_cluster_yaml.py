@@ -7,7 +7,7 @@ import pytest
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
-from raypipe.devices import LABEL_KIND
+from raypipe.core.devices import LABEL_KIND
 
 ROOT = Path(__file__).parents[2]
 FILES = [ROOT / "cluster.yaml", *sorted((ROOT / "examples/clusters").glob("*.yaml"))]
@@ -38,7 +38,7 @@ def test_a_mac_worker_may_join_and_every_host_gets_the_same_ray():
 
 
 def test_cloud_node_types_declare_the_resource_and_label_stages_ask_for():
-    from raypipe.devices import ray_options
+    from raypipe.core.devices import ray_options
 
     config = yaml.safe_load((ROOT / "examples/clusters/aws-nvidia-amd.yaml").read_text())
     types = config["available_node_types"]

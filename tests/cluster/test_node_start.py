@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from raypipe.devices import LABEL_KIND, LABEL_MODEL
+from raypipe.core.devices import LABEL_KIND, LABEL_MODEL
 
 from ray_head import RayHead, head_env
 

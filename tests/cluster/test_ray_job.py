@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from raypipe.devices import LABEL_KIND, detect
+from raypipe.core.devices import LABEL_KIND, detect
 
 from ray_head import RAY, RayHead, head_env
 

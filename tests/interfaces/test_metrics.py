@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from raypipe import LayerSpec, TrainConfig, Trainer
-from raypipe.devices import usable_cores
+from raypipe.core.devices import usable_cores
 
 from helpers import MLP7, Sleep, batch, tensorboard_run
 

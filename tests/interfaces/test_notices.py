@@ -1,5 +1,5 @@
 """A run prints raypipe's own lines and the warnings that ask the user to act: the third-party
-notices that ask nothing (`raypipe.notices`) are gone from any process that imports raypipe,
+notices that ask nothing (`raypipe.core.notices`) are gone from any process that imports raypipe,
 while the same loggers' other messages still show."""
 
 import subprocess

@@ -12,11 +12,11 @@ import torch
 from torch import nn
 
 from raypipe import LayerSpec, PlacementError, StageError, TrainConfig, Trainer
+from raypipe.core.protocol import ActorInfo
 from raypipe.driver.cluster.topology import Topology
 from raypipe.driver.links import ways
 from raypipe.models import gpt
 from raypipe.observe.diagram import Architecture
-from raypipe.protocol import ActorInfo
 from raypipe.schedules import build_schedule
 
 from helpers import MLP7, KillOnce, batch, check_sgd_parity, lm_tokens, reference_run

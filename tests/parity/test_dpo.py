@@ -48,7 +48,7 @@ def trl_dpo(directory, initial, steps, beta, loss_type, out, bits=None):
     from trl import DPOConfig, DPOTrainer
 
     from raypipe.data.hf_tokenizer import byte_tokenizer
-    from raypipe.lora import peft_config, quantize
+    from raypipe.nn.lora import peft_config, quantize
 
     base = load(directory)
     for layer in base.model.layers if bits else ():  # QLoRA: the same quantized base as raypipe's stages
@@ -81,7 +81,7 @@ def peft_adapter(directory, state, out):
     """`state` (peft's names) saved as peft saves an adapter, where `Trainer.load_adapter` reads it."""
     from peft import get_peft_model, set_peft_model_state_dict
 
-    from raypipe.lora import peft_config
+    from raypipe.nn.lora import peft_config
 
     model = get_peft_model(load(directory), peft_config(LORA))
     set_peft_model_state_dict(model, state)

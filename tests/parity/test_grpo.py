@@ -51,7 +51,7 @@ def trl_grpo(directory, initial, batches, objective, out):
     from trl import GRPOConfig, GRPOTrainer
 
     from raypipe.data.hf_tokenizer import byte_tokenizer
-    from raypipe.lora import peft_config
+    from raypipe.nn.lora import peft_config
 
     model = get_peft_model(load(directory), peft_config(LORA))
     set_peft_model_state_dict(model, initial)
@@ -176,7 +176,7 @@ def test_dr_grpos_loss_and_gradients_equal_trls(directory, tmp_path):
     max_completion_length, as TRL does."""
     from peft import get_peft_model, get_peft_model_state_dict
 
-    from raypipe.lora import peft_config
+    from raypipe.nn.lora import peft_config
 
     objective = {"beta": 0.0, "loss_type": "dr_grpo", "num_generations": G, "num_iterations": 1, "epsilon": 0.2}
     objective["max_completion_length"] = 16

@@ -45,7 +45,7 @@ def trl_kto(directory, initial, steps, out):
     from trl import KTOConfig, KTOTrainer
 
     from raypipe.data.hf_tokenizer import byte_tokenizer
-    from raypipe.lora import peft_config
+    from raypipe.nn.lora import peft_config
 
     model = get_peft_model(load(directory), peft_config(LORA))
     set_peft_model_state_dict(model, initial)

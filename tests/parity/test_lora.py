@@ -36,7 +36,7 @@ def peft_reference(directory, kind, initial):
 
     from peft import get_peft_model, set_peft_model_state_dict
 
-    from raypipe.lora import peft_config
+    from raypipe.nn.lora import peft_config
 
     def prepare(model):
         with warnings.catch_warnings():
@@ -240,7 +240,7 @@ def test_every_peft_option_means_what_peft_means(ray_session, tmp_path, option):
 
 
 def lora_peft_config(lora):
-    from raypipe.lora import peft_config
+    from raypipe.nn.lora import peft_config
 
     return peft_config(lora)
 
@@ -283,7 +283,7 @@ def test_qlora_stores_the_base_in_fewer_bits_and_matches_peft_on_the_same_quanti
     pytest.importorskip("bitsandbytes")
     from peft import get_peft_model, set_peft_model_state_dict
 
-    from raypipe.lora import peft_config, quantize
+    from raypipe.nn.lora import peft_config, quantize
 
     directory = saved["llama"]
     config = TrainConfig(
@@ -348,7 +348,7 @@ def test_lora_on_a_bf16_base_matches_peft_and_keeps_adapters_in_fp32_as_peft_doe
     and adapters after 3 steps match peft on the whole model in one process."""
     from peft import get_peft_model, set_peft_model_state_dict
 
-    from raypipe.lora import peft_config
+    from raypipe.nn.lora import peft_config
 
     directory = saved["llama"]
     model = hf.from_pretrained(directory, dtype="bf16")

@@ -315,8 +315,8 @@ def test_narrow_boundaries_keep_scalars_and_routing_counts_exact():
     Mixtral's routing counts (exact integers that bf16 would round above 256) keep float32."""
     from raypipe.actors.stage_model import StageModel
     from raypipe.actors.step.executor import Executor
+    from raypipe.core.protocol import StageSettings
     from raypipe.nn import TensorParallelGroup
-    from raypipe.protocol import StageSettings
 
     model = StageModel(LAYERS[:2], 0, SEED, torch.device("cpu"), TensorParallelGroup())
     executor = Executor(model, 0, False, None, lambda: 1.0, "stage0")

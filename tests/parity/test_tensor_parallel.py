@@ -161,8 +161,8 @@ def test_tp_on_a_stage_whose_layers_have_no_plan_is_refused_before_any_actor_sta
 
 
 def test_each_group_takes_the_backend_of_its_members_tensors():
+    from raypipe.core.protocol import ActorInfo
     from raypipe.driver.links.ways import group_backend
-    from raypipe.protocol import ActorInfo
 
     def infos(*devices):  # each on a GPU of its own where on cuda
         return [

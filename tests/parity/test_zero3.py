@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from raypipe import ConfigError, StageError, TrainConfig, Trainer
-from raypipe.layers import build_layers
+from raypipe.core.layers import build_layers
 from raypipe.models import gpt
 
 from helpers import assert_close_dicts, check_sgd_parity, lm_tokens, reference_run

@@ -110,7 +110,7 @@ def test_each_elastic_limit_stops_with_an_error_naming_it(ray_session):
     from raypipe import PlacementError, TrainConfig
     from raypipe.driver.actor_group import ActorGroup
     from raypipe.driver.run import elastic
-    from raypipe.model import resolve
+    from raypipe.models.model import resolve
 
     from helpers import MLP7
 
@@ -142,8 +142,8 @@ def test_a_restore_from_memory_needs_every_layer_of_each_rank_from_survivors():
     """What decides between the survivors' memory and the checkpoint (`raypipe.driver.run.replicas`),
     without Ray: the config allows it, and the survivors together hold every layer of each tp rank."""
     from raypipe import TrainConfig
+    from raypipe.core.protocol import HeldState
     from raypipe.driver.run import replicas
-    from raypipe.protocol import HeldState
 
     assert replicas.why_not(TrainConfig(dp=2)) is None
     assert "ZeRO-1 share" in replicas.why_not(TrainConfig(dp=2, zero=1))

@@ -22,7 +22,7 @@ from torch import nn
 from raypipe import BatchError, LayerSpec, StageError, TrainConfig, Trainer
 from raypipe.checkpoint import lock, tidy
 from raypipe.checkpoint.layout import CheckpointError, find_valid, list_checkpoints, verify
-from raypipe.protocol import StepCall
+from raypipe.core.protocol import StepCall
 
 from helpers import MLP7, KillOnce, assert_close_dicts, batch, reference_run
 

@@ -70,16 +70,17 @@ def test_the_transitive_check_sees_an_import_through_a_module_in_between(monkeyp
     """The stage reaches `layers` only through other modules; were `layers` to import the driver,
     the stage would carry it too."""
     assert (
-        "raypipe.layers" in reached("raypipe.actors.stage") and "raypipe.layers" not in MODULES["raypipe.actors.stage"]
+        "raypipe.core.layers" in reached("raypipe.actors.stage")
+        and "raypipe.core.layers" not in MODULES["raypipe.actors.stage"]
     )
     assert "raypipe.driver.results" not in reached("raypipe.actors.stage")
-    monkeypatch.setitem(MODULES, "raypipe.layers", MODULES["raypipe.layers"] | {"raypipe.driver.results"})
+    monkeypatch.setitem(MODULES, "raypipe.core.layers", MODULES["raypipe.core.layers"] | {"raypipe.driver.results"})
     assert "raypipe.driver.results" in reached("raypipe.actors.stage")
 
 
 def package_of(module: str) -> str | None:
     """The subpackage a module belongs to (`raypipe.driver.engines.p2p` -> `raypipe.driver`), None
-    for the top-level modules, which are the shared ground every package may stand on."""
+    for the top-level modules (the user's entry points: trainer, job, cli, tune)."""
     parts = module.split(".")
     return ".".join(parts[:2]) if len(parts) > 1 and (PACKAGE / parts[1]).is_dir() else None
 
@@ -105,7 +106,7 @@ def test_the_check_sees_a_forbidden_import(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("def f():\n    from raypipe.driver.run import controller\n")
     assert within("raypipe.driver.run.controller", DRIVER_SIDE) and "raypipe.driver.run.controller" in imports(bad)
-    assert package_of("raypipe.driver.engines.p2p") == "raypipe.driver" and package_of("raypipe.errors") is None
+    assert package_of("raypipe.driver.engines.p2p") == "raypipe.driver" and package_of("raypipe.trainer") is None
 
 
 def test_every_raypipe_import_names_a_module_and_a_name_that_exist():
@@ -223,3 +224,14 @@ def test_nothing_a_peer_sends_is_unpickled():
             if (name in banned and name.endswith(("_object", "_object_list"))) or unpickles or torch_load:
                 found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {owner}.{name}")
     assert not found, found
+
+
+def test_the_ground_imports_nothing_above_it():
+    """`raypipe.core` (errors, env, devices, layers, protocol, notices) is what every package stands
+    on: it imports nothing of raypipe outside itself, not even inside a function."""
+    above = {
+        module: sorted(n for n in names if not within(n, ("raypipe.core",)) and n != "raypipe")
+        for module, names in MODULES.items()
+        if within(module, ("raypipe.core",))
+    }
+    assert len(above) >= 6 and not any(above.values()), {m: n for m, n in above.items() if n}

@@ -9,7 +9,7 @@ import pytest
 from ray._private.label_utils import parse_node_labels_string, validate_node_label_syntax
 
 from raypipe import ConfigError
-from raypipe.devices import LABEL_KIND, LABEL_MODEL, Accelerator, detect, label_value
+from raypipe.core.devices import LABEL_KIND, LABEL_MODEL, Accelerator, detect, label_value
 
 
 def test_this_machine_is_a_cpu_node():

@@ -6,8 +6,8 @@ from torch import nn
 
 from raypipe import ConfigError, LayerSpec, RaypipeError
 from raypipe.driver import export
-from raypipe.model import Model
 from raypipe.models import gpt, gpt_export
+from raypipe.models.model import Model
 
 
 @pytest.mark.parametrize(

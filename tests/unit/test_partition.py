@@ -8,7 +8,7 @@ import pytest
 from torch import nn
 
 from raypipe import ConfigError, LayerSpec
-from raypipe.layers import parameter_counts
+from raypipe.core.layers import parameter_counts
 from raypipe.planning.partition import balanced_plan, check_plan, make_plan, speed_aware_plan, uniform_plan
 
 

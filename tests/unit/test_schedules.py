@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from raypipe.errors import ScheduleError
+from raypipe.core.errors import ScheduleError
 from raypipe.schedules import (
     BACKWARD,
     FORWARD,
@@ -234,7 +234,7 @@ def test_an_extra_warmup_keeps_the_schedule_valid_and_holds_that_many_more(name)
 
 def test_an_extra_warmup_is_refused_where_the_schedule_has_none():
     from raypipe.config import TrainConfig
-    from raypipe.errors import ConfigError
+    from raypipe.core.errors import ConfigError
 
     with pytest.raises(ScheduleError, match="'1f1b', 'zb-h1' take one"):
         build_schedule("gpipe", 2, 4, extra_warmup=1)

@@ -6,9 +6,9 @@ import torch
 from torch import nn
 
 from raypipe import ConfigError, TrainConfig
+from raypipe.core.errors import BatchError
 from raypipe.data.batches import prepare
 from raypipe.data.sequence_units import sequence_units
-from raypipe.errors import BatchError
 from raypipe.models import gpt
 from raypipe.models.hf.loss import CausalLMLoss
 from raypipe.nn import sequence_chunks
@@ -197,8 +197,8 @@ def test_transformers_layers_on_chunks_give_the_whole_sequences_logits_and_gradi
     """In float64, block by block: a Llama under an attention mask that hides nothing takes the
     plain causal plan without reading transformers' mask; a Mistral whose window (5) is shorter
     than the sequence so far reads it (the window hides keys)."""
+    from raypipe.core.layers import build_layer
     from raypipe.data.sequence_units import cut_microbatch
-    from raypipe.layers import build_layer
     from raypipe.models import hf
     from raypipe.nn import chunk_attention
 

@@ -19,7 +19,7 @@ from raypipe.actors.optim.optimizer import OptimizerState
 from raypipe.actors.stage_model import StageModel
 from raypipe.checkpoint import layout as ckpt
 from raypipe.checkpoint.storage import location, redact, scrub
-from raypipe.errors import StageError
+from raypipe.core.errors import StageError
 from raypipe.nn import merge, shard
 from raypipe.transport import plain
 
@@ -97,7 +97,7 @@ def expected_tensors(
     shards put back together), a floating-point one; None for what is not floating point (a
     quantized base's packed storage, whose shape is not the weight's: its presence is checked);
     and the names of the experts other ep ranks hold (present, not checked)."""
-    from raypipe.lora import trained_keys
+    from raypipe.nn.lora import trained_keys
 
     trained = trained_keys(layer)
     expected = {}
@@ -260,7 +260,7 @@ def saved_state(layer: torch.nn.Module, lora: bool) -> dict[str, torch.Tensor]:
     state = layer.state_dict()
     if not lora:
         return state
-    from raypipe.lora import trained_keys
+    from raypipe.nn.lora import trained_keys
 
     trained = trained_keys(layer)
     return {k: v for k, v in state.items() if k in trained}
@@ -271,7 +271,7 @@ def load_layer(layer: torch.nn.Module, state: dict[str, torch.Tensor], lora: boo
     if not lora:
         layer.load_state_dict(state)
         return
-    from raypipe.lora import trained_keys
+    from raypipe.nn.lora import trained_keys
 
     expected = trained_keys(layer)
     if set(state) != expected:

@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from raypipe.core.errors import BatchError
 from raypipe.data.batches import Prepared, prepare
-from raypipe.errors import BatchError
 
 
 def default_collate(batch: dict[str, np.ndarray]) -> tuple[Any, Any]:

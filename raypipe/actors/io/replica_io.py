@@ -20,7 +20,7 @@ from torch import nn
 from raypipe.actors.io.checkpoint_io import load_layer, saved_state
 from raypipe.actors.optim.optimizer import OptimizerState
 from raypipe.actors.stage_model import StageModel
-from raypipe.errors import StageError
+from raypipe.core.errors import StageError
 
 # the buffers a training forward changes: BatchNorm's (and its kin's) running statistics
 _NORM = nn.modules.batchnorm._NormBase

@@ -21,7 +21,7 @@ from raypipe.actors.optim.build import LossScaler, build_optimizer, learning_rat
 from raypipe.actors.optim.lazy_dynamo import defer_dynamo_import, step_optimizer
 from raypipe.actors.optim.zero3 import ShardedStage
 from raypipe.actors.stage_model import StageModel
-from raypipe.protocol import StageSettings
+from raypipe.core.protocol import StageSettings
 
 defer_dynamo_import()  # an actor that compiles nothing never imports the compiler (lazy_dynamo.py)
 

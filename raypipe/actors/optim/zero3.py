@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from raypipe.errors import StageError
+from raypipe.core.errors import StageError
 from raypipe.transport.stream import PeerFailed
 from raypipe.transport.tree import map_tensors
 

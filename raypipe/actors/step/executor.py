@@ -22,10 +22,10 @@ from raypipe.actors.stage_model import StageModel
 from raypipe.actors.step.hand_on import HandOnChoice, hand_on_mode
 from raypipe.actors.step.memory import count_saved_bytes, weight_storages
 from raypipe.actors.step.split_backward import Deferred, covers_every_weight, input_gradients, weight_gradients
-from raypipe.errors import StageError
+from raypipe.core.errors import StageError
+from raypipe.core.protocol import StageSettings, StepTimings
 from raypipe.nn.moe import RECORDER, reset_recorder
 from raypipe.nn.sequence_chunks import Sequence, unit_loss
-from raypipe.protocol import StageSettings, StepTimings
 from raypipe.schedules.actions import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD
 from raypipe.transport.compress import Compressed, compress, restore
 from raypipe.transport.stream import PeerFailed

@@ -65,7 +65,7 @@ def timed_schedule(spec: tuple | None) -> Any:
     `MARGIN`)."""
     if spec is None:
         return None
-    from raypipe.errors import ScheduleError
+    from raypipe.core.errors import ScheduleError
     from raypipe.schedules import build_schedule
 
     name, pp, m, chunks, extra_warmup, *sequence = spec
@@ -78,7 +78,7 @@ def timed_schedule(spec: tuple | None) -> Any:
 
 
 class HandOnChoice:
-    """Per model chunk, early or late (`mode`: `raypipe.env.gradient_hand_on`'s "measured",
+    """Per model chunk, early or late (`mode`: `raypipe.core.env.gradient_hand_on`'s "measured",
     "early" or "late"); measured ones start afresh when the actor's settings change. `spec`: the
     step's schedule as `StageSettings.schedule_spec`, built at the first choice (`timed_schedule`)."""
 

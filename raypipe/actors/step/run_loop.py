@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from raypipe.errors import BatchError, ConfigError, StageError
-from raypipe.protocol import RunCall, StepCall, StepReport
+from raypipe.core.errors import BatchError, ConfigError, StageError
+from raypipe.core.protocol import RunCall, StepCall, StepReport
 
 if TYPE_CHECKING:
     from raypipe.actors.stage import Stage

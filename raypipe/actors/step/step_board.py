@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from raypipe.protocol import RunStep, StepReport
+from raypipe.core.protocol import RunStep, StepReport
 
 
 class StepBoard:

@@ -11,8 +11,8 @@ from typing import Any
 
 import ray
 
-from raypipe import env
-from raypipe.notices import token_auth_notice_hidden
+from raypipe.core import env
+from raypipe.core.notices import token_auth_notice_hidden
 
 # Packages that every actor process imports from its own environment.
 _INSTALLED_ROOTS = ("raypipe", "torch", "numpy", "ray")
@@ -30,7 +30,7 @@ def connect() -> bool:
     # cluster it already turns token authentication on.
     address = env.ray_address()
     if address is None:  # a new local Ray: advertise this machine as `raypipe node-resources` would
-        from raypipe.devices import detect
+        from raypipe.core.devices import detect
 
         local = detect()
         # address="local": a new Ray, even if another cluster on this machine is "current"

@@ -17,7 +17,10 @@ import ray
 from raypipe.actors.stage_actor import StageActor
 from raypipe.config import TrainConfig
 from raypipe.config.engines import engine_kind
-from raypipe.devices import ray_options
+from raypipe.core.devices import ray_options
+from raypipe.core.errors import PlacementError, StageError
+from raypipe.core.layers import LayerSpec
+from raypipe.core.protocol import ActorInfo, ActorSpec, WorldSpec
 from raypipe.driver.checkpoints import check_reachable
 from raypipe.driver.chunks import actor_chunks, actor_plan
 from raypipe.driver.cluster import gang
@@ -25,11 +28,8 @@ from raypipe.driver.cluster.helper_actors import on_driver_node
 from raypipe.driver.cluster.topology import Topology
 from raypipe.driver.links import ways
 from raypipe.driver.results import gather, last_line
-from raypipe.errors import PlacementError, StageError
-from raypipe.layers import LayerSpec
-from raypipe.model import tied_stages
+from raypipe.models.model import tied_stages
 from raypipe.planning.threads import oversubscribed, threads_by_node
-from raypipe.protocol import ActorInfo, ActorSpec, WorldSpec
 from raypipe.schedules import Schedule, owners, virtual_stages
 from raypipe.transport.ray_store import StoreKeeper
 
@@ -226,7 +226,7 @@ def start_gang(
 ) -> StartedActors:
     """Starts every stage actor, waits until all are placed and built, and joins them into the
     trainer's world when it needs one; on any failure kills those started, then raises.
-    `plan`: per virtual stage of `schedule`. `tied`: the model's tied weights (`raypipe.model.Model.tied`).
+    `plan`: per virtual stage of `schedule`. `tied`: the model's tied weights (`raypipe.models.model.Model.tied`).
     `reserve_wait`: seconds to wait for the actors' resources (TrainConfig.replace_wait, after a
     lost node), instead of `actor_start_timeout`, which still bounds their building. `ready`: told
     how many actors are built, as they come up."""

@@ -23,11 +23,11 @@ from typing import Any
 
 import ray
 
+from raypipe.core.errors import ActorDiedError, StageError, StepTimeoutError
+from raypipe.core.protocol import CompiledCall
 from raypipe.driver.engines.p2p import ActionList
 from raypipe.driver.engines.step_io import StepInput
 from raypipe.driver.results import cause_message, root_failure
-from raypipe.errors import ActorDiedError, StageError, StepTimeoutError
-from raypipe.protocol import CompiledCall
 
 
 class CompiledStep:

@@ -11,11 +11,11 @@ from typing import Any
 
 import ray
 
+from raypipe.core.errors import ActorDiedError, StageError
+from raypipe.core.protocol import StepCall, StepReport
 from raypipe.driver.engines.step_io import StepInput, StepResult, StepTarget
 from raypipe.driver.results import gather, raise_if_died, root_failure, wait_for_progress
 from raypipe.driver.trace import trace_lists
-from raypipe.errors import ActorDiedError, StageError
-from raypipe.protocol import StepCall, StepReport
 from raypipe.schedules import Schedule, owners
 
 

@@ -18,7 +18,7 @@ import time
 
 import ray
 
-from raypipe import env
+from raypipe.core import env
 from raypipe.driver.engines.step_io import StepInput, StepResult, StepTarget
 from raypipe.driver.results import gather, wait_for_progress
 from raypipe.driver.trace import write_trace

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from raypipe.protocol import StepReport
+from raypipe.core.protocol import StepReport
 from raypipe.schedules import Action, Schedule
 
 

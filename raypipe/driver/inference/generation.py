@@ -7,7 +7,7 @@ back a few steps behind (to free what it no longer needs and to stop once every 
 With two or more stages the rows split into one microbatch per actor, each with its own KV
 caches, so every stage works on some microbatch's token at once; a single actor decodes
 `TOKENS_PER_CALL` tokens per call. With a model whose layers keep a KV cache
-(`raypipe.model.Model.kv_cache`: transformers layers) only the new token runs after the prompt;
+(`raypipe.models.model.Model.kv_cache`: transformers layers) only the new token runs after the prompt;
 other models run the whole sequence each time.
 
 Sampling is seeded per microbatch (`seed` for the first, one derived from it for each other),

@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
+from raypipe.core.errors import BatchError
 from raypipe.data.batches import check_positions, check_token_ids, split_batch
 from raypipe.driver.inference.forward import run_forward
 from raypipe.driver.inference.reference import reference_kind
-from raypipe.errors import BatchError
 from raypipe.objectives import LogProbPass, Objective, Rows, objective_for
 
 

@@ -13,11 +13,11 @@ from typing import Any
 
 import torch
 
+from raypipe.core.errors import BatchError
 from raypipe.data.batches import check_positions, check_token_ids, split_batch
 from raypipe.driver.inference.forward import run_forward
 from raypipe.driver.inference.generation import generate_on
 from raypipe.driver.inference.reference import reference_kind
-from raypipe.errors import BatchError
 from raypipe.objectives.rewards import RewardFunctions
 from raypipe.objectives.rollouts import check_rollout_prompts, completions_of, rollout_batch
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from raypipe.core.errors import PlacementError
+from raypipe.core.protocol import ActorInfo
 from raypipe.driver.cluster.topology import Topology
-from raypipe.errors import PlacementError
-from raypipe.protocol import ActorInfo
 from raypipe.schedules.actions import Schedule, owners
 
 

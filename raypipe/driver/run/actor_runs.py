@@ -20,6 +20,8 @@ from typing import Any
 import ray
 
 from raypipe.config.engines import engine_kind
+from raypipe.core.errors import ActorDiedError, BatchError, ConfigError, StepTimeoutError
+from raypipe.core.protocol import RunCall, RunStep, StepReport
 from raypipe.driver import checkpoints
 from raypipe.driver.actor_group import ActorGroup, Submitted
 from raypipe.driver.cluster.placement import CONTROL
@@ -28,8 +30,6 @@ from raypipe.driver.engines.step_io import StepResult
 from raypipe.driver.results import gather, root_failure
 from raypipe.driver.run_state import RunState
 from raypipe.driver.trace import trace_lists
-from raypipe.errors import ActorDiedError, BatchError, ConfigError, StepTimeoutError
-from raypipe.protocol import RunCall, RunStep, StepReport
 
 HALTED = StepReport(halted=True)
 # actor_steps="auto": a fit hands its steps to the actors from this many steps x actors on. Driven

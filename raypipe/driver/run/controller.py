@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from raypipe.config.engines import engine_kind
+from raypipe.core.errors import ActorDiedError, StepTimeoutError
 from raypipe.driver.actor_group import ActorGroup, Submitted
 from raypipe.driver.run import actor_runs, elastic
 from raypipe.driver.run.ending import interrupted
@@ -22,7 +23,6 @@ from raypipe.driver.run.recovery import recover
 from raypipe.driver.run.sources import source_for
 from raypipe.driver.run.step import Outcome, SaveFailed, book, save_due, settle, stop
 from raypipe.driver.run_state import RunState
-from raypipe.errors import ActorDiedError, StepTimeoutError
 from raypipe.objectives import objective_for
 from raypipe.observe.loggers import scalars
 from raypipe.observe.progress import Progress

@@ -27,13 +27,13 @@ from dataclasses import dataclass
 import ray
 
 from raypipe.config import TrainConfig
+from raypipe.core.errors import ConfigError, PlacementError, RaypipeError
 from raypipe.driver import chunks
 from raypipe.driver.actor_group import ActorGroup
 from raypipe.driver.checkpoints import restore_point
 from raypipe.driver.cluster import nodes
 from raypipe.driver.run import replicas
 from raypipe.driver.run_state import RunState
-from raypipe.errors import ConfigError, PlacementError, RaypipeError
 from raypipe.planning.partition import first_plan
 from raypipe.planning.profiling import plan_from_profiles
 from raypipe.schedules import build_schedule

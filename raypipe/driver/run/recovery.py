@@ -11,13 +11,13 @@ import time
 from collections.abc import Callable
 
 from raypipe.checkpoint.layout import CheckpointError
+from raypipe.core.errors import ActorDiedError, PlacementError
 from raypipe.driver.actor_group import ActorGroup
 from raypipe.driver.checkpoints import restore_point
 from raypipe.driver.cluster import nodes
 from raypipe.driver.run import elastic, replicas
 from raypipe.driver.run.policy import RecoveryPolicy
 from raypipe.driver.run_state import RunState
-from raypipe.errors import ActorDiedError, PlacementError
 
 
 def recover(

@@ -27,11 +27,11 @@ from typing import Any
 import ray
 
 from raypipe.config import TrainConfig
+from raypipe.core.errors import ActorDiedError, RaypipeError
+from raypipe.core.protocol import HeldState
 from raypipe.driver.actor_group import ActorGroup
 from raypipe.driver.cluster.placement import CONTROL
 from raypipe.driver.results import gather
-from raypipe.errors import ActorDiedError, RaypipeError
-from raypipe.protocol import HeldState
 
 HAND_OVER_WAIT = 10.0  # seconds the survivors have to answer; each answers in milliseconds
 

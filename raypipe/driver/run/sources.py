@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from raypipe.core.errors import RaypipeError
 from raypipe.driver.actor_group import ActorGroup, Submitted
 from raypipe.driver.run import actor_runs
 from raypipe.driver.run.interrupts import held_interrupts
 from raypipe.driver.run_state import RunState
-from raypipe.errors import RaypipeError
 
 
 class DriverSteps:

@@ -14,16 +14,16 @@ from typing import Any, Literal
 
 from raypipe import objectives
 from raypipe.checkpoint.layout import CheckpointError
+from raypipe.core.errors import ActorDiedError, NonFiniteError, StepTimeoutError
+from raypipe.core.protocol import StepReport, stops_on_nonfinite
 from raypipe.data.batches import prepare
 from raypipe.driver.actor_group import ActorGroup, Submitted
 from raypipe.driver.engines.step_io import StepResult
 from raypipe.driver.run import actor_runs
 from raypipe.driver.run.interrupts import held_interrupts
 from raypipe.driver.run_state import RunState
-from raypipe.errors import ActorDiedError, NonFiniteError, StepTimeoutError
 from raypipe.observe.loggers import scalars
 from raypipe.observe.metrics import step_metrics
-from raypipe.protocol import StepReport, stops_on_nonfinite
 
 
 @dataclass(frozen=True, kw_only=True)

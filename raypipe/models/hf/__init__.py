@@ -23,12 +23,12 @@ from typing import Any
 
 import torch
 
-from raypipe.errors import ConfigError
-from raypipe.layers import LayerSpec
-from raypipe.model import Model
+from raypipe.core.errors import ConfigError
+from raypipe.core.layers import LayerSpec
 from raypipe.models.hf.causal_lm_layers import ConfigRef, build
 from raypipe.models.hf.loss import CausalLMLoss
 from raypipe.models.hf.tensor_files import DTYPES
+from raypipe.models.model import Model
 
 __all__ = ["CausalLMLoss", "HFModel", "from_config", "from_model", "from_pretrained"]
 

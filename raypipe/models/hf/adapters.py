@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from raypipe.layers import checkpoint_key
-from raypipe.lora import ADAPTER
+from raypipe.core.layers import checkpoint_key
+from raypipe.nn.lora import ADAPTER
 
 WEIGHTS, CONFIG = "adapter_model.safetensors", "adapter_config.json"
 PREFIX = "base_model.model."

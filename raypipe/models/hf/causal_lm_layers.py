@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from raypipe import layers
+from raypipe.core import layers
 from raypipe.models.hf import conversions, skeleton, tensor_files
 from raypipe.models.hf.sparse_moe import SparseMoeBlock, add_stats, is_moe, router_stats, routing_stats
 from raypipe.nn import sequence_chunks
@@ -97,7 +97,7 @@ class HFDecoderLayer(nn.Module):
     def tp_plan(self, tp_size: int) -> dict[str, Any]:
         """transformers' own `base_model_tp_plan` for this layer: colwise and rowwise linears, the
         rest replicated."""
-        from raypipe.errors import ConfigError
+        from raypipe.core.errors import ConfigError
         from raypipe.nn import ColumnParallel, RowParallel
 
         styles = {"colwise": ColumnParallel(), "rowwise": RowParallel(), "replicated_with_grad_allreduce": None}

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from raypipe.layers import LayerSpec
+from raypipe.core.layers import LayerSpec
 from raypipe.models.hf.causal_lm_layers import checkpoint_keys
 from raypipe.models.hf.skeleton import Plan, causal_lm_class
 

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from raypipe.errors import ConfigError
+from raypipe.core.errors import ConfigError
 
 # a row for what a model's own plan cannot say: GPT-2 declares none
 ROWS: dict[str, dict[str, Any]] = {

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from raypipe.errors import ConfigError
+from raypipe.core.errors import ConfigError
 from raypipe.nn.moe import MoE
 
 

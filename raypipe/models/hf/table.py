@@ -40,7 +40,7 @@ def verdict_of(model_type: str) -> tuple[str, str]:
     """("exact" | "refused", why) for a small model of `model_type`'s default config."""
     from transformers import AutoConfig
 
-    from raypipe.errors import ConfigError
+    from raypipe.core.errors import ConfigError
     from raypipe.models.hf import skeleton, verify
 
     try:

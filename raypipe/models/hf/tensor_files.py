@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from raypipe.layers import loading
+from raypipe.core.layers import loading
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 FILE_DTYPES = {  # safetensors' dtype names
@@ -70,7 +70,7 @@ def check_files(directory: str) -> None:
     Raises:
         ConfigError: naming the first malformed or truncated file (or a malformed index).
     """
-    from raypipe.errors import ConfigError
+    from raypipe.core.errors import ConfigError
 
     index = os.path.join(directory, INDEX)
     try:
@@ -116,7 +116,7 @@ def read(
 ) -> dict[str, torch.Tensor]:
     """The tensors under `keys`, read from their files and nothing else (`last_read` says what),
     floating ones converted to `dtype` and every one moved to `device` as it is read. Inside
-    `raypipe.layers.loading_to`, a tensor of the same key read earlier and still alive is
+    `raypipe.core.layers.loading_to`, a tensor of the same key read earlier and still alive is
     returned, not read.
 
     Raises:

@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from raypipe import env
-from raypipe.errors import ConfigError
+from raypipe.core import env
+from raypipe.core.errors import ConfigError
 
 # widths small enough for a driver to build in a second, by the config attribute that holds them
 SMALL = {

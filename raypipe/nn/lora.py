@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from raypipe.errors import ConfigError
-from raypipe.layers import checkpoint_key
+from raypipe.core.errors import ConfigError
+from raypipe.core.layers import checkpoint_key
 
 ADAPTER = "default"  # peft's adapter name; its state-dict keys carry it, its files do not
 ALIASES = {"alpha": "lora_alpha", "dropout": "lora_dropout"}  # raypipe's short names, still taken

@@ -75,5 +75,5 @@ def gradient_hand_on() -> str:
 
 
 # RAYPIPE_ACCELERATOR: set by raypipe itself in each stage or profiler process to the kind it
-# serves (`raypipe.devices.serving_kind`); not for users to set.
+# serves (`raypipe.core.devices.serving_kind`); not for users to set.
 SERVING_ENV = "RAYPIPE_ACCELERATOR"

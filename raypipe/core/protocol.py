@@ -18,8 +18,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from raypipe.env import gradient_hand_on
-from raypipe.errors import StageError
+from raypipe.core.env import gradient_hand_on
+from raypipe.core.errors import StageError
 
 __all__ = [
     "ActorInfo",
@@ -52,7 +52,7 @@ class ActorSpec:
         tp_rank, tp_size: its place in the stage's tensor-parallel group.
         device_kind: "cpu", "cuda", "rocm" or "mps", what it was placed for.
         allow_cpu_fallback: run on the CPU when the node has no such device.
-        tied: the model's groups of tied weights' keys (`raypipe.model.Model.tied`).
+        tied: the model's groups of tied weights' keys (`raypipe.models.model.Model.tied`).
         lora: `TrainConfig.lora`; quantize: its stage's `TrainConfig.quantize` ("nf4", "int8").
         chunks: the (virtual stage, start, end) ranges it holds with model chunks, else empty;
             num_virtual: how many virtual stages the schedule has.

@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from raypipe.errors import ConfigError
-from raypipe.layers import LayerSpec
+from raypipe.core.errors import ConfigError
+from raypipe.core.layers import LayerSpec
 
 
 @dataclass
@@ -77,7 +77,7 @@ def resolve(layers: Any, loss_fn: Any, config: Any) -> tuple[Model, Callable, li
     Raises:
         TypeError: no callable loss. ConfigError: no layers, or split points that do not match pp.
     """
-    from raypipe.layers import as_spec
+    from raypipe.core.layers import as_spec
     from raypipe.models.hf import is_transformers_model
 
     if is_transformers_model(layers):  # a transformers causal LM object: its weights read per stage

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from raypipe import env
-from raypipe.errors import ConfigError
+from raypipe.core import env
+from raypipe.core.errors import ConfigError
 
 KINDS = ("cuda", "rocm", "mps", "cpu")
 LABEL_KIND = "raypipe.io/accelerator"
@@ -67,7 +67,7 @@ class Accelerator:
 def detect() -> Accelerator:
     """The local accelerator kind, count, model, memory and supported training dtypes.
 
-    RAYPIPE_FAKE_ACCELERATOR (`raypipe.env.fake_accelerator`) replaces the hardware's
+    RAYPIPE_FAKE_ACCELERATOR (`raypipe.core.env.fake_accelerator`) replaces the hardware's
     answer, for tests and demos of cuda, rocm and mps nodes on a CPU-only machine.
     """
     fake = env.fake_accelerator()
