@@ -10,7 +10,7 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from raypipe.checkpoint import lock as root_lock
 from raypipe.config import TrainConfig
@@ -32,6 +32,9 @@ from raypipe.observe.phases import Phase
 from raypipe.planning.links import Link
 from raypipe.planning.profiling import PlanReport
 from raypipe.schedules import build_schedule
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
 
 
 @dataclass
@@ -71,7 +74,7 @@ class ActorGroup:
     ) -> None:
         self.specs, self.loss_fn, self.run_name, self.model = list(specs), loss_fn, run_name, model
         self.log = log  # where its long phases (starting the actors, generating) say how far they are
-        self.actors: list[Any] = []  # world-rank order
+        self.actors: list[ActorHandle] = []  # world-rank order
         self.placement_group: Any = None  # reserved for the actors, released with them (None in a Tune trial)
         self.nodes: dict[str, str] = {}  # actor name -> the node it runs on, kept after a node is lost
         self.links: list[Link] = []  # between neighbouring stages, measured at each start (`links.measure`)
@@ -82,9 +85,9 @@ class ActorGroup:
         self.reference_kind: str | None = None
         self.report: PlanReport | None = None  # the profiled plan's report, which a shrink plans from
         self.shrunk: Any = None  # after an elastic shrink: what it grows back to (`elastic.Shrunk`)
-        self.keeper: Any = None  # the world's rendezvous keys (`transport.ray_store`), None without a world
-        self.board: Any = None  # the actor-driven runs' step board (`actor_runs`), made at the first
-        self.reader: Any = None  # the actor-driven runs' reader of a function's batches (`feeds`), likewise
+        self.keeper: ActorHandle | None = None  # the world's rendezvous keys (`transport.ray_store`)
+        self.board: ActorHandle | None = None  # the actor-driven runs' step board (`actor_runs`), made at first use
+        self.reader: ActorHandle | None = None  # the actor-driven runs' reader of a function's batches (`feeds`)
         self.actor_run: Any = None  # the actor-driven run under way (`actor_runs.ActorRun`)
         #: whether the actors ran a step since they started or were reconfigured (`metrics["warmup"]`)
         self.warm = False

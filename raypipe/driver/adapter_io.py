@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -15,6 +15,11 @@ from raypipe.core.errors import ConfigError
 from raypipe.driver.results import gather
 from raypipe.models.hf.adapters import PREFIX, WEIGHTS
 from raypipe.nn.lora import peft_config
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
+    from raypipe.driver.actor_group import ActorGroup
 
 
 def save(stages: Sequence[Sequence[Any]], model: Any, lora: dict | None, directory: str) -> None:
@@ -40,7 +45,7 @@ def save(stages: Sequence[Sequence[Any]], model: Any, lora: dict | None, directo
     config.save_pretrained(directory)
 
 
-def load(actors: Sequence[Any], directory: str) -> None:
+def load(actors: Sequence[ActorHandle], directory: str) -> None:
     """Loads peft-format adapters into every actor (each stage takes its own), replacing the adapters.
 
     Raises:
@@ -66,7 +71,7 @@ def load(actors: Sequence[Any], directory: str) -> None:
         )
 
 
-def load_group(group: Any, directory: str) -> None:
+def load_group(group: ActorGroup, directory: str) -> None:
     """`load` into every actor of `group` (an `ActorGroup`): `Trainer.load_adapter`, and a recovery
     loading them again."""
     with group.whole_weights():

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from raypipe.checkpoint import layout as ckpt
 from raypipe.checkpoint import tidy
@@ -15,9 +15,20 @@ from raypipe.checkpoint.storage import location, redact, scrub
 from raypipe.driver.results import gather
 from raypipe.driver.run_state import RunState
 
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
+    from raypipe.config import TrainConfig
+
 
 def run_meta(
-    step: int, num_layers: int, plan: Sequence[Sequence[int]], run: str, run_id: str, config: Any, base: Any = None
+    step: int,
+    num_layers: int,
+    plan: Sequence[Sequence[int]],
+    run: str,
+    run_id: str,
+    config: TrainConfig,
+    base: Any = None,
 ) -> dict[str, Any]:
     """What a checkpoint's manifest says about the run beside the files; `run_id`: the run's
     identity (kept across its resumes), which pruning and recovery keep to; `base`: in a LoRA
@@ -35,7 +46,9 @@ def run_meta(
     }
 
 
-def save(actors: Sequence[Any], names: Sequence[str], root: str, step: int, meta: dict[str, Any], keep: int) -> Path:
+def save(
+    actors: Sequence[ActorHandle], names: Sequence[str], root: str, step: int, meta: dict[str, Any], keep: int
+) -> Path:
     """Saves checkpoint `<root>/step-<step>`: every actor writes its files, then the manifest
     (with `meta`, the loss scaler and every file's checksum) commits it; the run's `keep` newest
     stay. A failure at any point leaves no partial checkpoint and every complete one intact.
@@ -93,7 +106,7 @@ def commit_save(partial: Any, parts: Sequence[dict[str, Any]], meta: dict[str, A
 
 
 def load(
-    actors: Sequence[Any],
+    actors: Sequence[ActorHandle],
     names: Sequence[str],
     path: str,
     step: int | None,
@@ -162,7 +175,7 @@ def load(
 
 
 def verified(
-    actors: Sequence[Any], names: Sequence[str], path: str, step: int | None, log: Callable[[str], None]
+    actors: Sequence[ActorHandle], names: Sequence[str], path: str, step: int | None, log: Callable[[str], None]
 ) -> tuple[Path, dict[str, Any]]:
     """The checkpoint to load from `path` (the one of `step`, the one `path` names, or the newest
     under it) whose files every actor found intact.
@@ -224,7 +237,7 @@ def check_new_run(root: str | None, resume: bool | int) -> None:
         )
 
 
-def check_reachable(actors: Sequence[Any], names: Sequence[str], root: str) -> None:
+def check_reachable(actors: Sequence[ActorHandle], names: Sequence[str], root: str) -> None:
     """Before training: every actor reads a marker the driver wrote under `root` (the driver commits
     what the actors write there). A local directory some node does not share, or a bucket its
     credentials do not reach, is an error now rather than at the first save.

@@ -8,10 +8,13 @@ without chunks virtual stage s is actor s and every function here is the identit
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from raypipe.core.errors import ConfigError
 from raypipe.schedules import Schedule, owners, virtual_stages
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
 
 
 def actor_plan(plan: Sequence[tuple[int, int]], schedule: Schedule) -> list[list[tuple[int, int]]]:
@@ -25,7 +28,7 @@ def actor_chunks(plan: Sequence[tuple[int, int]], schedule: Schedule, actor: int
 
 
 def inference_group(
-    topology: Any, actors: Sequence[Any], names: Sequence[str]
+    topology: Any, actors: Sequence[ActorHandle], names: Sequence[str]
 ) -> tuple[list[list[Any]], list[list[str]]]:
     """Per stage, the actors (and names) a forward-only pass calls: replica 0's tp ranks, and under
     expert parallelism those of replicas 1..ep-1 beside them with the same inputs, since their MoE
@@ -38,7 +41,7 @@ def inference_group(
 
 
 def inference_path(
-    stages: Sequence[Any], names: Sequence[Any], schedule: Schedule
+    stages: Sequence[ActorHandle], names: Sequence[Any], schedule: Schedule
 ) -> tuple[list[Any], list[Any], list[int] | None]:
     """One replica's actors (per stage, its tp ranks) and names in virtual-stage order, and the
     virtual stage each call runs (None without chunks): the path a forward-only pass takes."""

@@ -10,19 +10,24 @@ from __future__ import annotations
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from raypipe.config.engines import engine_kind, engines_that
 from raypipe.core.errors import BatchError, ConfigError
 from raypipe.data.batches import Prepared, prepare
 
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
+    from raypipe.driver.actor_group import ActorGroup
+
 
 class FunctionFeed:
     """`batches(step) -> (x, y)`, cut on the driver."""
 
-    def __init__(self, group: Any, batches: Callable[[int], tuple[Any, Any]]) -> None:
+    def __init__(self, group: ActorGroup, batches: Callable[[int], tuple[Any, Any]]) -> None:
         self.group, self.batches = group, batches
-        self.reader: Any = None  # in an actor-driven run: the trainer's reader actor, calling `batches`
+        self.reader: ActorHandle | None = None  # in an actor-driven run: the trainer's reader actor, calling `batches`
         self.owned: Any = None  # a generator the feed made (`records_of`), closed with it
 
     def get(self, step: int) -> Prepared:
@@ -96,7 +101,7 @@ class IterableFeed(FunctionFeed):
     that starts at step N skips the first N. The batches from the last checkpoint on are kept,
     for the steps a recovery replays."""
 
-    def __init__(self, group: Any, iterable: Iterable[tuple[Any, Any]]) -> None:
+    def __init__(self, group: ActorGroup, iterable: Iterable[tuple[Any, Any]]) -> None:
         super().__init__(group, self._batch)
         self.items: Iterator[tuple[Any, Any]] = iter(iterable)
         self.kept: dict[int, tuple[Any, Any]] = {}
@@ -140,7 +145,7 @@ class DatasetFeed:
     each batch for the stage actors and stores the parts; the driver holds references only. The
     next step's batch is read while the current one trains."""
 
-    def __init__(self, group: Any, dataset: Any, batch_size: int, collate: Callable | None = None) -> None:
+    def __init__(self, group: ActorGroup, dataset: Any, batch_size: int, collate: Callable | None = None) -> None:
         import ray
 
         from raypipe.actors.io.reader import DatasetReader
@@ -220,7 +225,7 @@ class DatasetFeed:
         ray.kill(self.reader)
 
 
-def make_feed(group: Any, batches: Any, batch_size: int | None, collate: Callable | None) -> Any:
+def make_feed(group: ActorGroup, batches: Any, batch_size: int | None, collate: Callable | None) -> Any:
     """The feed for what `Trainer.fit` was given, cut for `group`'s actors (an `ActorGroup`). Under
     an objective each step's records (pairs, examples) become its rows and the answers of the
     passes it declares (`inference.objective.objective_batch`) as the feed takes them; an objective

@@ -6,13 +6,16 @@ Shared by every engine (`refs`, `p2p`, `compiled`)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
 from raypipe.core.env import call_timeout
 from raypipe.core.errors import ActorDiedError, StageError, StepTimeoutError
 from raypipe.core.protocol import PeerStopped
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
 
 
 def root_failure(errors: Sequence[Exception]) -> Exception:
@@ -24,7 +27,7 @@ def root_failure(errors: Sequence[Exception]) -> Exception:
 def gather(
     refs: Sequence[ray.ObjectRef],
     what: str,
-    actors: Sequence[Any] = (),
+    actors: Sequence[ActorHandle] = (),
     names: Sequence[str] = (),
     timeout: float | None = None,
 ) -> list[Any]:

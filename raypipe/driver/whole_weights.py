@@ -5,13 +5,18 @@ memory; checkpoints (`save`/`load`) are the way for a model that does not fit th
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from raypipe.core.errors import ConfigError, StageError
 from raypipe.driver.results import gather
 from raypipe.nn import ShardSpec, merge
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
+    from raypipe.driver.actor_group import ActorGroup
 
 
 def merged(stages: Sequence[Sequence[Any]], method: str, tp: int) -> dict[str, torch.Tensor]:
@@ -42,7 +47,7 @@ def merged_replicas(grid: Sequence[Sequence[Sequence[Any]]], method: str, tp: in
 
 
 def load_into(
-    actors: Sequence[Any], state: dict[str, torch.Tensor], plan: Sequence[Sequence[tuple[int, int]]], tp: int
+    actors: Sequence[ActorHandle], state: dict[str, torch.Tensor], plan: Sequence[Sequence[tuple[int, int]]], tp: int
 ) -> None:
     """Loads full-model weights into every actor, each stage getting the keys of its layers
     (`plan`: per stage, the layer ranges it holds, `raypipe.driver.chunks.actor_plan`).
@@ -97,7 +102,7 @@ def stage_of(plan: Sequence[Sequence[tuple[int, int]]], layer: int) -> int | Non
     return None
 
 
-def load_group(group: Any, state: dict[str, torch.Tensor]) -> None:
+def load_group(group: ActorGroup, state: dict[str, torch.Tensor]) -> None:
     """`load_into` every actor of `group` (an `ActorGroup`): `Trainer.load_state_dict`, and a
     recovery loading it again."""
     load_into(group.actors, state, group.actor_plan(), group.config.tp)

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from raypipe.config.loggers import entry_of
+
+if TYPE_CHECKING:
+    from raypipe.config import TrainConfig
 
 
 def scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
@@ -63,7 +66,7 @@ def scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
     return tags
 
 
-def run_params(config: Any, run_name: str, plan: Any, run_id: str | None = None) -> dict[str, Any]:
+def run_params(config: TrainConfig, run_name: str, plan: Any, run_id: str | None = None) -> dict[str, Any]:
     """What a logger records once about the run: the TrainConfig's fields, the run name, its id (a
     resumed run's is the run's it resumes) and the split."""
     from raypipe import __version__
@@ -90,7 +93,7 @@ class TensorBoardLogger:
     checkpoint, which it runs again). Without a run id (a logger made by hand) it writes in `log_dir`."""
 
     @staticmethod
-    def wanted(options: dict[str, Any], config: Any) -> dict[str, Any] | None:
+    def wanted(options: dict[str, Any], config: TrainConfig) -> dict[str, Any] | None:
         """Its options for `config`: its `log_dir` or `config.log_dir`; None (off) when neither is set.
         A logger kind without this method is wanted with the options it was given."""
         options.setdefault("log_dir", config.log_dir)
@@ -218,7 +221,7 @@ class Loggers:
 
     KINDS = {"tensorboard": TensorBoardLogger, "mlflow": MLflowLogger, "wandb": WandbLogger}
 
-    def __init__(self, config: Any, run_name: str, params: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, config: TrainConfig, run_name: str, params: Callable[[], dict[str, Any]]) -> None:
         self.wanted = []
         for entry in config.loggers:
             name, options = entry_of(entry)

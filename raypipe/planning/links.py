@@ -6,7 +6,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from raypipe.config import TrainConfig
 
 
 @dataclass(frozen=True)
@@ -56,7 +59,7 @@ def link_map(links: Sequence[Link]) -> dict[tuple[int, int], Link]:
     return {(link.sender, link.receiver): link for link in links if link.measured}
 
 
-def boundary_bytes(profile: dict[str, Any], end: int, config: Any) -> tuple[float, float]:
+def boundary_bytes(profile: dict[str, Any], end: int, config: TrainConfig) -> tuple[float, float]:
     """(activation bytes, gradient bytes) of the value a (virtual) stage ending before layer `end`
     sends on, from a profile's output sizes (`LayerProfiler.profile`) and how `config` (a
     `TrainConfig`) sends boundaries: floating leaves go both ways, in 2 bytes each under a 16-bit
@@ -74,7 +77,7 @@ def message_seconds(
     links: Mapping[tuple[int, int], Link],
     profiles: Sequence[dict[str, Any]],
     plan: Sequence[tuple[int, int]],
-    config: Any,
+    config: TrainConfig,
 ) -> Callable[[int, int, str, int], float]:
     """`schedules.timed`'s `transfer`: the seconds each boundary message of `plan` (per virtual
     stage, `profiles` likewise) takes on the measured link between its actors; none off them."""

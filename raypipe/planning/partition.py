@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from raypipe.core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from raypipe.config import TrainConfig
 
 Plan = list[tuple[int, int]]
 
@@ -174,14 +177,14 @@ def _ranges(sizes: Sequence[int]) -> Plan:
     return plan
 
 
-def is_profiled(config: Any) -> bool:
+def is_profiled(config: TrainConfig) -> bool:
     """Whether a `TrainConfig` plans from profiled layers (`partition="profile"`, `schedule="auto"`
     or `sequence_chunks="auto"`, with no explicit `shard_plan`), which needs a sample batch."""
     planned = config.partition == "profile" or "auto" in (config.schedule, config.sequence_chunks)
     return planned and config.shard_plan is None
 
 
-def first_plan(specs: Sequence[Any], config: Any, has_sample: bool) -> tuple[Plan, list[bool | None], bool]:
+def first_plan(specs: Sequence[Any], config: TrainConfig, has_sample: bool) -> tuple[Plan, list[bool | None], bool]:
     """A trainer's plan before any actor starts, checked against the layers and tp.
 
     Returns:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -33,6 +33,9 @@ from raypipe.planning.links import Link, boundary_bytes, message_seconds
 from raypipe.planning.partition import Plan, speed_aware_plan, uniform_plan
 from raypipe.planning.threads import fitting_threads, node_cpus, packed_on_node
 from raypipe.schedules import SCHEDULES
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
 
 MEMORY_HEADROOM = 0.9
 
@@ -175,7 +178,7 @@ def profile_layers(
             ray.kill(actor, no_restart=True)
 
 
-def _wait(actors: list[Any], refs: list[Any], kinds: list[str], timeout: float, what: str) -> list[Any]:
+def _wait(actors: list[ActorHandle], refs: list[Any], kinds: list[str], timeout: float, what: str) -> list[Any]:
     """The profilers' answers to `refs`, or an error naming the kinds whose profiler did not answer."""
     import ray
 
@@ -298,7 +301,7 @@ def _link_wire(
     plan: Plan,
     stage_of: Sequence[int],
     microbatches: int,
-    config: Any,
+    config: TrainConfig,
 ) -> list[tuple[Link, float]]:
     """Each measured link with the seconds a step's messages take on it under `plan`."""
     if not links:  # (and profiles from before output sizes were recorded need none)

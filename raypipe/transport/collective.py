@@ -16,13 +16,16 @@ from __future__ import annotations
 import datetime
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from raypipe.transport.gloo import forget_streams
 from raypipe.transport.ray_store import RayStore
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
 
 # torch DDP's default bucket size: large enough to amortise a collective's latency,
 # small enough that the first buckets go out while later gradients are still copied.
@@ -49,7 +52,7 @@ def gloo_interface(ip: str) -> str | None:
 
 
 def join_world(
-    keeper: Any,
+    keeper: ActorHandle,
     world_size: int,
     rank: int,
     groups: Sequence[Sequence[int]],

@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
 
 
 class RendezvousTimeout(RuntimeError):
@@ -85,7 +88,7 @@ class RayStore(dist.Store):
     """A torch.distributed store whose every call is a call on the world's `StoreKeeper` (`keeper`);
     `timeout` bounds each wait for a key, in seconds."""
 
-    def __init__(self, keeper: Any, timeout: float) -> None:
+    def __init__(self, keeper: ActorHandle, timeout: float) -> None:
         super().__init__()
         self.keeper, self.wait_seconds = keeper, timeout
         self.clones: list[RayStore] = []  # kept alive here: torch holds them only on its C++ side

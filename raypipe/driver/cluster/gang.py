@@ -20,13 +20,16 @@ node, else it fails).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raypipe.core.errors import PlacementError
+
+if TYPE_CHECKING:
+    from ray.util.placement_group import PlacementGroup
 
 STRATEGIES = {"pack": "PACK", "spread": "SPREAD", "strict_spread": "STRICT_SPREAD"}
 
@@ -133,7 +136,7 @@ def enclosing(bundles: Sequence[tuple[dict[str, float], dict[str, str]]]) -> Any
 GRACE_S = 10.0  # how long a request no node can hold waits before a fixed cluster refuses it
 
 
-def _wait(group: Any, bundles: Sequence[tuple[dict[str, float], dict[str, str]]], timeout: float) -> bool:
+def _wait(group: PlacementGroup, bundles: Sequence[tuple[dict[str, float], dict[str, str]]], timeout: float) -> bool:
     """Whether the group was reserved within `timeout`; False sooner, after `GRACE_S`, when some
     bundle fits no node alive and the cluster has no autoscaler (nothing will change). With one,
     the whole `timeout`: it launches node types one update after another, so "nothing pending
@@ -185,7 +188,7 @@ def _fits_some_node(resources: dict[str, float], selector: dict[str, str]) -> bo
     return False
 
 
-def in_bundle(group: Any, index: int, options: dict[str, Any]) -> dict[str, Any]:
+def in_bundle(group: PlacementGroup, index: int, options: dict[str, Any]) -> dict[str, Any]:
     """Ray actor options starting an actor in bundle `index` of `group` (its label selector is
     the bundle's; a trial's group, which Tune reserves without selectors, relies on the kind's
     resource alone)."""
@@ -198,7 +201,7 @@ def in_bundle(group: Any, index: int, options: dict[str, Any]) -> dict[str, Any]
     }
 
 
-def release_group(group: Any) -> None:
+def release_group(group: PlacementGroup) -> None:
     """Removes a placement group (a trainer's own, after its actors are killed)."""
     try:
         remove_placement_group(group)

@@ -10,7 +10,7 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
@@ -33,6 +33,10 @@ from raypipe.planning.threads import oversubscribed, threads_by_node
 from raypipe.schedules import Schedule, owners, virtual_stages
 from raypipe.transport.ray_store import StoreKeeper
 
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+    from ray.util.placement_group import PlacementGroup
+
 NAME_WAIT = 10.0  # seconds a new actor waits for the name of one just killed
 CONTROL = "control"  # the stage actors' concurrency group for calls a busy actor still answers
 
@@ -42,10 +46,10 @@ class StartedActors:
     """A trainer's actors once started: world-rank order, the placement group reserved for them
     (None inside a Ray Tune trial, whose group is the trial's), and the node each runs on (by name)."""
 
-    actors: list[Any]
+    actors: list[ActorHandle]
     placement_group: Any
     nodes: dict[str, str]
-    keeper: Any = None  # the world's rendezvous (`transport.ray_store`), None without a world
+    keeper: ActorHandle | None = None  # the world's rendezvous (`transport.ray_store`), None without a world
     listening: dict[str, list[str]] = field(default_factory=dict)  # per actor, the ports its world opened
 
 
@@ -80,7 +84,7 @@ def start_actors(
     run_name: str,
     cpus: float,
     tied: Sequence[Sequence[str]] = (),
-    group: Any = None,
+    group: PlacementGroup = None,
     first: int = 0,
 ) -> list[Any]:
     """Creates every stage actor (Ray places them asynchronously; `wait_for_actors` waits), each
@@ -151,7 +155,7 @@ def created(make: Callable[[], Any], wait: float = NAME_WAIT) -> Any:
 
 
 def wait_for_actors(
-    actors: Sequence[Any],
+    actors: Sequence[ActorHandle],
     names: Sequence[str],
     topology: Topology,
     plan: Sequence[tuple[int, int]],
@@ -279,7 +283,7 @@ def start_gang(
 
 
 def fit_threads(
-    actors: Sequence[Any], names: Sequence[str], infos: Sequence[ActorInfo], configured: int | None
+    actors: Sequence[ActorHandle], names: Sequence[str], infos: Sequence[ActorInfo], configured: int | None
 ) -> list[ActorInfo]:
     """Gives each placed actor its torch threads (`raypipe.planning.threads`: its node's CPUs
     shared among the trainer's actors there, or `configured`); returns the infos with them."""
@@ -312,14 +316,14 @@ def needs_world(config: TrainConfig) -> bool:
 
 
 def join_world(
-    actors: Sequence[Any],
+    actors: Sequence[ActorHandle],
     names: Sequence[str],
     topology: Topology,
     infos: Sequence[ActorInfo],
     config: TrainConfig,
     shared: Sequence[tuple[int, list[int]]],
     schedule: Schedule,
-    keeper: Any,
+    keeper: ActorHandle,
 ) -> dict[str, list[str]]:
     """Every actor joins the world, meeting through `keeper` (a `transport.ray_store.StoreKeeper`);
     returns, per actor name, the TCP addresses its world listens on (gloo's own connections).
@@ -400,7 +404,7 @@ def listening_line(listening: dict[str, list[str]]) -> str:
     return f"raypipe: the actors' world listens on {where or 'no TCP port'}; its rendezvous goes through Ray (no port)"
 
 
-def kill(actors: Sequence[Any], placement_group: Any = None) -> None:
+def kill(actors: Sequence[ActorHandle], placement_group: PlacementGroup | None = None) -> None:
     """Kills the actors, then frees the placement group that reserved them (their trainer's own)."""
     for actor in actors:
         try:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
@@ -29,11 +29,14 @@ from raypipe.driver.engines.p2p import ActionList
 from raypipe.driver.engines.step_io import StepInput
 from raypipe.driver.results import cause_message, root_failure
 
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
 
 class CompiledStep:
     """A compiled graph over `actors` (world-rank order), one `run_compiled` node each."""
 
-    def __init__(self, actors: Sequence[Any]) -> None:
+    def __init__(self, actors: Sequence[ActorHandle]) -> None:
         from ray.dag import InputNode, MultiOutputNode
 
         with InputNode() as payload:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
@@ -17,6 +17,9 @@ from raypipe.driver.engines.step_io import StepInput, StepResult, StepTarget
 from raypipe.driver.results import gather, raise_if_died, root_failure, wait_for_progress
 from raypipe.driver.trace import trace_lists
 from raypipe.schedules import Schedule, owners
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
 
 
 def submit_step_p2p(
@@ -132,7 +135,7 @@ class ActionList:
 
     replica: int
     stage: int
-    actor: Any
+    actor: ActorHandle
     name: str
     actions: list[tuple[str, int, int]]
     peers: list[int]

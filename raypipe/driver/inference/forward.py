@@ -6,7 +6,7 @@ is kept)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -14,6 +14,9 @@ from raypipe.data.batches import loss_weights, split_batch
 from raypipe.driver.results import gather, wait_for_progress
 from raypipe.schedules import FORWARD, Action
 from raypipe.transport.wire import pack, unpack
+
+if TYPE_CHECKING:
+    from raypipe.driver.actor_group import ActorGroup
 
 
 def run_forward(
@@ -52,7 +55,7 @@ def run_forward(
     return unpack(gather(results, "inference", flat, [n for ranks in names for n in ranks]))
 
 
-def evaluate(group: Any, x: Any, y: Any) -> float:
+def evaluate(group: ActorGroup, x: Any, y: Any) -> float:
     """The mean loss of `group`'s model (an `ActorGroup`) on `(x, y)`: per microbatch, weighed by
     its counted tokens when the loss counts them."""
     c = group.config
@@ -62,7 +65,7 @@ def evaluate(group: Any, x: Any, y: Any) -> float:
     return sum(v * w for v, w in zip(losses, weights[0] if weights else [1.0] * len(losses))) / len(losses)
 
 
-def predict(group: Any, x: Any) -> torch.Tensor:
+def predict(group: ActorGroup, x: Any) -> torch.Tensor:
     """`group`'s model's output for `x`, microbatch by microbatch, concatenated."""
     c = group.config
     inputs, _ = split_batch(x, None, c.microbatches, c.dp, c.microbatches)

@@ -18,13 +18,18 @@ the rows differently and so draws differently.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from raypipe.driver.results import gather, wait_for_progress
 from raypipe.observe.phases import Phase
 from raypipe.transport.wire import pack, unpack
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
+    from raypipe.driver.actor_group import ActorGroup
 
 TOKENS_PER_CALL = 16  # a single actor's tokens per call: Ray's per-call cost spread over them
 BEHIND = 4  # the calls the driver queues ahead of the tokens it has read back
@@ -97,7 +102,7 @@ def generate(
 
 
 def generate_on(
-    group: Any,
+    group: ActorGroup,
     label: str,
     input_ids: torch.Tensor,
     max_new_tokens: int,
@@ -165,7 +170,7 @@ def _read(
     round_: tuple[list[Any], dict],
     tokens: list[list[torch.Tensor]],
     timeout: float,
-    actors: Sequence[Any],
+    actors: Sequence[ActorHandle],
     names: Sequence[str],
     eos_token_id: int | None,
 ) -> bool:

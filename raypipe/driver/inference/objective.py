@@ -10,7 +10,7 @@ one `StepTimeoutError`, which `fit` recovers from as from a failed step (`run.co
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -20,8 +20,11 @@ from raypipe.driver.inference.forward import run_forward
 from raypipe.driver.inference.reference import reference_kind
 from raypipe.objectives import LogProbPass, Objective, Rows, objective_for
 
+if TYPE_CHECKING:
+    from raypipe.driver.actor_group import ActorGroup
 
-def objective_batch(group: Any, records: Any) -> tuple[Any, dict[str, torch.Tensor]]:
+
+def objective_batch(group: ActorGroup, records: Any) -> tuple[Any, dict[str, torch.Tensor]]:
     """`(x, y)` of one step of `group`'s objective on `records` (an `ActorGroup`; the records its
     objective takes: pairs, examples, a generation batch).
 
@@ -44,7 +47,7 @@ def objective_batch(group: Any, records: Any) -> tuple[Any, dict[str, torch.Tens
     return rows.x, run_passes(group, objective, rows)
 
 
-def run_passes(group: Any, objective: Objective, rows: Rows) -> dict[str, torch.Tensor]:
+def run_passes(group: ActorGroup, objective: Objective, rows: Rows) -> dict[str, torch.Tensor]:
     """The step's target: `rows.y` with the answers of every pass `objective` declares, each run
     through the pipeline microbatch by microbatch; the ids of every part are checked first, so no
     actor sees an id outside the vocabulary."""
@@ -56,7 +59,7 @@ def run_passes(group: Any, objective: Objective, rows: Rows) -> dict[str, torch.
     return objective.finish(rows.y, answers)
 
 
-def logprobs(group: Any, asked: LogProbPass, x: Any, y: dict[str, torch.Tensor]) -> torch.Tensor:
+def logprobs(group: ActorGroup, asked: LogProbPass, x: Any, y: dict[str, torch.Tensor]) -> torch.Tensor:
     """One pass's answers for rows `(x, y)`: the loss's `reference(output, target)` of each row,
     under the reference policy or the policy as it stands."""
     c = group.config

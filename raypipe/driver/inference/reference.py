@@ -4,13 +4,16 @@ objective step, kept in the run's checkpoints."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from raypipe.checkpoint.layout import CheckpointError
 from raypipe.driver.results import gather
 
+if TYPE_CHECKING:
+    from raypipe.driver.actor_group import ActorGroup
 
-def reference_kind(group: Any) -> str:
+
+def reference_kind(group: ActorGroup) -> str:
     """The run's reference policy: captured on every actor before its first objective step (the
     weights as they stand: a new adapter's, or one loaded first), kept in its checkpoints' manifest.
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -21,8 +21,11 @@ from raypipe.driver.inference.reference import reference_kind
 from raypipe.objectives.rewards import RewardFunctions
 from raypipe.objectives.rollouts import check_rollout_prompts, completions_of, rollout_batch
 
+if TYPE_CHECKING:
+    from raypipe.driver.actor_group import ActorGroup
 
-def grpo_batch(group: Any, rollout: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict]:
+
+def grpo_batch(group: ActorGroup, rollout: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict]:
     """`(x, y)` of one GRPO optimisation step on the generation batch `rollout` ({"prompt_ids",
     "completion_ids", "rewards"}: `objectives.rollout_batch`) for `group` (an `ActorGroup`). With
     `num_iterations` > 1 the policy's per-token log-probs are measured at the batch's first step
@@ -50,7 +53,7 @@ def grpo_batch(group: Any, rollout: Mapping[str, Any]) -> tuple[dict[str, torch.
 
 
 def generate_rollout(
-    group: Any, kv_cache: bool, records: Sequence[Mapping[str, Any]], rewards: RewardFunctions, seed: int
+    group: ActorGroup, kv_cache: bool, records: Sequence[Mapping[str, Any]], rewards: RewardFunctions, seed: int
 ) -> tuple[dict[str, Any], dict[str, float]]:
     """One generation batch of the prompt `records` ([{"prompt_ids", ...other columns}]): the rollout
     {"prompt_ids", "completion_ids", "rewards"} and its figures (generation_s, scoring_s,
@@ -101,7 +104,7 @@ class GenerationBatches:
     recovery can replay its steps (`kept_from`): a recovery to a checkpoint inside a batch replays
     its steps on the completions they began with, not on new ones from the weights part-way."""
 
-    def __init__(self, group: Any, kv_cache: bool, prompts: Callable[[int], Any] | Any) -> None:
+    def __init__(self, group: ActorGroup, kv_cache: bool, prompts: Callable[[int], Any] | Any) -> None:
         self.group, self.kv_cache = group, kv_cache
         o = group.config.objective
         self.rewards = RewardFunctions(o)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
@@ -30,6 +30,9 @@ from raypipe.driver.engines.step_io import StepResult
 from raypipe.driver.results import gather, root_failure
 from raypipe.driver.run_state import RunState
 from raypipe.driver.trace import trace_lists
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
 
 HALTED = StepReport(halted=True)
 # actor_steps="auto": a fit hands its steps to the actors from this many steps x actors on. Driven
@@ -62,7 +65,7 @@ def length(group: ActorGroup, feed: Any, steps_left: int, overlap: bool, log: Ca
     return AUTO_RUN_STEPS
 
 
-def start(group: ActorGroup, run: RunState, reader: Any, count: int) -> list[Submitted]:
+def start(group: ActorGroup, run: RunState, reader: ActorHandle, count: int) -> list[Submitted]:
     """Starts a run of `count` steps from the run's step on `group`'s actors, batches from
     `reader`; returns its steps, to be waited for in order."""
     config, first = group.config, run.step_count
@@ -114,7 +117,7 @@ class ActorRun:
     """One run as the driver sees it: the steps its board has given so far, and how it ended."""
 
     def __init__(
-        self, group: ActorGroup, board: Any, call_id: int, first: int, last: int, partials: dict[int, Any]
+        self, group: ActorGroup, board: ActorHandle, call_id: int, first: int, last: int, partials: dict[int, Any]
     ) -> None:
         self.group, self.board, self.call_id, self.last, self.partials = group, board, call_id, last, partials
         self.timeout = group.config.step_timeout

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import copy
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,6 +30,9 @@ from raypipe.models.hf.loss import CausalLMLoss
 from raypipe.models.hf.tensor_files import DTYPES
 from raypipe.models.model import Model
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
 __all__ = ["CausalLMLoss", "HFModel", "from_config", "from_model", "from_pretrained"]
 
 
@@ -37,7 +40,7 @@ class HFModel(Model):
     """A transformers causal LM as layer specs, loss and tied weights, with its config (`config`),
     the directory it was read from (`source`, None from a config) and its weights' dtype."""
 
-    config: Any
+    config: PretrainedConfig
     source: str | None
     dtype: str
 
@@ -105,7 +108,7 @@ def from_pretrained(
 
 
 def from_config(
-    config: Any, dtype: str = "fp32", attn_implementation: str | None = None, verify: bool = True
+    config: PretrainedConfig, dtype: str = "fp32", attn_implementation: str | None = None, verify: bool = True
 ) -> HFModel:
     """A model with fresh weights from a transformers config (e.g. `LlamaConfig(...)`), each layer
     initialised on its actor as transformers initialises the whole model, under the run seed."""
@@ -140,7 +143,9 @@ def is_transformers_model(value: Any) -> bool:
     return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers") for c in type(value).__mro__)
 
 
-def _model(config: Any, source: str | None, dtype: str, attn_implementation: str | None, verify: bool) -> HFModel:
+def _model(
+    config: PretrainedConfig, source: str | None, dtype: str, attn_implementation: str | None, verify: bool
+) -> HFModel:
     if dtype not in DTYPES:
         raise ConfigError(f"dtype={dtype!r} is invalid: use one of {sorted(DTYPES)}.")
     from raypipe.models.hf.skeleton import plan_of

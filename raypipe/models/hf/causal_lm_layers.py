@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -30,6 +30,9 @@ from raypipe.models.hf import conversions, skeleton, tensor_files
 from raypipe.models.hf.sparse_moe import SparseMoeBlock, add_stats, is_moe, router_stats, routing_stats
 from raypipe.nn import sequence_chunks
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
 
 class HFEmbedding(nn.Module):
     """The base model's modules before its decoder layers (token embedding; GPT-2's positions and
@@ -38,7 +41,7 @@ class HFEmbedding(nn.Module):
 
     runs_sequence_chunks = True  # a chunk's positions start where it starts (`raypipe.nn.sequence_chunks`)
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         plan = skeleton.plan_of(config)
         self.config, self.names = config, plan.embeddings
@@ -71,7 +74,7 @@ class HFDecoderLayer(nn.Module):
     """One of the model's decoder layers (`index` among them), run with the keyword arguments the
     whole model would pass it; during generation it reads and extends the stage's KV cache."""
 
-    def __init__(self, config: Any, index: int) -> None:
+    def __init__(self, config: PretrainedConfig, index: int) -> None:
         super().__init__()
         plan = skeleton.plan_of(config)
         self.config, self.index = config, index
@@ -172,7 +175,7 @@ class HFHead(nn.Module):
 
     runs_sequence_chunks = True  # token by token
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         plan = skeleton.plan_of(config)
         self.config, self.norm_name, self.head_name = config, plan.norm, plan.head
@@ -210,7 +213,7 @@ class ConfigRef:
     """A transformers config inside a `LayerSpec`, printed in one line (a config's own repr is its
     whole JSON, which would fill every error message that names the layer)."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: PretrainedConfig) -> None:
         self.config = config
 
     def __repr__(self) -> str:

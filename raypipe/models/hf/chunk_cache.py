@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import AttentionInterface, DynamicCache
@@ -29,6 +29,9 @@ from transformers.cache_utils import DynamicLayer
 from raypipe.models.hf import skeleton
 from raypipe.nn import chunk_attention
 from raypipe.nn.sequence_chunks import Position, current
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 #: the attention implementation a decoder layer runs a chunk with, in transformers' registry
 BLOCKS = "raypipe_chunk_blocks"
@@ -62,7 +65,9 @@ class ChunkLayer(DynamicLayer):
         return self.get_seq_length() + query_length, 0
 
 
-def layer_arguments(config: Any, index: int, hidden: torch.Tensor, inputs: dict[str, Any]) -> tuple[tuple, dict]:
+def layer_arguments(
+    config: PretrainedConfig, index: int, hidden: torch.Tensor, inputs: dict[str, Any]
+) -> tuple[tuple, dict]:
     """Decoder layer `index`'s arguments for the running chunk (`skeleton.layer_inputs` with the
     chunk cache): made once per chunk and attention type, the attention mask being the chunk's
     joined after every earlier chunk's."""
@@ -103,7 +108,7 @@ def layer_arguments(config: Any, index: int, hidden: torch.Tensor, inputs: dict[
 _CAUSAL_TYPES = (None, "full_attention", "sliding_attention")
 
 
-def packed_mask(config: Any, sliding: bool, hidden: torch.Tensor, positions: torch.Tensor) -> Any:
+def packed_mask(config: PretrainedConfig, sliding: bool, hidden: torch.Tensor, positions: torch.Tensor) -> Any:
     """The running chunk's (batch, 1, queries, keys) mask over every key up to its end where its
     rows pack several documents (`position_ids` starting again inside a row, no attention mask),
     else None: causal, within a query's document, and within the window of a `sliding` layer; as
@@ -138,7 +143,7 @@ def packed_mask(config: Any, sliding: bool, hidden: torch.Tensor, positions: tor
     return mask
 
 
-def chunk_cache(config: Any) -> Any:
+def chunk_cache(config: PretrainedConfig) -> Any:
     """transformers' cache for the whole model with a `ChunkLayer` in place of each of its layers
     (sliding where transformers' would be)."""
     cache = DynamicCache(config=config)

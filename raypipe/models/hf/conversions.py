@@ -14,17 +14,20 @@ from __future__ import annotations
 import copy
 import threading
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from raypipe.models.hf import skeleton, tensor_files
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
 _sources: dict[tuple[str, int], dict[str, list[tuple[str, str | None]]]] = {}  # (directory, config) -> targets
 _lock = threading.Lock()
 
 
-def transforms(config: Any) -> tuple[list, list]:
+def transforms(config: PretrainedConfig) -> tuple[list, list]:
     """The model type's (renamings, converters) as transformers loads a checkpoint with them."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming
@@ -36,7 +39,7 @@ def transforms(config: Any) -> tuple[list, list]:
     )
 
 
-def sources(directory: str, config: Any) -> dict[str, list[tuple[str, str | None]]]:
+def sources(directory: str, config: PretrainedConfig) -> dict[str, list[tuple[str, str | None]]]:
     """Model key -> the checkpoint keys it is made from, each with the converter pattern that
     matched it (None: a tensor renamed, or kept as it is). Made once per directory and process."""
     with _lock:
@@ -54,7 +57,7 @@ def sources(directory: str, config: Any) -> dict[str, list[tuple[str, str | None
 
 
 def read(
-    directory: str, config: Any, wanted: Iterable[str], dtype: torch.dtype, device: Any
+    directory: str, config: PretrainedConfig, wanted: Iterable[str], dtype: torch.dtype, device: Any
 ) -> dict[str, torch.Tensor]:
     """The model's tensors under `wanted` keys, read from `directory` (`tensor_files.read`: only the
     checkpoint tensors they are made from) and converted as transformers converts them.
@@ -88,7 +91,7 @@ def read(
     return out
 
 
-def to_checkpoint(config: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def to_checkpoint(config: PretrainedConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A state dict under the model's keys as transformers' `save_pretrained` writes it (renamings
     and conversions reverted)."""
     try:
@@ -98,7 +101,7 @@ def to_checkpoint(config: Any, state: dict[str, torch.Tensor]) -> dict[str, torc
     return revert_weight_conversion(skeleton.skeleton(config), state)
 
 
-def needed(config: Any) -> bool:
+def needed(config: PretrainedConfig) -> bool:
     """Whether the model type's checkpoints name any tensor otherwise than its modules do."""
     renamings, converters = transforms(config)
     return bool(renamings or converters)

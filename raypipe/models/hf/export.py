@@ -5,7 +5,7 @@ there, the layers' prefixes, and the `config.json` to write beside the shards (w
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,11 +13,14 @@ from raypipe.core.layers import LayerSpec
 from raypipe.models.hf.causal_lm_layers import checkpoint_keys
 from raypipe.models.hf.skeleton import Plan, causal_lm_class
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
 
 class HFExporter:
     """How a model's raypipe keys (`"<layer>.<name>"`) map onto its transformers checkpoint."""
 
-    def __init__(self, config: Any, plan: Plan) -> None:
+    def __init__(self, config: PretrainedConfig, plan: Plan) -> None:
         self.config, self.plan = config, plan
 
     def names(self, specs: Sequence[LayerSpec]) -> dict[str, str | None]:
@@ -48,5 +51,5 @@ class HFExporter:
         config.save_pretrained(directory)
 
 
-def _causal_lm_class(config: Any) -> str:
+def _causal_lm_class(config: PretrainedConfig) -> str:
     return causal_lm_class(config).__name__

@@ -28,12 +28,15 @@ import threading
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from raypipe.core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 # a row for what a model's own plan cannot say: GPT-2 declares none
 ROWS: dict[str, dict[str, Any]] = {
@@ -65,7 +68,7 @@ class Plan:
         return f"{self.base}.{module}."
 
 
-def plan_of(config: Any) -> Plan:
+def plan_of(config: PretrainedConfig) -> Plan:
     """Where `config`'s model splits, from transformers' own plans (or `ROWS`).
 
     Raises:
@@ -99,7 +102,7 @@ def plan_of(config: Any) -> Plan:
     return Plan(lm.base_model_prefix, embeddings, layers, norm, head, tied)
 
 
-def causal_lm_class(config: Any) -> type:
+def causal_lm_class(config: PretrainedConfig) -> type:
     from transformers import AutoModelForCausalLM
     from transformers.models.auto.auto_factory import _get_model_class
 
@@ -117,7 +120,7 @@ _skeletons: dict[int, tuple[Any, Any]] = {}  # id(config) -> (config, its skelet
 _lock = threading.Lock()
 
 
-def skeleton(config: Any) -> Any:
+def skeleton(config: PretrainedConfig) -> Any:
     """transformers' causal LM for `config`, its parameters on the meta device, its computed buffers
     real; with stand-ins for its decoder layers (`_Stop`), shared by every layer of this process."""
     with _lock:
@@ -138,7 +141,7 @@ def skeleton(config: Any) -> Any:
         return model
 
 
-def initialise(module: nn.Module, config: Any) -> None:
+def initialise(module: nn.Module, config: PretrainedConfig) -> None:
     """Initialises `module`'s parameters (materialised, uninitialised) as transformers initialises
     the whole model: its own `_init_weights`, submodule by submodule."""
     model = skeleton(config)
@@ -250,7 +253,7 @@ def _stand_ins(base: nn.Module, plan: Plan, keep: dict[str, nn.Module]) -> dict[
     return out
 
 
-def embed(config: Any, modules: dict[str, nn.Module], inputs: dict[str, Any]) -> torch.Tensor:
+def embed(config: PretrainedConfig, modules: dict[str, nn.Module], inputs: dict[str, Any]) -> torch.Tensor:
     """The first decoder layer's input as transformers' base model makes it from `inputs`
     (input_ids, attention_mask, position_ids), with the embedding `modules` this layer holds."""
     model, plan = skeleton(config), plan_of(config)
@@ -260,7 +263,7 @@ def embed(config: Any, modules: dict[str, nn.Module], inputs: dict[str, Any]) ->
 
 
 def layer_inputs(
-    config: Any, indices: list[int], hidden: torch.Tensor, inputs: dict[str, Any]
+    config: PretrainedConfig, indices: list[int], hidden: torch.Tensor, inputs: dict[str, Any]
 ) -> dict[int, tuple[tuple, dict[str, Any]]]:
     """Per decoder layer of `indices`, the arguments after the hidden states and the keyword
     arguments transformers' base model passes it (its masks, position embeddings, position ids,
@@ -274,7 +277,9 @@ def layer_inputs(
     return {i: (args, kwargs) for i, (_, args, kwargs) in seen.items()}
 
 
-def head_logits(config: Any, norm: nn.Module, head: nn.Module, hidden: torch.Tensor, **inputs: Any) -> torch.Tensor:
+def head_logits(
+    config: PretrainedConfig, norm: nn.Module, head: nn.Module, hidden: torch.Tensor, **inputs: Any
+) -> torch.Tensor:
     """The logits transformers' causal LM makes of the last decoder layer's output `hidden` with
     this `norm` and `head` (a soft-cap, a scale: whatever its forward does to them)."""
     model, plan = skeleton(config), plan_of(config)
@@ -292,7 +297,7 @@ class StageCache:
     The whole model makes every layer's masks once per forward, before any layer extends the
     cache: here the stage's first layer makes them for all its layers (`inputs`)."""
 
-    def __init__(self, config: Any, held: list[int]) -> None:
+    def __init__(self, config: PretrainedConfig, held: list[int]) -> None:
         self.config, self.held, self.cache = config, held, None
         self.made: dict[int, tuple[tuple, dict[str, Any]]] = {}
 

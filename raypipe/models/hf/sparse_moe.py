@@ -18,7 +18,7 @@ microbatch), whatever the split.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -26,8 +26,11 @@ from torch import nn
 from raypipe.core.errors import ConfigError
 from raypipe.nn.moe import MoE
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
-def is_moe(config: Any) -> bool:
+
+def is_moe(config: PretrainedConfig) -> bool:
     """Whether the model is a Mixtral, whose experts raypipe holds one by one (expert parallelism)."""
     return getattr(config, "model_type", None) == "mixtral"
 
@@ -35,7 +38,7 @@ def is_moe(config: Any) -> bool:
 class SwiGLUExpert(nn.Module):
     """One Mixtral expert under its checkpoint names: w2(act(w1 x) * w3 x)."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         from transformers.activations import ACT2FN
 
@@ -53,7 +56,7 @@ class SparseMoeBlock(MoE):
     """Replaces a Mixtral decoder layer's `mlp`: hidden states in, hidden states out (its router
     logits kept in `router_logits` for the decoder layer's routing statistics)."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: PretrainedConfig) -> None:
         if getattr(config, "router_jitter_noise", 0.0):
             raise ConfigError(
                 f"router_jitter_noise={config.router_jitter_noise} multiplies the router's input by "
@@ -73,7 +76,7 @@ class SparseMoeBlock(MoE):
 
 
 def routing_stats(
-    logits: torch.Tensor, config: Any, attention_mask: torch.Tensor | None
+    logits: torch.Tensor, config: PretrainedConfig, attention_mask: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(assignments per expert, summed router probability per expert, rows) of one layer's router
     `logits` (rows x experts), padding rows left out as transformers' `load_balancing_loss_func`
@@ -94,7 +97,7 @@ class RouterTap:
     """The router logits a decoder layer's forward makes, caught where transformers records them
     (`_can_record_outputs["router_logits"]`: a module class, and which of its outputs)."""
 
-    def __init__(self, block: nn.Module, config: Any) -> None:
+    def __init__(self, block: nn.Module, config: PretrainedConfig) -> None:
         self.logits: torch.Tensor | None = None
         from raypipe.models.hf.skeleton import causal_lm_class
 
@@ -112,7 +115,7 @@ class RouterTap:
         return logits
 
 
-def router_stats(block: nn.Module, config: Any) -> RouterTap:
+def router_stats(block: nn.Module, config: PretrainedConfig) -> RouterTap:
     return RouterTap(block, config)
 
 

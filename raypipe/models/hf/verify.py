@@ -21,12 +21,15 @@ import json
 import os
 import threading
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from raypipe.core import env
 from raypipe.core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 # widths small enough for a driver to build in a second, by the config attribute that holds them
 SMALL = {
@@ -58,7 +61,7 @@ _verdicts: dict[str, dict[str, Any]] = {}  # this process's, beside the file's
 _lock = threading.Lock()
 
 
-def verdict(config: Any) -> dict[str, Any]:
+def verdict(config: PretrainedConfig) -> dict[str, Any]:
     """{"exact": bool, "why": str, "aux_loss": bool} for `config`'s model type and flags.
 
     Raises:
@@ -82,7 +85,7 @@ def verdict(config: Any) -> dict[str, Any]:
     return found
 
 
-def small(config: Any) -> Any:
+def small(config: PretrainedConfig) -> Any:
     """`config` with two decoder layers and small widths, every other setting kept."""
     values, name = config.to_dict(), lambda key: config.attribute_map.get(key, key)
     change = {name(k): v for k, v in SMALL.items() if values.get(name(k)) is not None}
@@ -109,7 +112,7 @@ def small(config: Any) -> Any:
     return type(config).from_dict({**values, **change})
 
 
-def _compare(config: Any) -> dict[str, Any]:
+def _compare(config: PretrainedConfig) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     try:
@@ -174,7 +177,7 @@ def _run(tiny: Any, reference: Any) -> dict[str, Any]:
     return {"exact": True, "why": "", "aux_loss": aux}
 
 
-def skeleton_layers(config: Any) -> str:
+def skeleton_layers(config: PretrainedConfig) -> str:
     from raypipe.models.hf.skeleton import plan_of
 
     return plan_of(config).layers
@@ -184,7 +187,7 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.allclose(a.float(), b.float(), rtol=1e-5, atol=1e-5)
 
 
-def _flags(config: Any) -> str:
+def _flags(config: PretrainedConfig) -> str:
     """A digest of the config's settings that are no size: what may change how the model computes."""
     values = config.to_dict()
     flags = {k: v for k, v in values.items() if isinstance(v, (bool, str)) or k == "layer_types"}
