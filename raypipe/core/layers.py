@@ -17,6 +17,10 @@ from typing import Any
 import torch
 from torch import nn
 
+# A loss: `loss_fn(output, target) -> scalar tensor` (a token loss may also say which targets count:
+# `data.batches.loss_weights`)
+LossFunction = Callable[..., torch.Tensor]
+
 
 class LayerSpec:
     """A layer to build later: `LayerSpec(nn.Linear, 16, 64)` builds `nn.Linear(16, 64)`.

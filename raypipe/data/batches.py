@@ -13,6 +13,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from raypipe.core.errors import BatchError
+from raypipe.core.layers import LossFunction
 
 
 def check_token_ids(x: Any, vocab: int | None) -> None:
@@ -131,7 +132,7 @@ def is_varying(inputs: Sequence[Any]) -> bool:
     return any(d != described[0] for d in described[1:])
 
 
-def loss_weights(loss_fn: Any, targets: Sequence[Sequence[Any]]) -> list[list[float]] | None:
+def loss_weights(loss_fn: LossFunction, targets: Sequence[Sequence[Any]]) -> list[list[float]] | None:
     """Per replica and microbatch, the loss weight that makes the step's loss the mean over all
     of its items, when `loss_fn` counts them (`loss_fn.count(target)`: the tokens a causal
     LM loss averages over, those not ignored); None otherwise (every part weighs the same).
@@ -200,7 +201,7 @@ class Prepared:
     extra: dict[str, float] | None = None  # figures measured making the batch (a GRPO generation's)
 
 
-def prepare(x: Any, y: Any, dp: int, microbatches: int, loss_fn: Any, vocab: int | None = None) -> Prepared:
+def prepare(x: Any, y: Any, dp: int, microbatches: int, loss_fn: LossFunction, vocab: int | None = None) -> Prepared:
     """Cuts a batch `(x, y)` into dp replicas x `microbatches` parts (`split_batch`), its token ids
     checked against `vocab` first (`check_token_ids`)."""
     check_token_ids(x, vocab)

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from raypipe.core.errors import ConfigError, nearest
 from raypipe.data import TokenDataset, stdlib_corpus
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 DATA_SOURCES = ("stdlib", "bin", "text", "sft", "pairs", "prompts")
 EXAMPLES = ("sft", "pairs", "prompts")  # records cut on the driver, not tokens
@@ -84,7 +87,7 @@ class DataConfig:
             return self.source not in EXAMPLES and ray_address() is not None
         return self.reader == "ray_data"
 
-    def dataset(self, block_size: int, tokenizer: Any = None) -> Any:
+    def dataset(self, block_size: int, tokenizer: PreTrainedTokenizerBase | None = None) -> Any:
         if self.source == "prompts":
             from raypipe.data.prompts import PromptDataset, stdlib_prompts
             from raypipe.data.sft import read_jsonl

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from raypipe.core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 COLUMNS = ("prompt", "chosen", "rejected")
 
@@ -35,7 +38,7 @@ def stdlib_pairs(limit: int = 2000, max_bytes: int = 4_000_000, seed: int = 0) -
     return pairs
 
 
-def _text(record: dict[str, Any], tokenizer: Any, index: int) -> tuple[str, str, str]:
+def _text(record: dict[str, Any], tokenizer: PreTrainedTokenizerBase, index: int) -> tuple[str, str, str]:
     """(prompt, chosen, rejected) as text: a conversational record's prompt through the tokenizer's
     chat template when it has one (else `role: content` lines), its completions' last messages."""
     missing = [c for c in COLUMNS if c not in record]
@@ -63,7 +66,9 @@ class PreferenceDataset:
     block_size: int
 
     @classmethod
-    def from_records(cls, records: Iterable[dict[str, Any]], tokenizer: Any, block_size: int) -> PreferenceDataset:
+    def from_records(
+        cls, records: Iterable[dict[str, Any]], tokenizer: PreTrainedTokenizerBase, block_size: int
+    ) -> PreferenceDataset:
         pairs = []
         for index, record in enumerate(records):
             prompt, chosen, rejected = _text(record, tokenizer, index)

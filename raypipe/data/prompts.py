@@ -8,11 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from raypipe.core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 def stdlib_prompts(limit: int = 2000, max_bytes: int = 4_000_000) -> list[dict[str, Any]]:
@@ -35,7 +38,7 @@ def summary_line(completions: Sequence[str], **_: Any) -> list[float]:
     return rewards
 
 
-def _prompt_text(record: dict[str, Any], tokenizer: Any, index: int) -> str:
+def _prompt_text(record: dict[str, Any], tokenizer: PreTrainedTokenizerBase, index: int) -> str:
     """A record's prompt as text: chat messages through the tokenizer's chat template when it has
     one (else `role: content` lines), with the assistant's turn opened."""
     if "prompt" not in record:
@@ -57,7 +60,9 @@ class PromptDataset:
     block_size: int
 
     @classmethod
-    def from_records(cls, records: Iterable[dict[str, Any]], tokenizer: Any, block_size: int) -> PromptDataset:
+    def from_records(
+        cls, records: Iterable[dict[str, Any]], tokenizer: PreTrainedTokenizerBase, block_size: int
+    ) -> PromptDataset:
         out = []
         for index, record in enumerate(records):
             text = _prompt_text(record, tokenizer, index)

@@ -11,11 +11,12 @@ import torch
 import torch.utils._pytree as pytree
 
 from raypipe.core.errors import BatchError
+from raypipe.core.layers import LossFunction
 from raypipe.data.batches import Prepared, is_varying
 from raypipe.nn.cross_entropy import IGNORE
 
 
-def sequence_units(batch: Prepared, chunks: int, loss_fn: Any) -> Prepared:
+def sequence_units(batch: Prepared, chunks: int, loss_fn: LossFunction) -> Prepared:
     """`batch` with each microbatch cut into `chunks` units along dim 1 (the sequence) of every
     tensor as long as its first tensor's sequence; targets too, one token longer where the loss
     shifts labels itself (`loss_fn.shifts_labels`, transformers' causal-LM loss).
@@ -45,7 +46,7 @@ def sequence_units(batch: Prepared, chunks: int, loss_fn: Any) -> Prepared:
     return dataclasses.replace(batch, inputs=inputs, targets=targets, weights=weights, varying=varying)
 
 
-def cut_microbatch(x: Any, y: Any, chunks: int, loss_fn: Any, m: int = 0) -> tuple[list, list, list[float]]:
+def cut_microbatch(x: Any, y: Any, chunks: int, loss_fn: LossFunction, m: int = 0) -> tuple[list, list, list[float]]:
     """Microbatch `m`'s input and target cut into `chunks` units, and the tokens each unit's loss
     averages over (`sequence_units`; the profiler times layers on such units).
 
@@ -90,7 +91,7 @@ def _cut(value: Any, length: int, start: int, end: int) -> Any:
     return pytree.tree_map(cut, value)
 
 
-def _count(loss_fn: Any, target: Any, overlap: int) -> float:
+def _count(loss_fn: LossFunction, target: Any, overlap: int) -> float:
     """The tokens a unit's loss averages over: `loss_fn.count` where it has one, else its integer
     targets not ignored, else its length."""
     count = getattr(loss_fn, "count", None)

@@ -16,13 +16,16 @@ import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from raypipe.core.errors import ConfigError
 from raypipe.data.corpus import stdlib_sources
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 IGNORE = -100
 
@@ -71,7 +74,7 @@ def stdlib_docstrings(limit: int = 2000, max_bytes: int = 4_000_000) -> list[dic
     return records
 
 
-def split_chat(record: dict[str, Any], tokenizer: Any) -> tuple[str, str]:
+def split_chat(record: dict[str, Any], tokenizer: PreTrainedTokenizerBase) -> tuple[str, str]:
     """(prompt, response) of a record; chat messages through the tokenizer's chat template when it
     has one, else `role: content` lines, the last assistant message being the response."""
     if "messages" not in record:
@@ -99,7 +102,7 @@ class SFTDataset:
     def from_records(
         cls,
         records: Iterable[dict[str, Any]],
-        tokenizer: Any,
+        tokenizer: PreTrainedTokenizerBase,
         block_size: int,
         pack: bool = False,
     ) -> SFTDataset:

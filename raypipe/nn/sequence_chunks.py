@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from raypipe.core.layers import LossFunction
+
 _CURRENT: contextvars.ContextVar[Position | None] = contextvars.ContextVar("sequence_chunk", default=None)
 
 
@@ -221,7 +223,7 @@ class Sequence:
         self.open.clear()
 
 
-def unit_loss(loss_fn: Any, out: Any, target: Any, device: Any, weight: float, chunked: bool) -> torch.Tensor:
+def unit_loss(loss_fn: LossFunction, out: Any, target: Any, device: Any, weight: float, chunked: bool) -> torch.Tensor:
     """`loss_fn(out, target)` with the target on `device`, but zero (with a graph) for a `chunked`
     unit of weight 0: a sequence chunk whose targets are all ignored (a mean over none is NaN)."""
     from raypipe.transport.tree import map_tensors, tensors

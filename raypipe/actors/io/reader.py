@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from raypipe.core.errors import BatchError
+from raypipe.core.layers import LossFunction
 from raypipe.data.batches import Prepared, prepare
 
 
@@ -61,7 +62,7 @@ class DatasetReader:
         collate: Callable[[dict], tuple[Any, Any]] | None,
         dp: int,
         microbatches: int,
-        loss_fn: Any,
+        loss_fn: LossFunction,
         function: Callable[[int], tuple[Any, Any]] | None = None,
         cpus: float | None = None,
     ) -> None:
@@ -80,7 +81,9 @@ class DatasetReader:
             context.execution_options.resource_limits = limits.copy(cpu=max(1.0, cpus))
         self.dataset, self.batch_size, self.collate = dataset, batch_size, collate or default_collate
 
-    def use(self, function: Callable[[int], tuple[Any, Any]], dp: int, microbatches: int, loss_fn: Any) -> None:
+    def use(
+        self, function: Callable[[int], tuple[Any, Any]], dp: int, microbatches: int, loss_fn: LossFunction
+    ) -> None:
         """From now on step k's `(x, y)` is `function(k)`, cut for `dp` x `microbatches`: a function
         reader kept for the next `fit` of the same trainer, which forgets the batches it made."""
         self.function, self.dp, self.microbatches, self.loss_fn = function, dp, microbatches, loss_fn

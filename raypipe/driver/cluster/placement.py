@@ -19,7 +19,7 @@ from raypipe.config import TrainConfig
 from raypipe.config.engines import engine_kind
 from raypipe.core.devices import ray_options
 from raypipe.core.errors import PlacementError, StageError
-from raypipe.core.layers import LayerSpec
+from raypipe.core.layers import LayerSpec, LossFunction
 from raypipe.core.protocol import ActorInfo, ActorSpec, WorldSpec
 from raypipe.driver.checkpoints import check_reachable
 from raypipe.driver.chunks import actor_chunks, actor_plan
@@ -80,7 +80,7 @@ def start_actors(
     specs: Sequence[LayerSpec],
     plan: Sequence[tuple[int, int]],
     schedule: Schedule,
-    loss_fn: Any,
+    loss_fn: LossFunction,
     run_name: str,
     cpus: float,
     tied: Sequence[Sequence[str]] = (),
@@ -221,7 +221,7 @@ def start_gang(
     specs: Sequence[LayerSpec],
     plan: Sequence[tuple[int, int]],
     schedule: Schedule,
-    loss_fn: Any,
+    loss_fn: LossFunction,
     run_name: str,
     others: Callable[[], list[str]],
     tied: Sequence[Sequence[str]] = (),
