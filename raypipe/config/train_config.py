@@ -19,10 +19,12 @@ import yaml
 
 from raypipe.checkpoint.storage import redact_values
 from raypipe.config.checks import plain
+from raypipe.config.choices import DeviceLinks, NonfinitePolicy, Partition, Placement, Precision, SameNodeTransport
 from raypipe.config.sections import SECTIONS, SectionView
 from raypipe.config.validation import RECONFIGURABLE, validate
 from raypipe.core.errors import ConfigError, nearest
 from raypipe.schedules import SCHEDULES
+from raypipe.transport.compress import Codec
 
 # Sections of a job file that belong to the job, not to TrainConfig (see raypipe.job).
 JOB_SECTIONS = ("model", "data", "job")
@@ -226,20 +228,20 @@ class TrainConfig:
     extra_warmup: int = 0
     sequence_chunks: int | str = 1
     shard_plan: list[list[int]] | None = None
-    partition: str = "uniform"
+    partition: Partition = "uniform"
     optimizer: dict = field(default_factory=lambda: {"name": "adamw", "lr": 1e-3})
     lr_schedule: dict = field(default_factory=lambda: {"name": "constant"})
     grad_clip: float | None = None
     objective: dict | None = None
     engine: str = "p2p"
     actor_steps: int | str = "auto"
-    same_node_transport: str = "shm"
+    same_node_transport: SameNodeTransport = "shm"
     probe_links: bool = True
-    device_links: str = "auto"
-    precision: str = "fp32"
-    boundary_dtype: str = "fp32"
-    compress_activations: str = "none"
-    compress_gradients: str = "none"
+    device_links: DeviceLinks = "auto"
+    precision: Precision = "fp32"
+    boundary_dtype: Precision = "fp32"
+    compress_activations: Codec = "none"
+    compress_gradients: Codec = "none"
     activation_checkpointing: bool = False
     compile: bool = False
     measure_activations: bool = False
@@ -247,7 +249,7 @@ class TrainConfig:
     cpus_per_actor: float | None = None
     threads_per_actor: int | None = None
     actor_start_timeout: float = 60.0
-    placement: str = "pack"
+    placement: Placement = "pack"
     step_timeout: float = 300.0
     name: str | None = None
     checkpoint_dir: str | None = None
@@ -260,7 +262,7 @@ class TrainConfig:
     min_pp: int = 1
     min_dp: int = 1
     replace_wait: float = 10.0
-    nonfinite: str = "error"
+    nonfinite: NonfinitePolicy = "error"
     log_dir: str | None = None
     loggers: list = field(default_factory=lambda: ["tensorboard"])
     devices: str | list[str] = "cpu"

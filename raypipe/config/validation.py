@@ -18,6 +18,14 @@ from raypipe.config.checks import (
     fail,
     is_int,
 )
+from raypipe.config.choices import (
+    DEVICE_LINKS,
+    NONFINITE_POLICIES,
+    PARTITION_NAMES,
+    PLACEMENTS,
+    PRECISIONS,
+    SAME_NODE_TRANSPORTS,
+)
 from raypipe.config.engines import ENGINES, engine_kind, engines_that
 from raypipe.config.loggers import check_loggers
 from raypipe.config.objective import check_objective
@@ -27,12 +35,6 @@ from raypipe.schedules import SCHEDULES, SEQUENCE_CHUNKED, build_schedule
 from raypipe.transport.compress import CODECS
 
 SCHEDULE_NAMES = (*SCHEDULES, "auto")  # auto: chosen from profiled layers (`raypipe.planning.autoschedule`)
-SAME_NODE_TRANSPORTS = ("shm", "gloo")
-DEVICE_LINKS = ("auto", "nccl", "host")  # raypipe.driver.links.ways
-PARTITION_NAMES = ("uniform", "parameters", "profile")
-PRECISIONS = ("fp32", "bf16", "fp16")
-NONFINITE_POLICIES = ("error", "skip")
-PLACEMENTS = ("pack", "spread", "strict_spread")  # raypipe.driver.cluster.gang.STRATEGIES
 
 
 def validate(c: Any) -> None:

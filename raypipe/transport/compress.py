@@ -21,12 +21,13 @@ measured in `benchmarks/boundary_dtype.py` (docs/BENCHMARKS.md).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 import torch.utils._pytree as pytree
 
-CODECS = ("none", "fp8", "fp8-row", "int8")
+Codec = Literal["none", "fp8", "fp8-row", "int8"]
+CODECS = get_args(Codec)
 FP8 = torch.float8_e4m3fn
 _LIMIT = {"fp8": torch.finfo(FP8).max, "fp8-row": torch.finfo(FP8).max, "int8": 127.0}
 

@@ -18,6 +18,22 @@ def test_defaults_are_valid_and_printable():
     assert yaml.safe_load(str(cfg))["optim"]["optimizer"] == {"name": "adamw", "lr": 1e-3}
 
 
+def test_a_closed_choice_is_the_fields_type_and_what_validation_accepts():
+    """Each field that names one of a closed set of values carries it as a `Literal` (an editor
+    completes it); validation accepts exactly those values and names them when refusing another."""
+    import typing
+
+    hints = typing.get_type_hints(TrainConfig)
+    fields = ("partition", "same_node_transport", "device_links", "precision", "boundary_dtype", "placement")
+    fields += ("nonfinite", "compress_activations", "compress_gradients")
+    for name in fields:
+        assert typing.get_origin(hints[name]) is typing.Literal, name
+        choices = typing.get_args(hints[name])
+        assert all(getattr(TrainConfig(**{name: c}), name) == c for c in choices)
+        with pytest.raises(ConfigError, match=f"{name}='nope' is invalid: choose one of {', '.join(choices)}"):
+            TrainConfig(**{name: "nope"})
+
+
 def test_every_field_is_in_one_section_and_the_sections_read_back():
     from raypipe.config import SECTIONS
 
