@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from raypipe.transport.stream import FLAG_BYTES, HEADER_BYTES, POISON, Outbox, PeerFailed, read_header
-from raypipe.transport.tree import Layout
+from raypipe.transport.tree import Boundary, Layout
 
 LOOKAHEAD = 3  # receives posted per stream; refilled after each action, so two stay posted while it computes
 PAYLOAD_TAG = 1 << 24  # added to a message's tag for a varying stream's payload
@@ -77,7 +77,7 @@ class GlooOutbox(Outbox):
         self.preposted = min(LOOKAHEAD, count) if self.capacity else 0
         self.sent = 0
 
-    def send(self, value: Any, tag: int = 0) -> None:
+    def send(self, value: Boundary, tag: int = 0) -> None:
         super().send(value, tag)
         self.sent += 1
 
@@ -125,7 +125,7 @@ class GlooInbox:
             buffer = torch.empty(FLAG_BYTES + capacity, dtype=torch.uint8)
             self.posted.append((buffer, dist.irecv(buffer, src, tag=tag), tag))
 
-    def take(self) -> Any:
+    def take(self) -> Boundary:
         """The next message's value (views of the message buffer, which the caller owns).
 
         Raises:
@@ -172,7 +172,7 @@ class GlooInbox:
             self.posted.appendleft(self._receive(tag))
         self.refill()
 
-    def _message(self) -> Any:
+    def _message(self) -> Boundary:
         buffer, work, tag = self.posted.popleft()
         work.wait()
         if self.varying:

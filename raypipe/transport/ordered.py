@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from raypipe.transport.stream import FLAG_BYTES, HEADER_BYTES, POISON, Outbox, PeerFailed, read_header
-from raypipe.transport.tree import Layout
+from raypipe.transport.tree import Boundary, Layout
 
 LOOKAHEAD = 3  # receives posted ahead per stream (each holds a message's buffer until taken)
 
@@ -75,7 +75,7 @@ class OrderedInbox:
         self.posted: deque[_Arrival] = deque()
         self.header = self._receive(HEADER_BYTES, HEADER_BYTES) if self.remaining else None
 
-    def take(self) -> Any:
+    def take(self) -> Boundary:
         """The next message's value (views of its buffer, which the caller owns).
 
         Raises:

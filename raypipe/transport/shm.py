@@ -38,7 +38,6 @@ import struct
 import uuid
 from collections import deque
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -48,7 +47,7 @@ from raypipe.transport.gloo import GlooInbox, GlooOutbox
 from raypipe.transport.pipes import owned, poller, sweep_stale, wait_alive
 from raypipe.transport.pipes import prefix as link_prefix
 from raypipe.transport.stream import HEADER_BYTES, POISON, PeerFailed, check_like, header, read_header
-from raypipe.transport.tree import Layout, flatten
+from raypipe.transport.tree import Boundary, Layout, flatten
 
 OK, GLOO = 0, 1  # record flags besides POISON: a tensor in a slot; this stream goes over gloo this step
 RECORD = struct.Struct("<4q")  # tag, flag, generation, slot: written atomically (< PIPE_BUF)
@@ -227,7 +226,7 @@ class Link:
             self.partial = data[whole:]
         return self.records.popleft()
 
-    def view(self, generation: int, slot: int) -> Any:
+    def view(self, generation: int, slot: int) -> Boundary:
         """The value in `slot` of the neighbour's file `generation`, as views (no copy)."""
         if generation not in self.mapped:
             path = _data(self.prefix, self.peer, self.rank, generation, self.peer_pid)
@@ -284,7 +283,7 @@ class ShmOutbox:
         self.gloo: GlooOutbox | None = None  # set when this step's stream does not fit, or varies
         self.state = link.begin_stream(channel)
 
-    def send(self, value: Any, tag: int) -> None:
+    def send(self, value: Boundary, tag: int) -> None:
         """Sends `value` (a pytree of tensors on any device).
 
         Raises:
@@ -330,7 +329,7 @@ class ShmInbox:
         self.tags = deque(tags)
         self.gloo: GlooInbox | None = None
 
-    def take(self) -> Any:
+    def take(self) -> Boundary:
         """The next message's value (views into shared memory, valid for this step and the next).
 
         Raises:

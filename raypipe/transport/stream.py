@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from raypipe.transport.tree import Layout, flatten, pack_into
+from raypipe.transport.tree import Boundary, Layout, flatten, pack_into
 
 HEADER_BYTES = 2048  # flag, varying, layout length (int64s), then the pickled layout
 OK, POISON = 0, -1
@@ -89,7 +89,7 @@ class Outbox:
         self.started = False  # the stream's header went out (poison before it goes as poison headers)
         self.handles: list[tuple[Any, torch.Tensor]] = []  # (work, the buffer it sends), until `wait`
 
-    def send(self, value: Any, tag: int = 0) -> None:
+    def send(self, value: Boundary, tag: int = 0) -> None:
         """Starts sending `value` (a pytree of tensors on any device), as the message on `tag`.
 
         Raises:

@@ -13,20 +13,23 @@ message carries its own (`stream`).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 
 ALIGN = 64
 
+# What one stage hands the next: a tensor, or tuples, lists and dicts of them, with None leaves
+Boundary = torch.Tensor | tuple["Boundary", ...] | list["Boundary"] | dict[str, "Boundary"] | None
+
 
 @dataclass(frozen=True)
 class Layout:
     """A boundary tree's structure and its leaves' dtypes and shapes (None for a None leaf)."""
 
-    spec: Any  # torch.utils._pytree.TreeSpec
+    spec: pytree.TreeSpec
     leaves: tuple[tuple[torch.dtype, tuple[int, ...]] | None, ...]
 
     @property
@@ -85,7 +88,7 @@ class Layout:
                 out.append(payload[at : at + _nbytes(leaf)].view(dtype).view(shape))
         return out
 
-    def tree(self, leaves: list[Any]) -> Any:
+    def tree(self, leaves: list[torch.Tensor | None]) -> Boundary:
         return pytree.tree_unflatten(leaves, self.spec)
 
     def describes(self, leaves: list[torch.Tensor | None]) -> bool:
@@ -104,7 +107,7 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def flatten(value: Any) -> tuple[Layout, list[torch.Tensor | None]]:
+def flatten(value: Boundary) -> tuple[Layout, list[torch.Tensor | None]]:
     """A boundary value's layout and its leaves.
 
     Raises:
@@ -130,17 +133,17 @@ def pack_into(
             view.copy_(leaf, non_blocking=non_blocking)
 
 
-def leaves(value: Any) -> list[Any]:
+def leaves(value: Boundary) -> list[torch.Tensor | None]:
     """A boundary value's leaves in flattening order (a gradient tree's align with its value's)."""
     return pytree.tree_leaves(value)
 
 
-def tensors(value: Any) -> list[torch.Tensor]:
+def tensors(value: Boundary) -> list[torch.Tensor]:
     """The tensor leaves of a boundary value, in flattening order."""
     return [t for t in pytree.tree_leaves(value) if torch.is_tensor(t)]
 
 
-def map_tensors(fn: Any, value: Any) -> Any:
+def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], value: Boundary) -> Boundary:
     """`value` with `fn` applied to every tensor leaf (other leaves unchanged)."""
     return pytree.tree_map(lambda t: fn(t) if torch.is_tensor(t) else t, value)
 
@@ -157,7 +160,7 @@ def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def to_host(value: Any) -> Any:
+def to_host(value: Boundary) -> Boundary:
     """Boundary values cross to other stages (maybe another kind of device) through host
     memory; anything but a device tensor (a loss as a float, None) passes unchanged."""
     return map_tensors(lambda t: t.cpu() if t.device.type != "cpu" else t, value)
