@@ -36,6 +36,9 @@ class StoreKeeper:
         self.values: dict[str, bytes] = {}
         self.written: dict[str, asyncio.Event] = {}
 
+    def __repr__(self) -> str:  # Ray's dashboard and state API show this
+        return "StoreKeeper(the world's rendezvous keys)"
+
     def _event(self, key: str) -> asyncio.Event:
         return self.written.setdefault(key, asyncio.Event())
 

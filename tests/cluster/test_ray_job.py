@@ -202,8 +202,12 @@ def test_state_api_lists_every_stage_by_name_and_repr(head, submitted):
     assert actors["stage1-dp0-tp0"]["class_name"] == "StageActor"
     assert actors["stage1-dp0-tp0"]["repr_name"] == "StageActor(stage1-dp0-tp0, layers [2, 4))"
     helpers = {name.rsplit("-", 1)[0]: a["repr_name"] for name, a in actors.items() if not name.startswith("stage")}
-    # the run's one helper (an actor-driven run has a `step-board-…` too); its repr as Ray read it at the start
-    assert helpers == {"dataset-reader": "DatasetReader(a Dataset, 8 rows a step)"}, helpers
+    # the run's helpers: its dataset's reader and its world's rendezvous (an actor-driven run has a
+    # `step-board-…` too); their reprs as Ray read them at the start
+    assert helpers == {
+        "dataset-reader": "DatasetReader(a Dataset, 8 rows a step)",
+        "rendezvous": "StoreKeeper(the world's rendezvous keys)",
+    }, helpers
 
 
 def test_head_advertises_what_node_resources_printed(head):
