@@ -16,6 +16,8 @@ with an error that names the key.
 from __future__ import annotations
 
 import asyncio
+import time
+import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +37,7 @@ class StoreKeeper:
     def __init__(self) -> None:
         self.values: dict[str, bytes] = {}
         self.written: dict[str, asyncio.Event] = {}
+        self.added: dict[str, int] = {}  # each `add` request's answer, for its retries
 
     def __repr__(self) -> str:  # Ray's dashboard and state API show this
         return "StoreKeeper(the world's rendezvous keys)"
@@ -53,9 +56,15 @@ class StoreKeeper:
         await self.wait([key], timeout)
         return self.values[key]
 
-    async def add(self, key: str, amount: int) -> int:
+    async def add(self, key: str, amount: int, request: str = "") -> int:
+        """Adds `amount` to the counter `key`; a `request` id seen before returns its first answer,
+        so a call retried after a lost reply counts once."""
+        if request and request in self.added:
+            return self.added[request]
         total = int(self.values.get(key, b"0")) + amount
         self._put(key, str(total).encode())
+        if request:
+            self.added[request] = total
         return total
 
     async def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
@@ -97,14 +106,27 @@ class RayStore(dist.Store):
         self.clones: list[RayStore] = []  # kept alive here: torch holds them only on its C++ side
 
     def _call(self, method: str, *args: Any) -> Any:
+        """The keeper's answer to `method(*args)`. A call whose reply was lost (Ray's
+        ActorUnavailableError: a connection reset, as after another node's loss) is made again until
+        the world's timeout; every method is idempotent (`add` by its request id). A keeper that
+        died is named as such, not as the stage whose call found it."""
         import ray
 
-        try:
-            return ray.get(getattr(self.keeper, method).remote(*args))
-        except ray.exceptions.RayTaskError as e:
-            if isinstance(e.cause, RendezvousTimeout):
-                raise RendezvousTimeout(str(e.cause)) from None
-            raise
+        deadline, pause = time.monotonic() + self.wait_seconds, 0.05
+        while True:
+            try:
+                return ray.get(getattr(self.keeper, method).remote(*args))
+            except ray.exceptions.RayTaskError as e:
+                if isinstance(e.cause, RendezvousTimeout):
+                    raise RendezvousTimeout(str(e.cause)) from None
+                raise
+            except ray.exceptions.ActorUnavailableError:
+                if time.monotonic() + pause > deadline:
+                    raise
+                time.sleep(pause)
+                pause = min(2 * pause, 1.0)
+            except ray.exceptions.ActorDiedError as e:
+                raise RuntimeError(f"the world's rendezvous keeper died while the actors joined: {e}") from None
 
     def clone(self) -> RayStore:
         """Another client of the same keys (gloo takes one for its point-to-point connections)."""
@@ -118,7 +140,7 @@ class RayStore(dist.Store):
         return self._call("get", key, self.wait_seconds)
 
     def add(self, key: str, amount: int) -> int:
-        return self._call("add", key, amount)
+        return self._call("add", key, amount, uuid.uuid4().hex)
 
     def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
         return self._call("compare_set", key, _bytes(expected), _bytes(desired))

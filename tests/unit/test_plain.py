@@ -80,7 +80,9 @@ def _rank(rank: int, store: str, out) -> None:
         mine = {"rank": rank, "state": torch.full((rank + 1, 2), float(rank)), "node": ("n", rank)}
         everyone = plain.all_gather(mine)
         gathered = plain.gather(mine, dst=1)
-        out.put((rank, everyone, gathered))
+        # as bytes: a queue shares a tensor's storage by a handle that dies with this process, which
+        # may end before the test reads it (FileNotFoundError in the parent, seen in a full run)
+        out.put((rank, pickle.dumps(everyone), pickle.dumps(gathered)))
     finally:
         dist.destroy_process_group()
 
@@ -92,7 +94,7 @@ def test_two_gloo_ranks_all_gather_and_gather_plain_data(tmp_path):
     for p in ranks:
         p.start()
     try:
-        results = dict((r, (e, g)) for r, e, g in (out.get(timeout=120) for _ in ranks))
+        results = {r: (pickle.loads(e), pickle.loads(g)) for r, e, g in (out.get(timeout=120) for _ in ranks)}
     finally:
         for p in ranks:
             p.join(timeout=60)

@@ -35,3 +35,40 @@ def test_a_rank_that_never_comes_ends_the_wait_naming_its_key():
             await keeper.wait(["rank0", "rank1"], 0.1)
 
     asyncio.run(run())
+
+
+def test_a_call_whose_reply_was_lost_is_made_again_and_an_add_counts_once(monkeypatch):
+    """After another node's loss a reply can be lost (Ray's ActorUnavailableError: the call may or
+    may not have run): the store makes it again, and the keeper counts a retried `add` once."""
+    import ray
+
+    from raypipe.transport.ray_store import RayStore
+
+    keeper, lost = StoreKeeper(), [2]
+
+    class Method:
+        def __init__(self, name):
+            self.name = name
+
+        def remote(self, *args):
+            return (self.name, args)
+
+    class Handle:
+        def __getattr__(self, name):
+            return Method(name)
+
+    def get(call):
+        name, args = call
+        answer = asyncio.run(getattr(keeper, name)(*args))  # it ran; its reply may still be lost
+        if lost[0]:
+            lost[0] -= 1
+            raise ray.exceptions.ActorUnavailableError("Connection reset by peer", None)
+        return answer
+
+    monkeypatch.setattr(ray, "get", get)
+    store = RayStore(Handle(), timeout=5)
+    assert store.add("joined", 1) == 1  # ran three times, counted once
+    assert keeper.values["joined"] == b"1"
+    lost[0] = 100  # never answers: the world's timeout ends it
+    with pytest.raises(ray.exceptions.ActorUnavailableError):
+        RayStore(Handle(), timeout=0.3).set("k", b"v")
