@@ -27,6 +27,9 @@ if TYPE_CHECKING:
     from ray.actor import ActorHandle
 
 
+KEEPER_DIED = "the world's rendezvous keeper died"  # in the error a stage raises when it finds the keeper gone
+
+
 class RendezvousTimeout(RuntimeError):
     """A rank waited longer than the world's timeout for a key another rank should have written."""
 
@@ -126,7 +129,7 @@ class RayStore(dist.Store):
                 time.sleep(pause)
                 pause = min(2 * pause, 1.0)
             except ray.exceptions.ActorDiedError as e:
-                raise RuntimeError(f"the world's rendezvous keeper died while the actors joined: {e}") from None
+                raise RuntimeError(f"{KEEPER_DIED} while the actors joined: {e}") from None
 
     def clone(self) -> RayStore:
         """Another client of the same keys (gloo takes one for its point-to-point connections)."""

@@ -31,7 +31,7 @@ from raypipe.driver.results import gather, last_line
 from raypipe.models.model import tied_stages
 from raypipe.planning.threads import oversubscribed, threads_by_node
 from raypipe.schedules import Schedule, owners, virtual_stages
-from raypipe.transport.ray_store import StoreKeeper
+from raypipe.transport.ray_store import KEEPER_DIED, StoreKeeper
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
@@ -214,7 +214,16 @@ def wait_for_actors(
     return infos
 
 
-def start_gang(
+def start_gang(*args: Any, **kwargs: Any) -> StartedActors:
+    """`start_once`, made once more, afresh, when the world's rendezvous keeper died as the actors
+    joined (its node was lost as the start began, before Ray marked it dead)."""
+    try:
+        return start_once(*args, **kwargs)
+    except KeeperLost:
+        return start_once(*args, **kwargs)
+
+
+def start_once(
     config: TrainConfig,
     topology: Topology,
     names: Sequence[str],
@@ -267,7 +276,7 @@ def start_gang(
     own = group if not first else None  # the trainer's own group goes with its actors; a trial's stays
     shared = [(g, stages) for g, stages in enumerate(tied_stages(tied, actor_plan(plan, schedule))) if len(stages) > 1]
     world = needs_world(config) or bool(shared)
-    keeper = on_driver_node(StoreKeeper, run_name, "rendezvous") if world else None  # starts as the actors build
+    keeper = on_driver_node(StoreKeeper, run_name, "rendezvous", head=True) if world else None  # built meanwhile
     listening: dict[str, list[str]] = {}
     try:
         infos = wait_for_actors(actors, names, topology, plan, config, cpus, others, ready)
@@ -369,7 +378,17 @@ def join_world(
                 )
             )
         )
-    return dict(zip(names, gather(joins, "rendezvous", actors, names)))
+    try:
+        return dict(zip(names, gather(joins, "rendezvous", actors, names)))
+    except StageError as error:
+        if KEEPER_DIED in str(error):
+            raise KeeperLost(str(error)) from None
+        raise
+
+
+class KeeperLost(StageError):
+    """The world's rendezvous keeper died while the actors joined (its node was lost): the start may
+    be made again, with new actors and a new keeper."""
 
 
 def name_links(infos: Sequence[ActorInfo], names: Sequence[str]) -> list[dict[str, Any]]:
