@@ -84,7 +84,7 @@ def start_actors(
     run_name: str,
     cpus: float,
     tied: Sequence[Sequence[str]] = (),
-    group: PlacementGroup = None,
+    group: PlacementGroup | None = None,
     first: int = 0,
 ) -> list[Any]:
     """Creates every stage actor (Ray places them asynchronously; `wait_for_actors` waits), each
