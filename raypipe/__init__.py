@@ -7,7 +7,18 @@ submodules may change.
 import raypipe.core.notices  # noqa: F401 - first: hides third-party notices that ask nothing of the user
 from raypipe import nn
 from raypipe.checkpoint.layout import CheckpointError
-from raypipe.config import TrainConfig
+from raypipe.config import (
+    AdaptersConfig,
+    CheckpointConfig,
+    ClusterConfig,
+    NumericsConfig,
+    ObserveConfig,
+    OptimConfig,
+    ParallelConfig,
+    PipelineConfig,
+    RecoveryConfig,
+    TrainConfig,
+)
 from raypipe.core.errors import (
     ActorDiedError,
     BatchError,
@@ -32,15 +43,24 @@ __version__ = "0.1.0"
 __all__ = [
     "Action",
     "ActorDiedError",
+    "AdaptersConfig",
     "BatchError",
+    "CheckpointConfig",
     "CheckpointError",
+    "ClusterConfig",
     "ConfigError",
-    "NonFiniteError",
     "LayerSpec",
     "Link",
+    "NonFiniteError",
+    "NumericsConfig",
+    "ObserveConfig",
+    "OptimConfig",
+    "ParallelConfig",
+    "PipelineConfig",
     "PlacementError",
     "PlanReport",
     "RaypipeError",
+    "RecoveryConfig",
     "ScheduleError",
     "StageError",
     "StepBreakdown",

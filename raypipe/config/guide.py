@@ -1,6 +1,6 @@
 """The configuration guide's table of `TrainConfig` fields, made from the class itself: each
-field in its section (`sections`), its meaning from the docstring's `Attributes:` section, its
-default from the dataclass, whether `Trainer.reconfigure` may change it from `RECONFIGURABLE`.
+field in its section (`sections`), its meaning from its section's docstring (`Attributes:`), its
+default from the section's dataclass, whether `Trainer.reconfigure` may change it from `RECONFIGURABLE`.
 One source: a field documented nowhere else can never be documented wrongly elsewhere.
 
     python -m raypipe.config.guide            # rewrites the table in docs/configuration.md
@@ -14,8 +14,7 @@ import re
 import sys
 from pathlib import Path
 
-from raypipe.config.sections import SECTIONS
-from raypipe.config.train_config import TrainConfig
+from raypipe.config.sections import SECTION_TYPES, SECTIONS
 from raypipe.config.validation import RECONFIGURABLE
 
 GUIDE = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
@@ -24,17 +23,17 @@ END = "<!-- end of the generated table -->"
 
 
 def field_docs() -> dict[str, str]:
-    """Field name -> its paragraph of `TrainConfig`'s `Attributes:` section, on one line."""
-    section = TrainConfig.__doc__.split("Attributes:", 1)[1]
+    """Field name -> its paragraph of its section's `Attributes:`, on one line."""
     docs: dict[str, list[str]] = {}
-    name = None
-    for line in section.splitlines():
-        entry = re.match(r"^ {8}(\w+): (.*)$", line)
-        if entry:
-            name = entry.group(1)
-            docs[name] = [entry.group(2)]
-        elif name and line.startswith(" " * 12):
-            docs[name].append(line.strip())
+    for kind in SECTION_TYPES.values():
+        name = None
+        for line in (kind.__doc__ or "").split("Attributes:", 1)[-1].splitlines():
+            entry = re.match(r"^ {8}(\w+): (.*)$", line)
+            if entry:
+                name = entry.group(1)
+                docs[name] = [entry.group(2)]
+            elif name and line.startswith(" " * 12):
+                docs[name].append(line.strip())
     return {k: " ".join(v) for k, v in docs.items()}
 
 
@@ -46,7 +45,8 @@ def default_of(f: dataclasses.Field) -> str:
 def table() -> str:
     """The markdown table, one row per field in its section's order (`SECTIONS`): section, field,
     default, reconfigurable, meaning."""
-    docs, fields = field_docs(), {f.name: f for f in dataclasses.fields(TrainConfig)}
+    docs = field_docs()
+    fields = {f.name: f for kind in SECTION_TYPES.values() for f in dataclasses.fields(kind)}  # type: ignore[arg-type]
     rows = ["| section | field | default | reconfigure | meaning |", "|---|---|---|---|---|"]
     for section, names in SECTIONS.items():
         for name in names:

@@ -9,7 +9,7 @@ from typing import Any
 from raypipe.config.checks import fail
 
 
-def check_objective(value: Any, actor_steps: Any = "auto") -> dict[str, Any] | None:
+def check_objective(value: Any) -> dict[str, Any] | None:
     """`TrainConfig.objective`, with its defaults filled in (None: the loss function's own). Its
     reference policy (every objective's that measures against one) is the starting adapters under `lora`,
     else a frozen copy of each stage's starting weights beside them (`objectives.reference`)."""
@@ -30,11 +30,15 @@ def check_objective(value: Any, actor_steps: Any = "auto") -> dict[str, Any] | N
         )
     objective = {**kind.defaults, **value}
     kind.check(objective, value)
-    if actor_steps not in (0, "auto"):
+    return objective
+
+
+def check_driver_steps(objective: dict[str, Any] | None, actor_steps: int | str) -> None:
+    """An objective's batches pass through the driver before each step, so the driver steps."""
+    if objective is not None and actor_steps not in (0, "auto"):
         raise fail(
             "actor_steps",
             actor_steps,
-            f"each {kind.name.upper()} step's batch goes through a pass on the driver first (the reference, or "
+            f"each {objective['name'].upper()} step's batch goes through a pass on the driver first (the reference, or "
             'generation): give 0 or "auto".',
         )
-    return objective

@@ -1,56 +1,53 @@
-"""Whether a `TrainConfig` is valid: every field checked when the config is built, each error
-naming the field, the value and the fix (`raypipe.config.checks`), and the allowed values of the
-fields that name a choice."""
+"""What a `TrainConfig` checks across its sections, once each section has checked its own fields
+(`raypipe.config.sections`): each error names the field, the value and the fix
+(`raypipe.config.checks`). And which fields a running trainer may change."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Protocol
 
-from raypipe.checkpoint.storage import check_available, is_uri, split_uri
-from raypipe.config.checks import (
-    check_choice,
-    check_devices,
-    check_int,
-    check_lr_schedule,
-    check_optimizer,
-    check_positive,
-    check_shard_plan,
-    fail,
-    is_int,
-)
-from raypipe.config.choices import (
-    DEVICE_LINKS,
-    NONFINITE_POLICIES,
-    PARTITION_NAMES,
-    PLACEMENTS,
-    PRECISIONS,
-    SAME_NODE_TRANSPORTS,
-)
-from raypipe.config.engines import ENGINES, engine_kind, engines_that
-from raypipe.config.loggers import check_loggers
-from raypipe.config.objective import check_objective
+from raypipe.config.checks import check_devices, check_shard_plan, fail
+from raypipe.config.engines import engine_kind, engines_that
+from raypipe.config.objective import check_driver_steps
+from raypipe.config.settings import LoraSettings, ObjectiveSettings
 from raypipe.core.errors import ScheduleError
 from raypipe.nn import lora
-from raypipe.schedules import SCHEDULES, SEQUENCE_CHUNKED, build_schedule
-from raypipe.transport.compress import CODECS
-
-SCHEDULE_NAMES = (*SCHEDULES, "auto")  # auto: chosen from profiled layers (`raypipe.planning.autoschedule`)
+from raypipe.schedules import build_schedule
 
 
-def validate(c: Any) -> None:
-    """Checks every field of the `TrainConfig` `c`, normalising a few in place (lists for tuples,
-    dicts copied); raises ConfigError naming the field, the value and the fix."""
-    check_int("pp", c.pp, 1)
-    check_int("dp", c.dp, 1)
-    check_int("tp", c.tp, 1)
-    check_int("ep", c.ep, 1)
-    if c.dp % c.ep:
-        raise fail(
-            "ep",
-            c.ep,
-            f"expert-parallel ranks are carved out of the dp={c.dp} replicas: use an ep "
-            f"that divides dp (e.g. ep={c.dp}), or raise dp to a multiple of {c.ep}.",
-        )
+class Fields(Protocol):
+    """The fields the checks across sections read, by their flat names (a `TrainConfig`)."""
+
+    pp: int
+    dp: int
+    tp: int
+    ep: int
+    zero: int
+    shard_plan: list[list[int]] | None
+    microbatches: int
+    schedule: str
+    chunks: int | None
+    extra_warmup: int
+    sequence_chunks: int | str
+    engine: str
+    actor_steps: int | str
+    objective: ObjectiveSettings | None
+    compile: bool
+    lora: LoraSettings | None
+    quantize: str | list[str | None] | None
+    min_pp: int
+    min_dp: int
+    devices: str | list[str]
+
+    def num_chunks(self) -> int: ...
+
+    def stage_kinds(self) -> list[str]: ...
+
+
+def check_across(c: Fields) -> dict[str, object]:
+    """Checks what spans the sections of `c` (each section checked its own fields as it was built);
+    returns the fields whose checked form depends on others (`quantize`, one entry per stage).
+    Raises ConfigError naming the field, the value and the fix."""
     if c.ep > 1 and not engine_kind(c.engine).whole_step_calls:
         raise fail(
             "engine",
@@ -58,117 +55,24 @@ def validate(c: Any) -> None:
             f"ep > 1 runs on the {engines_that('whole_step_calls')} engines (a MoE layer's all-to-all needs every "
             "replica of its ep group inside one step call): use engine='p2p'.",
         )
-    if c.zero not in (0, 1, 3) or isinstance(c.zero, bool):
-        raise fail(
-            "zero",
-            c.zero,
-            "give 0 (off), 1 (shard optimizer state across dp replicas) or 3 (shard the weights, "
-            "gradients and optimizer state, each layer gathered when it runs).",
-        )
     if c.zero == 3:
         check_zero3(c)
-    check_positive("dp_bucket_mb", c.dp_bucket_mb)
-    check_int("microbatches", c.microbatches, 1)
-    check_choice("schedule", c.schedule, SCHEDULE_NAMES)
-    if c.chunks is not None:
-        check_int("chunks", c.chunks, 1)
-    check_int("extra_warmup", c.extra_warmup, 0)
     check_sequence_chunks(c)
     check_schedule(c)
     check_shard_plan(c.shard_plan, c.pp, c.num_chunks())
-    if c.shard_plan is not None:
-        c.shard_plan = [list(r) for r in c.shard_plan]
-    check_choice("partition", c.partition, PARTITION_NAMES)
-    check_optimizer(c.optimizer)
-    c.optimizer = dict(c.optimizer)
-    check_lr_schedule(c.lr_schedule)
-    c.lr_schedule = dict(c.lr_schedule)
-    check_positive("grad_clip", c.grad_clip, allow_none=True)
-    c.objective = check_objective(c.objective, c.actor_steps)
-    check_choice("precision", c.precision, PRECISIONS)
-    check_choice("boundary_dtype", c.boundary_dtype, PRECISIONS)
-    check_choice("engine", c.engine, tuple(ENGINES))
-    if c.actor_steps != "auto" and not (is_int(c.actor_steps) and c.actor_steps >= 0):
-        raise fail("actor_steps", c.actor_steps, 'give "auto" or a whole number >= 0 (0: the driver steps).')
-    if c.actor_steps not in (0, "auto") and not engine_kind(c.engine).actor_steps:
-        raise fail(
-            "actor_steps",
-            c.actor_steps,
-            f"actor-driven runs use the {engines_that('actor_steps')} engine, not {c.engine!r}: set "
-            "engine='p2p' or actor_steps=0.",
-        )
-    check_choice("same_node_transport", c.same_node_transport, SAME_NODE_TRANSPORTS)
-    check_choice("device_links", c.device_links, DEVICE_LINKS)
-    check_choice("compress_activations", c.compress_activations, CODECS)
-    check_choice("compress_gradients", c.compress_gradients, CODECS)
-    if not isinstance(c.probe_links, bool):
-        raise fail("probe_links", c.probe_links, "give true or false.")
-    if not isinstance(c.activation_checkpointing, bool):
-        raise fail("activation_checkpointing", c.activation_checkpointing, "give true or false.")
-    if not isinstance(c.measure_activations, bool):
-        raise fail("measure_activations", c.measure_activations, "give true or false.")
+    check_driver_steps(c.objective, c.actor_steps)
     check_compile(c)
-    check_int("seed", c.seed, 0)
-    check_positive("cpus_per_actor", c.cpus_per_actor, allow_none=True)
-    if c.threads_per_actor is not None:
-        check_int("threads_per_actor", c.threads_per_actor, 1)
-    check_positive("actor_start_timeout", c.actor_start_timeout)
-    check_choice("placement", c.placement, PLACEMENTS)
-    check_positive("step_timeout", c.step_timeout)
-    if c.name is not None and (not isinstance(c.name, str) or not c.name):
-        raise fail("name", c.name, "give a non-empty string or null.")
-    if c.checkpoint_dir is not None and (not isinstance(c.checkpoint_dir, str) or not c.checkpoint_dir):
-        raise fail("checkpoint_dir", c.checkpoint_dir, "give a directory path, a URI (s3://bucket/run) or null.")
-    if is_uri(c.checkpoint_dir):
-        split_uri(c.checkpoint_dir)  # a URI it cannot read is refused here, its secret unshown
-        check_available(c.checkpoint_dir, "checkpoint_dir")
-    check_int("checkpoint_every", c.checkpoint_every, 0)
-    if c.checkpoint_every and c.checkpoint_dir is None:
-        raise fail("checkpoint_every", c.checkpoint_every, "set checkpoint_dir too, or use 0.")
-    check_int("keep_checkpoints", c.keep_checkpoints, 0)
-    if not isinstance(c.resume, bool) and not (isinstance(c.resume, int) and c.resume >= 0):
-        raise fail("resume", c.resume, "give true (the newest checkpoint), a step number, or false (a new run).")
-    if c.resume is not False and c.checkpoint_dir is None:
-        raise fail("resume", c.resume, "resuming needs checkpoint_dir (the run's checkpoints); set it.")
-    check_int("max_restarts", c.max_restarts, 0)
-    check_elastic(c)
-    check_choice("nonfinite", c.nonfinite, NONFINITE_POLICIES)
-    check_devices(c.devices, c.pp)
-    if isinstance(c.devices, (list, tuple)):
-        c.devices = list(c.devices)
-    check_positive("gpus_per_actor", c.gpus_per_actor)
-    if not isinstance(c.allow_cpu_fallback, bool):
-        raise fail("allow_cpu_fallback", c.allow_cpu_fallback, "give true or false.")
-    if c.log_dir is not None and (not isinstance(c.log_dir, str) or not c.log_dir):
-        raise fail("log_dir", c.log_dir, "give a directory path or null.")
-    c.loggers = check_loggers(c.loggers)
-    c.lora = lora.check(c.lora, c.tp)
-    c.quantize = lora.check_quantize(c.quantize, c.lora, c.stage_kinds())
-
-
-def check_elastic(c: Any) -> None:
-    """The recovery switches are booleans, the elastic limits fit the topology, and a shrink has
-    restarts to spend."""
-    for name in ("elastic", "restore_from_replicas"):
-        if not isinstance(getattr(c, name), bool):
-            raise fail(name, getattr(c, name), "give true or false.")
-    check_int("min_pp", c.min_pp, 1)
-    check_int("min_dp", c.min_dp, 1)
-    check_positive("replace_wait", c.replace_wait)
     if c.min_pp > c.pp:
         raise fail("min_pp", c.min_pp, f"the fewest stages an elastic run shrinks to: give at most pp={c.pp}.")
     if c.min_dp > c.dp:
         raise fail("min_dp", c.min_dp, f"the fewest replicas an elastic run shrinks to: give at most dp={c.dp}.")
-    if c.elastic and c.max_restarts < 1:
-        raise fail(
-            "elastic",
-            c.elastic,
-            "an elastic run rebuilds its actors after a loss, which spends TrainConfig.max_restarts: "
-            "set max_restarts >= 1 (e.g. 3).",
-        )
+    check_devices(c.devices, c.pp)
+    lora.check_tensor_parallel(c.lora, c.tp)
+    quantize = lora.check_quantize(c.quantize, c.lora, c.stage_kinds())
+    return {"quantize": quantize} if quantize != c.quantize else {}
 
 
-def check_zero3(c: Any) -> None:
+def check_zero3(c: Fields) -> None:
     """ZeRO-3 fits the other fields: the engines that run a step in one call, no quantized base, no
     expert parallelism (its experts are sharded by ep already)."""
     if not engine_kind(c.engine).whole_step_calls:
@@ -191,11 +95,9 @@ def check_zero3(c: Any) -> None:
         )
 
 
-def check_compile(c: Any) -> None:
+def check_compile(c: Fields) -> None:
     """torch.compile'd layers fit the other fields: not where a layer's call runs collectives or
     gathers (tp, ep, zero=3) or bitsandbytes kernels (quantize), which are not tested compiled."""
-    if not isinstance(c.compile, bool):
-        raise fail("compile", c.compile, "give true or false.")
     if not c.compile:
         return
     for name, bad, why in (
@@ -208,33 +110,16 @@ def check_compile(c: Any) -> None:
             raise fail(name, getattr(c, name), f"compile=True is not supported with it yet ({why}): use compile=False.")
 
 
-def check_schedule(c: Any) -> None:
-    """The schedule fits the other fields: its chunks, its engine, pp and microbatches."""
+def check_schedule(c: Fields) -> None:
+    """The schedule fits pp, the microbatches and the split (its chunks and engine: `PipelineConfig`)."""
     if c.schedule == "auto":
-        for name in ("chunks", "shard_plan"):
-            if getattr(c, name) is not None:
-                raise fail(
-                    name,
-                    getattr(c, name),
-                    "schedule='auto' chooses the split and chunks itself: leave it unset, or name a schedule.",
-                )
+        if c.shard_plan is not None:
+            raise fail(
+                "shard_plan",
+                c.shard_plan,
+                "schedule='auto' chooses the split and chunks itself: leave it unset, or name a schedule.",
+            )
         return
-    kind = SCHEDULES[c.schedule]
-    if c.chunks is not None and kind.chunks is not None and c.chunks != kind.chunks:
-        raise fail(
-            "chunks",
-            c.chunks,
-            f"schedule {c.schedule!r} always runs {kind.chunks} per actor: "
-            f"leave chunks unset, or use schedule='interleaved-1f1b'.",
-        )
-    if (c.num_chunks() > 1 or kind.split_backward) and not engine_kind(c.engine).whole_step_calls:
-        raise fail(
-            "engine",
-            c.engine,
-            f"schedule {c.schedule!r} runs on the {engines_that('whole_step_calls')} engines "
-            f"(its chunks and split backwards live inside one call per step): "
-            f"use engine='p2p'.",
-        )
     try:
         units = c.sequence_chunks if c.sequence_chunks != "auto" else 1  # "auto": chosen when the trainer starts
         build_schedule(c.schedule, c.pp, c.microbatches, c.chunks, c.extra_warmup, units)
@@ -243,26 +128,16 @@ def check_schedule(c: Any) -> None:
         raise fail(field, getattr(c, field), str(error)) from None
 
 
-def check_sequence_chunks(c: Any) -> None:
-    """sequence_chunks is a whole number or "auto", and what it runs with can run on chunks."""
-    auto = c.sequence_chunks == "auto"
-    if not auto and not (is_int(c.sequence_chunks) and c.sequence_chunks >= 1):
-        raise fail("sequence_chunks", c.sequence_chunks, 'give a whole number >= 1 (1: not cut) or "auto".')
+def check_sequence_chunks(c: Fields) -> None:
+    """Sequence chunks fit the split, compiling and the objective (their schedule: `PipelineConfig`)."""
     if c.sequence_chunks == 1:
         return
-    if auto and c.shard_plan is not None:
+    if c.sequence_chunks == "auto" and c.shard_plan is not None:
         raise fail(
             "sequence_chunks",
             c.sequence_chunks,
             "'auto' times the layers on each chunk count and splits them by those times: leave shard_plan unset, "
             "or give sequence_chunks a number.",
-        )
-    if c.schedule not in SEQUENCE_CHUNKED and not (auto and c.schedule == "auto"):
-        raise fail(
-            "sequence_chunks",
-            c.sequence_chunks,
-            f"schedule {c.schedule!r} does not run sequence chunks: use schedule='1f1b' (or 'gpipe', 'zb-h1'), "
-            f"or sequence_chunks=1.",
         )
     if c.compile:
         raise fail(

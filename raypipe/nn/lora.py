@@ -47,7 +47,7 @@ REFUSED = {
 INITS = (True, False, "gaussian")  # initialisations that leave the base as it is
 
 
-def check(value: Any, tp: int) -> dict[str, Any] | None:
+def check(value: Any) -> dict[str, Any] | None:
     """`TrainConfig.lora` as a plain dict of `peft.LoraConfig`'s fields (from a LoraConfig or a
     dict of its fields; "alpha" and "dropout" stand for lora_alpha and lora_dropout), checked by
     peft itself and for what raypipe honours.
@@ -82,12 +82,16 @@ def check(value: Any, tp: int) -> dict[str, Any] | None:
             f"lora.init_lora_weights={config.init_lora_weights!r} is refused: it rewrites the base weights, which "
             f"each stage reads from the model directory. Use one of {list(INITS)}."
         )
-    if tp > 1:
+    return _plain({k: v for k, v in config.to_dict().items() if k not in IGNORED})
+
+
+def check_tensor_parallel(settings: dict[str, Any] | None, tp: int) -> None:
+    """Refuses LoRA across tensor-parallel ranks, which peft cannot wrap."""
+    if settings is not None and tp > 1:
         raise ConfigError(
             f"lora with tp={tp} is not supported: peft cannot wrap raypipe's tensor-parallel "
             f"linears. Use tp=1 (pp and dp work with LoRA)."
         )
-    return _plain({k: v for k, v in config.to_dict().items() if k not in IGNORED})
 
 
 def _peft(fields: dict[str, Any]) -> Any:

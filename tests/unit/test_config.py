@@ -23,7 +23,10 @@ def test_a_closed_choice_is_the_fields_type_and_what_validation_accepts():
     completes it); validation accepts exactly those values and names them when refusing another."""
     import typing
 
-    hints = typing.get_type_hints(TrainConfig)
+    from raypipe.config.sections import SECTION_TYPES
+
+    hints = {name: typing.get_type_hints(kind)[name] for kind in SECTION_TYPES.values() for name in kind.names()}
+    assert set(hints) == set(TrainConfig.field_names())  # every field is typed in its section
     fields = ("partition", "same_node_transport", "device_links", "precision", "boundary_dtype", "placement")
     fields += ("nonfinite", "compress_activations", "compress_gradients")
     for name in fields:
@@ -50,6 +53,49 @@ def test_every_field_is_in_one_section_and_the_sections_read_back():
         cfg.parallel.pp = 3
     with pytest.raises(AttributeError, match="no field or section 'paralel'"):
         _ = cfg.paralel
+
+
+def test_sections_are_frozen_typed_dataclasses_that_build_the_config_and_check_their_own_fields():
+    """A section is a value of its own (`ParallelConfig(pp=2)`), checked when it is built; a config takes
+    whole sections, mappings of a section's fields or flat fields, refuses a field given twice, copies and
+    pickles whole, and is read-only with an error that says how to change it."""
+    import inspect
+    import pickle
+
+    from raypipe import ParallelConfig, PipelineConfig
+    from raypipe.config.sections import SECTION_TYPES, Section
+
+    parallel = ParallelConfig(pp=2, dp=2, shard_plan=((0, 1), (1, 3)))
+    assert parallel.shard_plan == [[0, 1], [1, 3]]  # a section normalises its own fields
+    with pytest.raises(ConfigError, match="TrainConfig.ep=3 is invalid: expert-parallel ranks"):
+        ParallelConfig(dp=2, ep=3)  # checked with no config around it
+    cfg = TrainConfig(parallel=parallel, pipeline={"microbatches": 4}, seed=3)
+    assert (cfg.pp, cfg.dp, cfg.microbatches, cfg.seed, cfg.parallel is parallel) == (2, 2, 4, 3, True)
+    assert cfg == TrainConfig(pp=2, dp=2, shard_plan=[[0, 1], [1, 3]], microbatches=4, seed=3)
+    assert isinstance(cfg.pipeline, PipelineConfig) and all(isinstance(getattr(cfg, s), Section) for s in SECTION_TYPES)
+    with pytest.raises(ConfigError, match="set both by name and in the whole section parallel"):
+        TrainConfig(parallel=parallel, dp=1)
+    with pytest.raises(ConfigError, match="'microbatches' .a field of section 'pipeline'."):
+        TrainConfig(parallel={"pp": 2, "microbatches": 4})
+    with pytest.raises(ConfigError, match="unknown field 'microbatch'.*Did you mean 'microbatches'"):
+        TrainConfig(microbatch=4)
+    with pytest.raises(ConfigError, match="shard_plan.*it has 2 ranges but pp=3"):  # checked across sections
+        cfg.replace(pp=3)
+    wider = cfg.replace(parallel=ParallelConfig(pp=2, dp=4), microbatches=2)
+    assert (wider.dp, wider.microbatches, wider.shard_plan, cfg.dp) == (4, 2, None, 2)
+    assert pickle.loads(pickle.dumps(cfg)) == cfg and pickle.loads(pickle.dumps(cfg)).pp == 2
+    with pytest.raises(AttributeError, match=r"read-only \(TrainConfig.pp\): use config.replace\(pp=...\)"):
+        cfg.pp = 4
+    with pytest.raises(AttributeError, match="read-only"):
+        cfg.parallel = parallel
+    from raypipe.config.sections import SECTION_OF, Alias
+
+    aliases = {name: a.section for name, a in vars(TrainConfig).items() if isinstance(a, Alias)}
+    assert aliases == SECTION_OF  # every field has its flat name, reading the section it lives in
+    keywords = inspect.signature(TrainConfig).parameters  # what help() and a notebook show
+    assert keywords["pp"].default == 1 and keywords["optimizer"].default == {"name": "adamw", "lr": 1e-3}
+    assert list(keywords)[-len(SECTION_TYPES) :] == list(SECTION_TYPES)
+    assert TrainConfig(quantize="nf4", lora={"target_modules": "all-linear"}, pp=2).quantize == ["nf4", "nf4"]
 
 
 @pytest.mark.parametrize(

@@ -85,7 +85,7 @@ def test_settings_that_cannot_run_on_chunks_are_refused_naming_the_field():
     with pytest.raises(ConfigError, match="not with compile=True"):
         TrainConfig(pp=2, sequence_chunks=2, compile=True)
     with pytest.raises(ConfigError, match="an objective.s loss .TrainConfig.objective. is over whole sequences"):
-        TrainConfig(pp=2, sequence_chunks=2, objective={"name": "dpo"}, lora={"r": 2})
+        TrainConfig(pp=2, sequence_chunks=2, objective={"name": "dpo"}, lora={"r": 2, "target_modules": "all-linear"})
     with pytest.raises(ConfigError, match="sequence_chunks"):
         TrainConfig(sequence_chunks=0)
 

@@ -20,7 +20,6 @@ within `TrainConfig.replace_wait`, goes on with what is left; it grows back once
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -112,7 +111,7 @@ def smaller(group: ActorGroup, lost: set[tuple[int, int]], reasons: list[str]) -
             reasons.append(f"dp={config.dp - len(replicas)} would go below TrainConfig.min_dp={config.min_dp}")
         else:
             try:
-                found.append((dataclasses.replace(config, dp=dp, microbatches=total // dp), list(group.plan)))
+                found.append((config.replace(dp=dp, microbatches=total // dp), list(group.plan)))
             except ConfigError as error:
                 reasons.append(f"dp={dp}: {error}")
     pp = config.pp - len(stages)
@@ -141,8 +140,7 @@ def fewer_stages(group: ActorGroup, lost: list[int]) -> tuple[TrainConfig, Plan]
     kept = [s for s in range(config.pp) if s not in lost]
     kinds = config.stage_kinds()
     per_stage = isinstance(config.quantize, list)
-    config2 = dataclasses.replace(
-        config,
+    config2 = config.replace(
         pp=len(kept),
         devices=config.devices if isinstance(config.devices, str) else [kinds[s] for s in kept],
         quantize=[config.quantize[s] for s in kept] if per_stage else config.quantize,
@@ -181,8 +179,8 @@ def grow_back(group: ActorGroup, run: RunState, where: str | None, log: Callable
     from the same state, until another node joins."""
     shrunk = group.shrunk
     small, small_plan, full = group.config, group.plan, shrunk.config
-    grown = dataclasses.replace(
-        small, pp=full.pp, dp=full.dp, microbatches=full.microbatches, devices=full.devices, quantize=full.quantize
+    grown = small.replace(
+        pp=full.pp, dp=full.dp, microbatches=full.microbatches, devices=full.devices, quantize=full.quantize
     )
     memory = replicas.why_not(small, lost=False) is None and replicas.why_not(grown, lost=False) is None
     if (where is None and not memory) or not alive_nodes() - shrunk.nodes:
