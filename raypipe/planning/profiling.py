@@ -33,6 +33,7 @@ from raypipe.planning.links import Link, boundary_bytes, message_seconds
 from raypipe.planning.partition import Plan, speed_aware_plan, uniform_plan
 from raypipe.planning.threads import fitting_threads, node_cpus, packed_on_node
 from raypipe.schedules import SCHEDULES
+from raypipe.schedules.early_gradients import early_is_faster, hand_on_mode
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
@@ -345,12 +346,10 @@ def hands_on_early(config: TrainConfig, profiles: Sequence[dict[str, Any]], sche
     """Whether `config`'s actors will send a whole backward's input gradient before its weight
     gradients (`Executor.may_hand_on_early`), as they choose it (`raypipe.actors.step.hand_on`): only
     on the engines that run action lists, uncompiled, training their weights (not LoRA's adapters
-    alone, not measured under tp > 1: `hand_on.hand_on_mode`); then always with
+    alone, not measured under tp > 1: `early_gradients.hand_on_mode`); then always with
     RAYPIPE_EARLY_GRADIENTS=1, else where `schedule` timed with every chunk costing the profiled
     layers' mean (the first layer left out: nothing waits for its input gradient) ends sooner so
-    (`hand_on.early_is_faster`, which each actor asks with its own timings)."""
-    from raypipe.actors.step.hand_on import early_is_faster, hand_on_mode
-
+    (`early_gradients.early_is_faster`, which each actor asks with its own timings)."""
     mode = hand_on_mode(gradient_hand_on(), config.tp)
     if mode == "late" or not engine_kind(config.engine).whole_step_calls or config.compile or config.lora:
         return False

@@ -199,7 +199,8 @@ def test_the_hand_on_choice_times_both_ways_then_asks_the_schedule():
     every gradient chain crosses the pipeline, and not in interleaved 1F1B or DualPipeV; without it
     the split wins within 10 %. "early" and "late" choose unmeasured, and so does tensor
     parallelism ("measured" runs late there)."""
-    from raypipe.actors.step.hand_on import HandOnChoice, hand_on_mode, timed_schedule
+    from raypipe.actors.step.hand_on import HandOnChoice, timed_schedule
+    from raypipe.schedules.early_gradients import hand_on_mode
 
     def measured(split_s: float, spec=None) -> bool:  # forward 1 ms, whole backward 2 ms
         choice = HandOnChoice("measured", spec)

@@ -235,3 +235,22 @@ def test_the_ground_imports_nothing_above_it():
         if within(module, ("raypipe.core",))
     }
     assert len(above) >= 6 and not any(above.values()), {m: n for m, n in above.items() if n}
+
+
+def test_at_most_one_import_runs_back_up_the_layers():
+    """Below the actors and the driver (the ground, the config, schedules, layers, models, data,
+    objectives, checkpoints, the planner) nothing imports them, but the one import that the planner
+    needs to time layers where they will run: an actor class it starts (`LayerProfiler`)."""
+    below = ("raypipe.core", "raypipe.config", "raypipe.schedules", "raypipe.nn", "raypipe.models", "raypipe.data")
+    below += ("raypipe.objectives", "raypipe.checkpoint", "raypipe.planning")
+    above = ("raypipe.actors", *DRIVER_SIDE)
+    back_up = sorted(
+        {
+            (module, name if name in MODULES else name.rpartition(".")[0])
+            for module, names in MODULES.items()
+            if within(module, below)
+            for name in names
+            if within(name, above)
+        }
+    )
+    assert back_up == [("raypipe.planning.profiling", "raypipe.actors.profiler")]

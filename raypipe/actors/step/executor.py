@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 from raypipe.actors.io.replica_io import running_stats, step_start
 from raypipe.actors.optim.zero3 import ShardedStage
 from raypipe.actors.stage_model import StageModel
-from raypipe.actors.step.hand_on import HandOnChoice, hand_on_mode
+from raypipe.actors.step.hand_on import HandOnChoice
 from raypipe.actors.step.memory import count_saved_bytes, weight_storages
 from raypipe.actors.step.split_backward import Deferred, covers_every_weight, input_gradients, weight_gradients
 from raypipe.core.errors import StageError
@@ -27,6 +27,7 @@ from raypipe.core.protocol import StageSettings, StepTimings
 from raypipe.nn.moe import RECORDER, reset_recorder
 from raypipe.nn.sequence_chunks import Sequence, unit_loss
 from raypipe.schedules.actions import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD
+from raypipe.schedules.early_gradients import hand_on_mode
 from raypipe.transport.compress import Compressed, compress, restore
 from raypipe.transport.stream import PeerFailed
 from raypipe.transport.tree import leaves, map_tensors, tensors

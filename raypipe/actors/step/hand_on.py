@@ -25,36 +25,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from raypipe.schedules.early_gradients import early_is_faster
+
 SAMPLES = 3  # timings of each way before the choice
 MARGIN = 1.10  # without a schedule to time: the split may cost this much more than the whole backward
 TIMED_MICROBATCHES_PER_STAGE = 4  # a long schedule is timed with 4 microbatches per stage: its sign, not its size
-
-
-def hand_on_mode(mode: str, tp: int) -> str:
-    """The mode a stage of `tp` tensor-parallel ranks runs `mode` in: under tp > 1 "measured" is
-    "late", because each rank would time and choose alone while its replicated weights (norms,
-    biases outside the plan) get their gradients unreduced, so ranks choosing apart could drift
-    apart by rounding; "early" and "late" are the same on every rank."""
-    return "late" if mode == "measured" and tp > 1 else mode
-
-
-def early_is_faster(schedule: Any, forward_s: float, whole_s: float, input_s: float, weight_s: float) -> bool:
-    """Whether `schedule`'s step ends sooner with its whole backwards split and handed on early
-    than run whole, every chunk of every actor costing as given (`schedules.timed`; the split
-    halves cost the same in its I and W actions either way; a first stage's backward stays whole)."""
-    from raypipe.schedules.actions import BACKWARD, FORWARD, INPUT_GRAD, Action, timed
-
-    late = {FORWARD: forward_s, BACKWARD: whole_s, INPUT_GRAD: input_s}
-    early = {**late, BACKWARD: input_s + weight_s}
-
-    def span(costs: dict[str, float], hand_on: bool) -> float:
-        def cost(action: Action) -> float:
-            first_whole = action.kind == BACKWARD and action.stage == 0
-            return costs.get(action.kind, weight_s) if not first_whole else whole_s
-
-        return max(end for actor in timed(schedule, cost, early_gradients=hand_on) for *_, end in actor)
-
-    return span(early, True) < span(late, False)
 
 
 def timed_schedule(spec: tuple | None) -> Any:
