@@ -56,7 +56,7 @@ def resources(config: TrainConfig, trial_cpus: float = 0.25) -> Any:
     return PlacementGroupFactory([{"CPU": trial_cpus}, *actors], strategy=STRATEGIES[config.placement])
 
 
-def trainable(train_fn: Callable[[dict[str, Any]], Any], config: TrainConfig, trial_cpus: float = 0.25) -> Any:
+def trainable(train_fn: Callable[[dict[str, object]], Any], config: TrainConfig, trial_cpus: float = 0.25) -> Any:
     """`train_fn` as a Tune trainable whose trials each reserve a trainer's actors for `config`
     (`resources`). Joins `RAY_ADDRESS`'s cluster, or starts the embedded local Ray, when Ray is not
     running yet (as `Trainer` does), so Tune uses the same one."""

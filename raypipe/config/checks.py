@@ -7,7 +7,7 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 from raypipe.core.errors import ConfigError, nearest
 
@@ -16,42 +16,42 @@ LR_SCHEDULE_NAMES = ("constant", "cosine")
 LR_SCHEDULE_KEYS = ("name", "warmup_steps", "total_steps", "min_lr")
 
 
-def invalid(label: str, value: Any, fix: str) -> ConfigError:
+def invalid(label: str, value: object, fix: str) -> ConfigError:
     """The error for a bad value: `label=value is invalid: fix`."""
     return ConfigError(f"{label}={value!r} is invalid: {fix}")
 
 
-def check_whole_number(label: str, value: Any, minimum: int) -> None:
+def check_whole_number(label: str, value: object, minimum: int) -> None:
     """Raises ConfigError unless `value` is an int (not a bool) >= minimum."""
     if not is_int(value) or value < minimum:
         raise invalid(label, value, f"give a whole number >= {minimum}.")
 
 
-def fail(name: str, value: Any, fix: str) -> ConfigError:
+def fail(name: str, value: object, fix: str) -> ConfigError:
     return invalid(f"TrainConfig.{name}", value, fix)
 
 
-def is_int(value: Any) -> bool:
+def is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def is_number(value: Any) -> bool:
+def is_number(value: object) -> TypeGuard[int | float]:
     """A finite int or float (NaN and infinity pass every `<` test the wrong way)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def check_int(name: str, value: Any, minimum: int) -> None:
+def check_int(name: str, value: object, minimum: int) -> None:
     check_whole_number(f"TrainConfig.{name}", value, minimum)
 
 
-def check_positive(name: str, value: Any, allow_none: bool = False) -> None:
+def check_positive(name: str, value: object, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
     if not is_number(value) or value <= 0:
         raise fail(name, value, "give a finite number > 0" + (" or null." if allow_none else "."))
 
 
-def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+def check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
     if value not in choices:
         hint = nearest(value, choices) if isinstance(value, str) else ""
         raise fail(name, value, f"choose one of {', '.join(choices)}.{hint}")
@@ -63,7 +63,7 @@ def optimizer_class(name: str):
     return {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[name]
 
 
-def check_optimizer(value: Any) -> None:
+def check_optimizer(value: object) -> None:
     if not isinstance(value, Mapping) or "name" not in value:
         raise fail("optimizer", value, "give a mapping with a name, e.g. {'name': 'adamw', 'lr': 1e-3}.")
     check_choice("optimizer.name", value["name"], OPTIMIZER_NAMES)
@@ -80,7 +80,7 @@ def check_optimizer(value: Any) -> None:
             )
 
 
-def check_lr_schedule(value: Any) -> None:
+def check_lr_schedule(value: object) -> None:
     if not isinstance(value, Mapping) or "name" not in value:
         raise fail("lr_schedule", value, "give a mapping with a name, e.g. {'name': 'constant'}.")
     check_choice("lr_schedule.name", value["name"], LR_SCHEDULE_NAMES)
@@ -101,13 +101,12 @@ def check_lr_schedule(value: Any) -> None:
         raise fail("lr_schedule.min_lr", min_lr, "give a number >= 0.")
 
 
-def check_shard_plan(value: Any, pp: int, chunks: int = 1) -> None:
+def check_shard_plan(value: object, pp: int, chunks: int = 1) -> None:
     if value is None:
         return
-    ok = isinstance(value, (list, tuple)) and all(
+    if not isinstance(value, (list, tuple)) or not all(
         isinstance(r, (list, tuple)) and len(r) == 2 and all(is_int(i) for i in r) for r in value
-    )
-    if not ok:
+    ):
         raise fail("shard_plan", value, "give one [start, end) pair of layer indices per stage, e.g. [[0, 3], [3, 5]].")
     if len(value) != pp * chunks:
         per = (
@@ -121,7 +120,7 @@ def check_shard_plan(value: Any, pp: int, chunks: int = 1) -> None:
 DEVICE_KINDS = ("cpu", "cuda", "rocm", "mps")
 
 
-def check_devices(value: Any, pp: int) -> None:
+def check_devices(value: object, pp: int) -> None:
     if isinstance(value, str):
         check_choice("devices", value, DEVICE_KINDS)
         return
@@ -135,7 +134,7 @@ def check_devices(value: Any, pp: int) -> None:
         check_choice("devices", kind, DEVICE_KINDS)
 
 
-def plain(value: Any) -> Any:
+def plain(value: object) -> Any:
     """`value` as JSON and YAML hold it, for a config's records (a checkpoint's manifest, trainer.json,
     a logger's parameters, `str(config)`): a function as its import path "module:name" (what a YAML
     config gives), an object that names where it was loaded from (a tokenizer) as that path, any other

@@ -57,7 +57,7 @@ def check_loggers(value: Any) -> list[LoggerEntry]:
     return result
 
 
-def entry_of(entry: Any) -> tuple[Any, dict[str, Any]]:
+def entry_of(entry: Any) -> tuple[Any, dict[str, object]]:
     """A `loggers` entry as (name, options)."""
     if isinstance(entry, Mapping) and len(entry) == 1:
         ((name, options),) = entry.items()

@@ -178,7 +178,7 @@ class TrainConfig:
         if not isinstance(data, Mapping):
             raise ConfigError(f"a training config must be a mapping of fields, got {type(data).__name__}")
         names = cls.field_names()
-        flat: dict[str, Any] = {}
+        flat: dict[str, object] = {}
         for key, value in data.items():
             if key in JOB_SECTIONS:
                 continue
@@ -204,7 +204,7 @@ class TrainConfig:
         """Loads a config from a YAML file, then applies `key=value` overrides."""
         return cls.from_dict(apply_overrides(load_yaml(path), overrides))
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         """The fields by their flat names as plain values (`checks.plain`: a function as its import path),
         for records and display: a URI's secret shows as `***` (`storage.redact`), never leaked into a
         record or a print."""
@@ -303,7 +303,7 @@ def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str,
     return data
 
 
-def check_reconfigurable(changes: dict[str, Any], current: TrainConfig | None = None) -> None:
+def check_reconfigurable(changes: dict[str, object], current: TrainConfig | None = None) -> None:
     """Raises ConfigError for a field that needs a new Trainer, or one TrainConfig lacks (or, against
     the `current` config, a change a running trainer cannot make: ZeRO-3 on or off)."""
     autos = [name for name in ("schedule", "sequence_chunks") if changes.get(name) == "auto"]

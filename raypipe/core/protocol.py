@@ -16,10 +16,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from raypipe.core.env import gradient_hand_on
 from raypipe.core.errors import StageError
+from raypipe.core.layers import LossFunction
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
 
 __all__ = [
     "ActorInfo",
@@ -66,7 +70,7 @@ class ActorSpec:
     start: int
     seed: int
     threads: int
-    loss_fn: Any = None
+    loss_fn: LossFunction | None = None
     dp_rank: int = 0
     dp_size: int = 1
     tp_rank: int = 0
@@ -74,7 +78,7 @@ class ActorSpec:
     device_kind: str = "cpu"
     allow_cpu_fallback: bool = False
     tied: tuple = ()
-    lora: Any = None
+    lora: dict | None = None  # `TrainConfig.lora`: peft's LoraConfig fields
     quantize: str | None = None
     chunks: tuple = ()
     num_virtual: int | None = None
@@ -102,7 +106,7 @@ class WorldSpec:
             device link stream it is in (`raypipe.driver.links.ways`).
     """
 
-    keeper: Any
+    keeper: ActorHandle
     world_size: int
     rank: int
     groups: list
@@ -131,12 +135,12 @@ class StepCall:
     call_id: int
     step: int
     actions: list  # (kind "F", "B", "I" or "W", microbatch, virtual stage), in order
-    inputs: Any  # the first virtual stage's actor: the replica's packed microbatches (or an ObjectRef)
-    targets: Any  # the last virtual stage's actor: the packed targets (or an ObjectRef)
+    inputs: object  # the first virtual stage's actor: the replica's packed microbatches (or an ObjectRef)
+    targets: object  # the last virtual stage's actor: the packed targets (or an ObjectRef)
     peers: list  # the world rank holding each virtual stage, for this actor's replica and tp rank
     after: int | None = None  # the call id of the step queued ahead of this one
     varying: bool = False  # the step's microbatches differ in shape: boundary messages describe themselves
-    weights: Any = None  # last stage: each microbatch's loss weight (`Executor.forward`), or None
+    weights: list[float] | None = None  # last stage: each microbatch's loss weight (`Executor.forward`), or None
 
     @classmethod
     def for_stage(
@@ -146,8 +150,8 @@ class StepCall:
         step: int,
         actions: list,
         peers: list,
-        batch: tuple[Any, Any],
-        weights: Any,
+        batch: tuple[object, object],
+        weights: list[float] | None,
         varying: bool,
         holds_first: bool,
         holds_last: bool,
@@ -222,8 +226,8 @@ class RunCall:
     steps: int
     actions: list
     peers: list
-    reader: Any
-    board: Any
+    reader: ActorHandle
+    board: ActorHandle
     replica: int
     rank: int
     cut: tuple
@@ -296,7 +300,9 @@ class ActorInfo:
     stage: int = 0
     dp_rank: int = 0
     tp_rank: int = 0
-    layers: Any = None  # its [start, end) range, or the list of them with model chunks
+    layers: tuple[int, int] | list[tuple[int, int]] | None = (
+        None  # its [start, end) range, or the list of them with model chunks
+    )
     virtual_stages: list = field(default_factory=list)
     parameters: int = 0
     node_id: str = ""

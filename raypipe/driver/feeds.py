@@ -259,7 +259,7 @@ def make_feed(group: ActorGroup, batches: Any, batch_size: int | None, collate: 
     )
 
 
-def records_of(dataset: Any, size: int | None, kind: str) -> Iterator[list[dict[str, Any]]]:
+def records_of(dataset: Any, size: int | None, kind: str) -> Iterator[list[dict[str, object]]]:
     """A Ray Dataset's rows as lists of `size` records (a DPO step's pairs, a GRPO generation
     batch's prompts), in order, their arrays as lists; a last shorter list is left out.
 
@@ -268,7 +268,7 @@ def records_of(dataset: Any, size: int | None, kind: str) -> Iterator[list[dict[
     """
     if not size:
         raise ConfigError(f"fit(a ray.data.Dataset of {kind} records) needs batch_size: the {kind}s of each step")
-    chunk: list[dict[str, Any]] = []
+    chunk: list[dict[str, object]] = []
     for row in dataset.iter_rows():
         chunk.append({k: v.tolist() if hasattr(v, "tolist") else v for k, v in row.items()})
         if len(chunk) == size:

@@ -33,7 +33,7 @@ class ModuleModel(Model):
 
     unit_names: list[str]
 
-    def to_module_keys(self, state: dict[str, Any]) -> dict[str, Any]:
+    def to_module_keys(self, state: dict[str, object]) -> dict[str, object]:
         """A trainer's state dict (`"<layer>.<name>"`) under the module's own keys ("blocks.3.<name>")."""
         return {f"{self.unit_names[int(k.partition('.')[0])]}.{k.partition('.')[2]}": v for k, v in state.items()}
 

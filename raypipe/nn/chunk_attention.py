@@ -119,8 +119,8 @@ class _BlockAttention(torch.autograd.Function):
         n = len(ctx.plan)
         grad = grad.contiguous()
         grad_query = torch.zeros_like(query, dtype=torch.promote_types(query.dtype, torch.float32))
-        grad_keys: list[Any] = [None] * n
-        grad_values: list[Any] = [None] * n
+        grad_keys: list[object] = [None] * n
+        grad_values: list[object] = [None] * n
         for causal, mask, key, value, members in _groups(ctx.plan, blocks[:n], blocks[n:]):
             dq, dk, dv = _FLASH_BACKWARD(
                 grad, query, key, value, merged, lse, 0.0, causal, attn_mask=mask, scale=ctx.scale

@@ -68,7 +68,7 @@ class Objective:
         self.settings = dict(settings)
 
     @classmethod
-    def check(cls, settings: dict[str, Any], given: Any) -> None:
+    def check(cls, settings: dict[str, object], given: Any) -> None:
         """Raises ConfigError naming what is wrong in `settings` (`given`: what the user wrote)."""
 
     def loss(self) -> Any:

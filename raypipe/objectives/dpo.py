@@ -106,7 +106,7 @@ class DPO(Objective):
     data_source = "pairs"
 
     @classmethod
-    def check(cls, settings: dict[str, Any], given: Any) -> None:
+    def check(cls, settings: dict[str, object], given: Any) -> None:
         beta = settings["beta"]
         if isinstance(beta, bool) or not isinstance(beta, (int, float)) or beta <= 0:
             raise invalid_setting(given, "beta must be a number > 0 (TRL's default is 0.1).")

@@ -76,7 +76,7 @@ def adapters_off(module: nn.Module) -> Iterator[None]:
             layer.enable_adapters(True)
 
 
-def save_reference(policy: ReferencePolicy, layers: list[int], root: Any) -> dict[str, dict[str, Any]]:
+def save_reference(policy: ReferencePolicy, layers: list[int], root: Any) -> dict[str, dict[str, object]]:
     """Writes a frozen copy's tensors under checkpoint `root`, one file per global layer of
     `layers` (this stage's, in module order) that trains: {relative path: its manifest entry}."""
     from raypipe.checkpoint import layout as ckpt
@@ -90,7 +90,7 @@ def save_reference(policy: ReferencePolicy, layers: list[int], root: Any) -> dic
     return files
 
 
-def load_reference(layers: list[int], root: Any, saved: dict[str, Any]) -> ReferencePolicy:
+def load_reference(layers: list[int], root: Any, saved: dict[str, object]) -> ReferencePolicy:
     """The frozen copy `save_reference` wrote for the global `layers` (this stage's, in module
     order) under checkpoint `root`, whose manifest lists the files `saved`; keyed as this stage's
     module names them, whatever the split that saved it."""

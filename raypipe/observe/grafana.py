@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 FILE = "raypipe_grafana_dashboard.json"
 UID = "raypipeDashboard"
@@ -29,7 +28,7 @@ SERIES = (
 RUN = '{run=~"$run"}'
 
 
-def _panel(index: int, title: str, unit: str, *exprs: tuple[str, str]) -> dict[str, Any]:
+def _panel(index: int, title: str, unit: str, *exprs: tuple[str, str]) -> dict[str, object]:
     return {
         "id": index + 1,
         "title": title,
@@ -43,7 +42,7 @@ def _panel(index: int, title: str, unit: str, *exprs: tuple[str, str]) -> dict[s
     }
 
 
-def dashboard() -> dict[str, Any]:
+def dashboard() -> dict[str, object]:
     """The dashboard as Grafana's JSON model."""
     panels = [
         _panel(0, "Steps per second", "none", (f"rate(ray_raypipe_steps_total{RUN}[1m])", "{{run}}")),

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,7 +23,7 @@ FIRST_BYTES = 64 * 1024
 ROUNDS = 5
 
 
-def probe_link(peer: int, first: bool, min_seconds: float = 0.1, max_bytes: int = 16 << 20) -> dict[str, Any]:
+def probe_link(peer: int, first: bool, min_seconds: float = 0.1, max_bytes: int = 16 << 20) -> dict[str, object]:
     """The link to world rank `peer`, measured together with it (`first` on exactly one end).
 
     Returns:

@@ -108,7 +108,7 @@ class RayStore(dist.Store):
         self.keeper, self.wait_seconds = keeper, timeout
         self.clones: list[RayStore] = []  # kept alive here: torch holds them only on its C++ side
 
-    def _call(self, method: str, *args: Any) -> Any:
+    def _call(self, method: str, *args: object) -> Any:
         """The keeper's answer to `method(*args)`. A call whose reply was lost (Ray's
         ActorUnavailableError: a connection reset, as after another node's loss) is made again until
         the world's timeout; every method is idempotent (`add` by its request id). A keeper that

@@ -59,7 +59,8 @@ class ActorRuns:
         fetch = lambda first: call.reader.batches.remote(first, min(CHUNK, end - first), call.cut)  # noqa: E731
         self.stage.current_run, self.stage.stop_voted = call.call_id, False
         try:
-            ahead, chunk = fetch(call.step), []
+            ahead: object = fetch(call.step)
+            chunk: list[object] = []
             for i in range(call.steps):
                 step = call.step + i
                 if i % CHUNK == 0:

@@ -32,7 +32,6 @@ import sys
 import types
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -44,7 +43,7 @@ class Deferred:
     """What a microbatch's W needs from its I: torch's parameter groups, or the whole backward
     (outputs and their gradients) when I could not split it."""
 
-    groups: list[dict[str, Any]] | None = None
+    groups: list[dict[str, object]] | None = None
     whole: tuple[list[torch.Tensor], list[torch.Tensor] | None] | None = None
 
 

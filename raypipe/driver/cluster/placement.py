@@ -130,7 +130,7 @@ def start_actors(
             kinds[s],
             config.allow_cpu_fallback,
             tuple(tied),
-            config.lora,
+            dict(config.lora) if config.lora is not None else None,
             config.quantize[s] if config.quantize else None,
             tuple(held) if len(held) > 1 or held[0][0] != s else (),
             num_virtual,

@@ -57,11 +57,11 @@ SMALL = {
     "max_position_embeddings": 64,
     "n_positions": 64,
 }
-_verdicts: dict[str, dict[str, Any]] = {}  # this process's, beside the file's
+_verdicts: dict[str, dict[str, object]] = {}  # this process's, beside the file's
 _lock = threading.Lock()
 
 
-def verdict(config: PretrainedConfig) -> dict[str, Any]:
+def verdict(config: PretrainedConfig) -> dict[str, object]:
     """{"exact": bool, "why": str, "aux_loss": bool} for `config`'s model type and flags.
 
     Raises:
@@ -112,7 +112,7 @@ def small(config: PretrainedConfig) -> Any:
     return type(config).from_dict({**values, **change})
 
 
-def _compare(config: PretrainedConfig) -> dict[str, Any]:
+def _compare(config: PretrainedConfig) -> dict[str, object]:
     from transformers import AutoModelForCausalLM
 
     try:
@@ -131,7 +131,7 @@ def _compare(config: PretrainedConfig) -> dict[str, Any]:
         return {"exact": False, "why": f"{type(error).__name__}: {error}", "aux_loss": False}
 
 
-def _run(tiny: Any, reference: Any) -> dict[str, Any]:
+def _run(tiny: Any, reference: Any) -> dict[str, object]:
     """Both forwards on one batch, compared output by output."""
     from raypipe.models.hf.causal_lm_layers import HFDecoderLayer, HFEmbedding, HFHead, checkpoint_keys
     from raypipe.models.hf.conversions import to_checkpoint
@@ -199,7 +199,7 @@ def _path() -> str:
     return os.path.join(env.cache_dir(), "hf-verdicts.json")
 
 
-def _stored() -> dict[str, dict[str, Any]]:
+def _stored() -> dict[str, dict[str, object]]:
     try:
         with open(_path()) as f:
             stored = json.load(f)
@@ -208,7 +208,7 @@ def _stored() -> dict[str, dict[str, Any]]:
         return {}
 
 
-def _store(key: str, found: dict[str, Any]) -> None:
+def _store(key: str, found: dict[str, object]) -> None:
     try:
         os.makedirs(env.cache_dir(), exist_ok=True)
         stored = {**_stored(), key: found}
