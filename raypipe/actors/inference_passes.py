@@ -52,7 +52,7 @@ def generate(executor: Executor, x: Any, v: int | None, caches: dict | None, sta
     layers = [layer for layer in module if hasattr(layer, "begin_cache")]
     if caches is not None:
         if start:
-            shared: dict[str, Any] = {}
+            shared: dict[str, object] = {}
             for layer in layers:
                 layer.begin_cache(shared)
             caches[v] = [layer.cache for layer in layers]
@@ -78,7 +78,9 @@ class InferenceCalls:
         self.stage = stage
         self.decoding: dict[int, dict[str, Any]] = {}  # per microbatch being generated: its feed, caches, picker
 
-    def forward_only(self, x: Any, target: Any = None, v: int | None = None, reference: str | None = None) -> Any:
+    def forward_only(
+        self, x: object, target: object = None, v: int | None = None, reference: str | None = None
+    ) -> object:
         """Inference through this stage's chunk `v` (eval mode, no activations kept).
 
         Returns the output, or on the last stage the loss as a float when a target is given;
@@ -129,7 +131,7 @@ class InferenceCalls:
         feeds: bool = False,
         sampling: tuple | None = None,
         tokens: int = 1,
-    ) -> Any:
+    ) -> object:
         """Generation forwards of microbatch `slot` through chunk `v` (`raypipe.driver.inference.generation`).
 
         `feeds`: this call starts the model, so `x` is the prompt ({"input_ids", "attention_mask"})

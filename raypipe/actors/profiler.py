@@ -153,7 +153,7 @@ class LayerProfiler:
             **({"cpu_s": cpu_s} if self.device.type == "cpu" else {}),
         }
 
-    def _device(self) -> dict[str, Any]:
+    def _device(self) -> dict[str, object]:
         accelerator = detect()
         return {
             "kind": self.kind,
@@ -187,7 +187,7 @@ class LayerProfiler:
         lora: dict | None,
         split: bool = False,
         codecs: tuple[str, str] = ("none", "none"),
-    ) -> dict[str, Any]:
+    ) -> dict[str, object]:
         """`profile` on one microbatch's sequence units, any pytrees, per unit (one unit: the
         microbatch whole); `split`: each unit's backward split as a stage splits it too
         (`_split_units`); `codecs`: compressing and restoring a unit's output, each way."""
@@ -276,7 +276,7 @@ class LayerProfiler:
         layer.zero_grad(set_to_none=True)
         return input_s, weight_s
 
-    def _loss(self, out: Any, target: Any, loss_fn: Callable) -> torch.Tensor:
+    def _loss(self, out: object, target: object, loss_fn: Callable) -> torch.Tensor:
         return loss_fn(out, target.to(self.device) if torch.is_tensor(target) else target)
 
     def _codec_seconds(self, value: Any, codec: str, repeats: int) -> float:

@@ -41,7 +41,7 @@ def sha256_file(path: Path | StoragePath) -> str:
     return digest.hexdigest()
 
 
-def write_atomic(path: Path | StoragePath, data: bytes) -> dict[str, Any]:
+def write_atomic(path: Path | StoragePath, data: bytes) -> dict[str, object]:
     """Writes bytes via a temporary file, fsync and rename (an object: in one put). Returns its
     sha256 and size."""
     if isinstance(path, StoragePath):
@@ -75,7 +75,7 @@ def make_private_dir(path: Path) -> None:
         directory.mkdir(mode=PRIVATE_DIR, exist_ok=True)
 
 
-def save_tensors(path: Path | StoragePath, obj: Any) -> dict[str, Any]:
+def save_tensors(path: Path | StoragePath, obj: object) -> dict[str, object]:
     """`obj` (dicts, lists, tensors, plain values) as a safetensors file, written atomically."""
     from safetensors.torch import save
 
@@ -119,7 +119,7 @@ def tensor_shapes(path: Path | StoragePath) -> dict[str, tuple[tuple[int, ...], 
     }
 
 
-def _load_bytes(data: bytes, legacy: bool) -> Any:
+def _load_bytes(data: bytes, legacy: bool) -> object:
     """`load_tensors` of a file read whole (from an object store)."""
     if legacy:
         import io
@@ -133,7 +133,7 @@ def _load_bytes(data: bytes, legacy: bool) -> Any:
     return tensors if tree is None else _unflatten(json.loads(tree), tensors)
 
 
-def _flatten(obj: Any, path: str, tensors: dict[str, torch.Tensor], storages: set[int]) -> Any:
+def _flatten(obj: object, path: str, tensors: dict[str, torch.Tensor], storages: set[int]) -> object:
     """The JSON tree of `obj`, its tensors moved into `tensors` under their path (copied where
     they share storage with another or view part of one: safetensors stores whole storages)."""
     if torch.is_tensor(obj):

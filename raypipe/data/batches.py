@@ -16,7 +16,7 @@ from raypipe.core.errors import BatchError
 from raypipe.core.layers import LossFunction
 
 
-def check_token_ids(x: Any, vocab: int | None) -> None:
+def check_token_ids(x: object, vocab: int | None) -> None:
     """Refuses token ids a model cannot embed, before any stage runs: `x` (a tensor, the first of a
     tuple, `x["input_ids"]`, or each microbatch of a list) must hold integers in [0, vocab).
 
@@ -123,7 +123,7 @@ def split_batch(x: Any, y: Any, parts: int, dp: int, microbatches: int) -> tuple
     return inputs, targets
 
 
-def is_varying(inputs: Sequence[Any]) -> bool:
+def is_varying(inputs: Sequence[object]) -> bool:
     """Whether the microbatches differ in their tensors' shapes or dtypes (or their trees)."""
     described = []
     for x in inputs:
@@ -132,7 +132,7 @@ def is_varying(inputs: Sequence[Any]) -> bool:
     return any(d != described[0] for d in described[1:])
 
 
-def loss_weights(loss_fn: LossFunction, targets: Sequence[Sequence[Any]]) -> list[list[float]] | None:
+def loss_weights(loss_fn: LossFunction, targets: Sequence[Sequence[object]]) -> list[list[float]] | None:
     """Per replica and microbatch, the loss weight that makes the step's loss the mean over all
     of its items, when `loss_fn` counts them (`loss_fn.count(target)`: the tokens a causal
     LM loss averages over, those not ignored); None otherwise (every part weighs the same).
@@ -150,7 +150,7 @@ def loss_weights(loss_fn: LossFunction, targets: Sequence[Sequence[Any]]) -> lis
     return [[c * parts / total if total else 0.0 for c in replica] for replica in counts]
 
 
-def samples_and_tokens(inputs: Sequence[Any]) -> tuple[int, int | None]:
+def samples_and_tokens(inputs: Sequence[object]) -> tuple[int, int | None]:
     """Samples in a step's parts, and the token ids among them (the first tensor of each part,
     when it holds integers; None for float inputs)."""
     firsts = [pytree.tree_leaves(x)[0] for x in inputs]
@@ -158,7 +158,7 @@ def samples_and_tokens(inputs: Sequence[Any]) -> tuple[int, int | None]:
     return samples, None if any(t.is_floating_point() for t in firsts) else sum(int(t.numel()) for t in firsts)
 
 
-def _given(x: list, y: Any, parts: int, dp: int, microbatches: int) -> tuple[list[Any], list[Any]]:
+def _given(x: list, y: object, parts: int, dp: int, microbatches: int) -> tuple[list[object], list[object]]:
     """A batch given as its microbatches, checked against the count the step needs."""
     if y is not None and not isinstance(y, list):
         raise BatchError(
@@ -175,7 +175,7 @@ def _given(x: list, y: Any, parts: int, dp: int, microbatches: int) -> tuple[lis
     return list(x), list(y) if y is not None else [None] * len(x)
 
 
-def _chunks(value: Any, parts: int, batch: int) -> list[Any]:
+def _chunks(value: object, parts: int, batch: int) -> list[object]:
     """`value`'s tensors cut into `parts` along dim 0, one tree per part; cloned, since a view
     would carry the whole batch's storage through the object store."""
     leaves, spec = pytree.tree_flatten(value)
@@ -197,11 +197,13 @@ class Prepared:
     samples: int
     tokens: int | None
     varying: bool
-    packed: list[tuple[Any, Any]] | None = None
+    packed: list[tuple[object, object]] | None = None
     extra: dict[str, float] | None = None  # figures measured making the batch (a GRPO generation's)
 
 
-def prepare(x: Any, y: Any, dp: int, microbatches: int, loss_fn: LossFunction, vocab: int | None = None) -> Prepared:
+def prepare(
+    x: object, y: object, dp: int, microbatches: int, loss_fn: LossFunction, vocab: int | None = None
+) -> Prepared:
     """Cuts a batch `(x, y)` into dp replicas x `microbatches` parts (`split_batch`), its token ids
     checked against `vocab` first (`check_token_ids`)."""
     check_token_ids(x, vocab)

@@ -28,8 +28,8 @@ def run_meta(
     run: str,
     run_id: str,
     config: TrainConfig,
-    base: Any = None,
-) -> dict[str, Any]:
+    base: object = None,
+) -> dict[str, object]:
     """What a checkpoint's manifest says about the run beside the files; `run_id`: the run's
     identity (kept across its resumes), which pruning and recovery keep to; `base`: in a LoRA
     run, the identity of the frozen base model its adapters belong to (`raypipe.models.model.Model.identity`)."""
@@ -113,7 +113,7 @@ def load(
     num_layers: int,
     plan: Sequence[tuple[int, int]],
     log: Callable[[str], None],
-    base: Any = None,
+    base: object = None,
     optimizer: str | None = None,
 ) -> tuple[Path, dict[str, Any]]:
     """Restores a checkpoint saved by any topology into every actor, all or nothing: the driver
@@ -272,7 +272,7 @@ def check_reachable(actors: Sequence[ActorHandle], names: Sequence[str], root: s
         )
 
 
-def address(path: Any) -> str:
+def address(path: object) -> str:
     """What an actor opens a checkpoint location by: a local path, or the full URI (`StoragePath.uri`)."""
     return getattr(path, "uri", None) or str(path)
 

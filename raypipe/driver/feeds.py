@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 class FunctionFeed:
     """`batches(step) -> (x, y)`, cut on the driver."""
 
-    def __init__(self, group: ActorGroup, batches: Callable[[int], tuple[Any, Any]]) -> None:
+    def __init__(self, group: ActorGroup, batches: Callable[[int], tuple[object, object]]) -> None:
         self.group, self.batches = group, batches
         self.reader: ActorHandle | None = None  # in an actor-driven run: the trainer's reader actor, calling `batches`
         self.owned: Any = None  # a generator the feed made (`records_of`), closed with it
@@ -37,7 +37,7 @@ class FunctionFeed:
         prepared.extra = figures.pop(step, None) if figures else None
         return prepared
 
-    def reader_for_actors(self) -> Any:
+    def reader_for_actors(self) -> object:
         """A reader actor that calls `batches(step)` for the actors of an actor-driven run, on the
         driver's node (where the function's files are); the trainer keeps it for its next `fit`,
         since starting one takes seconds (a process that imports torch), and makes another after
@@ -101,14 +101,14 @@ class IterableFeed(FunctionFeed):
     that starts at step N skips the first N. The batches from the last checkpoint on are kept,
     for the steps a recovery replays."""
 
-    def __init__(self, group: ActorGroup, iterable: Iterable[tuple[Any, Any]]) -> None:
+    def __init__(self, group: ActorGroup, iterable: Iterable[tuple[object, object]]) -> None:
         super().__init__(group, self._batch)
-        self.items: Iterator[tuple[Any, Any]] = iter(iterable)
-        self.kept: dict[int, tuple[Any, Any]] = {}
+        self.items: Iterator[tuple[object, object]] = iter(iterable)
+        self.kept: dict[int, tuple[object, object]] = {}
         self.read = 0  # batches taken from the iterable so far
         self.oldest = 0  # no step before this one can be asked for again
 
-    def _batch(self, step: int) -> tuple[Any, Any]:
+    def _batch(self, step: int) -> tuple[object, object]:
         if step < self.oldest or (step < self.read and step not in self.kept):
             raise BatchError(
                 f"step {step + 1}'s batch was read from the iterable and dropped: an iterable is read "
@@ -127,7 +127,7 @@ class IterableFeed(FunctionFeed):
             self.read += 1
         return self.kept[step]
 
-    def reader_for_actors(self) -> Any:
+    def reader_for_actors(self) -> object:
         raise ConfigError(
             f"TrainConfig.actor_steps={self.group.config.actor_steps}: an iterable of batches is read on the "
             f"driver, one at a time; give batches(step) -> (x, y) or a ray.data.Dataset, or actor_steps=0"
@@ -145,7 +145,7 @@ class DatasetFeed:
     each batch for the stage actors and stores the parts; the driver holds references only. The
     next step's batch is read while the current one trains."""
 
-    def __init__(self, group: ActorGroup, dataset: Any, batch_size: int, collate: Callable | None = None) -> None:
+    def __init__(self, group: ActorGroup, dataset: object, batch_size: int, collate: Callable | None = None) -> None:
         import ray
 
         from raypipe.actors.io.reader import DatasetReader
@@ -203,7 +203,7 @@ class DatasetFeed:
                 raise error.cause from None
             raise
 
-    def reader_for_actors(self) -> Any:
+    def reader_for_actors(self) -> object:
         """The reader, which the actors of an actor-driven run ask themselves."""
         return self.reader
 
@@ -276,7 +276,7 @@ def records_of(dataset: Any, size: int | None, kind: str) -> Iterator[list[dict[
             chunk = []
 
 
-def _is_dataset(value: Any) -> bool:
+def _is_dataset(value: object) -> bool:
     """Whether `value` is a `ray.data.Dataset`, without importing Ray Data where nothing has (0.7 s
     on 2 cores, paid by every first `fit` of a function or a list): a Dataset exists only once it has."""
     dataset = getattr(sys.modules.get("ray.data"), "Dataset", None)

@@ -136,7 +136,7 @@ QUANTIZE = ("nf4", "int8")
 QUANTIZE_KINDS = {"cpu", "cuda", "rocm"}  # where bitsandbytes has kernels (its CPU backend since 0.45)
 
 
-def check_quantize(value: Any, lora_config: dict | None, kinds: list[str]) -> list[str | None] | None:
+def check_quantize(value: object, lora_config: dict | None, kinds: list[str]) -> list[str | None] | None:
     """`TrainConfig.quantize` as one entry per stage (None: that stage keeps its dtype), checked
     against LoRA and each stage's device kind.
 
@@ -221,7 +221,7 @@ def dense_weight(module: nn.Module) -> torch.Tensor:
     return weight
 
 
-def resolve(lora: dict[str, Any], layers: list[nn.Module], whole: nn.Module | None) -> dict[str, Any]:
+def resolve(lora: dict[str, object], layers: list[nn.Module], whole: nn.Module | None) -> dict[str, object]:
     """The run's LoRA settings with "all-linear" made the list of names peft makes of it (on the
     whole transformers model `whole`, whose output layer it leaves out; else every linear), checked
     against the model's layers (built on the meta device): targets that match nothing are refused,
@@ -253,7 +253,7 @@ def _linear(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
 
 
-def apply(module: nn.Sequential, lora: dict[str, Any], seeds: list[int], quantized: str | None = None) -> None:
+def apply(module: nn.Sequential, lora: dict[str, object], seeds: list[int], quantized: str | None = None) -> None:
     """Injects LoRA adapters into every layer of `module` holding a target (layer j's under
     `seeds[j]`; in fp32 over a bf16 base, as peft keeps them), after storing the layers' linears
     in `quantized` bits ("nf4", "int8") when given. peft sees each layer under its whole-model

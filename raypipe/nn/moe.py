@@ -49,9 +49,9 @@ class ExpertParallelGroup:
 
     rank: int = 0
     size: int = 1
-    group: Any = None
+    group: object = None
 
-    def process_group(self) -> Any:
+    def process_group(self) -> object:
         if self.size > 1 and self.group is None:
             raise RuntimeError(
                 f"expert-parallel rank {self.rank} of {self.size} routed tokens before joining its "
@@ -96,7 +96,7 @@ class _AllToAll(torch.autograd.Function):
     backward sends the gradients back the same way reversed."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, send: list[int], recv: list[int], group: Any) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, send: list[int], recv: list[int], group: object) -> torch.Tensor:
         ctx.send, ctx.recv, ctx.group = send, recv, group
         return _exchange(x, send, recv, group)
 
@@ -258,7 +258,12 @@ class MoE(nn.Module):
 
 
 def check_moe(
-    num_experts: Any, top_k: Any, capacity_factor: Any, aux_loss_coef: Any, z_loss_coef: Any, prefix: str = ""
+    num_experts: object,
+    top_k: object,
+    capacity_factor: object,
+    aux_loss_coef: object,
+    z_loss_coef: object,
+    prefix: str = "",
 ) -> None:
     """Raises ConfigError naming the first invalid MoE setting and its fix."""
     if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts < 1:

@@ -73,10 +73,10 @@ class Microbatch:
 
     def __init__(self) -> None:
         self.starts: dict[int, int] = {0: 0}
-        self.layers: dict[Any, KVChunks] = {}
+        self.layers: dict[object, KVChunks] = {}
         self.shared: dict[str, Any] = {}
 
-    def kv(self, layer: Any) -> KVChunks:
+    def kv(self, layer: object) -> KVChunks:
         return self.layers.setdefault(layer, KVChunks())
 
 
@@ -90,9 +90,11 @@ class Position:
         self.end = self.offset + length
         microbatch.starts[chunk + 1] = self.end
         self.replay = False  # a recomputation of the chunk's forward (`replayed`)
-        self.seen: dict[Any, list] = {}  # per layer, the earlier leaves its forward attended to
+        self.seen: dict[object, list] = {}  # per layer, the earlier leaves its forward attended to
 
-    def extend(self, layer: Any, keys: torch.Tensor, values: torch.Tensor, dim: int = -2) -> tuple[torch.Tensor, ...]:
+    def extend(
+        self, layer: object, keys: torch.Tensor, values: torch.Tensor, dim: int = -2
+    ) -> tuple[torch.Tensor, ...]:
         """`layer`'s keys and values for this chunk's attention: its own joined after every earlier
         chunk's along `dim` (the sequence's); kept for the chunks after it (`blocks`)."""
         all_keys, all_values = self.blocks(layer, keys, values)
@@ -100,7 +102,7 @@ class Position:
             return keys, values
         return torch.cat(all_keys, dim=dim), torch.cat(all_values, dim=dim)
 
-    def blocks(self, layer: Any, keys: torch.Tensor, values: torch.Tensor) -> tuple[list, list]:
+    def blocks(self, layer: object, keys: torch.Tensor, values: torch.Tensor) -> tuple[list, list]:
         """`layer`'s keys and values for this chunk's attention as blocks for
         `chunk_attention.attend` (no joined copy): every earlier chunk's leaves, then its own. The
         forward notes the leaves it sees (`seen`) and keeps what it made; a replay attends to those
@@ -136,7 +138,7 @@ class Replay:
         self.tokens.append(_CURRENT.set(self.position))
         return self.position
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         _CURRENT.reset(self.tokens.pop())
 
     def causal_mask(self, device: torch.device) -> torch.Tensor:
@@ -152,10 +154,10 @@ class Sequence:
 
     def __init__(self, chunks: int) -> None:
         self.chunks = chunks
-        self.open: dict[tuple[Any, int], Microbatch] = {}
+        self.open: dict[tuple[object, int], Microbatch] = {}
 
     @classmethod
-    def of(cls, chunks: int, layers: Any, actor: str, indices: list[int]) -> Sequence:
+    def of(cls, chunks: int, layers: object, actor: str, indices: list[int]) -> Sequence:
         """A stage's step state for `chunks` per microbatch (1: not chunked, nothing kept), its
         `layers` checked first where chunked (`check_chunkable`)."""
         if chunks > 1:
@@ -182,14 +184,14 @@ class Sequence:
         finally:
             _CURRENT.reset(token)
 
-    def made(self, unit: int, part: Any = None) -> list[torch.Tensor]:
+    def made(self, unit: int, part: object = None) -> list[torch.Tensor]:
         """The keys and values unit `unit` made, kept until its backward: under activation
         checkpointing the part of its attention autograd's saved-tensor hooks do not see."""
         m, c = self.split(unit)
         microbatch = self.open.get((part, m))
         return [t for kv in microbatch.layers.values() for t in kv.made.get(c, ())] if microbatch else []
 
-    def roots(self, unit: int, part: Any = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def roots(self, unit: int, part: object = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(keys or values unit `unit` made, the gradient later chunks gave them): added to its
         backward's outputs. Its microbatch is done after its first chunk; none unchunked."""
         m, c = self.split(unit)
@@ -201,7 +203,7 @@ class Sequence:
             del self.open[(part, m)]
         return pairs
 
-    def split_backward(self, unit: int, part: Any, outputs: list, grads: list | None, inputs: list) -> tuple:
+    def split_backward(self, unit: int, part: object, outputs: list, grads: list | None, inputs: list) -> tuple:
         """(outputs, their gradients, inputs) of unit `unit`'s backward split in two
         (`split_backward.input_gradients`): its keys and values with the gradients later chunks gave
         them (`roots`) as one more output, a scalar (torch's split detaches its outputs in place,

@@ -48,7 +48,7 @@ class Rows:
     `extra` parts a pass reads ({name: (x, y)}: rows paired otherwise, say), which the step does not
     train on. `records`: how many records they came from (what must divide among the actors)."""
 
-    x: Any
+    x: object
     y: dict[str, torch.Tensor]
     records: int
     extra: dict[str, tuple[Any, dict[str, torch.Tensor]]]
@@ -59,7 +59,7 @@ class Objective:
     `TrainConfig.objective` dict, checked and with its defaults filled in."""
 
     name: ClassVar[str]
-    defaults: ClassVar[Mapping[str, Any]]
+    defaults: ClassVar[Mapping[str, object]]
     record: ClassVar[str]  # what one record is, in errors and docs: "pair", "prompt", "example"
     data_source: ClassVar[str]  # the job's `data.source` whose records it reads
     generates: ClassVar[bool] = False  # its rows are generated from the policy (driver.inference.rollout)
@@ -68,16 +68,16 @@ class Objective:
         self.settings = dict(settings)
 
     @classmethod
-    def check(cls, settings: dict[str, object], given: Any) -> None:
+    def check(cls, settings: dict[str, object], given: object) -> None:
         """Raises ConfigError naming what is wrong in `settings` (`given`: what the user wrote)."""
 
-    def loss(self) -> Any:
+    def loss(self) -> object:
         """The loss function the last stage computes: `loss(output, target)` with `count(target)`
         (what the step's loss is a mean over), `reference(output, target)` (a pass's answer) and
         `take_metrics()` (the microbatch's metric sums)."""
         raise NotImplementedError
 
-    def rows(self, records: Sequence[Mapping[str, Any]]) -> Rows:
+    def rows(self, records: Sequence[Mapping[str, object]]) -> Rows:
         """The rows of one step made from its `records`.
 
         Raises:
@@ -97,7 +97,7 @@ class Objective:
         """The step's metrics (TRL's names) from every microbatch's sums."""
         raise NotImplementedError
 
-    def log_line(self, metrics: Mapping[str, Any]) -> str:
+    def log_line(self, metrics: Mapping[str, object]) -> str:
         """What a job's step line adds for this objective (` | margin 0.123 ...`)."""
         return ""
 
@@ -116,7 +116,7 @@ def objective_for(settings: Mapping[str, Any]) -> Objective:
     return OBJECTIVES[settings["name"]](settings)
 
 
-def invalid_setting(value: Any, fix: str) -> ConfigError:
+def invalid_setting(value: object, fix: str) -> ConfigError:
     """The error for a bad `TrainConfig.objective`, worded as every config error is."""
     return ConfigError(f"TrainConfig.objective={value!r} is invalid: {fix}")
 

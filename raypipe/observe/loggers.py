@@ -75,7 +75,7 @@ def run_params(config: TrainConfig, run_name: str, plan: Any, run_id: str | None
     return {**config.to_dict(), **named, "plan": [list(p) for p in plan], "raypipe_version": __version__}
 
 
-def flat(params: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+def flat(params: Mapping[str, object], prefix: str = "") -> dict[str, str]:
     """Nested parameters as `a.b` keys with string values, for stores that keep flat strings (MLflow)."""
     out: dict[str, str] = {}
     for key, value in params.items():
@@ -93,7 +93,7 @@ class TensorBoardLogger:
     checkpoint, which it runs again). Without a run id (a logger made by hand) it writes in `log_dir`."""
 
     @staticmethod
-    def wanted(options: dict[str, Any], config: TrainConfig) -> dict[str, Any] | None:
+    def wanted(options: dict[str, object], config: TrainConfig) -> dict[str, object] | None:
         """Its options for `config`: its `log_dir` or `config.log_dir`; None (off) when neither is set.
         A logger kind without this method is wanted with the options it was given."""
         options.setdefault("log_dir", config.log_dir)
@@ -140,7 +140,7 @@ class MLflowLogger:
     loop's path (`benchmarks/loggers.py`), and waited for when the trainer shuts down."""
 
     def __init__(
-        self, run_name: str, params: dict[str, Any], tracking_uri: str | None = None, experiment: str = "raypipe"
+        self, run_name: str, params: dict[str, object], tracking_uri: str | None = None, experiment: str = "raypipe"
     ) -> None:
         import mlflow
         from mlflow.entities import Param
@@ -185,7 +185,7 @@ class WandbLogger:
     def __init__(
         self,
         run_name: str,
-        params: dict[str, Any],
+        params: dict[str, object],
         project: str = "raypipe",
         entity: str | None = None,
         mode: str | None = None,
@@ -233,7 +233,7 @@ class Loggers:
         self.status = "FINISHED"  # how the run ends for the loggers: FAILED or KILLED when fit did not finish
         self.broken: set[int] = set()  # loggers that raised; reported once, then skipped
 
-    def add_params(self, params: Mapping[str, Any]) -> None:
+    def add_params(self, params: Mapping[str, object]) -> None:
         """Adds to what each logger records once about the run (a job adds its model, data and job
         settings). Before the first record: a logger's run description is written when it opens."""
         if self.opened:
@@ -271,7 +271,7 @@ class Loggers:
         for logger in loggers:
             self._guarded(logger, "close", self.status, timeout=call_timeout())
 
-    def _guarded(self, logger: Any, method: str, *args: Any, timeout: float | None = None) -> None:
+    def _guarded(self, logger: object, method: str, *args: object, timeout: float | None = None) -> None:
         """Calls a logger; one that raises (an MLflow server down) is reported once on stderr and
         skipped from then on, so it never stops training or a due checkpoint. With `timeout`, the
         call runs in a thread of its own and is given up after that many seconds."""

@@ -130,8 +130,8 @@ def cores_bound(schedule: Schedule, profiles: Sequence[dict[str, Any]], plan: Se
 def choose(
     specs: Sequence[LayerSpec],
     loss_fn: Callable,
-    x: Any,
-    y: Any,
+    x: object,
+    y: object,
     config: TrainConfig,
     cpus: float,
     split: Callable[[Any, Any, int], tuple[list, list]],
@@ -160,7 +160,7 @@ def choose(
     return rank(profiled, specs, config)
 
 
-def sequence_chunk_options(x: Any) -> list[int]:
+def sequence_chunk_options(x: object) -> list[int]:
     """The sequence chunk counts `sequence_chunks="auto"` tries on a microbatch `x`: those of
     `SEQUENCE_CHUNK_CHOICES` that leave each chunk `MIN_CHUNK_TOKENS` tokens or more."""
     from raypipe.data.sequence_units import sequence_length
@@ -170,7 +170,7 @@ def sequence_chunk_options(x: Any) -> list[int]:
 
 
 def rank(
-    profiled: dict[int, dict[str, dict[str, Any]]],
+    profiled: dict[int, dict[str, dict[str, object]]],
     specs: Sequence[LayerSpec],
     config: TrainConfig,
     links: Mapping[tuple[int, int], Link] | None = None,
@@ -232,7 +232,7 @@ def _better(seconds: float, report: PlanReport, best_seconds: float, best: PlanR
     return seconds <= best_seconds * (1 + TIE) and max(report.stage_memory_bytes) < max(best.stage_memory_bytes)
 
 
-def _rows(x: Any) -> int:
+def _rows(x: object) -> int:
     import torch.utils._pytree as pytree
 
     return next(t.shape[0] for t in pytree.tree_leaves(x) if hasattr(t, "shape"))
@@ -253,7 +253,7 @@ def plan_run(
         (the config, with the chosen schedule under "auto"; the plan report).
     """
 
-    def split(x: Any, y: Any, parts: int) -> tuple[list, list]:
+    def split(x: object, y: object, parts: int) -> tuple[list, list]:
         return split_batch(x, y, parts, config.dp, max(1, parts // config.dp))
 
     if config.schedule == "auto" or config.sequence_chunks == "auto":

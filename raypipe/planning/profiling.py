@@ -70,10 +70,10 @@ class PlanReport:
     capacity_bytes: list[float]
     step_seconds: float
     uniform_step_seconds: float
-    profiles: dict[str, dict[str, Any]] = field(default_factory=dict)
+    profiles: dict[str, dict[str, object]] = field(default_factory=dict)
     stages: list[int] = field(default_factory=list)
     link_wire: list[tuple[Link, float]] = field(default_factory=list)
-    profiled_microbatches: dict[int, dict[str, dict[str, Any]]] = field(default_factory=dict)
+    profiled_microbatches: dict[int, dict[str, dict[str, object]]] = field(default_factory=dict)
 
     def __str__(self) -> str:
         uniform = self.plan == uniform_plan(self.plan[-1][1], len(self.plan))
@@ -97,7 +97,7 @@ class PlanReport:
             )
         return "\n".join(lines)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return {
             "plan": [list(r) for r in self.plan],
             "kinds": self.kinds,
@@ -119,12 +119,12 @@ def profile_layers(
     specs: Sequence[LayerSpec],
     loss_fn: Callable[[torch.Tensor, Any], torch.Tensor],
     x: torch.Tensor,
-    target: Any,
+    target: object,
     config: TrainConfig,
     kinds: Sequence[str],
     cpus: float = 1.0,
     counts: Sequence[int | None] = (None,),
-) -> dict[int | None, dict[str, dict[str, Any]]]:
+) -> dict[int | None, dict[str, dict[str, object]]]:
     """Per sequence chunk count in `counts` (None: the microbatch as it is; `sequence_chunks="auto"`
     tries several, by the same profilers), per accelerator kind in `kinds` (each stage's), each
     layer's times and bytes on one microbatch `(x, target)` (with a count k, per unit of it cut in k
@@ -201,7 +201,7 @@ def profiled_plan(
     specs: Sequence[LayerSpec],
     loss_fn: Callable[[torch.Tensor, Any], torch.Tensor],
     x: torch.Tensor,
-    target: Any,
+    target: object,
     config: TrainConfig,
     cpus: float,
 ) -> PlanReport:
@@ -298,7 +298,7 @@ def plan_from_profiles(
 
 def _link_wire(
     links: Mapping[tuple[int, int], Link],
-    profiles: Sequence[dict[str, Any]],
+    profiles: Sequence[dict[str, object]],
     plan: Plan,
     stage_of: Sequence[int],
     microbatches: int,

@@ -45,7 +45,7 @@ class PeerDataError(RaypipeError):
     """What a peer rank sent is not a plain-data message (`raypipe.transport.plain`)."""
 
 
-def encode(obj: Any) -> torch.Tensor:
+def encode(obj: object) -> torch.Tensor:
     """`obj` as one uint8 tensor: its header's length, the JSON header, the tensors' bytes.
 
     Raises:
@@ -53,7 +53,7 @@ def encode(obj: Any) -> torch.Tensor:
     """
     tensors: list[torch.Tensor] = []
 
-    def tree(x: Any) -> Any:
+    def tree(x: object) -> object:
         if x is None or isinstance(x, (bool, int, float, str)):
             return x
         if torch.is_tensor(x):
@@ -79,7 +79,7 @@ def encode(obj: Any) -> torch.Tensor:
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
-def decode(data: torch.Tensor, peer: int | str = "?") -> Any:
+def decode(data: torch.Tensor, peer: int | str = "?") -> object:
     """The object `encode` wrote, from `data` (uint8, on any device) that rank `peer` sent.
 
     Raises:
@@ -102,7 +102,7 @@ def decode(data: torch.Tensor, peer: int | str = "?") -> Any:
         raise refuse(f"its header is not JSON ({error})") from None
     at = LENGTH_BYTES + length
 
-    def tree(x: Any) -> Any:
+    def tree(x: object) -> object:
         nonlocal at
         if x is None or isinstance(x, (bool, int, float, str)):
             return x
@@ -134,7 +134,7 @@ def decode(data: torch.Tensor, peer: int | str = "?") -> Any:
             return tensor.view(dtype).reshape(shape) if size else torch.empty(shape, dtype=dtype)
         raise refuse(f"an entry {str(x)[:60]!r} is none of the plain kinds")
 
-    def _key(k: Any) -> Any:
+    def _key(k: object) -> object:
         if isinstance(k, (list, dict)):
             raise refuse("a dict key is a list or dict")
         return k

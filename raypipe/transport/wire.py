@@ -69,7 +69,7 @@ def pack_microbatches(items: list[Any]) -> Any:
     return pack(torch.stack(items))
 
 
-def _pack_tensor(value: Any) -> Any:
+def _pack_tensor(value: object) -> object:
     if not torch.is_tensor(value) or value.device.type != "cpu" or value.requires_grad:
         return value
     bits = _BITS.get(value.dtype)
@@ -80,7 +80,7 @@ def _pack_tensor(value: Any) -> Any:
         return value
 
 
-def _unpack_array(value: Any) -> Any:
+def _unpack_array(value: object) -> object:
     if not isinstance(value, Packed):
         return value
     t = torch.from_numpy(value.array.copy())

@@ -24,7 +24,7 @@ from raypipe.core.layers import LossFunction
 from raypipe.data.batches import Prepared, prepare
 
 
-def default_collate(batch: dict[str, np.ndarray]) -> tuple[Any, Any]:
+def default_collate(batch: dict[str, np.ndarray]) -> tuple[object, object]:
     """A batch of rows as `(x, y)`: the columns `x` and `y`, or `input_ids` and `labels`, or
     `input_ids` alone as language-model sequences (inputs all but the last token, targets all
     but the first)."""
@@ -135,10 +135,10 @@ class DatasetReader:
                 del self.kept[old]
         return self.kept[key]
 
-    def batches(self, first: int, count: int, cut_for: tuple[int, int] | None = None) -> list[Any]:
+    def batches(self, first: int, count: int, cut_for: tuple[int, int] | None = None) -> list[object]:
         """The batches of `count` steps from `first` (`batch`), for an actor-driven run's actors,
         which ask a few steps at a time; where one cannot be made, its error ends the list."""
-        made: list[Any] = []
+        made: list[object] = []
         for step in range(first, first + count):
             try:
                 made.append(self.batch(step, cut_for, inline=True))
@@ -163,7 +163,7 @@ class DatasetReader:
         ]
         return Prepared(None, None, cut.weights, cut.samples, cut.tokens, cut.varying, packed)
 
-    def _next_rows(self, step: int) -> tuple[Any, Any]:
+    def _next_rows(self, step: int) -> tuple[object, object]:
         if self.rows is None or step < self.position:
             self.rows, self.position = self._epochs(), 0
         while self.position < step:
@@ -180,7 +180,7 @@ def _stored(ray: Any, part: Any, inline: bool) -> Any:
     return part if inline and _nbytes(part) < INLINE_BYTES else ray.put(part)
 
 
-def _nbytes(part: Any) -> int:
+def _nbytes(part: object) -> int:
     """The bytes of a packed part's arrays (`pack_microbatches`: a `Packed`, or a tree of them);
     INLINE_BYTES for anything else, which then goes through the object store."""
     from raypipe.transport.wire import Packed

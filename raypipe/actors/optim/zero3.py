@@ -106,7 +106,7 @@ class ShardedStage:
         """The tensor the optimizer steps for `p`: its slice held here."""
         return self.slices[p]
 
-    def local_state(self, p: nn.Parameter, value: Any) -> Any:
+    def local_state(self, p: nn.Parameter, value: object) -> object:
         """An optimizer-state entry loaded whole (shaped like `p`) cut to this replica's slice."""
         if torch.is_tensor(value) and value.dim() > 0 and value.numel() == p.numel():
             return self.slice_of(p, value).clone()
@@ -285,7 +285,7 @@ class ShardedStage:
 
     # ----- hooks --------------------------------------------------------------------
 
-    def _hook(self, j: int, layer: nn.Module) -> list[Any]:
+    def _hook(self, j: int, layer: nn.Module) -> list[object]:
         params = self.layer_params[j]
         if not params:
             return []

@@ -219,7 +219,7 @@ class Executor:
             self.weight_share[v] = sum(p.numel() for p in params if p.requires_grad) / total if total else 0.0
         return self.weight_share[v] >= 0.5
 
-    def backward_input(self, microbatch: int, grad: Any, v: int | None = None, whole: bool = False) -> Any:
+    def backward_input(self, microbatch: int, grad: object, v: int | None = None, whole: bool = False) -> object:
         """The first half of a split backward (I): only the input gradient, returned as
         `backward` returns it; what the weight gradient needs is kept for `backward_weight`.
         `whole`: the half of a whole backward handed on early (`may_hand_on_early`): recorded with

@@ -24,7 +24,7 @@ class StepLinks:
 
     activations: dict[int, Any] = field(default_factory=dict)
     gradients: dict[int, Any] = field(default_factory=dict)
-    to_next: dict[int, Any] = field(default_factory=dict)
+    to_next: dict[int, object] = field(default_factory=dict)
     to_prev: dict[int, Any] = field(default_factory=dict)
     microbatches: int = 1
 
@@ -40,7 +40,7 @@ def links_for(
     peers: Sequence[int],
     varying: bool,
     num_virtual: int,
-    streams: dict[tuple[int, str], Any] | None = None,
+    streams: dict[tuple[int, str], object] | None = None,
 ) -> StepLinks:
     """This step's streams: for each virtual stage held, from and to the actors holding its
     neighbours (`peers`: the world rank holding each virtual stage, for this replica and tp
@@ -89,7 +89,7 @@ def run_list(
     `weights`: where the last virtual stage is held, each microbatch's loss weight (`forward`).
     """
     losses, failure = [], None
-    handed: dict[tuple[str, int, int], Any] = {}  # hand-overs inside this actor
+    handed: dict[tuple[str, int, int], object] = {}  # hand-overs inside this actor
     for kind, m, v in actions:
         _, _, first, last = executor.part(v)
         if kind == FORWARD:

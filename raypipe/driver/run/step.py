@@ -48,12 +48,12 @@ class Outcome:
 class SaveFailed(CheckpointError):
     """A due checkpoint could not be written; the step it follows ran and counts (`metrics`)."""
 
-    def __init__(self, message: str, metrics: dict[str, Any]) -> None:
+    def __init__(self, message: str, metrics: dict[str, object]) -> None:
         super().__init__(message)
         self.metrics = metrics
 
 
-def submit(group: ActorGroup, x: Any, y: Any, index: int, after: int | None = None) -> Submitted:
+def submit(group: ActorGroup, x: object, y: object, index: int, after: int | None = None) -> Submitted:
     """Cuts `(x, y)` into the actors' microbatches and sends it as the step of 0-based index
     `index` (`ActorGroup.submit`); `after`: the call id of the step queued before it."""
     c = group.config
@@ -127,7 +127,7 @@ def book(group: ActorGroup, run: RunState, submitted: Submitted) -> Outcome:
 
 def recorded(
     group: ActorGroup, run: RunState, submitted: Submitted, result: StepResult, first: StepReport
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """A ran step's metrics (`Trainer.step`'s dict; `first`: the first stage's report), also on the
     dashboard and in the run's last events (`Trainer.timeline`)."""
     config = group.config
@@ -157,7 +157,7 @@ def recorded(
     return metrics
 
 
-def save_due(group: ActorGroup, run: RunState, metrics: dict[str, Any], written: Any = None) -> str:
+def save_due(group: ActorGroup, run: RunState, metrics: dict[str, object], written: object = None) -> str:
     """Writes the checkpoint due after the step of `metrics` (or commits the one an actor-driven
     run `written`: its directory, each actor's part); returns where.
 

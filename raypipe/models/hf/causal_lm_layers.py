@@ -97,7 +97,7 @@ class HFDecoderLayer(nn.Module):
         whole sequence (`output_router_logits`)."""
         return not getattr(self.config, "output_router_logits", False)
 
-    def tp_plan(self, tp_size: int) -> dict[str, Any]:
+    def tp_plan(self, tp_size: int) -> dict[str, object]:
         """transformers' own `base_model_tp_plan` for this layer: colwise and rowwise linears, the
         rest replicated."""
         from raypipe.core.errors import ConfigError

@@ -116,7 +116,7 @@ def causal_lm_class(config: PretrainedConfig) -> type:
 
 # ----- the skeleton ---------------------------------------------------------------------------
 
-_skeletons: dict[int, tuple[Any, Any]] = {}  # id(config) -> (config, its skeleton); one per process
+_skeletons: dict[int, tuple[object, object]] = {}  # id(config) -> (config, its skeleton); one per process
 _lock = threading.Lock()
 
 
@@ -160,13 +160,13 @@ class _Stop(nn.Module):
     the last of them."""
 
     wanted: frozenset[int] = frozenset()
-    seen: dict[int, tuple[torch.Tensor, tuple, dict[str, Any]]] = {}
+    seen: dict[int, tuple[torch.Tensor, tuple, dict[str, object]]] = {}
 
     def __init__(self, index: int) -> None:
         super().__init__()
         self.index = index
 
-    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
         if self.index in _Stop.wanted:
             _Stop.seen[self.index] = (hidden_states, args, kwargs)
             if self.index == max(_Stop.wanted):
@@ -174,7 +174,7 @@ class _Stop(nn.Module):
         return hidden_states
 
 
-def _run_to(base: nn.Module, wanted: set[int], **inputs: Any) -> dict[int, tuple[torch.Tensor, tuple, dict]]:
+def _run_to(base: nn.Module, wanted: set[int], **inputs: object) -> dict[int, tuple[torch.Tensor, tuple, dict]]:
     """Runs the base model's forward until the decoder layers `wanted` received their inputs."""
     _Stop.wanted, _Stop.seen = frozenset(wanted), {}
     try:
@@ -197,7 +197,7 @@ class _Zeros(nn.Module):
         super().__init__()
         self.width = width
 
-    def forward(self, ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
         return torch.zeros(*ids.shape, self.width, device=ids.device, dtype=_Zeros.dtype)
 
 
@@ -209,7 +209,7 @@ class _Given(nn.Module):
         super().__init__()
         self.norm, self.hidden = norm, hidden
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: object, **kwargs: object) -> object:
         return _Output(last_hidden_state=self.norm(self.hidden))
 
 
@@ -220,7 +220,7 @@ class _Output(dict):
     def __getattr__(self, name: str) -> Any:
         return self.get(name)
 
-    def __getitem__(self, key: Any) -> Any:
+    def __getitem__(self, key: object) -> object:
         return list(self.values())[key] if isinstance(key, int) else self.get(key)
 
 
@@ -253,7 +253,7 @@ def _stand_ins(base: nn.Module, plan: Plan, keep: dict[str, nn.Module]) -> dict[
     return out
 
 
-def embed(config: PretrainedConfig, modules: dict[str, nn.Module], inputs: dict[str, Any]) -> torch.Tensor:
+def embed(config: PretrainedConfig, modules: dict[str, nn.Module], inputs: dict[str, object]) -> torch.Tensor:
     """The first decoder layer's input as transformers' base model makes it from `inputs`
     (input_ids, attention_mask, position_ids), with the embedding `modules` this layer holds."""
     model, plan = skeleton(config), plan_of(config)
@@ -263,8 +263,8 @@ def embed(config: PretrainedConfig, modules: dict[str, nn.Module], inputs: dict[
 
 
 def layer_inputs(
-    config: PretrainedConfig, indices: list[int], hidden: torch.Tensor, inputs: dict[str, Any]
-) -> dict[int, tuple[tuple, dict[str, Any]]]:
+    config: PretrainedConfig, indices: list[int], hidden: torch.Tensor, inputs: dict[str, object]
+) -> dict[int, tuple[tuple, dict[str, object]]]:
     """Per decoder layer of `indices`, the arguments after the hidden states and the keyword
     arguments transformers' base model passes it (its masks, position embeddings, position ids,
     cache) for hidden states like `hidden` and `inputs` (attention_mask, position_ids,
@@ -278,7 +278,7 @@ def layer_inputs(
 
 
 def head_logits(
-    config: PretrainedConfig, norm: nn.Module, head: nn.Module, hidden: torch.Tensor, **inputs: Any
+    config: PretrainedConfig, norm: nn.Module, head: nn.Module, hidden: torch.Tensor, **inputs: object
 ) -> torch.Tensor:
     """The logits transformers' causal LM makes of the last decoder layer's output `hidden` with
     this `norm` and `head` (a soft-cap, a scale: whatever its forward does to them)."""
@@ -299,16 +299,16 @@ class StageCache:
 
     def __init__(self, config: PretrainedConfig, held: list[int]) -> None:
         self.config, self.held, self.cache = config, held, None
-        self.made: dict[int, tuple[tuple, dict[str, Any]]] = {}
+        self.made: dict[int, tuple[tuple, dict[str, object]]] = {}
 
-    def inputs(self, index: int, hidden: torch.Tensor, inputs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    def inputs(self, index: int, hidden: torch.Tensor, inputs: dict[str, object]) -> tuple[tuple, dict[str, object]]:
         """Decoder layer `index`'s arguments for this forward (`layer_inputs`), with the cache."""
         if index == min(self.held) or index not in self.made:
             cached = {**inputs, "past_key_values": self._ready(), "use_cache": True}
             self.made = layer_inputs(self.config, sorted(self.held), hidden, cached)
         return self.made.pop(index)
 
-    def _ready(self) -> Any:
+    def _ready(self) -> object:
         if self.cache is None:
             from transformers import DynamicCache
 
