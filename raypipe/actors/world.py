@@ -20,15 +20,15 @@ class Neighbours:
     agreement goes through pipes."""
 
     links: dict[int, str] = field(default_factory=dict)
-    streams: dict[tuple[int, str], Any] = field(default_factory=dict)
+    streams: dict[tuple[int, str], object] = field(default_factory=dict)
     shm_peers: list[int] = field(default_factory=list)
     agrees_through_pipes: bool = False
 
 
-def by_members(groups: Sequence[Sequence[int]], joined: Sequence[Any]) -> dict[tuple[int, ...], Any]:
+def by_members(groups: Sequence[Sequence[int]], joined: Sequence[object]) -> dict[tuple[int, ...], object]:
     """The groups this rank joined, keyed by their sorted members; the first of equal members wins,
     so a device stream's group (listed last) never shadows a tied weight's group of the same pair."""
-    mine: dict[tuple[int, ...], Any] = {}
+    mine: dict[tuple[int, ...], object] = {}
     for g, group in zip(groups, joined):
         if group is not None:
             mine.setdefault(tuple(sorted(g)), group)
@@ -39,7 +39,7 @@ def connect(
     rank: int,
     neighbours: Sequence[int],
     streams: Sequence[tuple[int, int, int, int, str]],
-    joined: Sequence[Any],
+    joined: Sequence[object],
     backends: Sequence[str],
     device: torch.device,
     same_node_transport: str,

@@ -58,7 +58,7 @@ class RootLock:
         self._fd: int | None = None
         self._renewing: threading.Event | None = None
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> dict[str, object]:
         return {"run": self.holder, "pid": os.getpid(), "host": socket.gethostname(), "token": self.token}
 
     def acquire(self) -> RootLock:
@@ -171,7 +171,7 @@ class RootLock:
         path = location(self.root)
         return path.uri if isinstance(path, StoragePath) else os.path.realpath(path)
 
-    def _refusal(self, holder: dict[str, Any] | None) -> CheckpointError:
+    def _refusal(self, holder: dict[str, object] | None) -> CheckpointError:
         holder = holder or {}
         who = f"run {holder.get('run', '?')} (pid {holder.get('pid', '?')} on {holder.get('host', '?')})"
         here = holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname()

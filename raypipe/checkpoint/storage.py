@@ -24,7 +24,7 @@ from urllib.parse import quote, unquote
 from raypipe.core.errors import ConfigError
 
 
-def is_uri(text: Any) -> bool:
+def is_uri(text: object) -> bool:
     """Whether a checkpoint location names a filesystem by scheme (`s3://...`) rather than a local path."""
     return isinstance(text, str) and "://" in text
 
@@ -201,7 +201,7 @@ class StoragePath:
     def __repr__(self) -> str:
         return f"StoragePath({str(self)!r})"
 
-    def __eq__(self, other: Any) -> bool:
+    def __eq__(self, other: object) -> bool:
         return isinstance(other, StoragePath) and other.uri == self.uri
 
     def __hash__(self) -> int:
@@ -231,7 +231,7 @@ class StoragePath:
     def suffix(self) -> str:
         return f".{self.name.rsplit('.', 1)[1]}" if "." in self.name else ""
 
-    def _type(self) -> Any:
+    def _type(self) -> object:
         return self._fs.get_file_info(self._path).type
 
     def exists(self) -> bool:

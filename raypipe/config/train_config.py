@@ -164,7 +164,7 @@ class TrainConfig:
         return tuple(SECTION_OF)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> TrainConfig:
+    def from_dict(cls, data: Mapping[str, object]) -> TrainConfig:
         """Builds a config from a mapping whose fields may be grouped in sections.
 
         A key that is a field name sets that field; any other key whose value is a
@@ -236,7 +236,7 @@ TrainConfig.__delattr__ = refuse_change  # type: ignore[method-assign,assignment
 TrainConfig.__signature__ = config_signature()  # help(TrainConfig) and a notebook's completion list the flat fields
 
 
-def load_yaml(path: str | Path) -> dict[str, Any]:
+def load_yaml(path: str | Path) -> dict[str, object]:
     """Reads a YAML mapping; a missing file or non-mapping content is a ConfigError."""
     path = Path(path)
     if not path.is_file():
@@ -269,7 +269,7 @@ _Loader.add_implicit_resolver(
 )
 
 
-def parse_yaml(text: str) -> Any:
+def parse_yaml(text: str) -> object:
     """A config file's (or an override's) YAML, numbers like `1e-5` read as floats."""
     return yaml.load(text, Loader=_Loader)
 

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 
-def stdlib_prompts(limit: int = 2000, max_bytes: int = 4_000_000) -> list[dict[str, Any]]:
+def stdlib_prompts(limit: int = 2000, max_bytes: int = 4_000_000) -> list[dict[str, object]]:
     """Prompt records `{"prompt": <a signature opening its docstring>}` of documented standard-library
     functions (`raypipe.data.sft.stdlib_docstrings`), in a fixed order: docstrings for the model to write."""
     from raypipe.data.sft import stdlib_docstrings
@@ -38,7 +38,7 @@ def summary_line(completions: Sequence[str], **_: Any) -> list[float]:
     return rewards
 
 
-def _prompt_text(record: dict[str, Any], tokenizer: PreTrainedTokenizerBase, index: int) -> str:
+def _prompt_text(record: dict[str, object], tokenizer: PreTrainedTokenizerBase, index: int) -> str:
     """A record's prompt as text: chat messages through the tokenizer's chat template when it has
     one (else `role: content` lines), with the assistant's turn opened."""
     if "prompt" not in record:
@@ -61,7 +61,7 @@ class PromptDataset:
 
     @classmethod
     def from_records(
-        cls, records: Iterable[dict[str, Any]], tokenizer: PreTrainedTokenizerBase, block_size: int
+        cls, records: Iterable[dict[str, object]], tokenizer: PreTrainedTokenizerBase, block_size: int
     ) -> PromptDataset:
         out = []
         for index, record in enumerate(records):
@@ -83,7 +83,7 @@ class PromptDataset:
         """Prompt tokens in all records."""
         return sum(len(r["prompt_ids"]) for r in self.records)
 
-    def batch(self, index: int, prompts: int, seed: int = 0) -> list[dict[str, Any]]:
+    def batch(self, index: int, prompts: int, seed: int = 0) -> list[dict[str, object]]:
         """`prompts` prompt records of generation batch `index`, a function of (seed, index) alone."""
         rng = np.random.default_rng([seed, index])
         chosen = rng.choice(len(self.records), size=prompts, replace=len(self.records) < prompts)

@@ -5,7 +5,6 @@ loss by the tokens its targets count, so the step's loss and gradients stay the 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
@@ -46,7 +45,9 @@ def sequence_units(batch: Prepared, chunks: int, loss_fn: LossFunction) -> Prepa
     return dataclasses.replace(batch, inputs=inputs, targets=targets, weights=weights, varying=varying)
 
 
-def cut_microbatch(x: Any, y: Any, chunks: int, loss_fn: LossFunction, m: int = 0) -> tuple[list, list, list[float]]:
+def cut_microbatch(
+    x: object, y: object, chunks: int, loss_fn: LossFunction, m: int = 0
+) -> tuple[list, list, list[float]]:
     """Microbatch `m`'s input and target cut into `chunks` units, and the tokens each unit's loss
     averages over (`sequence_units`; the profiler times layers on such units).
 
@@ -66,7 +67,7 @@ def cut_microbatch(x: Any, y: Any, chunks: int, loss_fn: LossFunction, m: int = 
     return units, targets, [_count(loss_fn, t, overlap) for t in targets]
 
 
-def sequence_length(x: Any) -> int:
+def sequence_length(x: object) -> int:
     """The sequence length of a microbatch's input: dim 1 of its first tensor, which holds token ids
     (batch, sequence) or vectors (batch, sequence, features)."""
     first = next((t for t in pytree.tree_leaves(x) if torch.is_tensor(t)), None)
@@ -79,11 +80,11 @@ def sequence_length(x: Any) -> int:
     return int(first.shape[1])
 
 
-def _cut(value: Any, length: int, start: int, end: int) -> Any:
+def _cut(value: object, length: int, start: int, end: int) -> object:
     """`value`'s tensors as long as the sequence, cut to [start, end) along dim 1 (cloned: a view
     would carry the whole sequence's storage to the actors); the others whole."""
 
-    def cut(t: Any) -> Any:
+    def cut(t: object) -> object:
         if torch.is_tensor(t) and t.dim() >= 2 and t.shape[1] == length:
             return t[:, start:end].clone()
         return t
@@ -91,7 +92,7 @@ def _cut(value: Any, length: int, start: int, end: int) -> Any:
     return pytree.tree_map(cut, value)
 
 
-def _count(loss_fn: LossFunction, target: Any, overlap: int) -> float:
+def _count(loss_fn: LossFunction, target: object, overlap: int) -> float:
     """The tokens a unit's loss averages over: `loss_fn.count` where it has one, else its integer
     targets not ignored, else its length."""
     count = getattr(loss_fn, "count", None)

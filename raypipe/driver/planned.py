@@ -26,7 +26,7 @@ def plan(
     config: TrainConfig,
     sample: Any,
     log: Callable[[str], None],
-    model: Any = None,
+    model: object = None,
 ) -> tuple[TrainConfig, list[tuple[int, int]], PlanReport | None]:
     """The config to run (with "auto" chosen, LoRA's targets resolved), the layer range of each
     (virtual) stage, and the profiled plan's report (None when the split was not profiled).

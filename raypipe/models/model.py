@@ -44,12 +44,12 @@ class Model:
     loss_fn: Callable[[Any, Any], Any]
     tied: list[tuple[str, ...]] = field(default_factory=list)
     kv_cache: bool = False
-    exporter: Any = None
+    exporter: object = None
     shard_plan: list[list[int]] | None = None
     vocab_size: int | None = None
     max_positions: int | None = None
 
-    def identity(self) -> dict[str, Any]:
+    def identity(self) -> dict[str, object]:
         """What identifies the model's weights before training (the base a LoRA run's adapters
         belong to): here its layer specs; a pretrained model says which files it read."""
         import hashlib

@@ -37,7 +37,7 @@ def attend(
     values: list[torch.Tensor],
     mask: torch.Tensor | None = None,
     scale: float | None = None,
-    plan: list[tuple[bool, Any]] | None = None,
+    plan: list[tuple[bool, object]] | None = None,
 ) -> torch.Tensor:
     """Attention of a chunk's `query` (batch, heads, queries, dim) over blocks of keys and values
     (batch, kv heads, block length, dim; grouped-query heads allowed), the last block the chunk's
@@ -52,14 +52,14 @@ def attend(
     return _BlockAttention.apply(query, scale, plan, *[keys[i] for i in kept], *[values[i] for i in kept])
 
 
-def block_plan(query: torch.Tensor, keys: list[torch.Tensor], mask: torch.Tensor | None) -> list[tuple[bool, Any]]:
+def block_plan(query: torch.Tensor, keys: list[torch.Tensor], mask: torch.Tensor | None) -> list[tuple[bool, object]]:
     """How `attend` runs each block under `mask` (its slice reduced three ways, a cost that grows
     with the chunk's keys): per block, (causal, its additive mask, None, or False where it hides
     the block entirely)."""
     if mask is None:
         return causal_plan(len(keys))
     last = len(keys) - 1
-    plan: list[tuple[bool, Any]] = []
+    plan: list[tuple[bool, object]] = []
     start = 0
     for i, block in enumerate(keys):
         seen = mask[..., start : start + block.shape[-2]]
@@ -76,7 +76,7 @@ def block_plan(query: torch.Tensor, keys: list[torch.Tensor], mask: torch.Tensor
     return plan
 
 
-def causal_plan(blocks: int) -> list[tuple[bool, Any]]:
+def causal_plan(blocks: int) -> list[tuple[bool, object]]:
     """`block_plan` without a mask: every earlier block seen whole, the last (the chunk's own) causal."""
     return [(i == blocks - 1, None) for i in range(blocks)]
 

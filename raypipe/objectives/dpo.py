@@ -56,11 +56,11 @@ class DPOLoss:
         """Pairs in the microbatch: what the step's loss is a mean over."""
         return int(target["labels"].shape[0]) // 2
 
-    def reference(self, output: Any, target: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    def reference(self, output: object, target: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The rows' log-probabilities (the reference pass's answer from the last stage)."""
         return row_logps(output, target["labels"])[0].detach().cpu()
 
-    def __call__(self, output: Any, target: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    def __call__(self, output: object, target: Mapping[str, torch.Tensor]) -> torch.Tensor:
         logps, tokens = row_logps(output, target["labels"])
         ref = target["ref_logps"].to(logps.device, torch.float32)
         chosen_ratio, rejected_ratio = logps[0::2] - ref[0::2], logps[1::2] - ref[1::2]
@@ -106,7 +106,7 @@ class DPO(Objective):
     data_source = "pairs"
 
     @classmethod
-    def check(cls, settings: dict[str, object], given: Any) -> None:
+    def check(cls, settings: dict[str, object], given: object) -> None:
         beta = settings["beta"]
         if isinstance(beta, bool) or not isinstance(beta, (int, float)) or beta <= 0:
             raise invalid_setting(given, "beta must be a number > 0 (TRL's default is 0.1).")
@@ -128,7 +128,7 @@ class DPO(Objective):
     def step_metrics(self, sums: Iterable[Mapping[str, float]]) -> dict[str, float]:
         return step_metrics(sums)
 
-    def log_line(self, metrics: Mapping[str, Any]) -> str:
+    def log_line(self, metrics: Mapping[str, object]) -> str:
         if "rewards/margins" not in metrics:
             return ""
         return f" | margin {metrics['rewards/margins']:.3f} | accuracy {metrics['rewards/accuracies']:.2f}"

@@ -80,11 +80,11 @@ class GRPOLoss:
             return int((target["labels"][:, 1:] != IGNORE).sum())
         return int(target["labels"].shape[0])
 
-    def reference(self, output: Any, target: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    def reference(self, output: object, target: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The rows' per-token log-probs (the reference and old-policy passes' answer)."""
         return token_logps(output, target["labels"], self.temperature)[0].detach().cpu()
 
-    def __call__(self, output: Any, target: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    def __call__(self, output: object, target: Mapping[str, torch.Tensor]) -> torch.Tensor:
         logps, mask, entropies = token_logps(output, target["labels"], self.temperature, entropy=True)
         old = target.get("old_logps")
         old = logps.detach() if old is None else old.to(logps.device, torch.float32)
@@ -257,7 +257,7 @@ class GRPO(Objective):
     def step_metrics(self, sums: Iterable[Mapping[str, float]]) -> dict[str, float]:
         return step_metrics(sums)
 
-    def log_line(self, metrics: Mapping[str, Any]) -> str:
+    def log_line(self, metrics: Mapping[str, object]) -> str:
         if "reward" not in metrics:
             return ""
         generated = f" | generated in {metrics['generation_s']:.2f} s" if "generation_s" in metrics else ""
@@ -268,9 +268,9 @@ class GRPO(Objective):
         )
 
 
-def _number(value: Any) -> bool:
+def _number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _int(value: Any) -> bool:
+def _int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)

@@ -44,10 +44,10 @@ class KTOLoss:
     def count(self, target: Mapping[str, torch.Tensor]) -> int:
         return int(target["labels"].shape[0])
 
-    def reference(self, output: Any, target: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    def reference(self, output: object, target: Mapping[str, torch.Tensor]) -> torch.Tensor:
         return row_logps(output, target["labels"])[0].detach().cpu()
 
-    def __call__(self, output: Any, target: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    def __call__(self, output: object, target: Mapping[str, torch.Tensor]) -> torch.Tensor:
         logps, _ = row_logps(output, target["labels"])
         ratio = logps - target["ref_logps"].to(logps.device, torch.float32)
         kl = target["kl"].to(logps.device, torch.float32)
@@ -83,7 +83,7 @@ class KTO(Objective):
     data_source = "pairs"  # the job's pairs, unpaired; a Python caller may give examples
 
     @classmethod
-    def check(cls, settings: dict[str, Any], given: Any) -> None:
+    def check(cls, settings: dict[str, object], given: object) -> None:
         numbers = ("beta", "desirable_weight", "undesirable_weight")
         for key in numbers:
             value = settings[key]
@@ -96,7 +96,7 @@ class KTO(Objective):
         s = self.settings
         return KTOLoss(s["beta"], s["loss_type"], s["desirable_weight"], s["undesirable_weight"])
 
-    def rows(self, records: Sequence[Mapping[str, Any]]) -> Rows:
+    def rows(self, records: Sequence[Mapping[str, object]]) -> Rows:
         examples = unpaired(records)
         completions = [e["completion_ids"] for e in examples]
         mismatched = completions[-1:] + completions[:-1]  # TRL's KL pairs: each prompt with the completion before
@@ -138,7 +138,7 @@ class KTO(Objective):
             metrics["rewards/margins"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]
         return metrics
 
-    def log_line(self, metrics: Mapping[str, Any]) -> str:
+    def log_line(self, metrics: Mapping[str, object]) -> str:
         margin = f" | margin {metrics['rewards/margins']:.3f}" if "rewards/margins" in metrics else ""
         return f"{margin} | kl {metrics['kl']:.4f}" if "kl" in metrics else margin
 

@@ -49,7 +49,7 @@ class OptimizerState:
         self.settings: StageSettings | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.scaler = LossScaler()
-        self.tied: list[tuple[nn.Parameter, Any]] = []  # (this stage's copy, the group of every copy's rank)
+        self.tied: list[tuple[nn.Parameter, object]] = []  # (this stage's copy, the group of every copy's rank)
         # fp32 master copies of bf16/fp16 weights: the optimizer steps them, the weights follow
         self.masters: dict[nn.Parameter, torch.Tensor] = {}
         self.sharded: ShardedStage | None = None  # ZeRO-3: this replica's slices of every weight
@@ -215,7 +215,7 @@ class OptimizerState:
             if torch.is_tensor(v)
         ) + sum(m.numel() * m.element_size() for m in self.masters.values())
 
-    def scaler_state(self) -> dict[str, Any]:
+    def scaler_state(self) -> dict[str, object]:
         return dataclasses.asdict(self.scaler)
 
     def restore_scaler(self, state: dict[str, Any]) -> None:

@@ -6,7 +6,7 @@ group."""
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from raypipe.transport.tree import to_host
 from raypipe.transport.wire import pack, unpack
@@ -21,7 +21,7 @@ class RefsCalls:
     def __init__(self, stage: Stage) -> None:
         self.stage = stage
 
-    def forward(self, call_id: int, microbatch: int, x: Any, target: Any = None, weight: float = 1.0) -> Any:
+    def forward(self, call_id: int, microbatch: int, x: object, target: object = None, weight: float = 1.0) -> object:
         """Runs the stage on one microbatch and keeps what its backward needs.
 
         Returns:
@@ -34,7 +34,7 @@ class RefsCalls:
         out = self.stage.executor.forward(microbatch, unpack(x), unpack(target), weight)
         return pack(to_host(out)) if self.stage.is_last or self.stage.tp.rank == 0 else None
 
-    def backward(self, call_id: int, microbatch: int, grad: Any = None) -> Any:
+    def backward(self, call_id: int, microbatch: int, grad: object = None) -> object:
         """Back-propagates one microbatch, frees its activations, returns the input gradient
         (None on the first stage, and on tp ranks other than 0)."""
         grad_in = self.stage.executor.backward(microbatch, unpack(grad))
@@ -50,7 +50,7 @@ class RefsCalls:
         """
         self.stage.optim.reduce_gradients()
 
-    def grad_stats(self, *finished: Any) -> tuple[float, bool]:
+    def grad_stats(self, *finished: object) -> tuple[float, bool]:
         """Unscales fp16 gradients and returns (sum of squared gradients, all finite).
 
         `finished` are the first stage's backward results: Ray runs this only once all
@@ -59,7 +59,7 @@ class RefsCalls:
         self.stage.optim.reduce_tied()
         return self.stage.optim.grad_stats(self.stage.executor.losses_finite)
 
-    def optimizer_step(self, step: int, *stats: tuple[float, bool]) -> Any:  # a `StepReport`
+    def optimizer_step(self, step: int, *stats: tuple[float, bool]) -> object:  # a `StepReport`
         """One optimizer step from every actor's gradient statistics (same on all actors).
 
         `stats` come replica by replica, each replica's stages in order, each stage's

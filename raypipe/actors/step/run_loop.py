@@ -52,7 +52,7 @@ class ActorRuns:
         `run_actions` does when a step fails (after the steps before it were reported)."""
         import ray
 
-        sent: list[Any] = []
+        sent: list[object] = []
         told: list[tuple] = []  # reports not yet sent to the board, the first made at `told_since`
         told_since = ended = time.perf_counter()  # `ended`: when its step before ended (or the run began)
         end = call.step + call.steps

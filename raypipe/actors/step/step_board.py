@@ -24,7 +24,7 @@ class StepBoard:
 
     def __init__(self) -> None:
         self.run = -1  # the call id of the run being booked
-        self.calls: list[Any] = []  # the run's calls, one per stage actor, in rank order
+        self.calls: list[object] = []  # the run's calls, one per stage actor, in rank order
         self.failed: list[int] = []  # ranks whose call ended with an error, in the order they ended
         self.running = 0  # calls not yet ended
         self.changed = asyncio.Event()  # a call ended
@@ -88,7 +88,7 @@ class StepBoard:
     def event(self, step: int) -> asyncio.Event:
         return self.ready.setdefault(step, asyncio.Event())
 
-    async def wait(self, run: int, step: int, timeout: float) -> tuple[list[RunStep], list[tuple[int, Any]], bool]:
+    async def wait(self, run: int, step: int, timeout: float) -> tuple[list[RunStep], list[tuple[int, object]], bool]:
         """The run's done steps from `step` on, in order; the calls that failed so far, as (rank,
         the call's reference); whether every call has ended. Waits up to `timeout` s for `step` or
         for a call to end. Asking from `step` drops the steps before it: the driver has them (a

@@ -51,7 +51,7 @@ def reserve(
     offer: Callable[[], str],
     others: Callable[[], list[str]],
     timeout_field: str = "actor_start_timeout",
-) -> Any:
+) -> object:
     """Reserves every bundle at once and waits up to `timeout` seconds for all of them.
 
     Args:
@@ -188,7 +188,7 @@ def _fits_some_node(resources: dict[str, float], selector: dict[str, str]) -> bo
     return False
 
 
-def in_bundle(group: PlacementGroup, index: int, options: dict[str, Any]) -> dict[str, Any]:
+def in_bundle(group: PlacementGroup, index: int, options: dict[str, object]) -> dict[str, object]:
     """Ray actor options starting an actor in bundle `index` of `group` (its label selector is
     the bundle's; a trial's group, which Tune reserves without selectors, relies on the kind's
     resource alone)."""

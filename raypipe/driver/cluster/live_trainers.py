@@ -11,20 +11,20 @@ from typing import Any
 _RUNNING: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
-def add(trainer: Any) -> None:
+def add(trainer: object) -> None:
     _RUNNING.add(trainer)
 
 
-def discard(trainer: Any) -> None:
+def discard(trainer: object) -> None:
     _RUNNING.discard(trainer)
 
 
-def others_holding_actors(group: Any) -> list[str]:
+def others_holding_actors(group: object) -> list[str]:
     """The running trainers of this process but the one of `group` (an `ActorGroup`), as their reprs."""
     return [repr(t) for t in list(_RUNNING) if t.group is not group and t.group.running]
 
 
-def replace_same_name(run_name: str, trainer: Any) -> bool:
+def replace_same_name(run_name: str, trainer: object) -> bool:
     """Shuts down a running trainer of this process named `run_name` other than `trainer`: its
     actors hold the names the new one needs (and its checkpoint_dir). Returns whether there was one."""
     replaced = False

@@ -47,7 +47,7 @@ class StartedActors:
     (None inside a Ray Tune trial, whose group is the trial's), and the node each runs on (by name)."""
 
     actors: list[ActorHandle]
-    placement_group: Any
+    placement_group: object
     nodes: dict[str, str]
     keeper: ActorHandle | None = None  # the world's rendezvous (`transport.ray_store`), None without a world
     listening: dict[str, list[str]] = field(default_factory=dict)  # per actor, the ports its world opened
@@ -61,7 +61,7 @@ def cpus_per_actor(config: TrainConfig, actors: int) -> float:
     return min(1.0, int(100 * total / actors) / 100) or 0.01
 
 
-def stage_options(config: TrainConfig, stage: int) -> dict[str, Any]:
+def stage_options(config: TrainConfig, stage: int) -> dict[str, object]:
     """Ray options placing a stage on a node of its accelerator kind (none for cpu)."""
     return ray_options(config.stage_kinds()[stage], config.gpus_per_actor)
 

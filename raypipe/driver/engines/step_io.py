@@ -41,9 +41,9 @@ class StepInput:
     varying: bool = False
     # instead of inputs and targets: per replica, references to its packed inputs and targets in
     # Ray's object store (a dataset reader stored them; the actors fetch them, the driver never does)
-    packed: Sequence[tuple[Any, Any]] | None = None
+    packed: Sequence[tuple[object, object]] | None = None
 
-    def packed_batches(self) -> list[tuple[Any, Any]]:
+    def packed_batches(self) -> list[tuple[object, object]]:
         """Per replica (packed inputs, packed targets) as they travel to the actors: stored ones as
         references, else packed here (`pack_microbatches`)."""
         from raypipe.transport.wire import pack_microbatches
@@ -61,4 +61,4 @@ class StepResult:
     stage_reports: list[StepReport] | dict[int, StepReport]  # by world rank (an actor-driven run: its reporters')
     seconds: float
     batch: tuple[int, int | None] | None = None  # an actor-driven run's (samples, tokens), its losses weighted
-    saved: Any = None  # an actor-driven run's checkpoint of the step: (its directory, each actor's part)
+    saved: object = None  # an actor-driven run's checkpoint of the step: (its directory, each actor's part)

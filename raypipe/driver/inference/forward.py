@@ -24,7 +24,7 @@ def run_forward(
     names: Sequence[Sequence[str]],
     chunks: Sequence[int] | None,
     inputs: Sequence[torch.Tensor],
-    targets: Sequence[Any] | None,
+    targets: Sequence[object] | None,
     timeout: float,
     reference: str | None = None,
 ) -> list[Any]:
@@ -55,7 +55,7 @@ def run_forward(
     return unpack(gather(results, "inference", flat, [n for ranks in names for n in ranks]))
 
 
-def evaluate(group: ActorGroup, x: Any, y: Any) -> float:
+def evaluate(group: ActorGroup, x: object, y: object) -> float:
     """The mean loss of `group`'s model (an `ActorGroup`) on `(x, y)`: per microbatch, weighed by
     its counted tokens when the loss counts them."""
     c = group.config
@@ -65,7 +65,7 @@ def evaluate(group: ActorGroup, x: Any, y: Any) -> float:
     return sum(v * w for v, w in zip(losses, weights[0] if weights else [1.0] * len(losses))) / len(losses)
 
 
-def predict(group: ActorGroup, x: Any) -> torch.Tensor:
+def predict(group: ActorGroup, x: object) -> torch.Tensor:
     """`group`'s model's output for `x`, microbatch by microbatch, concatenated."""
     c = group.config
     inputs, _ = split_batch(x, None, c.microbatches, c.dp, c.microbatches)

@@ -76,7 +76,7 @@ def generate(
         )
         for rows in slots
     ]
-    queued: list[tuple[list[Any], dict]] = []  # per call round: each microbatch's tokens, and every call's label
+    queued: list[tuple[list[object], dict]] = []  # per call round: each microbatch's tokens, and every call's label
     tokens: list[list[torch.Tensor]] = [[] for _ in slots]
     try:
         for i in range(-(-max_new_tokens // per_call)):
@@ -144,12 +144,12 @@ def _queue(
     stages: Sequence[Sequence[Any]],
     names: Sequence[Sequence[str]],
     chunks: Sequence[int] | None,
-    inputs: Sequence[Any],
+    inputs: Sequence[object],
     start: bool,
     cached: bool,
     sampling: Sequence[tuple],
     count: int,
-) -> tuple[list[Any], dict]:
+) -> tuple[list[object], dict]:
     """One round of calls: each microbatch's `inputs` (its prompt at `start`, else the tokens its
     last call picked) through every stage. Returns each microbatch's picked tokens (references)
     and every call's (actor, label)."""

@@ -53,8 +53,8 @@ def grpo_batch(group: ActorGroup, rollout: Mapping[str, Any]) -> tuple[dict[str,
 
 
 def generate_rollout(
-    group: ActorGroup, kv_cache: bool, records: Sequence[Mapping[str, Any]], rewards: RewardFunctions, seed: int
-) -> tuple[dict[str, Any], dict[str, float]]:
+    group: ActorGroup, kv_cache: bool, records: Sequence[Mapping[str, object]], rewards: RewardFunctions, seed: int
+) -> tuple[dict[str, object], dict[str, float]]:
     """One generation batch of the prompt `records` ([{"prompt_ids", ...other columns}]): the rollout
     {"prompt_ids", "completion_ids", "rewards"} and its figures (generation_s, scoring_s,
     generated_tokens, and each reward function's mean, `rewards/<name>/mean`). Each prompt's G
@@ -110,8 +110,8 @@ class GenerationBatches:
         self.rewards = RewardFunctions(o)
         self.prompts = prompts if callable(prompts) else None
         self.items = None if callable(prompts) else iter(prompts)
-        self.read: list[Any] = []  # an iterable's prompt lists so far (small): a replayed step asks again
-        self.rollouts: dict[int, dict[str, Any]] = {}  # by generation batch, from the oldest a recovery replays
+        self.read: list[object] = []  # an iterable's prompt lists so far (small): a replayed step asks again
+        self.rollouts: dict[int, dict[str, object]] = {}  # by generation batch, from the oldest a recovery replays
         self.figures: dict[int, dict[str, float]] = {}
 
     def records(self, index: int) -> Any:

@@ -164,7 +164,7 @@ class ActorRun:
             self._failed(step, failed)
         return bool(steps or failed or self.ended)
 
-    def _ask(self, timeout: float) -> tuple[list[RunStep], list[tuple[int, Any]], bool]:
+    def _ask(self, timeout: float) -> tuple[list[RunStep], list[tuple[int, object]], bool]:
         try:
             steps, failed, ended = ray.get(
                 self.board.wait.remote(self.call_id, self.next, timeout), timeout=timeout + 30.0
@@ -176,7 +176,7 @@ class ActorRun:
             self.next = done.step + 1
         return steps, failed, ended
 
-    def _failed(self, step: int, failed: list[tuple[int, Any]]) -> None:
+    def _failed(self, step: int, failed: list[tuple[int, object]]) -> None:
         """Some calls failed: an actor's death is raised at once (its neighbours would wait for it
         until the collective timeout); otherwise every actor ends at the step's agreement, and the
         root cause is raised once they have (as the p2p engine does)."""

@@ -37,7 +37,7 @@ def fit_with(
     log: Callable[[str], None],
     progress: bool | Progress,
     overlap: bool | None,
-) -> list[dict[str, Any]]:
+) -> list[dict[str, object]]:
     """`Trainer.fit`: the loop with its progress bar (`progress`: shown or not, or the caller's
     own) and its overlap decided (None: overlap when no `on_step` sees each step), the feed
     closed after."""
@@ -80,7 +80,7 @@ class FitLoop:
         self.source = source_for(group, run, feed, steps, overlap, log)
         self.queue: list[Submitted] = []  # submitted, not yet booked; the first is the oldest
         self.restored = run.step_count  # the oldest step a recovery may replay from (the last checkpoint)
-        self.history: list[dict[str, Any]] = []
+        self.history: list[dict[str, object]] = []
         self.phase: str | None = None  # "recovering" or "stopping" while it lasts
 
     @property
@@ -88,7 +88,7 @@ class FitLoop:
         """ "running", "recovering", "shrunk" (an elastic run on fewer actors) or "stopping"."""
         return self.phase or ("shrunk" if self.group.shrunk is not None else "running")
 
-    def run_to_end(self) -> list[dict[str, Any]]:
+    def run_to_end(self) -> list[dict[str, object]]:
         stopped_by: BaseException | None = None
         try:
             with sigterm_as_interrupt():
@@ -127,7 +127,7 @@ class FitLoop:
             raise
         return None
 
-    def handle(self, outcome: Outcome) -> dict[str, Any] | None:
+    def handle(self, outcome: Outcome) -> dict[str, object] | None:
         """The metrics of the step `outcome` booked, once what it calls for is done; None when no
         step is booked this turn (steps replayed from a checkpoint, an actor-driven run's end)."""
         group, run = self.group, self.run

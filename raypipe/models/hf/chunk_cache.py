@@ -49,7 +49,7 @@ class ChunkLayer(DynamicLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device, self.is_initialized = key_states.dtype, key_states.device, True
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple:
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object) -> tuple:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         position = _position()
@@ -108,7 +108,7 @@ def layer_arguments(
 _CAUSAL_TYPES = (None, "full_attention", "sliding_attention")
 
 
-def packed_mask(config: PretrainedConfig, sliding: bool, hidden: torch.Tensor, positions: torch.Tensor) -> Any:
+def packed_mask(config: PretrainedConfig, sliding: bool, hidden: torch.Tensor, positions: torch.Tensor) -> object:
     """The running chunk's (batch, 1, queries, keys) mask over every key up to its end where its
     rows pack several documents (`position_ids` starting again inside a row, no attention mask),
     else None: causal, within a query's document, and within the window of a `sliding` layer; as
@@ -143,7 +143,7 @@ def packed_mask(config: PretrainedConfig, sliding: bool, hidden: torch.Tensor, p
     return mask
 
 
-def chunk_cache(config: PretrainedConfig) -> Any:
+def chunk_cache(config: PretrainedConfig) -> object:
     """transformers' cache for the whole model with a `ChunkLayer` in place of each of its layers
     (sliding where transformers' would be)."""
     cache = DynamicCache(config=config)
@@ -183,7 +183,7 @@ def _block_attention(
     value: torch.Tensor,
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
-    **kwargs: Any,
+    **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention interface over the blocks the layer's `ChunkLayer` kept (its `key`
     and `value` are the chunk's own, the last block); `attention_mask` is over the joined keys."""
