@@ -101,14 +101,19 @@ def check_lr_schedule(value: object) -> None:
         raise fail("lr_schedule.min_lr", min_lr, "give a number >= 0.")
 
 
-def check_shard_plan(value: object, pp: int, chunks: int = 1) -> None:
+def check_shard_plan(value: object) -> None:
+    """A shard plan's form, [start, end) pairs of whole numbers (its length: `check_plan_length`)."""
     if value is None:
         return
     if not isinstance(value, (list, tuple)) or not all(
         isinstance(r, (list, tuple)) and len(r) == 2 and all(is_int(i) for i in r) for r in value
     ):
         raise fail("shard_plan", value, "give one [start, end) pair of layer indices per stage, e.g. [[0, 3], [3, 5]].")
-    if len(value) != pp * chunks:
+
+
+def check_plan_length(value: list[list[int]] | None, pp: int, chunks: int = 1) -> None:
+    """A shard plan gives one range per stage (per virtual stage with model chunks)."""
+    if value is not None and len(value) != pp * chunks:
         per = (
             f"pp={pp}: give one range per stage"
             if chunks == 1
@@ -120,18 +125,23 @@ def check_shard_plan(value: object, pp: int, chunks: int = 1) -> None:
 DEVICE_KINDS = ("cpu", "cuda", "rocm", "mps")
 
 
-def check_devices(value: object, pp: int) -> None:
+def check_devices(value: object) -> None:
+    """`devices`: one kind for every stage, or a list of kinds (their count: `check_devices_per_stage`)."""
     if isinstance(value, str):
         check_choice("devices", value, DEVICE_KINDS)
         return
     if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
         raise fail("devices", value, f"give one kind of {', '.join(DEVICE_KINDS)}, or a list of them, one per stage.")
-    if len(value) != pp:
+    for kind in value:
+        check_choice("devices", kind, DEVICE_KINDS)
+
+
+def check_devices_per_stage(value: str | list[str], pp: int) -> None:
+    """A list of device kinds names one per stage."""
+    if not isinstance(value, str) and len(value) != pp:
         raise fail(
             "devices", value, f"it names {len(value)} kinds but pp={pp}: give one kind per stage, or one for all."
         )
-    for kind in value:
-        check_choice("devices", kind, DEVICE_KINDS)
 
 
 def plain(value: object) -> Any:

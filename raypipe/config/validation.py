@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from raypipe.config.checks import check_devices, check_shard_plan, fail
+from raypipe.config.checks import check_devices_per_stage, check_plan_length, fail
 from raypipe.config.engines import engine_kind, engines_that
 from raypipe.config.objective import check_driver_steps
 from raypipe.config.settings import LoraSettings, ObjectiveSettings
@@ -59,14 +59,14 @@ def check_across(c: Fields) -> dict[str, object]:
         check_zero3(c)
     check_sequence_chunks(c)
     check_schedule(c)
-    check_shard_plan(c.shard_plan, c.pp, c.num_chunks())
+    check_plan_length(c.shard_plan, c.pp, c.num_chunks())
     check_driver_steps(c.objective, c.actor_steps)
     check_compile(c)
     if c.min_pp > c.pp:
         raise fail("min_pp", c.min_pp, f"the fewest stages an elastic run shrinks to: give at most pp={c.pp}.")
     if c.min_dp > c.dp:
         raise fail("min_dp", c.min_dp, f"the fewest replicas an elastic run shrinks to: give at most dp={c.dp}.")
-    check_devices(c.devices, c.pp)
+    check_devices_per_stage(c.devices, c.pp)
     lora.check_tensor_parallel(c.lora, c.tp)
     quantize = lora.check_quantize(c.quantize, c.lora, c.stage_kinds())
     return {"quantize": quantize} if quantize != c.quantize else {}

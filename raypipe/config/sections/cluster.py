@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from raypipe.config.checks import DEVICE_KINDS, check_choice, check_int, check_positive, fail
+from raypipe.config.checks import check_choice, check_devices, check_int, check_positive, fail
 from raypipe.config.choices import (
     DEVICE_LINKS,
     PLACEMENTS,
@@ -68,17 +68,9 @@ class ClusterConfig(Section):
     device_links: DeviceLinks = "auto"
 
     def __post_init__(self) -> None:  # one kind per stage: `validation.check_across`
-        devices = self.devices
-        if isinstance(devices, str):
-            check_choice("devices", devices, DEVICE_KINDS)
-        elif isinstance(devices, (list, tuple)) and all(isinstance(v, str) for v in devices):
-            for kind in devices:
-                check_choice("devices", kind, DEVICE_KINDS)
-            self.normalise("devices", list(devices))
-        else:
-            raise fail(
-                "devices", devices, f"give one kind of {', '.join(DEVICE_KINDS)}, or a list of them, one per stage."
-            )
+        check_devices(self.devices)
+        if not isinstance(self.devices, str):
+            self.normalise("devices", list(self.devices))
         check_positive("gpus_per_actor", self.gpus_per_actor)
         for name in ("allow_cpu_fallback", "probe_links"):
             if not isinstance(getattr(self, name), bool):

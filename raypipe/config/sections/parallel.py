@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from raypipe.config.checks import check_choice, check_int, check_positive, fail, is_int
+from raypipe.config.checks import check_choice, check_int, check_positive, check_shard_plan, fail
 from raypipe.config.choices import PARTITION_NAMES, Partition
 from raypipe.config.sections.base import Section, section
 
@@ -66,13 +66,7 @@ class ParallelConfig(Section):
                 "gradients and optimizer state, each layer gathered when it runs).",
             )
         check_positive("dp_bucket_mb", self.dp_bucket_mb)
-        plan = self.shard_plan
-        if plan is not None:  # its length against pp and the chunks: `validation.check_across`
-            if not isinstance(plan, (list, tuple)) or not all(
-                isinstance(r, (list, tuple)) and len(r) == 2 and all(is_int(i) for i in r) for r in plan
-            ):
-                raise fail(
-                    "shard_plan", plan, "give one [start, end) pair of layer indices per stage, e.g. [[0, 3], [3, 5]]."
-                )
-            self.normalise("shard_plan", [list(r) for r in plan])
+        check_shard_plan(self.shard_plan)  # its length against pp and the chunks: `validation.check_across`
+        if self.shard_plan is not None:
+            self.normalise("shard_plan", [list(r) for r in self.shard_plan])
         check_choice("partition", self.partition, PARTITION_NAMES)
