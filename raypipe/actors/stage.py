@@ -72,7 +72,7 @@ class Stage:
         self.tp_ranks, self.ep_ranks = [0], []  # world ranks of its tp and ep groups (`join`)
         self.links: dict[int, str] = {}  # each pipeline neighbour's world rank -> "shm", "gloo" or "nccl" (`join`)
         self.listening: list[str] = []  # "host:port" its world's connections listen on (`join`)
-        self.streams: dict[tuple[int, str], Any] = {}  # device link streams: (v, "F"/"G") -> (group, device)
+        self.streams: dict[tuple[int, str], object] = {}  # device link streams: (v, "F"/"G") -> (group, device)
         self.agrees_through_pipes = False  # the step's closing all-reduce: pipes on one node, else gloo (`join`)
         device, self.fallback = resolve_device(spec.name, spec.device_kind, spec.allow_cpu_fallback)
         indices = [i for _, a, b in self.chunks for i in range(a, b)]

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -34,7 +33,7 @@ def _call(part: str, method: Callable) -> Callable:
     """The actor method that is `method` of its part `part` (docstring and signature kept)."""
 
     @functools.wraps(method)
-    def call(self: StageActor, *args: Any, **kwargs: Any) -> Any:
+    def call(self: StageActor, *args: object, **kwargs: object) -> object:
         return method(getattr(self, part), *args, **kwargs)
 
     return call
@@ -69,7 +68,7 @@ class StageActor:
         torch.set_num_threads(threads)
         return torch.get_num_threads()
 
-    def probe_link(self, peer: int, first: bool) -> dict[str, Any]:
+    def probe_link(self, peer: int, first: bool) -> dict[str, object]:
         """Measures the link to world rank `peer` together with it (`transport.probe`)."""
         return probe_link(peer, first)
 

@@ -6,7 +6,7 @@ executor and names."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -89,7 +89,7 @@ class StateCalls:
         """The last step's gradients (as the optimizer used them) under global keys; this rank's shards."""
         return self.stage.model.gradients()
 
-    def hand_over(self) -> tuple[HeldState, dict[str, Any]]:
+    def hand_over(self) -> tuple[HeldState, dict[str, object]]:
         """This actor's state for new actors after a node loss (`replica_io.take`), as of the step it
         last completed: a step begun and not applied is undone (its RNG, running statistics). The
         driver calls it in the "control" concurrency group, so it answers while a step stuck on a
@@ -113,13 +113,13 @@ class StateCalls:
             )
         return held, state
 
-    def take_over(self, completed: int, *states: dict[str, Any]) -> None:
+    def take_over(self, completed: int, *states: dict[str, object]) -> None:
         """Loads its layers from survivors' `hand_over` states (`replica_io.restore`); its weights
         then include `completed` steps."""
         replica_io.restore(self.stage.model, self.stage.optim, list(states), self.stage.name)
         self.stage.completed = completed
 
-    def save_checkpoint(self, directory: str) -> dict[str, Any]:
+    def save_checkpoint(self, directory: str) -> dict[str, object]:
         """Writes this stage's layers, their optimizer state and its RNG state (`checkpoint_io`), and
         a preference run's frozen copy of its starting adapters (`objectives.reference`) where it
         holds whole tensors (tp 1, ep 1); "reference": whether that copy is in the checkpoint."""

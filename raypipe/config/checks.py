@@ -7,7 +7,7 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Mapping
-from typing import Any, TypeGuard
+from typing import TypeGuard
 
 from raypipe.core.errors import ConfigError, nearest
 
@@ -144,7 +144,7 @@ def check_devices_per_stage(value: str | list[str], pp: int) -> None:
         )
 
 
-def plain(value: object) -> Any:
+def plain(value: object) -> object:
     """`value` as JSON and YAML hold it, for a config's records (a checkpoint's manifest, trainer.json,
     a logger's parameters, `str(config)`): a function as its import path "module:name" (what a YAML
     config gives), an object that names where it was loaded from (a tokenizer) as that path, any other

@@ -21,7 +21,7 @@ LOGGERS: dict[str, tuple[str, str, tuple[str, ...]]] = {
 LoggerEntry = str | dict[str, dict[str, object]]  # a logger's name, or {name: {option: value}}
 
 
-def check_loggers(value: Any) -> list[LoggerEntry]:
+def check_loggers(value: object) -> list[LoggerEntry]:
     """`TrainConfig.loggers`, checked: a list of logger names or one-key mappings `{name: options}`.
 
     Raises ConfigError for an unknown name or option, a repeated logger, or a logger whose

@@ -9,7 +9,7 @@ from typing import Any
 from raypipe.config.checks import fail
 
 
-def check_objective(value: Any) -> dict[str, Any] | None:
+def check_objective(value: object) -> dict[str, object] | None:
     """`TrainConfig.objective`, with its defaults filled in (None: the loss function's own). Its
     reference policy (every objective's that measures against one) is the starting adapters under `lora`,
     else a frozen copy of each stage's starting weights beside them (`objectives.reference`)."""

@@ -16,7 +16,6 @@ import os
 import platform
 import re
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -117,7 +116,7 @@ def parse_fake_accelerator(text: str) -> Accelerator:
     return Accelerator(kind, count, model, _machine_memory(), dtypes)
 
 
-def ray_options(kind: str, share: float = 1.0) -> dict[str, Any]:
+def ray_options(kind: str, share: float = 1.0) -> dict[str, object]:
     """Ray actor options placing work on a node of accelerator `kind` (none for cpu).
 
     The custom resource counts devices (`share` of one each), the label selector
@@ -126,7 +125,7 @@ def ray_options(kind: str, share: float = 1.0) -> dict[str, Any]:
     """
     if kind == "cpu":
         return {}
-    options: dict[str, Any] = {"resources": {kind: share}, "label_selector": {LABEL_KIND: kind}}
+    options: dict[str, object] = {"resources": {kind: share}, "label_selector": {LABEL_KIND: kind}}
     if kind in ("cuda", "rocm"):
         options["num_gpus"] = share
     return options

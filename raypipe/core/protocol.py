@@ -326,7 +326,7 @@ class ActorInfo:
     optimizer_state_bytes: int = 0
     memory: dict = field(default_factory=dict)  # its peak memory split, as of its last step (or its load)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return {f: getattr(self, f) for f in self.__dataclass_fields__}
 
 

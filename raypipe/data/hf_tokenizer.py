@@ -3,10 +3,8 @@
 
 from __future__ import annotations
 
-from typing import Any
 
-
-def byte_tokenizer() -> Any:
+def byte_tokenizer() -> object:
     """A `PreTrainedTokenizerFast` whose ids are the UTF-8 bytes (as `ByteTokenizer`'s)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast

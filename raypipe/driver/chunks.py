@@ -41,8 +41,8 @@ def inference_group(
 
 
 def inference_path(
-    stages: Sequence[ActorHandle], names: Sequence[Any], schedule: Schedule
-) -> tuple[list[Any], list[Any], list[int] | None]:
+    stages: Sequence[ActorHandle], names: Sequence[object], schedule: Schedule
+) -> tuple[list[object], list[object], list[int] | None]:
     """One replica's actors (per stage, its tp ranks) and names in virtual-stage order, and the
     virtual stage each call runs (None without chunks): the path a forward-only pass takes."""
     owner = owners(schedule)

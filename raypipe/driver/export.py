@@ -26,7 +26,7 @@ from raypipe.models.hf.tensor_files import INDEX
 
 
 def save_pretrained(
-    model: Any, stages: Sequence[Sequence[Any]], specs: Sequence[LayerSpec], directory: str, tp: int, merge: bool
+    model: object, stages: Sequence[Sequence[object]], specs: Sequence[LayerSpec], directory: str, tp: int, merge: bool
 ) -> None:
     """Writes the model held by one replica's actors (per stage, its tp ranks) in its library's
     format, LoRA adapters folded into the base weights when `merge` (else the base alone).

@@ -48,7 +48,7 @@ class RunState:
     ray_metrics: RayMetrics | None = None
     loads: list[tuple[int, str, Any]] = field(default_factory=list)
 
-    def record_on_dashboard(self, metrics: dict[str, Any], lead_ranks: list[int]) -> None:
+    def record_on_dashboard(self, metrics: dict[str, object], lead_ranks: list[int]) -> None:
         """Exports a step's metrics to the Ray dashboard (the series are made at the first step)."""
         if self.ray_metrics is None:
             self.ray_metrics = RayMetrics(self.run_name)

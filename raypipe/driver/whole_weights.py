@@ -37,7 +37,9 @@ def merged(stages: Sequence[Sequence[Any]], method: str, tp: int) -> dict[str, t
     return result
 
 
-def merged_replicas(grid: Sequence[Sequence[Sequence[Any]]], method: str, tp: int, ep: int) -> dict[str, torch.Tensor]:
+def merged_replicas(
+    grid: Sequence[Sequence[Sequence[object]]], method: str, tp: int, ep: int
+) -> dict[str, torch.Tensor]:
     """`merged` of replica 0 (`grid`: [replica][stage][tp rank]), with the experts replicas 1..ep-1
     hold under expert parallelism (each holds its share of every MoE layer's)."""
     result: dict[str, torch.Tensor] = {}
@@ -108,7 +110,7 @@ def load_group(group: ActorGroup, state: dict[str, torch.Tensor]) -> None:
     load_into(group.actors, state, group.actor_plan(), group.config.tp)
 
 
-def named(state: dict[str, torch.Tensor], keys: str, model: Any, specs: Sequence[Any]) -> dict[str, torch.Tensor]:
+def named(state: dict[str, torch.Tensor], keys: str, model: object, specs: Sequence[object]) -> dict[str, torch.Tensor]:
     """`state` under raypipe's keys (`keys="raypipe"`), or under transformers' own names for a
     transformers model (`"transformers"`: as its `PreTrainedModel.state_dict()` names them; a tied
     head once)."""

@@ -1,4 +1,4 @@
-"""Any `nn.Module` whose forward is a chain of submodules, split into raypipe layers.
+"""object `nn.Module` whose forward is a chain of submodules, split into raypipe layers.
 
     model = MyModel()                    # embed -> blocks[0..n) -> norm -> head
     split_model = module.split(model, split_points=["blocks.4", "blocks.8"], loss_fn=F.cross_entropy)

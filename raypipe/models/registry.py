@@ -111,7 +111,7 @@ class HFModelSection(JobModel):
     def targets(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return x
 
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> object:
         """The model directory's own tokenizer when it has one, else raypipe's byte tokenizer."""
         import os
 

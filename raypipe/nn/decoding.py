@@ -7,8 +7,6 @@ microbatches in flight (`raypipe.driver.inference.generation`).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from raypipe.nn.sampling import pick
@@ -25,18 +23,18 @@ class Feed:
     def __init__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, cached: bool) -> None:
         self.sequence, self.mask, self.cached = input_ids, attention_mask, cached
 
-    def prompt(self) -> Any:
+    def prompt(self) -> object:
         """The first forward's input: the whole prompt."""
         return self._input(first=True)
 
-    def next(self, token: torch.Tensor) -> Any:
+    def next(self, token: torch.Tensor) -> object:
         """The input after `token` (one per row) was picked."""
         self.sequence = torch.cat([self.sequence, token.reshape(-1, 1).to(self.sequence.dtype)], dim=1)
         if self.mask is not None:
             self.mask = torch.cat([self.mask, self.mask.new_ones(self.mask.shape[0], 1)], dim=1)
         return self._input(first=False)
 
-    def _input(self, first: bool) -> Any:
+    def _input(self, first: bool) -> object:
         sequence, mask = self.sequence, self.mask
         if not self.cached:
             return sequence if mask is None else {"input_ids": sequence, "attention_mask": mask}

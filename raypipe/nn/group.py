@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,9 +24,9 @@ class TensorParallelGroup:
 
     rank: int = 0
     size: int = 1
-    group: Any = None
+    group: object = None
 
-    def process_group(self) -> Any:
+    def process_group(self) -> object:
         if self.size > 1 and self.group is None:
             raise RuntimeError(
                 f"tensor-parallel rank {self.rank} of {self.size} ran a collective before joining its group; "

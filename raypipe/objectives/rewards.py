@@ -58,7 +58,7 @@ class RewardFunctions:
         self.eos_token_id = eos if eos is not None else getattr(self.tokenizer, "eos_token_id", None)
 
     def score(
-        self, records: Sequence[Mapping[str, Any]], completions: Sequence[Sequence[int]]
+        self, records: Sequence[Mapping[str, object]], completions: Sequence[Sequence[int]]
     ) -> tuple[list[float], dict[str, float]]:
         """Each completion's reward, the weighted sum of every function's answer for it, and each
         function's mean answer (TRL's `rewards/<name>/mean`). A function is

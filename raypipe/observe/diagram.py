@@ -65,7 +65,7 @@ class Architecture:
 
     @classmethod
     def from_config(
-        cls, layers: Sequence[Any], config: TrainConfig, sample: torch.Tensor | None = None, title: str = ""
+        cls, layers: Sequence[object], config: TrainConfig, sample: torch.Tensor | None = None, title: str = ""
     ) -> Architecture:
         """The architecture a Trainer would build; `sample` is one microbatch (any device, meta works)."""
         specs = [as_spec(layer, i) for i, layer in enumerate(layers)]
@@ -241,7 +241,7 @@ def _over(stage: StageView) -> str:
     return f" over {stage.link}" if stage.link else ""
 
 
-def _describe(x: Any) -> str:
+def _describe(x: object) -> str:
     if torch.is_tensor(x):
         return f"({', '.join(map(str, x.shape))}) {str(x.dtype).removeprefix('torch.')}"
     return type(x).__name__

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
 
 from raypipe.observe.progress import interactive
 
@@ -68,7 +67,7 @@ class Phase:
         counted = f"{done}/{self.total} {self.unit}".rstrip() + ", " if self.total else ""
         return f"{counted}{time.monotonic() - self.started:.0f} s"
 
-    def __exit__(self, kind: Any, error: Any, trace: Any) -> None:
+    def __exit__(self, kind: object, error: object, trace: object) -> None:
         if self.bar is not None:
             self.bar.close()
             self.bar = None

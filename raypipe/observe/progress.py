@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from typing import Any
 
 
 def interactive() -> bool:
@@ -31,7 +30,7 @@ class Progress:
 
             self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, desc="raypipe")
 
-    def update(self, metrics: dict[str, Any]) -> None:
+    def update(self, metrics: dict[str, object]) -> None:
         if self.bar is None:
             return
         postfix = {"loss": f"{metrics['loss']:.4f}"}

@@ -70,7 +70,7 @@ def compress(t: torch.Tensor, codec: str) -> Compressed:
     return Compressed(q, scale, codec, t.dtype)
 
 
-def restore(value: Any) -> Any:
+def restore(value: object) -> object:
     """`value` with every `Compressed` in it restored to a float tensor (on the device it is on)."""
     return pytree.tree_map(
         lambda n: n.restore() if isinstance(n, Compressed) else n, value, is_leaf=lambda n: isinstance(n, Compressed)

@@ -196,7 +196,7 @@ class GlooInbox:
         while self.tags and len(self.posted) < LOOKAHEAD:
             self.posted.append(self._receive(self.tags.popleft()))
 
-    def _receive(self, tag: int) -> tuple[torch.Tensor, Any, int]:
+    def _receive(self, tag: int) -> tuple[torch.Tensor, object, int]:
         """A receive posted for the message on `tag` of the started stream: its header when varying."""
         buffer = torch.empty(HEADER_BYTES, dtype=torch.uint8) if self.varying else _message(self.layout)
         return buffer, dist.irecv(buffer, self.src, tag=tag), tag

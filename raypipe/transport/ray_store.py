@@ -148,7 +148,7 @@ class RayStore(dist.Store):
     def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
         return self._call("compare_set", key, _bytes(expected), _bytes(desired))
 
-    def wait(self, keys: Sequence[str], timeout: Any = None) -> None:
+    def wait(self, keys: Sequence[str], timeout: object = None) -> None:
         seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else self.wait_seconds
         self._call("wait", list(keys), seconds or self.wait_seconds)
 

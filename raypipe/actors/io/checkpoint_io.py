@@ -328,7 +328,7 @@ def _merge_tp_shards(
     return models, states
 
 
-def is_per_element(value: Any) -> bool:
+def is_per_element(value: object) -> bool:
     """Optimizer state shaped like its parameter (momentum, Adam moments), not a scalar like `step`."""
     return torch.is_tensor(value) and value.dim() > 0
 

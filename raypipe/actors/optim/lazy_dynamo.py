@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
 __all__ = ["defer_dynamo_import"]
 
 
-def _inner_code() -> Any:
+def _inner_code() -> object:
     """The code object of the wrapper `torch._disable_dynamo` puts around a function."""
     return torch._disable_dynamo(lambda: None).__code__
 
@@ -29,7 +28,7 @@ def _inner_code() -> Any:
 def _until_compiler(fn: Callable, recursive: bool) -> Callable:
     """`fn` as such while torch._dynamo is not imported; torch's own disabled `fn` after."""
 
-    def call(*args: Any, **kwargs: Any) -> Any:
+    def call(*args: object, **kwargs: object) -> object:
         dynamo = sys.modules.get("torch._dynamo")
         if dynamo is None or not hasattr(dynamo, "disable"):
             return fn(*args, **kwargs)

@@ -18,8 +18,6 @@ there (what torch avoids by refusing such stages).
 
 from __future__ import annotations
 
-from typing import Any
-
 from torch import nn
 
 
@@ -37,7 +35,7 @@ def compile_layers(module: nn.Sequential, on: bool) -> None:
                 target._compiled_call_impl = None
 
 
-def compile_report() -> dict[str, Any]:
+def compile_report() -> dict[str, object]:
     """This process's compiled graphs so far (a recompile, for a new shape or dtype, adds one)
     and graph breaks (a layer that could not compile whole)."""
     from torch._dynamo.utils import counters

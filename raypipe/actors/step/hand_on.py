@@ -32,7 +32,7 @@ MARGIN = 1.10  # without a schedule to time: the split may cost this much more t
 TIMED_MICROBATCHES_PER_STAGE = 4  # a long schedule is timed with 4 microbatches per stage: its sign, not its size
 
 
-def timed_schedule(spec: tuple | None) -> Any:
+def timed_schedule(spec: tuple | None) -> object:
     """The schedule `early_is_faster` times for `spec` (`StageSettings.schedule_spec`: name, pp,
     microbatches, chunks, extra warm-up and, optionally, sequence chunks), with at most
     `TIMED_MICROBATCHES_PER_STAGE` x pp microbatches, so that the timing stays milliseconds on long

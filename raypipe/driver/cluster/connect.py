@@ -7,7 +7,6 @@ import sys
 import sysconfig
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
 import ray
 
@@ -55,7 +54,7 @@ def system_config() -> dict[str, object] | None:
     return {"preload_python_modules": modules} if modules else None
 
 
-def ship_user_code(objects: Iterable[Any]) -> None:
+def ship_user_code(objects: Iterable[object]) -> None:
     """Makes classes and functions from the user's own (not installed) modules reach actors.
 
     Ray pickles a class by reference when its module is importable on the driver; an

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import ray
 
@@ -43,7 +43,7 @@ class CompiledStep:
             graph = MultiOutputNode([actor.run_compiled.bind(payload) for actor in actors])
         self.graph = graph.experimental_compile()
 
-    def run(self, lists: Sequence[ActionList], data: StepInput, what: str) -> list[Any]:
+    def run(self, lists: Sequence[ActionList], data: StepInput, what: str) -> list[object]:
         """Executes one step of `lists` (`engine.action_lists`, the graph's actor order);
         returns each actor's `run_actions` result.
 

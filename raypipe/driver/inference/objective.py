@@ -59,7 +59,7 @@ def run_passes(group: ActorGroup, objective: Objective, rows: Rows) -> dict[str,
     return objective.finish(rows.y, answers)
 
 
-def logprobs(group: ActorGroup, asked: LogProbPass, x: Any, y: dict[str, torch.Tensor]) -> torch.Tensor:
+def logprobs(group: ActorGroup, asked: LogProbPass, x: object, y: dict[str, torch.Tensor]) -> torch.Tensor:
     """One pass's answers for rows `(x, y)`: the loss's `reference(output, target)` of each row,
     under the reference policy or the policy as it stands."""
     c = group.config

@@ -23,7 +23,7 @@ def probe_links(group: Any) -> list[Link]:
     from raypipe.driver.cluster.placement import linked_stages, needs_world
 
     topology, names, actors = group.topology, group.names, group.actors
-    infos: list[dict[str, Any]] = []
+    infos: list[dict[str, object]] = []
     pairs = sorted({(min(s, n), max(s, n)) for s, ns in enumerate(linked_stages(group.schedule)) for n in ns})
     if not needs_world(group.config):
         return [Link(s, r, "ray") for a, b in pairs for s, r in ((a, b), (b, a))]

@@ -4,7 +4,6 @@ completed step (SIGTERM also stops the actors), and at a job's normal end its la
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from raypipe.checkpoint import layout as ckpt
 from raypipe.driver.actor_group import ActorGroup
@@ -38,7 +37,7 @@ def interrupted(group: ActorGroup, run: RunState, error: KeyboardInterrupt, log:
         stop(group, run)
 
 
-def saved_already(group: ActorGroup, run: RunState) -> Any:
+def saved_already(group: ActorGroup, run: RunState) -> object:
     """The run's complete checkpoint of its current step in its checkpoint_dir, or None."""
     root = group.config.checkpoint_dir
     done = ckpt.location(root) / ckpt.checkpoint_name(run.step_count) if root is not None else None
@@ -47,7 +46,7 @@ def saved_already(group: ActorGroup, run: RunState) -> Any:
     return None
 
 
-def save_last(group: ActorGroup, run: RunState) -> Any:
+def save_last(group: ActorGroup, run: RunState) -> object:
     """At a run's normal end: its last step's checkpoint, written unless it is there already (a
     run of 60 steps saving every 50 ends with step 60 saved too); None without a checkpoint_dir."""
     if group.config.checkpoint_dir is None or run.step_count == 0:

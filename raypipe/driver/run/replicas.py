@@ -22,7 +22,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import ray
 
@@ -42,7 +41,7 @@ class Held:
     all at `step` (the driver's step count: the failed step is the one after it)."""
 
     step: int
-    states: list[tuple[HeldState, Any]]
+    states: list[tuple[HeldState, object]]
 
     @property
     def nbytes(self) -> int:
@@ -121,8 +120,8 @@ def compact(indices: list[int]) -> str:
 
 
 def donors(
-    held: list[tuple[HeldState, Any]], name: str, t: int, e: int, layers: list[int]
-) -> list[tuple[HeldState, Any]]:
+    held: list[tuple[HeldState, object]], name: str, t: int, e: int, layers: list[int]
+) -> list[tuple[HeldState, object]]:
     """The survivors a new actor `name` (tp rank t, ep rank e) loads `layers` from: the old actor of
     its name when it survived, then those holding most of what is still missing."""
     mine = [h for h in held if (h[0].tp_rank, h[0].ep_rank) == (t, e)]

@@ -44,13 +44,13 @@ class HFModel(Model):
     source: str | None
     dtype: str
 
-    def skeleton(self) -> Any:
+    def skeleton(self) -> object:
         """transformers' whole model of this config, its weights on the meta device (`skeleton.py`)."""
         from raypipe.models.hf.skeleton import skeleton
 
         return skeleton(self.config)
 
-    def identity(self) -> dict[str, Any]:
+    def identity(self) -> dict[str, object]:
         """The base model a LoRA run's adapters belong to: its directory, and a hash of its
         config.json and of every safetensors file's size and header (tensor names, dtypes,
         shapes, offsets). Reading the header only keeps this cheap for a model of many GB;
@@ -138,7 +138,7 @@ def from_model(model: Any, directory: str | None = None, dtype: str | None = Non
     return from_pretrained(directory, dtype=dtype, verify=verify)
 
 
-def is_transformers_model(value: Any) -> bool:
+def is_transformers_model(value: object) -> bool:
     """Whether `value` is a transformers `PreTrainedModel` (without importing transformers)."""
     return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers") for c in type(value).__mro__)
 

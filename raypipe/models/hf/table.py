@@ -12,7 +12,6 @@ from __future__ import annotations
 import re
 import warnings
 from pathlib import Path
-from typing import Any
 
 BEGIN, END = "<!-- families: begin -->", "<!-- families: end -->"
 DOCS = Path(__file__).resolve().parents[3] / "docs" / "models.md"
@@ -84,7 +83,7 @@ def written_table(text: str) -> tuple[str | None, list[str]]:
     return (version.group(1) if version else None), re.findall(r"^\| `([^`]+)` \|", block, flags=re.M)
 
 
-def main(argv: Any = None) -> None:
+def main(argv: object = None) -> None:
     import transformers
 
     rows = [(t, *verdict_of(t)) for t in model_types()]

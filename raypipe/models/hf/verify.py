@@ -85,7 +85,7 @@ def verdict(config: PretrainedConfig) -> dict[str, object]:
     return found
 
 
-def small(config: PretrainedConfig) -> Any:
+def small(config: PretrainedConfig) -> object:
     """`config` with two decoder layers and small widths, every other setting kept."""
     values, name = config.to_dict(), lambda key: config.attribute_map.get(key, key)
     change = {name(k): v for k, v in SMALL.items() if values.get(name(k)) is not None}
