@@ -23,6 +23,7 @@ from raypipe.checkpoint import layout as ckpt
 from raypipe.checkpoint.storage import redact_values
 from raypipe.config import TrainConfig, apply_overrides, load_yaml
 from raypipe.config.checks import check_whole_number
+from raypipe.config.settings import ObjectiveSettings
 from raypipe.core.errors import ConfigError, RaypipeError, nearest
 from raypipe.data import TokenDataset
 from raypipe.data.job_source import DataConfig
@@ -133,11 +134,13 @@ def run(
         raise ConfigError("resuming needs checkpoint_dir in the config (or --set checkpoint_dir=PATH).")
     if resume or resume_step is not None:
         train = train.replace(resume=True if resume_step is None else resume_step)
-    if train.resume is not False:  # fail before any actor starts
+    if train.resume is not False and train.checkpoint_dir is not None:  # fail before any actor starts
         ckpt.find_valid(train.checkpoint_dir, step=None if train.resume is True else train.resume, warn=lambda _: None)
     records = _objective_data(config.data.source, train.objective)  # the objective's records ("pairs", "prompts")
     tokenizer = model.tokenizer() if config.data.source in ("sft", "pairs", "prompts") else None
-    if records and train.objective.get("tokenizer", "") is None:  # an objective's scoring reads text (GRPO's rewards)
+    if (
+        records and train.objective is not None and train.objective.get("tokenizer", "") is None
+    ):  # an objective's scoring reads text (GRPO's rewards)
         train = train.replace(objective={**train.objective, "tokenizer": tokenizer})
     dataset = config.data.dataset(model.block_size, tokenizer)
     train_set, val_set = dataset.split(config.data.val_fraction) if config.data.val_fraction else (dataset, None)
@@ -275,7 +278,7 @@ def run(
     return {**summary, "margins": margins, "rewards": rewards}
 
 
-def _objective_data(source: str, objective: dict[str, Any] | None) -> str | None:
+def _objective_data(source: str, objective: ObjectiveSettings | None) -> str | None:
     """The records an objective's job trains on (its `data_source`: "pairs", "prompts"); None for tokens.
 
     Raises:

@@ -14,7 +14,8 @@ import threading
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 import torch
 
@@ -22,7 +23,7 @@ from raypipe.checkpoint import lock as root_lock
 from raypipe.checkpoint.storage import is_uri
 from raypipe.config import TrainConfig, check_reconfigurable
 from raypipe.core.errors import ConfigError
-from raypipe.core.layers import LayerSpec
+from raypipe.core.layers import LayerSpec, LossFunction
 from raypipe.driver import adapter_io, chunks, export, planned, whole_weights
 from raypipe.driver.actor_group import ActorGroup
 from raypipe.driver.cluster import live_trainers
@@ -39,14 +40,21 @@ from raypipe.observe.progress import Progress
 from raypipe.observe.timeline import Timeline
 from raypipe.planning.links import Link
 
+if TYPE_CHECKING:
+    import numpy as np
+    from ray.data import Dataset
 
-def _one_call_at_a_time(method: Callable) -> Callable:
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _one_call_at_a_time(method: Callable[Concatenate[Trainer, P], R]) -> Callable[Concatenate[Trainer, P], R]:
     """Makes a Trainer method wait for any other thread's call to the actors to end first: every
     actor must receive the steps in one order (two threads' `step`s interleaved at the actors
     would train one stage on one batch's activations and the next on another's targets)."""
 
     @functools.wraps(method)
-    def serialised(self: Trainer, *args: Any, **kwargs: Any) -> Any:
+    def serialised(self: Trainer, *args: P.args, **kwargs: P.kwargs) -> R:
         with self._one_call:
             return method(self, *args, **kwargs)
 
@@ -94,9 +102,9 @@ class Trainer:
     def __init__(
         self,
         layers: Sequence[LayerSpec | Callable[[], torch.nn.Module]] | Model,
-        loss_fn: Callable[[torch.Tensor, Any], torch.Tensor] | None = None,
+        loss_fn: LossFunction | None = None,
         config: TrainConfig | None = None,
-        sample: tuple[torch.Tensor, Any] | None = None,
+        sample: tuple[object, object] | None = None,
         log: Callable[[str], None] = print,
     ) -> None:
         self._one_call = threading.RLock()  # `_one_call_at_a_time`; re-entrant: on_step may evaluate
@@ -141,7 +149,7 @@ class Trainer:
     )
 
     @_one_call_at_a_time
-    def step(self, x: Any, y: Any = None) -> dict[str, Any]:
+    def step(self, x: object, y: object = None) -> dict[str, Any]:
         """Runs one optimizer step on the batch `(x, y)`, split into microbatches (`fit` batches are the same).
 
         `x` is a tensor, or a tuple or dict of them (`{"input_ids": ..., "attention_mask": ...}`), cut along dim 0;
@@ -167,14 +175,14 @@ class Trainer:
     @_one_call_at_a_time
     def fit(
         self,
-        batches: Callable[[int], tuple[torch.Tensor, Any]] | Iterable[tuple[torch.Tensor, Any]] | Any,
+        batches: Callable[[int], tuple[object, object]] | Iterable[tuple[object, object]] | Dataset,
         steps: int,
         on_step: Callable[[dict[str, Any]], None] | None = None,
         log: Callable[[str], None] = print,
         progress: bool | Progress = False,
         overlap: bool | None = None,
         batch_size: int | None = None,
-        collate: Callable[[dict[str, Any]], tuple[Any, Any]] | None = None,
+        collate: Callable[[dict[str, np.ndarray]], tuple[object, object]] | None = None,
     ) -> list[dict[str, Any]]:
         """Trains until `step_count == steps`, surviving actor deaths.
 
@@ -232,7 +240,7 @@ class Trainer:
         return as_given(path, self.group.load(driver_path(path), step, self.state, log))
 
     @_one_call_at_a_time
-    def evaluate(self, x: torch.Tensor, y: Any) -> float:
+    def evaluate(self, x: torch.Tensor, y: object) -> float:
         """The mean loss on `(x, y)` without training (eval mode, no gradients, weights unchanged)."""
         with self.group.whole_weights():
             return forward.evaluate(self.group, x, y)
@@ -331,7 +339,7 @@ class Trainer:
             )
 
     @_one_call_at_a_time
-    def reconfigure(self, **changes: Any) -> None:
+    def reconfigure(self, **changes: object) -> None:
         """Changes training settings between steps, keeping the actors and weights.
 
         Fields: those in `raypipe.config.validation.RECONFIGURABLE` (microbatches, schedule, optimizer,
@@ -372,9 +380,11 @@ class Trainer:
     def __enter__(self) -> Trainer:
         return self
 
-    def __exit__(self, *exc: Any) -> None:  # `with Trainer(...) as t:` shuts down on leaving
-        if exc[1] is not None:  # the loggers record a run that ended in an error as such
-            self.loggers.ended(exc[1])
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:  # `with Trainer(...) as t:` shuts down on leaving
+        if error is not None:  # the loggers record a run that ended in an error as such
+            self.loggers.ended(error)
         self.shutdown()
 
     def __repr__(self) -> str:
@@ -386,7 +396,13 @@ class Trainer:
 
 
 def _start(
-    trainer: Trainer, config: TrainConfig, loss_fn: Callable, sample: Any, run_name: str, run_id: str, log: Callable
+    trainer: Trainer,
+    config: TrainConfig,
+    loss_fn: Callable,
+    sample: tuple[object, object] | None,
+    run_name: str,
+    run_id: str,
+    log: Callable,
 ) -> None:
     """Plans `trainer`'s run, starts its actors and, with `config.resume`, loads its checkpoint."""
     asked = config  # before "auto" is chosen: the links may choose again
@@ -405,7 +421,7 @@ def _start(
     live_trainers.add(trainer)
     if report is not None:  # a profiled plan: made again for the links measured
         replan.follow_links(trainer.group, asked, log)
-    if config.resume is not False:
+    if config.resume is not False and config.checkpoint_dir is not None:  # the config needs both
         try:
             trainer.load(config.checkpoint_dir, step=None if config.resume is True else config.resume, log=log)
         except BaseException:

@@ -24,16 +24,19 @@ a trial its actors end with it.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING
 
 from raypipe.config import TrainConfig
 from raypipe.driver.cluster.gang import STRATEGIES
 from raypipe.observe.loggers import scalars
 
+if TYPE_CHECKING:
+    from ray.tune import PlacementGroupFactory
+
 REPORTED = ("step", "loss", "lr", "grad_norm", "step_time", "samples_per_s", "tokens_per_s")
 
 
-def resources(config: TrainConfig, trial_cpus: float = 0.25) -> Any:
+def resources(config: TrainConfig, trial_cpus: float = 0.25) -> PlacementGroupFactory:
     """The `tune.PlacementGroupFactory` for trials that each run a trainer with `config`'s
     topology: `trial_cpus` for the trial function (the trainer's driver, which mostly waits), then
     each actor's bundle (its stage's accelerator, and `config.cpus_per_actor`; when that is unset,
@@ -56,7 +59,9 @@ def resources(config: TrainConfig, trial_cpus: float = 0.25) -> Any:
     return PlacementGroupFactory([{"CPU": trial_cpus}, *actors], strategy=STRATEGIES[config.placement])
 
 
-def trainable(train_fn: Callable[[dict[str, object]], Any], config: TrainConfig, trial_cpus: float = 0.25) -> Any:
+def trainable(
+    train_fn: Callable[[dict[str, object]], object], config: TrainConfig, trial_cpus: float = 0.25
+) -> Callable[[dict[str, object]], object]:
     """`train_fn` as a Tune trainable whose trials each reserve a trainer's actors for `config`
     (`resources`). Joins `RAY_ADDRESS`'s cluster, or starts the embedded local Ray, when Ray is not
     running yet (as `Trainer` does), so Tune uses the same one."""
@@ -69,7 +74,7 @@ def trainable(train_fn: Callable[[dict[str, object]], Any], config: TrainConfig,
     return tune.with_resources(train_fn, resources(config, trial_cpus))
 
 
-def report(metrics: Mapping[str, Any]) -> None:
+def report(metrics: Mapping[str, object]) -> None:
     """Reports a step's metrics to the Tune trial (`Trainer.fit(..., on_step=raypipe.tune.report)`):
     step, loss, lr, grad_norm, step_time, throughput, and every scalar the loggers record
     (`raypipe.observe.loggers.scalars`: train/..., stage{s}/...). Also takes your own dict (`{"val_loss": v}`)."""

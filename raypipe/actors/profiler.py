@@ -20,7 +20,7 @@ import torch
 from raypipe.actors.stage_model import resolve_device
 from raypipe.actors.step.memory import count_saved_bytes, weight_storages
 from raypipe.core.devices import SERVING_ENV, detect, usable_cores
-from raypipe.core.layers import LayerSpec, build_layer, layer_seed
+from raypipe.core.layers import LayerSpec, LossFunction, build_layer, layer_seed
 from raypipe.transport.tree import map_tensors, tensors
 
 
@@ -59,7 +59,7 @@ class LayerProfiler:
         seed: int,
         x: torch.Tensor,
         target: Any,
-        loss_fn: Callable[[torch.Tensor, Any], torch.Tensor],
+        loss_fn: LossFunction,
         threads: int = 1,
         warmup: int = 2,
         repeats: int = 5,

@@ -7,9 +7,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from raypipe.actors.optim.optimizer import OptimizerState
+    from raypipe.actors.stage_model import StageModel
 
 
 @dataclass
@@ -68,7 +72,11 @@ def connect(
 
 
 def join_tied(
-    model: Any, optim: Any, rank: int, tied_groups: Sequence[tuple[int, list[int]]], mine: dict[tuple[int, ...], Any]
+    model: StageModel,
+    optim: OptimizerState,
+    rank: int,
+    tied_groups: Sequence[tuple[int, list[int]]],
+    mine: dict[tuple[int, ...], Any],
 ) -> None:
     """Keeps each cross-stage tied weight's group, copies the first holder's values, and counts
     the weight once in the gradient norm (on its first holder)."""

@@ -21,6 +21,10 @@ from torch import nn
 # `data.batches.loss_weights`)
 LossFunction = Callable[..., torch.Tensor]
 
+# What one stage hands the next, and what a batch's inputs and targets are cut into: a tensor, or
+# tuples, lists and dicts of them, with None leaves
+Boundary = torch.Tensor | tuple["Boundary", ...] | list["Boundary"] | dict[str, "Boundary"] | None
+
 
 class LayerSpec:
     """A layer to build later: `LayerSpec(nn.Linear, 16, 64)` builds `nn.Linear(16, 64)`.

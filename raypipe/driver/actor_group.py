@@ -20,6 +20,7 @@ from raypipe.core.protocol import StageSettings
 from raypipe.data.batches import Prepared
 from raypipe.data.sequence_units import sequence_units
 from raypipe.driver import checkpoints, chunks
+from raypipe.driver.checkpoints import Written
 from raypipe.driver.cluster import live_trainers, placement
 from raypipe.driver.cluster.helper_actors import on_driver_node
 from raypipe.driver.cluster.topology import Topology
@@ -28,6 +29,7 @@ from raypipe.driver.engines.refs import submission_order
 from raypipe.driver.links import measure
 from raypipe.driver.results import gather
 from raypipe.driver.run_state import RunState
+from raypipe.models.model import Model
 from raypipe.observe.phases import Phase
 from raypipe.planning.links import Link
 from raypipe.planning.profiling import PlanReport
@@ -35,6 +37,7 @@ from raypipe.schedules import build_schedule
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
+    from ray.util.placement_group import PlacementGroup
 
 
 @dataclass
@@ -69,13 +72,13 @@ class ActorGroup:
         plan: Sequence[tuple[int, int]],
         loss_fn: Callable,
         run_name: str,
-        model: Any,
+        model: Model,
         log: Callable[[str], None] = print,
     ) -> None:
         self.specs, self.loss_fn, self.run_name, self.model = list(specs), loss_fn, run_name, model
         self.log = log  # where its long phases (starting the actors, generating) say how far they are
         self.actors: list[ActorHandle] = []  # world-rank order
-        self.placement_group: Any = None  # reserved for the actors, released with them (None in a Tune trial)
+        self.placement_group: PlacementGroup | None = None  # the actors' reservation (None in a Tune trial)
         self.nodes: dict[str, str] = {}  # actor name -> the node it runs on, kept after a node is lost
         self.links: list[Link] = []  # between neighbouring stages, measured at each start (`links.measure`)
         self.engine: Engine = make_engine(config.engine)
@@ -167,7 +170,7 @@ class ActorGroup:
         if self._finalizer is not None:
             self._finalizer.detach()
 
-    def helpers(self) -> list[Any]:
+    def helpers(self) -> list[ActorHandle]:
         """Its actors besides the stages: the world's rendezvous keeper, the actor runs' board and reader."""
         return [a for a in (self.keeper, self.board, self.reader) if a is not None]
 
@@ -236,7 +239,7 @@ class ActorGroup:
 
     # ----- checkpoints -----------------------------------------------------------
 
-    def save(self, root: str, run: RunState, written: Any = None) -> Path:
+    def save(self, root: str, run: RunState, written: Written | None = None) -> Path:
         """Saves run `run`'s checkpoint of its current step under `root`, all actors in lock-step
         (or commits the one an actor-driven run `written`: its directory, each actor's part);
         returns `<root>/step-<N>`."""
@@ -260,7 +263,7 @@ class ActorGroup:
         run.loads.clear()  # the checkpoint holds what was loaded before it: a recovery restores that
         return where
 
-    def step_board(self) -> Any:
+    def step_board(self) -> ActorHandle:
         """The actor-driven runs' board (`raypipe.actors.step.step_board`), on the driver's node."""
         if self.board is None:
             from raypipe.actors.step.step_board import StepBoard
@@ -268,7 +271,7 @@ class ActorGroup:
             self.board = on_driver_node(StepBoard, self.run_name, "step-board")
         return self.board
 
-    def function_reader(self) -> Any:
+    def function_reader(self) -> ActorHandle:
         """The actor-driven runs' reader of a function's batches (`raypipe.actors.io.reader`, its
         function set by each `fit`), on the driver's node; the board starts with it, since a run
         needs both and each is a process to start."""
@@ -279,7 +282,7 @@ class ActorGroup:
             self.reader = on_driver_node(DatasetReader, self.run_name, "function-reader", None, 0, None, 1, 1, None)
         return self.reader
 
-    def load(self, path: str, step: int | None, run: RunState, log: Callable[[str], None]) -> Path:
+    def load(self, path: str | Path, step: int | None, run: RunState, log: Callable[[str], None]) -> Path:
         """Restores a checkpoint into every actor (all or nothing); `run` continues the run that saved
         it from its step, and that run's checkpoints after the step are set aside."""
         self.idle("load")
@@ -309,7 +312,7 @@ class ActorGroup:
         checkpoints.set_aside_future(self.config.checkpoint_dir, run.run_id, run.step_count, log)
         return where
 
-    def base_identity(self) -> Any:
+    def base_identity(self) -> dict[str, object] | None:
         """In a LoRA run, the frozen base model's identity its adapters' checkpoints record."""
         return self.model.identity() if self.config.lora else None
 
@@ -357,7 +360,7 @@ class ActorGroup:
         finally:
             gather([a.hold_weights.remote(False) for a in self.actors], "freeing ZeRO-3 weights")
 
-    def replica0(self) -> tuple[list[list[Any]], list[list[str]]]:
+    def replica0(self) -> tuple[list[list[ActorHandle]], list[list[str]]]:
         """Replica 0's actors and their names, per stage and tp rank: where inference runs."""
         self.idle("inference")
         return self.topology.grid(self.actors)[0], self.topology.grid(self.names)[0]

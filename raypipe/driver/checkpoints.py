@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from raypipe.checkpoint import layout as ckpt
 from raypipe.checkpoint import tidy
-from raypipe.checkpoint.storage import location, redact, scrub
+from raypipe.checkpoint.storage import StoragePath, location, redact, scrub
 from raypipe.driver.results import gather
 from raypipe.driver.run_state import RunState
 
@@ -66,7 +66,11 @@ def save(
         raise
 
 
-def begin_saves(root: str, run_id: str, steps: Sequence[int]) -> dict[int, Any]:
+#: a checkpoint an actor-driven run's actors wrote: where, and each actor's answer (rank order)
+Written = tuple[Path | StoragePath, list[dict[str, Any]]]
+
+
+def begin_saves(root: str, run_id: str, steps: Sequence[int]) -> dict[int, Path | StoragePath]:
     """The directories the actors write the checkpoints of `steps` to (their own saves, or an
     actor-driven run's), after the debris of this run's earlier saves is swept.
 
@@ -86,7 +90,7 @@ def begin_saves(root: str, run_id: str, steps: Sequence[int]) -> dict[int, Any]:
     return {step: ckpt.begin(root, step, run_id) for step in steps}
 
 
-def commit_save(partial: Any, parts: Sequence[dict[str, Any]], meta: dict[str, Any], keep: int) -> Path:
+def commit_save(partial: Path | StoragePath, parts: Sequence[dict[str, Any]], meta: dict[str, Any], keep: int) -> Path:
     """Commits the checkpoint the actors wrote to `partial` (`parts`: each actor's answer, in rank
     order) with `meta`; returns where it is.
 
@@ -108,7 +112,7 @@ def commit_save(partial: Any, parts: Sequence[dict[str, Any]], meta: dict[str, A
 def load(
     actors: Sequence[ActorHandle],
     names: Sequence[str],
-    path: str,
+    path: str | Path,
     step: int | None,
     num_layers: int,
     plan: Sequence[tuple[int, int]],
@@ -175,7 +179,7 @@ def load(
 
 
 def verified(
-    actors: Sequence[ActorHandle], names: Sequence[str], path: str, step: int | None, log: Callable[[str], None]
+    actors: Sequence[ActorHandle], names: Sequence[str], path: str | Path, step: int | None, log: Callable[[str], None]
 ) -> tuple[Path, dict[str, Any]]:
     """The checkpoint to load from `path` (the one of `step`, the one `path` names, or the newest
     under it) whose files every actor found intact.
@@ -289,7 +293,7 @@ def last_valid(checkpoint_dir: str | None, run_id: str, skip: Sequence[str] = ()
     return where, meta["step"]
 
 
-def restore_point(checkpoint_dir: str | None, run: RunState, skip: Sequence[str] = ()) -> tuple[Any, int] | None:
+def restore_point(checkpoint_dir: str | None, run: RunState, skip: Sequence[str] = ()) -> tuple[Path, int] | None:
     """What a recovery restores: the newest of the run's own valid checkpoints in `checkpoint_dir`
     and the checkpoint the run was last loaded from (a resume from elsewhere), or None (the initial
     weights); never one named in `skip` (found corrupt), never another run's, whatever its step."""

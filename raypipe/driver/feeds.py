@@ -9,17 +9,34 @@ from __future__ import annotations
 
 import sys
 import warnings
-from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Generator, Iterable, Iterator
+from typing import TYPE_CHECKING, Protocol, TypeGuard
 
 from raypipe.config.engines import engine_kind, engines_that
 from raypipe.core.errors import BatchError, ConfigError
 from raypipe.data.batches import Prepared, prepare
 
 if TYPE_CHECKING:
+    from types import ModuleType
+
+    from ray import ObjectRef
     from ray.actor import ActorHandle
+    from ray.data import Dataset
 
     from raypipe.driver.actor_group import ActorGroup
+
+
+class Feed(Protocol):
+    """What `Trainer.fit` reads its steps from: each step's batch cut for the actors, again for
+    any step after a recovery; in an actor-driven run the reader the actors call instead."""
+
+    def get(self, step: int) -> Prepared: ...
+
+    def reader_for_actors(self) -> object: ...
+
+    def kept_from(self, step: int) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class FunctionFeed:
@@ -28,7 +45,9 @@ class FunctionFeed:
     def __init__(self, group: ActorGroup, batches: Callable[[int], tuple[object, object]]) -> None:
         self.group, self.batches = group, batches
         self.reader: ActorHandle | None = None  # in an actor-driven run: the trainer's reader actor, calling `batches`
-        self.owned: Any = None  # a generator the feed made (`records_of`), closed with it
+        self.owned: Generator[list[dict[str, object]], None, None] | None = (
+            None  # a generator the feed made (`records_of`), closed with it
+        )
 
     def get(self, step: int) -> Prepared:
         c = self.group.config
@@ -65,7 +84,7 @@ class FunctionFeed:
                 ) from error
         return self.reader
 
-    def _told(self, ray: Any) -> Any:
+    def _told(self, ray: ModuleType) -> ActorHandle:
         """The trainer's reader, told to call `batches` from now on (a new one where it died)."""
         try:
             return self._tell(ray)
@@ -73,9 +92,9 @@ class FunctionFeed:
             self.group.reader = None
             return self._tell(ray)
 
-    def _tell(self, ray: Any) -> Any:
+    def _tell(self, ray: ModuleType) -> ActorHandle:
         c, reader = self.group.config, self.group.function_reader()
-        told = reader.use.remote(self.batches, c.dp, c.microbatches, self.group.loss_fn)
+        told: ObjectRef = reader.use.remote(self.batches, c.dp, c.microbatches, self.group.loss_fn)
         ray.get(told, timeout=c.actor_start_timeout)
         return reader
 
@@ -225,7 +244,7 @@ class DatasetFeed:
         ray.kill(self.reader)
 
 
-def make_feed(group: ActorGroup, batches: Any, batch_size: int | None, collate: Callable | None) -> Any:
+def make_feed(group: ActorGroup, batches: object, batch_size: int | None, collate: Callable | None) -> Feed:
     """The feed for what `Trainer.fit` was given, cut for `group`'s actors (an `ActorGroup`). Under
     an objective each step's records (pairs, examples) become its rows and the answers of the
     passes it declares (`inference.objective.objective_batch`) as the feed takes them; an objective
@@ -235,7 +254,8 @@ def make_feed(group: ActorGroup, batches: Any, batch_size: int | None, collate: 
         from raypipe.driver.inference.objective import objective_batch
         from raypipe.objectives import objective_for
 
-        objective, owned = objective_for(group.config.objective), None
+        objective = objective_for(group.config.objective)
+        owned: Generator[list[dict[str, object]], None, None] | None = None
         if _is_dataset(batches):  # its rows are the records, read in order on the driver
             batches = owned = records_of(batches, batch_size, objective.record)
         if objective.generates:
@@ -244,22 +264,32 @@ def make_feed(group: ActorGroup, batches: Any, batch_size: int | None, collate: 
             feed = FunctionFeed(group, GenerationBatches(group, group.model.kv_cache, batches))
         elif callable(batches):
             feed = FunctionFeed(group, lambda k, records=batches: objective_batch(group, records(k)))
-        else:
+        elif _iterable(batches):
             feed = IterableFeed(group, (objective_batch(group, records) for records in batches))
+        else:
+            raise _not_batches(batches)
         feed.owned = owned
         return feed
     if _is_dataset(batches):
         return DatasetFeed(group, batches, batch_size, collate)
     if callable(batches):
         return FunctionFeed(group, batches)
-    if isinstance(batches, Iterable) and not isinstance(batches, (str, bytes)):
+    if _iterable(batches):
         return IterableFeed(group, batches)
-    raise TypeError(
+    raise _not_batches(batches)
+
+
+def _iterable(batches: object) -> TypeGuard[Iterable]:
+    return isinstance(batches, Iterable) and not isinstance(batches, (str, bytes))
+
+
+def _not_batches(batches: object) -> TypeError:
+    return TypeError(
         f"fit takes batches(step) -> (x, y), an iterable of (x, y), or a ray.data.Dataset; got {type(batches).__name__}"
     )
 
 
-def records_of(dataset: Any, size: int | None, kind: str) -> Iterator[list[dict[str, object]]]:
+def records_of(dataset: Dataset, size: int | None, kind: str) -> Generator[list[dict[str, object]], None, None]:
     """A Ray Dataset's rows as lists of `size` records (a DPO step's pairs, a GRPO generation
     batch's prompts), in order, their arrays as lists; a last shorter list is left out.
 
@@ -276,7 +306,7 @@ def records_of(dataset: Any, size: int | None, kind: str) -> Iterator[list[dict[
             chunk = []
 
 
-def _is_dataset(value: object) -> bool:
+def _is_dataset(value: object) -> TypeGuard[Dataset]:
     """Whether `value` is a `ray.data.Dataset`, without importing Ray Data where nothing has (0.7 s
     on 2 cores, paid by every first `fit` of a function or a list): a Dataset exists only once it has."""
     dataset = getattr(sys.modules.get("ray.data"), "Dataset", None)

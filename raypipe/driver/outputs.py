@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from raypipe.checkpoint.storage import is_uri
+from raypipe.config import TrainConfig
 from raypipe.core import env
 
 PACKAGES = "working_dir_files"  # the folder of Ray's runtime resources holding unpacked working dirs
@@ -32,14 +33,14 @@ def base() -> tuple[Path, str]:
     return here, "the working directory"
 
 
-def resolve(path: Any, root: Path) -> Any:
+def resolve(path: str | None, root: Path) -> str | None:
     """`path` against `root` when it is a relative local path; as it is otherwise (None, absolute, a URI)."""
     if path is None or is_uri(path) or os.path.isabs(str(path)):
         return path
     return str(root / path)
 
 
-def durable(train: Any, job: Any) -> tuple[Any, Any, Path, str]:
+def durable(train: TrainConfig, job: Any) -> tuple[TrainConfig, Any, Path, str]:
     """The job's TrainConfig and job settings with their relative output paths resolved (`base`),
     that base, and why it was chosen."""
     import dataclasses

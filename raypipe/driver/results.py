@@ -64,7 +64,9 @@ def gather(
         raise StageError(f"{what} failed: {cause_message(error)}") from None
 
 
-def raise_if_died(ready: Sequence[ray.ObjectRef], actors: dict[ray.ObjectRef, tuple[Any, str]], what: str) -> None:
+def raise_if_died(
+    ready: Sequence[ray.ObjectRef], actors: dict[ray.ObjectRef, tuple[ActorHandle, str]], what: str
+) -> None:
     """Raises ActorDiedError at once when one of `actors`' calls ended with its actor's death:
     its neighbours would otherwise wait for it until the collective timeout."""
     for ref in ready:

@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.autograd.function import FunctionCtx
 
 IGNORE = -100
 BLOCK_ELEMENTS = 2**24  # float32 elements per block: 64 MB, a few of them live at a time
@@ -35,7 +36,7 @@ def chunked_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_in
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    def forward(ctx: FunctionCtx, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
         counted = targets != ignore_index
         count = counted.sum()
         norms = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)

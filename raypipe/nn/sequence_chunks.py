@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from raypipe.core.layers import LossFunction
+from raypipe.core.layers import Boundary, LossFunction
 
 _CURRENT: contextvars.ContextVar[Position | None] = contextvars.ContextVar("sequence_chunk", default=None)
 
@@ -225,7 +225,9 @@ class Sequence:
         self.open.clear()
 
 
-def unit_loss(loss_fn: LossFunction, out: Any, target: Any, device: Any, weight: float, chunked: bool) -> torch.Tensor:
+def unit_loss(
+    loss_fn: LossFunction, out: Boundary, target: Boundary, device: torch.device, weight: float, chunked: bool
+) -> torch.Tensor:
     """`loss_fn(out, target)` with the target on `device`, but zero (with a graph) for a `chunked`
     unit of weight 0: a sequence chunk whose targets are all ignored (a mean over none is NaN)."""
     from raypipe.transport.tree import map_tensors, tensors
@@ -235,7 +237,7 @@ def unit_loss(loss_fn: LossFunction, out: Any, target: Any, device: Any, weight:
     return loss_fn(out, map_tensors(lambda t: t.to(device), target))
 
 
-def sequence_length(x: Any) -> int:
+def sequence_length(x: Boundary) -> int:
     """The sequence length of a boundary value: dim 1 of its first tensor of two or more dimensions
     (token ids (batch, sequence), hidden states (batch, sequence, width))."""
     from raypipe.transport.tree import tensors

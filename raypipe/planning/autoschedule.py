@@ -22,11 +22,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from raypipe.config import TrainConfig
 from raypipe.core.errors import ConfigError
-from raypipe.core.layers import LayerSpec
+from raypipe.core.layers import LayerSpec, LossFunction
 from raypipe.data.batches import split_batch
 from raypipe.planning.links import Link, message_seconds
 from raypipe.planning.profiling import (
@@ -240,7 +238,7 @@ def _rows(x: object) -> int:
 
 def plan_run(
     specs: Sequence[LayerSpec],
-    loss_fn: Callable[[torch.Tensor, Any], torch.Tensor],
+    loss_fn: LossFunction,
     sample: tuple,
     config: TrainConfig,
     cpus: float,

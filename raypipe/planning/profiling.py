@@ -27,15 +27,16 @@ from raypipe.config.engines import engine_kind
 from raypipe.core.devices import ray_options
 from raypipe.core.env import gradient_hand_on
 from raypipe.core.errors import PlacementError, StageError
-from raypipe.core.layers import LayerSpec
+from raypipe.core.layers import LayerSpec, LossFunction
 from raypipe.data.sequence_units import cut_microbatch
 from raypipe.planning.links import Link, boundary_bytes, message_seconds
 from raypipe.planning.partition import Plan, speed_aware_plan, uniform_plan
 from raypipe.planning.threads import fitting_threads, node_cpus, packed_on_node
-from raypipe.schedules import SCHEDULES
+from raypipe.schedules import SCHEDULES, Action, Schedule
 from raypipe.schedules.early_gradients import early_is_faster, hand_on_mode
 
 if TYPE_CHECKING:
+    import ray
     from ray.actor import ActorHandle
 
 MEMORY_HEADROOM = 0.9
@@ -117,7 +118,7 @@ class PlanReport:
 
 def profile_layers(
     specs: Sequence[LayerSpec],
-    loss_fn: Callable[[torch.Tensor, Any], torch.Tensor],
+    loss_fn: LossFunction,
     x: torch.Tensor,
     target: object,
     config: TrainConfig,
@@ -179,7 +180,9 @@ def profile_layers(
             ray.kill(actor, no_restart=True)
 
 
-def _wait(actors: list[ActorHandle], refs: list[Any], kinds: list[str], timeout: float, what: str) -> list[Any]:
+def _wait(
+    actors: list[ActorHandle], refs: list[ray.ObjectRef], kinds: list[str], timeout: float, what: str
+) -> list[Any]:
     """The profilers' answers to `refs`, or an error naming the kinds whose profiler did not answer."""
     import ray
 
@@ -199,7 +202,7 @@ def _wait(actors: list[ActorHandle], refs: list[Any], kinds: list[str], timeout:
 
 def profiled_plan(
     specs: Sequence[LayerSpec],
-    loss_fn: Callable[[torch.Tensor, Any], torch.Tensor],
+    loss_fn: LossFunction,
     x: torch.Tensor,
     target: object,
     config: TrainConfig,
@@ -342,7 +345,7 @@ def refine(plan: Plan, cost: Callable[[Plan], float], fits: Callable[[int, int, 
     return best
 
 
-def hands_on_early(config: TrainConfig, profiles: Sequence[dict[str, Any]], schedule: Any) -> bool:
+def hands_on_early(config: TrainConfig, profiles: Sequence[dict[str, Any]], schedule: Schedule) -> bool:
     """Whether `config`'s actors will send a whole backward's input gradient before its weight
     gradients (`Executor.may_hand_on_early`), as they choose it (`raypipe.actors.step.hand_on`): only
     on the engines that run action lists, uncompiled, training their weights (not LoRA's adapters
@@ -366,7 +369,7 @@ def hands_on_early(config: TrainConfig, profiles: Sequence[dict[str, Any]], sche
 
 
 def scheduled_seconds(
-    schedule: Any,
+    schedule: Schedule,
     profiles: Sequence[dict[str, Any]],
     plan: Plan,
     transfer: Callable[[int, int, str, int], float] | None = None,
@@ -389,7 +392,7 @@ def scheduled_seconds(
         sender = min(v, to)  # the boundary is the output of the earlier stage's last layer
         return profiles[sender].get(key, [0.0] * plan[sender][1])[plan[sender][1] - 1]
 
-    def seconds(action: Any) -> float:
+    def seconds(action: Action) -> float:
         v = action.stage
         a, b = plan[v]
         prof = profiles[v]

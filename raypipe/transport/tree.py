@@ -19,10 +19,9 @@ from dataclasses import dataclass
 import torch
 import torch.utils._pytree as pytree
 
-ALIGN = 64
+from raypipe.core.layers import Boundary
 
-# What one stage hands the next: a tensor, or tuples, lists and dicts of them, with None leaves
-Boundary = torch.Tensor | tuple["Boundary", ...] | list["Boundary"] | dict[str, "Boundary"] | None
+ALIGN = 64
 
 
 @dataclass(frozen=True)

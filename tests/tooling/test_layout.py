@@ -254,3 +254,13 @@ def test_at_most_one_import_runs_back_up_the_layers():
         }
     )
     assert back_up == [("raypipe.planning.profiling", "raypipe.actors.profiler")]
+
+
+def test_any_is_used_at_most_half_as_often_as_it_was():
+    """`typing.Any` switches the type checker off for a value; the package held 989 of them before
+    the fourth design step and holds at most half (495) since: a value whose type is known names it
+    (a `Boundary`, an `ActorHandle`, a `Feed`), one only passed on or narrowed before use is an
+    `object`. The public API's records and any Callable's parameters keep Any, which a user's own
+    types must still match (docs/testing.md says how mypy is run against main's baseline)."""
+    uses = {p: len(re.findall(r"\bAny\b", p.read_text())) for p in PACKAGE.rglob("*.py")}
+    assert sum(uses.values()) <= 495, sorted(uses.items(), key=lambda kv: -kv[1])[:10]

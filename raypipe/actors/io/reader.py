@@ -14,7 +14,8 @@ themselves, several for one step: the newest batches are kept, each read once.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -22,6 +23,9 @@ import torch
 from raypipe.core.errors import BatchError
 from raypipe.core.layers import LossFunction
 from raypipe.data.batches import Prepared, prepare
+
+if TYPE_CHECKING:
+    from ray.data import Dataset
 
 
 def default_collate(batch: dict[str, np.ndarray]) -> tuple[object, object]:
@@ -57,13 +61,13 @@ class DatasetReader:
 
     def __init__(
         self,
-        dataset: Any,
+        dataset: Dataset | None,
         batch_size: int,
-        collate: Callable[[dict], tuple[Any, Any]] | None,
+        collate: Callable[[dict[str, np.ndarray]], tuple[object, object]] | None,
         dp: int,
         microbatches: int,
         loss_fn: LossFunction,
-        function: Callable[[int], tuple[Any, Any]] | None = None,
+        function: Callable[[int], tuple[object, object]] | None = None,
         cpus: float | None = None,
     ) -> None:
         self.function, self.kept = function, {}  # (step, cut) -> Prepared, the newest KEPT
@@ -82,7 +86,7 @@ class DatasetReader:
         self.dataset, self.batch_size, self.collate = dataset, batch_size, collate or default_collate
 
     def use(
-        self, function: Callable[[int], tuple[Any, Any]], dp: int, microbatches: int, loss_fn: LossFunction
+        self, function: Callable[[int], tuple[object, object]], dp: int, microbatches: int, loss_fn: LossFunction
     ) -> None:
         """From now on step k's `(x, y)` is `function(k)`, cut for `dp` x `microbatches`: a function
         reader kept for the next `fit` of the same trainer, which forgets the batches it made."""
@@ -174,7 +178,7 @@ class DatasetReader:
         return self.collate(rows)
 
 
-def _stored(ray: Any, part: Any, inline: bool) -> Any:
+def _stored(ray: ModuleType, part: object, inline: bool) -> object:
     """A batch's part as it is handed on: stored once in Ray's object store and handed on by
     reference; with `inline`, by value when small (one fetch less for each actor that takes it)."""
     return part if inline and _nbytes(part) < INLINE_BYTES else ray.put(part)

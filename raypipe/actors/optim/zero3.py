@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -60,7 +60,7 @@ class ShardedStage:
         counts: parameter -> how many gathered uses hold it now (0: freed).
     """
 
-    def __init__(self, layers: Sequence[nn.Module], rank: int, size: int, group: Any) -> None:
+    def __init__(self, layers: Sequence[nn.Module], rank: int, size: int, group: dist.ProcessGroup | None) -> None:
         self.layers, self.rank, self.size, self.group = list(layers), rank, size, group
         self.layer_params = [list(dict.fromkeys(layer.parameters())) for layer in self.layers]
         self.params = list(dict.fromkeys(p for ps in self.layer_params for p in ps))
@@ -313,7 +313,7 @@ class _OnBackward(torch.autograd.Function):
     gathers the layer before its own backward, on its input it frees the layer after."""
 
     @staticmethod
-    def forward(ctx: Any, then: Any, params: list, t: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, then: Callable[[list[nn.Parameter]], None], params: list, t: torch.Tensor) -> torch.Tensor:
         ctx.then, ctx.params = then, params
         return t.view_as(t)
 

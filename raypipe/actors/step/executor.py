@@ -23,6 +23,7 @@ from raypipe.actors.step.hand_on import HandOnChoice
 from raypipe.actors.step.memory import count_saved_bytes, weight_storages
 from raypipe.actors.step.split_backward import Deferred, covers_every_weight, input_gradients, weight_gradients
 from raypipe.core.errors import StageError
+from raypipe.core.layers import Boundary
 from raypipe.core.protocol import StageSettings, StepTimings
 from raypipe.nn.moe import RECORDER, reset_recorder
 from raypipe.nn.sequence_chunks import Sequence, unit_loss
@@ -359,7 +360,7 @@ class Executor:
         self.timing["last_end"] = ended
 
 
-def input_grads(x: Any) -> Any:
+def input_grads(x: Boundary) -> Boundary:
     """The input's tree with each leaf's gradient, None where a leaf has none: what a backward
     sends the previous stage."""
     return map_tensors(lambda t: t.grad if t.requires_grad else None, x)

@@ -21,7 +21,12 @@ from raypipe.core.errors import BatchError, ConfigError, StageError
 from raypipe.core.protocol import RunCall, StepCall, StepReport
 
 if TYPE_CHECKING:
+    from types import ModuleType
+
+    from ray import ObjectRef
+
     from raypipe.actors.stage import Stage
+    from raypipe.data.batches import Prepared
 
 REPORT_WAIT_S = 30.0  # how long a run's end waits for its last reports to reach the board
 REPORT_EVERY_S = 0.2  # reports wait at most this long to go with the next steps' (and at most CHUNK)
@@ -140,7 +145,7 @@ class ActorRuns:
         return saved
 
 
-def _batches(ray: Any, ahead: Any, step: int, timeout: float) -> list[Any]:
+def _batches(ray: ModuleType, ahead: ObjectRef, step: int, timeout: float) -> list[Prepared | Exception]:
     """The batches from step `step` on, from the reader (each a `Prepared`, its parts as
     references, or the error that ended the list): every actor asks for them, so every actor fails
     alike when the reader cannot give them."""
@@ -158,7 +163,7 @@ def _batches(ray: Any, ahead: Any, step: int, timeout: float) -> list[Any]:
         raise
 
 
-def _told(report: StepReport, saved: dict | None, batch: Any, weights: Any, last: bool) -> tuple:
+def _told(report: StepReport, saved: dict | None, batch: Prepared, weights: list[float] | None, last: bool) -> tuple:
     """What it tells the board of a step: its report (its per-action events only on the run's
     last step, for `Trainer.timeline`), its checkpoint part, and where it holds the losses
     (samples, tokens, each microbatch's loss times its weight)."""

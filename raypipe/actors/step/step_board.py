@@ -11,9 +11,13 @@ seconds are those of the lowest reporting rank, between the end of its step befo
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from raypipe.core.protocol import RunStep, StepReport
+from raypipe.core.protocol import RunCall, RunStep, StepReport
+
+if TYPE_CHECKING:
+    import ray
+    from ray.actor import ActorHandle
 
 
 class StepBoard:
@@ -24,7 +28,7 @@ class StepBoard:
 
     def __init__(self) -> None:
         self.run = -1  # the call id of the run being booked
-        self.calls: list[object] = []  # the run's calls, one per stage actor, in rank order
+        self.calls: list[ray.ObjectRef] = []  # the run's calls, one per stage actor, in rank order
         self.failed: list[int] = []  # ranks whose call ended with an error, in the order they ended
         self.running = 0  # calls not yet ended
         self.changed = asyncio.Event()  # a call ended
@@ -35,7 +39,9 @@ class StepBoard:
         self.done: dict[int, RunStep] = {}
         self.ready: dict[int, asyncio.Event] = {}
 
-    async def begin(self, run: int, reporters: list[int], saving: list[int], calls: list[tuple[Any, Any]]) -> None:
+    async def begin(
+        self, run: int, reporters: list[int], saving: list[int], calls: list[tuple[ActorHandle, RunCall]]
+    ) -> None:
         """Starts run `run`: `calls` are (stage actor, its `RunCall`) in rank order (earlier runs'
         leftovers are dropped)."""
         self.run, self.expected, self.savers, self.saving = run, set(reporters), set(range(len(calls))), set(saving)
@@ -45,7 +51,7 @@ class StepBoard:
         for rank, ref in enumerate(self.calls):
             asyncio.get_running_loop().create_task(self._watch(run, rank, ref))
 
-    async def _watch(self, run: int, rank: int, ref: Any) -> None:
+    async def _watch(self, run: int, rank: int, ref: ray.ObjectRef) -> None:
         try:
             await ref
             failed = False

@@ -51,7 +51,7 @@ def reserve(
     offer: Callable[[], str],
     others: Callable[[], list[str]],
     timeout_field: str = "actor_start_timeout",
-) -> object:
+) -> PlacementGroup:
     """Reserves every bundle at once and waits up to `timeout` seconds for all of them.
 
     Args:

@@ -8,7 +8,7 @@ import uuid
 from typing import Any
 
 
-def on_driver_node(cls: type, run_name: str, role: str, *args: Any, head: bool = False) -> Any:
+def on_driver_node(cls: type, run_name: str, role: str, *args: object, head: bool = False) -> Any:
     """An actor of `cls` on the driver's node (with `head`, the cluster's head node: the one whose
     loss ends the cluster anyway; a driver attached from elsewhere may sit on any node), soft:
     elsewhere if that node cannot take it. It reserves no CPU and is outside any placement group (a

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from raypipe.checkpoint.lock import RootLock
 
 _RUNNING: weakref.WeakSet[Any] = weakref.WeakSet()
 
@@ -40,7 +43,7 @@ def replace_same_name(run_name: str, trainer: object) -> bool:
     return replaced
 
 
-def hold_root(root: str | None, run_name: str, trainer: Any) -> Any:
+def hold_root(root: str | None, run_name: str, trainer: object) -> RootLock | None:
     """This run's hold on its checkpoint root (`raypipe.checkpoint.lock`; None without one), taken
     from the trainer of the same name in this process if that one holds it (a notebook cell run
     again: that trainer is shut down, as `replace_same_name` does).

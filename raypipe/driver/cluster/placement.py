@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from ray.actor import ActorHandle
     from ray.util.placement_group import PlacementGroup
 
+
 NAME_WAIT = 10.0  # seconds a new actor waits for the name of one just killed
 CONTROL = "control"  # the stage actors' concurrency group for calls a busy actor still answers
 
@@ -47,7 +48,7 @@ class StartedActors:
     (None inside a Ray Tune trial, whose group is the trial's), and the node each runs on (by name)."""
 
     actors: list[ActorHandle]
-    placement_group: object
+    placement_group: PlacementGroup | None
     nodes: dict[str, str]
     keeper: ActorHandle | None = None  # the world's rendezvous (`transport.ray_store`), None without a world
     listening: dict[str, list[str]] = field(default_factory=dict)  # per actor, the ports its world opened

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -37,7 +39,7 @@ class Topology:
     def names(self) -> list[str]:
         return [f"stage{s}-dp{d}-tp{t}" for d in range(self.dp) for s in range(self.pp) for t in range(self.tp)]
 
-    def grid(self, flat: Sequence[Any]) -> list[list[list[Any]]]:
+    def grid(self, flat: Sequence[T]) -> list[list[list[T]]]:
         """Per-rank items (actors, names, ranks) -> [replica][stage][tp rank]."""
         return [
             [list(flat[self.rank(d, s, 0) : self.rank(d, s, 0) + self.tp]) for s in range(self.pp)]

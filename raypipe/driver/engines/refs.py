@@ -66,7 +66,7 @@ def run_step(target: StepTarget, data: StepInput) -> StepResult:
                 x = inputs[d][m] if s == 0 else outputs[Action(s - 1, FORWARD, m)]
                 weight = data.weights[d][m] if data.weights is not None else 1.0
                 args = (call_id, m, x, targets[d][m], weight) if s == last else (call_id, m, x)
-                refs = [actor.forward.remote(*args) for actor in stages[s]]
+                refs: list[ray.ObjectRef] = [actor.forward.remote(*args) for actor in stages[s]]
             else:
                 grad = None if s == last else outputs[Action(s + 1, BACKWARD, m)]
                 refs = [actor.backward.remote(call_id, m, grad) for actor in stages[s]]

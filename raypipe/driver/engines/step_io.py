@@ -5,10 +5,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from raypipe.core.protocol import StepReport
 from raypipe.schedules import Action, Schedule
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
+    from raypipe.driver.checkpoints import Written
 
 
 @dataclass
@@ -16,7 +21,7 @@ class StepTarget:
     """What a step runs on: the actors, their names and world ranks as [replica][stage][tp
     rank], the schedule and its submission order (for the refs engine)."""
 
-    replicas: list[list[list[Any]]]
+    replicas: list[list[list[ActorHandle]]]
     names: list[list[list[str]]]
     ranks: list[list[list[int]]]
     schedule: Schedule
@@ -61,4 +66,4 @@ class StepResult:
     stage_reports: list[StepReport] | dict[int, StepReport]  # by world rank (an actor-driven run: its reporters')
     seconds: float
     batch: tuple[int, int | None] | None = None  # an actor-driven run's (samples, tokens), its losses weighted
-    saved: object = None  # an actor-driven run's checkpoint of the step: (its directory, each actor's part)
+    saved: Written | None = None  # an actor-driven run's checkpoint of the step: (its directory, each actor's part)

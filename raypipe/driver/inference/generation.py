@@ -27,6 +27,7 @@ from raypipe.observe.phases import Phase
 from raypipe.transport.wire import pack, unpack
 
 if TYPE_CHECKING:
+    from ray import ObjectRef
     from ray.actor import ActorHandle
 
     from raypipe.driver.actor_group import ActorGroup
@@ -36,7 +37,7 @@ BEHIND = 4  # the calls the driver queues ahead of the tokens it has read back
 
 
 def generate(
-    stages: Sequence[Sequence[Any]],
+    stages: Sequence[Sequence[ActorHandle]],
     names: Sequence[Sequence[str]],
     chunks: Sequence[int] | None,
     input_ids: torch.Tensor,
@@ -141,7 +142,7 @@ def _seed(seed: int | None, m: int) -> int | None:
 
 
 def _queue(
-    stages: Sequence[Sequence[Any]],
+    stages: Sequence[Sequence[ActorHandle]],
     names: Sequence[Sequence[str]],
     chunks: Sequence[int] | None,
     inputs: Sequence[object],
@@ -153,12 +154,15 @@ def _queue(
     """One round of calls: each microbatch's `inputs` (its prompt at `start`, else the tokens its
     last call picked) through every stage. Returns each microbatch's picked tokens (references)
     and every call's (actor, label)."""
-    picked, pending = [], {}
+    picked: list[object] = []
+    pending: dict[ObjectRef, tuple[str, str]] = {}
     for m, ref in enumerate(inputs):
         for s, ranks in enumerate(stages):
             chunk = None if chunks is None else chunks[s]
             chosen = sampling[m] if s == len(stages) - 1 else None
-            refs = [actor.decode.remote(ref, m, start, cached, chunk, s == 0, chosen, count) for actor in ranks]
+            refs: list[ObjectRef] = [
+                actor.decode.remote(ref, m, start, cached, chunk, s == 0, chosen, count) for actor in ranks
+            ]
             for t, r in enumerate(refs):
                 pending[r] = (names[s][t], f"generate microbatch {m}")
             ref = refs[0]

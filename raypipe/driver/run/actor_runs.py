@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import ray
 
@@ -32,7 +32,12 @@ from raypipe.driver.run_state import RunState
 from raypipe.driver.trace import trace_lists
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from ray.actor import ActorHandle
+
+    from raypipe.checkpoint.storage import StoragePath
+    from raypipe.driver.feeds import Feed
 
 HALTED = StepReport(halted=True)
 # actor_steps="auto": a fit hands its steps to the actors from this many steps x actors on. Driven
@@ -42,7 +47,7 @@ AUTO_ACTOR_STEPS = 3000
 AUTO_RUN_STEPS = 256  # actor_steps="auto": the steps of one run (its due checkpoints are prepared at its start)
 
 
-def length(group: ActorGroup, feed: Any, steps_left: int, overlap: bool, log: Callable[[str], None]) -> int:
+def length(group: ActorGroup, feed: Feed, steps_left: int, overlap: bool, log: Callable[[str], None]) -> int:
     """The steps of each actor-driven run of a `fit` with `steps_left` steps to go (0: the driver
     submits each step). An int `TrainConfig.actor_steps` is taken as given; "auto" hands the
     actors the steps where nothing tells the runs apart: the p2p engine, a fit that lets the next
@@ -117,7 +122,13 @@ class ActorRun:
     """One run as the driver sees it: the steps its board has given so far, and how it ended."""
 
     def __init__(
-        self, group: ActorGroup, board: ActorHandle, call_id: int, first: int, last: int, partials: dict[int, Any]
+        self,
+        group: ActorGroup,
+        board: ActorHandle,
+        call_id: int,
+        first: int,
+        last: int,
+        partials: dict[int, Path | StoragePath],
     ) -> None:
         self.group, self.board, self.call_id, self.last, self.partials = group, board, call_id, last, partials
         self.timeout = group.config.step_timeout
@@ -127,7 +138,7 @@ class ActorRun:
         self.ended = False  # every call of the run has ended
         self.stop_asked = False
 
-    def waiter(self, step: int) -> Any:
+    def waiter(self, step: int) -> Callable[[float], StepResult]:
         return lambda since: self.wait(step)
 
     def wait(self, step: int) -> StepResult:
@@ -164,7 +175,7 @@ class ActorRun:
             self._failed(step, failed)
         return bool(steps or failed or self.ended)
 
-    def _ask(self, timeout: float) -> tuple[list[RunStep], list[tuple[int, object]], bool]:
+    def _ask(self, timeout: float) -> tuple[list[RunStep], list[tuple[int, ray.ObjectRef]], bool]:
         try:
             steps, failed, ended = ray.get(
                 self.board.wait.remote(self.call_id, self.next, timeout), timeout=timeout + 30.0
@@ -176,7 +187,7 @@ class ActorRun:
             self.next = done.step + 1
         return steps, failed, ended
 
-    def _failed(self, step: int, failed: list[tuple[int, object]]) -> None:
+    def _failed(self, step: int, failed: list[tuple[int, ray.ObjectRef]]) -> None:
         """Some calls failed: an actor's death is raised at once (its neighbours would wait for it
         until the collective timeout); otherwise every actor ends at the step's agreement, and the
         root cause is raised once they have (as the p2p engine does)."""
@@ -191,7 +202,7 @@ class ActorRun:
         died = [e for e in errors if isinstance(e, ActorDiedError)]
         self.failure = died[0] if died else root_failure(errors)
 
-    def _outcome(self, rank: int, ref: Any, step: int) -> BaseException:
+    def _outcome(self, rank: int, ref: ray.ObjectRef, step: int) -> BaseException:
         try:
             gather([ref], f"step {step + 1}", [self.group.actors[rank]], [self.group.names[rank]], timeout=10.0)
         except Exception as error:  # noqa: BLE001 - the run's failure, raised by `wait`
@@ -232,7 +243,7 @@ class ActorRun:
         self.release()
 
 
-def _plain_cause(ref: Any) -> BaseException | None:
+def _plain_cause(ref: ray.ObjectRef) -> BaseException | None:
     """A reader's error the user should see as it is (a dataset too small, a bad batch)."""
     try:
         ray.get(ref, timeout=0)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import errno
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from raypipe.config.engines import engine_kind
 from raypipe.core.errors import ActorDiedError, StepTimeoutError
@@ -27,11 +27,14 @@ from raypipe.objectives import objective_for
 from raypipe.observe.loggers import scalars
 from raypipe.observe.progress import Progress
 
+if TYPE_CHECKING:
+    from raypipe.driver.feeds import Feed
+
 
 def fit_with(
     group: ActorGroup,
     run: RunState,
-    feed: Any,
+    feed: Feed,
     steps: int,
     on_step: Callable[[dict[str, Any]], None] | None,
     log: Callable[[str], None],
@@ -67,7 +70,7 @@ class FitLoop:
         self,
         group: ActorGroup,
         run: RunState,
-        feed: Any,
+        feed: Feed,
         steps: int,
         on_step: Callable[[dict[str, Any]], None] | None,
         log: Callable[[str], None],

@@ -5,13 +5,17 @@ Both fill the same queue of `Submitted` steps, which the loop books in order wit
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from raypipe.core.errors import RaypipeError
 from raypipe.driver.actor_group import ActorGroup, Submitted
 from raypipe.driver.run import actor_runs
 from raypipe.driver.run.interrupts import held_interrupts
 from raypipe.driver.run_state import RunState
+
+if TYPE_CHECKING:
+    from raypipe.driver.feeds import Feed
 
 
 class DriverSteps:
@@ -20,7 +24,7 @@ class DriverSteps:
     grow back at any step boundary). An interrupt waits until a step's calls are out and queued
     (`held_interrupts`), so the loop's `settle` books what they do."""
 
-    def __init__(self, group: ActorGroup, run: RunState, feed: Any, steps: int, overlap: bool) -> None:
+    def __init__(self, group: ActorGroup, run: RunState, feed: Feed, steps: int, overlap: bool) -> None:
         self.group, self.run, self.feed, self.steps, self.overlap = group, run, feed, steps, overlap
 
     def fill(self, queue: list[Submitted]) -> None:
@@ -68,7 +72,9 @@ class ActorRunSteps:
         queue.clear()
 
 
-def source_for(group: ActorGroup, run: RunState, feed: Any, steps: int, overlap: bool, log: Any) -> Any:
+def source_for(
+    group: ActorGroup, run: RunState, feed: Feed, steps: int, overlap: bool, log: Callable[[str], None]
+) -> DriverSteps | ActorRunSteps:
     """The steps of a `fit` to `steps`: actor-driven where `TrainConfig.actor_steps` (or "auto")
     hands them to the actors (`actor_runs.length`), else sent by the driver."""
     length = actor_runs.length(group, feed, steps - run.step_count, overlap, log)

@@ -18,6 +18,7 @@ from raypipe.core.errors import ActorDiedError, NonFiniteError, StepTimeoutError
 from raypipe.core.protocol import StepReport, stops_on_nonfinite
 from raypipe.data.batches import prepare
 from raypipe.driver.actor_group import ActorGroup, Submitted
+from raypipe.driver.checkpoints import Written
 from raypipe.driver.engines.step_io import StepResult
 from raypipe.driver.run import actor_runs
 from raypipe.driver.run.interrupts import held_interrupts
@@ -60,7 +61,7 @@ def submit(group: ActorGroup, x: object, y: object, index: int, after: int | Non
     return group.submit(prepare(x, y, c.dp, c.microbatches, group.loss_fn, group.model.vocab_size), index, after)
 
 
-def train_step(group: ActorGroup, run: RunState, x: Any, y: Any) -> dict[str, Any] | None:
+def train_step(group: ActorGroup, run: RunState, x: object, y: object) -> dict[str, Any] | None:
     """`Trainer.step`: one step submitted and booked; its metrics (None: halted). An interrupt
     while it runs lets the actors finish it and books it before re-raising, so `step_count` always
     matches the weights; one while its calls go out waits until all are out (`held_interrupts`).
@@ -157,7 +158,7 @@ def recorded(
     return metrics
 
 
-def save_due(group: ActorGroup, run: RunState, metrics: dict[str, object], written: object = None) -> str:
+def save_due(group: ActorGroup, run: RunState, metrics: dict[str, object], written: Written | None = None) -> str:
     """Writes the checkpoint due after the step of `metrics` (or commits the one an actor-driven
     run `written`: its directory, each actor's part); returns where.
 
