@@ -25,9 +25,11 @@ import json
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
 import warnings
+from pathlib import Path
 
 import ray
 import torch
@@ -36,7 +38,8 @@ from raypipe import TrainConfig, Trainer
 from raypipe.driver.inference.objective import objective_batch
 from raypipe.models import hf
 
-from rounds import interleaved, paired_ratio
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))  # modules shared with the tests
+from rounds import interleaved, paired_ratio  # noqa: E402
 
 LORA = {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 LR = 1e-4

@@ -26,6 +26,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
+from pathlib import Path
 
 import ray
 import torch
@@ -33,7 +35,8 @@ import torch
 from raypipe import TrainConfig, Trainer, build_layers, driver
 from raypipe.models import gpt
 
-from rounds import interleaved, match_actor_threads, paired_ratio, plain_twin, ratio_with_spread, round_means
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))  # modules shared with the tests
+from rounds import interleaved, match_actor_threads, paired_ratio, plain_twin, ratio_with_spread, round_means  # noqa: E402
 
 SIZES = {
     "124m": gpt.GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768),

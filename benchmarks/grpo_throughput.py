@@ -26,8 +26,10 @@ import json
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import ray
 import torch
@@ -36,7 +38,8 @@ from dpo_throughput import LORA, LR, save_model
 from raypipe import TrainConfig, Trainer
 from raypipe.models import hf
 
-from rounds import interleaved, paired_ratio
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))  # modules shared with the tests
+from rounds import interleaved, paired_ratio  # noqa: E402
 
 
 def even_tokens(completion_ids, **_):

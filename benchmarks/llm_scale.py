@@ -41,9 +41,11 @@ import os
 import platform
 import resource
 import statistics
+import sys
 import tempfile
 import time
 import warnings
+from pathlib import Path
 
 import ray
 import torch
@@ -51,7 +53,8 @@ import torch
 from raypipe import TrainConfig, Trainer
 from raypipe.models import hf
 
-from rounds import interleaved, paired_ratio
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))  # modules shared with the tests
+from rounds import interleaved, paired_ratio  # noqa: E402
 
 LORA = {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 OPTIMIZER = {"name": "adamw", "lr": 1e-4}

@@ -17,6 +17,7 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -27,7 +28,8 @@ import torch
 from raypipe import TrainConfig, Trainer
 from raypipe.models import hf
 
-from rounds import interleaved, paired_ratio, round_means
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))  # modules shared with the tests
+from rounds import interleaved, paired_ratio, round_means  # noqa: E402
 
 
 def main() -> None:

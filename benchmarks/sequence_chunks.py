@@ -33,8 +33,10 @@ import os
 import platform
 import re
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import ray
 import torch
@@ -44,7 +46,8 @@ from raypipe import TrainConfig, Trainer
 from raypipe.models import hf
 from raypipe.schedules import build_schedule, timed
 
-from rounds import interleaved
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))  # modules shared with the tests
+from rounds import interleaved  # noqa: E402
 
 SGD = {"name": "sgd", "lr": 1e-3}
 

@@ -264,3 +264,38 @@ def test_any_is_used_at_most_half_as_often_as_it_was():
     types must still match (docs/testing.md says how mypy is run against main's baseline)."""
     uses = {p: len(re.findall(r"\bAny\b", p.read_text())) for p in PACKAGE.rglob("*.py")}
     assert sum(uses.values()) <= 495, sorted(uses.items(), key=lambda kv: -kv[1])[:10]
+
+
+def test_every_benchmark_finds_the_support_modules_it_imports():
+    """A benchmark runs as a script (`python benchmarks/x.py`): only benchmarks/ is on its path
+    until it puts support/ there, so each import of a support module (`rounds`, ...) must come
+    after that, in the script or in a benchmark it imported first. Moving `rounds` to support/ had
+    left eight benchmarks failing at their imports, unseen by any test."""
+    root = PACKAGE.parent
+    benchmarks = {p.stem for p in (root / "benchmarks").glob("*.py")}
+    shared = {p.stem for p in (root / "support").glob("*.py")}
+    failures: list[str] = []
+
+    def imported(name: str, on_path: bool, chain: tuple[str, ...]) -> bool:
+        """Whether support/ is on the path once `name` is imported with it `on_path` or not."""
+        for node in ast.parse((root / "benchmarks" / f"{name}.py").read_text()).body:
+            text = ast.unparse(node)
+            on_path = on_path or ("sys.path.insert" in text and "support" in text.lower())
+            if isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                modules = [node.module]
+            else:
+                continue
+            for module in (m.split(".")[0] for m in modules):
+                if module in benchmarks and module not in chain:
+                    on_path = imported(module, on_path, (*chain, module))
+                elif module in shared and not on_path:
+                    failures.append(
+                        f"benchmarks/{name}.py:{node.lineno} imports {module} before support/ is on the path"
+                    )
+        return on_path
+
+    for name in sorted(benchmarks):
+        imported(name, False, (name,))
+    assert len(benchmarks) > 30 and not failures, sorted(set(failures))
