@@ -153,7 +153,7 @@ def main() -> None:
         config = TrainConfig(
             pp=1, optimizer={"name": "adamw", "lr": LR}, lora=LORA, objective=objective, probe_links=False
         )
-        with Trainer(hf.from_pretrained(directory), config=config) as trainer:
+        with Trainer(hf.from_pretrained(directory), config=config, log=lambda m: print(m, file=sys.stderr)) as trainer:
             seconds: dict[str, list[list[float]]] = {"trl": [], "raypipe_pp1": []}
             for _ in range(a.rounds + 1):  # round 0 warms both up
                 seconds["trl"].append(timed(trl_step, a.steps))

@@ -49,9 +49,18 @@ class HFEmbedding(nn.Module):
         for name in plan.embeddings:
             setattr(self, name, copy.deepcopy(base._modules[name]))
         self.prefixes = [("", f"{plan.base}.")]
+        self.cache: dict[str, Any] | None = None  # while generating: what the stage's layers share
 
     def compile_targets(self) -> list[nn.Module]:
         return [getattr(self, name) for name in self.names]
+
+    def begin_cache(self, shared: dict[str, Any]) -> None:
+        """Starts generation: where the stage's decoder layers keep their cache (`HFDecoderLayer`),
+        whose arguments for each forward this embedding makes in its own pass (`StageCache.embedded`)."""
+        self.cache = shared
+
+    def end_cache(self) -> None:
+        self.cache = None
 
     def forward(self, x: Any) -> dict[str, Any]:
         inputs = {"input_ids": x} if torch.is_tensor(x) else x
@@ -64,9 +73,12 @@ class HFEmbedding(nn.Module):
         if mask is not None:
             mask = mask.view(ids.shape[0], -1)
         held = {name: getattr(self, name) for name in self.names}
-        hidden = skeleton.embed(
-            self.config, held, {"input_ids": ids, "attention_mask": mask, "position_ids": positions}
-        )
+        inputs = {"input_ids": ids, "attention_mask": mask, "position_ids": positions}
+        kv = self.cache.get("kv") if self.cache is not None else None
+        if kv is not None and 0 in kv.held:  # generating, with the first decoder layers: one pass
+            hidden = kv.embedded(held, inputs)
+        else:
+            hidden = skeleton.embed(self.config, held, inputs)
         return {"hidden_states": hidden, "attention_mask": mask, "position_ids": positions}
 
 

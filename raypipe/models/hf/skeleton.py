@@ -295,15 +295,30 @@ class StageCache:
     forward, once every decoder layer of the stage has said it is held (`held`).
 
     The whole model makes every layer's masks once per forward, before any layer extends the
-    cache: here the stage's first layer makes them for all its layers (`inputs`)."""
+    cache: here the stage's first layer makes them for all its layers (`inputs`), or on the stage
+    that embeds the tokens, the embedding in the same pass (`embedded`)."""
 
     def __init__(self, config: PretrainedConfig, held: list[int]) -> None:
         self.config, self.held, self.cache = config, held, None
         self.made: dict[int, tuple[tuple, dict[str, object]]] = {}
+        self.primed = False  # `made` holds this forward's arguments, made by `embedded`
+
+    def embedded(self, modules: dict[str, nn.Module], inputs: dict[str, object]) -> torch.Tensor:
+        """`embed` on a stage that also holds decoder layer 0: one pass of the base model's forward
+        makes the first layer's input and every held layer's arguments for this forward, as the
+        whole model's one prologue a token does (an embedding, then a first layer, made two)."""
+        model, plan = skeleton(self.config), plan_of(self.config)
+        base = getattr(model, plan.base)
+        cached = {**inputs, "past_key_values": self._ready(), "use_cache": True}
+        with _swapped(base, {**_stand_ins(base, plan, modules), plan.layers: model.raypipe_stops}):
+            seen = _run_to(base, set(self.held), **cached)
+        self.made, self.primed = {i: (args, kwargs) for i, (_, args, kwargs) in seen.items()}, True
+        return seen[0][0]
 
     def inputs(self, index: int, hidden: torch.Tensor, inputs: dict[str, object]) -> tuple[tuple, dict[str, object]]:
         """Decoder layer `index`'s arguments for this forward (`layer_inputs`), with the cache."""
-        if index == min(self.held) or index not in self.made:
+        primed, self.primed = self.primed, False
+        if (index == min(self.held) and not primed) or index not in self.made:
             cached = {**inputs, "past_key_values": self._ready(), "use_cache": True}
             self.made = layer_inputs(self.config, sorted(self.held), hidden, cached)
         return self.made.pop(index)
