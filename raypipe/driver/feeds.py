@@ -26,6 +26,10 @@ if TYPE_CHECKING:
     from raypipe.driver.actor_group import ActorGroup
 
 
+#: a Ray Dataset's rows as lists of records, which the feed that made it closes (`records_of`)
+RecordLists = Generator[list[dict[str, object]], None, None]
+
+
 class Feed(Protocol):
     """What `Trainer.fit` reads its steps from: each step's batch cut for the actors, again for
     any step after a recovery; in an actor-driven run the reader the actors call instead."""
@@ -45,9 +49,7 @@ class FunctionFeed:
     def __init__(self, group: ActorGroup, batches: Callable[[int], tuple[object, object]]) -> None:
         self.group, self.batches = group, batches
         self.reader: ActorHandle | None = None  # in an actor-driven run: the trainer's reader actor, calling `batches`
-        self.owned: Generator[list[dict[str, object]], None, None] | None = (
-            None  # a generator the feed made (`records_of`), closed with it
-        )
+        self.owned: RecordLists | None = None  # a generator the feed made (`records_of`), closed with it
 
     def get(self, step: int) -> Prepared:
         c = self.group.config
@@ -255,7 +257,7 @@ def make_feed(group: ActorGroup, batches: object, batch_size: int | None, collat
         from raypipe.objectives import objective_for
 
         objective = objective_for(group.config.objective)
-        owned: Generator[list[dict[str, object]], None, None] | None = None
+        owned: RecordLists | None = None
         if _is_dataset(batches):  # its rows are the records, read in order on the driver
             batches = owned = records_of(batches, batch_size, objective.record)
         if objective.generates:
@@ -289,7 +291,7 @@ def _not_batches(batches: object) -> TypeError:
     )
 
 
-def records_of(dataset: Dataset, size: int | None, kind: str) -> Generator[list[dict[str, object]], None, None]:
+def records_of(dataset: Dataset, size: int | None, kind: str) -> RecordLists:
     """A Ray Dataset's rows as lists of `size` records (a DPO step's pairs, a GRPO generation
     batch's prompts), in order, their arrays as lists; a last shorter list is left out.
 

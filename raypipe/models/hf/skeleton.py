@@ -256,10 +256,18 @@ def _stand_ins(base: nn.Module, plan: Plan, keep: dict[str, nn.Module]) -> dict[
 def embed(config: PretrainedConfig, modules: dict[str, nn.Module], inputs: dict[str, object]) -> torch.Tensor:
     """The first decoder layer's input as transformers' base model makes it from `inputs`
     (input_ids, attention_mask, position_ids), with the embedding `modules` this layer holds."""
+    return _prologue(config, modules, {0}, inputs)[0][0]
+
+
+def _prologue(
+    config: PretrainedConfig, modules: dict[str, nn.Module], wanted: set[int], inputs: dict[str, object]
+) -> dict[int, tuple[torch.Tensor, tuple, dict]]:
+    """One pass of the base model's forward on `inputs`, with the embedding `modules` held (zeros
+    for the others) and stand-ins for its layers: each of decoder layers `wanted`'s inputs."""
     model, plan = skeleton(config), plan_of(config)
     base = getattr(model, plan.base)
     with _swapped(base, {**_stand_ins(base, plan, modules), plan.layers: model.raypipe_stops}):
-        return _run_to(base, {0}, **inputs)[0][0]
+        return _run_to(base, wanted, **inputs)
 
 
 def layer_inputs(
@@ -269,11 +277,8 @@ def layer_inputs(
     arguments transformers' base model passes it (its masks, position embeddings, position ids,
     cache) for hidden states like `hidden` and `inputs` (attention_mask, position_ids,
     past_key_values, use_cache): one pass of its forward, so all see the cache as it stood."""
-    model, plan = skeleton(config), plan_of(config)
-    base = getattr(model, plan.base)
-    with _swapped(base, {**_stand_ins(base, plan, {}), plan.layers: model.raypipe_stops}):
-        _Zeros.dtype = hidden.dtype
-        seen = _run_to(base, set(indices), inputs_embeds=torch.zeros_like(hidden), **inputs)
+    _Zeros.dtype = hidden.dtype
+    seen = _prologue(config, {}, set(indices), {"inputs_embeds": torch.zeros_like(hidden), **inputs})
     return {i: (args, kwargs) for i, (_, args, kwargs) in seen.items()}
 
 
@@ -307,11 +312,8 @@ class StageCache:
         """`embed` on a stage that also holds decoder layer 0: one pass of the base model's forward
         makes the first layer's input and every held layer's arguments for this forward, as the
         whole model's one prologue a token does (an embedding, then a first layer, made two)."""
-        model, plan = skeleton(self.config), plan_of(self.config)
-        base = getattr(model, plan.base)
         cached = {**inputs, "past_key_values": self._ready(), "use_cache": True}
-        with _swapped(base, {**_stand_ins(base, plan, modules), plan.layers: model.raypipe_stops}):
-            seen = _run_to(base, set(self.held), **cached)
+        seen = _prologue(self.config, modules, set(self.held), cached)
         self.made, self.primed = {i: (args, kwargs) for i, (_, args, kwargs) in seen.items()}, True
         return seen[0][0]
 
