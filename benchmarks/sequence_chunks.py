@@ -71,20 +71,36 @@ def predicted_ratio(k: int, pp: int) -> float:
 
 
 def plan_auto(model, batch) -> dict:
-    """What `sequence_chunks="auto"` chooses on `batch` and predicts for each k (its log's candidates)."""
+    """What `sequence_chunks="auto"` plans on `batch` and predicts for each k (its log's candidates),
+    what its trial then measured of the planned k and of k = 1 (ms a step), and the k it kept."""
     lines: list[str] = []
     config = TrainConfig(pp=2, optimizer=SGD, sequence_chunks="auto")
     started = time.perf_counter()
     with Trainer(model, config=config, sample=batch, log=lines.append) as trainer:
-        chosen = trainer.config.sequence_chunks
+        kept = trainer.config.sequence_chunks
     planning_s = time.perf_counter() - started
+    plan = next(line for line in lines if line.startswith("sequence_chunks=auto chose"))
     predicted = {}
-    for line in lines[0].splitlines()[1:]:
+    for line in plan.splitlines()[1:]:
         found = re.match(r"\s+1f1b, m=1(?:, sequence_chunks=(\d+))?: ([\d.]+) ms", line)
         if found:
             predicted[int(found[1] or 1)] = float(found[2])
     ratios = {k: round(predicted[1] / ms, 3) for k, ms in predicted.items()} if 1 in predicted else {}
-    return {"chosen": chosen, "predicted_ms": predicted, "predicted_speedup": ratios, "start_s": round(planning_s, 1)}
+    planned = int(re.match(r"sequence_chunks=auto chose 1f1b, m=1(?:, sequence_chunks=(\d+))?", plan)[1] or 1)
+    trial = next((line for line in lines if line.startswith("sequence_chunks=auto measured")), "")
+    measured = {
+        int(k): [float(v) for v in ms.split(", ")] for k, ms in re.findall(r"sequence_chunks=(\d+) ([\d, ]+) ms", trial)
+    }
+    unchunked = re.search(r"unchunked ([\d, ]+) ms", trial)
+    measured |= {1: [float(v) for v in unchunked[1].split(", ")]} if unchunked else {}
+    return {
+        "planned": planned,
+        "kept": kept,
+        "predicted_ms": predicted,
+        "predicted_speedup": ratios,
+        "trial_ms": measured,
+        "start_s": round(planning_s, 1),
+    }
 
 
 def main() -> None:
@@ -99,11 +115,15 @@ def main() -> None:
     parser.add_argument("--auto", action="store_true", help='also plan with sequence_chunks="auto"')
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--ray-cpus", type=int, default=2, help="the CPUs Ray is told (the machine's cores: 2)")
+    parser.add_argument("--no-memory", action="store_true", help="skip the fresh trainer per k for resident memory")
     args = parser.parse_args()
     runs = {str(k): (int(k), False, "1f1b") for k in args.chunks.split(",")}
     runs.update({f"{k}+r": (int(k), True, "1f1b") for k in args.recompute.split(",") if k})
     runs.update({f"{k} zb": (int(k), False, "zb-h1") for k in args.zb.split(",") if k})
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    ray.init(
+        address="local", num_cpus=args.ray_cpus, include_dashboard=False, logging_level="ERROR", log_to_driver=False
+    )
     directory = save_model(tempfile.mkdtemp(), args.layers, args.hidden, args.vocab, positions=args.tokens)
     model = hf.from_pretrained(directory)
     config = TrainConfig(pp=2, microbatches=1, optimizer=SGD, measure_activations=True)
@@ -123,7 +143,9 @@ def main() -> None:
         seconds = interleaved({label: runner(label) for label in runs}, args.rounds, args.steps, warmup=1)
     median = {label: statistics.median(s for r in seconds[label] for s in r) for label in runs}
     resident = {}
-    for label, (k, recompute, schedule) in runs.items():  # fresh actors per run: a process's max RSS only grows
+    for label, (k, recompute, schedule) in (
+        {} if args.no_memory else runs.items()
+    ):  # fresh actors per run: a process's max RSS only grows
         fresh = TrainConfig(
             pp=2, optimizer=SGD, sequence_chunks=k, activation_checkpointing=recompute, schedule=schedule
         )
@@ -136,13 +158,14 @@ def main() -> None:
         "benchmark": "sequence_chunks",
         "model": {"layers": args.layers, "hidden": args.hidden, "vocab": args.vocab, "tokens": args.tokens},
         "pp": 2,
+        "ray_cpus": args.ray_cpus,
         "schedule": "1f1b; zb-h1 for the labels ending zb",
         "tokens_per_s": {label: round(args.tokens / median[label], 1) for label in runs},
         "speedup_vs_unchunked": {label: round(median["1"] / median[label], 3) for label in runs if "1" in median},
         "predicted_speedup": {label: round(predicted_ratio(k, 2), 3) for label, (k, _, _) in runs.items()},
         "step_s_median": {label: round(median[label], 3) for label in runs},
         "peak_stashed_mib_per_stage": {label: [round(b / 2**20, 1) for b in stashed[label]] for label in runs},
-        "peak_resident_mib_per_stage": {label: [round(b / 2**20, 1) for b in resident[label]] for label in runs},
+        "peak_resident_mib_per_stage": {label: [round(b / 2**20, 1) for b in resident[label]] for label in resident},
         **({"auto": planned} if planned else {}),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
         "command": "python benchmarks/sequence_chunks.py",

@@ -31,7 +31,7 @@ from raypipe.driver.feeds import make_feed
 from raypipe.driver.inference import forward
 from raypipe.driver.inference.objective import objective_batch
 from raypipe.driver.links import replan
-from raypipe.driver.run import controller
+from raypipe.driver.run import chunk_trial, controller
 from raypipe.driver.run import step as one_step
 from raypipe.driver.run_state import RunState
 from raypipe.models.model import Model, resolve
@@ -421,6 +421,8 @@ def _start(
     live_trainers.add(trainer)
     if report is not None:  # a profiled plan: made again for the links measured
         replan.follow_links(trainer.group, asked, log)
+    if asked.sequence_chunks == "auto" and sample is not None:  # the planner's k, timed against none
+        chunk_trial.settle(trainer.group, trainer.state.step_count, sample, log)
     if config.resume is not False and config.checkpoint_dir is not None:  # the config needs both
         try:
             trainer.load(config.checkpoint_dir, step=None if config.resume is True else config.resume, log=log)

@@ -4,10 +4,13 @@ and ZB-H1 (backwards split, or handed on early), with padding and -100 labels, o
 engines; for raypipe's GPT, transformers' Llama (LoRA too) and Mistral's sliding window, whose
 unchunked runs match transformers in one process."""
 
+import re
+
 import pytest
 import torch
 
 from raypipe import ConfigError, StageError, TrainConfig, Trainer
+from raypipe.core.layers import build_layers
 from raypipe.models import gpt, hf
 
 from hf_helpers import VOCAB, by_hf_name, hf_reference, lm_batch, run_schedules, save_tiny
@@ -180,10 +183,12 @@ def test_a_layer_that_cannot_run_on_chunks_is_refused_at_start_naming_it(ray_ses
 
 
 @pytest.mark.slow
-def test_auto_times_the_layers_on_each_chunk_count_and_runs_the_fastest(ray_session):
+def test_auto_times_the_layers_on_each_chunk_count_then_measures_its_choice_against_none(ray_session):
     """One sample of 1,024 tokens through two stages: the profiler times the layers on it cut in 1,
-    2, 4, 8 and 16, per unit; the bubble of the unchunked step is half of it, so a cut wins, and the
-    step runs its units."""
+    2, 4, 8 and 16, per unit; the bubble of the unchunked step is half of it, so a cut is planned.
+    Then the planned k and k = 1 take real steps on the sample (`chunk_trial`), the faster is kept,
+    and the trial leaves no trace: the weights are the seeded model's, and the first step (SGD
+    with momentum: a buffer the trial left would change it) is the one-process model's."""
     tiny = gpt.GPTConfig(n_layer=4, n_head=4, n_embd=256, block_size=1024, vocab_size=256)
     seq = torch.randint(0, 256, (1, 1025), generator=torch.Generator().manual_seed(5))
     x, y = seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
@@ -194,7 +199,25 @@ def test_auto_times_the_layers_on_each_chunk_count_and_runs_the_fastest(ray_sess
         assert set(profiled) == {(1, k) for k in (1, 2, 4, 8, 16)}
         per_unit = [sum(profiled[(1, k)]["cpu"]["forward_s"]) for k in (1, 2, 4, 8, 16)]
         assert per_unit[1] < 0.8 * per_unit[0] and per_unit[-1] < 0.5 * per_unit[0], per_unit  # a share of it
-        k = t.config.sequence_chunks
+        planned = int(re.match(r"sequence_chunks=auto chose 1f1b, m=1, sequence_chunks=(\d+):", lines[1])[1])
         assert lines[0] == "raypipe: profiling the layers to choose sequence_chunks=auto ..."
-        assert k > 1 and lines[1].startswith(f"sequence_chunks=auto chose 1f1b, m=1, sequence_chunks={k}:"), lines[1]
-        assert t.step(x, y)["stages"][0]["peak_stashed_microbatches"] == k  # stage 0 holds every unit
+        measured = next(line for line in lines if line.startswith("sequence_chunks=auto measured on the sample"))
+        k = t.config.sequence_chunks
+        verdict = f"keeping sequence_chunks={planned}" if k == planned else "running unchunked (sequence_chunks=1)"
+        assert planned > 1 and k in (planned, 1) and measured.endswith(verdict), (planned, k, measured)
+        reference = torch.nn.Sequential(*build_layers(gpt.layers(tiny)))
+        assert_same_weights(t.state_dict(), reference.state_dict())
+        metrics = t.step(x, y)
+        assert metrics["stages"][0]["peak_stashed_microbatches"] == k  # stage 0 holds every unit
+        optimizer = torch.optim.SGD(reference.parameters(), lr=SGD["lr"], momentum=SGD["momentum"])
+        loss = gpt.loss_fn(reference(x), y)
+        loss.backward()
+        optimizer.step()
+        assert metrics["loss"] == pytest.approx(loss.item(), rel=1e-5)
+        assert_same_weights(t.state_dict(), reference.state_dict())
+
+
+def assert_same_weights(state, reference):
+    assert set(state) == set(reference)
+    for name, value in reference.items():
+        torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=name)

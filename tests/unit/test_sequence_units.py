@@ -246,3 +246,17 @@ def test_the_profiler_times_each_units_backward_split_for_zb_h1():
     assert len(got["input_s"]) == len(got["weight_s"]) == 3 and got["sequence_chunks"] == 3
     # the embedding's input half computes nothing; every later layer's halves both do
     assert got["input_s"][0] == 0 and min(got["input_s"][1:] + got["weight_s"][1:]) > 0
+
+
+def test_the_trial_keeps_the_planned_chunks_only_when_their_median_step_beats_unchunked():
+    """`chunk_trial.Trial`: k stays only when its median timed step is below k = 1's; a tie or a
+    loss falls back to 1, so "auto" never runs slower than not cutting (as far as measured)."""
+    from raypipe.driver.run.chunk_trial import Trial
+
+    faster = Trial(4, {4: [0.20, 0.50], 1: [0.40, 0.41]})
+    assert faster.kept == 4 and str(faster).endswith(
+        "200, 500 ms, unchunked 400, 410 ms a step; keeping sequence_chunks=4"
+    )
+    assert Trial(4, {4: [0.30, 0.31], 1: [0.25, 0.26]}).kept == 1
+    tie = Trial(8, {8: [0.25, 0.25], 1: [0.25, 0.25]})
+    assert tie.kept == 1 and str(tie).endswith("running unchunked (sequence_chunks=1)")

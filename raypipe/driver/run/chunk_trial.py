@@ -1,0 +1,88 @@
+"""`sequence_chunks="auto"` checked by the clock (issue 76). The planner predicts each chunk count's
+step from the layers timed alone, which misses what a unit costs beyond its layers (its calls,
+messages and Python, paid k times a microbatch): on a 64-wide Llama at 2,048 tokens it chose k = 4
+predicting 144 ms, and the step took 277 ms, slower than unchunked. So once the actors run, the
+chosen k and k = 1 take real steps on the sample in turn, and the faster stays: "auto" never runs a
+k slower than not cutting at all.
+
+The trial steps leave nothing behind: before them every actor hands over its state (weights,
+optimizer state, fp32 masters, RNG, running statistics, loss scale: the calls a recovery from
+memory uses), and after them takes it back, so a run with "auto" trains exactly as one given the
+kept k from the start. Where an actor holds a ZeRO share of its state, which cannot be handed
+over, the planner's k runs unmeasured and the log says so.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from raypipe.driver.actor_group import ActorGroup
+from raypipe.driver.results import gather
+from raypipe.driver.run import replicas
+from raypipe.driver.run.step import submit
+
+ROUNDS = 2  # timed steps per chunk count, after one untimed step each (its first allocations)
+
+
+@dataclass(frozen=True)
+class Trial:
+    """What the trial measured: per chunk count the wall seconds of its timed steps."""
+
+    planned: int
+    seconds: dict[int, list[float]]
+
+    @property
+    def kept(self) -> int:
+        """The planner's k when its median step beats the unchunked one's, else 1."""
+        median = {k: statistics.median(s) for k, s in self.seconds.items()}
+        return self.planned if median[self.planned] < median[1] else 1
+
+    def __str__(self) -> str:
+        def steps(k: int) -> str:
+            return ", ".join(f"{1000 * s:.0f}" for s in self.seconds[k]) + " ms"
+
+        k, kept = self.planned, self.kept
+        verdict = f"keeping sequence_chunks={k}" if kept == k else "running unchunked (sequence_chunks=1)"
+        return (
+            f"sequence_chunks=auto measured on the sample: sequence_chunks={k} {steps(k)}, "
+            f"unchunked {steps(1)} a step; {verdict}"
+        )
+
+
+def settle(group: ActorGroup, step: int, sample: tuple[object, object], log: Callable[[str], None]) -> Trial | None:
+    """Times the planner's sequence chunk count against k = 1 on `sample` (`ROUNDS` steps each, in
+    turn, after a first untimed one each), keeps the faster (`group.reconfigure`) and puts every
+    actor's state back as it was; logs what it measured. `step`: the run's step count (the
+    learning-rate schedule's step the trial steps run at). None when nothing was measured (the
+    plan does not cut, or the state cannot be handed over)."""
+    planned = group.config.sequence_chunks
+    if planned == 1:
+        return None
+    reason = replicas.why_not(group.config, lost=False)
+    if reason is not None:
+        log(f"sequence_chunks=auto: running the planned sequence_chunks={planned} unmeasured ({reason})")
+        return None
+    held = [actor.hand_over.options(num_returns=2).remote() for actor in group.actors]
+    seconds: dict[int, list[float]] = {planned: [], 1: []}
+    try:
+        for round_ in range(ROUNDS + 1):
+            for k in (planned, 1):
+                group.reconfigure(group.config.replace(sequence_chunks=k))
+                started = time.perf_counter()
+                submit(group, *sample, step).wait(started)
+                if round_:
+                    seconds[k].append(time.perf_counter() - started)
+    finally:
+        gather(
+            [actor.take_over.remote(step, state) for actor, (_, state) in zip(group.actors, held)],
+            "putting back the state the sequence chunks' trial found",
+            group.actors,
+            group.names,
+        )
+    trial = Trial(planned, seconds)
+    group.reconfigure(group.config.replace(sequence_chunks=trial.kept))
+    log(str(trial))
+    return trial
