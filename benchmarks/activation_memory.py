@@ -10,7 +10,8 @@ GPipe holds all m.
 
 from __future__ import annotations
 
-import json
+import sys
+from pathlib import Path
 
 import numpy as np
 import ray
@@ -18,6 +19,9 @@ import ray
 from raypipe import TrainConfig, Trainer
 from raypipe.data import TokenDataset
 from raypipe.models import gpt
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))  # modules shared with the tests
+import json_out  # noqa: E402
 
 P, M = 4, 16
 
@@ -45,8 +49,8 @@ def main() -> None:
                 for s, st in enumerate(stages)
             ]
     ray.shutdown()
-    print(json.dumps(result, indent=1))
+    json_out.emit(result, indent=1)
 
 
 if __name__ == "__main__":
-    main()
+    json_out.run(main)

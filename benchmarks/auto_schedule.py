@@ -21,9 +21,10 @@ these within 15 %; a timing claim belongs here, not in a test).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
+import sys
+from pathlib import Path
 
 import ray
 import torch
@@ -32,6 +33,9 @@ from raypipe import TrainConfig, Trainer
 from raypipe.models import gpt
 from raypipe.planning.autoschedule import predicted_seconds, rank
 from raypipe.planning.profiling import plan_from_profiles
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))  # modules shared with the tests
+import json_out  # noqa: E402
 
 GPT = gpt.GPTConfig(vocab_size=256, n_layer=4, n_head=4, n_embd=128, block_size=64)
 BATCH = 32
@@ -118,7 +122,7 @@ def run_pp(pp: int, steps: int, rounds: int, lora: dict | None) -> dict:
             "measured_over_predicted": seconds / predicted,
         }
         rows.append(row)
-        print(json.dumps(row), flush=True)
+        json_out.emit(row)
     fastest = min(rows, key=lambda r: r["measured_s"])
     pick = next(r for r in rows if (r["schedule"], r["microbatches"]) == (chosen.schedule, chosen.microbatches))
     return {
@@ -148,14 +152,12 @@ def main() -> None:
     results = [run_pp(int(pp), args.steps, args.rounds, lora) for pp in args.pp.split(",")]
     ray.shutdown()
     for r in results:
-        print(json.dumps({k: v for k, v in r.items() if k not in ("rows", "profiles")}))
+        json_out.emit({k: v for k, v in r.items() if k not in ("rows", "profiles")})
     workload_name = "simulated 8 x 4 ms" if args.simulated else "gpt 4x128"
-    print(
-        json.dumps(
-            {"benchmark": "auto_schedule", "workload": workload_name, "cores": os.cpu_count(), "results": results}
-        )
+    json_out.emit(
+        {"benchmark": "auto_schedule", "workload": workload_name, "cores": os.cpu_count(), "results": results}
     )
 
 
 if __name__ == "__main__":
-    main()
+    json_out.run(main)

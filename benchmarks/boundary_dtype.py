@@ -17,12 +17,15 @@ their ratio to fp32's. TensorBoard logging, exports and the text sample are off.
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 from pathlib import Path
 
 import ray
 
 from raypipe.job import JobConfig, run
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))  # modules shared with the tests
+import json_out  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "examples/configs/gpt_pp2.yaml"
@@ -91,8 +94,8 @@ def main() -> None:
         "steps": args.steps,
         "runs": {k: {kk: vv for kk, vv in v.items() if kk != "losses"} for k, v in runs.items()},
     }
-    print(json.dumps(result, indent=1))
+    json_out.emit(result, indent=1)
 
 
 if __name__ == "__main__":
-    main()
+    json_out.run(main)

@@ -11,15 +11,19 @@ step, a 32-action list, 16 stacked microbatches, targets, neighbour ranks.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import ray
 import torch
 
 from raypipe.core.protocol import StepCall
 from raypipe.transport.wire import pack_microbatches
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))  # modules shared with the tests
+import json_out  # noqa: E402
 
 
 @ray.remote(num_cpus=0.01)
@@ -54,22 +58,20 @@ def main() -> None:
                 seconds[kind].append(time.perf_counter() - started)
     ray.shutdown()
     ms = {name: 1000 * statistics.median(v) for name, v in seconds.items()}
-    print(
-        json.dumps(
-            {
-                "benchmark": "call_arguments",
-                "calls": args.calls,
-                "median_ms": {
-                    "round_trip_separate": ms["separate"],
-                    "round_trip_one": ms["one"],
-                    "submit_separate": ms["separate_submit"],
-                    "submit_one": ms["one_submit"],
-                },
+    json_out.emit(
+        {
+            "benchmark": "call_arguments",
+            "calls": args.calls,
+            "median_ms": {
+                "round_trip_separate": ms["separate"],
+                "round_trip_one": ms["one"],
+                "submit_separate": ms["separate_submit"],
+                "submit_one": ms["one_submit"],
             },
-            indent=2,
-        )
+        },
+        indent=2,
     )
 
 
 if __name__ == "__main__":
-    main()
+    json_out.run(main)

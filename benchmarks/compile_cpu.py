@@ -17,19 +17,23 @@ from __future__ import annotations
 
 import argparse
 import getpass
-import json
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 import warnings
+from pathlib import Path
 
 import ray
 import torch
 
 from raypipe import TrainConfig, Trainer
 from raypipe.models import gpt, hf
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))  # modules shared with the tests
+import json_out  # noqa: E402
 
 BATCH, SEQ, VOCAB = 32, 64, 256
 
@@ -125,10 +129,10 @@ def main() -> None:
             for pp, schedule in ((1, "1f1b"), (2, "1f1b"), (2, "dualpipe-v")):
                 row = measure(name, make, pp, schedule, args.rounds, args.steps)
                 rows.append(row)
-                print(json.dumps(row), flush=True)
+                json_out.emit(row)
     ray.shutdown()
-    print(json.dumps({"benchmark": "compile_cpu", "cores": os.cpu_count(), "torch": torch.__version__, "rows": rows}))
+    json_out.emit({"benchmark": "compile_cpu", "cores": os.cpu_count(), "torch": torch.__version__, "rows": rows})
 
 
 if __name__ == "__main__":
-    main()
+    json_out.run(main)

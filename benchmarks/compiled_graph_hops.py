@@ -13,13 +13,17 @@ Graphs engine would remove on this machine.
 
 from __future__ import annotations
 
-import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import ray
 import torch
 from ray.dag import InputNode, MultiOutputNode
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))  # modules shared with the tests
+import json_out  # noqa: E402
 
 P, M, RUNS = 4, 16, 10
 
@@ -68,23 +72,21 @@ def main() -> None:
     compiled.teardown()
     ray.shutdown()
     calls = M * P
-    print(
-        json.dumps(
-            {
-                "benchmark": "compiled_graph_hops",
-                "p": P,
-                "m": M,
-                "calls": calls,
-                "plain_step_ms": 1000 * plain_s,
-                "compiled_step_ms": 1000 * compiled_s,
-                "plain_us_per_call": 1e6 * plain_s / calls,
-                "compiled_us_per_call": 1e6 * compiled_s / calls,
-                "compiled_over_plain": compiled_s / plain_s,
-            },
-            indent=1,
-        )
+    json_out.emit(
+        {
+            "benchmark": "compiled_graph_hops",
+            "p": P,
+            "m": M,
+            "calls": calls,
+            "plain_step_ms": 1000 * plain_s,
+            "compiled_step_ms": 1000 * compiled_s,
+            "plain_us_per_call": 1e6 * plain_s / calls,
+            "compiled_us_per_call": 1e6 * compiled_s / calls,
+            "compiled_over_plain": compiled_s / plain_s,
+        },
+        indent=1,
     )
 
 
 if __name__ == "__main__":
-    main()
+    json_out.run(main)

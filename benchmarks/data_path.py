@@ -20,7 +20,9 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import ray
@@ -28,6 +30,9 @@ import torch
 from torch import nn
 
 from raypipe import LayerSpec, TrainConfig, Trainer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))  # modules shared with the tests
+import json_out  # noqa: E402
 
 
 def rows(ids: np.ndarray, features: int) -> dict[str, np.ndarray]:
@@ -136,10 +141,10 @@ def main() -> None:
         "driver_bytes": r["driver_data_bytes_per_step"] / d["driver_data_bytes_per_step"],
         "step_time": r["step_ms"] / d["step_ms"],
     }
-    print(json.dumps(result, indent=2))
+    json_out.emit(result, indent=2)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
 
 
 if __name__ == "__main__":
-    main()
+    json_out.run(main)

@@ -16,7 +16,6 @@ pair by pair.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -34,6 +33,8 @@ from raypipe.nn import lora
 from raypipe.nn.decoding import Feed, Picker
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))  # modules shared with the tests
+import json_out  # noqa: E402
+
 from rounds import interleaved, ratio_with_spread  # noqa: E402
 
 
@@ -118,8 +119,8 @@ def main() -> None:
         "generation_s": {name: statistics.median(s for r in per for s in r) for name, per in seconds.items()},
         "transformers_over_raypipe": ratio_with_spread(seconds, "transformers", "raypipe"),
     }
-    print(json.dumps(result, indent=2))
+    json_out.emit(result, indent=2)
 
 
 if __name__ == "__main__":
-    main()
+    json_out.run(main)

@@ -18,9 +18,10 @@ NCCL link is left out: NCCL refuses two ranks on one GPU.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -28,6 +29,9 @@ import torch
 
 from raypipe import driver
 from raypipe.transport.ray_store import StoreKeeper
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))  # modules shared with the tests
+import json_out  # noqa: E402
 
 
 @ray.remote
@@ -115,24 +119,22 @@ def main() -> None:
                 times, _ = ray.get([e.run.remote(link, nbytes, args.messages) for e in ends], timeout=600)
                 hops[link].setdefault(f"{mb:g}MB", []).extend(t / 2 for t in times[1:])  # the first warms up
     ray.shutdown()
-    print(
-        json.dumps(
-            {
-                "benchmark": "device_hop",
-                "device": torch.cuda.get_device_name(0) if gpus else "cpu",
-                "actors_hold_own_gpus": own_gpus,
-                "gpus": gpus,
-                "rounds": args.rounds,
-                "messages": args.messages,
-                "hop_ms_median": {
-                    link: {size: round(1e3 * statistics.median(v), 4) for size, v in sizes.items()}
-                    for link, sizes in hops.items()
-                },
+    json_out.emit(
+        {
+            "benchmark": "device_hop",
+            "device": torch.cuda.get_device_name(0) if gpus else "cpu",
+            "actors_hold_own_gpus": own_gpus,
+            "gpus": gpus,
+            "rounds": args.rounds,
+            "messages": args.messages,
+            "hop_ms_median": {
+                link: {size: round(1e3 * statistics.median(v), 4) for size, v in sizes.items()}
+                for link, sizes in hops.items()
             },
-            indent=1,
-        )
+        },
+        indent=1,
     )
 
 
 if __name__ == "__main__":
-    main()
+    json_out.run(main)

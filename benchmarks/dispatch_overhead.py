@@ -9,14 +9,18 @@ the engine's own cost: submitting calls, Ray dispatching them, moving tiny tenso
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 import time
+from pathlib import Path
 
 import ray
 import torch
 from torch import nn
 
 from raypipe import LayerSpec, TrainConfig, Trainer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))  # modules shared with the tests
+import json_out  # noqa: E402
 
 
 def main() -> None:
@@ -52,8 +56,8 @@ def main() -> None:
                 }
             )
     ray.shutdown()
-    print(json.dumps({"benchmark": "dispatch_overhead", "cpus": 2, "ray": ray.__version__, "rows": rows}, indent=2))
+    json_out.emit({"benchmark": "dispatch_overhead", "cpus": 2, "ray": ray.__version__, "rows": rows}, indent=2)
 
 
 if __name__ == "__main__":
-    main()
+    json_out.run(main)

@@ -21,7 +21,6 @@ share of raypipe's step is timed on its own (`objective_batch`, the same pairs).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -39,6 +38,8 @@ from raypipe.driver.inference.objective import objective_batch
 from raypipe.models import hf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))  # modules shared with the tests
+import json_out  # noqa: E402
+
 from rounds import interleaved, paired_ratio  # noqa: E402
 
 LORA = {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
@@ -153,8 +154,8 @@ def main() -> None:
     result["trl_over_raypipe_pp1"] = paired_ratio(seconds, "trl", "raypipe_pp1")
     result["reference_pass_s"] = statistics.median(reference)
     result["reference_share_of_pp1_step"] = statistics.median(reference) / one_step
-    print(json.dumps(result, indent=2))
+    json_out.emit(result, indent=2)
 
 
 if __name__ == "__main__":
-    main()
+    json_out.run(main)

@@ -19,7 +19,6 @@ runners and their plain twins, for longer runs of one comparison.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -33,6 +32,8 @@ from raypipe.data import TokenDataset
 from raypipe.models import gpt
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))  # modules shared with the tests
+import json_out  # noqa: E402
+
 from rounds import interleaved, paired_ratio, plain_twin, round_means  # noqa: E402
 
 
@@ -149,8 +150,8 @@ def main() -> None:
             k: best["plain_torch_m1"] / v for k, v in best.items() if k != "plain_torch_m1" and "plain_torch_m1" in best
         },
     }
-    print(json.dumps(result, indent=2))
+    json_out.emit(result, indent=2)
 
 
 if __name__ == "__main__":
-    main()
+    json_out.run(main)

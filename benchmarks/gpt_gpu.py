@@ -24,7 +24,6 @@ other; reports step seconds per round and the ratio host / NCCL of the medians.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -36,6 +35,8 @@ from raypipe import TrainConfig, Trainer, build_layers, driver
 from raypipe.models import gpt
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))  # modules shared with the tests
+import json_out  # noqa: E402
+
 from rounds import interleaved, match_actor_threads, paired_ratio, plain_twin, ratio_with_spread, round_means  # noqa: E402
 
 SIZES = {
@@ -75,7 +76,7 @@ def main() -> None:
 
     optimizer = {"name": "adamw", "lr": 3e-4}
     if args.links:
-        print(json.dumps(compare_links(cfg, args, precision, optimizer, batch), indent=1))
+        json_out.emit(compare_links(cfg, args, precision, optimizer, batch), indent=1)
         ray.shutdown()
         return
     match_actor_threads(args.device, 1)  # the trainers' threads_per_actor below
@@ -127,43 +128,41 @@ def main() -> None:
     rate = {name: tokens / s for name, s in best.items()}
     flops_per_token = 6 * cfg.parameters + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
     peak = peak_tflops(args.device, args.peak_tflops)
-    print(
-        json.dumps(
-            {
-                "benchmark": "gpt_gpu",
-                "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
-                "model": {
-                    "parameters": cfg.parameters,
-                    "n_layer": cfg.n_layer,
-                    "n_embd": cfg.n_embd,
-                    "block_size": cfg.block_size,
-                    "vocab_size": cfg.vocab_size,
-                },
-                "precision": precision,
-                "batch_size": args.batch_size,
-                "microbatches": m,
-                "rounds": args.rounds,
-                "steps_per_round": args.steps,
-                "step_seconds_per_round": seconds,
-                "step_seconds_median": {k: statistics.median(t for r in v for t in r) for k, v in per_step.items()},
-                "tokens_per_s_best": rate,
-                "ratio_vs_plain_same_microbatches": {
-                    k: best[plain_twin(k)] / v for k, v in best.items() if k.startswith("raypipe")
-                },
-                "ratio_vs_plain_same_microbatches_median_of_steps": {
-                    k: paired_ratio(per_step, plain_twin(k), k) for k in seconds if k.startswith("raypipe")
-                },
-                # raypipe's tokens/s over the plain loop's on the same microbatches, pair by pair
-                "ratios": {
-                    f"{k}_over_plain": ratio_with_spread(per_step, plain_twin(k), k)
-                    for k in seconds
-                    if k.startswith("raypipe")
-                },
-                "mfu": {k: flops_per_token * v / (peak * 1e12) for k, v in rate.items()} if peak else None,
-                "peak_tflops": peak,
+    json_out.emit(
+        {
+            "benchmark": "gpt_gpu",
+            "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
+            "model": {
+                "parameters": cfg.parameters,
+                "n_layer": cfg.n_layer,
+                "n_embd": cfg.n_embd,
+                "block_size": cfg.block_size,
+                "vocab_size": cfg.vocab_size,
             },
-            indent=1,
-        )
+            "precision": precision,
+            "batch_size": args.batch_size,
+            "microbatches": m,
+            "rounds": args.rounds,
+            "steps_per_round": args.steps,
+            "step_seconds_per_round": seconds,
+            "step_seconds_median": {k: statistics.median(t for r in v for t in r) for k, v in per_step.items()},
+            "tokens_per_s_best": rate,
+            "ratio_vs_plain_same_microbatches": {
+                k: best[plain_twin(k)] / v for k, v in best.items() if k.startswith("raypipe")
+            },
+            "ratio_vs_plain_same_microbatches_median_of_steps": {
+                k: paired_ratio(per_step, plain_twin(k), k) for k in seconds if k.startswith("raypipe")
+            },
+            # raypipe's tokens/s over the plain loop's on the same microbatches, pair by pair
+            "ratios": {
+                f"{k}_over_plain": ratio_with_spread(per_step, plain_twin(k), k)
+                for k in seconds
+                if k.startswith("raypipe")
+            },
+            "mfu": {k: flops_per_token * v / (peak * 1e12) for k, v in rate.items()} if peak else None,
+            "peak_tflops": peak,
+        },
+        indent=1,
     )
 
 
@@ -213,4 +212,4 @@ def compare_links(cfg: gpt.GPTConfig, args: argparse.Namespace, precision: str, 
 
 
 if __name__ == "__main__":
-    main()
+    json_out.run(main)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import resource
 import statistics
 import sys
@@ -29,6 +28,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))  # modules shared with the tests
+import json_out  # noqa: E402
+
 from rounds import interleaved, match_actor_threads, ratio_with_spread  # noqa: E402
 
 LORA = {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
@@ -297,10 +298,10 @@ def main() -> None:
     driver.connect()  # a local Ray advertising this machine's accelerators
     try:
         part = {"llm_lora": llm_lora, "compile": compile_part, "qlora": qlora}[args.part]
-        print(json.dumps(part(args, device)), flush=True)
+        json_out.emit(part(args, device))
     finally:
         ray.shutdown()
 
 
 if __name__ == "__main__":
-    main()
+    json_out.run(main)

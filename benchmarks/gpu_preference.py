@@ -14,7 +14,6 @@ stage on the one device, pp = 1:
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -26,6 +25,8 @@ from gpu_parts import LORA, OPTIMIZER, SHARE, _free, llama_config, saved_llm, ti
 from grpo_throughput import even_tokens, prompts
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))  # modules shared with the tests
+import json_out  # noqa: E402
+
 from rounds import interleaved, match_actor_threads, ratio_with_spread  # noqa: E402
 
 
@@ -129,10 +130,10 @@ def main() -> None:
 
     driver.connect()  # a local Ray advertising this machine's accelerators
     try:
-        print(json.dumps(preference(args, device)), flush=True)
+        json_out.emit(preference(args, device))
     finally:
         ray.shutdown()
 
 
 if __name__ == "__main__":
-    main()
+    json_out.run(main)

@@ -22,7 +22,6 @@ neighbour, `grpo_batch`).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -39,6 +38,8 @@ from raypipe import TrainConfig, Trainer
 from raypipe.models import hf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))  # modules shared with the tests
+import json_out  # noqa: E402
+
 from rounds import interleaved, paired_ratio  # noqa: E402
 
 
@@ -127,8 +128,8 @@ def main() -> None:
     parts["whole_step_s"] = fit_s
     result["grpo_step_pp2"] = parts
     result["grpo_step_pp2_shares"] = {k: v / fit_s for k, v in parts.items() if k != "whole_step_s"}
-    print(json.dumps(result, indent=2))
+    json_out.emit(result, indent=2)
 
 
 if __name__ == "__main__":
-    main()
+    json_out.run(main)

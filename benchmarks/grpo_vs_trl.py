@@ -19,7 +19,6 @@ seconds over raypipe's, pair by pair (step i of a round against step i of the sa
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -37,6 +36,8 @@ from raypipe import TrainConfig, Trainer
 from raypipe.models import hf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))  # modules shared with the tests
+import json_out  # noqa: E402
+
 from rounds import ratio_with_spread  # noqa: E402
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex jovial bumpkins".split()
@@ -166,8 +167,8 @@ def main() -> None:
         "step_s": {name: statistics.median([s for r in per for s in r]) for name, per in seconds.items()},
         "trl_over_raypipe_pp1": ratio_with_spread(seconds, "trl", "raypipe_pp1"),
     }
-    print(json.dumps(result, indent=2))
+    json_out.emit(result, indent=2)
 
 
 if __name__ == "__main__":
-    main()
+    json_out.run(main)

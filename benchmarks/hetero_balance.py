@@ -18,8 +18,9 @@ critical path: each stage once plus m - 1 microbatches of the slowest.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
+import sys
+from pathlib import Path
 
 import ray
 import torch
@@ -29,6 +30,9 @@ from raypipe import LayerSpec, TrainConfig, Trainer
 from raypipe.core.devices import LABEL_KIND
 from raypipe.models.simulated import SimulatedCompute
 from raypipe.planning.profiling import pipeline_seconds
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))  # modules shared with the tests
+import json_out  # noqa: E402
 
 MS = [5, 5, 10, 10, 20, 20, 10, 10]  # forward (= backward) time of each layer on the fast kind
 SLOWDOWN = {"rocm": 2.0}
@@ -104,8 +108,8 @@ def main() -> None:
     finally:
         ray.shutdown()
         cluster.shutdown()
-    print(json.dumps(result, indent=1))
+    json_out.emit(result, indent=1)
 
 
 if __name__ == "__main__":
-    main()
+    json_out.run(main)

@@ -18,7 +18,6 @@ of the embedding counts on the last stage).
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -33,6 +32,8 @@ from raypipe import TrainConfig, Trainer
 from raypipe.models import hf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))  # modules shared with the tests
+import json_out  # noqa: E402
+
 from rounds import interleaved, paired_ratio, round_means  # noqa: E402
 
 
@@ -140,8 +141,8 @@ def main() -> None:
         # TiedLayerSpec does), so the actors together hold more than the model's unique bytes
         "pp2_fraction_of_bytes_held": [b / sum(per_actor) for b in per_actor],
     }
-    print(json.dumps(result, indent=2))
+    json_out.emit(result, indent=2)
 
 
 if __name__ == "__main__":
-    main()
+    json_out.run(main)

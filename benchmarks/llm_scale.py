@@ -36,7 +36,6 @@ and after a step, in that order (a process's peak only grows, so each save's gro
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import resource
@@ -54,6 +53,8 @@ from raypipe import TrainConfig, Trainer
 from raypipe.models import hf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))  # modules shared with the tests
+import json_out  # noqa: E402
+
 from rounds import interleaved, paired_ratio  # noqa: E402
 
 LORA = {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
@@ -172,10 +173,10 @@ def main() -> None:
         return ids, ids
 
     if args.full_ft:
-        print(json.dumps(full_fine_tuning(directory, batch, args), indent=2))
+        json_out.emit(full_fine_tuning(directory, batch, args), indent=2)
         return
     if args.save_memory:
-        print(json.dumps(save_memory(directory, batch, args), indent=2))
+        json_out.emit(save_memory(directory, batch, args), indent=2)
         return
     plain_start = rss_bytes()  # torch, transformers and peft imported, no model yet
     started = time.perf_counter()
@@ -270,7 +271,7 @@ def main() -> None:
         "save_pretrained_merged_seconds_pp2": save_merged_s,
         "driver_rss_growth_bytes_pp1": driver_growth,
     }
-    print(json.dumps(result, indent=2))
+    json_out.emit(result, indent=2)
 
 
 def save_memory(directory: str, batch, args) -> dict:
@@ -336,4 +337,4 @@ def full_fine_tuning(directory: str, batch, args) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    json_out.run(main)

@@ -17,8 +17,10 @@ import json
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import ray
 import torch
@@ -26,6 +28,9 @@ from torch import nn
 
 from raypipe import LayerSpec, TrainConfig, Trainer
 from raypipe.observe.loggers import MLflowLogger, TensorBoardLogger, WandbLogger, scalars
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))  # modules shared with the tests
+import json_out  # noqa: E402
 
 
 def main() -> None:
@@ -82,10 +87,10 @@ def main() -> None:
             for name, m in per_record.items()
         },
     }
-    print(json.dumps(result, indent=2))
+    json_out.emit(result, indent=2)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
 
 
 if __name__ == "__main__":
-    main()
+    json_out.run(main)

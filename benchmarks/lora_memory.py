@@ -14,7 +14,6 @@ through bitsandbytes' CPU backend) runs beside them.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -29,6 +28,8 @@ from raypipe import TrainConfig, Trainer
 from raypipe.models import hf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))  # modules shared with the tests
+import json_out  # noqa: E402
+
 from rounds import interleaved, paired_ratio, round_means  # noqa: E402
 
 
@@ -120,29 +121,27 @@ def main() -> None:
         }
         t.shutdown()
     ray.shutdown()
-    print(
-        json.dumps(
-            {
-                "benchmark": "lora_memory",
-                "machine": {
-                    "cpus": 2,
-                    "python": platform.python_version(),
-                    "torch": torch.__version__,
-                    "ray": ray.__version__,
-                    "transformers": transformers.__version__,
-                },
-                "model": {"type": "llama", "hidden_size": 256, "layers": 4, "vocab_size": 4096, "seq": 64, "batch": 8},
-                "lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]},
-                "memory": memory,
-                "step_seconds_per_round": round_means(per_step),
-                "step_seconds_median": {k: statistics.median(s for r in v for s in r) for k, v in per_step.items()},
-                "lora_speed_vs_full_median_of_steps": paired_ratio(per_step, "full", "lora"),
-                "qlora_speed_vs_full_median_of_steps": paired_ratio(per_step, "full", "qlora"),
+    json_out.emit(
+        {
+            "benchmark": "lora_memory",
+            "machine": {
+                "cpus": 2,
+                "python": platform.python_version(),
+                "torch": torch.__version__,
+                "ray": ray.__version__,
+                "transformers": transformers.__version__,
             },
-            indent=2,
-        )
+            "model": {"type": "llama", "hidden_size": 256, "layers": 4, "vocab_size": 4096, "seq": 64, "batch": 8},
+            "lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]},
+            "memory": memory,
+            "step_seconds_per_round": round_means(per_step),
+            "step_seconds_median": {k: statistics.median(s for r in v for s in r) for k, v in per_step.items()},
+            "lora_speed_vs_full_median_of_steps": paired_ratio(per_step, "full", "lora"),
+            "qlora_speed_vs_full_median_of_steps": paired_ratio(per_step, "full", "qlora"),
+        },
+        indent=2,
     )
 
 
 if __name__ == "__main__":
-    main()
+    json_out.run(main)

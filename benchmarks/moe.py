@@ -14,15 +14,19 @@ parameter and optimizer-state bytes (what ep saves).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
+import sys
+from pathlib import Path
 
 import ray
 import torch
 
 from raypipe import TrainConfig, Trainer
 from raypipe.models import gpt
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))  # modules shared with the tests
+import json_out  # noqa: E402
 
 
 def main() -> None:
@@ -112,23 +116,21 @@ def main() -> None:
         )
     rows[1]["tokens_per_s_over_ep1"] = rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"]
     for row in rows:
-        print(json.dumps(row))
-    print(
-        json.dumps(
-            {
-                "benchmark": "moe",
-                "cores": os.cpu_count(),
-                "pp": args.pp,
-                "dp": 2,
-                "experts": args.experts,
-                "top_k": args.top_k,
-                "capacity_factor": args.capacity,
-                "parameters": cfg.parameters,
-                "rows": rows,
-            }
-        )
+        json_out.emit(row)
+    json_out.emit(
+        {
+            "benchmark": "moe",
+            "cores": os.cpu_count(),
+            "pp": args.pp,
+            "dp": 2,
+            "experts": args.experts,
+            "top_k": args.top_k,
+            "capacity_factor": args.capacity,
+            "parameters": cfg.parameters,
+            "rows": rows,
+        }
     )
 
 
 if __name__ == "__main__":
-    main()
+    json_out.run(main)

@@ -33,6 +33,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))  # modules shared with the tests
+import json_out  # noqa: E402
+
 SUPPORT = Path(__file__).resolve().parent.parent / "support"  # modules shared with the tests
 sys.path.insert(0, str(SUPPORT))
 
@@ -143,10 +146,10 @@ def main() -> None:
     if args.case == "memory":  # side by side: the same loss restored from the last checkpoint
         report["checkpoint_path_s"] = [r["checkpoint"] for r in rounds]
         report["checkpoint_path_median_s"] = statistics.median(report["checkpoint_path_s"])
-    print(json.dumps(report, indent=1))
+    json_out.emit(report, indent=1)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":
-    main()
+    json_out.run(main)

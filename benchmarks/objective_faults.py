@@ -18,15 +18,20 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 import time
 import warnings
+from pathlib import Path
 
 import ray
 import torch
 
 from raypipe import BatchError, TrainConfig, Trainer
 from raypipe.models import hf
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))  # modules shared with the tests
+import json_out  # noqa: E402
 
 VOCAB = 48
 LORA = {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
@@ -162,8 +167,8 @@ def main() -> None:
             "refused": refused(directory),
         }
     ray.shutdown()
-    print(json.dumps(report, indent=1))
+    json_out.emit(report, indent=1)
 
 
 if __name__ == "__main__":
-    main()
+    json_out.run(main)

@@ -10,15 +10,19 @@ on CPU torch's default is a Python loop over the parameter tensors.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 from raypipe import build_layers
 from raypipe.models import gpt
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))  # modules shared with the tests
+import json_out  # noqa: E402
 
 OPTIMIZERS = {
     "sgd_momentum": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
@@ -53,21 +57,19 @@ def main() -> None:
         name: {impl: round(statistics.median(seconds[(name, impl)]) * 1e3, 3) for impl in IMPLEMENTATIONS}
         for name in OPTIMIZERS
     }
-    print(
-        json.dumps(
-            {
-                "benchmark": "optimizer_step",
-                "machine": {"python": platform.python_version(), "torch": torch.__version__, "threads": 1},
-                "parameters": sum(p.numel() for p in model.parameters()),
-                "tensors": len(list(model.parameters())),
-                "steps": args.steps,
-                "ms_per_step_median": ms,
-                "fused_speedup_vs_default": {name: round(v["default"] / v["fused"], 2) for name, v in ms.items()},
-            },
-            indent=1,
-        )
+    json_out.emit(
+        {
+            "benchmark": "optimizer_step",
+            "machine": {"python": platform.python_version(), "torch": torch.__version__, "threads": 1},
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "tensors": len(list(model.parameters())),
+            "steps": args.steps,
+            "ms_per_step_median": ms,
+            "fused_speedup_vs_default": {name: round(v["default"] / v["fused"], 2) for name, v in ms.items()},
+        },
+        indent=1,
     )
 
 
 if __name__ == "__main__":
-    main()
+    json_out.run(main)

@@ -21,15 +21,19 @@ stage's peak stashed microbatches (GPipe holds m, 1F1B at most p - s).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import ray
 import torch
 
 from raypipe import LayerSpec, TrainConfig, Trainer
 from raypipe.models.simulated import SimulatedCompute
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))  # modules shared with the tests
+import json_out  # noqa: E402
 
 P = 4
 
@@ -135,12 +139,12 @@ def main() -> None:
                         row["overhead_per_action_us"] = 1e6 * result["step_s"] / (2 * m * P)
                         row["overhead_per_action_us_fit"] = 1e6 * result["fit_step_s"] / (2 * m * P)
                     rows.append(row)
-                    print(json.dumps(row), flush=True)
+                    json_out.emit(row)
         for trainer in trainers.values():
             trainer.shutdown()
     ray.shutdown()
-    print(json.dumps({"benchmark": "pipeline_efficiency", "rows": rows}))
+    json_out.emit({"benchmark": "pipeline_efficiency", "rows": rows})
 
 
 if __name__ == "__main__":
-    main()
+    json_out.run(main)

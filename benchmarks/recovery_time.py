@@ -10,18 +10,22 @@ death, and how long until the step that died had completed on new actors.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
+import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 import ray
 import torch
 from torch import nn
 
 from raypipe import LayerSpec, TrainConfig, Trainer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))  # modules shared with the tests
+import json_out  # noqa: E402
 
 
 class SlowIdentity(nn.Module):
@@ -75,8 +79,8 @@ def main() -> None:
                 }
             )
     ray.shutdown()
-    print(json.dumps({"benchmark": "recovery_time", "cpus": 2, "pp": 2, "trials": trials}, indent=2))
+    json_out.emit({"benchmark": "recovery_time", "cpus": 2, "pp": 2, "trials": trials}, indent=2)
 
 
 if __name__ == "__main__":
-    main()
+    json_out.run(main)

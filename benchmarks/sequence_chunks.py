@@ -28,7 +28,6 @@ stages one after another (`raypipe.nn.sequence_chunks`).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import re
@@ -47,6 +46,8 @@ from raypipe.models import hf
 from raypipe.schedules import build_schedule, timed
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))  # modules shared with the tests
+import json_out  # noqa: E402
+
 from rounds import interleaved  # noqa: E402
 
 SGD = {"name": "sgd", "lr": 1e-3}
@@ -170,8 +171,8 @@ def main() -> None:
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
         "command": "python benchmarks/sequence_chunks.py",
     }
-    print(json.dumps(report, indent=2))
+    json_out.emit(report, indent=2)
 
 
 if __name__ == "__main__":
-    main()
+    json_out.run(main)

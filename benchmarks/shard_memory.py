@@ -10,13 +10,17 @@ state across its dp replicas while parameters stay whole.
 
 from __future__ import annotations
 
-import json
+import sys
+from pathlib import Path
 
 import ray
 
 from raypipe import TrainConfig, Trainer
 from raypipe.data import TokenDataset
 from raypipe.models import gpt
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))  # modules shared with the tests
+import json_out  # noqa: E402
 
 
 def main() -> None:
@@ -47,8 +51,8 @@ def main() -> None:
                     for i in trainer.stage_info()
                 }
     ray.shutdown()
-    print(json.dumps(result, indent=2))
+    json_out.emit(result, indent=2)
 
 
 if __name__ == "__main__":
-    main()
+    json_out.run(main)

@@ -43,6 +43,8 @@ from pathlib import Path
 SUPPORT = Path(__file__).resolve().parent.parent / "support"  # modules shared with the tests
 sys.path.insert(0, str(SUPPORT))
 
+import json_out  # noqa: E402
+
 from netns_cluster import NetnsCluster, available  # noqa: E402
 
 VARIANTS = {
@@ -218,19 +220,17 @@ def main() -> None:
     finally:
         cluster.close()
         shutil.rmtree(work, ignore_errors=True)
-    print(
-        json.dumps(
-            {
-                "benchmark": "slow_link",
-                "setup": "pp 2, one stage per namespace node, 1 CPU each, 8 microbatches of 2 MiB boundaries",
-                "steps": args.steps,
-                "variants": {v: VARIANTS[v] for v in args.variants},
-                "results": report(results),
-            },
-            indent=1,
-        )
+    json_out.emit(
+        {
+            "benchmark": "slow_link",
+            "setup": "pp 2, one stage per namespace node, 1 CPU each, 8 microbatches of 2 MiB boundaries",
+            "steps": args.steps,
+            "variants": {v: VARIANTS[v] for v in args.variants},
+            "results": report(results),
+        },
+        indent=1,
     )
 
 
 if __name__ == "__main__":
-    main()
+    json_out.run(main)

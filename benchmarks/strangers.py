@@ -17,7 +17,6 @@ the two runs' weights (0.0 is exact) and each run's step times.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pickle
 import socket
@@ -33,6 +32,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))  # modules shared with the tests
+import json_out  # noqa: E402
 
 from raypipe import TrainConfig, Trainer  # noqa: E402
 
@@ -116,9 +116,9 @@ def main() -> None:
         "untouched": 1000 * statistics.median(clean_s[1:]),
         "with_strangers": 1000 * statistics.median(hit_s[1:]),
     }
-    print(json.dumps(report, indent=1))
+    json_out.emit(report, indent=1)
     torch.set_num_threads(1)  # nothing more to compute; keeps the interpreter's exit quick
 
 
 if __name__ == "__main__":
-    main()
+    json_out.run(main)

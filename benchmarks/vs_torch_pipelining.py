@@ -37,14 +37,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import socket
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))  # modules shared with the tests
+import json_out  # noqa: E402
 
 P, M = 4, 16
 TORCH = {
@@ -266,10 +270,10 @@ def main() -> None:
                     row["ratio_early_over_late"] = raypipe_s / statistics.median(lates)
                     row["ratio_early_over_late_per_round"] = [r / q for r, q in zip(raypipe_rounds, lates)]
                 rows.append(row)
-                print(json.dumps(row), flush=True)
+                json_out.emit(row)
     ray.shutdown()
-    print(json.dumps({"benchmark": "vs_torch_pipelining", "rows": rows}))
+    json_out.emit({"benchmark": "vs_torch_pipelining", "rows": rows})
 
 
 if __name__ == "__main__":
-    main()
+    json_out.run(main)

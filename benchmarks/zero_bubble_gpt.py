@@ -17,15 +17,19 @@ schedules run nearly the same. `--threads` sets each actor's torch threads.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
+import sys
+from pathlib import Path
 
 import ray
 import torch
 
 from raypipe import TrainConfig, Trainer
 from raypipe.models import gpt
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))  # modules shared with the tests
+import json_out  # noqa: E402
 
 P, M = 4, 16
 SCHEDULES = ("1f1b", "zb-h1", "zb-v", "interleaved-1f1b")
@@ -87,20 +91,18 @@ def main() -> None:
         for s in SCHEDULES
     ]
     for row in rows:
-        print(json.dumps(row))
-    print(
-        json.dumps(
-            {
-                "benchmark": "zero_bubble_gpt",
-                "p": P,
-                "m": M,
-                "cores": os.cpu_count(),
-                "threads_per_actor": args.threads,
-                "rows": rows,
-            }
-        )
+        json_out.emit(row)
+    json_out.emit(
+        {
+            "benchmark": "zero_bubble_gpt",
+            "p": P,
+            "m": M,
+            "cores": os.cpu_count(),
+            "threads_per_actor": args.threads,
+            "rows": rows,
+        }
     )
 
 
 if __name__ == "__main__":
-    main()
+    json_out.run(main)

@@ -3,7 +3,10 @@ actors never imports the driver's, and no two packages import each other. Read f
 with `ast`, function-local imports included, so no test run can miss one."""
 
 import ast
+import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -299,3 +302,28 @@ def test_every_benchmark_finds_the_support_modules_it_imports():
     for name in sorted(benchmarks):
         imported(name, False, (name,))
     assert len(benchmarks) > 30 and not failures, sorted(set(failures))
+
+
+def test_a_benchmarks_standard_output_is_its_json_alone(tmp_path):
+    """Every benchmark writes its JSON with `json_out.emit` and runs under `json_out.run`, which
+    sends every other print (a trainer's start log, by default on standard output) to standard
+    error, so `python benchmarks/x.py > x.json` writes a file `json.load` reads. A script run as a
+    benchmark runs, printing as a trainer does, shows it."""
+    root = PACKAGE.parent
+    failures = []
+    for path in sorted((root / "benchmarks").glob("*.py")):
+        text = path.read_text()
+        for call in re.finditer(r"print\(\s*json\.dumps\((?:[^()]|\([^()]*\))*\)([^)]*)\)", text):
+            if "file=" not in call[1]:
+                failures.append(f"{path.name}: {call[0][:60]}")
+        if "json_out.emit(" in text and "json_out.run(main)" not in text:
+            failures.append(f"{path.name}: emits JSON but its main does not run under json_out.run")
+    assert not failures, failures
+    script = tmp_path / "bench.py"
+    script.write_text(
+        f"import sys\nsys.path.insert(0, {str(root / 'support')!r})\nimport json_out\n\n"
+        "def main():\n    print('raypipe: starting 2 actors ...')\n    json_out.emit({'step_s': 0.25}, indent=2)\n\n"
+        "json_out.run(main)\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, check=True)
+    assert json.loads(done.stdout) == {"step_s": 0.25} and done.stderr == "raypipe: starting 2 actors ...\n"
