@@ -350,7 +350,7 @@ class Trainer:
             ConfigError: for a field that needs a new Trainer (pp, shard_plan, ...) or a bad value.
         """
         check_reconfigurable(changes, self.config)
-        new = self.config.replace(**changes)
+        new = self.config.replace(**replan.with_chosen_warmup(self.group, changes))
         with root_lock.moving(self.root_lock, new.checkpoint_dir, self.run_name) as held:  # refused if in use
             self.group.reconfigure(new)
         self.root_lock = held
@@ -421,6 +421,8 @@ def _start(
     live_trainers.add(trainer)
     if report is not None:  # a profiled plan: made again for the links measured
         replan.follow_links(trainer.group, asked, log)
+    if asked.extra_warmup is None and asked.schedule != "auto":  # "auto" weighs it on the measured links
+        trainer.group.warmup_chosen = replan.overlap_links(trainer.group, log)
     if asked.sequence_chunks == "auto" and sample is not None:  # the planner's k, timed against none
         chunk_trial.settle(trainer.group, trainer.state.step_count, sample, log)
     if config.resume is not False and config.checkpoint_dir is not None:  # the config needs both

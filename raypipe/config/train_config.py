@@ -89,7 +89,7 @@ class TrainConfig:
     microbatches = Alias[int]("pipeline")
     schedule = Alias[str]("pipeline")
     chunks = Alias[int | None]("pipeline")
-    extra_warmup = Alias[int]("pipeline")
+    extra_warmup = Alias[int | None]("pipeline")
     sequence_chunks = Alias[int | str]("pipeline")
     engine = Alias[str]("pipeline")
     actor_steps = Alias[int | str]("pipeline")

@@ -27,7 +27,7 @@ class Fields(Protocol):
     microbatches: int
     schedule: str
     chunks: int | None
-    extra_warmup: int
+    extra_warmup: int | None
     sequence_chunks: int | str
     engine: str
     actor_steps: int | str

@@ -81,6 +81,7 @@ class ActorGroup:
         self.placement_group: PlacementGroup | None = None  # the actors' reservation (None in a Tune trial)
         self.nodes: dict[str, str] = {}  # actor name -> the node it runs on, kept after a node is lost
         self.links: list[Link] = []  # between neighbouring stages, measured at each start (`links.measure`)
+        self.warmup_chosen = False  # extra_warmup=1 set by the trainer for stages across nodes (`replan.overlap_links`)
         self.engine: Engine = make_engine(config.engine)
         self.calls = 0  # step calls issued, the id of the last one
         #: a preference run's reference policy once captured: "adapters_off", "frozen_copy", or "not_saved"
@@ -92,8 +93,7 @@ class ActorGroup:
         self.board: ActorHandle | None = None  # the actor-driven runs' step board (`actor_runs`), made at first use
         self.reader: ActorHandle | None = None  # the actor-driven runs' reader of a function's batches (`feeds`)
         self.actor_run: Any = None  # the actor-driven run under way (`actor_runs.ActorRun`)
-        #: whether the actors ran a step since they started or were reconfigured (`metrics["warmup"]`)
-        self.warm = False
+        self.warm = False  # whether the actors ran a step since they started or were reconfigured (`metrics["warmup"]`)
         self.reshape(config, plan)
         self._finalizer: weakref.finalize | None = None
 

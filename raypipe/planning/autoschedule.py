@@ -185,7 +185,7 @@ def rank(
     candidates: list[Candidate] = []
     best: tuple[float, Candidate, PlanReport] | None = None
     names = [n for n in SCHEDULES if config.schedule in ("auto", n)]
-    warmups = (0,) if config.schedule == "auto" else (config.extra_warmup,)
+    warmups = (0,) if config.schedule == "auto" else (config.extra_warmup or 0,)
     for key, profiles in profiled.items():
         m, k = key if isinstance(key, tuple) else (key, None)
         for name in names if k in (None, 1) else [n for n in names if n in SEQUENCE_CHUNKED]:

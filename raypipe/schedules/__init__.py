@@ -78,7 +78,7 @@ def build_schedule(
     num_stages: int,
     num_microbatches: int,
     chunks: int | None = None,
-    extra_warmup: int = 0,
+    extra_warmup: int | None = 0,
     sequence_chunks: int = 1,
 ) -> Schedule:
     """Builds and validates the named schedule.
@@ -86,7 +86,8 @@ def build_schedule(
     Args:
         chunks: model chunks per actor, for the schedules that let the config choose.
         extra_warmup: forwards each stage but the last runs ahead beyond the schedule's own
-            warm-up (1F1B-ordered schedules: "1f1b", "zb-h1"), for slow links.
+            warm-up (1F1B-ordered schedules: "1f1b", "zb-h1"), for slow links; None: 0 (a
+            config's unset value, which a trainer decides once its actors are placed).
         sequence_chunks: k > 1 cuts each microbatch along the sequence into k units, unit u being
             chunk u % k of microbatch u // k, forwards in chunk order and backwards in reverse
             (`SEQUENCE_CHUNKED` schedules): the schedule has `num_microbatches` x k units.
@@ -95,7 +96,7 @@ def build_schedule(
         KeyError: for an unknown name (the config validates names before this).
         ScheduleError: if the schedule is invalid for these sizes, or `chunks` is not its own.
     """
-    kind = SCHEDULES[name]
+    kind, extra_warmup = SCHEDULES[name], extra_warmup or 0
     if sequence_chunks != 1:
         if name not in SEQUENCE_CHUNKED or sequence_chunks < 1:
             raise ScheduleError(

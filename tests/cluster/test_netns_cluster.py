@@ -38,6 +38,7 @@ for pp, dp, device_links in ((3, 1, "auto"), (2, 2, "auto"), (3, 1, "nccl")):
         losses = [t.step(*batch(k))["loss"] for k in range(3)]
         info = t.stage_info()
         out[f"{{pp}}x{{dp}}" + ("-ordered" if device_links == "nccl" else "")] = {{"losses": losses, "where": where(t),
+                                 "extra_warmup": t.config.extra_warmup,
                                  "links": {{i["name"]: i["links"] for i in info}},
                                  "diagram": Architecture.from_trainer(t, torch.zeros(8, 6)).to_mermaid()}}
 out["reference"] = reference_run(MLP7, 0, PLAIN_SGD, 3, microbatches=2)[0]
@@ -70,6 +71,7 @@ def test_pipelines_span_real_nodes_over_gloo_with_one_process_losses(cluster, tm
         labels = re.findall(r' float32 over gloo at [\d,]+ Mbit/s" -->', run["diagram"])
         assert len(labels) == (2 if shape == "3x1" else 1), run["diagram"]
         assert run["losses"] == pytest.approx(out["reference"], rel=1e-5, abs=1e-6), shape
+        assert run["extra_warmup"] == 1, shape  # left unset, stages across nodes run one more forward ahead
     # NCCL's in-order streams (here over gloo: CPU stages) between nodes, as between GPU hosts
     run = out["3x1-ordered"]
     assert len(set(run["where"].values())) == 3
@@ -121,6 +123,7 @@ def test_links_are_measured_and_a_profiled_split_moves_to_a_narrow_boundary(clus
         assert 0 < link["latency_s"] < 0.05, out["links"]
     log = "\n".join(out["lines"])
     assert "links measured between stages:" in log and "starting the stages again with the new split" in log, log
+    assert "raypipe: stages on different nodes (stage 0 -> stage 1 over gloo: " in log and "extra_warmup=1" in log
     blind = log.split("the link-blind plan (1f1b, m=4, ")[1].split(")]")[0]
     assert blind.startswith("[(0, 2)") or blind.startswith("[(0, 3)") or blind.startswith("[(0, 4)"), log
     assert out["plan"][0][1] in (5, 6), (out["plan"], log)  # after an 8-wide layer

@@ -244,6 +244,45 @@ def test_an_extra_warmup_is_refused_where_the_schedule_has_none():
         TrainConfig(pp=2, microbatches=4, extra_warmup=-1)
 
 
+def test_an_unset_extra_warmup_is_one_where_stages_cross_nodes_and_follows_a_new_schedule():
+    """`extra_warmup=None` (the default) is 0 to a schedule; once the actors are placed, stages on
+    different nodes get 1 (`replan.overlap_links`, logged), one node keeps 0, and a schedule without
+    extra warm-up (GPipe) keeps 0. A later `reconfigure` of the schedule carries the trainer's choice
+    along (0 for GPipe, 1 back on 1F1B), until the user sets the field."""
+    from types import SimpleNamespace
+
+    from raypipe.config import TrainConfig
+    from raypipe.driver.cluster.topology import Topology
+    from raypipe.driver.links import replan
+
+    assert TrainConfig().extra_warmup is None and build_schedule("1f1b", 2, 4, extra_warmup=None) == build_schedule(
+        "1f1b", 2, 4
+    )
+
+    def group(nodes, schedule="1f1b"):
+        config = TrainConfig(pp=3, microbatches=4, schedule=schedule)
+        made = SimpleNamespace(config=config, topology=Topology(3, 1, 1, 1), links=[], warmup_chosen=False)
+        made.names = [f"stage{s}-dp0-tp0" for s in range(3)]
+        made.nodes = dict(zip(made.names, nodes))
+        made.reconfigure = lambda new: setattr(made, "config", new)
+        return made
+
+    lines = []
+    across = group(["a", "a", "b"])
+    assert replan.overlap_links(across, lines.append) and across.config.extra_warmup == 1
+    assert lines[0].startswith("raypipe: stages on different nodes (stage 1 -> stage 2): extra_warmup=1"), lines
+    one_node, gpipe = group(["a", "a", "a"]), group(["a", "b", "c"], "gpipe")
+    assert not replan.overlap_links(one_node, lines.append) and not replan.overlap_links(gpipe, lines.append)
+    assert one_node.config.extra_warmup is None and gpipe.config.extra_warmup is None and len(lines) == 1
+    across.warmup_chosen = True
+    assert replan.with_chosen_warmup(across, {"schedule": "gpipe"}) == {"schedule": "gpipe", "extra_warmup": 0}
+    assert replan.with_chosen_warmup(across, {"schedule": "zb-h1"}) == {"schedule": "zb-h1", "extra_warmup": 1}
+    assert replan.with_chosen_warmup(across, {"extra_warmup": 2}) == {"extra_warmup": 2}
+    assert not across.warmup_chosen and replan.with_chosen_warmup(across, {"schedule": "gpipe"}) == {
+        "schedule": "gpipe"
+    }
+
+
 def test_timed_messages_wait_for_their_link_one_at_a_time():
     from raypipe.schedules import timed
 

@@ -35,7 +35,8 @@ class PipelineConfig(Section):
             link stays busy instead of idling one round trip per microbatch. Each costs one more
             microbatch's stashed activations on those stages. 1 is enough on the links measured
             (docs/BENCHMARKS.md, "A slow link"); schedule="auto" chooses it where the links
-            between stages were measured (`probe_links`).
+            between stages were measured (`probe_links`). None (the default): 1 where neighbouring
+            stages run on different nodes (known once the actors start; the log says so), else 0.
         sequence_chunks: k > 1 cuts every sample along the sequence into k chunks that flow
             through the pipeline one after another (Seq1F1B), so one long sample fills it (m = 1
             idles (pp - 1)/pp of each step). Forwards run in chunk order, backwards in reverse;
@@ -63,7 +64,7 @@ class PipelineConfig(Section):
     microbatches: int = 1
     schedule: str = "1f1b"  # a name in `raypipe.schedules.SCHEDULES`, or "auto"
     chunks: int | None = None
-    extra_warmup: int = 0
+    extra_warmup: int | None = None  # None: 1 across nodes, else 0 (`links.replan.overlap_links`)
     sequence_chunks: int | str = 1
     engine: str = "p2p"  # a name in `raypipe.config.engines.ENGINES`
     actor_steps: int | str = "auto"
@@ -73,7 +74,8 @@ class PipelineConfig(Section):
         check_choice("schedule", self.schedule, SCHEDULE_NAMES)
         if self.chunks is not None:
             check_int("chunks", self.chunks, 1)
-        check_int("extra_warmup", self.extra_warmup, 0)
+        if self.extra_warmup is not None:
+            check_int("extra_warmup", self.extra_warmup, 0)
         check_choice("engine", self.engine, tuple(ENGINES))
         self._check_sequence_chunks()
         self._check_schedule()
