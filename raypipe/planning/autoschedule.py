@@ -218,7 +218,12 @@ def rank(
     if best is None:
         raise ConfigError("'auto' found no schedule that fits: " + "; ".join(str(c) for c in candidates))
     best[2].profiled_microbatches = profiled
-    return ScheduleChoice(best[1], best[2], candidates)
+    chosen = best[1]
+    best[2].unchunked_fits = any(
+        c.step_seconds is not None and c.sequence_chunks == 1 and c.microbatches == chosen.microbatches
+        for c in candidates
+    )
+    return ScheduleChoice(chosen, best[2], candidates)
 
 
 def _better(seconds: float, report: PlanReport, best_seconds: float, best: PlanReport) -> bool:

@@ -62,6 +62,8 @@ class PlanReport:
             this over `step_seconds`); empty when no link was measured.
         profiled_microbatches: under schedule="auto", every microbatch count's profiles (to plan
             again once the links are measured, without profiling again); not in `to_dict`.
+        unchunked_fits: under sequence_chunks="auto", whether the chosen plan fits every device's
+            memory with its microbatches uncut (what `driver.run.chunk_trial` may run them as).
     """
 
     plan: Plan
@@ -75,6 +77,7 @@ class PlanReport:
     stages: list[int] = field(default_factory=list)
     link_wire: list[tuple[Link, float]] = field(default_factory=list)
     profiled_microbatches: dict[int, dict[str, dict[str, object]]] = field(default_factory=dict)
+    unchunked_fits: bool = True
 
     def __str__(self) -> str:
         uniform = self.plan == uniform_plan(self.plan[-1][1], len(self.plan))

@@ -8,8 +8,10 @@ k slower than not cutting at all.
 The trial steps leave nothing behind: before them every actor hands over its state (weights,
 optimizer state, fp32 masters, RNG, running statistics, loss scale: the calls a recovery from
 memory uses), and after them takes it back, so a run with "auto" trains exactly as one given the
-kept k from the start. Where an actor holds a ZeRO share of its state, which cannot be handed
-over, the planner's k runs unmeasured and the log says so.
+kept k from the start. The planner's k runs unmeasured, and the log says why, where an actor holds
+a ZeRO share of its state (it cannot be handed over), where the planner found the sample's
+microbatches too big for a device's memory uncut, or where an unchunked step fails (the state is
+put back all the same).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from raypipe.core.errors import StageError
 from raypipe.driver.actor_group import ActorGroup
 from raypipe.driver.results import gather
 from raypipe.driver.run import replicas
@@ -62,11 +65,14 @@ def settle(group: ActorGroup, step: int, sample: tuple[object, object], log: Cal
     if planned == 1:
         return None
     reason = replicas.why_not(group.config, lost=False)
+    if group.report is not None and not group.report.unchunked_fits:
+        reason = "uncut, the sample's microbatches do not fit a device's memory"
     if reason is not None:
         log(f"sequence_chunks=auto: running the planned sequence_chunks={planned} unmeasured ({reason})")
         return None
     held = [actor.hand_over.options(num_returns=2).remote() for actor in group.actors]
     seconds: dict[int, list[float]] = {planned: [], 1: []}
+    failed = None
     try:
         for round_ in range(ROUNDS + 1):
             for k in (planned, 1):
@@ -75,6 +81,8 @@ def settle(group: ActorGroup, step: int, sample: tuple[object, object], log: Cal
                 submit(group, *sample, step).wait(started)
                 if round_:
                     seconds[k].append(time.perf_counter() - started)
+    except StageError as error:  # an uncut step that does not fit after all (a device's memory): keep k
+        failed = error
     finally:
         gather(
             [actor.take_over.remote(step, state) for actor, (_, state) in zip(group.actors, held)],
@@ -82,6 +90,10 @@ def settle(group: ActorGroup, step: int, sample: tuple[object, object], log: Cal
             group.actors,
             group.names,
         )
+    if failed is not None:
+        group.reconfigure(group.config.replace(sequence_chunks=planned))
+        log(f"sequence_chunks=auto: running the planned sequence_chunks={planned} (a trial step failed: {failed})")
+        return None
     trial = Trial(planned, seconds)
     group.reconfigure(group.config.replace(sequence_chunks=trial.kept))
     log(str(trial))
