@@ -63,7 +63,7 @@ def overlap_links(group: ActorGroup, log: Callable[[str], None]) -> bool:
     if not crossing or not SCHEDULES[config.schedule].extra_warmup:
         return False
     try:
-        build_schedule(config.schedule, config.pp, config.microbatches, config.chunks, 1, config.sequence_chunks)
+        build_schedule(config.schedule, config.pp, config.microbatches, config.chunks, 1, int(config.sequence_chunks))
     except ScheduleError:
         return False
     rates = {(link.sender, link.receiver): link for link in group.links if link.measured}

@@ -61,8 +61,8 @@ def settle(group: ActorGroup, step: int, sample: tuple[object, object], log: Cal
     actor's state back as it was; logs what it measured. `step`: the run's step count (the
     learning-rate schedule's step the trial steps run at). None when nothing was measured (the
     plan does not cut, or the state cannot be handed over)."""
-    planned = group.config.sequence_chunks
-    if planned == 1:
+    planned = group.config.sequence_chunks  # a number once the trainer has started ("auto" chosen)
+    if not isinstance(planned, int) or planned == 1:
         return None
     reason = replicas.why_not(group.config, lost=False)
     if group.report is not None and not group.report.unchunked_fits:
