@@ -27,6 +27,7 @@ their ratio to ZeRO-0's, and the step time of each (one trainer after the other:
     python benchmarks/llm_scale.py --dir /tmp/qwen2-8l --layers 8 --full-ft > zero3.json  # ~6 minutes
     python benchmarks/llm_scale.py --dir /tmp/qwen2-0.5b --save-memory > saves.json  # ~3 minutes
     python benchmarks/llm_scale.py --dir /tmp/qwen2-0.5b --seq 64 --ray-cpus 4 > told4.json  # Ray told 2x the cores
+    python benchmarks/llm_scale.py --dir /tmp/qwen2-0.5b --stage-peaks > peaks.json  # each stage over the model, pp 2 and 4
 
 With `--save-memory`, instead: what saving costs a stage (issue 59): at pp = 2 under LoRA, each
 stage's peak right after loading, after `save_adapter`, after `save_pretrained(merge_adapters=True)`
@@ -36,6 +37,7 @@ and after a step, in that order (a process's peak only grows, so each save's gro
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import resource
@@ -158,6 +160,7 @@ def main() -> None:
     )
     parser.add_argument("--full-ft", action="store_true", help="full fine-tuning at pp 2 x dp 2: ZeRO-0 vs ZeRO-3")
     parser.add_argument("--save-memory", action="store_true", help="each stage's peak as saves go, at pp 2")
+    parser.add_argument("--stage-peaks", action="store_true", help="each stage's peak over the whole model, pp 2 and 4")
     args = parser.parse_args()
 
     import peft
@@ -177,6 +180,9 @@ def main() -> None:
         return
     if args.save_memory:
         json_out.emit(save_memory(directory, batch, args), indent=2)
+        return
+    if args.stage_peaks:
+        json_out.emit(stage_peaks(directory, batch, args), indent=2)
         return
     plain_start = rss_bytes()  # torch, transformers and peft imported, no model yet
     started = time.perf_counter()
@@ -272,6 +278,24 @@ def main() -> None:
         "driver_rss_growth_bytes_pp1": driver_growth,
     }
     json_out.emit(result, indent=2)
+
+
+def stage_peaks(directory: str, batch, args) -> dict:
+    """Each stage's resident peak after three steps under LoRA at pp = 2 and pp = 4 (4 microbatches, the
+    batch's rows), over the whole model's bytes as saved (the safetensors index's total: the tied
+    weight once): issue 76's measure, a stage holding its share. Each stage's split beside it."""
+    whole = json.loads((Path(directory) / "model.safetensors.index.json").read_text())["metadata"]["total_size"]
+    ray.init(address="local", num_cpus=args.ray_cpus, include_dashboard=False, logging_level="ERROR")
+    out: dict[str, object] = {"whole_model_bytes": whole}
+    for pp in (2, 4):
+        config = TrainConfig(pp=pp, microbatches=4, lora=LORA, optimizer=OPTIMIZER)
+        with Trainer(hf.from_pretrained(directory), config=config) as t:
+            for step in range(3):
+                t.step(*batch(step))
+            stages = stage_memory(t)
+        out[f"pp{pp}"] = {"peak_over_whole_model": [s["peak_bytes"] / whole for s in stages], "stages": stages}
+    ray.shutdown()
+    return out
 
 
 def save_memory(directory: str, batch, args) -> dict:
