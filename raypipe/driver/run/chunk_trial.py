@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from raypipe.core.errors import StageError
 from raypipe.driver.actor_group import ActorGroup
 from raypipe.driver.results import gather
-from raypipe.driver.run import replicas
 from raypipe.driver.run.step import submit
 
 ROUNDS = 2  # timed steps per chunk count, after one untimed step each (its first allocations)
@@ -60,12 +59,14 @@ def settle(group: ActorGroup, step: int, sample: tuple[object, object], log: Cal
     turn, after a first untimed one each), keeps the faster (`group.reconfigure`) and puts every
     actor's state back as it was; logs what it measured. `step`: the run's step count (the
     learning-rate schedule's step the trial steps run at). None when nothing was measured (the
-    plan does not cut, or the state cannot be handed over)."""
+    plan does not cut, its state cannot be put back, k = 1 does not fit, or a trial step failed)."""
     planned = group.config.sequence_chunks  # a number once the trainer has started ("auto" chosen)
     if not isinstance(planned, int) or planned == 1:
         return None
-    reason = replicas.why_not(group.config, lost=False)
-    if group.report is not None and not group.report.unchunked_fits:
+    c, reason = group.config, None
+    if c.zero in (1, 3) and c.dp > 1:  # (what `replicas.take` cannot hand over either)
+        reason = f"each replica holds a ZeRO-{c.zero} share of its stage's state, which cannot be put back"
+    elif group.report is not None and not group.report.unchunked_fits:
         reason = "uncut, the sample's microbatches do not fit a device's memory"
     if reason is not None:
         log(f"sequence_chunks=auto: running the planned sequence_chunks={planned} unmeasured ({reason})")
