@@ -27,7 +27,7 @@ their ratio to ZeRO-0's, and the step time of each (one trainer after the other:
     python benchmarks/llm_scale.py --dir /tmp/qwen2-8l --layers 8 --full-ft > zero3.json  # ~6 minutes
     python benchmarks/llm_scale.py --dir /tmp/qwen2-0.5b --save-memory > saves.json  # ~3 minutes
     python benchmarks/llm_scale.py --dir /tmp/qwen2-0.5b --seq 64 --ray-cpus 4 > told4.json  # Ray told 2x the cores
-    python benchmarks/llm_scale.py --dir /tmp/qwen2-0.5b --stage-peaks > peaks.json  # each stage over the model, pp 2 and 4
+    python benchmarks/llm_scale.py --dir /tmp/qwen2-0.5b --stage-peaks > peaks.json  # each stage / the model, pp 2, 4
 
 With `--save-memory`, instead: what saving costs a stage (issue 59): at pp = 2 under LoRA, each
 stage's peak right after loading, after `save_adapter`, after `save_pretrained(merge_adapters=True)`
