@@ -36,6 +36,9 @@ FAST: dict[str, str] = {
     "parity/test_hf_families.py::test_a_family_from_its_pipeline_plan_trains_like_transformers[qwen3-pp2-tp1]": (
         "a family from transformers' pipeline plan"
     ),
+    "parity/test_hf_io.py::test_a_cpu_stages_frozen_lora_base_is_a_view_of_its_file_and_its_embedding_reads_rows": (
+        "a frozen base mapped from its file, its embedding and tied head computed from it (no Ray)"
+    ),
     "parity/test_lora.py::test_lora_matches_peft_in_one_process_and_leaves_the_base_untouched[llama-pp2-dp1]": (
         "LoRA against peft"
     ),

@@ -17,6 +17,7 @@ from torch import nn
 from raypipe.core.errors import StageError
 from raypipe.core.layers import LayerSpec, build_layer, layer_seed, loading_to
 from raypipe.nn import TensorParallelGroup, parallelize, shard, shard_specs
+from raypipe.nn.file_tables import read_tables_from_files
 from raypipe.nn.group import building
 from raypipe.nn.moe import ExpertParallelGroup, expert_parameters, keyed_moe_layers, shard_experts
 
@@ -58,8 +59,9 @@ class StageModel:
         self.foreign: set[str] = set()
         self.foreign_specs: dict[str, Any] = {}  # how the experts held elsewhere split across tp ranks
         # layers read their weights straight onto the accelerator (unless a quantizer wants them on
-        # the host first), a tied weight once
-        with loading_to(device if device.type != "cpu" and quantize is None else None):
+        # the host first), a tied weight once; a CPU stage's LoRA base, frozen, stays in its files
+        host = device.type == "cpu" or quantize is not None
+        with loading_to(None if host else device, map_files=lora is not None and quantize is None and host) as loaded:
             self.module = nn.Sequential(
                 *[self._build(spec, seed, index, j) for j, (spec, index) in enumerate(zip(specs, self.indices))]
             )
@@ -73,6 +75,11 @@ class StageModel:
         self.shard_specs = {**self.foreign_specs, **shard_specs(self.module)}
         self.sharded_params = {id(p) for k, p in self.module.named_parameters() if k in self.shard_specs}
         self.params = list(self.module.parameters())
+        self.mapped = {  # parameter -> the model file it is a view of
+            id(p): path for p in self.params if (path := loaded.mapped.get(p.untyped_storage().data_ptr()))
+        }
+        self.from_files = any(hasattr(layer, "read_keys") for layer in self.module)  # read from a model directory
+        self.tables_read_from_files = read_tables_from_files(self.module, self.mapped, list(self.tied.values()))
         self.expert_params = expert_parameters(self.module) if self.ep.size > 1 else set()
         self.moes = keyed_moe_layers(zip(self.indices, self.module))
         self.norm_params = [p for p in self.params if tp.rank == 0 or id(p) in self.sharded_params]
@@ -106,6 +113,23 @@ class StageModel:
 
     def parameter_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.params)
+
+    def mapped_files(self) -> set[str]:
+        """The model files whose pages hold parameters of this stage (frozen weights mapped, not
+        read: `raypipe.models.hf.tensor_files`); empty when every parameter is the process's own."""
+        return {path for p in self.params if (path := self.mapped.get(id(p))) is not None}
+
+    def mapped_bytes(self) -> int:
+        """Bytes of the parameters that are views of mapped model files."""
+        return sum(p.numel() * p.element_size() for p in self.params if id(p) in self.mapped)
+
+    def own_mapped(self) -> None:
+        """Copies the parameters mapped from files into storages of their own (each mapped file is
+        one storage under all its tensors); `FileEmbedding` and `FileLinear` then index them."""
+        for p in self.params:
+            if id(p) in self.mapped:
+                p.data = p.data.clone()
+        self.mapped.clear()
 
     def gradient_bytes(self) -> int:
         return sum(g.numel() * g.element_size() for g in self.grads())

@@ -79,14 +79,17 @@ def join_tied(
     mine: dict[tuple[int, ...], Any],
 ) -> None:
     """Keeps each cross-stage tied weight's group, copies the first holder's values, and counts
-    the weight once in the gradient norm (on its first holder)."""
+    the weight once in the gradient norm (on its first holder). A frozen weight every holder read
+    from the model's files is equal already and not copied: the copy would write every page of a
+    file view (`raypipe.models.hf.tensor_files`), making it the process's own."""
     import torch.distributed as dist
 
     copies = set()
     for g, ranks in tied_groups:
         param, group = model.tied[g], mine[tuple(sorted(ranks))]
-        with torch.no_grad():
-            dist.broadcast(param.data, src=ranks[0], group=group)
+        if not (model.from_files and not param.requires_grad):  # the same on every holder: a shared choice
+            with torch.no_grad():
+                dist.broadcast(param.data, src=ranks[0], group=group)
         optim.tied.append((param, group))
         if rank != ranks[0]:
             copies.add(id(param))

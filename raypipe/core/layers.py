@@ -106,10 +106,13 @@ class Loading:
     """How the layers a stage builds read their tensors from a model's files: onto `device` (its
     accelerator; None: the host), and with `share`, a tensor another of its layers already read
     (a tied head beside its embedding) shared, not read again, while that layer still holds it.
-    Layers built outside `loading_to` (one by one, in a test or the profiler) share nothing."""
+    With `map_files`, host tensors that will stay frozen are mapped from their files, not read
+    (`raypipe.models.hf.tensor_files`). Layers built outside `loading_to` (one by one, in a test
+    or the profiler) share nothing and read everything."""
 
-    def __init__(self, device: torch.device | None = None, share: bool = False) -> None:
-        self.device, self.share = device, share
+    def __init__(self, device: torch.device | None = None, share: bool = False, map_files: bool = False) -> None:
+        self.device, self.share, self.map_files = device, share, map_files
+        self.mapped: dict[int, str] = {}  # a mapped file's storage (its address) -> the file's path
         self.held: weakref.WeakValueDictionary[str, torch.Tensor] = weakref.WeakValueDictionary()
 
     def keep(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -122,9 +125,10 @@ _loading: list[Loading] = [Loading()]
 
 
 @contextlib.contextmanager
-def loading_to(device: torch.device | None) -> Iterator[Loading]:
-    """The layers one stage builds inside read their tensors onto `device`, each at most once."""
-    _loading.append(Loading(device, share=True))
+def loading_to(device: torch.device | None, map_files: bool = False) -> Iterator[Loading]:
+    """The layers one stage builds inside read their tensors onto `device`, each at most once
+    (host tensors mapped from their files with `map_files`: weights that will stay frozen)."""
+    _loading.append(Loading(device, share=True, map_files=map_files))
     try:
         yield _loading[-1]
     finally:

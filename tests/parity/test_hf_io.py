@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from raypipe import ConfigError, TrainConfig, Trainer
+from raypipe import ConfigError, StageError, TrainConfig, Trainer
 from raypipe.models import hf
 from raypipe.models.hf import tensor_files
 
@@ -305,3 +305,87 @@ def test_a_stage_reads_each_tensor_once_straight_into_its_parameters(tmp_path, d
     for key, value in state.items():
         if names[key]:
             assert value.dtype == tensor_files.DTYPES[dtype] and torch.equal(value, expected[names[key]]), key
+
+
+def test_a_cpu_stages_frozen_lora_base_is_a_view_of_its_file_and_its_embedding_reads_rows(tmp_path):
+    """Under LoRA a CPU stage's frozen weights are views of the model's file, not copies: building
+    the stages touches none of their pages; an embedding reads the rows it looks up (the same rows,
+    its table never resident), a tied head on another stage maps the pages its logits read; the
+    adapters are the process's own; writes never reach the file (a trained bias copies its page);
+    raypipe writing over the file leaves the stages' weights as they were. Without LoRA, or in
+    another dtype than the file's, every weight is read as before; a stage holding a tied head
+    beside its embedding indexes the table it reads whole anyway."""
+    from safetensors import safe_open
+
+    from raypipe.actors.io.checkpoint_io import save_tensors
+    from raypipe.actors.optim.zero3 import ShardedStage
+    from raypipe.actors.stage_model import StageModel
+    from raypipe.actors.step.memory import resident_bytes_of
+    from raypipe.nn import TensorParallelGroup
+
+    directory = save_tiny("gpt2", str(tmp_path / "gpt2"), vocab_size=32768)  # a 2 MB embedding
+    path = os.path.join(directory, tensor_files.SINGLE)
+    model, tp, lora = hf.from_pretrained(directory), TensorParallelGroup(0, 1), {"r": 2, "target_modules": ["c_attn"]}
+    cpu = torch.device("cpu")
+    first = StageModel(model.layers[:3], 0, 0, cpu, tp, model.tied, lora)
+    embedding = first.module[0].wte.weight
+    assert first.mapped_files() == {path} and not embedding.requires_grad
+    assert first.trainable() and not any(id(p) in first.mapped for p in first.trainable())
+    assert all(first.mapped[id(p)] == path for p in first.params if not p.requires_grad)
+    assert first.mapped_bytes() == sum(p.numel() * p.element_size() for p in first.params if not p.requires_grad)
+    assert first.tables_read_from_files == ["0.wte", "0.wpe"]
+    last = StageModel(model.layers[3:], 3, 0, cpu, tp, model.tied, lora)
+    head = last.module[-1].lm_head.weight
+    assert last.mapped[id(head)] == path and head.data_ptr() != embedding.data_ptr()  # two mappings
+    ids = torch.tensor([[1, 7, 30000, 7], [32767, 0, 5, 1]])
+    looked_up = first.module[0](ids)["hidden_states"]
+    assert resident_bytes_of({path}) == 0  # built and looked up: no page of the file mapped in
+    with pytest.raises(IndexError, match="index out of range"):
+        first.module[0](torch.tensor([[32768]]))
+    assert last.tables_read_from_files == ["2.lm_head"]  # the head of the tie, on another stage
+    hidden = torch.randn(1, 2, 16, requires_grad=True)
+    logits = last.module[-1]({"hidden_states": hidden, "attention_mask": None, "position_ids": None})
+    logits.square().sum().backward()
+    whole = embedding.numel() * embedding.element_size()
+    assert resident_bytes_of({path}) < whole / 8  # the head's pages handed back once used (the norm's stay)
+    expected = load(directory).state_dict()  # transformers' own load, after the counting
+    reference = hidden.detach().requires_grad_()
+    normed = torch.nn.functional.layer_norm(
+        reference, (16,), expected["transformer.ln_f.weight"], expected["transformer.ln_f.bias"]
+    )
+    want = normed @ expected["transformer.wte.weight"].t()
+    want.square().sum().backward()
+    assert torch.equal(logits, want) and torch.equal(hidden.grad, reference.grad)  # one block: F.linear itself
+    assert torch.equal(embedding, expected["transformer.wte.weight"])
+    wte, wpe = expected["transformer.wte.weight"], expected["transformer.wpe.weight"]
+    assert torch.equal(looked_up, wte[ids] + wpe[torch.arange(4)])  # GPT-2 adds the positions' rows
+
+    bias = first.module[1].block.ln_1.bias  # as `bias="all"` trains it: copy-on-write, the file untouched
+    bias.data.add_(1.0)
+    with safe_open(path, framework="pt") as f:
+        assert torch.equal(f.get_tensor("transformer.h.0.ln_1.bias"), expected["transformer.h.0.ln_1.bias"])
+    save_tensors({"w": torch.zeros(3)}, {"w": "w"}, path)  # raypipe writing over the directory's file
+    assert torch.equal(head, wte)  # the stages keep the weights they had, and look them up
+    assert torch.equal(first.module[0](ids)["hidden_states"], looked_up)
+    with safe_open(path, framework="pt") as f:
+        assert list(f.keys()) == ["w"]
+    with torch.no_grad():
+        first.module[0].wte.weight[7] = 0.0  # a written table is indexed, not read from the file
+    assert torch.equal(first.module[0](torch.tensor([[7]]))["hidden_states"], wpe[:1].unsqueeze(0))
+
+    model = hf.from_pretrained(save_tiny("gpt2", str(tmp_path / "again")))
+    for read in (
+        StageModel(model.layers[:2], 0, 0, cpu, tp, model.tied),  # trained whole: read
+        StageModel(hf.from_pretrained(model.source, dtype="bf16").layers[:2], 0, 0, cpu, tp, (), lora),
+    ):
+        assert read.mapped_files() == set() and read.mapped_bytes() == 0
+    whole_model = StageModel(model.layers, 0, 0, cpu, tp, model.tied, lora)  # the tie on one stage
+    assert whole_model.mapped_bytes() > 0 and whole_model.tables_read_from_files == ["0.wpe"]
+    with pytest.raises(StageError, match="shares one"):  # ZeRO-3 frees each weight's own storage
+        ShardedStage(whole_model.module, 0, 1, None)
+    ids = torch.tensor([[3, 1, 4, 1]])
+    before = whole_model.module[0](ids)["hidden_states"]
+    whole_model.own_mapped()  # as `zero=3` does first
+    assert whole_model.mapped_bytes() == 0
+    assert torch.equal(whole_model.module[0](ids)["hidden_states"], before)  # indexed now, the same rows
+    ShardedStage(whole_model.module, 0, 1, None)

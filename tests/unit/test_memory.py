@@ -101,3 +101,41 @@ def test_the_vocabulary_loss_matches_cross_entropy_and_makes_nothing_of_the_logi
         torch.testing.assert_close(blocked[0], reference[0])  # a sum in another order
         torch.testing.assert_close(blocked[1], reference[1], **({"rtol": 0, "atol": 0} if exact else {}))
         assert 0 < watch.largest <= 8 * 1000, (dtype, watch.largest)
+
+
+def test_a_tied_head_from_its_file_gives_linears_logits_and_gradient_a_block_at_a_time(tmp_path):
+    """`FileLinear` over a mapped file, four blocks of rows: the logits and the input's gradient of
+    `F.linear` (within fp32 rounding: the gradient sums the blocks in turn), the weight's pages
+    handed back after each pass and its values the file's still; a weight written since it was
+    mapped is multiplied whole, its pages kept."""
+    import os
+
+    from torch import nn
+
+    from raypipe.actors.step.memory import resident_bytes_of
+    from raypipe.nn import file_tables
+
+    torch.manual_seed(0)
+    weight = torch.randn(4096, 64)  # 1 MiB
+    path = str(tmp_path / "head.bin")
+    weight.numpy().tofile(path)
+    storage = torch.UntypedStorage.from_file(path, False, os.path.getsize(path))
+    head = nn.Linear(64, 4096, bias=False)
+    head.weight = nn.Parameter(torch.empty(0).set_(storage, 0, (4096, 64)), requires_grad=False)
+    made = file_tables.read_tables_from_files(nn.Sequential(head), {id(head.weight): path}, [head.weight])
+    assert made == ["0"] and type(head) is file_tables.FileLinear
+    head.block_rows = 1024
+    x = torch.randn(3, 5, 64, requires_grad=True)
+    logits = head(x)
+    logits.pow(2).sum().backward()
+    assert resident_bytes_of({path}) < weight.numel() * 4 / 8  # blocks released (fault-around may keep a few)
+    reference = x.detach().requires_grad_()
+    want = torch.nn.functional.linear(reference, weight)
+    want.pow(2).sum().backward()
+    torch.testing.assert_close(logits, want, rtol=1e-6, atol=1e-6)
+    assert (x.grad - reference.grad).norm() / reference.grad.norm() < 1e-6  # 4,096 terms summed in another order
+    assert torch.equal(head.weight, weight)  # refaulted from the file: its values unchanged
+    with torch.no_grad():
+        head.weight[0] = 0.0  # written: its page is the process's own now, never to be dropped
+    head(x)
+    assert head.weight[0].abs().sum() == 0 and torch.equal(head.weight[1:], weight[1:])

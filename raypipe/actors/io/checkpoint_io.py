@@ -9,6 +9,7 @@ the manifest; `raypipe.checkpoint.layout` owns the file format. Here is what eac
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -345,5 +346,9 @@ def save_tensors(
     tensors = {
         names[k]: (v.t() if k in flip else v).detach().cpu().contiguous() for k, v in state.items() if names.get(k)
     }
-    save_file(tensors, path, metadata={"format": "pt"})
+    # a new file put in place, never the old one rewritten: stages may map the old one's pages
+    # (frozen weights read from the directory written to: `tensor_files`), which stay theirs
+    partial = f"{path}.partial-{os.getpid()}"
+    save_file(tensors, partial, metadata={"format": "pt"})
+    os.replace(partial, path)
     return {k: v.numel() * v.element_size() for k, v in tensors.items()}

@@ -80,6 +80,7 @@ class OptimizerState:
         old = self.settings
         keep_state = old is not None and old.optimizer["name"] == settings.optimizer["name"] and not reset
         if self.sharded is None and settings.zero == 3 and self.dp_size > 1:
+            self.model.own_mapped()  # ZeRO-3 frees and refills each parameter's own storage
             self.sharded = ShardedStage(self.model.module, self.dp_rank, self.dp_size, self.dp_group)
         if keep_state and old.zero != settings.zero and self.dp_size > 1:
             # ZeRO switched on or off: every replica of the stage gets the whole state, then

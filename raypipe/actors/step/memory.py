@@ -18,6 +18,7 @@ size (`peak_activation_bytes`, exact while the microbatches' shapes do not chang
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -69,19 +70,50 @@ def max_rss_bytes(ru_maxrss: int, platform: str) -> int:
 
 
 def memory_split(peak: int, model: Any, optim: Any, activations: int) -> dict[str, int]:
-    """A stage's peak memory (`peak`) split into what it holds: its `StageModel`'s parameters and
-    gradients, its `OptimizerState`'s state (fp32 masters included), the step's peak of stashed
-    `activations`, and the rest, `other`: the runtime (Python, torch, Ray's worker; a CPU stage's
-    resident set counts them) and transients. Bytes; `other` is never negative."""
+    """A stage's peak memory (`peak`) split into what it holds: its `StageModel`'s parameters (those
+    it holds itself; frozen ones mapped from the model's files under `mapped_parameters`, counted
+    as far as they are resident in the process now) and gradients, its `OptimizerState`'s state
+    (fp32 masters included), the step's peak of stashed `activations`, and the rest, `other`: the
+    runtime (Python, torch, Ray's worker; a CPU stage's resident set counts them) and transients.
+    Bytes; `other` is never negative."""
     sharded = getattr(optim, "sharded", None)
+    mapped = model.mapped_bytes() if sharded is None else 0
     known = {
         # ZeRO-3: the slices and the largest layer gathered; the step's gradients were whole
-        "parameters": model.parameter_bytes() if sharded is None else sharded.resident_bytes(),
+        "parameters": model.parameter_bytes() - mapped if sharded is None else sharded.resident_bytes(),
+        "mapped_parameters": resident_bytes_of(model.mapped_files(), max_age=1.0) if mapped else 0,
         "gradients": model.gradient_bytes() if sharded is None else sharded.gradient_bytes(),
         "optimizer_state": optim.state_bytes(),
         "activations": activations,
     }
     return {"peak": peak, **known, "other": max(0, peak - sum(known.values()))}
+
+
+_measured: dict[frozenset[str], tuple[float, int]] = {}  # files -> (when, bytes): this process's last count
+
+
+def resident_bytes_of(files: set[str], max_age: float = 0.0) -> int:
+    """Bytes of this process's mappings of `files` that are resident in it now (Linux's
+    /proc/self/smaps; 0 where there is none): the pages of mapped weights it has touched. A
+    count at most `max_age` seconds old is reused: reading smaps takes 5-10 ms in a stage actor,
+    which a step of a few milliseconds should not pay each time."""
+    key, now = frozenset(files), time.monotonic()
+    if key in _measured and now - _measured[key][0] <= max_age:
+        return _measured[key][1]
+    try:
+        with open("/proc/self/smaps") as f:
+            text = f.read()
+    except OSError:
+        return 0
+    total, counting = 0, False
+    for line in text.splitlines():
+        if not line[:1].isupper():  # a mapping's first line: "start-end perms offset dev inode path"
+            fields = line.split(maxsplit=5)
+            counting = len(fields) == 6 and fields[5] in files
+        elif counting and line.startswith("Rss:"):
+            total += int(line.split()[1]) * 1024
+    _measured[key] = (now, total)
+    return total
 
 
 def weight_storages(module: torch.nn.Module) -> frozenset[int]:

@@ -257,7 +257,7 @@ def build(kind: str, ref: ConfigRef, index: int | None, source: str | None, dtyp
         _put_buffers(module, buffers, device)
         return module.to(tensor_files.DTYPES[dtype])
     keys = checkpoint_keys(module, tied=bool(getattr(config, "tie_word_embeddings", False)))
-    tensors = conversions.read(source, config, keys.values(), tensor_files.DTYPES[dtype], device)
+    tensors = conversions.read(source, config, keys.values(), tensor_files.DTYPES[dtype], device, loading.map_files)
     # the tensors read become the parameters: nothing allocated twice, nothing initialised in vain
     module.load_state_dict({local: tensors[key] for local, key in keys.items()}, strict=True, assign=True)
     del tensors

@@ -57,10 +57,16 @@ def sources(directory: str, config: PretrainedConfig) -> dict[str, list[tuple[st
 
 
 def read(
-    directory: str, config: PretrainedConfig, wanted: Iterable[str], dtype: torch.dtype, device: Any
+    directory: str,
+    config: PretrainedConfig,
+    wanted: Iterable[str],
+    dtype: torch.dtype,
+    device: Any,
+    mapped: bool = False,
 ) -> dict[str, torch.Tensor]:
     """The model's tensors under `wanted` keys, read from `directory` (`tensor_files.read`: only the
-    checkpoint tensors they are made from) and converted as transformers converts them.
+    checkpoint tensors they are made from, mapped from their files with `mapped`) and converted as
+    transformers converts them.
 
     Raises:
         KeyError: a key nothing in the checkpoint makes.
@@ -68,12 +74,12 @@ def read(
     wanted = list(wanted)
     where = tensor_files.files_by_key(directory)
     if all(k in where for k in wanted):  # the common case: the checkpoint names the model's tensors
-        return tensor_files.read(directory, wanted, dtype, device)
+        return tensor_files.read(directory, wanted, dtype, device, mapped)
     made = sources(directory, config)
     missing = [k for k in wanted if k not in made]
     if missing:
         raise KeyError(f"{directory} has no tensor that makes {missing[0]!r} (it has e.g. {sorted(where)[:3]})")
-    read_now = tensor_files.read(directory, [s for k in wanted for s, _ in made[k]], dtype, device)
+    read_now = tensor_files.read(directory, [s for k in wanted for s, _ in made[k]], dtype, device, mapped)
     _, converters = transforms(config)
     by_pattern = {p: c for c in converters for p in c.source_patterns}
     out = {}

@@ -7,6 +7,16 @@ Each tensor is read with plain file reads straight into the tensor that becomes 
 memory map whose touched pages would count in the process's resident memory beside the copy,
 no second copy, and a dtype conversion or a move to the accelerator one tensor at a time. A
 stage's peak memory while loading is then its parameters plus its largest tensor.
+
+A weight that stays frozen on the host (a LoRA base on a CPU stage) can instead be the file itself:
+`read(mapped=True)` maps a tensor stored in the dtype asked for, copy-on-write, rather than reading
+it. Its pages are the page cache's, one copy on the machine however many processes map them (a
+tied embedding and its head on two stages; the replicas of a stage), resident in a process once
+it touches them (the kernel maps a file's folios whole, up to 2 MB: an embedding's lookups soon
+touch all of it), clean, so the kernel may drop them under pressure and read them again. A
+write to such a tensor (a trained bias) copies the page it touches into the process, so nothing
+ever writes to the file. The file must then stay as it is while the stages run: raypipe's own
+writers replace a file (a new inode) rather than rewrite it (`checkpoint_io.save_tensors`).
 """
 
 from __future__ import annotations
@@ -113,11 +123,13 @@ def read(
     keys: Iterable[str],
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
+    mapped: bool = False,
 ) -> dict[str, torch.Tensor]:
     """The tensors under `keys`, read from their files and nothing else (`last_read` says what),
     floating ones converted to `dtype` and every one moved to `device` as it is read. Inside
     `raypipe.core.layers.loading_to`, a tensor of the same key read earlier and still alive is
-    returned, not read.
+    returned, not read. With `mapped`, a host tensor the file holds in `dtype` is mapped from
+    the file rather than read (see the module's docstring).
 
     Raises:
         KeyError: a key is in no file of the directory; the message names it.
@@ -131,16 +143,50 @@ def read(
             raise KeyError(f"{directory} has no tensor {key!r} (it has e.g. {sorted(where)[:3]})")
         by_file.setdefault(where[key], []).append(key)
     last_read.clear()
+    on_host = device is None or torch.device(device).type == "cpu"
     for path, wanted in by_file.items():
         offset, entries = header(path)
+        storage: torch.UntypedStorage | None = None
         with open(path, "rb", buffering=0) as f:
             for key in wanted:
-                tensor = _read_tensor(f, offset, entries[key])
+                entry = entries[key]
+                if mapped and on_host and _mappable(entry, dtype, offset, os.fstat(f.fileno()).st_size):
+                    storage = storage if storage is not None else _mapping(path)
+                    tensor = _mapped_tensor(storage, offset, entry)
+                else:
+                    tensor = _read_tensor(f, offset, entry)
                 last_read[key] = tensor.numel() * tensor.element_size()
                 if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
                     tensor = tensor.to(dtype)
                 out[key] = tensor if device is None else tensor.to(device)
     return out
+
+
+def _mappable(entry: dict, dtype: torch.dtype | None, offset: int, size: int) -> bool:
+    """Whether a tensor can be the file's own bytes: stored in the dtype wanted (or not floating,
+    which keeps its dtype), aligned to its element, wholly inside the file, and not empty."""
+    stored = FILE_DTYPES.get(entry["dtype"])
+    if stored is None or (dtype is not None and stored.is_floating_point and stored != dtype):
+        return False
+    start, end = entry["data_offsets"]
+    element = torch.empty((), dtype=stored).element_size()
+    return end > start and (offset + start) % element == 0 and offset + end <= size
+
+
+def _mapping(path: str) -> torch.UntypedStorage:
+    """The whole file mapped copy-on-write (`shared=False`: private pages once written), noted in
+    `loading().mapped` (such a storage does not know its file)."""
+    storage = torch.UntypedStorage.from_file(path, False, os.path.getsize(path))
+    loading().mapped[storage.data_ptr()] = path
+    return storage
+
+
+def _mapped_tensor(storage: torch.UntypedStorage, offset: int, entry: dict) -> torch.Tensor:
+    """One tensor of a mapped safetensors file: a view of the mapping's bytes, nothing read."""
+    stored = FILE_DTYPES[entry["dtype"]]
+    tensor = torch.empty(0, dtype=stored)
+    start = offset + entry["data_offsets"][0]
+    return tensor.set_(storage, start // tensor.element_size(), entry["shape"])
 
 
 def _read_tensor(f: Any, offset: int, entry: dict) -> torch.Tensor:
