@@ -161,6 +161,7 @@ def main() -> None:
     parser.add_argument("--full-ft", action="store_true", help="full fine-tuning at pp 2 x dp 2: ZeRO-0 vs ZeRO-3")
     parser.add_argument("--save-memory", action="store_true", help="each stage's peak as saves go, at pp 2")
     parser.add_argument("--stage-peaks", action="store_true", help="each stage's peak over the whole model, pp 2 and 4")
+    parser.add_argument("--pp", type=int, nargs="+", default=[2, 4], help="--stage-peaks: the pipeline depths")
     args = parser.parse_args()
 
     import peft
@@ -281,21 +282,45 @@ def main() -> None:
 
 
 def stage_peaks(directory: str, batch, args) -> dict:
-    """Each stage's resident peak after three steps under LoRA at pp = 2 and pp = 4 (4 microbatches, the
+    """Each stage's resident peak after `--steps` + 1 steps under LoRA at pp = 2 and pp = 4 (`--pp`; 4 microbatches, the
     batch's rows), over the whole model's bytes as saved (the safetensors index's total: the tied
     weight once): issue 76's measure, a stage holding its share. Each stage's split beside it."""
     whole = json.loads((Path(directory) / "model.safetensors.index.json").read_text())["metadata"]["total_size"]
     ray.init(address="local", num_cpus=args.ray_cpus, include_dashboard=False, logging_level="ERROR")
     out: dict[str, object] = {"whole_model_bytes": whole}
-    for pp in (2, 4):
+    for pp in args.pp:
         config = TrainConfig(pp=pp, microbatches=4, lora=LORA, optimizer=OPTIMIZER)
+        started = time.perf_counter()
         with Trainer(hf.from_pretrained(directory), config=config) as t:
-            for step in range(3):
+            t.stage_info()
+            load_s = time.perf_counter() - started
+            seconds = []
+            for step in range(args.steps + 1):  # the first step is not timed
+                began = time.perf_counter()
                 t.step(*batch(step))
+                seconds.append(time.perf_counter() - began)
             stages = stage_memory(t)
-        out[f"pp{pp}"] = {"peak_over_whole_model": [s["peak_bytes"] / whole for s in stages], "stages": stages}
+            shares = [proportional_set(info["pid"]) for info in t.stage_info()]
+        out[f"pp{pp}"] = {
+            "peak_over_whole_model": [s["peak_bytes"] / whole for s in stages],
+            # after the steps: each stage's resident set now, and its proportional share of it (pages
+            # several processes map, as a tied weight's file pages or torch's libraries, split among them)
+            "rss_now_over_whole_model": [s["Rss"] / whole for s in shares],
+            "pss_now_over_whole_model": [s["Pss"] / whole for s in shares],
+            "proportional_sets_mb": [{k: round(v / 1e6) for k, v in s.items()} for s in shares],
+            "load_s": load_s,
+            "step_s_median": statistics.median(seconds[1:]),
+            "stages": stages,
+        }
     ray.shutdown()
     return out
+
+
+def proportional_set(pid: int) -> dict[str, int]:
+    """A process's resident set now and its proportional share (Linux's smaps_rollup), in bytes."""
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        lines = [line.split() for line in f if line.startswith(("Rss:", "Pss"))]
+    return {fields[0].rstrip(":"): int(fields[1]) * 1024 for fields in lines}
 
 
 def save_memory(directory: str, batch, args) -> dict:
