@@ -307,14 +307,15 @@ def test_a_stage_reads_each_tensor_once_straight_into_its_parameters(tmp_path, d
             assert value.dtype == tensor_files.DTYPES[dtype] and torch.equal(value, expected[names[key]]), key
 
 
-def test_a_cpu_stages_frozen_lora_base_is_a_view_of_its_file_and_its_embedding_reads_rows(tmp_path):
+def test_a_cpu_stages_frozen_lora_base_is_a_view_of_its_file_and_its_embedding_reads_rows(tmp_path, monkeypatch):
     """Under LoRA a CPU stage's frozen weights are views of the model's file, not copies: building
     the stages touches none of their pages; an embedding reads the rows it looks up (the same rows,
     its table never resident), a tied head on another stage maps the pages its logits read; the
     adapters are the process's own; writes never reach the file (a trained bias copies its page);
     raypipe writing over the file leaves the stages' weights as they were. Without LoRA, or in
-    another dtype than the file's, every weight is read as before; a stage holding a tied head
-    beside its embedding indexes the table it reads whole anyway."""
+    another dtype than the file's, or from a file system that will not map it, every weight is read
+    as before; a stage holding a tied head beside its embedding indexes the table it reads whole
+    anyway."""
     from safetensors import safe_open
 
     from raypipe.actors.io.checkpoint_io import save_tensors
@@ -379,6 +380,16 @@ def test_a_cpu_stages_frozen_lora_base_is_a_view_of_its_file_and_its_embedding_r
         StageModel(hf.from_pretrained(model.source, dtype="bf16").layers[:2], 0, 0, cpu, tp, (), lora),
     ):
         assert read.mapped_files() == set() and read.mapped_bytes() == 0
+    real = torch.UntypedStorage.from_file
+
+    def unmappable(path, *args, **kwargs):  # raypipe's mapping fails (safetensors' own, by keywords, goes on)
+        if args:
+            raise RuntimeError("this file system does not map files")
+        return real(path, *args, **kwargs)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(torch.UntypedStorage, "from_file", unmappable)
+        assert StageModel(model.layers[:2], 0, 0, cpu, tp, model.tied, lora).mapped_bytes() == 0
     whole_model = StageModel(model.layers, 0, 0, cpu, tp, model.tied, lora)  # the tie on one stage
     assert whole_model.mapped_bytes() > 0 and whole_model.tables_read_from_files == ["0.wpe"]
     with pytest.raises(StageError, match="shares one"):  # ZeRO-3 frees each weight's own storage

@@ -149,11 +149,11 @@ def read(
         storage: torch.UntypedStorage | None = None
         with open(path, "rb", buffering=0) as f:
             for key in wanted:
-                entry = entries[key]
+                entry, tensor = entries[key], None
                 if mapped and on_host and _mappable(entry, dtype, offset, os.fstat(f.fileno()).st_size):
                     storage = storage if storage is not None else _mapping(path)
-                    tensor = _mapped_tensor(storage, offset, entry)
-                else:
+                    tensor = None if storage is None else _mapped_tensor(storage, offset, entry)
+                if tensor is None:
                     tensor = _read_tensor(f, offset, entry)
                 last_read[key] = tensor.numel() * tensor.element_size()
                 if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
@@ -173,10 +173,14 @@ def _mappable(entry: dict, dtype: torch.dtype | None, offset: int, size: int) ->
     return end > start and (offset + start) % element == 0 and offset + end <= size
 
 
-def _mapping(path: str) -> torch.UntypedStorage:
+def _mapping(path: str) -> torch.UntypedStorage | None:
     """The whole file mapped copy-on-write (`shared=False`: private pages once written), noted in
-    `loading().mapped` (such a storage does not know its file)."""
-    storage = torch.UntypedStorage.from_file(path, False, os.path.getsize(path))
+    `loading().mapped` (such a storage does not know its file); None where the file system will
+    not map it, and its tensors are read instead."""
+    try:
+        storage = torch.UntypedStorage.from_file(path, False, os.path.getsize(path))
+    except (RuntimeError, OSError):
+        return None
     loading().mapped[storage.data_ptr()] = path
     return storage
 
