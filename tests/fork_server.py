@@ -283,7 +283,8 @@ def stand_in(path: str, argv: list[str]) -> None:
     except (OSError, EOFError):  # the server is gone: so are its workers
         os._exit(1)
     if os.WIFSIGNALED(status):
-        signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
+        if os.WTERMSIG(status) not in (signal.SIGKILL, signal.SIGSTOP):  # those two take no handler
+            signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
         os.kill(os.getpid(), os.WTERMSIG(status))
     os._exit(os.WEXITSTATUS(status))
 
