@@ -141,6 +141,7 @@ def stage_memory(trainer: Trainer) -> list[dict]:
                 "peak_over_parameters": split["peak"] / info["parameter_bytes"],
                 "split": split,
                 "threads": info["threads"],
+                "pid": info["pid"],
             }
         )
     return out
@@ -300,7 +301,7 @@ def stage_peaks(directory: str, batch, args) -> dict:
                 t.step(*batch(step))
                 seconds.append(time.perf_counter() - began)
             stages = stage_memory(t)
-            shares = [proportional_set(info["pid"]) for info in t.stage_info()]
+            shares = [proportional_set(s["pid"]) for s in stages]
         out[f"pp{pp}"] = {
             "peak_over_whole_model": [s["peak_bytes"] / whole for s in stages],
             # after the steps: each stage's resident set now, and its proportional share of it (pages

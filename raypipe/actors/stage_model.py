@@ -76,7 +76,7 @@ class StageModel:
         self.sharded_params = {id(p) for k, p in self.module.named_parameters() if k in self.shard_specs}
         self.params = list(self.module.parameters())
         self.mapped = {  # parameter -> the model file it is a view of
-            id(p): path for p in self.params if (path := loaded.mapped.get(p.untyped_storage().data_ptr()))
+            id(p): held[0] for p in self.params if (held := loaded.mapped.get(p.untyped_storage().data_ptr()))
         }
         self.from_files = any(hasattr(layer, "read_keys") for layer in self.module)  # read from a model directory
         self.tables_read_from_files = read_tables_from_files(self.module, self.mapped, list(self.tied.values()))
@@ -117,7 +117,7 @@ class StageModel:
     def mapped_files(self) -> set[str]:
         """The model files whose pages hold parameters of this stage (frozen weights mapped, not
         read: `raypipe.models.hf.tensor_files`); empty when every parameter is the process's own."""
-        return {path for p in self.params if (path := self.mapped.get(id(p))) is not None}
+        return set(self.mapped.values())
 
     def mapped_bytes(self) -> int:
         """Bytes of the parameters that are views of mapped model files."""

@@ -87,7 +87,7 @@ def join_tied(
     copies = set()
     for g, ranks in tied_groups:
         param, group = model.tied[g], mine[tuple(sorted(ranks))]
-        if not (model.from_files and not param.requires_grad):  # the same on every holder: a shared choice
+        if param.requires_grad or not model.from_files:  # the same on every holder: a shared choice
             with torch.no_grad():
                 dist.broadcast(param.data, src=ranks[0], group=group)
         optim.tied.append((param, group))

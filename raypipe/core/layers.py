@@ -112,7 +112,9 @@ class Loading:
 
     def __init__(self, device: torch.device | None = None, share: bool = False, map_files: bool = False) -> None:
         self.device, self.share, self.map_files = device, share, map_files
-        self.mapped: dict[int, str] = {}  # a mapped file's storage (its address) -> the file's path
+        # a mapped file's storage by its address -> the file's path and the storage, held while the
+        # layers are built so that no other storage takes a freed mapping's address meanwhile
+        self.mapped: dict[int, tuple[str, torch.UntypedStorage]] = {}
         self.held: weakref.WeakValueDictionary[str, torch.Tensor] = weakref.WeakValueDictionary()
 
     def keep(self, tensors: dict[str, torch.Tensor]) -> None:

@@ -148,10 +148,12 @@ def read(
         offset, entries = header(path)
         storage: torch.UntypedStorage | None = None
         with open(path, "rb", buffering=0) as f:
+            size, mapping = os.fstat(f.fileno()).st_size, mapped and on_host  # mapping: still worth a try
             for key in wanted:
                 entry, tensor = entries[key], None
-                if mapped and on_host and _mappable(entry, dtype, offset, os.fstat(f.fileno()).st_size):
+                if mapping and _mappable(entry, dtype, offset, size):
                     storage = storage if storage is not None else _mapping(path)
+                    mapping = storage is not None  # a file that will not map is read, not tried again
                     tensor = None if storage is None else _mapped_tensor(storage, offset, entry)
                 if tensor is None:
                     tensor = _read_tensor(f, offset, entry)
@@ -181,7 +183,7 @@ def _mapping(path: str) -> torch.UntypedStorage | None:
         storage = torch.UntypedStorage.from_file(path, False, os.path.getsize(path))
     except (RuntimeError, OSError):
         return None
-    loading().mapped[storage.data_ptr()] = path
+    loading().mapped[storage.data_ptr()] = (path, storage)
     return storage
 
 
