@@ -95,13 +95,19 @@ class _BlockAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, query: torch.Tensor, scale: float | None, plan: list, *blocks: torch.Tensor) -> torch.Tensor:
         n = len(plan)
-        outputs, lses = [], []
+        outputs, lses, masked = [], [], False
         for causal, mask, key, value, _ in _groups(plan, blocks[:n], blocks[n:]):
             out, lse = _FLASH(query, key, value, 0.0, causal, attn_mask=mask, scale=scale)
             if mask is not None:  # a query row the mask hides entirely: the kernel says 0, not -inf
                 lse = lse.masked_fill(torch.isneginf(mask).all(-1).expand_as(lse), float("-inf"))
+                masked = True
             outputs.append(out)
             lses.append(lse)
+        ctx.scale, ctx.plan = scale, plan
+        if not masked:  # every query sees itself: each part's log-sum-exp is finite
+            merged, lse = _merge_finite(outputs, lses, query.dtype)
+            ctx.save_for_backward(query, merged, lse, *blocks)
+            return merged
         lse = torch.logsumexp(torch.stack(lses), 0)
         finite = torch.where(torch.isneginf(lse), 0.0, lse)
         wide = torch.promote_types(query.dtype, torch.float32)
@@ -109,7 +115,6 @@ class _BlockAttention(torch.autograd.Function):
         # caller's transpose for its output projection is then no copy (a stacked sum made one)
         merged = sum(out.to(wide) * torch.exp(part - finite).unsqueeze(-1) for out, part in zip(outputs, lses))
         merged = merged.to(query.dtype)
-        ctx.scale, ctx.plan = scale, plan
         ctx.save_for_backward(query, merged, torch.where(torch.isneginf(lse), float("inf"), lse), *blocks)
         return merged
 
@@ -118,18 +123,36 @@ class _BlockAttention(torch.autograd.Function):
         query, merged, lse, *blocks = ctx.saved_tensors
         n = len(ctx.plan)
         grad = grad.contiguous()
-        grad_query = torch.zeros_like(query, dtype=torch.promote_types(query.dtype, torch.float32))
+        wide = torch.promote_types(query.dtype, torch.float32)
+        grad_query = None
         grad_keys: list[object] = [None] * n
         grad_values: list[object] = [None] * n
         for causal, mask, key, value, members in _groups(ctx.plan, blocks[:n], blocks[n:]):
             dq, dk, dv = _FLASH_BACKWARD(
                 grad, query, key, value, merged, lse, 0.0, causal, attn_mask=mask, scale=ctx.scale
             )
-            grad_query += dq
+            grad_query = dq.to(wide) if grad_query is None else grad_query.add_(dq)  # the kernel's own: ours to add to
             lengths = [blocks[i].shape[-2] for i in members]
             for i, dk_i, dv_i in zip(members, dk.split(lengths, -2), dv.split(lengths, -2)):
                 grad_keys[i], grad_values[i] = dk_i, dv_i
+        if grad_query is None:  # the mask hides every block
+            grad_query = torch.zeros_like(query)
         return (grad_query.to(query.dtype), None, None, *grad_keys, *grad_values)
+
+
+def _merge_finite(outputs: list[torch.Tensor], lses: list[torch.Tensor], dtype: torch.dtype) -> tuple:
+    """(the parts' outputs merged by their log-sum-exps, the merged log-sum-exp) where every
+    query saw some key in each part (no -inf to guard): one part is the merge; two are weighed
+    in place, the kernel's (batch, queries, heads, dim) layout kept (the caller's transpose for
+    its output projection is then no copy)."""
+    if len(outputs) == 1:
+        return outputs[0], lses[0]
+    lse = torch.logsumexp(torch.stack(lses), 0) if len(lses) > 2 else torch.logaddexp(*lses)
+    wide = torch.promote_types(dtype, torch.float32)
+    merged = outputs[0].to(wide) * torch.exp(lses[0] - lse).unsqueeze(-1)
+    for out, part in zip(outputs[1:], lses[1:]):
+        merged.addcmul_(out, torch.exp(part - lse).unsqueeze(-1))
+    return merged.to(dtype), lse
 
 
 def _groups(plan: list, keys: tuple, values: tuple) -> list[tuple[bool, Any, torch.Tensor, torch.Tensor, list[int]]]:

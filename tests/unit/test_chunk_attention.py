@@ -61,3 +61,24 @@ def test_a_block_the_window_hides_is_skipped_and_only_the_supported_kernel_is_cl
     assert chunk_attention.supported(torch.zeros(1, dtype=torch.float32))
     assert not chunk_attention.supported(torch.zeros(1), dropout=0.1)
     assert not chunk_attention.supported(torch.zeros(1, dtype=torch.float16))
+
+
+def test_bfloat16_chunks_merge_in_float32_and_give_bfloat16_within_its_precision():
+    """The unmasked merge (one block for the first chunk, two after) in bfloat16: outputs and
+    gradients in bfloat16, as close to float64 attention over the joined keys as bfloat16 allows."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, sum(SIZES), 8, dtype=torch.float64) for _ in range(3))
+    whole = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    low = [t.bfloat16().requires_grad_() for t in (q, k, v)]
+    chunks_q, chunks_k, chunks_v = (t.split(SIZES, dim=2) for t in low)
+    outs = [chunk_attention.attend(chunks_q[c], list(chunks_k[: c + 1]), list(chunks_v[: c + 1])) for c in range(3)]
+    out = torch.cat(outs, dim=2)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), whole, rtol=0, atol=2e-2)
+    grads = torch.autograd.grad(out, low, torch.ones_like(out))
+    expected = torch.autograd.grad(
+        F.scaled_dot_product_attention(*(t.requires_grad_() for t in (q, k, v)), is_causal=True).sum(), (q, k, v)
+    )
+    for name, a, b in zip("qkv", grads, expected):
+        assert a.dtype == torch.bfloat16, name
+        torch.testing.assert_close(a.double(), b, rtol=0, atol=5e-2, msg=f"d{name}")
