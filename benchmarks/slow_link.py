@@ -112,7 +112,12 @@ def measure(trainer, name, mbit):
     sent = [s["sent_bytes"] for s in metrics["stages"]]
     out = sent[1 - far] + feed  # towards the far node: the near stage's sends and the driver's feed
     c = trainer.config
+    went = trainer.timeline().breakdown  # the last step: busiest actor's actions, idle, messages
+    first = min(e[2] for actor in trainer.state.last_events for e in actor)
+    events = [[[e[0], e[1], round(1e3 * (e[2] - first), 1), round(1e3 * (e[3] - first), 1)] for e in actor]
+              for actor in trainer.state.last_events]
     print("RESULT " + json.dumps({{"variant": name, "mbit": mbit, "step_s": times, "sent_bytes": sent,
+                                   "breakdown": str(went), "events_ms": events,
                                    "wire_bytes": max(out, sent[far]), "plan": trainer.plan, "schedule": c.schedule,
                                    "microbatches": c.microbatches, "extra_warmup": c.extra_warmup}}), flush=True)
 
@@ -184,7 +189,7 @@ def report(results: list[dict]) -> dict:
     for r in results:
         step = statistics.median(r["step_s"])
         row = {"median_step_s": step, "step_s": r["step_s"], "sent_bytes_per_stage": r["sent_bytes"]}
-        row.update({k: r[k] for k in ("plan", "schedule", "microbatches", "extra_warmup")})
+        row.update({k: r[k] for k in ("plan", "schedule", "microbatches", "extra_warmup", "breakdown", "events_ms")})
         # with model chunks (zb-v, interleaved) sent_bytes count the messages between an actor's own
         # chunks too, which cross no link: no wire time is derived for them
         if r["mbit"] and r["schedule"] not in ("zb-v", "interleaved-1f1b"):
