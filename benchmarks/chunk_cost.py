@@ -1,0 +1,118 @@
+"""What a sequence chunk costs, without Ray: the layers of `sequence_chunks.py`'s Llama split in two as
+a pp = 2 trainer splits them, run in this process on one thread, forward and backward of one sample cut
+into k chunks (`raypipe.nn.sequence_chunks.Sequence`, as a stage runs them), per stage and k.
+
+A pipeline of chunks can at best hide the bubble; every unit it adds costs what the layers' Python and
+smaller matrix products cost per chunk. This separates that cost from the two stages' running at once
+(`sequence_chunks.py` measures the pipeline): the ratio of a k's total to k = 1's is what the chunks
+themselves add.
+
+    python benchmarks/chunk_cost.py --layers 6 --hidden 128 > chunk_cost.json   # ~1 min on 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from dpo_throughput import save_model
+from sequence_chunks import sample
+
+from raypipe.core.layers import build_layer
+from raypipe.data.sequence_units import cut_microbatch
+from raypipe.models import hf
+from raypipe.nn.sequence_chunks import Sequence
+from raypipe.planning.partition import uniform_plan
+from raypipe.transport.tree import map_tensors, tensors
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))  # modules shared with the tests
+import json_out  # noqa: E402
+
+from rounds import interleaved  # noqa: E402
+
+
+def boundary(out: object) -> object:
+    """A stage's output as the next stage receives it: its floating tensors detached, taking gradients."""
+    return map_tensors(lambda t: t.detach().requires_grad_() if t.is_floating_point() else t, out)
+
+
+def backward(outputs: list, grads: list) -> None:
+    torch.autograd.backward(outputs, grads)
+
+
+def one_step(stages: list, loss_fn, x: dict, y: torch.Tensor, k: int) -> list[float]:
+    """Forward and backward of one sample cut in k on both stages, in the order the pipeline runs
+    them (forwards in chunk order, backwards in reverse); seconds per stage, forward then backward."""
+    units, targets, weights = cut_microbatch(x, y, k, loss_fn)
+    sequences = [Sequence(k), Sequence(k)]
+    clock = [0.0] * 4  # stage 0 forward, stage 1 forward, stage 0 backward, stage 1 backward
+    sent, received, losses = [], [], []
+    for c, unit in enumerate(units):
+        started = time.perf_counter()
+        out = sequences[0].forward(c, stages[0], unit) if k > 1 else stages[0](unit)
+        sent.append(out)
+        received.append(boundary(out))
+        clock[0] += time.perf_counter() - started
+        started = time.perf_counter()
+        logits = sequences[1].forward(c, stages[1], received[c]) if k > 1 else stages[1](received[c])
+        losses.append(loss_fn(logits, targets[c]) * weights[c])
+        clock[1] += time.perf_counter() - started
+    for c in reversed(range(k)):
+        started = time.perf_counter()
+        pairs = [(losses[c], torch.ones(())), *sequences[1].roots(c)]
+        backward([o for o, _ in pairs], [g for _, g in pairs])
+        clock[3] += time.perf_counter() - started
+        started = time.perf_counter()
+        pairs = [(a, b.grad) for a, b in zip(tensors(sent[c]), tensors(received[c])) if b.grad is not None]
+        pairs += sequences[0].roots(c)
+        backward([o for o, _ in pairs], [g for _, g in pairs])
+        clock[2] += time.perf_counter() - started
+    return clock
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--vocab", type=int, default=256)
+    parser.add_argument("--chunks", default="1,2,4,8")
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # as a stage actor with one core
+    model = hf.from_pretrained(save_model(tempfile.mkdtemp(), args.layers, args.hidden, args.vocab, args.tokens))
+    layers = [build_layer(spec, 0, i) for i, spec in enumerate(model.layers)]
+    stages = [torch.nn.Sequential(*layers[a:b]) for a, b in uniform_plan(len(layers), 2)]
+    x, y = sample(0, args.tokens, args.vocab)
+    clocks: dict[int, list[list[float]]] = {int(k): [] for k in args.chunks.split(",")}
+
+    def runner(k: int):
+        return lambda step: clocks[k].append(one_step(stages, model.loss_fn, x, y, k))
+
+    interleaved({str(k): runner(k) for k in clocks}, args.rounds, 1, warmup=1)
+    ms = {
+        k: [round(1000 * statistics.median(c[i] for c in runs[1:]), 1) for i in range(4)] for k, runs in clocks.items()
+    }
+    first = min(ms)
+    json_out.emit(
+        {
+            "benchmark": "chunk_cost",
+            "model": {"layers": args.layers, "hidden": args.hidden, "vocab": args.vocab, "tokens": args.tokens},
+            "ms_per_stage": {
+                k: {"forward": v[:2], "backward": v[2:], "total": round(sum(v), 1)} for k, v in ms.items()
+            },
+            "total_vs_unchunked": {k: round(sum(v) / sum(ms[first]), 3) for k, v in ms.items()},
+            "threads": 1,
+            "command": "python benchmarks/chunk_cost.py",
+        },
+        indent=2,
+    )
+
+
+if __name__ == "__main__":
+    json_out.run(main)
