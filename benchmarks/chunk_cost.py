@@ -41,10 +41,6 @@ def boundary(out: object) -> object:
     return map_tensors(lambda t: t.detach().requires_grad_() if t.is_floating_point() else t, out)
 
 
-def backward(outputs: list, grads: list) -> None:
-    torch.autograd.backward(outputs, grads)
-
-
 def one_step(stages: list, loss_fn, x: dict, y: torch.Tensor, k: int) -> list[float]:
     """Forward and backward of one sample cut in k on both stages, in the order the pipeline runs
     them (forwards in chunk order, backwards in reverse); seconds per stage, forward then backward."""
@@ -65,12 +61,12 @@ def one_step(stages: list, loss_fn, x: dict, y: torch.Tensor, k: int) -> list[fl
     for c in reversed(range(k)):
         started = time.perf_counter()
         pairs = [(losses[c], torch.ones(())), *sequences[1].roots(c)]
-        backward([o for o, _ in pairs], [g for _, g in pairs])
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         clock[3] += time.perf_counter() - started
         started = time.perf_counter()
         pairs = [(a, b.grad) for a, b in zip(tensors(sent[c]), tensors(received[c])) if b.grad is not None]
         pairs += sequences[0].roots(c)
-        backward([o for o, _ in pairs], [g for _, g in pairs])
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         clock[2] += time.perf_counter() - started
     return clock
 

@@ -17,6 +17,7 @@ elsewhere layers join the keys under a mask as before (`Position.extend`).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -147,7 +148,7 @@ def _merge_finite(outputs: list[torch.Tensor], lses: list[torch.Tensor], dtype: 
     its output projection is then no copy)."""
     if len(outputs) == 1:
         return outputs[0], lses[0]
-    lse = torch.logsumexp(torch.stack(lses), 0) if len(lses) > 2 else torch.logaddexp(*lses)
+    lse = functools.reduce(torch.logaddexp, lses)  # `_groups` makes two parts: the own block, the earlier ones
     wide = torch.promote_types(dtype, torch.float32)
     merged = outputs[0].to(wide) * torch.exp(lses[0] - lse).unsqueeze(-1)
     for out, part in zip(outputs[1:], lses[1:]):
