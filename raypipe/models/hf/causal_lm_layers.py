@@ -77,6 +77,10 @@ class HFEmbedding(nn.Module):
         kv = self.cache.get("kv") if self.cache is not None else None
         if kv is not None and 0 in kv.held:  # generating, with the first decoder layers: one pass
             hidden = kv.embedded(held, inputs)
+        elif sequence_chunks.current() is not None:  # a chunk: one pass, layer 0's arguments with it
+            from raypipe.models.hf.chunk_cache import embedded
+
+            hidden = embedded(self.config, held, inputs)
         else:
             hidden = skeleton.embed(self.config, held, inputs)
         return {"hidden_states": hidden, "attention_mask": mask, "position_ids": positions}

@@ -72,6 +72,41 @@ def layer_arguments(
     """Decoder layer `index`'s arguments for the running chunk (`skeleton.layer_inputs` with the
     chunk cache): made once per chunk and attention type, the attention mask being the chunk's
     joined after every earlier chunk's."""
+    shared = _position().microbatch.shared
+    key, chunk_inputs = _chunk_inputs(config, index, hidden, inputs)
+    if key not in shared:
+        _keep(config, index, key, skeleton.layer_inputs(config, [index], hidden, chunk_inputs)[index], chunk_inputs)
+    return shared[key]
+
+
+def embedded(config: PretrainedConfig, modules: dict[str, torch.nn.Module], inputs: dict[str, Any]) -> torch.Tensor:
+    """`skeleton.embed` of the running chunk, whose one pass of the base model's forward also makes
+    decoder layer 0's arguments with the chunk cache (kept as `layer_arguments` keeps them, which
+    then finds them made): the stage that embeds a chunk ran that pass twice, an embedding's and its
+    first layer's (0.6 ms a chunk at 2,048 tokens, `benchmarks/chunk_cost.py`), and the second
+    pass's cost is on the chunked step's critical path (the first stage's forwards, then its
+    backwards). Two passes still where the embedding holds no floating weight to give the
+    layer's hidden states their dtype (a packed row's eager mask takes it)."""
+    ids = inputs["input_ids"]
+    dtype = next((p.dtype for m in modules.values() for p in m.parameters() if p.is_floating_point()), None)
+    if dtype is None:
+        return skeleton.embed(config, modules, inputs)
+    like = torch.empty(*ids.shape, 0, dtype=dtype, device=ids.device)  # the hidden states' batch, dtype, device
+    key, chunk_inputs = _chunk_inputs(config, 0, like, inputs)
+    if not chunk_inputs:  # layer 0's arguments are made already
+        return skeleton.embed(config, modules, inputs)
+    hidden, *arguments = skeleton.embed_with_arguments(config, modules, {"input_ids": ids, **chunk_inputs})
+    _keep(config, 0, key, tuple(arguments), chunk_inputs)
+    return hidden
+
+
+def _chunk_inputs(
+    config: PretrainedConfig, index: int, hidden: torch.Tensor, inputs: dict[str, Any]
+) -> tuple[tuple, dict[str, Any]]:
+    """(the key decoder layer `index`'s arguments for the running chunk are kept under, the inputs
+    of the base model's forward that make them: the chunk cache, the attention mask joined after
+    the earlier chunks' or a packed row's). `hidden`: like the layer's hidden states (their batch,
+    dtype and device); no inputs where they are kept already."""
     position = _position()
     shared = position.microbatch.shared
     masks = shared.setdefault("attention_masks", {})
@@ -80,29 +115,40 @@ def layer_arguments(
         shared["cache"] = chunk_cache(config)
     types = getattr(config, "layer_types", None)
     key = ("arguments", position.chunk, types[index] if types else None)
-    if key not in shared:
-        mask = inputs["attention_mask"]
-        sliding = shared["cache"].layers[index].is_sliding  # transformers' own answer for the layer
-        if mask is not None:
-            mask = torch.cat([masks[c] for c in range(position.chunk + 1)], dim=1)
-        elif inputs["position_ids"] is not None:  # packed rows: each document sees only itself
-            mask = packed_mask(config, sliding, hidden, inputs["position_ids"])
-        chunk_inputs = {
-            "attention_mask": mask,
-            "position_ids": inputs["position_ids"],
-            "past_key_values": shared["cache"],
-            "use_cache": True,
-        }
-        shared[key] = skeleton.layer_inputs(config, [index], hidden, chunk_inputs)[index]
-        kind = types[index] if types else None
-        window = getattr(config, "sliding_window", None) if sliding else None
-        plain = mask is None or (mask.dim() == 2 and bool(mask.all()))
-        if plain and kind in _CAUSAL_TYPES and (window is None or position.end < window):
-            # transformers' mask is the causal triangle alone: the block attention's plan needs no
-            # look at it (reducing it per block cost 3 % of a stage's forward at k = 8)
-            plan = ("plan", position.chunk, id(shared[key][1].get("attention_mask")))
-            shared[plan] = chunk_attention.causal_plan(position.chunk + 1)
-    return shared[key]
+    if key in shared:
+        return key, {}
+    mask = inputs["attention_mask"]
+    sliding = shared["cache"].layers[index].is_sliding  # transformers' own answer for the layer
+    if mask is not None:
+        mask = torch.cat([masks[c] for c in range(position.chunk + 1)], dim=1)
+    elif inputs["position_ids"] is not None:  # packed rows: each document sees only itself
+        mask = packed_mask(config, sliding, hidden, inputs["position_ids"])
+    chunk_inputs = {
+        "attention_mask": mask,
+        "position_ids": inputs["position_ids"],
+        "past_key_values": shared["cache"],
+        "use_cache": True,
+    }
+    return key, chunk_inputs
+
+
+def _keep(config: PretrainedConfig, index: int, key: tuple, arguments: tuple, chunk_inputs: dict[str, Any]) -> None:
+    """Keeps decoder layer `index`'s `arguments` for the running chunk under `key`; where
+    transformers' mask is the causal triangle alone, with the block attention's plan for it."""
+    position = _position()
+    shared = position.microbatch.shared
+    shared[key] = arguments
+    types = getattr(config, "layer_types", None)
+    kind = types[index] if types else None
+    sliding = shared["cache"].layers[index].is_sliding
+    window = getattr(config, "sliding_window", None) if sliding else None
+    mask = chunk_inputs["attention_mask"]
+    plain = mask is None or (mask.dim() == 2 and bool(mask.all()))
+    if plain and kind in _CAUSAL_TYPES and (window is None or position.end < window):
+        # transformers' mask is the causal triangle alone: the block attention's plan needs no
+        # look at it (reducing it per block cost 3 % of a stage's forward at k = 8)
+        plan = ("plan", position.chunk, id(arguments[1].get("attention_mask")))
+        shared[plan] = chunk_attention.causal_plan(position.chunk + 1)
 
 
 #: the layer types whose mask is causal and padding (and a window, for sliding ones) alone

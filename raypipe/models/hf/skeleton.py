@@ -256,7 +256,15 @@ def _stand_ins(base: nn.Module, plan: Plan, keep: dict[str, nn.Module]) -> dict[
 def embed(config: PretrainedConfig, modules: dict[str, nn.Module], inputs: dict[str, object]) -> torch.Tensor:
     """The first decoder layer's input as transformers' base model makes it from `inputs`
     (input_ids, attention_mask, position_ids), with the embedding `modules` this layer holds."""
-    return _prologue(config, modules, {0}, inputs)[0][0]
+    return embed_with_arguments(config, modules, inputs)[0]
+
+
+def embed_with_arguments(
+    config: PretrainedConfig, modules: dict[str, nn.Module], inputs: dict[str, object]
+) -> tuple[torch.Tensor, tuple, dict[str, object]]:
+    """`embed`, with the arguments after the hidden states and the keyword arguments the same pass
+    gives decoder layer 0 (`layer_inputs` for it, made from `inputs`: with a cache, if they name one)."""
+    return _prologue(config, modules, {0}, inputs)[0]
 
 
 def _prologue(
