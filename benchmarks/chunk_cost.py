@@ -5,7 +5,10 @@ into k chunks (`raypipe.nn.sequence_chunks.Sequence`, as a stage runs them), per
 A pipeline of chunks can at best hide the bubble; every unit it adds costs what the layers' Python and
 smaller matrix products cost per chunk. This separates that cost from the two stages' running at once
 (`sequence_chunks.py` measures the pipeline): the ratio of a k's total to k = 1's is what the chunks
-themselves add.
+themselves add. Beside it, transformers' own decoder layer's cost per call on a few tokens
+(`per_call_ms`, no raypipe around it) and the ratio k - 1 more calls of every layer give at that
+cost alone (`floor_vs_unchunked`): what any chunking of these layers pays in eager PyTorch; the
+rest of the ratio is raypipe's chunk machinery and the smaller matrix products.
 
     python benchmarks/chunk_cost.py --layers 6 --hidden 128 > chunk_cost.json   # ~1 min on 2 cores
 """
@@ -26,6 +29,7 @@ from sequence_chunks import sample
 from raypipe.core.layers import build_layer
 from raypipe.data.sequence_units import cut_microbatch
 from raypipe.models import hf
+from raypipe.models.hf import skeleton
 from raypipe.nn.sequence_chunks import Sequence
 from raypipe.planning.partition import uniform_plan
 from raypipe.transport.tree import map_tensors, tensors
@@ -71,6 +75,26 @@ def one_step(stages: list, loss_fn, x: dict, y: torch.Tensor, k: int) -> list[fl
     return clock
 
 
+def per_call_ms(layer: torch.nn.Module, width: int, tokens: int = 32, rounds: int = 30) -> list[float]:
+    """transformers' own decoder layer (`layer.block`, no raypipe around it) on `tokens` tokens,
+    median ms of its forward and its backward: what any chunk pays per layer before its arithmetic,
+    the floor of k chunks' cost in eager PyTorch ((k - 1) more calls per layer)."""
+    hidden = torch.randn(1, tokens, width, requires_grad=True)
+    positions = torch.arange(tokens).unsqueeze(0)
+    args, kwargs = skeleton.layer_inputs(
+        layer.config, [layer.index], hidden, {"attention_mask": None, "position_ids": positions, "use_cache": False}
+    )[layer.index]
+    times: list[tuple[float, float]] = []
+    for _ in range(rounds):
+        started = time.perf_counter()
+        out = layer.block(hidden, *args, **kwargs)
+        out = out[0] if isinstance(out, tuple) else out
+        middle = time.perf_counter()
+        out.sum().backward()
+        times.append((middle - started, time.perf_counter() - middle))
+    return [round(1000 * statistics.median(t[i] for t in times[3:]), 3) for i in (0, 1)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=2048)
@@ -95,6 +119,9 @@ def main() -> None:
         k: [round(1000 * statistics.median(c[i] for c in runs[1:]), 1) for i in range(4)] for k, runs in clocks.items()
     }
     first = min(ms)
+    decoder = next(layer for layer in layers if hasattr(layer, "block"))
+    floor = per_call_ms(decoder, args.hidden)
+    calls = args.layers * sum(floor)  # one more call of each decoder layer, forward and backward, per chunk
     json_out.emit(
         {
             "benchmark": "chunk_cost",
@@ -103,6 +130,10 @@ def main() -> None:
                 k: {"forward": v[:2], "backward": v[2:], "total": round(sum(v), 1)} for k, v in ms.items()
             },
             "total_vs_unchunked": {k: round(sum(v) / sum(ms[first]), 3) for k, v in ms.items()},
+            # transformers' own cost per decoder layer call, and what k - 1 more calls of every layer
+            # add over k = 1 at that cost alone: the part of the ratio above that eager PyTorch sets
+            "per_call_ms": {"tokens": 32, "forward": floor[0], "backward": floor[1]},
+            "floor_vs_unchunked": {k: round(1 + (k - 1) * calls / sum(ms[first]), 3) for k in ms},
             "threads": 1,
             "command": "python benchmarks/chunk_cost.py",
         },
