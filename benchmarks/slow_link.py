@@ -21,7 +21,9 @@ one extra forward where the stages are on different nodes); the named 1F1B and Z
 `extra_warmup=0` so they stay the plain schedules.
 
 The driver runs on the head node's host; between rates it asks this process (in the machine's own
-namespace, where the link's qdiscs are set) to change the limit.
+namespace, where the link's qdiscs are set) to change the limit. A fixed-split trainer starts at the
+first rate, so its links are measured at that rate (and its log's word after the first timed step,
+`raypipe.driver.links.advice`, is about it).
 
     sudo .venv/bin/python benchmarks/slow_link.py --steps 3 > slow_link.json      # ~12 minutes
     sudo .venv/bin/python benchmarks/slow_link.py --rates 0 50 --steps 2 --variants 1f1b-fp32  # quick
@@ -135,6 +137,7 @@ for name, settings in json.loads('{variants}').items():
             with make() as trainer:
                 measure(trainer, name, mbit)
     else:
+        limit(json.loads('{rates}')[0])  # the links are measured at the first rate, as the trainer starts
         with make() as trainer:
             for mbit in json.loads('{rates}'):
                 limit(mbit)

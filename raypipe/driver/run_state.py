@@ -34,6 +34,8 @@ class RunState:
             count then, what it was, `load(group)` loading it again). A recovery loads them again
             after the checkpoint (or the initial weights); a save or a checkpoint load empties it.
             A loaded state dict is held by reference (not copied) until then.
+        advised_links: the links (`ActorGroup.links`, measured anew at each start) whose first timed
+            step was looked at for a link that bounds it (`links.advice`).
     """
 
     run_name: str
@@ -47,6 +49,7 @@ class RunState:
     last_step_seconds: float | None = None
     ray_metrics: RayMetrics | None = None
     loads: list[tuple[int, str, Any]] = field(default_factory=list)
+    advised_links: list | None = None
 
     def record_on_dashboard(self, metrics: dict[str, object], lead_ranks: list[int]) -> None:
         """Exports a step's metrics to the Ray dashboard (the series are made at the first step)."""

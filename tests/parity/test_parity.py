@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from raypipe import TrainConfig, Trainer, build_layers
+from raypipe.driver.links.advice import direction_bytes
 from raypipe.transport.compress import compress
 
 from helpers import MLP7, assert_close_dicts, batch, check_sgd_parity, reference_run
@@ -218,6 +219,13 @@ def test_timeline_and_sent_bytes_come_from_the_actors(trainer, initial):
     if trainer.num_stages > 1:  # the first stage's output is 16 wide in every plan of MLP7
         assert sent[0] == 4 * 4 * 16 * 4  # 4 microbatches of 4 x 16 fp32 activations, no gradient back
         assert all(b > 0 for b in sent)
+    # each direction's bytes as the link advice reads them from the stages' sums: every boundary's
+    # activations on, as many bytes of their gradients back
+    widths = [16, 16, 16, 16, 12, 12, 3]  # MLP7's layers' outputs
+    each = {}
+    for s, (_, end) in enumerate(trainer.plan[:-1]):
+        each[(s, s + 1)] = each[(s + 1, s)] = 4 * 4 * widths[end - 1] * 4
+    assert direction_bytes(sent, trainer.config) == each
 
 
 def test_stages_on_one_node_are_linked_through_shared_memory_unless_told_otherwise(trainer):
