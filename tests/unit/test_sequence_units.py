@@ -248,15 +248,28 @@ def test_the_profiler_times_each_units_backward_split_for_zb_h1():
     assert got["input_s"][0] == 0 and min(got["input_s"][1:] + got["weight_s"][1:]) > 0
 
 
-def test_the_trial_keeps_the_planned_chunks_only_when_their_median_step_beats_unchunked():
-    """`chunk_trial.Trial`: k stays only when its median timed step is below k = 1's; a tie or a
-    loss falls back to 1, so "auto" never runs slower than not cutting (as far as measured)."""
-    from raypipe.driver.run.chunk_trial import Trial
+def test_the_trial_keeps_the_fastest_median_step_and_k_1_unless_a_cut_beats_it():
+    """`chunk_trial.Trial`: the chunk count with the least median timed step stays; a tie with or a
+    loss to k = 1 falls back to 1, so "auto" never runs slower than not cutting (as far as measured),
+    and a neighbour of the planner's k that ran faster replaces it. The counts timed are the
+    planner's, its profiled neighbours (half and twice) and 1."""
+    from raypipe.driver.run.chunk_trial import Trial, counts_to_time
 
     faster = Trial(4, {4: [0.20, 0.50], 1: [0.40, 0.41]})
     assert faster.kept == 4 and str(faster).endswith(
         "200, 500 ms, unchunked 400, 410 ms a step; keeping sequence_chunks=4"
     )
     assert Trial(4, {4: [0.30, 0.31], 1: [0.25, 0.26]}).kept == 1
+    neighbour = Trial(4, {4: [0.30, 0.31], 2: [0.35, 0.36], 8: [0.26, 0.27], 1: [0.40, 0.40]})
+    assert neighbour.kept == 8 and str(neighbour) == (
+        "sequence_chunks=auto measured on the sample: sequence_chunks=4 300, 310 ms, sequence_chunks=2 350, 360 ms, "
+        "sequence_chunks=8 260, 270 ms, unchunked 400, 400 ms a step; keeping sequence_chunks=8 (the planner's 4 "
+        "measured slower)"
+    )
+    profiled = {(1, k): {} for k in (1, 2, 4, 8, 16)}
+    assert counts_to_time(4, profiled) == [4, 2, 8, 1]
+    assert counts_to_time(2, profiled) == [2, 4, 1] and counts_to_time(16, profiled) == [16, 8, 1]
+    assert counts_to_time(8, {(1, k): {} for k in (1, 2, 4, 8)}) == [8, 4, 1]  # 16 not profiled (too few tokens)
+    assert counts_to_time(8, None) == [8, 1]
     tie = Trial(8, {8: [0.25, 0.25], 1: [0.25, 0.25]})
     assert tie.kept == 1 and str(tie).endswith("running unchunked (sequence_chunks=1)")

@@ -45,8 +45,9 @@ class PipelineConfig(Section):
             token-weighted losses. With activation_checkpointing a stage keeps each chunk's input,
             keys and values, one chunk's activations at a time. "auto": the count of 1 to 16
             (>= 32 tokens each) predicted fastest from the layers timed on the sample cut each way
-            (`sample=`), then timed against 1 in real steps on the sample (state put back after),
-            the faster kept (`raypipe.driver.run.chunk_trial`). Not with compile, DPO or GRPO, nor
+            (`sample=`), then it, the counts next to it (half and twice) and 1 timed in real steps
+            on the sample (state put back after), the fastest kept
+            (`raypipe.driver.run.chunk_trial`). Not with compile, DPO or GRPO, nor
             a layer lacking `runs_sequence_chunks`.
         engine: how a step runs. "refs": the driver issues every forward and backward
             as an actor call and boundary tensors travel as Ray object references;

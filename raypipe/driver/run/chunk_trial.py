@@ -2,8 +2,10 @@
 step from the layers timed alone, which misses what a unit costs beyond its layers (its calls,
 messages and Python, paid k times a microbatch): on a 64-wide Llama at 2,048 tokens it chose k = 4
 predicting 144 ms, and the step took 277 ms, slower than unchunked. So once the actors run, the
-chosen k and k = 1 take real steps on the sample in turn, and the faster stays: "auto" never runs a
-k slower than not cutting at all.
+chosen k, the profiled counts next to it (half and twice) and k = 1 take real steps on the sample in
+turn, and the fastest stays: "auto" never runs a k slower than not cutting at all, and where the
+planner's ranking of two near counts is off (its 4 over 8 on a 6 x 128 Llama whose k 8 ran 1.47x
+unchunked and k 4 1.28x), the clock settles it.
 
 The trial steps leave nothing behind: before them every actor hands over its state (weights,
 optimizer state, fp32 masters, RNG, running statistics, loss scale: the calls a recovery from
@@ -31,35 +33,44 @@ ROUNDS = 2  # timed steps per chunk count, after one untimed step each (its firs
 
 @dataclass(frozen=True)
 class Trial:
-    """What the trial measured: per chunk count the wall seconds of its timed steps."""
+    """What the trial measured: per chunk count (the planner's first) the wall seconds of its timed steps."""
 
     planned: int
     seconds: dict[int, list[float]]
 
     @property
     def kept(self) -> int:
-        """The planner's k when its median step beats the unchunked one's, else 1."""
+        """The chunk count whose median step is the least (k = 1 where none beats it)."""
         median = {k: statistics.median(s) for k, s in self.seconds.items()}
-        return self.planned if median[self.planned] < median[1] else 1
+        return min(median, key=lambda k: (median[k], k != 1))
 
     def __str__(self) -> str:
         def steps(k: int) -> str:
             return ", ".join(f"{1000 * s:.0f}" for s in self.seconds[k]) + " ms"
 
-        k, kept = self.planned, self.kept
-        verdict = f"keeping sequence_chunks={k}" if kept == k else "running unchunked (sequence_chunks=1)"
-        return (
-            f"sequence_chunks=auto measured on the sample: sequence_chunks={k} {steps(k)}, "
-            f"unchunked {steps(1)} a step; {verdict}"
-        )
+        kept = self.kept
+        chunked = ", ".join(f"sequence_chunks={k} {steps(k)}" for k in self.seconds if k != 1)
+        verdict = f"keeping sequence_chunks={kept}" if kept > 1 else "running unchunked (sequence_chunks=1)"
+        if 1 < kept != self.planned:
+            verdict += f" (the planner's {self.planned} measured slower)"
+        return f"sequence_chunks=auto measured on the sample: {chunked}, unchunked {steps(1)} a step; {verdict}"
+
+
+def counts_to_time(planned: int, profiled: object) -> list[int]:
+    """The chunk counts the trial times: the planner's, the profiled ones next to it (half and
+    twice, where the planner timed the layers on them: `PlanReport.profiled_microbatches`, keyed by
+    (microbatches, k)), and 1 (not cut)."""
+    options = {key[1] for key in (profiled or {}) if isinstance(key, tuple)}
+    return [planned, *(k for k in (planned // 2, 2 * planned) if k > 1 and k != planned and k in options), 1]
 
 
 def settle(group: ActorGroup, step: int, sample: tuple[object, object], log: Callable[[str], None]) -> Trial | None:
-    """Times the planner's sequence chunk count against k = 1 on `sample` (`ROUNDS` steps each, in
-    turn, after a first untimed one each), keeps the faster (`group.reconfigure`) and puts every
-    actor's state back as it was; logs what it measured. `step`: the run's step count (the
-    learning-rate schedule's step the trial steps run at). None when nothing was measured (the
-    plan does not cut, its state cannot be put back, k = 1 does not fit, or a trial step failed)."""
+    """Times the planner's sequence chunk count, its neighbours and k = 1 on `sample`
+    (`counts_to_time`; `ROUNDS` steps each, in turn, after a first untimed one each), keeps the
+    fastest (`group.reconfigure`) and puts every actor's state back as it was; logs what it
+    measured. `step`: the run's step count (the learning-rate schedule's step the trial steps run
+    at). None when nothing was measured (the plan does not cut, its state cannot be put back,
+    k = 1 does not fit, or a trial step failed)."""
     planned = group.config.sequence_chunks  # a number once the trainer has started ("auto" chosen)
     if not isinstance(planned, int) or planned == 1:
         return None
@@ -72,11 +83,12 @@ def settle(group: ActorGroup, step: int, sample: tuple[object, object], log: Cal
         log(f"sequence_chunks=auto: running the planned sequence_chunks={planned} unmeasured ({reason})")
         return None
     held = [actor.hand_over.options(num_returns=2).remote() for actor in group.actors]
-    seconds: dict[int, list[float]] = {planned: [], 1: []}
+    counts = counts_to_time(planned, group.report.profiled_microbatches if group.report is not None else None)
+    seconds: dict[int, list[float]] = {k: [] for k in counts}
     failed = None
     try:
         for round_ in range(ROUNDS + 1):
-            for k in (planned, 1):
+            for k in counts:
                 group.reconfigure(group.config.replace(sequence_chunks=k))
                 started = time.perf_counter()
                 submit(group, *sample, step).wait(started)
