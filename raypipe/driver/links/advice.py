@@ -21,11 +21,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from raypipe.config import TrainConfig
-from raypipe.planning.links import Link
+from raypipe.planning.links import Link, link_map
 
 BOUND_SHARE = 0.5  # a link's wire time over the step from which the link is said to bound the step
-
-_ELEMENT_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0}
 
 
 def advice(links: Sequence[Link], config: TrainConfig, metrics: dict[str, Any]) -> str | None:
@@ -33,7 +31,7 @@ def advice(links: Sequence[Link], config: TrainConfig, metrics: dict[str, Any]) 
     is at least `BOUND_SHARE` of it, naming the link, its bytes and what would shorten it; else None
     (links on one node, or not measured; an interleaved schedule, whose stages send both ways on
     every link)."""
-    measured = {(link.sender, link.receiver): link for link in links if link.measured}
+    measured = link_map(links)
     if not measured or config.num_chunks() > 1 or not metrics.get("stages") or not metrics.get("step_time"):
         return None
     step = float(metrics["step_time"])
@@ -71,7 +69,8 @@ def direction_bytes(sent: Sequence[int], config: TrainConfig) -> dict[tuple[int,
 
 
 def _element_bytes(codec: str, config: TrainConfig) -> float:
-    return 1.0 if codec != "none" else _ELEMENT_BYTES.get(config.boundary_dtype, 4.0)
+    """Bytes per floating element one way, as the planner counts them (`links.boundary_bytes`)."""
+    return 1.0 if codec != "none" else 4.0 if config.boundary_dtype == "fp32" else 2.0
 
 
 def _remedies(config: TrainConfig) -> list[str]:

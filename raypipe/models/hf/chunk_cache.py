@@ -138,8 +138,7 @@ def _keep(config: PretrainedConfig, index: int, key: tuple, arguments: tuple, ch
     position = _position()
     shared = position.microbatch.shared
     shared[key] = arguments
-    types = getattr(config, "layer_types", None)
-    kind = types[index] if types else None
+    kind = key[-1]  # the layer's attention type (`_chunk_inputs`' key)
     sliding = shared["cache"].layers[index].is_sliding
     window = getattr(config, "sliding_window", None) if sliding else None
     mask = chunk_inputs["attention_mask"]
