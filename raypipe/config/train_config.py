@@ -18,7 +18,15 @@ import yaml
 
 from raypipe.checkpoint.storage import redact_values
 from raypipe.config.checks import plain
-from raypipe.config.choices import DeviceLinks, NonfinitePolicy, Partition, Placement, Precision, SameNodeTransport
+from raypipe.config.choices import (
+    BoundaryDtype,
+    DeviceLinks,
+    NonfinitePolicy,
+    Partition,
+    Placement,
+    Precision,
+    SameNodeTransport,
+)
 from raypipe.config.loggers import LoggerEntry
 from raypipe.config.sections import (
     SECTION_OF,
@@ -100,7 +108,7 @@ class TrainConfig:
     nonfinite = Alias[NonfinitePolicy]("optim")
     seed = Alias[int]("optim")
     precision = Alias[Precision]("numerics")
-    boundary_dtype = Alias[Precision]("numerics")
+    boundary_dtype = Alias[BoundaryDtype]("numerics")
     compress_activations = Alias[Codec]("numerics")
     compress_gradients = Alias[Codec]("numerics")
     activation_checkpointing = Alias[bool]("numerics")

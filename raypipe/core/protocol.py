@@ -264,6 +264,7 @@ class StepTimings:
     peak_stashed: int = 0  # microbatches kept for their backward at once
     peak_awaiting_weight: int = 0  # split backwards: microbatches between input and weight gradient
     sent_bytes: int = 0  # activations and input gradients sent to neighbours
+    fp32_sent_bytes: int = 0  # of those, the float32 ones a narrower boundary_dtype would halve
     peak_activation_bytes: int = 0  # the stash's peak bytes (the memory split's activations)
     peak_stashed_bytes: int | None = None  # TrainConfig.measure_activations: the same, reported
     all_to_all_s: float = 0.0  # MoE: seconds in all-to-all
@@ -367,7 +368,7 @@ class StageSettings:
     lr_schedule: dict = field(default_factory=lambda: {"name": "constant"})
     grad_clip: float | None = None
     precision: str = "fp32"
-    boundary_dtype: str = "fp32"
+    boundary_dtype: str = "fp32"  # "auto": fp32 until the driver chooses (`driver.links.advice`)
     compress_activations: str = "none"
     compress_gradients: str = "none"
     activation_checkpointing: bool = False

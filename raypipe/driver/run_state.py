@@ -34,8 +34,8 @@ class RunState:
             count then, what it was, `load(group)` loading it again). A recovery loads them again
             after the checkpoint (or the initial weights); a save or a checkpoint load empties it.
             A loaded state dict is held by reference (not copied) until then.
-        advised_links: the links (`ActorGroup.links`, measured anew at each start) whose first timed
-            step was looked at for a link that bounds it (`links.advice`).
+        advised_links: the links (`ActorGroup.links`, measured anew at each start) whose steps were
+            looked at for a link that bounds them, and acted on or said (`links.advice.after_step`).
     """
 
     run_name: str

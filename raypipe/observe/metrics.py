@@ -15,8 +15,9 @@ def stage_metrics(reports: Sequence[StepReport]) -> list[dict[str, float]]:
     state / activations / other), `peak_stashed_microbatches` (kept for backward; a split
     backward's microbatch until its weight gradient), `peak_awaiting_weight_grad` (between input
     and weight gradient), `sent_bytes` (activations and input gradients sent to the neighbouring
-    stages, in `boundary_dtype`), with `measure_activations` `peak_stashed_bytes`, with `compile`
-    `compiled` (graphs and graph breaks so far), and in a model
+    stages, in `boundary_dtype`; `fp32_sent_bytes` those of them in float32), with
+    `measure_activations` `peak_stashed_bytes`, with `compile` `compiled` (graphs and graph
+    breaks so far), and in a model
     with MoE layers `all_to_all_s`, `all_to_all_bytes` and `experts` (routed and dropped).
 
     The bubble of a stage is the share of the pipeline's compute window (first action
@@ -42,6 +43,7 @@ def stage_metrics(reports: Sequence[StepReport]) -> list[dict[str, float]]:
                 # split backwards: microbatches between their input and weight gradients at once
                 "peak_awaiting_weight_grad": int(t.peak_awaiting_weight),
                 "sent_bytes": int(t.sent_bytes),
+                "fp32_sent_bytes": int(t.fp32_sent_bytes),  # of them, in float32 (what bf16 would halve)
                 **({"peak_stashed_bytes": float(t.peak_stashed_bytes)} if t.peak_stashed_bytes is not None else {}),
                 # TrainConfig.compile: the actor's compiled graphs and graph breaks so far
                 **({"compiled": dict(t.compiled)} if t.compiled is not None else {}),

@@ -67,7 +67,7 @@ def boundary_bytes(profile: dict[str, Any], end: int, config: TrainConfig) -> tu
     scales left out); the others go forward only."""
     i = end - 1
     elements, as_is = profile["output_float_elements"][i], profile["output_float_bytes"][i]
-    floats = elements * 2 if config.boundary_dtype != "fp32" else as_is
+    floats = elements * 2 if config.boundary_dtype in ("bf16", "fp16") else as_is  # "auto" sends fp32 at first
     forward = elements if config.compress_activations != "none" else floats
     backward = elements if config.compress_gradients != "none" else floats
     return forward + profile["output_other_bytes"][i], backward

@@ -11,7 +11,9 @@ through the fake-accelerator override, as cluster.yaml's start commands would on
   and the stage it held.
 - A host's link limited with `tc tbf` (`NetnsCluster.limit_link`, issue 36's slow-link condition)
   carries its rate each way, and its full speed once lifted; a run across such links measures
-  them when it starts and a profiled split moves to where the boundary is small.
+  them when it starts and a profiled split moves to where the boundary is small; a split left at
+  a wide boundary, which the link bounds, has its boundaries narrowed to bf16 (`boundary_dtype`
+  "auto").
 """
 
 from __future__ import annotations
@@ -96,7 +98,19 @@ with Trainer(MODEL, nn.functional.mse_loss, config, sample=data(0), log=lines.ap
            "rates": {{i["name"]: i["link_rates"] for i in t.stage_info()}},
            "report": t.plan_report.to_dict()["links"],
            "diagram": Architecture.from_trainer(t, torch.zeros(64, 16)).to_mermaid()}}
+# the split at the 512-wide boundary, left as it is, on 4 times the rows: the link bounds its steps
+# (2 MiB each way, 0.9 s), so "auto" narrows it
+big = lambda k: batch(k, 1024, 16, 16)
+wide = TrainConfig(pp=2, microbatches=4, shard_plan=[[0, 4], [4, 7]], devices=["cpu", "mps"],
+                   allow_cpu_fallback=True, placement="strict_spread", cpus_per_actor=0.25, optimizer=SGD,
+                   actor_start_timeout=90, name="linked-wide")
+lines = []
+with Trainer(MODEL, nn.functional.mse_loss, wide, log=lines.append) as t:
+    steps = [t.step(*big(k)) for k in range(3)]
+    out["wide"] = {{"lines": lines, "losses": [m["loss"] for m in steps], "dtype": t.config.boundary_dtype,
+                   "sent": [[s["sent_bytes"] for s in m["stages"]] for m in steps]}}
 out["reference"] = reference_run(MODEL, 0, PLAIN_SGD, 3, microbatches=4, data=data)[0]
+out["wide"]["reference"] = reference_run(MODEL, 0, PLAIN_SGD, 3, microbatches=4, data=big)[0]
 print("RESULT " + json.dumps(out))
 """
 )
@@ -132,6 +146,20 @@ def test_links_are_measured_and_a_profiled_split_moves_to_a_narrow_boundary(clus
     rates = [rate for per_actor in out["rates"].values() for rate in per_actor.values()]
     assert len(rates) == 2 and all(12 < r["mbit_per_s"] < 22 for r in rates), out["rates"]
     assert " float32 over gloo at 1" in out["diagram"] or " float32 over gloo at 2" in out["diagram"], out["diagram"]
+    # issue 76: the same link under the split at the wide boundary bounds the step; boundary_dtype
+    # left "auto" sends bf16 from the next step on (said in the log), half the bytes each way, and
+    # the steps before it are exactly one process's (the planned run above, never bound, all three)
+    wide = out["wide"]
+    said = "\n".join(wide["lines"])
+    print("\n" + said)
+    narrowed = re.search(r"the link bounds the step, so from step (\d) on the boundaries cross in bf16", said)
+    assert narrowed is not None and wide["dtype"] == "bf16", said
+    first = int(narrowed.group(1)) - 1  # 0-based: the first step in bf16 (the warm-up's or the first timed one's)
+    assert first in (1, 2) and "boundary_dtype='fp32' keeps them exact" in said, said
+    assert all(sent == wide["sent"][0] for sent in wide["sent"][:first]), wide["sent"]
+    assert all(sent == [b // 2 for b in wide["sent"][0]] for sent in wide["sent"][first:]), wide["sent"]
+    assert wide["losses"][:first] == pytest.approx(wide["reference"][:first], rel=1e-5, abs=1e-6)
+    assert wide["losses"] == pytest.approx(wide["reference"], rel=1e-2)  # bf16's rounding at the boundary only
 
 
 def test_a_lost_node_fails_over_to_a_spare_and_without_one_the_error_names_it(cluster, tmp_path):

@@ -159,6 +159,7 @@ def test_bf16_boundaries_round_exactly_there_and_halve_the_bytes_sent(trainer, i
     metrics = [trainer.step(*batch(k)) for k in range(3)]
     trainer.reconfigure(boundary_dtype="fp32")
     assert [s["sent_bytes"] for s in metrics[0]["stages"]] == [b // 2 for b in fp32_sent]
+    assert all(s["fp32_sent_bytes"] == 0 for s in metrics[0]["stages"])  # nothing left for "auto" to halve
     pp = trainer.num_stages
     assert (fp32_sent[0] > 0) == (pp > 1)
 
@@ -219,6 +220,7 @@ def test_timeline_and_sent_bytes_come_from_the_actors(trainer, initial):
     if trainer.num_stages > 1:  # the first stage's output is 16 wide in every plan of MLP7
         assert sent[0] == 4 * 4 * 16 * 4  # 4 microbatches of 4 x 16 fp32 activations, no gradient back
         assert all(b > 0 for b in sent)
+    assert [s["fp32_sent_bytes"] for s in metrics["stages"]] == sent  # boundary_dtype "auto", not narrowed here
     # each direction's bytes as the link advice reads them from the stages' sums: every boundary's
     # activations on, as many bytes of their gradients back
     widths = [16, 16, 16, 16, 12, 12, 3]  # MLP7's layers' outputs

@@ -284,11 +284,11 @@ class Executor:
     def send(self, value: Any, codec: str = "none") -> Any:
         """A boundary value as it leaves for another stage: its tensors detached, floating
         activations (2 dimensions or more) in `boundary_dtype`, or compressed by `codec`
-        (`transport.compress`: the config's for activations or for gradients), counted in this step's
-        `sent_bytes`. Scalars and vectors keep their dtype: they are few bytes, and a loss carried
-        along or a MoE's routing counts (exact integers up to 2^24 in float32, 256 in bf16)
-        must not round. They stay on this stage's device: the p2p engine copies them straight
-        into its host message buffer, the refs engine moves them to host."""
+        (`transport.compress`: the config's for activations or for gradients), counted (`count_sent`).
+        Scalars and vectors keep their dtype: they are few bytes, and a loss carried along or a
+        MoE's routing counts (exact integers up to 2^24 in float32, 256 in bf16) must not round.
+        They stay on this stage's device: the p2p engine copies them straight into its host
+        message buffer, the refs engine moves them to host."""
         dtype = AUTOCAST_DTYPES.get(self.settings.boundary_dtype)
 
         def leaving(t: torch.Tensor) -> torch.Tensor | Compressed:
@@ -299,7 +299,7 @@ class Executor:
                 return packed
             if dtype is not None and t.is_floating_point() and t.dim() >= 2:
                 t = t.to(dtype)
-            self.timing["sent_bytes"] = self.timing.get("sent_bytes", 0) + t.numel() * t.element_size()
+            count_sent(self.timing, t)
             return t
 
         return map_tensors(leaving, value)
@@ -364,3 +364,12 @@ def input_grads(x: Boundary) -> Boundary:
     """The input's tree with each leaf's gradient, None where a leaf has none: what a backward
     sends the previous stage."""
     return map_tensors(lambda t: t.grad if t.requires_grad else None, x)
+
+
+def count_sent(timing: dict, t: torch.Tensor) -> None:
+    """Adds tensor `t`, as it leaves, to a step's `sent_bytes`, and to its `fp32_sent_bytes` where it
+    is a float32 activation or gradient: what `boundary_dtype="auto"` would halve (`driver.links.advice`)."""
+    nbytes = t.numel() * t.element_size()
+    timing["sent_bytes"] = timing.get("sent_bytes", 0) + nbytes
+    if t.dtype == torch.float32 and t.dim() >= 2:
+        timing["fp32_sent_bytes"] = timing.get("fp32_sent_bytes", 0) + nbytes

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from raypipe.config.checks import check_choice, fail
-from raypipe.config.choices import PRECISIONS, Precision
+from raypipe.config.choices import BOUNDARY_DTYPES, PRECISIONS, BoundaryDtype, Precision
 from raypipe.config.sections.base import Section, section
 from raypipe.transport.compress import CODECS, Codec
 
@@ -15,8 +15,12 @@ class NumericsConfig(Section):
     Attributes:
         precision: "fp32", "bf16" (autocast) or "fp16" (autocast with dynamic loss scaling).
         boundary_dtype: the dtype activations and their gradients travel in between
-            stages: "fp32" (as computed), or "bf16" / "fp16" to halve the bytes sent; the
-            receiving stage computes in float32 again.
+            stages: "fp32" (as computed: exact on any link), or "bf16" / "fp16" to halve the
+            bytes sent; the receiving stage computes in float32 again. "auto" (the default):
+            as computed, unless a step shows a measured link between nodes bounding it (its
+            wire time half the step or more, float32 most of what crosses it): from the next
+            step on, bf16, said in the log with the link and its figures; once chosen it is the
+            run's `boundary_dtype` (`raypipe.driver.links.advice`).
         compress_activations: send the activations between stages in 8 bits per element with a
             float32 scale, a quarter of fp32's bytes, for slow links (`raypipe.transport.compress`):
             "fp8" (e4m3, a scale per tensor), "fp8-row" (a scale per row), "int8" (a scale per
@@ -40,7 +44,7 @@ class NumericsConfig(Section):
     """
 
     precision: Precision = "fp32"
-    boundary_dtype: Precision = "fp32"
+    boundary_dtype: BoundaryDtype = "auto"
     compress_activations: Codec = "none"
     compress_gradients: Codec = "none"
     activation_checkpointing: bool = False
@@ -49,7 +53,7 @@ class NumericsConfig(Section):
 
     def __post_init__(self) -> None:
         check_choice("precision", self.precision, PRECISIONS)
-        check_choice("boundary_dtype", self.boundary_dtype, PRECISIONS)
+        check_choice("boundary_dtype", self.boundary_dtype, BOUNDARY_DTYPES)
         check_choice("compress_activations", self.compress_activations, CODECS)
         check_choice("compress_gradients", self.compress_gradients, CODECS)
         for name in ("activation_checkpointing", "compile", "measure_activations"):

@@ -71,11 +71,21 @@ def overlap_links(group: ActorGroup, log: Callable[[str], None]) -> bool:
     log(
         f"raypipe: stages on different nodes ({where}): extra_warmup=1, one more forward in flight, so "
         "activations keep crossing while the first gradient comes back (one more microbatch stashed on "
-        "every stage but the last; set extra_warmup=0 to keep 1F1B's own warm-up). For a slow link, "
-        "boundary_dtype='bf16' halves its bytes and schedule='auto' with a sample plans for it"
+        "every stage but the last; set extra_warmup=0 to keep 1F1B's own warm-up). " + _precision_word(group.config)
     )
     group.reconfigure(config.replace(extra_warmup=1))
     return True
+
+
+def _precision_word(config: TrainConfig) -> str:
+    """What the start log says of the boundaries' precision on those links (`links.advice`)."""
+    if config.boundary_dtype == "auto":
+        return (
+            "Boundaries cross as computed (boundary_dtype='auto'); if a step shows one of these links "
+            "bounding it, they cross in bf16 from the next step on, half the bytes (set boundary_dtype='fp32' "
+            "to keep them exact). schedule='auto' with a sample plans the split for the links"
+        )
+    return "For a slow link, schedule='auto' with a sample plans the split for it"
 
 
 def with_chosen_warmup(group: ActorGroup, changes: dict[str, object]) -> dict[str, object]:

@@ -20,7 +20,7 @@ from raypipe.data.batches import prepare
 from raypipe.driver.actor_group import ActorGroup, Submitted
 from raypipe.driver.checkpoints import Written
 from raypipe.driver.engines.step_io import StepResult
-from raypipe.driver.links.advice import advice
+from raypipe.driver.links import advice as links_advice
 from raypipe.driver.run import actor_runs
 from raypipe.driver.run.interrupts import held_interrupts
 from raypipe.driver.run_state import RunState
@@ -115,11 +115,8 @@ def book(group: ActorGroup, run: RunState, submitted: Submitted) -> Outcome:
         )
     run.step_count += 1
     metrics = recorded(group, run, submitted, result, report)
-    if run.advised_links is not group.links and not metrics["warmup"]:  # the first timed step on these links
+    if run.advised_links is not group.links and links_advice.after_step(group, metrics):  # a link that bounds it
         run.advised_links = group.links
-        said = advice(group.links, group.config, metrics)
-        if said is not None:
-            group.log(said)
     every = group.config.checkpoint_every
     if every and run.step_count % every == 0:  # before the loggers: a logger never costs a checkpoint
         try:
