@@ -29,6 +29,7 @@ first rate, so its links are measured at that rate (and its log's word after the
     sudo .venv/bin/python benchmarks/slow_link.py --rates 0 50 --steps 2 --variants 1f1b-fp32  # quick
     sudo .venv/bin/python benchmarks/slow_link.py --steps 3 --variants 1f1b-fp32-e1 planned planned-blind  # ~8 min
     sudo .venv/bin/python benchmarks/slow_link.py --steps 3 --variants default 1f1b-fp32   # ~5 min: the default
+    sudo .venv/bin/python benchmarks/slow_link.py --rates 200 50 0 --steps 3 --variants default default-fp32
 """
 
 from __future__ import annotations
@@ -54,7 +55,10 @@ import json_out  # noqa: E402
 from netns_cluster import NetnsCluster, available  # noqa: E402
 
 VARIANTS = {
-    "default": {},  # nothing set: what a user who does not tune gets (since issue 76, extra_warmup 1 across nodes)
+    # nothing set: what a user who does not tune gets (since issue 76, extra_warmup 1 across nodes, and
+    # boundary_dtype "auto": bf16 once a step shows the link bounding it); and the same with fp32 kept
+    "default": {},
+    "default-fp32": {"boundary_dtype": "fp32"},
     "1f1b-fp32": {"schedule": "1f1b", "boundary_dtype": "fp32", "extra_warmup": 0},
     "1f1b-bf16": {"schedule": "1f1b", "boundary_dtype": "bf16", "extra_warmup": 0},
     "gpipe-fp32": {"schedule": "gpipe", "boundary_dtype": "fp32"},
@@ -105,7 +109,8 @@ def measure(trainer, name, mbit):
     assert len(set(nodes)) == 2 and here in nodes, "the stages share a node, or neither is on the driver's"
     far = nodes.index(next(n for n in nodes if n != here))
     feed = (x if far == 0 else y).numel() * 4  # the driver's bytes to the far stage, each step
-    trainer.step(x, y)
+    for _ in range(2):  # untimed: the first steps after a start or a reconfiguration (a narrowed boundary)
+        trainer.step(x, y)
     times = []
     for _ in range({steps}):
         started = time.perf_counter()
@@ -121,7 +126,8 @@ def measure(trainer, name, mbit):
     print("RESULT " + json.dumps({{"variant": name, "mbit": mbit, "step_s": times, "sent_bytes": sent,
                                    "breakdown": str(went), "events_ms": events,
                                    "wire_bytes": max(out, sent[far]), "plan": trainer.plan, "schedule": c.schedule,
-                                   "microbatches": c.microbatches, "extra_warmup": c.extra_warmup}}), flush=True)
+                                   "microbatches": c.microbatches, "extra_warmup": c.extra_warmup,
+                                   "boundary_dtype": c.boundary_dtype}}), flush=True)
 
 for name, settings in json.loads('{variants}').items():
     settings = {{"microbatches": MICRO, **settings}}
@@ -192,7 +198,8 @@ def report(results: list[dict]) -> dict:
     for r in results:
         step = statistics.median(r["step_s"])
         row = {"median_step_s": step, "step_s": r["step_s"], "sent_bytes_per_stage": r["sent_bytes"]}
-        row.update({k: r[k] for k in ("plan", "schedule", "microbatches", "extra_warmup", "breakdown", "events_ms")})
+        kept = ("plan", "schedule", "microbatches", "extra_warmup", "boundary_dtype", "breakdown", "events_ms")
+        row.update({k: r[k] for k in kept if k in r})
         # with model chunks (zb-v, interleaved) sent_bytes count the messages between an actor's own
         # chunks too, which cross no link: no wire time is derived for them
         if r["mbit"] and r["schedule"] not in ("zb-v", "interleaved-1f1b"):
@@ -204,6 +211,14 @@ def report(results: list[dict]) -> dict:
                 row["over_compute_plus_wire"] = step / (c + wire)
                 row["over_max_compute_wire"] = step / max(c, wire)
         out.setdefault(r["variant"], {})[str(r["mbit"] or "unlimited")] = row
+    # the default against itself with fp32 kept, side by side: its speed-up, and its step over
+    # max(compute, the wire time of the fp32 bytes) (issue 76's measure, taken before "auto")
+    for rate, row in out.get("default", {}).items():
+        kept = out.get("default-fp32", {}).get(rate)
+        if kept is not None and "wire_s" in kept and "over_compute" in row:
+            row["speedup_over_fp32"] = kept["median_step_s"] / row["median_step_s"]
+            c = row["median_step_s"] / row["over_compute"]
+            row["over_max_compute_fp32_wire"] = row["median_step_s"] / max(c, kept["wire_s"])
     return out
 
 
