@@ -30,6 +30,8 @@ class StageModel:
     Attributes:
         module: the layers as an nn.Sequential (local keys `"<j>.<name>"`, j from 0).
         shard_specs: local state-dict key -> how its tensor splits across tp ranks.
+        compute_dtype: the floating dtype most of its weights' elements are in (float32 without
+            any): a bf16 model's stages compute on bf16 boundaries, a float32 one's on float32.
         params: the parameters, listed once (walking the module tree costs ~0.15 ms a
             time); they stay the same objects for the actor's life: loading copies into them.
         norm_params: those counted in the global gradient norm: a split parameter's shards
@@ -75,6 +77,7 @@ class StageModel:
         self.shard_specs = {**self.foreign_specs, **shard_specs(self.module)}
         self.sharded_params = {id(p) for k, p in self.module.named_parameters() if k in self.shard_specs}
         self.params = list(self.module.parameters())
+        self.compute_dtype = weights_dtype(self.params)  # what a boundary sent narrower is restored to
         self.mapped = {  # parameter -> the model file it is a view of
             id(p): held[0] for p in self.params if (held := loaded.mapped.get(p.untyped_storage().data_ptr()))
         }
@@ -312,3 +315,14 @@ def gpu_identity(device: torch.device) -> str | None:
     if uuid is not None:
         return str(uuid)
     return f"pci {props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}"
+
+
+def weights_dtype(params: Sequence[torch.Tensor]) -> torch.dtype:
+    """The floating dtype holding most of `params`' elements; float32 where none is floating (a
+    stage of activations, or of quantized weights only). LoRA adapters kept in float32 beside a
+    bf16 base count for their few elements."""
+    elements: dict[torch.dtype, int] = {}
+    for p in params:
+        if p.is_floating_point():
+            elements[p.dtype] = elements.get(p.dtype, 0) + p.numel()
+    return max(elements, key=elements.__getitem__) if elements else torch.float32

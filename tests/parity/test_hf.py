@@ -80,13 +80,18 @@ def test_bf16_weights_train_through_fp32_master_copies(ray_session, saved):
     directory, _ = saved["llama"]
     ref_losses, _, ref_final = hf_reference(directory, bf16=True)
     model = hf.from_pretrained(directory, dtype="bf16")
+    # a bf16 model's boundaries are bf16 already: boundary_dtype="bf16" leaves them so, and the next
+    # stage computes on them in bf16 (its weights' dtype), not float32
     config = TrainConfig(pp=2, microbatches=1, optimizer=SGD, cpus_per_actor=0.25, threads_per_actor=1)
-    with Trainer(model, config=config) as t:
+    with Trainer(model, config=config.replace(boundary_dtype="bf16")) as t:
         info = t.stage_info()
         assert {i["dtype"] for i in info} == {"bfloat16"}
         # masters: 4 bytes per weight besides the 2 it is stored in
         assert [i["optimizer_state_bytes"] for i in info] == [2 * i["parameter_bytes"] for i in info]
-        losses = [t.step(*lm_batch(k))["loss"] for k in range(3)]
+        metrics = [t.step(*lm_batch(k)) for k in range(3)]
+        losses = [m["loss"] for m in metrics]
+        # nothing float32 crossed, so boundary_dtype="auto" would have nothing to narrow on a slow link
+        assert all(s["sent_bytes"] > 0 and s["fp32_sent_bytes"] == 0 for s in metrics[0]["stages"])
         final = by_hf_name(t.state_dict(), model.exporter.names(t.specs))
     assert losses == pytest.approx(ref_losses, rel=1e-6)
     for name, value in final.items():  # bit for bit: the same bf16 kernels, the same fp32 master updates

@@ -305,8 +305,8 @@ class Executor:
         return map_tensors(leaving, value)
 
     def received(self, x: Any) -> Any:
-        """A boundary value's tensors on this stage's device; those sent narrower (`boundary_dtype`,
-        or compressed: restored on the device) are computed on in float32 again."""
+        """A boundary value's tensors on this stage's device; those sent narrower (`boundary_dtype`:
+        in its weights' dtype again; compressed: in the sender's, restored on the device)."""
         narrow = AUTOCAST_DTYPES.get(self.settings.boundary_dtype)
 
         def arriving(t: torch.Tensor) -> torch.Tensor:
@@ -314,7 +314,7 @@ class Executor:
             # and the copy to the device runs behind the host; MPS copies only blocking (its
             # non-blocking copies from host memory can read freed buffers: pytorch#189690)
             t = t.to(self.device, non_blocking=self.device.type == "cuda")
-            return t.float() if narrow is not None and t.dtype == narrow else t
+            return t.to(self.model.compute_dtype) if narrow is not None and t.dtype == narrow else t
 
         arrived = map_tensors(arriving, x)
         return restore(arrived) if self.settings.compress_activations != "none" else arrived

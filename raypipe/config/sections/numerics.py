@@ -16,11 +16,11 @@ class NumericsConfig(Section):
         precision: "fp32", "bf16" (autocast) or "fp16" (autocast with dynamic loss scaling).
         boundary_dtype: the dtype activations and their gradients travel in between
             stages: "fp32" (as computed: exact on any link), or "bf16" / "fp16" to halve the
-            bytes sent; the receiving stage computes in float32 again. "auto" (the default):
-            as computed, unless a step shows a measured link between nodes bounding it (its
-            wire time half the step or more, float32 most of what crosses it): from the next
-            step on, bf16, said in the log with the link and its figures; once chosen it is the
-            run's `boundary_dtype` (`raypipe.driver.links.advice`).
+            bytes sent; the receiving stage computes in its weights' dtype again. "auto" (the
+            default): as computed, unless a step shows a measured link between nodes bounding
+            it (its wire time half the step or more, float32 most of what crosses it): from
+            the next step on, bf16, said in the log with the link and its figures; once chosen
+            it is the run's `boundary_dtype` (`raypipe.driver.links.advice`).
         compress_activations: send the activations between stages in 8 bits per element with a
             float32 scale, a quarter of fp32's bytes, for slow links (`raypipe.transport.compress`):
             "fp8" (e4m3, a scale per tensor), "fp8-row" (a scale per row), "int8" (a scale per
