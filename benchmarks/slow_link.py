@@ -59,6 +59,7 @@ VARIANTS = {
     # boundary_dtype "auto": bf16 once a step shows the link bounding it); and the same with fp32 kept
     "default": {},
     "default-fp32": {"boundary_dtype": "fp32"},
+    "default-e2": {"extra_warmup": 2},  # the default with two more forwards in flight
     "1f1b-fp32": {"schedule": "1f1b", "boundary_dtype": "fp32", "extra_warmup": 0},
     "1f1b-bf16": {"schedule": "1f1b", "boundary_dtype": "bf16", "extra_warmup": 0},
     "gpipe-fp32": {"schedule": "gpipe", "boundary_dtype": "fp32"},
