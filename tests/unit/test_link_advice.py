@@ -66,7 +66,7 @@ def test_auto_narrows_a_bound_step_that_was_mostly_float32_and_nothing_else():
     found = bound(LINKS, auto, bounded)
     assert found == Bound(2, 1.01, LINKS[0], SENT[0], 1e-3 + SENT[0] / MBIT_200)
     assert bound(LINKS, auto, step(found.wire_s / BOUND_SHARE + 0.01)) is None  # the link keeps up
-    said = _said(found, auto.replace(boundary_dtype="bf16"), narrowed=True, wide=False)
+    said = _said(found, auto.replace(boundary_dtype="bf16"), narrowed=True, wide=False, first=3)
     assert "the link bounds the step, so from step 3 on the boundaries cross in bf16" in said, said
     assert "boundary_dtype='fp32' keeps them exact" in said and "What shortens it further: compress_activations" in said
     # a model sending bf16 already is not told that bf16 would halve its bytes

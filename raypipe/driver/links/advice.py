@@ -48,15 +48,16 @@ class Bound:
     wire_s: float
 
 
-def after_step(group: ActorGroup, metrics: dict[str, Any]) -> bool:
+def after_step(group: ActorGroup, metrics: dict[str, Any], queued: int = 0) -> bool:
     """Looks at the booked step of `metrics` for a link of `group` that bounds it: narrows the
     boundaries (`boundary_dtype="auto"`) and says so, or says what would shorten it. True once
-    these links are done with (the first timed step; a warm-up step that narrowed)."""
+    these links are done with (the first timed step; a warm-up step that narrowed). `queued`: the
+    steps already sent to the actors behind it (`fit`'s overlap), which run as they were sent."""
     config = group.config
     found = bound(group.links, config, metrics)
     if found is not None and narrows(config, metrics) and group.actor_run is None:
-        group.reconfigure(config.replace(boundary_dtype=NARROW))  # the actors send bf16 from the next step
-        group.log(_said(found, group.config, narrowed=True, wide=False))
+        group.reconfigure(config.replace(boundary_dtype=NARROW))  # each actor takes it after its queued steps
+        group.log(_said(found, group.config, narrowed=True, wide=False, first=found.step + 1 + queued))
         return True
     if metrics["warmup"]:
         return False
@@ -104,9 +105,10 @@ def _mostly_fp32(metrics: dict[str, Any]) -> bool:
     return sent > 0 and wide >= 0.5 * sent
 
 
-def _said(found: Bound, config: TrainConfig, narrowed: bool, wide: bool) -> str:
+def _said(found: Bound, config: TrainConfig, narrowed: bool, wide: bool, first: int = 0) -> str:
     """The log line: the step, the link, its bytes; what was done and what else would shorten it
-    (`wide`: float32 most of what crossed, which a narrower boundary would halve)."""
+    (`wide`: float32 most of what crossed, which a narrower boundary would halve; `first`: the
+    first step sent narrowed)."""
     m = config.microbatches
     head = (
         f"raypipe: step {found.step} took {found.step_s:.3f} s, {found.wire_s:.3f} s of it the wire time of "
@@ -114,7 +116,7 @@ def _said(found: Bound, config: TrainConfig, narrowed: bool, wide: bool) -> str:
     )
     if narrowed:
         done = (
-            f", so from step {found.step + 1} on the boundaries cross in {NARROW} (boundary_dtype='auto': "
+            f", so from step {first} on the boundaries cross in {NARROW} (boundary_dtype='auto': "
             "activations and their gradients rounded on the way, half the bytes; boundary_dtype='fp32' keeps "
             "them exact on any link). "
         )

@@ -115,7 +115,8 @@ def book(group: ActorGroup, run: RunState, submitted: Submitted) -> Outcome:
         )
     run.step_count += 1
     metrics = recorded(group, run, submitted, result, report)
-    if run.advised_links is not group.links and links_advice.after_step(group, metrics):  # a link that bounds it
+    queued = group.calls - submitted.call_id  # sent behind it (fit's overlap): they run as sent
+    if run.advised_links is not group.links and links_advice.after_step(group, metrics, queued):  # a bound link
         run.advised_links = group.links
     every = group.config.checkpoint_every
     if every and run.step_count % every == 0:  # before the loggers: a logger never costs a checkpoint
