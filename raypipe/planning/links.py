@@ -59,6 +59,12 @@ def link_map(links: Sequence[Link]) -> dict[tuple[int, int], Link]:
     return {(link.sender, link.receiver): link for link in links if link.measured}
 
 
+def narrow_boundaries(config: TrainConfig) -> bool:
+    """Whether `config` sends its floating boundaries in 16 bits (`boundary_dtype` "bf16" or "fp16");
+    "auto" sends them as computed until the run chooses bf16 (`driver.links.advice`)."""
+    return config.boundary_dtype in ("bf16", "fp16")
+
+
 def boundary_bytes(profile: dict[str, Any], end: int, config: TrainConfig) -> tuple[float, float]:
     """(activation bytes, gradient bytes) of the value a (virtual) stage ending before layer `end`
     sends on, from a profile's output sizes (`LayerProfiler.profile`) and how `config` (a
@@ -67,7 +73,7 @@ def boundary_bytes(profile: dict[str, Any], end: int, config: TrainConfig) -> tu
     scales left out); the others go forward only."""
     i = end - 1
     elements, as_is = profile["output_float_elements"][i], profile["output_float_bytes"][i]
-    floats = elements * 2 if config.boundary_dtype in ("bf16", "fp16") else as_is  # "auto" sends fp32 at first
+    floats = elements * 2 if narrow_boundaries(config) else as_is
     forward = elements if config.compress_activations != "none" else floats
     backward = elements if config.compress_gradients != "none" else floats
     return forward + profile["output_other_bytes"][i], backward

@@ -30,7 +30,7 @@ from typing import Any
 
 from raypipe.config import TrainConfig
 from raypipe.driver.actor_group import ActorGroup
-from raypipe.planning.links import Link, link_map
+from raypipe.planning.links import Link, link_map, narrow_boundaries
 
 BOUND_SHARE = 0.5  # a link's wire time over the step from which the link is said to bound the step
 NARROW = "bf16"  # what "auto" narrows boundaries to: float32's range (activations and gradients stay in it)
@@ -146,13 +146,13 @@ def direction_bytes(sent: Sequence[int], config: TrainConfig) -> dict[tuple[int,
 
 def _element_bytes(codec: str, config: TrainConfig) -> float:
     """Bytes per floating element one way, as the planner counts them (`links.boundary_bytes`)."""
-    return 1.0 if codec != "none" else 2.0 if config.boundary_dtype in ("bf16", "fp16") else 4.0
+    return 1.0 if codec != "none" else 2.0 if narrow_boundaries(config) else 4.0
 
 
 def _remedies(config: TrainConfig, wide: bool) -> list[str]:
     """The settings that move the bound, those not set already (`wide`: as `_said`'s)."""
     out = []
-    if wide and config.boundary_dtype in ("fp32", "auto") and config.compress_activations == "none":
+    if wide and not narrow_boundaries(config) and config.compress_activations == "none":
         out.append(
             "boundary_dtype='bf16' halves those bytes (activations and their gradients rounded to bf16 on the way)"
         )
