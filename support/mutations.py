@@ -300,12 +300,29 @@ MUTATIONS = [
     Mutation(
         "chunk-packed-documents",
         "raypipe/models/hf/chunk_cache.py",
-        'elif inputs["position_ids"] is not None:  # packed rows: each document sees only itself',
+        'elif inputs["position_ids"] is not None and not _plain_so_far(position, inputs):',
         "elif False:",
         (
             "tests/parity/test_sequence_chunks.py::"
             "test_a_transformers_model_trains_on_chunks_exactly_as_unchunked[mistral-packed-pp2]",
+            "tests/unit/test_hf_arguments.py",
         ),
         "a chunk of a packed row attends across its documents (transformers separates them only without a cache)",
+    ),
+    Mutation(
+        "chunk-kept-arguments-cache",
+        "raypipe/models/hf/chunk_cache.py",
+        '_keep(config, index, key, argument_memo.with_cache(arguments, shared["cache"]), chunk_inputs)',
+        "_keep(config, index, key, arguments, chunk_inputs)",
+        ("tests/unit/test_hf_arguments.py",),
+        "a chunk's decoder arguments kept from an earlier step name that step's cache, not the running one's",
+    ),
+    Mutation(
+        "embedding-alone-verdict",
+        "raypipe/models/hf/embedding_alone.py",
+        "        _verdicts[key] = bool(same and torch.equal(own, hidden.detach()))",
+        "        _verdicts[key] = True",
+        ("tests/unit/test_hf_arguments.py",),
+        "the embedding skips a prologue that scales it (Granite's multiplier)",
     ),
 ]

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from raypipe.core import layers
-from raypipe.models.hf import conversions, skeleton, tensor_files
+from raypipe.models.hf import argument_memo, conversions, embedding_alone, skeleton, tensor_files
 from raypipe.models.hf.sparse_moe import SparseMoeBlock, add_stats, is_moe, router_stats, routing_stats
 from raypipe.nn import sequence_chunks
 
@@ -82,7 +82,7 @@ class HFEmbedding(nn.Module):
 
             hidden = embedded(self.config, held, inputs)
         else:
-            hidden = skeleton.embed(self.config, held, inputs)
+            hidden = embedding_alone.embed(self.config, held, inputs, lambda: skeleton.embed(self.config, held, inputs))
         return {"hidden_states": hidden, "attention_mask": mask, "position_ids": positions}
 
 
@@ -171,9 +171,7 @@ class HFDecoderLayer(nn.Module):
             args, kwargs = layer_arguments(self.config, self.index, hidden, inputs)
             attending = block_attention(self.block, hidden)
         else:
-            args, kwargs = skeleton.layer_inputs(self.config, [self.index], hidden, {**inputs, "use_cache": False})[
-                self.index
-            ]
+            args, kwargs = argument_memo.layer_inputs(self.config, self.index, hidden, inputs)
         with attending:
             out = self.block(hidden, *args, **kwargs)
         hidden = out[0] if isinstance(out, tuple) else out

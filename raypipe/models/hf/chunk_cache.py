@@ -27,7 +27,7 @@ import torch
 from transformers import AttentionInterface, DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from raypipe.models.hf import skeleton
+from raypipe.models.hf import argument_memo, embedding_alone, skeleton
 from raypipe.nn import chunk_attention
 from raypipe.nn.sequence_chunks import Position, current
 
@@ -72,10 +72,21 @@ def layer_arguments(
     """Decoder layer `index`'s arguments for the running chunk (`skeleton.layer_inputs` with the
     chunk cache): made once per chunk and attention type, the attention mask being the chunk's
     joined after every earlier chunk's."""
-    shared = _position().microbatch.shared
+    position = _position()
+    shared = position.microbatch.shared
     key, chunk_inputs = _chunk_inputs(config, index, hidden, inputs)
     if key not in shared:
-        _keep(config, index, key, skeleton.layer_inputs(config, [index], hidden, chunk_inputs)[index], chunk_inputs)
+        remembered = None
+        if _plain_so_far(position, inputs):  # positions alone decide them: kept from an earlier step
+            remembered = argument_memo.key(config, key[-1], hidden, position.offset, position.end, chunked=True)
+            arguments = argument_memo.get(remembered)
+            if arguments is not None:
+                _keep(config, index, key, argument_memo.with_cache(arguments, shared["cache"]), chunk_inputs)
+                return shared[key]
+        arguments = skeleton.layer_inputs(config, [index], hidden, chunk_inputs)[index]
+        if remembered is not None:
+            argument_memo.put(remembered, arguments)
+        _keep(config, index, key, arguments, chunk_inputs)
     return shared[key]
 
 
@@ -86,7 +97,9 @@ def embedded(config: PretrainedConfig, modules: dict[str, torch.nn.Module], inpu
     first layer's (0.6 ms a chunk at 2,048 tokens, `benchmarks/chunk_cost.py`), and the second
     pass's cost is on the chunked step's critical path (the first stage's forwards, then its
     backwards). Two passes still where the embedding holds no floating weight to give the
-    layer's hidden states their dtype (a packed row's eager mask takes it)."""
+    layer's hidden states their dtype (a packed row's eager mask takes it). No pass at all where
+    layer 0's arguments are kept from an earlier step (`argument_memo`) and the family's prologue
+    adds nothing to the embedding (`embedding_alone`)."""
     ids = inputs["input_ids"]
     dtype = next((p.dtype for m in modules.values() for p in m.parameters() if p.is_floating_point()), None)
     if dtype is None:
@@ -95,7 +108,23 @@ def embedded(config: PretrainedConfig, modules: dict[str, torch.nn.Module], inpu
     key, chunk_inputs = _chunk_inputs(config, 0, like, inputs)
     if not chunk_inputs:  # layer 0's arguments are made already
         return skeleton.embed(config, modules, inputs)
-    hidden, *arguments = skeleton.embed_with_arguments(config, modules, {"input_ids": ids, **chunk_inputs})
+    position, embedding = _position(), embedding_alone.module(modules)
+    remembered = None
+    if _plain_so_far(position, inputs):  # layer 0's arguments kept, and the embedding alone its input
+        remembered = argument_memo.key(config, key[-1], like, position.offset, position.end, chunked=True)
+        arguments = argument_memo.get(remembered)
+        if arguments is not None and embedding is not None and embedding_alone.known(config, embedding):
+            cache = position.microbatch.shared["cache"]
+            _keep(config, 0, key, argument_memo.with_cache(arguments, cache), chunk_inputs)
+            return embedding(ids)
+
+    def prologue() -> tuple:
+        return skeleton.embed_with_arguments(config, modules, {"input_ids": ids, **chunk_inputs})
+
+    asked = remembered is not None and embedding is not None
+    hidden, *arguments = embedding_alone.alone(config, embedding, ids, prologue) if asked else prologue()
+    if remembered is not None:
+        argument_memo.put(remembered, tuple(arguments))
     _keep(config, 0, key, tuple(arguments), chunk_inputs)
     return hidden
 
@@ -121,7 +150,8 @@ def _chunk_inputs(
     sliding = shared["cache"].layers[index].is_sliding  # transformers' own answer for the layer
     if mask is not None:
         mask = torch.cat([masks[c] for c in range(position.chunk + 1)], dim=1)
-    elif inputs["position_ids"] is not None:  # packed rows: each document sees only itself
+    elif inputs["position_ids"] is not None and not _plain_so_far(position, inputs):
+        # packed rows: each document sees only itself
         mask = packed_mask(config, sliding, hidden, inputs["position_ids"])
     chunk_inputs = {
         "attention_mask": mask,
@@ -130,6 +160,17 @@ def _chunk_inputs(
         "use_cache": True,
     }
     return key, chunk_inputs
+
+
+def _plain_so_far(position: Position, inputs: dict[str, Any]) -> bool:
+    """Whether this chunk and every one before it in the microbatch had no attention mask and
+    positions numbered from their start (`argument_memo.plain`): one document, causal, whose
+    arguments positions alone decide (kept from step to step) and whose mask needs no documents."""
+    plain = position.microbatch.shared.setdefault("plain", {})
+    c = position.chunk
+    if c not in plain:
+        plain[c] = (c == 0 or plain.get(c - 1, False)) and argument_memo.plain(inputs, position.offset, position.end)
+    return plain[c]
 
 
 def _keep(config: PretrainedConfig, index: int, key: tuple, arguments: tuple, chunk_inputs: dict[str, Any]) -> None:
@@ -163,6 +204,12 @@ def packed_mask(config: PretrainedConfig, sliding: bool, hidden: torch.Tensor, p
     position = _position()
     documents = position.microbatch.shared.setdefault("documents", {})  # chunk -> (its documents, last position)
     c = position.chunk
+    bounds = position.microbatch.starts
+    for j in range(c):  # a chunk of one document numbered from its start made none (`_plain_so_far`)
+        if j not in documents:
+            length = bounds[j + 1] - bounds[j]
+            ids = torch.zeros(hidden.shape[0], length, dtype=positions.dtype, device=positions.device)
+            documents[j] = (ids, torch.full_like(ids[:, :1], bounds[j + 1] - 1))
     if c not in documents:
         positions = positions.expand(hidden.shape[0], -1)
         if c == 0:

@@ -1,0 +1,122 @@
+"""Decoder layers' arguments kept from one step to the next (`skeleton.layer_inputs`' answers).
+
+What transformers' base model passes a decoder layer (its rotary position embeddings, its mask,
+its cache positions) depends on the tokens' positions and padding, not on their values. A run
+whose samples have the same length and no padding asks for the same arguments every step; making
+them runs the base model's forward up to the layer (`skeleton._prologue`): about a millisecond a
+call at 64 wide, once per layer and step unchunked, once per chunk and stage with sequence chunks,
+where it was 4-5 % of a small stage's step (`benchmarks/chunk_cost.py`).
+
+Only arguments that positions alone decide are kept: no attention mask (no padding) and positions
+numbered from the span's start (`plain`); a packed row or a padded batch makes them afresh. Kept
+tensors hold no autograd history (made from zeros and buffers) and no layer changes them in place.
+A chunk's arguments name its microbatch's cache, which `with_cache` swaps for the running one's.
+The memo is per process and bounded in bytes (`BUDGET`), the least recently used dropped first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from raypipe.models.hf import skeleton
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+#: the bytes of tensors the memo keeps per process (a 2,048-token sample's chunk masks: ~2.3 MB)
+BUDGET = 64 * 2**20
+
+_memo: OrderedDict[tuple, tuple[tuple, dict[str, Any], int]] = OrderedDict()
+_held = 0
+
+
+def plain(inputs: dict[str, Any], start: int, end: int) -> bool:
+    """Whether `inputs` (attention_mask, position_ids) make arguments that positions alone decide:
+    no mask, and positions None or numbered start..end - 1 in every row."""
+    if inputs.get("attention_mask") is not None:
+        return False
+    positions = inputs.get("position_ids")
+    if positions is None:
+        return True
+    if positions.dim() != 2 or positions.shape[-1] != end - start or positions.is_floating_point():
+        return False
+    numbered = torch.arange(start, end, device=positions.device, dtype=positions.dtype)
+    return bool((positions == numbered).all())
+
+
+def key(config: object, kind: object, hidden: torch.Tensor, start: int, end: int, chunked: bool) -> tuple:
+    """The memo's key for a layer `kind` (its index, or its attention type where layers of a type
+    share arguments) on hidden states like `hidden` (their batch, dtype, device) over positions
+    start..end - 1, under the attention implementation and autocast now in force; `chunked`: made
+    with a chunk's cache."""
+    device = hidden.device.type
+    autocast = torch.is_autocast_enabled(device) if device in ("cpu", "cuda") else False
+    implementation = getattr(config, "_attn_implementation", None)
+    like = (hidden.shape[0], hidden.dtype, str(hidden.device))
+    return (id(config), implementation, kind, chunked, *like, autocast, start, end)
+
+
+def get(found: tuple) -> tuple[tuple, dict[str, Any]] | None:
+    entry = _memo.get(found)
+    if entry is None:
+        return None
+    _memo.move_to_end(found)
+    return entry[0], entry[1]
+
+
+def put(found: tuple, arguments: tuple[tuple, dict[str, Any]]) -> None:
+    """Keeps `arguments` under `found` where they fit the budget, dropping the least recently used."""
+    global _held
+    args, kwargs = arguments
+    tensors = _tensors([*args, *kwargs.values()])
+    if any(t.requires_grad or t.is_inference() for t in tensors):  # history, or unusable in training
+        return
+    size = sum(t.numel() * t.element_size() for t in tensors)
+    if size > BUDGET or found in _memo:
+        return
+    while _memo and _held + size > BUDGET:
+        _, (_, _, dropped) = _memo.popitem(last=False)
+        _held -= dropped
+    _memo[found] = (args, kwargs, size)
+    _held += size
+
+
+def clear() -> None:
+    global _held
+    _memo.clear()
+    _held = 0
+
+
+def with_cache(arguments: tuple[tuple, dict[str, Any]], cache: object) -> tuple[tuple, dict[str, Any]]:
+    """`arguments` with the cache they name (transformers' `Cache`, as an argument) swapped for `cache`."""
+    from transformers import Cache
+
+    args, kwargs = arguments
+    swap = lambda v: cache if isinstance(v, Cache) else v  # noqa: E731
+    return tuple(swap(a) for a in args), {k: swap(v) for k, v in kwargs.items()}
+
+
+def _tensors(values: list) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    for v in values:
+        if torch.is_tensor(v):
+            out.append(v)
+        elif isinstance(v, (tuple, list)):
+            out += _tensors(list(v))
+    return out
+
+
+def layer_inputs(config: PretrainedConfig, index: int, hidden: torch.Tensor, inputs: dict[str, Any]) -> tuple:
+    """Decoder layer `index`'s arguments for a whole sequence (`skeleton.layer_inputs`, without a
+    cache), kept for the next step where positions alone decide them."""
+    if not plain(inputs, 0, hidden.shape[1]):
+        return skeleton.layer_inputs(config, [index], hidden, {**inputs, "use_cache": False})[index]
+    found = key(config, index, hidden, 0, hidden.shape[1], chunked=False)
+    arguments = get(found)
+    if arguments is None:
+        arguments = skeleton.layer_inputs(config, [index], hidden, {**inputs, "use_cache": False})[index]
+        put(found, arguments)
+    return arguments

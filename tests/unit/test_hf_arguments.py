@@ -1,0 +1,166 @@
+"""What a transformers layer keeps from one step to the next, in one process (no Ray): decoder
+layers' arguments (`argument_memo`), and the embedding taken without the base model's prologue
+where the family's prologue adds nothing (`embedding_alone`), each bit for bit what the prologue
+makes, and refused where positions or padding decide them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from raypipe.core.layers import build_layer
+from raypipe.data.sequence_units import cut_microbatch
+from raypipe.models import hf
+from raypipe.models.hf import argument_memo, embedding_alone, skeleton
+from raypipe.nn.sequence_chunks import Sequence
+from raypipe.transport.tree import map_tensors, tensors
+
+from hf_helpers import VOCAB, family_config, tiny_config
+
+
+@pytest.fixture(autouse=True)
+def fresh():
+    argument_memo.clear()
+    embedding_alone._verdicts.clear()
+    with torch.random.fork_rng():  # the seeds here leave later tests' random data as it was
+        yield
+    argument_memo.clear()
+    embedding_alone._verdicts.clear()
+
+
+def layers_of(config) -> list[torch.nn.Module]:
+    torch.manual_seed(0)
+    model = hf.from_config(config)
+    return [build_layer(spec, 0, i) for i, spec in enumerate(model.layers)], model.loss_fn
+
+
+def counting_prologues(monkeypatch) -> list[int]:
+    calls = [0]
+    real = skeleton._prologue
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(skeleton, "_prologue", counted)
+    return calls
+
+
+# (family, whether its prologue hands the first layer the embedding's output unchanged)
+EMBEDDINGS = [
+    ("llama", True),
+    ("gemma2", True),  # the sqrt(hidden) scale is inside its embedding module
+    ("granite", False),  # its base model multiplies the embedding (embedding_multiplier)
+    ("gpt2", None),  # token and position embeddings: never asked
+]
+
+
+@pytest.mark.parametrize("kind, alone", EMBEDDINGS)
+def test_the_embedding_skips_the_prologue_only_where_the_family_adds_nothing(monkeypatch, kind, alone):
+    config = tiny_config(kind) if kind in ("llama", "gpt2") else family_config(kind)
+    embedding = layers_of(config)[0][0]
+    ids = torch.randint(1, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
+    held = {name: getattr(embedding, name) for name in embedding.names}
+    expected = skeleton.embed(embedding.config, held, {"input_ids": ids, "attention_mask": None, "position_ids": None})
+    calls = counting_prologues(monkeypatch)
+    first, second = embedding(ids)["hidden_states"], embedding(ids)["hidden_states"]
+    assert torch.equal(first, expected) and torch.equal(second, expected)
+    assert calls[0] == (1 if alone else 2)  # the first call asks; a family that adds nothing is asked once
+    assert list(embedding_alone._verdicts.values()) == ([] if alone is None else [alone])
+    second.sum().backward()  # the short way trains the embedding as the prologue did
+    assert all(p.grad is not None for p in embedding.parameters())
+    padded = {"input_ids": ids, "attention_mask": torch.ones_like(ids).index_fill_(1, torch.tensor([0]), 0)}
+    embedding(padded)
+    assert calls[0] == (2 if alone else 3)  # a mask takes the prologue
+
+
+def test_a_decoder_layer_keeps_its_arguments_where_positions_alone_decide_them(monkeypatch):
+    layers, _ = layers_of(tiny_config("llama"))
+    decoder = layers[1]
+    x = {"hidden_states": torch.randn(2, 10, 16), "attention_mask": None, "position_ids": torch.arange(10)[None]}
+    made = decoder(x)["hidden_states"]
+    calls = counting_prologues(monkeypatch)
+    assert torch.equal(decoder(x)["hidden_states"], made) and calls[0] == 0
+    packed = {**x, "position_ids": torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4, 5]])}  # two documents
+    decoder(packed)
+    decoder(packed)
+    padded = {**x, "attention_mask": torch.ones(2, 10, dtype=torch.long).index_fill_(1, torch.tensor([0]), 0)}
+    decoder(padded)
+    assert calls[0] == 3  # neither is kept
+    decoder({**x, "hidden_states": torch.randn(3, 10, 16)})  # another batch: its own entry
+    assert calls[0] == 4
+
+
+def test_the_memo_keeps_within_its_budget_and_nothing_with_history(monkeypatch):
+    ones = torch.ones(256)  # 1 KiB
+    monkeypatch.setattr(argument_memo, "BUDGET", 2048)
+    for i in range(3):
+        argument_memo.put(("k", i), ((), {"t": ones.clone()}))
+    assert argument_memo.get(("k", 0)) is None and argument_memo.get(("k", 2)) is not None  # oldest dropped
+    argument_memo.put(("grad",), ((), {"t": torch.ones(2, requires_grad=True)}))
+    assert argument_memo.get(("grad",)) is None
+    with torch.inference_mode():
+        made = torch.ones(2)
+    argument_memo.put(("inference",), ((), {"t": made}))
+    assert argument_memo.get(("inference",)) is None
+    from transformers import DynamicCache
+
+    old, new = DynamicCache(), DynamicCache()
+    args, kwargs = argument_memo.with_cache(((old, 1), {"past_key_values": old, "x": 2}), new)
+    assert args == (new, 1) and kwargs == {"past_key_values": new, "x": 2}
+
+
+def chunked_step(stages, loss_fn, x, y, k) -> tuple[list[float], list[torch.Tensor]]:
+    """One step of two stages on k chunks, as a stage runs them (forwards in order, backwards in
+    reverse): each chunk's part of the mean loss, and every parameter's gradient."""
+    units, targets, counts = cut_microbatch(x, y, k, loss_fn)
+    weights = [c / sum(counts) for c in counts]
+    sequences, sent, received, losses = [Sequence(k), Sequence(k)], [], [], []
+    for c, unit in enumerate(units):
+        out = sequences[0].forward(c, stages[0], unit)
+        sent.append(out)
+        received.append(map_tensors(lambda t: t.detach().requires_grad_() if t.is_floating_point() else t, out))
+        losses.append(loss_fn(sequences[1].forward(c, stages[1], received[c]), targets[c]) * weights[c])
+    for c in reversed(range(k)):
+        pairs = [(losses[c], torch.ones(())), *sequences[1].roots(c)]
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        pairs = [(a, b.grad) for a, b in zip(tensors(sent[c]), tensors(received[c])) if b.grad is not None]
+        pairs += sequences[0].roots(c)
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+    grads = [p.grad.clone() for s in stages for p in s.parameters()]
+    for s in stages:
+        s.zero_grad(set_to_none=True)
+    return [float(v.detach()) for v in losses], grads
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+def test_chunks_kept_from_an_earlier_step_train_bit_for_bit_as_made_afresh(monkeypatch, kind):
+    config = tiny_config(kind, **({"sliding_window": 5} if kind == "mistral" else {}))
+    layers, loss_fn = layers_of(config)
+    stages = [torch.nn.Sequential(*layers[:3]), torch.nn.Sequential(*layers[3:])]
+    ids = torch.randint(1, VOCAB, (2, 24), generator=torch.Generator().manual_seed(2))
+    first = chunked_step(stages, loss_fn, {"input_ids": ids}, ids.clone(), 4)
+    calls = counting_prologues(monkeypatch)
+    kept = chunked_step(stages, loss_fn, {"input_ids": ids}, ids.clone(), 4)
+    assert calls[0] == 0  # every chunk's arguments and embedding kept
+    assert kept[0] == first[0] and all(torch.equal(a, b) for a, b in zip(kept[1], first[1]))
+    # documents that start again after a first chunk of one document: that chunk (kept) made no
+    # documents, the later ones see it as one (`chunk_cache.packed_mask`): as unchunked, which
+    # transformers keeps apart without a cache
+    positions = torch.cat([torch.arange(9), torch.arange(15)]).expand(2, -1)
+    packed = {"input_ids": ids, "position_ids": positions}
+    losses, grads = chunked_step(stages, loss_fn, packed, ids.clone(), 4)
+    whole, whole_grads = unchunked_step(stages, loss_fn, packed, ids.clone())
+    torch.testing.assert_close(torch.tensor(sum(losses)), torch.tensor(whole), rtol=1e-6, atol=1e-6)
+    for a, b in zip(grads, whole_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert abs(whole - sum(first[0])) > 1e-3  # the documents were kept apart
+
+
+def unchunked_step(stages, loss_fn, x, y) -> tuple[float, list[torch.Tensor]]:
+    loss = loss_fn(stages[1](stages[0](x)), y)
+    loss.backward()
+    grads = [p.grad.clone() for s in stages for p in s.parameters()]
+    for s in stages:
+        s.zero_grad(set_to_none=True)
+    return float(loss), grads
