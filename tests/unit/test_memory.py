@@ -59,8 +59,10 @@ def test_a_layers_own_weights_are_not_counted_as_activations():
 
 def test_the_vocabulary_loss_matches_cross_entropy_and_makes_nothing_of_the_logits_size(monkeypatch):
     """The LLM loss in blocks of rows: loss and gradient equal `F.cross_entropy` after transformers'
-    upcast (to rounding; a bf16 model's gradient exactly), and no tensor its forward or backward makes is as big
-    as the logits (what made a 150k vocabulary's LoRA peak 1.57x its parameters)."""
+    upcast (to rounding; a bf16 model's gradient exactly but for a rare element, one of whose
+    softmax terms rounds to bf16 the other way from a float32 sum in another order: 12 of 2,048 at
+    seed 2, 2 at seed 7, none at seeds 0-1 and 3-6), and no tensor its forward or backward makes is
+    as big as the logits (what made a 150k vocabulary's LoRA peak 1.57x its parameters)."""
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
@@ -82,6 +84,7 @@ def test_the_vocabulary_loss_matches_cross_entropy_and_makes_nothing_of_the_logi
         return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
     monkeypatch.setattr(cross_entropy, "BLOCK_ELEMENTS", 8 * 1000)  # blocks of 8 of the 64 rows
+    torch.manual_seed(2)  # the same data whatever ran before (one with elements a bf16 step apart)
     hidden, head = torch.randn(4, 16, 32), torch.randn(1000, 32)
     targets = torch.randint(0, 1000, (4, 16))
     targets[0, :5] = cross_entropy.IGNORE
@@ -99,7 +102,12 @@ def test_the_vocabulary_loss_matches_cross_entropy_and_makes_nothing_of_the_logi
         watch = LargestMade()
         blocked = loss_and_grad(cross_entropy.chunked_cross_entropy, watch)
         torch.testing.assert_close(blocked[0], reference[0])  # a sum in another order
-        torch.testing.assert_close(blocked[1], reference[1], **({"rtol": 0, "atol": 0} if exact else {}))
+        if exact:  # all but a few elements bit for bit, those within one bf16 step of the gradient's scale
+            step = 2**-8 * float(reference[1].abs().max())
+            torch.testing.assert_close(blocked[1], reference[1], rtol=0, atol=step)
+            assert (blocked[1] == reference[1]).float().mean() > 0.99
+        else:
+            torch.testing.assert_close(blocked[1], reference[1])
         assert 0 < watch.largest <= 8 * 1000, (dtype, watch.largest)
 
 
