@@ -8,14 +8,18 @@ smaller matrix products cost per chunk. This separates that cost from the two st
 themselves add. Beside it, transformers' own decoder layer's cost per call on a few tokens
 (`per_call_ms`, no raypipe around it) and the ratio k - 1 more calls of every layer give at that
 cost alone (`floor_vs_unchunked`): what any chunking of these layers pays in eager PyTorch; the
-rest of the ratio is raypipe's chunk machinery and the smaller matrix products.
+rest of the ratio is raypipe's chunk machinery and the smaller matrix products. `--also-made` runs
+each k a second way, interleaved, with every layer's arguments and the embedding made by
+transformers' prologue each step as before they were kept (`made_vs_kept`).
 
     python benchmarks/chunk_cost.py --layers 6 --hidden 128 > chunk_cost.json   # ~1 min on 2 cores
+    python benchmarks/chunk_cost.py --layers 4 --hidden 64 --chunks 1,8 --also-made   # ~1 min
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import tempfile
@@ -29,7 +33,7 @@ from sequence_chunks import sample
 from raypipe.core.layers import build_layer
 from raypipe.data.sequence_units import cut_microbatch
 from raypipe.models import hf
-from raypipe.models.hf import skeleton
+from raypipe.models.hf import argument_memo, embedding_alone, skeleton
 from raypipe.nn.sequence_chunks import Sequence
 from raypipe.planning.partition import uniform_plan
 from raypipe.transport.tree import map_tensors, tensors
@@ -75,6 +79,21 @@ def one_step(stages: list, loss_fn, x: dict, y: torch.Tensor, k: int) -> list[fl
     return clock
 
 
+@contextlib.contextmanager
+def made_afresh(afresh: bool):
+    """Inside, with `afresh`: every layer's arguments and the embedding made by transformers' prologue
+    each step, none kept (`argument_memo`, `embedding_alone` off): the cost before they were kept."""
+    if not afresh:
+        yield
+        return
+    get, known = argument_memo.get, embedding_alone.known
+    argument_memo.get, embedding_alone.known = (lambda key: None), (lambda config, embedding: False)
+    try:
+        yield
+    finally:
+        argument_memo.get, embedding_alone.known = get, known
+
+
 def per_call_ms(layer: torch.nn.Module, width: int, tokens: int = 32, rounds: int = 30) -> list[float]:
     """transformers' own decoder layer (`layer.block`, no raypipe around it) on `tokens` tokens,
     median ms of its forward and its backward: what any chunk pays per layer before its arithmetic,
@@ -103,22 +122,37 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=256)
     parser.add_argument("--chunks", default="1,2,4,8")
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument(
+        "--also-made",
+        action="store_true",
+        help="each k also with every layer's arguments and embedding made afresh each step, as before "
+        "argument_memo and embedding_alone (side by side, interleaved)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)  # as a stage actor with one core
     model = hf.from_pretrained(save_model(tempfile.mkdtemp(), args.layers, args.hidden, args.vocab, args.tokens))
     layers = [build_layer(spec, 0, i) for i, spec in enumerate(model.layers)]
     stages = [torch.nn.Sequential(*layers[a:b]) for a, b in uniform_plan(len(layers), 2)]
     x, y = sample(0, args.tokens, args.vocab)
-    clocks: dict[int, list[list[float]]] = {int(k): [] for k in args.chunks.split(",")}
+    counts = [int(k) for k in args.chunks.split(",")]
+    labels = {str(k): (k, True) for k in counts} | ({f"{k} made": (k, False) for k in counts} if args.also_made else {})
+    clocks: dict[str, list[list[float]]] = {label: [] for label in labels}
 
-    def runner(k: int):
-        return lambda step: clocks[k].append(one_step(stages, model.loss_fn, x, y, k))
+    def runner(label: str):
+        k, kept = labels[label]
 
-    interleaved({str(k): runner(k) for k in clocks}, args.rounds, 1, warmup=1)
+        def run(step: int) -> None:
+            with made_afresh(not kept):
+                clocks[label].append(one_step(stages, model.loss_fn, x, y, k))
+
+        return run
+
+    interleaved({label: runner(label) for label in labels}, args.rounds, 1, warmup=1)
     ms = {
-        k: [round(1000 * statistics.median(c[i] for c in runs[1:]), 1) for i in range(4)] for k, runs in clocks.items()
+        label: [round(1000 * statistics.median(c[i] for c in runs[1:]), 1) for i in range(4)]
+        for label, runs in clocks.items()
     }
-    first = min(ms)
+    first = str(min(counts))
     decoder = next(layer for layer in layers if hasattr(layer, "block"))
     floor = per_call_ms(decoder, args.hidden)
     calls = args.layers * sum(floor)  # one more call of each decoder layer, forward and backward, per chunk
@@ -129,11 +163,21 @@ def main() -> None:
             "ms_per_stage": {
                 k: {"forward": v[:2], "backward": v[2:], "total": round(sum(v), 1)} for k, v in ms.items()
             },
-            "total_vs_unchunked": {k: round(sum(v) / sum(ms[first]), 3) for k, v in ms.items()},
+            "total_vs_unchunked": {k: round(sum(v) / sum(ms[first]), 3) for k, v in ms.items() if "made" not in k},
+            **(
+                {  # each k's total with arguments made afresh over kept (argument_memo, embedding_alone)
+                    "made_vs_kept": {str(k): round(sum(ms[f"{k} made"]) / sum(ms[str(k)]), 3) for k in counts},
+                    "made_total_vs_unchunked": {
+                        str(k): round(sum(ms[f"{k} made"]) / sum(ms[f"{first} made"]), 3) for k in counts
+                    },
+                }
+                if args.also_made
+                else {}
+            ),
             # transformers' own cost per decoder layer call, and what k - 1 more calls of every layer
             # add over k = 1 at that cost alone: the part of the ratio above that eager PyTorch sets
             "per_call_ms": {"tokens": 32, "forward": floor[0], "backward": floor[1]},
-            "floor_vs_unchunked": {k: round(1 + (k - 1) * calls / sum(ms[first]), 3) for k in ms},
+            "floor_vs_unchunked": {str(k): round(1 + (k - 1) * calls / sum(ms[first]), 3) for k in counts},
             "threads": 1,
             "command": "python benchmarks/chunk_cost.py",
         },

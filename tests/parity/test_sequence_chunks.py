@@ -188,7 +188,7 @@ def test_auto_times_the_layers_on_each_chunk_count_then_measures_its_choice_agai
     """One sample of 1,024 tokens through two stages: the profiler times the layers on it cut in 1,
     2, 4, 8 and 16, per unit; the bubble of the unchunked step is half of it, so a cut is planned.
     Then the planned k, its profiled neighbours (half and twice) and k = 1 take real steps on the
-    sample (`chunk_trial`), the fastest median is kept, and the trial leaves no trace: the weights
+    sample (`chunk_trial`), the fastest is kept, and the trial leaves no trace: the weights
     are the seeded model's, and the first step (SGD with momentum: a buffer the trial left would
     change it) is the one-process model's."""
     tiny = gpt.GPTConfig(n_layer=4, n_head=4, n_embd=256, block_size=1024, vocab_size=256)
