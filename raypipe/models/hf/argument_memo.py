@@ -31,6 +31,14 @@ BUDGET = 64 * 2**20
 
 _memo: OrderedDict[tuple, tuple[tuple, dict[str, Any], int]] = OrderedDict()
 _held = 0
+_configs: dict[int, object] = {}  # id -> config: a config keyed by its id lives on, so no other takes the id
+
+
+def config_id(config: object) -> int:
+    """`id(config)`, which no later config of this process can take (`skeleton.skeleton` keeps its
+    configs alike): a kept argument or verdict never answers for another model."""
+    _configs.setdefault(id(config), config)
+    return id(config)
 
 
 def plain(inputs: dict[str, Any], start: int, end: int) -> bool:
@@ -56,7 +64,7 @@ def key(config: object, kind: object, hidden: torch.Tensor, start: int, end: int
     autocast = torch.is_autocast_enabled(device) if device in ("cpu", "cuda") else False
     implementation = getattr(config, "_attn_implementation", None)
     like = (hidden.shape[0], hidden.dtype, str(hidden.device))
-    return (id(config), implementation, kind, chunked, *like, autocast, start, end)
+    return (config_id(config), implementation, kind, chunked, *like, autocast, start, end)
 
 
 def get(found: tuple) -> tuple[tuple, dict[str, Any]] | None:

@@ -71,4 +71,4 @@ def alone(config: PretrainedConfig, embedding: nn.Module, ids: torch.Tensor, pro
 
 def _key(config: PretrainedConfig, embedding: nn.Module) -> tuple:
     autocast = torch.is_autocast_enabled("cpu") or (torch.cuda.is_available() and torch.is_autocast_enabled("cuda"))
-    return (id(config), embedding.training, autocast)
+    return (argument_memo.config_id(config), embedding.training, autocast)
