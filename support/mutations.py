@@ -318,6 +318,14 @@ MUTATIONS = [
         "a chunk's decoder arguments kept from an earlier step name that step's cache, not the running one's",
     ),
     Mutation(
+        "arguments-shared-across-microbatches",
+        "raypipe/models/hf/argument_memo.py",
+        "    if recent is not None and recent[0] is mask and recent[1] is positions and recent[2] == found:",
+        "    if recent is not None and recent[2] == found:",
+        ("tests/unit/test_hf_arguments.py",),
+        "a padded microbatch takes the masks the previous microbatch of its shape made",
+    ),
+    Mutation(
         "embedding-alone-verdict",
         "raypipe/models/hf/embedding_alone.py",
         "        _verdicts[key] = bool(same and torch.equal(own, hidden.detach()))",

@@ -91,7 +91,7 @@ def test_a_model_object_trains_without_a_directory_and_module_split_points_to_it
 
 
 def test_a_split_that_differs_from_transformers_is_refused_naming_where(monkeypatch, tmp_path):
-    from raypipe.models.hf import skeleton, verify
+    from raypipe.models.hf import argument_memo, skeleton, verify
 
     monkeypatch.setenv("RAYPIPE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(verify, "_verdicts", {})
@@ -102,6 +102,16 @@ def test_a_split_that_differs_from_transformers_is_refused_naming_where(monkeypa
         return real(config, indices, hidden, inputs)
 
     monkeypatch.setattr(skeleton, "layer_inputs", shifted)
+    # each layer makes its own arguments (raypipe makes them once per attention type, or keeps
+    # them from a step before): the check must still name the one layer whose are wrong
+    monkeypatch.setattr(argument_memo, "get", lambda key: None)
+    monkeypatch.setattr(
+        argument_memo,
+        "_shared",
+        lambda config, index, hidden, inputs: skeleton.layer_inputs(
+            config, [index], hidden, {**inputs, "use_cache": False}
+        )[index],
+    )
     with pytest.raises(ConfigError, match=r"split of qwen3 .* decoder layer 1's output differs.*refused"):
         hf.from_config(family_config("qwen3"))
     monkeypatch.setattr(skeleton, "layer_inputs", real)

@@ -83,12 +83,37 @@ def test_a_decoder_layer_keeps_its_arguments_where_positions_alone_decide_them(m
     assert torch.equal(decoder(x)["hidden_states"], made) and calls[0] == 0
     packed = {**x, "position_ids": torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4, 5]])}  # two documents
     decoder(packed)
-    decoder(packed)
+    decoder({**packed, "position_ids": packed["position_ids"].clone()})  # the next step's: made again
     padded = {**x, "attention_mask": torch.ones(2, 10, dtype=torch.long).index_fill_(1, torch.tensor([0]), 0)}
     decoder(padded)
-    assert calls[0] == 3  # neither is kept
+    assert calls[0] == 3  # none is kept from step to step
     decoder({**x, "hidden_states": torch.randn(3, 10, 16)})  # another batch: its own entry
     assert calls[0] == 4
+
+
+@pytest.mark.parametrize("kind, made", [("llama", 1), ("gemma3", 2)])
+def test_a_padded_microbatch_makes_its_arguments_once_per_attention_type_as_the_whole_model_does(
+    monkeypatch, kind, made
+):
+    """A stage's decoder layers, one after another on one padded microbatch: one prologue per
+    attention type (Gemma 3's sliding and full layers: two), the outputs those of arguments made per
+    layer; the next microbatch (new mask and positions) makes its own."""
+    config = tiny_config(kind) if kind == "llama" else family_config(kind)
+    decoders = [layer for layer in layers_of(config)[0] if hasattr(layer, "block")]
+    mask = torch.ones(2, 10, dtype=torch.long).index_fill_(1, torch.tensor([0, 1]), 0)
+    x = {"hidden_states": torch.randn(2, 10, 16), "attention_mask": mask, "position_ids": torch.arange(10)[None]}
+    calls = counting_prologues(monkeypatch)
+    out, expected = x, x["hidden_states"]
+    for decoder in decoders:
+        out = decoder(out)
+        inputs = {"attention_mask": mask, "position_ids": x["position_ids"], "use_cache": False}
+        args, kwargs = skeleton.layer_inputs(decoder.config, [decoder.index], expected, inputs)[decoder.index]
+        expected = decoder.block(expected, *args, **kwargs)
+        expected = expected[0] if isinstance(expected, tuple) else expected
+    assert torch.equal(out["hidden_states"], expected)
+    assert calls[0] == made + len(decoders)  # theirs, and the reference's one per layer
+    decoders[0]({**x, "attention_mask": mask.clone()})
+    assert calls[0] == made + len(decoders) + 1
 
 
 def test_the_memo_keeps_within_its_budget_and_nothing_with_history(monkeypatch):
@@ -163,4 +188,4 @@ def unchunked_step(stages, loss_fn, x, y) -> tuple[float, list[torch.Tensor]]:
     grads = [p.grad.clone() for s in stages for p in s.parameters()]
     for s in stages:
         s.zero_grad(set_to_none=True)
-    return float(loss), grads
+    return float(loss.detach()), grads

@@ -95,6 +95,7 @@ def put(found: tuple, arguments: tuple[tuple, dict[str, Any]]) -> None:
 def clear() -> None:
     global _held
     _memo.clear()
+    _recent.clear()
     _held = 0
 
 
@@ -119,12 +120,37 @@ def _tensors(values: list) -> list[torch.Tensor]:
 
 def layer_inputs(config: PretrainedConfig, index: int, hidden: torch.Tensor, inputs: dict[str, Any]) -> tuple:
     """Decoder layer `index`'s arguments for a whole sequence (`skeleton.layer_inputs`, without a
-    cache), kept for the next step where positions alone decide them."""
+    cache): kept for the next step where positions alone decide them; else shared with the layer of
+    the same attention type that ran just before on the same mask and positions (`_recent`)."""
     if not plain(inputs, 0, hidden.shape[1]):
-        return skeleton.layer_inputs(config, [index], hidden, {**inputs, "use_cache": False})[index]
+        return _shared(config, index, hidden, inputs)
     found = key(config, index, hidden, 0, hidden.shape[1], chunked=False)
     arguments = get(found)
     if arguments is None:
         arguments = skeleton.layer_inputs(config, [index], hidden, {**inputs, "use_cache": False})[index]
         put(found, arguments)
+    return arguments
+
+
+#: per config and attention type: the mask and positions objects its last layer ran on, that
+#: layer's `key` (batch, dtype, device, span) and the arguments made for them; one each, so a run
+#: of many shapes keeps no more than one microbatch's
+_recent: dict[tuple, tuple[object, object, tuple, tuple]] = {}
+
+
+def _shared(config: PretrainedConfig, index: int, hidden: torch.Tensor, inputs: dict[str, Any]) -> tuple:
+    """The arguments of a padded or packed microbatch: made once per attention type as the whole
+    model makes them once per forward (the masks per layer type, the rotary embeddings), not once
+    per layer. A stage's layers pass one microbatch's mask and positions on as the same objects, so
+    a layer whose type ran last on those very objects takes what it made (kept with them, so their
+    ids cannot be reused meanwhile); a new microbatch brings new objects and makes its own."""
+    types = getattr(config, "layer_types", None)
+    kind = types[index] if types else None
+    found = key(config, kind, hidden, 0, hidden.shape[1], chunked=False)
+    mask, positions = inputs.get("attention_mask"), inputs.get("position_ids")
+    recent = _recent.get(found[:3])  # the config, its attention implementation, the type
+    if recent is not None and recent[0] is mask and recent[1] is positions and recent[2] == found:
+        return recent[3]
+    arguments = skeleton.layer_inputs(config, [index], hidden, {**inputs, "use_cache": False})[index]
+    _recent[found[:3]] = (mask, positions, found, arguments)
     return arguments

@@ -9,9 +9,9 @@ training mode with dropout off: every decoder layer's output, the logits and the
 mixture of experts' auxiliary loss where the model adds one) must agree. A type that does not
 is refused, naming the first output that differs.
 
-The verdict is kept per (model type, transformers version, the config's flags) in
-`<RAYPIPE_CACHE_DIR>/hf-verdicts.json`, so it is made once per machine; a check costs about a
-second on the CPU. The verdict also says whether the model adds a load-balancing loss.
+The verdict is kept per (model type, transformers version, how raypipe composes the layers, the
+config's flags) in `<RAYPIPE_CACHE_DIR>/hf-verdicts.json`, so it is made once per machine; a check
+costs about a second on the CPU. The verdict also says whether the model adds a load-balancing loss.
 """
 
 from __future__ import annotations
@@ -58,6 +58,11 @@ SMALL = {
     "n_positions": 64,
 }
 _verdicts: dict[str, dict[str, object]] = {}  # this process's, beside the file's
+
+#: how raypipe composes a model's layers, in the verdict's key: a change that could make a type
+#: differ from transformers asks every type again (2: a padded microbatch's decoder arguments made
+#: once per attention type, `argument_memo`)
+COMPOSITION = 2
 _lock = threading.Lock()
 
 
@@ -69,7 +74,7 @@ def verdict(config: PretrainedConfig) -> dict[str, object]:
     """
     import transformers
 
-    key = f"{config.model_type}|{transformers.__version__}|{_flags(config)}"
+    key = f"{config.model_type}|{transformers.__version__}|{COMPOSITION}|{_flags(config)}"
     with _lock:
         found = _verdicts.get(key) or _stored().get(key)
         if found is None:
