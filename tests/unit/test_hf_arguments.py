@@ -128,6 +128,9 @@ def test_the_memo_keeps_within_its_budget_and_nothing_with_history(monkeypatch):
         made = torch.ones(2)
     argument_memo.put(("inference",), ((), {"t": made}))
     assert argument_memo.get(("inference",)) is None
+    on_device = {"attention_mask": None, "position_ids": torch.arange(4, device="meta")[None]}
+    assert not argument_memo.plain(on_device, 0, 4)  # an accelerator's positions are not read back
+    assert argument_memo.plain({"attention_mask": None, "position_ids": torch.arange(2, 6)[None]}, 2, 6)
     from transformers import DynamicCache
 
     old, new = DynamicCache(), DynamicCache()

@@ -43,12 +43,16 @@ def config_id(config: object) -> int:
 
 def plain(inputs: dict[str, Any], start: int, end: int) -> bool:
     """Whether `inputs` (attention_mask, position_ids) make arguments that positions alone decide:
-    no mask, and positions None or numbered start..end - 1 in every row."""
+    no mask, and positions None or numbered start..end - 1 in every row. Positions on an
+    accelerator are not looked at: reading them back would make every layer call wait for the
+    device's queue; there a microbatch's arguments are made once per attention type (`_shared`)."""
     if inputs.get("attention_mask") is not None:
         return False
     positions = inputs.get("position_ids")
     if positions is None:
         return True
+    if positions.device.type != "cpu":
+        return False
     if positions.dim() != 2 or positions.shape[-1] != end - start or positions.is_floating_point():
         return False
     numbered = torch.arange(start, end, device=positions.device, dtype=positions.dtype)
