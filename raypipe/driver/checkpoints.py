@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from raypipe.checkpoint import layout as ckpt
 from raypipe.checkpoint import tidy
 from raypipe.checkpoint.storage import StoragePath, location, redact, scrub
+from raypipe.core.env import call_timeout
 from raypipe.driver.results import gather
 from raypipe.driver.run_state import RunState
 
@@ -56,12 +57,19 @@ def save(
     Raises:
         CheckpointError: `step-<step>` is another run's complete checkpoint.
     """
+    import ray
+
     partial = begin_saves(root, meta["run_id"], [step])[step]
+    refs: list[ray.ObjectRef] = []
     try:
         # every actor takes part: under ZeRO-1 each replica holds a share of the optimizer state
-        parts = gather([a.save_checkpoint.remote(address(partial)) for a in actors], "save", actors, names)
+        refs = [a.save_checkpoint.remote(address(partial)) for a in actors]
+        parts = gather(refs, "save", actors, names)
         return commit_save(partial, parts, meta, keep)
     except BaseException:
+        # ray.get raises at the first actor's error while the others may still write: the partial
+        # directory goes only once they are done, or a retry's `begin` finds it made again
+        ray.wait(refs, num_returns=len(refs), timeout=call_timeout(), fetch_local=False)
         ckpt.abort(partial)
         raise
 
