@@ -17,6 +17,7 @@ The memo is per process and bounded in bytes (`BUDGET`), the least recently used
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -128,12 +129,22 @@ def layer_inputs(config: PretrainedConfig, index: int, hidden: torch.Tensor, inp
     the same attention type that ran just before on the same mask and positions (`_recent`)."""
     if not plain(inputs, 0, hidden.shape[1]):
         return _shared(config, index, hidden, inputs)
-    found = key(config, index, hidden, 0, hidden.shape[1], chunked=False)
+    return kept(
+        key(config, index, hidden, 0, hidden.shape[1], chunked=False), lambda: _made(config, index, hidden, inputs)
+    )
+
+
+def kept(found: tuple, make: Callable[[], tuple]) -> tuple:
+    """The arguments kept under `found`, else `make()`'s, kept there for the next step (`put`)."""
     arguments = get(found)
     if arguments is None:
-        arguments = skeleton.layer_inputs(config, [index], hidden, {**inputs, "use_cache": False})[index]
+        arguments = make()
         put(found, arguments)
     return arguments
+
+
+def _made(config: PretrainedConfig, index: int, hidden: torch.Tensor, inputs: dict[str, Any]) -> tuple:
+    return skeleton.layer_inputs(config, [index], hidden, {**inputs, "use_cache": False})[index]
 
 
 #: per config and attention type: the mask and positions objects its last layer ran on, that
@@ -155,6 +166,6 @@ def _shared(config: PretrainedConfig, index: int, hidden: torch.Tensor, inputs: 
     recent = _recent.get(found[:3])  # the config, its attention implementation, the type
     if recent is not None and recent[0] is mask and recent[1] is positions and recent[2] == found:
         return recent[3]
-    arguments = skeleton.layer_inputs(config, [index], hidden, {**inputs, "use_cache": False})[index]
+    arguments = _made(config, index, hidden, inputs)
     _recent[found[:3]] = (mask, positions, found, arguments)
     return arguments

@@ -76,17 +76,16 @@ def layer_arguments(
     shared = position.microbatch.shared
     key, chunk_inputs = _chunk_inputs(config, index, hidden, inputs)
     if key not in shared:
-        remembered = None
+
+        def made() -> tuple:
+            return skeleton.layer_inputs(config, [index], hidden, chunk_inputs)[index]
+
         if _plain_so_far(position, inputs):  # positions alone decide them: kept from an earlier step
-            remembered = argument_memo.key(config, key[-1], hidden, position.offset, position.end, chunked=True)
-            arguments = argument_memo.get(remembered)
-            if arguments is not None:
-                _keep(config, index, key, argument_memo.with_cache(arguments, shared["cache"]), chunk_inputs)
-                return shared[key]
-        arguments = skeleton.layer_inputs(config, [index], hidden, chunk_inputs)[index]
-        if remembered is not None:
-            argument_memo.put(remembered, arguments)
-        _keep(config, index, key, arguments, chunk_inputs)
+            found = argument_memo.key(config, key[-1], hidden, position.offset, position.end, chunked=True)
+            arguments = argument_memo.kept(found, made)  # naming the cache of the step that made them
+        else:
+            arguments = made()
+        _keep(config, index, key, argument_memo.with_cache(arguments, shared["cache"]), chunk_inputs)
     return shared[key]
 
 
