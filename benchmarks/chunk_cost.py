@@ -8,12 +8,16 @@ smaller matrix products cost per chunk. This separates that cost from the two st
 themselves add. Beside it, transformers' own decoder layer's cost per call on a few tokens
 (`per_call_ms`, no raypipe around it) and the ratio k - 1 more calls of every layer give at that
 cost alone (`floor_vs_unchunked`): what any chunking of these layers pays in eager PyTorch; the
-rest of the ratio is raypipe's chunk machinery and the smaller matrix products. `--also-made` runs
+rest of the ratio is raypipe's chunk machinery and the smaller matrix products. `--ops` also counts,
+per k, the operators a step dispatches and the time inside the matrix products and attention kernels
+(torch's profiler, a few steps after the timed ones): where that arithmetic stays put as k grows, what
+k adds is the cost of calling more, smaller operators, not arithmetic. `--also-made` runs
 each k a second way, interleaved, with every layer's arguments and the embedding made by
 transformers' prologue each step as before they were kept (`made_vs_kept`).
 
     python benchmarks/chunk_cost.py --layers 6 --hidden 128 > chunk_cost.json   # ~1 min on 2 cores
     python benchmarks/chunk_cost.py --layers 4 --hidden 64 --chunks 1,8 --also-made   # ~1 min
+    python benchmarks/chunk_cost.py --layers 4 --hidden 64 --chunks 1,8 --ops         # ~1 min
 """
 
 from __future__ import annotations
@@ -114,6 +118,30 @@ def per_call_ms(layer: torch.nn.Module, width: int, tokens: int = 32, rounds: in
     return [round(1000 * statistics.median(t[i] for t in times[3:]), 3) for i in (0, 1)]
 
 
+ARITHMETIC = ("aten::mm", "aten::bmm", "aten::addmm", "aten::_scaled_dot_product_flash_attention_for_cpu")
+
+
+def operators(stages: list, loss_fn, x: dict, y: torch.Tensor, k: int, steps: int = 3) -> dict:
+    """Per step of k chunks, under torch's profiler: how many operators it dispatches, the ms inside
+    the matrix products and attention kernels (forward and backward: the arithmetic) and inside every
+    other op (each op's self time), and its wall ms with the profiler on (which adds its own cost per op)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    started = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as profiled:
+        for _ in range(steps):
+            one_step(stages, loss_fn, x, y, k)
+    wall = time.perf_counter() - started
+    events = profiled.key_averages()
+    arithmetic = sum(e.self_cpu_time_total for e in events if e.key.startswith(ARITHMETIC))
+    return {
+        "ops": round(sum(e.count for e in events) / steps),
+        "arithmetic_ms": round(arithmetic / 1000 / steps, 1),
+        "other_ops_ms": round((sum(e.self_cpu_time_total for e in events) - arithmetic) / 1000 / steps, 1),
+        "profiled_wall_ms": round(1000 * wall / steps, 1),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=2048)
@@ -127,6 +155,9 @@ def main() -> None:
         action="store_true",
         help="each k also with every layer's arguments and embedding made afresh each step, as before "
         "argument_memo and embedding_alone (side by side, interleaved)",
+    )
+    parser.add_argument(
+        "--ops", action="store_true", help="per k, the operators a step dispatches and the time inside them"
     )
     args = parser.parse_args()
     torch.set_num_threads(1)  # as a stage actor with one core
@@ -153,6 +184,7 @@ def main() -> None:
         for label, runs in clocks.items()
     }
     first = str(min(counts))
+    ops = {str(k): operators(stages, model.loss_fn, x, y, k) for k in counts} if args.ops else None
     decoder = next(layer for layer in layers if hasattr(layer, "block"))
     floor = per_call_ms(decoder, args.hidden)
     calls = args.layers * sum(floor)  # one more call of each decoder layer, forward and backward, per chunk
@@ -178,6 +210,7 @@ def main() -> None:
             # add over k = 1 at that cost alone: the part of the ratio above that eager PyTorch sets
             "per_call_ms": {"tokens": 32, "forward": floor[0], "backward": floor[1]},
             "floor_vs_unchunked": {str(k): round(1 + (k - 1) * calls / sum(ms[first]), 3) for k in counts},
+            **({"operators_per_step": ops} if ops else {}),
             "threads": 1,
             "command": "python benchmarks/chunk_cost.py",
         },
