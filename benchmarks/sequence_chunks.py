@@ -71,6 +71,18 @@ def predicted_ratio(k: int, pp: int) -> float:
     return span(1) / span(k)
 
 
+def went(trainer: Trainer) -> dict:
+    """Where the trainer's last step went: `Trainer.timeline().breakdown` (ms), and per stage the
+    ms its forwards and its backwards took."""
+    kinds = {"F": "forward_ms", "B": "backward_ms"}
+    stages = [
+        {name: round(1000 * sum(e[3] - e[2] for e in events if e[0] == kind), 1) for kind, name in kinds.items()}
+        for events in trainer.state.last_events
+    ]
+    parts = {k: round(v, 1) if isinstance(v, float) else v for k, v in trainer.timeline().breakdown.to_dict().items()}
+    return {**parts, "busy_ms": [round(b, 1) for b in parts["busy_ms"]], "stages": stages}
+
+
 def plan_auto(model, batch) -> dict:
     """What `sequence_chunks="auto"` plans on `batch` and predicts for each k (its log's candidates),
     what its trial then measured of the planned k and of k = 1 (ms a step), and the k it kept."""
@@ -118,6 +130,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--ray-cpus", type=int, default=2, help="the CPUs Ray is told (the machine's cores: 2)")
     parser.add_argument("--no-memory", action="store_true", help="skip the fresh trainer per k for resident memory")
+    parser.add_argument(
+        "--breakdown", action="store_true", help="per k, where its fastest step went (`Trainer.timeline().breakdown`)"
+    )
     args = parser.parse_args()
     runs = {str(k): (int(k), False, "1f1b") for k in args.chunks.split(",")}
     runs.update({f"{k}+r": (int(k), True, "1f1b") for k in args.recompute.split(",") if k})
@@ -129,6 +144,7 @@ def main() -> None:
     model = hf.from_pretrained(directory)
     config = TrainConfig(pp=2, microbatches=1, optimizer=SGD, measure_activations=True)
     stashed: dict[str, list[int]] = {}
+    fastest: dict[str, tuple[float, dict]] = {}  # per label, its fastest step's seconds and breakdown
     with Trainer(model, config=config) as trainer:
 
         def runner(label: str):
@@ -136,8 +152,12 @@ def main() -> None:
 
             def run(step: int) -> None:
                 trainer.reconfigure(sequence_chunks=k, activation_checkpointing=recompute, schedule=schedule)
+                started = time.perf_counter()
                 metrics = trainer.step(*sample(step, args.tokens, args.vocab))
+                seconds = time.perf_counter() - started
                 stashed[label] = [int(s["peak_stashed_bytes"]) for s in metrics["stages"]]
+                if args.breakdown and seconds < fastest.get(label, (float("inf"),))[0]:
+                    fastest[label] = (seconds, went(trainer))
 
             return run
 
@@ -167,6 +187,7 @@ def main() -> None:
         "step_s_median": {label: round(median[label], 3) for label in runs},
         "peak_stashed_mib_per_stage": {label: [round(b / 2**20, 1) for b in stashed[label]] for label in runs},
         "peak_resident_mib_per_stage": {label: [round(b / 2**20, 1) for b in resident[label]] for label in resident},
+        **({"fastest_step_breakdown": {label: parts for label, (_, parts) in fastest.items()}} if fastest else {}),
         **({"auto": planned} if planned else {}),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
         "command": "python benchmarks/sequence_chunks.py",
