@@ -333,4 +333,28 @@ MUTATIONS = [
         ("tests/unit/test_hf_arguments.py",),
         "the embedding skips a prologue that scales it (Granite's multiplier)",
     ),
+    Mutation(
+        "rope-following-length-kept",
+        "raypipe/models/hf/argument_memo.py",
+        "    if rope.follows_length(config):",
+        "    if False:",
+        ("tests/unit/test_hf_arguments.py",),
+        "a dynamic rotary embedding's arguments kept across lengths seen in between",
+    ),
+    Mutation(
+        "rope-following-length-chunked",
+        "raypipe/models/hf/causal_lm_layers.py",
+        "        follows = rope.follows_length(self.config)",
+        "        follows = None",
+        ("tests/unit/test_hf_arguments.py",),
+        "a dynamic rotary embedding's layers run on sequence chunks",
+    ),
+    Mutation(
+        "auto-chunks-refused-fails-start",
+        "raypipe/actors/profiler.py",
+        '                    return {"refused": str(error), **self._device()}',
+        "                    raise",
+        ("tests/unit/test_sequence_units.py",),
+        '"auto" fails its start on layers that cannot run on chunks',
+    ),
 ]

@@ -20,6 +20,7 @@ import torch
 from raypipe.actors.stage_model import resolve_device
 from raypipe.actors.step.memory import count_saved_bytes, weight_storages
 from raypipe.core.devices import SERVING_ENV, detect, usable_cores
+from raypipe.core.errors import ConfigError
 from raypipe.core.layers import LayerSpec, LossFunction, build_layer, layer_seed
 from raypipe.transport.tree import map_tensors, tensors
 
@@ -202,7 +203,10 @@ class LayerProfiler:
         for index, spec in enumerate(specs):
             layer = self._build(spec, seed, index, lora)
             if k > 1:
-                check_chunkable([layer], f"the {self.kind} profiler", [index])
+                try:
+                    check_chunkable([layer], f"the {self.kind} profiler", [index])
+                except ConfigError as error:  # no k > 1 runs: "auto" keeps the sequence whole
+                    return {"refused": str(error), **self._device()}
             last = index == len(specs) - 1
             fwd, bwd, cpu, saved = [], [], [], 0
             for r in range(warmup + repeats):

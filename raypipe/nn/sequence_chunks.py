@@ -268,7 +268,8 @@ _TOKEN_BY_TOKEN = (
 def check_chunkable(layers: Any, actor: str, indices: list[int]) -> None:
     """Refuses layers that cannot run on sequence chunks: only those declaring
     `runs_sequence_chunks` (their attention keeps earlier chunks' keys and values, or they work
-    token by token) and torch's own token-by-token modules can.
+    token by token) and torch's own token-by-token modules can. A layer that declares it cannot
+    may say why (`why_not_sequence_chunks`).
 
     Raises:
         ConfigError: naming the first such layer, its index and the actor holding it.
@@ -279,14 +280,19 @@ def check_chunkable(layers: Any, actor: str, indices: list[int]) -> None:
         declared = getattr(layer, "runs_sequence_chunks", None)
         if declared is True or (declared is None and isinstance(layer, _TOKEN_BY_TOKEN)):
             continue
+        reason = getattr(layer, "why_not_sequence_chunks", None) or "its result depends on the whole sequence at once"
         why = (
-            "says it cannot (its result depends on the whole sequence at once)"
+            f"says it cannot ({reason})"
             if declared is False
             else "does not say it can: attention over the whole sequence would see only the chunk"
         )
+        fix = (
+            ""
+            if declared is False
+            else ", or give the layer's class `runs_sequence_chunks = True` where it works token by token or "
+            "attends through raypipe.nn.sequence_chunks.current() (as raypipe's GPT and transformers' causal LMs do)"
+        )
         raise ConfigError(
             f"TrainConfig.sequence_chunks: layer {index} ({type(layer).__name__}, on {actor}) cannot run on "
-            f"sequence chunks: it {why}. Use sequence_chunks=1, or give the layer's class "
-            f"`runs_sequence_chunks = True` where it works token by token or attends through "
-            f"raypipe.nn.sequence_chunks.current() (as raypipe's GPT and transformers' causal LMs do)."
+            f"sequence chunks: it {why}. Use sequence_chunks=1{fix}."
         )

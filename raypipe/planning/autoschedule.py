@@ -194,6 +194,10 @@ def rank(
                 for extra in EXTRA_WARMUP_CHOICES if links and kind.extra_warmup else warmups:
                     candidate = Candidate(name, chunks, m, None, extra_warmup=extra, sequence_chunks=k or 1)
                     candidates.append(candidate)
+                    refused = next((p["refused"] for p in profiles.values() if "refused" in p), None)
+                    if refused is not None:  # a layer cannot run on sequence chunks (`check_chunkable`)
+                        candidate.why_not = refused.split(": ", 1)[-1].split(". Use ")[0]
+                        continue
                     try:
                         cfg = config.replace(
                             schedule=name,

@@ -135,7 +135,9 @@ def profile_layers(
     along the sequence: `LayerProfiler.profile`), timed with the threads a stage of that kind will
     get (`raypipe.planning.threads`: its node's CPUs shared among the stages that pack there). On a
     cluster of one node, each CPU profile also says how many of its cores one pipeline replica's
-    actors share (`shared_cores`: the cores over dp x tp), which bounds a step from below."""
+    actors share (`shared_cores`: the cores over dp x tp), which bounds a step from below. Where a
+    layer cannot run on sequence chunks (`sequence_chunks.check_chunkable`), a count above 1 is
+    answered with why (`refused`): "auto" then keeps the sequence whole, and says why."""
     import ray
 
     from raypipe.actors.profiler import LayerProfiler

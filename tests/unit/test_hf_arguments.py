@@ -8,14 +8,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from raypipe.core.errors import ConfigError
 from raypipe.core.layers import build_layer
 from raypipe.data.sequence_units import cut_microbatch
 from raypipe.models import hf
-from raypipe.models.hf import argument_memo, embedding_alone, skeleton
-from raypipe.nn.sequence_chunks import Sequence
+from raypipe.models.hf import argument_memo, embedding_alone, rope, skeleton
+from raypipe.nn.sequence_chunks import Sequence, check_chunkable
 from raypipe.transport.tree import map_tensors, tensors
 
-from hf_helpers import VOCAB, family_config, tiny_config
+from hf_helpers import VOCAB, family_config, load, save_tiny, tiny_config
 
 
 @pytest.fixture(autouse=True)
@@ -192,3 +193,29 @@ def unchunked_step(stages, loss_fn, x, y) -> tuple[float, list[torch.Tensor]]:
     for s in stages:
         s.zero_grad(set_to_none=True)
     return float(loss.detach()), grads
+
+
+DYNAMIC = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+
+
+def test_rotary_frequencies_that_follow_the_length_are_made_each_forward_and_refuse_chunks(tmp_path):
+    """transformers' dynamic rotary embedding grows its frequencies to the longest sequence seen and
+    keeps them for shorter ones after it: a length's arguments before and after a longer one differ,
+    so none is kept (bit for bit transformers' model over 24, 48 and 24 tokens, 16 original
+    positions), and sequence chunks, each seeing only its own end, are refused, naming it."""
+    directory = save_tiny("llama", str(tmp_path), max_position_embeddings=16, rope_parameters=DYNAMIC)
+    reference, model = load(directory).eval(), hf.from_pretrained(directory)
+    stage = torch.nn.Sequential(*[build_layer(spec, 0, i) for i, spec in enumerate(model.layers)])
+    ids = torch.randint(1, VOCAB, (1, 48), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        for length in (24, 48, 24):  # 24 after 48: the frequencies grown for 48
+            expected = reference(input_ids=ids[:, :length]).logits
+            assert torch.equal(stage({"input_ids": ids[:, :length]}), expected), length
+    with pytest.raises(ConfigError, match=r"layer 1 \(HFDecoderLayer, on stage0\).*'dynamic'.*sequence_chunks=1\."):
+        check_chunkable(list(stage), "stage0", list(range(len(stage))))
+    longrope = {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}
+    per_type = {"full_attention": {"rope_type": "default"}, "sliding_attention": {"rope_type": "yarn"}}
+    assert rope.follows_length(type("C", (), {"rope_parameters": longrope})()) == "longrope"
+    assert rope.follows_length(type("C", (), {"rope_parameters": per_type})()) is None
+    assert rope.follows_length(type("C", (), {"rope_scaling": {"type": "dynamic"}})()) == "dynamic"
+    assert rope.follows_length(tiny_config("llama")) is None

@@ -125,6 +125,14 @@ def test_layers_that_do_not_declare_chunks_are_refused_naming_them():
     moe = gpt.GPTConfig(n_layer=1, num_experts=2, top_k=1)
     with pytest.raises(ConfigError, match="MoEBlock.*says it cannot"):
         check_chunkable([gpt.MoEBlock(moe)], "a", [1])
+    # `sequence_chunks="auto"`'s profiler answers why instead of failing the start
+    from raypipe import LayerSpec
+    from raypipe.actors.profiler import LayerProfiler
+
+    units = [torch.randn(1, 4, moe.n_embd) for _ in range(2)]
+    specs = [LayerSpec(nn.Linear, moe.n_embd, moe.n_embd), LayerSpec(gpt.MoEBlock, moe)]
+    answer = LayerProfiler("cpu", False).profile(specs, 0, units, [None, None], None, sequence_chunks=2)
+    assert "layer 1 (MoEBlock, on the cpu profiler) cannot run on sequence chunks" in answer["refused"]
 
 
 def test_recomputed_chunks_give_the_whole_sequences_gradients_and_keep_their_keys_once():
@@ -190,6 +198,13 @@ def test_auto_predicts_each_chunk_count_from_its_own_profiles_and_runs_the_faste
         )
     zb = rank(profiled, [LayerSpec(nn.Identity)] * 4, TrainConfig(pp=2, schedule="zb-h1", sequence_chunks="auto"))
     assert {(c.schedule, c.sequence_chunks) for c in zb.candidates} == {("zb-h1", k) for k in (1, 2, 4, 8, 16)}
+    # layers that cannot run on chunks (the profiler's `refused`): the sequence stays whole, and the log says why
+    refused = "TrainConfig.sequence_chunks: layer 1 (X) cannot run. Use sequence_chunks=1."
+    for k in (2, 4, 8, 16):
+        profiled[(1, k)]["cpu"]["refused"] = refused
+    whole = rank(profiled, [LayerSpec(nn.Identity)] * 4, TrainConfig(pp=2, sequence_chunks="auto"))
+    assert whole.chosen.sequence_chunks == 1
+    assert "\n  1f1b, m=1, sequence_chunks=2: layer 1 (X) cannot run\n" in str(whole)
 
 
 @pytest.mark.parametrize("kind", ["llama", "mistral"])

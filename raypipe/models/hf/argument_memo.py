@@ -8,7 +8,8 @@ call at 64 wide, once per layer and step unchunked, once per chunk and stage wit
 where it was 4-5 % of a small stage's step (`benchmarks/chunk_cost.py`).
 
 Only arguments that positions alone decide are kept: no attention mask (no padding) and positions
-numbered from the span's start (`plain`); a packed row or a padded batch makes them afresh. Kept
+numbered from the span's start (`plain`); a packed row or a padded batch makes them afresh, and
+so does a model whose rotary frequencies follow the lengths it saw before (`rope.follows_length`). Kept
 tensors hold no autograd history (made from zeros and buffers) and no layer changes them in place.
 A chunk's arguments name its microbatch's cache, which `with_cache` swaps for the running one's.
 The memo is per process and bounded in bytes (`BUDGET`), the least recently used dropped first.
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from raypipe.models.hf import skeleton
+from raypipe.models.hf import rope, skeleton
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -127,6 +128,8 @@ def layer_inputs(config: PretrainedConfig, index: int, hidden: torch.Tensor, inp
     """Decoder layer `index`'s arguments for a whole sequence (`skeleton.layer_inputs`, without a
     cache): kept for the next step where positions alone decide them; else shared with the layer of
     the same attention type that ran just before on the same mask and positions (`_recent`)."""
+    if rope.follows_length(config):  # its frequencies follow the lengths seen before: made as each forward makes them
+        return _made(config, index, hidden, inputs)
     if not plain(inputs, 0, hidden.shape[1]):
         return _shared(config, index, hidden, inputs)
     return kept(

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from raypipe.core import layers
-from raypipe.models.hf import argument_memo, conversions, embedding_alone, skeleton, tensor_files
+from raypipe.models.hf import argument_memo, conversions, embedding_alone, rope, skeleton, tensor_files
 from raypipe.models.hf.sparse_moe import SparseMoeBlock, add_stats, is_moe, router_stats, routing_stats
 from raypipe.nn import sequence_chunks
 
@@ -110,8 +110,20 @@ class HFDecoderLayer(nn.Module):
     @property
     def runs_sequence_chunks(self) -> bool:
         """Through transformers' cache path (`chunk_cache`), but not with a routing loss over the
-        whole sequence (`output_router_logits`)."""
-        return not getattr(self.config, "output_router_logits", False)
+        whole sequence (`output_router_logits`) nor rotary frequencies picked by its length (`rope`)."""
+        return self.why_not_sequence_chunks is None
+
+    @property
+    def why_not_sequence_chunks(self) -> str | None:
+        if getattr(self.config, "output_router_logits", False):
+            return "its routing loss (output_router_logits) is over the whole sequence's routing"
+        follows = rope.follows_length(self.config)
+        if follows is not None:
+            return (
+                f"its rotary embedding ({follows!r}) picks its frequencies from the sequence's whole length, "
+                f"which a chunk does not see (transformers' dynamic_rope_update)"
+            )
+        return None
 
     def tp_plan(self, tp_size: int) -> dict[str, object]:
         """transformers' own `base_model_tp_plan` for this layer: colwise and rowwise linears, the
