@@ -49,7 +49,9 @@ def cut_microbatch(
     x: object, y: object, chunks: int, loss_fn: LossFunction, m: int = 0
 ) -> tuple[list, list, list[float]]:
     """Microbatch `m`'s input and target cut into `chunks` units, and the tokens each unit's loss
-    averages over (`sequence_units`; the profiler times layers on such units).
+    averages over (`sequence_units`; the profiler times layers on such units). transformers' inputs
+    (a dict with `input_ids`) also carry, in each unit, one past their largest position
+    (`sequence_end`, a 0-dim tensor).
 
     Raises:
         BatchError: sequences shorter than `chunks`.
@@ -63,6 +65,8 @@ def cut_microbatch(
         )
     bounds = [int(b[0]) for b in torch.arange(length).tensor_split(chunks)] + [length]
     units = [_cut(x, length, a, b) for a, b in zip(bounds, bounds[1:])]
+    if isinstance(x, dict) and "input_ids" in x:  # transformers' inputs: each unit carries its sequence's end
+        units = [{**unit, "sequence_end": _sequence_end(x, length)} for unit in units]
     targets = [_cut(y, length, a, b + (overlap if b < length else 0)) for a, b in zip(bounds, bounds[1:])]
     return units, targets, [_count(loss_fn, t, overlap) for t in targets]
 
@@ -78,6 +82,14 @@ def sequence_length(x: object) -> int:
             f"give token ids (batch, sequence) or vectors (batch, sequence, features), or use sequence_chunks=1."
         )
     return int(first.shape[1])
+
+
+def _sequence_end(x: dict, length: int) -> torch.Tensor:
+    """One past the largest position of transformers' inputs `x`, as its forward finds it (its
+    position ids, or the sequence numbered from 0): where a rotary embedding that follows the
+    length (`models.hf.rope`) sets its frequencies for every chunk."""
+    positions = x.get("position_ids")
+    return torch.tensor(int(positions.max()) + 1 if torch.is_tensor(positions) else length)
 
 
 def _cut(value: object, length: int, start: int, end: int) -> object:

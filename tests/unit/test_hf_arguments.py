@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raypipe.core.errors import ConfigError
 from raypipe.core.layers import build_layer
 from raypipe.data.sequence_units import cut_microbatch
 from raypipe.models import hf
@@ -195,27 +194,53 @@ def unchunked_step(stages, loss_fn, x, y) -> tuple[float, list[torch.Tensor]]:
     return float(loss.detach()), grads
 
 
-DYNAMIC = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+# rotary embeddings whose frequencies follow the length, past 16 positions (the tiny Llama's
+# head is 4 wide: 2 factors; `verify` fits them to its own small model's 16)
+FOLLOWING = {
+    "dynamic": {"max_position_embeddings": 16, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0}},
+    "longrope": {
+        "max_position_embeddings": 64,
+        "rope_parameters": {
+            "rope_type": "longrope",
+            "factor": 4.0,
+            "short_factor": [1.0, 1.5],
+            "long_factor": [3.0, 8.0],
+            "original_max_position_embeddings": 16,
+        },
+    },
+}
 
 
-def test_rotary_frequencies_that_follow_the_length_are_made_each_forward_and_refuse_chunks(tmp_path):
+@pytest.mark.parametrize("kind", list(FOLLOWING))
+def test_rotary_frequencies_that_follow_the_length_are_the_whole_sequences_in_chunks_and_never_kept(tmp_path, kind):
     """transformers' dynamic rotary embedding grows its frequencies to the longest sequence seen and
-    keeps them for shorter ones after it: a length's arguments before and after a longer one differ,
-    so none is kept (bit for bit transformers' model over 24, 48 and 24 tokens, 16 original
-    positions), and sequence chunks, each seeing only its own end, are refused, naming it."""
-    directory = save_tiny("llama", str(tmp_path), max_position_embeddings=16, rope_parameters=DYNAMIC)
+    keeps them for shorter ones after it; longrope takes its long factors past 16 positions here. A
+    chunk, seeing only its own positions, gets the whole sequence's (its unit carries the sequence's
+    end), and no length's arguments are kept from step to step: transformers' model's logits over
+    48 tokens in 4 chunks, 24, 64 and 24 tokens whole, and 48 in chunks again."""
+    directory = save_tiny("llama", str(tmp_path), **FOLLOWING[kind])
     reference, model = load(directory).eval(), hf.from_pretrained(directory)
     stage = torch.nn.Sequential(*[build_layer(spec, 0, i) for i, spec in enumerate(model.layers)])
-    ids = torch.randint(1, VOCAB, (1, 48), generator=torch.Generator().manual_seed(3))
+    check_chunkable(list(stage), "stage0", list(range(len(stage))))
+    ids = torch.randint(1, VOCAB, (1, 64), generator=torch.Generator().manual_seed(3))
+
+    def chunked(length: int) -> torch.Tensor:
+        units, _, _ = cut_microbatch({"input_ids": ids[:, :length]}, ids[:, :length], 4, model.loss_fn)
+        assert [int(u["sequence_end"]) for u in units] == [length] * 4
+        sequence = Sequence(4)
+        return torch.cat([sequence.forward(c, stage, unit) for c, unit in enumerate(units)], dim=1)
+
     with torch.no_grad():
-        for length in (24, 48, 24):  # 24 after 48: the frequencies grown for 48
+        # 24 after 64: a dynamic embedding's frequencies grown for 64; chunks of 48 before and after
+        for length, cut in [(48, True), (24, False), (64, False), (24, False), (48, True)]:
             expected = reference(input_ids=ids[:, :length]).logits
-            assert torch.equal(stage({"input_ids": ids[:, :length]}), expected), length
-    with pytest.raises(ConfigError, match=r"layer 1 \(HFDecoderLayer, on stage0\).*'dynamic'.*sequence_chunks=1\."):
-        check_chunkable(list(stage), "stage0", list(range(len(stage))))
-    longrope = {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}
+            if cut:
+                torch.testing.assert_close(chunked(length), expected, rtol=1e-5, atol=1e-6, msg=str(length))
+            else:
+                assert torch.equal(stage({"input_ids": ids[:, :length]}), expected), length
+        with pytest.raises(ValueError, match=f"{kind}.*needs its sequence's end"):
+            Sequence(2).forward(0, stage, {"input_ids": ids[:, :24]})  # a unit cut elsewhere
     per_type = {"full_attention": {"rope_type": "default"}, "sliding_attention": {"rope_type": "yarn"}}
-    assert rope.follows_length(type("C", (), {"rope_parameters": longrope})()) == "longrope"
     assert rope.follows_length(type("C", (), {"rope_parameters": per_type})()) is None
     assert rope.follows_length(type("C", (), {"rope_scaling": {"type": "dynamic"}})()) == "dynamic"
     assert rope.follows_length(tiny_config("llama")) is None

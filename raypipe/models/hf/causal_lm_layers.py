@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from raypipe.core import layers
-from raypipe.models.hf import argument_memo, conversions, embedding_alone, rope, skeleton, tensor_files
+from raypipe.models.hf import argument_memo, conversions, embedding_alone, skeleton, tensor_files
 from raypipe.models.hf.sparse_moe import SparseMoeBlock, add_stats, is_moe, router_stats, routing_stats
 from raypipe.nn import sequence_chunks
 
@@ -73,6 +73,7 @@ class HFEmbedding(nn.Module):
         if mask is not None:
             mask = mask.view(ids.shape[0], -1)
         held = {name: getattr(self, name) for name in self.names}
+        end = {"sequence_end": x["sequence_end"]} if isinstance(x, dict) and "sequence_end" in x else {}
         inputs = {"input_ids": ids, "attention_mask": mask, "position_ids": positions}
         kv = self.cache.get("kv") if self.cache is not None else None
         if kv is not None and 0 in kv.held:  # generating, with the first decoder layers: one pass
@@ -80,10 +81,10 @@ class HFEmbedding(nn.Module):
         elif sequence_chunks.current() is not None:  # a chunk: one pass, layer 0's arguments with it
             from raypipe.models.hf.chunk_cache import embedded
 
-            hidden = embedded(self.config, held, inputs)
+            hidden = embedded(self.config, held, {**inputs, **end})
         else:
             hidden = embedding_alone.embed(self.config, held, inputs, lambda: skeleton.embed(self.config, held, inputs))
-        return {"hidden_states": hidden, "attention_mask": mask, "position_ids": positions}
+        return {"hidden_states": hidden, "attention_mask": mask, "position_ids": positions, **end}
 
 
 class HFDecoderLayer(nn.Module):
@@ -110,19 +111,13 @@ class HFDecoderLayer(nn.Module):
     @property
     def runs_sequence_chunks(self) -> bool:
         """Through transformers' cache path (`chunk_cache`), but not with a routing loss over the
-        whole sequence (`output_router_logits`) nor rotary frequencies picked by its length (`rope`)."""
+        whole sequence (`output_router_logits`)."""
         return self.why_not_sequence_chunks is None
 
     @property
     def why_not_sequence_chunks(self) -> str | None:
         if getattr(self.config, "output_router_logits", False):
             return "its routing loss (output_router_logits) is over the whole sequence's routing"
-        follows = rope.follows_length(self.config)
-        if follows is not None:
-            return (
-                f"its rotary embedding ({follows!r}) picks its frequencies from the sequence's whole length, "
-                f"which a chunk does not see (transformers' dynamic_rope_update)"
-            )
         return None
 
     def tp_plan(self, tp_size: int) -> dict[str, object]:
@@ -180,7 +175,8 @@ class HFDecoderLayer(nn.Module):
         elif sequence_chunks.current() is not None:  # a sequence chunk, after the chunks before it
             from raypipe.models.hf.chunk_cache import block_attention, layer_arguments
 
-            args, kwargs = layer_arguments(self.config, self.index, hidden, inputs)
+            whole = {**inputs, "sequence_end": x.get("sequence_end")}  # the sequence's end (`rope`)
+            args, kwargs = layer_arguments(self.config, self.index, hidden, whole)
             attending = block_attention(self.block, hidden)
         else:
             args, kwargs = argument_memo.layer_inputs(self.config, self.index, hidden, inputs)

@@ -27,7 +27,7 @@ import torch
 from transformers import AttentionInterface, DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from raypipe.models.hf import argument_memo, embedding_alone, skeleton
+from raypipe.models.hf import argument_memo, embedding_alone, rope, skeleton
 from raypipe.nn import chunk_attention
 from raypipe.nn.sequence_chunks import Position, current
 
@@ -78,9 +78,10 @@ def layer_arguments(
     if key not in shared:
 
         def made() -> tuple:
-            return skeleton.layer_inputs(config, [index], hidden, chunk_inputs)[index]
+            with rope.whole_sequence(config, _sequence_end(inputs)):
+                return skeleton.layer_inputs(config, [index], hidden, chunk_inputs)[index]
 
-        if _plain_so_far(position, inputs):  # positions alone decide them: kept from an earlier step
+        if _plain_so_far(position, inputs) and not rope.follows_length(config):  # kept from an earlier step
             found = argument_memo.key(config, key[-1], hidden, position.offset, position.end, chunked=True)
             arguments = argument_memo.kept(found, made)  # naming the cache of the step that made them
         else:
@@ -109,7 +110,7 @@ def embedded(config: PretrainedConfig, modules: dict[str, torch.nn.Module], inpu
         return skeleton.embed(config, modules, inputs)
     position, embedding = _position(), embedding_alone.module(modules)
     remembered = None
-    if _plain_so_far(position, inputs):  # layer 0's arguments kept, and the embedding alone its input
+    if _plain_so_far(position, inputs) and not rope.follows_length(config):  # kept, and the embedding alone
         remembered = argument_memo.key(config, key[-1], like, position.offset, position.end, chunked=True)
         arguments = argument_memo.get(remembered)
         if arguments is not None and embedding is not None and embedding_alone.known(config, embedding):
@@ -118,7 +119,8 @@ def embedded(config: PretrainedConfig, modules: dict[str, torch.nn.Module], inpu
             return embedding(ids)
 
     def prologue() -> tuple:
-        return skeleton.embed_with_arguments(config, modules, {"input_ids": ids, **chunk_inputs})
+        with rope.whole_sequence(config, _sequence_end(inputs)):
+            return skeleton.embed_with_arguments(config, modules, {"input_ids": ids, **chunk_inputs})
 
     asked = remembered is not None and embedding is not None
     hidden, *arguments = embedding_alone.alone(config, embedding, ids, prologue) if asked else prologue()
@@ -159,6 +161,13 @@ def _chunk_inputs(
         "use_cache": True,
     }
     return key, chunk_inputs
+
+
+def _sequence_end(inputs: dict[str, Any]) -> int | None:
+    """One past the largest position of the chunk's whole sequence, where its unit carries it
+    (`data.sequence_units`): what a rotary embedding that follows the length sets itself by (`rope`)."""
+    end = inputs.get("sequence_end")
+    return None if end is None else int(end)
 
 
 def _plain_so_far(position: Position, inputs: dict[str, Any]) -> bool:

@@ -5,15 +5,23 @@ forward from the longest position they are handed (`dynamic_rope_update`): `long
 factors past `original_max_position_embeddings`, `dynamic` grown to the longest length seen so far
 and reset below the original one. So what a layer is handed depends on more than its own positions:
 
-- on the sequence's whole length: a sequence chunk asks with its own end and would get the
-  frequencies of a shorter sequence (`sequence_chunks` is refused for these, `HFDecoderLayer`);
+- on the sequence's whole length: a sequence chunk's forward sees only its own positions, so its
+  rotary embedding is set first as the whole sequence's forward sets it (`whole_sequence`, from the
+  end its unit carries: `data.sequence_units`), then computed on the chunk's positions without
+  changing it again;
 - for `dynamic`, on the lengths seen before: the arguments of a length cannot be kept from one step
   to the next (`argument_memo` makes them afresh, as transformers does each forward).
 """
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+import types
+from collections.abc import Iterator
 from typing import Any
+
+import torch
 
 
 def rope_types(config: Any) -> list[str]:
@@ -28,3 +36,42 @@ def rope_types(config: Any) -> list[str]:
 def follows_length(config: Any) -> str | None:
     """The first of `config`'s rotary types whose frequencies follow the sequence's length, or None."""
     return next((t for t in rope_types(config) if "dynamic" in t or t == "longrope"), None)
+
+
+@contextlib.contextmanager
+def whole_sequence(config: Any, end: int | None) -> Iterator[None]:
+    """Inside, the skeleton's rotary embeddings (`skeleton.skeleton`, whose prologue makes every
+    layer's) are as a forward over positions up to `end` leaves them, and a forward on a chunk's
+    positions computes with them without picking again: a chunk gets its slice of the whole
+    sequence's rotary embedding. Nothing changes where `config`'s frequencies do not follow the
+    length.
+
+    Raises:
+        ValueError: they follow it, and `end` is None (a chunk cut elsewhere than `sequence_units`).
+    """
+    follows = follows_length(config)
+    if follows is None:
+        yield
+        return
+    if end is None:
+        raise ValueError(
+            f"a sequence chunk of a model whose rotary embedding is {follows!r} needs its sequence's end "
+            f"(`sequence_end`, which raypipe.data.sequence_units.cut_microbatch gives each unit)"
+        )
+    from raypipe.models.hf import skeleton
+
+    base = getattr(skeleton.skeleton(config), skeleton.plan_of(config).base)
+    rotaries = [m for m in base.modules() if hasattr(m, "rope_type") and hasattr(m, "original_max_seq_len")]
+    last = torch.tensor([[end - 1]])
+    for rotary in rotaries:  # the update transformers' forward over the whole sequence makes
+        kinds = list(rotary.rope_type) if isinstance(rotary.rope_type, dict) else [None]
+        for kind in kinds:
+            rotary(torch.zeros(1), last, **({"layer_type": kind} if kind is not None else {}))
+    raw = {rotary: inspect.unwrap(type(rotary).forward) for rotary in rotaries}
+    try:
+        for rotary, forward in raw.items():  # the same forward, without its update
+            rotary.forward = types.MethodType(torch.no_grad()(forward), rotary)
+        yield
+    finally:
+        for rotary in raw:
+            rotary.__dict__.pop("forward", None)

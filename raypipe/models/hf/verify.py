@@ -61,8 +61,9 @@ _verdicts: dict[str, dict[str, object]] = {}  # this process's, beside the file'
 
 #: how raypipe composes a model's layers, in the verdict's key: a change that could make a type
 #: differ from transformers asks every type again (2: a padded microbatch's decoder arguments made
-#: once per attention type, `argument_memo`)
-COMPOSITION = 2
+#: once per attention type, `argument_memo`; 3: longrope's factors fitted to the small model, which
+#: could not be built before)
+COMPOSITION = 3
 _lock = threading.Lock()
 
 
@@ -114,7 +115,32 @@ def small(config: PretrainedConfig) -> object:
     for name, value in values.items():  # dropout off: a training-mode forward must be deterministic
         if isinstance(value, float) and ("dropout" in name or "pdrop" in name):
             change[name] = 0.0
-    return type(config).from_dict({**values, **change})
+    tiny = type(config).from_dict({**values, **change})
+    rotary = _rotary_factors_for(tiny, values)
+    return type(config).from_dict({**values, **change, **rotary}) if rotary else tiny
+
+
+def _rotary_factors_for(tiny: PretrainedConfig, values: dict[str, Any]) -> dict[str, Any]:
+    """The rotary parameters of `values` with longrope's per-frequency factors (one per pair of
+    the rotary dims) cut to the small model's rotary dims, the first kept; none where nothing is cut."""
+    key = next((k for k in ("rope_parameters", "rope_scaling") if isinstance(values.get(k), dict)), None)
+    if key is None:
+        return {}
+    head_dim = getattr(tiny, "head_dim", None) or tiny.hidden_size // tiny.num_attention_heads
+
+    def fitted(params: dict[str, Any]) -> dict[str, Any]:
+        pairs = int(head_dim * params.get("partial_rotary_factor", 1.0)) // 2
+        cut = {}
+        for name in ("short_factor", "long_factor"):
+            factors = params.get(name)
+            if isinstance(factors, list) and factors and len(factors) != pairs:
+                cut[name] = (factors * (pairs // len(factors) + 1))[:pairs]
+        return {**params, **cut}
+
+    params = values[key]
+    nested = any(isinstance(v, dict) for v in params.values())
+    changed = {k: fitted(v) if isinstance(v, dict) else v for k, v in params.items()} if nested else fitted(params)
+    return {key: changed} if changed != params else {}
 
 
 def _compare(config: PretrainedConfig) -> dict[str, object]:
