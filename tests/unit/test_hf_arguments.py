@@ -224,11 +224,12 @@ def test_rotary_frequencies_that_follow_the_length_are_the_whole_sequences_in_ch
     check_chunkable(list(stage), "stage0", list(range(len(stage))))
     ids = torch.randint(1, VOCAB, (1, 64), generator=torch.Generator().manual_seed(3))
 
-    def chunked(length: int) -> torch.Tensor:
+    def chunked(length: int) -> torch.Tensor:  # on two stages, as a pipeline runs them
         units, _, _ = cut_microbatch({"input_ids": ids[:, :length]}, ids[:, :length], 4, model.loss_fn)
         assert [int(u["sequence_end"]) for u in units] == [length] * 4
-        sequence = Sequence(4)
-        return torch.cat([sequence.forward(c, stage, unit) for c, unit in enumerate(units)], dim=1)
+        first, second, halves = Sequence(4), Sequence(4), (stage[:2], stage[2:])
+        outs = [second.forward(c, halves[1], first.forward(c, halves[0], unit)) for c, unit in enumerate(units)]
+        return torch.cat(outs, dim=1)
 
     with torch.no_grad():
         # 24 after 64: a dynamic embedding's frequencies grown for 64; chunks of 48 before and after
