@@ -47,9 +47,8 @@ class PipelineConfig(Section):
             (>= 32 tokens each) predicted fastest from the layers timed on the sample cut each way
             (`sample=`), then it, the counts next to it (half and twice) and 1 timed in real steps
             on the sample (state put back after), the fastest kept
-            (`raypipe.driver.run.chunk_trial`). Not with compile, DPO or GRPO, a
-            transformers model whose rotary embedding is `dynamic` or `longrope` (its frequencies
-            follow the whole length; "auto" keeps it whole), nor a layer lacking
+            (`raypipe.driver.run.chunk_trial`; a model whose layers cannot run on chunks
+            stays whole). Not with compile, DPO or GRPO, nor a layer lacking
             `runs_sequence_chunks`.
         engine: how a step runs. "refs": the driver issues every forward and backward
             as an actor call and boundary tensors travel as Ray object references;
