@@ -78,7 +78,7 @@ def layer_arguments(
     if key not in shared:
 
         def made() -> tuple:
-            with rope.whole_sequence(config, _sequence_end(inputs)):
+            with rope.whole_sequence(config, inputs.get("sequence_end")):
                 return skeleton.layer_inputs(config, [index], hidden, chunk_inputs)[index]
 
         if _plain_so_far(position, inputs) and not rope.follows_length(config):  # kept from an earlier step
@@ -119,7 +119,7 @@ def embedded(config: PretrainedConfig, modules: dict[str, torch.nn.Module], inpu
             return embedding(ids)
 
     def prologue() -> tuple:
-        with rope.whole_sequence(config, _sequence_end(inputs)):
+        with rope.whole_sequence(config, inputs.get("sequence_end")):
             return skeleton.embed_with_arguments(config, modules, {"input_ids": ids, **chunk_inputs})
 
     asked = remembered is not None and embedding is not None
@@ -161,13 +161,6 @@ def _chunk_inputs(
         "use_cache": True,
     }
     return key, chunk_inputs
-
-
-def _sequence_end(inputs: dict[str, Any]) -> int | None:
-    """One past the largest position of the chunk's whole sequence, where its unit carries it
-    (`data.sequence_units`): what a rotary embedding that follows the length sets itself by (`rope`)."""
-    end = inputs.get("sequence_end")
-    return None if end is None else int(end)
 
 
 def _plain_so_far(position: Position, inputs: dict[str, Any]) -> bool:

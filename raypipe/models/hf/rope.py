@@ -39,12 +39,12 @@ def follows_length(config: Any) -> str | None:
 
 
 @contextlib.contextmanager
-def whole_sequence(config: Any, end: int | None) -> Iterator[None]:
+def whole_sequence(config: Any, end: int | torch.Tensor | None) -> Iterator[None]:
     """Inside, the skeleton's rotary embeddings (`skeleton.skeleton`, whose prologue makes every
-    layer's) are as a forward over positions up to `end` leaves them, and a forward on a chunk's
-    positions computes with them without picking again: a chunk gets its slice of the whole
-    sequence's rotary embedding. Nothing changes where `config`'s frequencies do not follow the
-    length.
+    layer's) are as a forward over positions up to `end` (the chunk's `sequence_end`) leaves them,
+    and a forward on a chunk's positions computes with them without picking again: a chunk gets its
+    slice of the whole sequence's rotary embedding. Nothing changes, and `end` is not read (on an
+    accelerator, a wait), where `config`'s frequencies do not follow the length.
 
     Raises:
         ValueError: they follow it, and `end` is None (a chunk cut elsewhere than `sequence_units`).
@@ -62,7 +62,7 @@ def whole_sequence(config: Any, end: int | None) -> Iterator[None]:
 
     base = getattr(skeleton.skeleton(config), skeleton.plan_of(config).base)
     rotaries = [m for m in base.modules() if hasattr(m, "rope_type") and hasattr(m, "original_max_seq_len")]
-    last = torch.tensor([[end - 1]])
+    last = torch.tensor([[int(end) - 1]])
     for rotary in rotaries:  # the update transformers' forward over the whole sequence makes
         kinds = list(rotary.rope_type) if isinstance(rotary.rope_type, dict) else [None]
         for kind in kinds:
