@@ -358,6 +358,14 @@ MUTATIONS = [
         "a dynamic rotary embedding's chunk arguments kept across the lengths seen in between",
     ),
     Mutation(
+        "rope-packed-row-end",
+        "raypipe/data/sequence_units.py",
+        "    return torch.tensor(int(positions.max()) + 1 if torch.is_tensor(positions) else length)",
+        "    return torch.tensor(length)",
+        ("tests/unit/test_hf_arguments.py",),
+        "a packed row's chunks take the row's length as their sequence's end, not its longest document's",
+    ),
+    Mutation(
         "verify-longrope-factors",
         "raypipe/models/hf/verify.py",
         "    return type(config).from_dict({**values, **change, **rotary}) if rotary else tiny",

@@ -217,21 +217,28 @@ def test_rotary_frequencies_that_follow_the_length_are_the_whole_sequences_in_ch
     keeps them for shorter ones after it; longrope takes its long factors past 16 positions here. A
     chunk, seeing only its own positions, gets the whole sequence's (its unit carries the sequence's
     end), and no length's arguments are kept from step to step: transformers' model's logits over
-    48 tokens in 4 chunks, 24, 64 and 24 tokens whole, and 48 in chunks again."""
+    four packed documents of 16 in 4 chunks (their end, not the row's), 48 tokens in 4 chunks, 24, 64
+    and 24 tokens whole, and 48 in chunks again."""
     directory = save_tiny("llama", str(tmp_path), **FOLLOWING[kind])
     reference, model = load(directory).eval(), hf.from_pretrained(directory)
     stage = torch.nn.Sequential(*[build_layer(spec, 0, i) for i, spec in enumerate(model.layers)])
     check_chunkable(list(stage), "stage0", list(range(len(stage))))
     ids = torch.randint(1, VOCAB, (1, 64), generator=torch.Generator().manual_seed(3))
 
-    def chunked(length: int) -> torch.Tensor:  # on two stages, as a pipeline runs them
-        units, _, _ = cut_microbatch({"input_ids": ids[:, :length]}, ids[:, :length], 4, model.loss_fn)
-        assert [int(u["sequence_end"]) for u in units] == [length] * 4
+    def chunked(length: int, positions: torch.Tensor | None = None) -> torch.Tensor:  # two stages, as a pipeline
+        x = {"input_ids": ids[:, :length], **({"position_ids": positions} if positions is not None else {})}
+        units, _, _ = cut_microbatch(x, ids[:, :length], 4, model.loss_fn)
+        end = length if positions is None else int(positions.max()) + 1
+        assert [int(u["sequence_end"]) for u in units] == [end] * 4
         first, second, halves = Sequence(4), Sequence(4), (stage[:2], stage[2:])
         outs = [second.forward(c, halves[1], first.forward(c, halves[0], unit)) for c, unit in enumerate(units)]
         return torch.cat(outs, dim=1)
 
     with torch.no_grad():
+        # four packed documents of 16 (the original length): frequencies of 16, not of the row's 64
+        packed = torch.arange(16).repeat(4)[None]
+        expected = reference(input_ids=ids, position_ids=packed, use_cache=False).logits
+        torch.testing.assert_close(chunked(64, packed), expected, rtol=1e-5, atol=1e-6)
         # 24 after 64: a dynamic embedding's frequencies grown for 64; chunks of 48 before and after
         for length, cut in [(48, True), (24, False), (64, False), (24, False), (48, True)]:
             expected = reference(input_ids=ids[:, :length]).logits
