@@ -66,7 +66,8 @@ def cut_microbatch(
     bounds = [int(b[0]) for b in torch.arange(length).tensor_split(chunks)] + [length]
     units = [_cut(x, length, a, b) for a, b in zip(bounds, bounds[1:])]
     if isinstance(x, dict) and "input_ids" in x:  # transformers' inputs: each unit carries its sequence's end
-        units = [{**unit, "sequence_end": _sequence_end(x, length)} for unit in units]
+        end = _sequence_end(x, length)
+        units = [{**unit, "sequence_end": end} for unit in units]
     targets = [_cut(y, length, a, b + (overlap if b < length else 0)) for a, b in zip(bounds, bounds[1:])]
     return units, targets, [_count(loss_fn, t, overlap) for t in targets]
 

@@ -188,15 +188,18 @@ def rank(
     warmups = (0,) if config.schedule == "auto" else (config.extra_warmup or 0,)
     for key, profiles in profiled.items():
         m, k = key if isinstance(key, tuple) else (key, None)
+        # a layer that cannot run on sequence chunks (the profiler's answer, `check_chunkable`'s words)
+        refused = next(
+            (p["refused"].split(": ", 1)[-1].split(". Use ")[0] for p in profiles.values() if "refused" in p), None
+        )
         for name in names if k in (None, 1) else [n for n in names if n in SEQUENCE_CHUNKED]:
             kind = SCHEDULES[name]
             for chunks in CHUNK_CHOICES if kind.chunks is None else (None,):
                 for extra in EXTRA_WARMUP_CHOICES if links and kind.extra_warmup else warmups:
                     candidate = Candidate(name, chunks, m, None, extra_warmup=extra, sequence_chunks=k or 1)
                     candidates.append(candidate)
-                    refused = next((p["refused"] for p in profiles.values() if "refused" in p), None)
-                    if refused is not None:  # a layer cannot run on sequence chunks (`check_chunkable`)
-                        candidate.why_not = refused.split(": ", 1)[-1].split(". Use ")[0]
+                    if refused is not None:
+                        candidate.why_not = refused
                         continue
                     try:
                         cfg = config.replace(

@@ -33,9 +33,37 @@ def rope_types(config: Any) -> list[str]:
     return [str(p.get("rope_type") or p.get("type") or "default") for p in sets]
 
 
+#: per config (by id, the config held so no other takes it): the rotary type that follows the
+#: length, or None, and the skeleton's rotary modules with their forwards unwrapped (`_of`)
+_known: dict[int, tuple[Any, str | None, dict[Any, Any] | None]] = {}
+
+
 def follows_length(config: Any) -> str | None:
-    """The first of `config`'s rotary types whose frequencies follow the sequence's length, or None."""
-    return next((t for t in rope_types(config) if "dynamic" in t or t == "longrope"), None)
+    """The first of `config`'s rotary types whose frequencies follow the sequence's length, or None
+    (found once per config: every decoder layer call asks)."""
+    return _of(config)[1]
+
+
+def _of(config: Any) -> tuple[Any, str | None, dict[Any, Any] | None]:
+    found = _known.get(id(config))
+    if found is None:
+        follows = next((t for t in rope_types(config) if "dynamic" in t or t == "longrope"), None)
+        found = _known[id(config)] = (config, follows, None)
+    return found
+
+
+def _rotaries(config: Any) -> dict[Any, Any]:
+    """The skeleton's rotary modules (`skeleton.skeleton`, whose prologue makes every layer's
+    arguments), each with its forward without transformers' update, found once per config."""
+    held, follows, rotaries = _of(config)
+    if rotaries is None:
+        from raypipe.models.hf import skeleton
+
+        base = getattr(skeleton.skeleton(config), skeleton.plan_of(config).base)
+        found = [m for m in base.modules() if hasattr(m, "rope_type") and hasattr(m, "original_max_seq_len")]
+        rotaries = {m: torch.no_grad()(inspect.unwrap(type(m).forward)) for m in found}
+        _known[id(config)] = (held, follows, rotaries)
+    return rotaries
 
 
 @contextlib.contextmanager
@@ -58,20 +86,16 @@ def whole_sequence(config: Any, end: int | torch.Tensor | None) -> Iterator[None
             f"a sequence chunk of a model whose rotary embedding is {follows!r} needs its sequence's end "
             f"(`sequence_end`, which raypipe.data.sequence_units.cut_microbatch gives each unit)"
         )
-    from raypipe.models.hf import skeleton
-
-    base = getattr(skeleton.skeleton(config), skeleton.plan_of(config).base)
-    rotaries = [m for m in base.modules() if hasattr(m, "rope_type") and hasattr(m, "original_max_seq_len")]
+    rotaries = _rotaries(config)
     last = torch.tensor([[int(end) - 1]])
     for rotary in rotaries:  # the update transformers' forward over the whole sequence makes
         kinds = list(rotary.rope_type) if isinstance(rotary.rope_type, dict) else [None]
         for kind in kinds:
             rotary(torch.zeros(1), last, **({"layer_type": kind} if kind is not None else {}))
-    raw = {rotary: inspect.unwrap(type(rotary).forward) for rotary in rotaries}
     try:
-        for rotary, forward in raw.items():  # the same forward, without its update
-            rotary.forward = types.MethodType(torch.no_grad()(forward), rotary)
+        for rotary, forward in rotaries.items():  # the same forward, without its update
+            rotary.forward = types.MethodType(forward, rotary)
         yield
     finally:
-        for rotary in raw:
+        for rotary in rotaries:
             rotary.__dict__.pop("forward", None)
