@@ -204,15 +204,51 @@ def test_varying_shapes_arrive_when_the_step_says_they_vary(peers):
     sender, receiver = peers
     values = [{"h": torch.randn(1, n, 4), "ids": torch.arange(n)} for n in (5, 3, 8)] + [
         None,
+        {"h": None, "ids": None},  # no payload at all
         {"h": torch.ones(1, 2, 4), "ids": torch.arange(2)},
     ]
     tags = [2 * i for i in range(len(values))]
-    (refused, _, _), got = ray.get(
+    (refused, _, over_gloo), got = ray.get(
         [sender.send.remote(values, tags, None, True), receiver.take.remote(tags)], timeout=60
     )
-    assert refused == []
+    assert refused == [] and not over_gloo  # between neighbours on one node: through shared memory
     assert all(same(a, b) for a, b in zip(values[:3], got[:3]))
-    assert got[3] == POISON and same(values[4], got[4])
+    assert got[3] == POISON and same(values[4], got[4]) and same(values[5], got[5])
+
+
+def test_a_varying_stream_that_outgrows_its_file_arrives_and_what_was_taken_outlives_the_next_step(peers):
+    """A varying stream's messages lie one after another in a half of its file; one that does not
+    fit moves the stream to a file twice as large mid-step. What the receiver took (views of those
+    files) stays as it was while the next step's messages are written, and no file is left."""
+    sender, receiver = peers
+
+    def step(base: float) -> list:
+        sizes = [8, 16384, 8, 32768, 4]  # the second and fourth outgrow the half the first made
+        values = [{"h": torch.arange(float(n)) + base, "n": torch.tensor([n])} for n in sizes]
+        tags = [2 * i for i in range(len(values))]
+        (refused, _, over_gloo), got = ray.get(
+            [sender.send.remote(values, tags, None, True), receiver.take.remote(tags)], timeout=60
+        )
+        assert refused == [] and not over_gloo and all(same(a, b) for a, b in zip(values, got))
+        return got
+
+    step(0.0)
+    ray.get(receiver.hold.remote(), timeout=30)
+    step(1000.0)  # in the other half of the file the first step grew into
+    assert ray.get(receiver.held_unchanged.remote(), timeout=30)
+    step(2000.0)  # the first step's half again (its taker is done with it: a step's views live one step more)
+    assert ray.get([sender.shm_files.remote(), receiver.shm_files.remote()], timeout=30) == [[], []]
+
+
+def test_a_varying_stream_too_large_for_shared_memory_goes_over_gloo_from_that_message_on(peers):
+    sender, receiver = peers
+    values = [torch.randn(16), torch.randn(262144), torch.randn(3)]  # 1 MiB in the middle
+    tags = [1, 3, 5]
+    (refused, kind, over_gloo), got = ray.get(
+        [sender.send.remote(values, tags, 1 << 19, True), receiver.take.remote(tags)], timeout=60
+    )
+    assert refused == [] and all(torch.equal(a, b) for a, b in zip(values, got))
+    assert over_gloo == (kind == "ShmOutbox")
 
 
 def test_poison_first_then_a_varying_stream(peers):

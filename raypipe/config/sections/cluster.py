@@ -36,8 +36,9 @@ class ClusterConfig(Section):
             "strict_spread" (one actor per node). A trainer that does not fit holds nothing
             while it waits, so two trainers on one cluster never each hold half.
         same_node_transport: how p2p and compiled move boundary tensors between neighbouring
-            stages on one node: "shm" (shared memory and a pipe: one copy, no TCP; streams too
-            large for /dev/shm fall back to gloo) or "gloo" (loopback TCP). Stages on
+            stages on one node: "shm" (shared memory and a pipe: one copy, no TCP, microbatches
+            of differing shapes too; streams too large for /dev/shm fall back to gloo) or
+            "gloo" (loopback TCP). Stages on
             different nodes always use gloo. With "shm" the step's closing agreement (global
             norm, failures) also goes through pipes when every actor is on one node.
         probe_links: measure the rate and latency each way of every link between neighbouring
