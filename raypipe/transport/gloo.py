@@ -10,8 +10,12 @@ sent, with no rendezvous: gloo moves a message only once its receive is posted. 
 receiver reads the leaves as views of the buffer, without a copy.
 
 A varying stream (shapes differ between the step's microbatches) sends each message as
-its own header and then its payload on a tag of its own (`PAYLOAD_TAG`); the receiver
-posts the headers ahead and each payload's receive once its header has arrived.
+its own header and then its payload on a tag of its own (`PAYLOAD_TAG`). Its stream header
+says how large its first payload is (`stream.read_bound`), and the receiver posts each later
+message's payload receive that large together with its header's, ahead: gloo takes a smaller
+message into a larger receive, and a payload larger than the bound sends the rest on a third
+tag, received once its header has told its size. A payload's receive posted only once its
+header had arrived left the sender's gloo thread to send it while its stage computed.
 
 A value on a GPU (a CUDA stage whose neighbour is on another kind of device, or shares its GPU)
 is copied into pinned memory, all leaves without waiting, then waited for once.
@@ -38,7 +42,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from raypipe.transport.stream import FLAG_BYTES, HEADER_BYTES, POISON, Outbox, PeerFailed, read_header
+from raypipe.transport.stream import (
+    FLAG_BYTES,
+    HEADER_BYTES,
+    POISON,
+    Outbox,
+    PeerFailed,
+    header,
+    read_bound,
+    read_header,
+)
 from raypipe.transport.tree import Boundary, Layout
 
 LOOKAHEAD = 3  # receives posted per stream; refilled after each action, so two stay posted while it computes
@@ -76,6 +89,24 @@ class GlooOutbox(Outbox):
         self.capacity = _sent.pop(self.key, 0) if self.key else 0  # of the receives posted ahead
         self.preposted = min(LOOKAHEAD, count) if self.capacity else 0
         self.sent = 0
+        self.bound = 0  # a varying stream's payload bytes the receiver posts ahead per message
+
+    def _stream_header(self, layout: Layout) -> torch.Tensor:
+        if self.varying and not self.preposted and layout.nbytes:  # none of its receives posted yet
+            self.bound = layout.nbytes
+            return header(None, varying=True, bound=self.bound)
+        return super()._stream_header(layout)
+
+    def _payload(self, layout: Layout, leaves: list[torch.Tensor | None], tag: int) -> None:
+        if not self.bound:
+            super()._payload(layout, leaves, tag)
+        elif not layout.nbytes:  # the receive posted for its payload takes a byte
+            self._post(torch.zeros(1, dtype=torch.uint8), tag, payload=1)
+        else:
+            message = self._packed(layout, leaves, None)
+            self._post(message[: self.bound], tag, payload=1)
+            if layout.nbytes > self.bound:
+                self._post(message[self.bound :], tag, payload=2)
 
     def send(self, value: Boundary, tag: int = 0) -> None:
         super().send(value, tag)
@@ -91,6 +122,8 @@ class GlooOutbox(Outbox):
             message = torch.empty(FLAG_BYTES, dtype=torch.uint8)
             message.view(torch.int64).fill_(POISON)
             self._post(message, tag)
+        if self.bound:  # and the receive posted for its payload
+            self._post(torch.zeros(1, dtype=torch.uint8), tag, payload=1)
         self.sent += 1
 
     def wait(self) -> None:
@@ -100,7 +133,7 @@ class GlooOutbox(Outbox):
     def _buffer(self, nbytes: int, leaves: list[torch.Tensor | None]) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=_on_gpu(leaves))
 
-    def _post(self, buffer: torch.Tensor, tag: int, payload: bool = False) -> None:
+    def _post(self, buffer: torch.Tensor, tag: int, payload: int = 0) -> None:
         self.handles.append((dist.isend(buffer, self.dst, tag=tag + PAYLOAD_TAG * payload), buffer))
 
 
@@ -115,7 +148,9 @@ class GlooInbox:
         self.key = None if channel is None else (src, channel)
         self.layout: Layout | None = None
         self.started = self.varying = False
+        self.bound = 0  # a varying stream's payload bytes posted ahead per message
         self.posted: deque[tuple[torch.Tensor, Any, int]] = deque()  # (buffer, work, tag)
+        self.payloads: dict[int, tuple[torch.Tensor, Any]] = {}  # tag -> its payload's receive posted ahead
         self.header = torch.empty(HEADER_BYTES, dtype=torch.uint8)
         self.header_work = dist.irecv(self.header, src, tag=self.tags[0]) if self.tags else None
         capacity = _received.pop(self.key, 0) if self.key else 0
@@ -159,6 +194,7 @@ class GlooInbox:
             dist.irecv(self.header, self.src, tag=self.tags[0]).wait()
             head = self.header
         flag, self.varying, self.layout = read_header(head)
+        self.bound = read_bound(head) if self.varying else 0
         if flag == POISON:
             if ahead and index == 0:  # the filler for the receive posted ahead for message 0
                 self.posted.popleft()[1].wait()
@@ -177,12 +213,12 @@ class GlooInbox:
         work.wait()
         if self.varying:
             flag, _, layout = read_header(buffer)
+            ahead = self.payloads.pop(tag, None)
+            if ahead is not None:
+                ahead[1].wait()  # its payload, or the byte a poisoned message sends in its place
             if flag == POISON:
                 raise PeerFailed(f"world rank {self.src} failed earlier in this step")
-            payload = torch.empty(layout.nbytes, dtype=torch.uint8)
-            if layout.nbytes:
-                dist.irecv(payload, self.src, tag=tag + PAYLOAD_TAG).wait()
-            return layout.tree(layout.views(payload))
+            return layout.tree(layout.views(self._payload(layout, tag, ahead)))
         if int(buffer[:FLAG_BYTES].view(torch.int64)[0]) == POISON:
             raise PeerFailed(f"world rank {self.src} failed earlier in this step")
         return self.layout.tree(self.layout.views(buffer[FLAG_BYTES : FLAG_BYTES + self.layout.nbytes]))
@@ -196,8 +232,25 @@ class GlooInbox:
         while self.tags and len(self.posted) < LOOKAHEAD:
             self.posted.append(self._receive(self.tags.popleft()))
 
+    def _payload(self, layout: Layout, tag: int, ahead: tuple[torch.Tensor, Any] | None) -> torch.Tensor:
+        """A varying message's payload: in the receive posted ahead for it, and beyond its bound on
+        a tag of its own; or, none posted ahead, received now."""
+        if ahead is not None and layout.nbytes <= len(ahead[0]):
+            return ahead[0][: layout.nbytes]
+        payload = torch.empty(layout.nbytes, dtype=torch.uint8)
+        start = 0 if ahead is None else len(ahead[0])
+        if start:
+            payload[:start].copy_(ahead[0])
+        if layout.nbytes > start:
+            dist.irecv(payload[start:], self.src, tag=tag + PAYLOAD_TAG * (1 if ahead is None else 2)).wait()
+        return payload
+
     def _receive(self, tag: int) -> tuple[torch.Tensor, object, int]:
-        """A receive posted for the message on `tag` of the started stream: its header when varying."""
+        """A receive posted for the message on `tag` of the started stream: its header when varying
+        (and its payload's, as large as the stream's bound)."""
+        if self.varying and self.bound:
+            payload = torch.empty(self.bound, dtype=torch.uint8)
+            self.payloads[tag] = (payload, dist.irecv(payload, self.src, tag=tag + PAYLOAD_TAG))
         buffer = torch.empty(HEADER_BYTES, dtype=torch.uint8) if self.varying else _message(self.layout)
         return buffer, dist.irecv(buffer, self.src, tag=tag), tag
 

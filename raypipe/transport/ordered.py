@@ -60,7 +60,7 @@ class OrderedOutbox(Outbox):
     def _header(self, data: torch.Tensor) -> torch.Tensor:
         return data.to(self.device)
 
-    def _post(self, buffer: torch.Tensor, tag: int, payload: bool = False) -> None:
+    def _post(self, buffer: torch.Tensor, tag: int, payload: int = 0) -> None:
         self.handles.append((dist.isend(buffer, self.dst, group=self.group), buffer))
 
 

@@ -7,8 +7,9 @@ tag. A message is a boundary value (any pytree of tensors, `tree.Layout`) as one
 byte payload. The header holds the stream's layout when every microbatch of the step
 has the same shapes (the common case: the receiver then posts receives ahead and
 reads each message as views of its buffer), or says the stream is *varying*: then
-each message brings its own header (packed or unpadded sequences, at the cost of one
-more small message per microbatch).
+each message brings its own header (packed or unpadded sequences, sequences cut into
+unequal chunks): over gloo one more small message per microbatch, in shared memory a
+header before its payload in the same file (`shm_files`).
 
 A failed stage keeps the communication pattern: it still makes every send its action
 list calls for, sending poison instead of a value, so no neighbour waits forever; a
@@ -23,19 +24,20 @@ import torch
 
 from raypipe.transport.tree import Boundary, Layout, flatten, pack_into
 
-HEADER_BYTES = 2048  # flag, varying, layout length (int64s), then the pickled layout
+HEADER_BYTES = 2048  # flag, varying, layout length, payload bound (int64s), then the pickled layout
 OK, POISON = 0, -1
 FLAG_BYTES = 8  # an int64 flag (OK or POISON) at the start of every fixed-layout message
-_FIELDS = 3 * 8
+_FIELDS = 4 * 8
 
 
 class PeerFailed(RuntimeError):
     """A neighbouring stage failed earlier in this step (it sent poison instead of a value)."""
 
 
-def header(layout: Layout | None, varying: bool = False) -> torch.Tensor:
+def header(layout: Layout | None, varying: bool = False, bound: int = 0) -> torch.Tensor:
     """A stream's (or, when varying, a message's) header: poison for `layout=None` unless
-    `varying`, where the stream's header holds no layout.
+    `varying`, where the stream's header holds no layout; a varying stream's header may say how
+    many payload bytes the receiver is to post ahead for each message (`bound`, `read_bound`).
 
     Raises:
         ValueError: the layout does not fit (a tree of hundreds of leaves); checked before sending.
@@ -49,7 +51,7 @@ def header(layout: Layout | None, varying: bool = False) -> torch.Tensor:
             f"(stack them into one)."
         )
     flag = POISON if layout is None and not varying else OK
-    out[:_FIELDS].view(torch.int64).copy_(torch.tensor([flag, int(varying), len(encoded)]))
+    out[:_FIELDS].view(torch.int64).copy_(torch.tensor([flag, int(varying), len(encoded), bound]))
     if encoded:
         out[_FIELDS : _FIELDS + len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
     return out
@@ -57,9 +59,14 @@ def header(layout: Layout | None, varying: bool = False) -> torch.Tensor:
 
 def read_header(data: torch.Tensor) -> tuple[int, bool, Layout | None]:
     """(flag, varying, layout or None) from a header's bytes."""
-    flag, varying, length = data[:_FIELDS].view(torch.int64).tolist()
+    flag, varying, length, _ = data[:_FIELDS].view(torch.int64).tolist()
     layout = Layout.decode(data[_FIELDS : _FIELDS + length].numpy().tobytes()) if length else None
     return flag, bool(varying), layout
+
+
+def read_bound(data: torch.Tensor) -> int:
+    """The payload bytes a varying stream's header asks the receiver to post ahead per message (0: none)."""
+    return int(data[:_FIELDS].view(torch.int64)[3])
 
 
 def check_like(stream: Layout, message: Layout) -> None:
@@ -98,16 +105,24 @@ class Outbox:
         layout, leaves = flatten(value)
         if not self.started:
             self.varying = self.varying or not self._fits(layout)
-            self._post(self._header(header(None, varying=True) if self.varying else header(layout)), tag)
+            self._post(self._header(self._stream_header(layout)), tag)
             self.layout, self.started = layout, True
         elif not self.varying:
             check_like(self.layout, layout)
         if self.varying:
             self._post(self._header(header(layout)), tag)
-            if layout.nbytes:
-                self._post(self._packed(layout, leaves, None), tag, payload=True)
+            self._payload(layout, leaves, tag)
             return
         self._post(self._packed(layout, leaves, OK), tag)
+
+    def _stream_header(self, layout: Layout) -> torch.Tensor:
+        """The stream's header, sent before its first message (`layout`'s)."""
+        return header(None, varying=True) if self.varying else header(layout)
+
+    def _payload(self, layout: Layout, leaves: list[torch.Tensor | None], tag: int) -> None:
+        """A varying stream's message after its header: its payload, on its own tag."""
+        if layout.nbytes:
+            self._post(self._packed(layout, leaves, None), tag, payload=1)
 
     def poison(self, tag: int = 0) -> None:
         """Tells the receiver this stage failed, in place of the message on `tag`."""
@@ -148,6 +163,7 @@ class Outbox:
         """A header's bytes (made in host memory) where this transport sends from."""
         return data
 
-    def _post(self, buffer: torch.Tensor, tag: int, payload: bool = False) -> None:
-        """Starts sending `buffer`, keeping it in `handles` until `wait`."""
+    def _post(self, buffer: torch.Tensor, tag: int, payload: int = 0) -> None:
+        """Starts sending `buffer`, keeping it in `handles` until `wait`; `payload` 1: a varying
+        message's payload (on a tag of its own), 2: the part of it beyond the receiver's bound."""
         raise NotImplementedError

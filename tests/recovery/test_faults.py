@@ -319,18 +319,19 @@ class Planted:
 
 
 def test_stream_headers_are_json_and_a_pickled_header_is_refused_without_running(tmp_path):
+    from raypipe.transport.stream import _FIELDS as AT  # where the layout starts, after the header's int64 fields
     from raypipe.transport.stream import HEADER_BYTES, header, read_header
     from raypipe.transport.tree import flatten
 
     value = {"h": torch.zeros(2, 3, dtype=torch.bfloat16), "mask": torch.ones(2, 3, dtype=torch.bool), "none": None}
     layout, _ = flatten(value)
     assert read_header(header(layout))[2] == layout
-    encoded = bytes(header(layout)[24:].numpy()).rstrip(b"\0")
+    encoded = bytes(header(layout)[AT:].numpy()).rstrip(b"\0")
     assert json.loads(encoded)["leaves"][0] == ["bfloat16", [2, 3]]
     planted = header(layout).clone()
     payload = pickle.dumps((Planted(), ()))
-    planted[16:24].view(torch.int64).fill_(len(payload))
-    planted[24 : 24 + len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    planted[16:24].view(torch.int64).fill_(len(payload))  # the layout's length, the third field
+    planted[AT : AT + len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
     assert len(planted) == HEADER_BYTES
     if os.path.exists("/tmp/raypipe-header-ran"):
         os.remove("/tmp/raypipe-header-ran")

@@ -2,7 +2,8 @@
 stream whose last step was fixed has its first receives posted when the step begins (so their
 "ready" notices do not queue behind bulk data mid-step, issue 36), and every turn a stream can
 take keeps both ends matched: the same size again, a larger value (sent as varying instead),
-a smaller one, poison before the stream starts, poison after, and a whole step of poison.
+a smaller one, poison before the stream starts, poison after, and a whole step of poison; and
+streams varying from their start, after a fixed step and after a varying one.
 The link probe then runs on the same world.
 The steps reuse their tags, as a trainer's do: a receive left posted would take a later step's
 message, and the values would come out wrong or the step would hang."""
@@ -32,7 +33,13 @@ STEPS = [
     ([64], 1),  # no more receives ahead than messages
     ([0, 0], 2),  # smaller than a header: the stream is not posted ahead next time
     ([64, 64], 0),
+    # varying from the start (the step says its shapes differ, `VARYING`):
+    ([64, 16, 128, POISON, 0, 32], 3),  # after a fixed step: its first receives posted as that step's
+    ([64, 16, 128, POISON, 0, 32], 0),  # after a varying one: nothing posted ahead
+    ([POISON, 32, 64, 8], 0),  # poison before the start
+    ([64, 64], 0),  # fixed again, nothing assumed
 ]
+VARYING = {12, 13, 14}
 
 
 @ray.remote(num_cpus=0)
@@ -49,7 +56,7 @@ class End:
         from raypipe.transport.gloo import GlooOutbox
 
         for s, (messages, _) in enumerate(steps):
-            box = GlooOutbox(1, count=len(messages), channel=0)
+            box = GlooOutbox(1, varying=s in VARYING, count=len(messages), channel=0)
             for i, rows in enumerate(messages):
                 if rows == POISON:
                     box.poison(tag=i)
