@@ -4,7 +4,10 @@
 like a stage of that kind, so each measures the device its stages will run on.
 Layers are built and profiled one at a time (the previous one freed), so a model
 too big for the device can still be profiled; each layer sees the activation the
-layers before it produce on a real microbatch.
+layers before it produce on a real microbatch. A layer that says what its cost depends
+on (`cost_key`: transformers' decoder layers do) and costs what an earlier one costs
+(the same key, parameters and buffers) takes that layer's figures untimed: a model's
+decoder layers are mostly alike, so a 24-layer model times a handful.
 """
 
 from __future__ import annotations
@@ -98,9 +101,16 @@ class LayerProfiler:
             )
         h = x.to(self.device)
         input_s, weight_s, cpu_s = [], [], []
+        timed: dict[tuple, int] = {}  # a layer's cost key -> the first layer timed with it
         for index, spec in enumerate(specs):
             layer = self._build(spec, seed, index, lora)
             last = index == len(specs) - 1
+            earlier = None if last else _alike(layer, index, timed)
+            if earlier is not None:  # costs what that layer costs: its figures again, its input to the next
+                lists = [forward_s, backward_s, cpu_s, parameter_bytes, activation_bytes, boundary, codec_s]
+                _again([*lists, input_s, weight_s], earlier)
+                del layer  # freed before the next is built
+                continue
             fwd, bwd, cpu, saved = [], [], [], 0
             for r in range(warmup + repeats):
                 inp = _input(h, index)
@@ -200,14 +210,20 @@ class LayerProfiler:
         figures.update(parameter_bytes=[], output_float_bytes=[], output_float_elements=[], output_other_bytes=[])
         figures.update({"input_s": [], "weight_s": []} if split else {}, codec_forward_s=[], codec_backward_s=[])
         hs = [map_tensors(lambda t: t.to(self.device), u) for u in units]
+        timed: dict[tuple, int] = {}  # a layer's cost key -> the first layer timed with it
         for index, spec in enumerate(specs):
             layer = self._build(spec, seed, index, lora)
+            last = index == len(specs) - 1
+            earlier = None if last else _alike(layer, index, timed)
+            if earlier is not None:  # costs what that layer costs: its figures again, its units to the next
+                _again(list(figures.values()), earlier)
+                del layer  # freed before the next is built
+                continue
             if k > 1:
                 try:
                     check_chunkable([layer], f"the {self.kind} profiler", [index])
                 except ConfigError as error:  # no k > 1 runs: "auto" keeps the sequence whole
                     return {"refused": str(error), **self._device()}
-            last = index == len(specs) - 1
             fwd, bwd, cpu, saved = [], [], [], 0
             for r in range(warmup + repeats):
                 sequence, inputs = Sequence(k), [_inputs(h, index) for h in hs]
@@ -304,6 +320,37 @@ class LayerProfiler:
         elif self.device.type == "mps":
             torch.mps.synchronize()
         return self.clock()
+
+
+def cost_key(layer: torch.nn.Module) -> tuple | None:
+    """What a built layer's time and memory depend on, where it says (its `cost_key`: the settings
+    that make two layers of one class differ, such as an attention window), with its class and
+    its parameters' and buffers' names, shapes, dtypes and whether they train (LoRA's adapters and
+    a frozen base): two layers with one key cost the same. None: a layer that does not say, timed
+    on its own."""
+    own = getattr(layer, "cost_key", None)
+    if own is None:
+        return None
+    tensors_of = [*layer.named_parameters(), *layer.named_buffers()]
+    shapes = tuple((name, tuple(t.shape), t.dtype, t.requires_grad) for name, t in tensors_of)
+    return type(layer).__qualname__, own, shapes
+
+
+def _alike(layer: torch.nn.Module, index: int, timed: dict[tuple, int]) -> int | None:
+    """The earlier layer that layer `index` costs what it costs (`timed`: a cost key -> the first
+    layer timed with it), or None: then it is timed, and noted in `timed` where it has a key."""
+    key = cost_key(layer)
+    if key is None or key in timed:
+        return None if key is None else timed[key]
+    timed[key] = index
+    return None
+
+
+def _again(lists: list[list], index: int) -> None:
+    """Appends to each list that has one its figure for layer `index` (a layer that costs the same)."""
+    for values in lists:
+        if len(values) > index:
+            values.append(values[index])
 
 
 def _input(h: torch.Tensor, index: int) -> torch.Tensor:

@@ -166,6 +166,7 @@ class Block(nn.Module):
     """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
 
     runs_sequence_chunks = True  # its attention keeps earlier chunks' keys and values (`raypipe.nn.sequence_chunks`)
+    cost_key: tuple = ()  # blocks of one class and shapes cost the same: the profiler times one (`actors.profiler`)
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()

@@ -117,6 +117,45 @@ def test_profile_partition_needs_a_sample_batch():
         Trainer([LayerSpec(nn.Linear, 2, 2)] * 2, nn.functional.mse_loss, TrainConfig(pp=2, partition="profile"))
 
 
+def test_the_profiler_times_one_of_alike_layers_and_gives_the_others_its_figures():
+    """Layers that say what their cost depends on (`cost_key`) and cost the same are timed once: a
+    GPT's three blocks run between them as one block does, and the second and third take the
+    first's figures. transformers' decoder layers are alike where their attention type, per-layer
+    settings and parameters are: Gemma 3's sliding layers are not its full one, nor DeepSeek-V3's
+    dense first layer its expert layers."""
+    import torch
+
+    from raypipe.actors.profiler import LayerProfiler, cost_key
+    from raypipe.core.layers import build_layer
+    from raypipe.models import gpt, hf
+
+    from hf_helpers import family_config
+
+    class Counted(gpt.Block):
+        calls = 0
+
+        def forward(self, x):
+            Counted.calls += 1
+            return super().forward(x)
+
+    cfg = gpt.GPTConfig(n_layer=3, n_head=2, n_embd=16, block_size=8, vocab_size=20)
+    specs = gpt.layers(cfg)
+    specs = [specs[0], *[LayerSpec(Counted, cfg)] * 3, specs[-1]]
+    x, y = torch.randint(0, 20, (2, 8)), torch.randint(0, 20, (2, 8))
+    got = LayerProfiler("cpu", False).profile(specs, 0, x, y, gpt.loss_fn, warmup=0, repeats=1)
+    assert Counted.calls == 2  # one timed pass and one making the next layer's input: once, not thrice
+    for figure in ("forward_s", "backward_s", "activation_bytes", "output_float_bytes", "parameter_bytes"):
+        assert len(got[figure]) == 5 and got[figure][1] == got[figure][2] == got[figure][3], figure
+
+    def keys(kind):
+        model = hf.from_config(family_config(kind))
+        return [cost_key(build_layer(spec, 0, i)) for i, spec in enumerate(model.layers)]
+
+    gemma, deepseek = keys("gemma3"), keys("deepseek_v3")  # embedding, three decoder layers, head
+    assert gemma[0] is None and gemma[1] == gemma[3] != gemma[2]  # sliding, full, sliding
+    assert deepseek[1] != deepseek[2] == deepseek[3]  # dense, then experts
+
+
 def test_profile_partition_balances_measured_layer_times(ray_session):
     """One kind of device, layers of 10 ms and 30 ms: the profile sees it, parameter counts do not.
     (Long enough that a loaded machine's per-call noise, ~1 ms, cannot move the split.)"""

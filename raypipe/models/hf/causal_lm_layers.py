@@ -120,6 +120,28 @@ class HFDecoderLayer(nn.Module):
             return "its routing loss (output_router_logits) is over the whole sequence's routing"
         return None
 
+    @property
+    def cost_key(self) -> tuple:
+        """What its cost depends on besides its parameters (`actors.profiler.cost_key`): the config's
+        per-layer settings at its index (`layer_types`, `no_rope_layers`, ...: every list as long as
+        the layers) and every plain setting of its modules (an attention window, its type), its
+        index aside. Layers with one key cost the same: the profiler times the first."""
+        count = getattr(self.config, "num_hidden_layers", None)
+        per_layer = tuple(
+            (name, repr(value[self.index]))
+            for name, value in sorted(self.config.to_dict().items())
+            if isinstance(value, (list, tuple)) and len(value) == count
+        )
+        settings = tuple(
+            (path, name, repr(value))
+            for path, module in self.block.named_modules()
+            for name, value in sorted(vars(module).items())
+            if not name.startswith("_")
+            and name not in ("layer_idx", "training")
+            and isinstance(value, (bool, int, float, str, type(None)))
+        )
+        return per_layer, settings
+
     def tp_plan(self, tp_size: int) -> dict[str, object]:
         """transformers' own `base_model_tp_plan` for this layer: colwise and rowwise linears, the
         rest replicated."""
