@@ -11,7 +11,10 @@ cost alone (`floor_vs_unchunked`): what any chunking of these layers pays in eag
 rest of the ratio is raypipe's chunk machinery and the smaller matrix products. `--ops` also counts,
 per k, the operators a step dispatches and the time inside the matrix products and attention kernels
 (torch's profiler, a few steps after the timed ones): where that arithmetic stays put as k grows, what
-k adds is the cost of calling more, smaller operators, not arithmetic. `--also-made` runs
+k adds is the cost of calling more, smaller operators, not arithmetic. From each chunk's own
+time, the step two stages would take on them with messages free (`two_stage_span`) and k = 1's
+over it (`bound_vs_unchunked`): the most a pp = 2 pipeline of these chunks can gain, whatever
+its schedule and transport. `--also-made` runs
 each k a second way, interleaved, with every layer's arguments and the embedding made by
 transformers' prologue each step as before they were kept (`made_vs_kept`).
 
@@ -40,6 +43,7 @@ from raypipe.models import hf
 from raypipe.models.hf import argument_memo, embedding_alone, skeleton
 from raypipe.nn.sequence_chunks import Sequence
 from raypipe.planning.partition import uniform_plan
+from raypipe.schedules import build_schedule, timed
 from raypipe.transport.tree import map_tensors, tensors
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))  # modules shared with the tests
@@ -53,34 +57,46 @@ def boundary(out: object) -> object:
     return map_tensors(lambda t: t.detach().requires_grad_() if t.is_floating_point() else t, out)
 
 
-def one_step(stages: list, loss_fn, x: dict, y: torch.Tensor, k: int) -> list[float]:
+def one_step(stages: list, loss_fn, x: dict, y: torch.Tensor, k: int) -> list[list[float]]:
     """Forward and backward of one sample cut in k on both stages, in the order the pipeline runs
-    them (forwards in chunk order, backwards in reverse); seconds per stage, forward then backward."""
+    them (forwards in chunk order, backwards in reverse); seconds of each chunk, per stage, forward
+    then backward: [stage 0 forwards, stage 1 forwards, stage 0 backwards, stage 1 backwards]."""
     units, targets, weights = cut_microbatch(x, y, k, loss_fn)
     sequences = [Sequence(k), Sequence(k)]
-    clock = [0.0] * 4  # stage 0 forward, stage 1 forward, stage 0 backward, stage 1 backward
+    clock = [[0.0] * k for _ in range(4)]  # stage 0 forward, stage 1 forward, stage 0 backward, stage 1 backward
     sent, received, losses = [], [], []
     for c, unit in enumerate(units):
         started = time.perf_counter()
         out = sequences[0].forward(c, stages[0], unit) if k > 1 else stages[0](unit)
         sent.append(out)
         received.append(boundary(out))
-        clock[0] += time.perf_counter() - started
+        clock[0][c] = time.perf_counter() - started
         started = time.perf_counter()
         logits = sequences[1].forward(c, stages[1], received[c]) if k > 1 else stages[1](received[c])
         losses.append(loss_fn(logits, targets[c]) * weights[c])
-        clock[1] += time.perf_counter() - started
+        clock[1][c] = time.perf_counter() - started
     for c in reversed(range(k)):
         started = time.perf_counter()
         pairs = [(losses[c], torch.ones(())), *sequences[1].roots(c)]
         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        clock[3] += time.perf_counter() - started
+        clock[3][c] = time.perf_counter() - started
         started = time.perf_counter()
         pairs = [(a, b.grad) for a, b in zip(tensors(sent[c]), tensors(received[c])) if b.grad is not None]
         pairs += sequences[0].roots(c)
         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        clock[2] += time.perf_counter() - started
+        clock[2][c] = time.perf_counter() - started
     return clock
+
+
+def two_stage_span(chunk_ms: list[list[float]]) -> float:
+    """The step of two stages running these chunks (ms of each, as `one_step` gives them) under
+    1F1B's chunked schedule, as `schedules.timed` runs it with messages free and nothing else on
+    the cores: the best any schedule of these chunks reaches on two stages. What is left of the
+    bubble is stage 0's first forward and stage 1's last forward and backward."""
+    f0, f1, b0, b1 = chunk_ms
+    ms = {(0, "F"): f0, (1, "F"): f1, (0, "B"): b0, (1, "B"): b1}
+    schedule = build_schedule("1f1b", 2, 1, sequence_chunks=len(f0))
+    return max(end for actor in timed(schedule, lambda a: ms[a.stage, a.kind][a.microbatch]) for *_, end in actor)
 
 
 @contextlib.contextmanager
@@ -167,7 +183,7 @@ def main() -> None:
     x, y = sample(0, args.tokens, args.vocab)
     counts = [int(k) for k in args.chunks.split(",")]
     labels = {str(k): (k, True) for k in counts} | ({f"{k} made": (k, False) for k in counts} if args.also_made else {})
-    clocks: dict[str, list[list[float]]] = {label: [] for label in labels}
+    clocks: dict[str, list[list[list[float]]]] = {label: [] for label in labels}
 
     def runner(label: str):
         k, kept = labels[label]
@@ -179,10 +195,12 @@ def main() -> None:
         return run
 
     interleaved({label: runner(label) for label in labels}, args.rounds, 1, warmup=1)
-    ms = {
-        label: [round(1000 * statistics.median(c[i] for c in runs[1:]), 1) for i in range(4)]
+    chunk_ms = {  # per label, each chunk's median ms per stage and direction
+        label: [[1000 * statistics.median(c[i][u] for c in runs[1:]) for u in range(len(runs[0][i]))] for i in range(4)]
         for label, runs in clocks.items()
     }
+    ms = {label: [round(sum(part), 1) for part in parts] for label, parts in chunk_ms.items()}
+    span = {label: two_stage_span(parts) for label, parts in chunk_ms.items() if "made" not in label}
     first = str(min(counts))
     ops = {str(k): operators(stages, model.loss_fn, x, y, k) for k in counts} if args.ops else None
     decoder = next(layer for layer in layers if hasattr(layer, "block"))
@@ -196,6 +214,10 @@ def main() -> None:
                 k: {"forward": v[:2], "backward": v[2:], "total": round(sum(v), 1)} for k, v in ms.items()
             },
             "total_vs_unchunked": {k: round(sum(v) / sum(ms[first]), 3) for k, v in ms.items() if "made" not in k},
+            # each k's step on two stages with free messages (`two_stage_span`), and k = 1's over it:
+            # the most a pp = 2 pipeline of these chunks can gain
+            "two_stage_span_ms": {k: round(v, 1) for k, v in span.items()},
+            "bound_vs_unchunked": {k: round(span[first] / v, 3) for k, v in span.items()},
             **(
                 {  # each k's total with arguments made afresh over kept (argument_memo, embedding_alone)
                     "made_vs_kept": {str(k): round(sum(ms[f"{k} made"]) / sum(ms[str(k)]), 3) for k in counts},
