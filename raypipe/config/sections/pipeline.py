@@ -39,7 +39,8 @@ class PipelineConfig(Section):
             stages run on different nodes (known once the actors start; the log says so), else 0.
         sequence_chunks: k > 1 cuts every sample along the sequence into k chunks that flow
             through the pipeline one after another (Seq1F1B), so one long sample fills it (m = 1
-            idles (pp - 1)/pp of each step). Forwards run in chunk order, backwards in reverse;
+            idles (pp - 1)/pp of each step); a length k does not divide gives chunks a token
+            apart, as fast on one node. Forwards run in chunk order, backwards in reverse;
             attention keeps earlier chunks' keys and values and their gradients: exact
             (`raypipe.nn.sequence_chunks`). "gpipe", "1f1b", "zb-h1"; GPT and transformers' families;
             token-weighted losses. With activation_checkpointing a stage keeps each chunk's input,
