@@ -14,7 +14,7 @@ of the fastest step).
 Then sequence chunks (`--no-chunked` skips them): one sample of `--chunk-tokens` tokens, and
 one a token shorter, through a 4 x 64 Llama at pp = 2 whole and in 8 chunks, one trainer per
 transport (shm, then gloo: what a link between nodes uses), steps interleaved. 2,048 tokens
-cut in 8 are equal chunks; 2,047 are not (255 tokens, then seven of 256), so that stream varies.
+cut in 8 are equal chunks; 2,047 are not (seven of 256 tokens, then 255), so that stream varies.
 
     python benchmarks/varying_streams.py > varying_streams.json     # about 2 minutes on 2 cores
 """

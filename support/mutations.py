@@ -429,4 +429,12 @@ MUTATIONS = [
         ("tests/unit/test_p2p.py", "tests/unit/test_gloo_streams.py"),
         "a poisoned message of a varying stream leaves its payload's receive posted for a later step's",
     ),
+    Mutation(
+        "gloo-varying-bound-forgets-last-step",
+        "raypipe/transport/gloo.py",
+        "        bound = max(layout.nbytes, _largest.get(self.key, 0)) if self.key else layout.nbytes",
+        "        bound = layout.nbytes",
+        ("tests/unit/test_gloo_streams.py",),
+        "a varying stream whose first payload is not its largest sends an overflow for each larger one, every step",
+    ),
 ]

@@ -11,10 +11,11 @@ receiver reads the leaves as views of the buffer, without a copy.
 
 A varying stream (shapes differ between the step's microbatches) sends each message as
 its own header and then its payload on a tag of its own (`PAYLOAD_TAG`). Its stream header
-says how large its first payload is (`stream.read_bound`), and the receiver posts each later
-message's payload receive that large together with its header's, ahead: gloo takes a smaller
-message into a larger receive, and a payload larger than the bound sends the rest on a third
-tag, received once its header has told its size. A payload's receive posted only once its
+says a bound (`stream.read_bound`): its first payload's size, or its last step's largest where
+that is larger (`_largest`: the sender's to remember). The receiver posts each later message's
+payload receive that large together with its header's, ahead: gloo takes a smaller message
+into a larger receive, and a payload larger than the bound sends the rest on a third tag,
+received once its header has told its size. A payload's receive posted only once its
 header had arrived left the sender's gloo thread to send it while its stage computed.
 
 A value on a GPU (a CUDA stage whose neighbour is on another kind of device, or shares its GPU)
@@ -62,6 +63,10 @@ PAYLOAD_TAG = 1 << 24  # added to a message's tag for a varying stream's payload
 # per end: an actor may send and receive on channels of one number with one peer.
 _sent: dict[tuple[int, int], int] = {}
 _received: dict[tuple[int, int], int] = {}
+# Per varying stream the sender keeps, (peer, channel): its last step's largest payload, which
+# this step's bound is at least, so a stream whose first payload is not its largest (gradients
+# of chunks cut unevenly run backwards: the short last chunk's first) sends no overflow.
+_largest: dict[tuple[int, int], int] = {}
 
 
 def forget_streams() -> None:
@@ -69,6 +74,7 @@ def forget_streams() -> None:
     process remembers nothing)."""
     _sent.clear()
     _received.clear()
+    _largest.clear()
 
 
 def _remember(table: dict[tuple[int, int], int], key: tuple[int, int] | None, fixed_bytes: int | None) -> None:
@@ -90,14 +96,17 @@ class GlooOutbox(Outbox):
         self.preposted = min(LOOKAHEAD, count) if self.capacity else 0
         self.sent = 0
         self.bound = 0  # a varying stream's payload bytes the receiver posts ahead per message
+        self.largest = 0  # a varying stream's largest payload this step
 
     def _stream_header(self, layout: Layout) -> torch.Tensor:
-        if self.varying and not self.preposted and layout.nbytes:  # none of its receives posted yet
-            self.bound = layout.nbytes
+        bound = max(layout.nbytes, _largest.get(self.key, 0)) if self.key else layout.nbytes
+        if self.varying and not self.preposted and bound:  # none of its receives posted yet
+            self.bound = bound
             return header(None, varying=True, bound=self.bound)
         return super()._stream_header(layout)
 
     def _payload(self, layout: Layout, leaves: list[torch.Tensor | None], tag: int) -> None:
+        self.largest = max(self.largest, layout.nbytes)
         if not self.bound:
             super()._payload(layout, leaves, tag)
         elif not layout.nbytes:  # the receive posted for its payload takes a byte
@@ -129,6 +138,11 @@ class GlooOutbox(Outbox):
     def wait(self) -> None:
         super().wait()
         _remember(_sent, self.key, self.layout.nbytes if self.started and not self.varying else None)
+        if self.key is not None and self.started:  # a varying step's largest payload, or none after a fixed one
+            if self.varying:
+                _largest[self.key] = self.largest
+            else:
+                _largest.pop(self.key, None)
 
     def _buffer(self, nbytes: int, leaves: list[torch.Tensor | None]) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=_on_gpu(leaves))

@@ -40,6 +40,16 @@ STEPS = [
     ([64, 64], 0),  # fixed again, nothing assumed
 ]
 VARYING = {12, 13, 14}
+# the payload a varying step's receiver posts ahead per message, in rows, where its stream header
+# says (none where the last step's receives were posted ahead): its first payload's, or the largest
+# of the stream's last step where that is larger, so no message overflows the receive again
+BOUNDS = {13: 128, 14: 128}
+
+
+def payload_bytes(rows: int) -> int:
+    from raypipe.transport.tree import flatten
+
+    return flatten((torch.zeros(rows, WIDTH), {"i": torch.tensor([0])}))[0].nbytes
 
 
 @ray.remote(num_cpus=0)
@@ -79,7 +89,7 @@ class End:
                 except PeerFailed:
                     got.append(POISON)
                 box.refill()
-            out.append((box.preposted, got))
+            out.append((box.preposted, box.bound, got))
         return out
 
 
@@ -90,8 +100,8 @@ def test_a_stream_posts_ahead_what_its_last_step_had_and_stays_matched_through_e
     sent = ends[0].send.remote(STEPS)
     received = ray.get(ends[1].receive.remote(STEPS), timeout=120)
     ray.get(sent, timeout=30)
-    for s, ((messages, preposted), (posted, got)) in enumerate(zip(STEPS, received)):
-        assert posted == preposted, f"step {s}"
+    for s, ((messages, preposted), (posted, bound, got)) in enumerate(zip(STEPS, received)):
+        assert (posted, bound) == (preposted, payload_bytes(BOUNDS[s]) if s in BOUNDS else 0), f"step {s}"
         want = [
             POISON if rows == POISON else ((rows, WIDTH), (100.0 * s + i) * rows * WIDTH, i)
             for i, rows in enumerate(messages)
