@@ -17,6 +17,7 @@ transport (shm, then gloo: what a link between nodes uses), steps interleaved. 2
 cut in 8 are equal chunks; 2,047 are not (seven of 256 tokens, then 255), so that stream varies.
 
     python benchmarks/varying_streams.py > varying_streams.json     # about 2 minutes on 2 cores
+    python benchmarks/varying_streams.py --chunks-only --chunk-transports gloo --rounds 8   # the chunks over gloo
 """
 
 from __future__ import annotations
@@ -101,10 +102,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--chunk-tokens", type=int, default=2048)
     parser.add_argument("--no-chunked", dest="chunked", action="store_false", help="skip the sequence chunks")
+    parser.add_argument("--chunks-only", action="store_true", help="only the sequence chunks")
+    parser.add_argument("--chunk-transports", default="shm,gloo", help="the chunks' transports, comma-separated")
     args = parser.parse_args()
     # two trainers of two actors each on the machine's cores: Ray is told four CPUs, and each
     # actor's threads still fit the cores (`planning.threads`)
     ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    if args.chunks_only:
+        chunked = [chunks_of_unequal_length(args, t) for t in args.chunk_transports.split(",")]
+        ray.shutdown()
+        json_out.emit(
+            {"benchmark": "varying_streams", "sequence_chunks": chunked, "command": "python " + " ".join(sys.argv)}
+        )
+        return
     model = hf.from_pretrained(save_model(tempfile.mkdtemp(), args.layers, args.hidden, args.vocab, args.tokens))
     configs = {
         transport: TrainConfig(
@@ -135,7 +145,8 @@ def main() -> None:
     finally:
         for trainer in trainers.values():
             trainer.shutdown()
-    chunked = [chunks_of_unequal_length(args, t) for t in ("shm", "gloo")] if args.chunked else None
+    transports = args.chunk_transports.split(",")
+    chunked = [chunks_of_unequal_length(args, t) for t in transports] if args.chunked else None
     ray.shutdown()
     median = {label: statistics.median(s for r in runs for s in r) for label, runs in seconds.items()}
     json_out.emit(
