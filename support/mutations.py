@@ -437,4 +437,12 @@ MUTATIONS = [
         ("tests/unit/test_gloo_streams.py",),
         "a varying stream whose first payload is not its largest sends an overflow for each larger one, every step",
     ),
+    Mutation(
+        "chunk-trial-no-margin",
+        "raypipe/driver/run/chunk_trial.py",
+        "t < planned * (1 - CLOSER)]",
+        "t < planned]",
+        ("tests/unit/test_sequence_units.py",),
+        "a neighbour of the planner's chunk count one lucky step faster replaces it",
+    ),
 ]

@@ -3,7 +3,8 @@ step from the layers timed alone, which misses what a unit costs beyond its laye
 messages and Python, paid k times a microbatch): on a 64-wide Llama at 2,048 tokens it chose k = 4
 predicting 144 ms, and the step took 277 ms, slower than unchunked. So once the actors run, the
 chosen k, the profiled counts next to it (half and twice) and k = 1 take real steps on the sample in
-turn, and the fastest stays: "auto" never runs a k slower than not cutting at all, and where the
+turn, and the fastest stays (the planner's where another is within a few percent of it: two steps
+cannot tell them apart): "auto" never runs a k slower than not cutting at all, and where the
 planner's ranking of two near counts is off (its 4 over 8 on a 6 x 128 Llama whose k 8 ran 1.47x
 unchunked and k 4 1.28x), the clock settles it.
 
@@ -28,6 +29,7 @@ from raypipe.driver.results import gather
 from raypipe.driver.run.step import submit
 
 ROUNDS = 2  # timed steps per chunk count, after one untimed step each (its first allocations)
+CLOSER = 0.05  # how much faster than the planner's count another's fastest step must be to replace it
 
 
 @dataclass(frozen=True)
@@ -39,11 +41,18 @@ class Trial:
 
     @property
     def kept(self) -> int:
-        """The chunk count whose fastest timed step is the least (k = 1 where none beats it): the
-        machine's other work only ever slows a step, so a count's fastest is its own cost (a median
-        of two let one step slowed by half on a 10 x 80 Llama keep k 4 over a k 8 29 % faster)."""
+        """The chunk count to run: the planner's, unless another count's fastest timed step beats
+        its fastest by more than `CLOSER` (then the fastest such), and k = 1 wherever its fastest is
+        no slower than that count's. A count's fastest is its own cost, the machine's other work
+        only ever slowing a step (a median of two let one step slowed by half on a 10 x 80 Llama
+        keep k 4 over a k 8 29 % faster); but two steps cannot tell close counts apart, and within
+        `CLOSER` the profile decides (on a 4 x 64 Llama the planner's k 4 ran 130 and 160 ms, k 8
+        149 and 129, and k 8's median step in `sequence_chunks.py` came out 18 % the slower)."""
         fastest = {k: min(s) for k, s in self.seconds.items()}
-        return min(fastest, key=lambda k: (fastest[k], k != 1))
+        planned = fastest[self.planned]
+        beats = [k for k, t in fastest.items() if k not in (1, self.planned) and t < planned * (1 - CLOSER)]
+        best = min(beats, key=fastest.__getitem__) if beats else self.planned
+        return 1 if fastest.get(1, float("inf")) <= fastest[best] else best
 
     def __str__(self) -> str:
         def steps(k: int) -> str:
@@ -54,6 +63,12 @@ class Trial:
         verdict = f"keeping sequence_chunks={kept}" if kept > 1 else "running unchunked (sequence_chunks=1)"
         if 1 < kept != self.planned:
             verdict += f" (the planner's {self.planned} measured slower)"
+        elif kept == self.planned:
+            planned = min(self.seconds[kept])
+            close = [k for k in self.seconds if k not in (1, kept) and min(self.seconds[k]) < planned]
+            if close:
+                within = ", ".join(str(k) for k in close)
+                verdict += f" (the planner's; {within} faster by less than {CLOSER:.0%}, within what two steps tell)"
         return f"sequence_chunks=auto measured on the sample: {chunked}, unchunked {steps(1)} a step; {verdict}"
 
 
