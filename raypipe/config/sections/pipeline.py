@@ -47,8 +47,9 @@ class PipelineConfig(Section):
             keys and values, one chunk's activations at a time. "auto": the count of 1 to 16
             (>= 32 tokens each) predicted fastest from the layers timed on the sample cut each way
             (`sample=`), then it, the counts next to it (half and twice) and 1 timed in real steps
-            on the sample (state put back after), the fastest kept
-            (`raypipe.driver.run.chunk_trial`; a model whose layers cannot run on chunks
+            on the sample (state put back after), the fastest kept (the planner's unless
+            another is over 5 % faster; 1 wherever no slower:
+            `raypipe.driver.run.chunk_trial`; a model whose layers cannot run on chunks
             stays whole). Not with compile, DPO or GRPO, nor a layer lacking
             `runs_sequence_chunks`.
         engine: how a step runs. "refs": the driver issues every forward and backward
