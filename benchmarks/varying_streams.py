@@ -92,29 +92,9 @@ def chunks_of_unequal_length(args: argparse.Namespace, transport: str) -> dict:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--vocab", type=int, default=256)
-    parser.add_argument("--tokens", type=int, default=256)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--chunk-tokens", type=int, default=2048)
-    parser.add_argument("--no-chunked", dest="chunked", action="store_false", help="skip the sequence chunks")
-    parser.add_argument("--chunks-only", action="store_true", help="only the sequence chunks")
-    parser.add_argument("--chunk-transports", default="shm,gloo", help="the chunks' transports, comma-separated")
-    args = parser.parse_args()
-    # two trainers of two actors each on the machine's cores: Ray is told four CPUs, and each
-    # actor's threads still fit the cores (`planning.threads`)
-    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-    if args.chunks_only:
-        chunked = [chunks_of_unequal_length(args, t) for t in args.chunk_transports.split(",")]
-        ray.shutdown()
-        json_out.emit(
-            {"benchmark": "varying_streams", "sequence_chunks": chunked, "command": "python " + " ".join(sys.argv)}
-        )
-        return
+def microbatches_of_differing_shapes(args: argparse.Namespace) -> dict:
+    """Two trainers (shm, gloo) each taking even and uneven steps, interleaved: per label the median
+    step and the messages' ms of its fastest step, and the ratios."""
     model = hf.from_pretrained(save_model(tempfile.mkdtemp(), args.layers, args.hidden, args.vocab, args.tokens))
     configs = {
         transport: TrainConfig(
@@ -145,23 +125,45 @@ def main() -> None:
     finally:
         for trainer in trainers.values():
             trainer.shutdown()
-    transports = args.chunk_transports.split(",")
-    chunked = [chunks_of_unequal_length(args, t) for t in transports] if args.chunked else None
-    ray.shutdown()
     median = {label: statistics.median(s for r in runs for s in r) for label, runs in seconds.items()}
+    return {
+        "model": {"layers": args.layers, "hidden": args.hidden, "vocab": args.vocab, "tokens": args.tokens},
+        "pp": 2,
+        "microbatches": 4,
+        "shorter_by": SHRINK,
+        "step_ms_median": {label: round(1000 * s, 1) for label, s in median.items()},
+        "messages_ms_fastest_step": {label: round(ms, 1) for label, ms in messages.items()},
+        "uneven_vs_even": {t: round(median[f"{t} uneven"] / median[f"{t} even"], 3) for t in trainers},
+        "shm_vs_gloo_uneven": round(median["gloo uneven"] / median["shm uneven"], 3),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--vocab", type=int, default=256)
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--chunk-tokens", type=int, default=2048)
+    parser.add_argument("--no-chunked", dest="chunked", action="store_false", help="skip the sequence chunks")
+    parser.add_argument("--chunks-only", action="store_true", help="only the sequence chunks")
+    parser.add_argument("--chunk-transports", default="shm,gloo", help="the chunks' transports, comma-separated")
+    args = parser.parse_args()
+    # two trainers of two actors each on the machine's cores: Ray is told four CPUs, and each
+    # actor's threads still fit the cores (`planning.threads`)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    shapes = {} if args.chunks_only else microbatches_of_differing_shapes(args)
+    transports = args.chunk_transports.split(",")
+    chunked = [chunks_of_unequal_length(args, t) for t in transports] if args.chunked or args.chunks_only else None
+    ray.shutdown()
     json_out.emit(
         {
             "benchmark": "varying_streams",
-            "model": {"layers": args.layers, "hidden": args.hidden, "vocab": args.vocab, "tokens": args.tokens},
-            "pp": 2,
-            "microbatches": 4,
-            "shorter_by": SHRINK,
-            "step_ms_median": {label: round(1000 * s, 1) for label, s in median.items()},
-            "messages_ms_fastest_step": {label: round(ms, 1) for label, ms in messages.items()},
-            "uneven_vs_even": {t: round(median[f"{t} uneven"] / median[f"{t} even"], 3) for t in trainers},
-            "shm_vs_gloo_uneven": round(median["gloo uneven"] / median["shm uneven"], 3),
+            **shapes,
             **({"sequence_chunks": chunked} if chunked else {}),
-            "command": "python benchmarks/varying_streams.py",
+            "command": "python " + " ".join(sys.argv),
         },
         indent=2,
     )

@@ -340,8 +340,10 @@ def _alike(layer: torch.nn.Module, index: int, timed: dict[tuple, int]) -> int |
     """The earlier layer that layer `index` costs what it costs (`timed`: a cost key -> the first
     layer timed with it), or None: then it is timed, and noted in `timed` where it has a key."""
     key = cost_key(layer)
-    if key is None or key in timed:
-        return None if key is None else timed[key]
+    if key is None:
+        return None
+    if key in timed:
+        return timed[key]
     timed[key] = index
     return None
 

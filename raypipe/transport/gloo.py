@@ -99,7 +99,7 @@ class GlooOutbox(Outbox):
         self.largest = 0  # a varying stream's largest payload this step
 
     def _stream_header(self, layout: Layout) -> torch.Tensor:
-        bound = max(layout.nbytes, _largest.get(self.key, 0)) if self.key else layout.nbytes
+        bound = max(layout.nbytes, _largest.get(self.key, 0))  # (no key: none remembered)
         if self.varying and not self.preposted and bound:  # none of its receives posted yet
             self.bound = bound
             return header(None, varying=True, bound=self.bound)

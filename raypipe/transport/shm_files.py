@@ -16,7 +16,7 @@ import os
 import torch
 
 from raypipe.transport.stream import HEADER_BYTES, read_header
-from raypipe.transport.tree import Layout
+from raypipe.transport.tree import Layout, pack_into
 
 SLOT_ALIGN = 64
 FILE_HEADER = HEADER_BYTES  # bytes before the first slot: the stream's `stream.header` (its layout)
@@ -77,9 +77,7 @@ def write_message(data: torch.Tensor, offset: int, layout: Layout, described: to
     `stream.header`), then its leaves where `layout` puts them."""
     data[offset : offset + HEADER_BYTES].copy_(described)
     start = offset + HEADER_BYTES
-    for view, leaf in zip(layout.views(data[start : start + layout.nbytes]), leaves):
-        if view is not None:
-            view.copy_(leaf)
+    pack_into(data[start : start + layout.nbytes], layout, leaves)
 
 
 def read_message(data: torch.Tensor, offset: int) -> tuple[Layout, list[torch.Tensor | None]]:

@@ -40,6 +40,11 @@ class Trial:
     seconds: dict[int, list[float]]
 
     @property
+    def fastest(self) -> dict[int, float]:
+        """Per chunk count, its fastest timed step's seconds."""
+        return {k: min(s) for k, s in self.seconds.items()}
+
+    @property
     def kept(self) -> int:
         """The chunk count to run: the planner's, unless another count's fastest timed step beats
         its fastest by more than `CLOSER` (then the fastest such), and k = 1 wherever its fastest is
@@ -48,7 +53,7 @@ class Trial:
         keep k 4 over a k 8 29 % faster); but two steps cannot tell close counts apart, and within
         `CLOSER` the profile decides (on a 4 x 64 Llama the planner's k 4 ran 130 and 160 ms, k 8
         149 and 129, and k 8's median step in `sequence_chunks.py` came out 18 % the slower)."""
-        fastest = {k: min(s) for k, s in self.seconds.items()}
+        fastest = self.fastest
         planned = fastest[self.planned]
         beats = [k for k, t in fastest.items() if k not in (1, self.planned) and t < planned * (1 - CLOSER)]
         best = min(beats, key=fastest.__getitem__) if beats else self.planned
@@ -64,8 +69,8 @@ class Trial:
         if 1 < kept != self.planned:
             verdict += f" (the planner's {self.planned} measured slower)"
         elif kept == self.planned:
-            planned = min(self.seconds[kept])
-            close = [k for k in self.seconds if k not in (1, kept) and min(self.seconds[k]) < planned]
+            fastest = self.fastest
+            close = [k for k, t in fastest.items() if k not in (1, kept) and t < fastest[kept]]
             if close:
                 within = ", ".join(str(k) for k in close)
                 verdict += f" (the planner's; {within} faster by less than {CLOSER:.0%}, within what two steps tell)"
