@@ -99,6 +99,17 @@ class RayHead:
                     raise TimeoutError(f"the head's GCS at {self.address} did not answer within {timeout} s")
                 time.sleep(0.5)
 
+    def wait_started(self, timeout: float = 120) -> None:
+        """Waits until `ray start` says the node is up (its GCS, raylet and agents registered):
+        heads started one after another this way never compete in Ray's own startup timeout."""
+        deadline = time.monotonic() + timeout
+        while "Ray runtime started." not in self.log_path.read_text():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"ray start exited with {self.proc.returncode}: {self.log_tail()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the head at {self.address} did not start within {timeout} s: {self.log_tail()}")
+            time.sleep(0.5)
+
     def wait_dashboard(self, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout
         while True:

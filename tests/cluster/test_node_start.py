@@ -29,23 +29,25 @@ CASES = {
 
 @pytest.mark.slow
 def test_ray_start_takes_node_resources_output_on_a_gpu_or_mac_host(tmp_path):
-    """A cuda, a rocm and a Mac host, each a head started at once (their waits overlap)."""
+    """A cuda, a rocm and a Mac host, each a head: each starts once the one before has started,
+    and is read while the next starts (three starting at once on two busy cores outran Ray's own
+    startup timeout in CI)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    heads = {}
+    def read(node: RayHead) -> dict:
+        result = node.run_python(READ_NODE.format(address=node.address), timeout=120)
+        assert result.returncode == 0, result.stderr[-2000:] + node.log_tail()
+        return json.loads(result.stdout.strip().splitlines()[-1])
+
+    heads, reads = {}, {}
     try:
-        for kind, (fake, _, _) in CASES.items():
-            env = head_env(RAYPIPE_FAKE_ACCELERATOR=fake)
-            heads[kind] = RayHead("$(raypipe node-resources)", env, tmp_path / f"{kind}.log", num_cpus=1)
-
-        def read(node: RayHead) -> dict:
-            node.wait_gcs(timeout=120)
-            result = node.run_python(READ_NODE.format(address=node.address), timeout=120)
-            assert result.returncode == 0, result.stderr[-2000:] + node.log_tail()
-            return json.loads(result.stdout.strip().splitlines()[-1])
-
-        with ThreadPoolExecutor(len(heads)) as pool:
-            seen = dict(zip(heads, pool.map(read, heads.values())))
+        with ThreadPoolExecutor(len(CASES)) as pool:
+            for kind, (fake, _, _) in CASES.items():
+                env = head_env(RAYPIPE_FAKE_ACCELERATOR=fake)
+                heads[kind] = RayHead("$(raypipe node-resources)", env, tmp_path / f"{kind}.log", num_cpus=1)
+                heads[kind].wait_started(timeout=120)
+                reads[kind] = pool.submit(read, heads[kind])
+            seen = {kind: future.result(timeout=240) for kind, future in reads.items()}
     finally:
         with ThreadPoolExecutor(3) as pool:
             list(pool.map(RayHead.stop, heads.values()))
