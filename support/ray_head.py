@@ -16,6 +16,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 BIN = Path(sys.executable).parent  # ray and raypipe as installed beside this python
@@ -84,48 +85,46 @@ class RayHead:
         )
 
     def wait_gcs(self, timeout: float = 120) -> None:
-        """Waits until the head's GCS port accepts connections; fails at once, with `ray start`'s
-        own output, when the command exited instead (a bad argument, say)."""
+        """Waits until the head's GCS port accepts connections."""
         host, port = self.address.split(":")
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"ray start exited with {self.proc.returncode}: {self.log_tail()}")
+
+        def answers() -> bool:
             try:
                 socket.create_connection((host, int(port)), timeout=1).close()
-                return
+                return True
             except OSError:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"the head's GCS at {self.address} did not answer within {timeout} s")
-                time.sleep(0.5)
+                return False
+
+        self._wait(answers, f"the head's GCS at {self.address} did not answer", timeout, pause=0.5)
 
     def wait_started(self, timeout: float = 120) -> None:
         """Waits until `ray start` says the node is up (its GCS, raylet and agents registered):
         heads started one after another this way never compete in Ray's own startup timeout."""
-        deadline = time.monotonic() + timeout
-        while "Ray runtime started." not in self.log_path.read_text():
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"ray start exited with {self.proc.returncode}: {self.log_tail()}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the head at {self.address} did not start within {timeout} s: {self.log_tail()}")
-            time.sleep(0.5)
+        started = lambda: "Ray runtime started." in self.log_path.read_text()  # noqa: E731
+        self._wait(started, f"the head at {self.address} did not start", timeout, pause=0.5)
 
     def wait_dashboard(self, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"ray start exited with {self.proc.returncode}: {self.log_tail()}")
+        def answers() -> bool:
             try:
                 urllib.request.urlopen(f"{self.url}/api/version", timeout=2).read()
-                return
+                return True
             except urllib.error.HTTPError as error:
-                if error.code in (401, 403):  # it answers, with token authentication only to the token
-                    return
+                return error.code in (401, 403)  # it answers, with token authentication only to the token
             except OSError:
-                pass
+                return False
+
+        self._wait(answers, f"the dashboard at {self.url} did not answer", timeout, pause=1)
+
+    def _wait(self, ready: Callable[[], bool], failed: str, timeout: float, pause: float) -> None:
+        """Polls `ready` every `pause` s; fails at once, with `ray start`'s own output, when the
+        command exited instead (a bad argument, say), and with `failed` and that output after `timeout` s."""
+        deadline = time.monotonic() + timeout
+        while not ready():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"ray start exited with {self.proc.returncode}: {self.log_tail()}")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"the dashboard at {self.url} did not answer within {timeout} s")
-            time.sleep(1)
+                raise TimeoutError(f"{failed} within {timeout} s: {self.log_tail()}")
+            time.sleep(pause)
 
     def stop(self) -> None:
         self.proc.terminate()  # bash exec'd `ray start --block`, which stops the processes it started
